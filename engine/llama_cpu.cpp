@@ -1,0 +1,276 @@
+#include "engine/llama_cpu.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "common/check.h"
+#include "engine/kv_cache.h"
+
+namespace duet {
+namespace {
+
+// y[rows, n] = x[rows, k] · w[n, k]ᵀ  (w in Hugging Face [out_features, in_features] layout).
+void MatMulTransposed(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows), static_cast<int>(n),
+              static_cast<int>(k), 1.0f, x, static_cast<int>(k), w, static_cast<int>(k), 0.0f, y,
+              static_cast<int>(n));
+}
+
+// Hugging Face LlamaRMSNorm in float32: x / sqrt(mean(x²) + eps) · weight.
+void RmsNorm(const float* x, const float* weight, float* out, int64_t n, double eps) {
+  double sum_squares = 0.0;
+  for (int64_t i = 0; i < n; ++i) sum_squares += double(x[i]) * x[i];
+  const float inv_rms = 1.0f / std::sqrt(float(sum_squares / double(n)) + float(eps));
+  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv_rms);
+}
+
+absl::Status ReadInto(const WeightStore& weights, const std::string& name,
+                      std::vector<int64_t> shape, std::vector<float>& out, size_t offset = 0) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  if (out.size() < offset + size_t(numel)) out.resize(offset + size_t(numel));
+  return weights.ReadFloat32(name, shape, absl::MakeSpan(out.data() + offset, size_t(numel)));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<LlamaCpu>> LlamaCpu::Load(const std::string& model_dir) {
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(model_dir);
+  if (!config.ok()) return config.status();
+  absl::StatusOr<std::unique_ptr<WeightStore>> weights = WeightStore::Open(model_dir);
+  if (!weights.ok()) return weights.status();
+  return FromWeights(*config, **weights);
+}
+
+absl::StatusOr<std::unique_ptr<LlamaCpu>> LlamaCpu::FromWeights(const ModelConfig& config,
+                                                                const WeightStore& weights) {
+  std::unique_ptr<LlamaCpu> model(new LlamaCpu(config));
+  if (absl::Status s = model->LoadWeights(weights); !s.ok()) return s;
+  model->inv_freq_ = config.rope.InverseFrequencies(static_cast<int>(config.head_dim));
+  return model;
+}
+
+absl::Status LlamaCpu::LoadWeights(const WeightStore& weights) {
+  const ModelConfig& c = config_;
+  const int64_t hidden = c.hidden_size, inter = c.intermediate_size, hd = c.head_dim;
+  const int64_t q_rows = c.num_heads * hd, kv_rows = c.num_kv_heads * hd;
+  absl::Status s;
+  auto read = [&](const std::string& name, std::vector<int64_t> shape, std::vector<float>& out,
+                  size_t offset = 0) {
+    if (s.ok()) s = ReadInto(weights, name, std::move(shape), out, offset);
+  };
+  read("model.embed_tokens.weight", {c.vocab_size, hidden}, embed_);
+  read("model.norm.weight", {hidden}, final_norm_);
+  if (!c.tie_word_embeddings) {
+    if (!weights.Has("lm_head.weight")) {
+      return absl::InvalidArgumentError(
+          "checkpoint has no lm_head.weight and config.json does not tie word embeddings");
+    }
+    read("lm_head.weight", {c.vocab_size, hidden}, lm_head_);
+  }
+  layers_.resize(c.num_layers);
+  for (int64_t i = 0; i < c.num_layers && s.ok(); ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    Layer& l = layers_[i];
+    read(p + "input_layernorm.weight", {hidden}, l.input_norm);
+    read(p + "post_attention_layernorm.weight", {hidden}, l.post_norm);
+    read(p + "self_attn.q_proj.weight", {q_rows, hidden}, l.qkv, 0);
+    read(p + "self_attn.k_proj.weight", {kv_rows, hidden}, l.qkv, q_rows * hidden);
+    read(p + "self_attn.v_proj.weight", {kv_rows, hidden}, l.qkv, (q_rows + kv_rows) * hidden);
+    if (c.qkv_bias) {
+      read(p + "self_attn.q_proj.bias", {q_rows}, l.qkv_bias, 0);
+      read(p + "self_attn.k_proj.bias", {kv_rows}, l.qkv_bias, q_rows);
+      read(p + "self_attn.v_proj.bias", {kv_rows}, l.qkv_bias, q_rows + kv_rows);
+    }
+    read(p + "self_attn.o_proj.weight", {hidden, q_rows}, l.o);
+    if (c.o_bias) read(p + "self_attn.o_proj.bias", {hidden}, l.o_bias);
+    read(p + "mlp.gate_proj.weight", {inter, hidden}, l.gate_up, 0);
+    read(p + "mlp.up_proj.weight", {inter, hidden}, l.gate_up, inter * hidden);
+    read(p + "mlp.down_proj.weight", {hidden, inter}, l.down);
+    if (c.mlp_bias) return absl::UnimplementedError("mlp_bias is not supported");
+  }
+  return s;
+}
+
+void LlamaCpu::ApplyRope(float* vec, int64_t num_heads, int64_t position) const {
+  const int64_t half = config_.head_dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    // As transformers: the angle is a float32 product, cos/sin of that float32 value.
+    const float angle = inv_freq_[i] * static_cast<float>(position);
+    const float c = static_cast<float>(std::cos(double(angle)));
+    const float s = static_cast<float>(std::sin(double(angle)));
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float* x = vec + h * config_.head_dim;
+      const float x1 = x[i], x2 = x[i + half];
+      x[i] = x1 * c - x2 * s;
+      x[i + half] = x2 * c + x1 * s;
+    }
+  }
+}
+
+void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, const float* qkv,
+                         KvCache& cache, float* out) const {
+  const int64_t hd = config_.head_dim, nh = config_.num_heads, nkv = config_.num_kv_heads;
+  const int64_t group = nh / nkv;
+  const int64_t qkv_stride = (nh + 2 * nkv) * hd;
+  const int64_t bs = cache.shape().block_size;
+  float* kpool = cache.keys(layer);
+  float* vpool = cache.values(layer);
+
+  // Write this step's keys and values first: a token attends to earlier tokens of its own chunk.
+  int64_t row = 0;
+  for (const SequenceChunk& chunk : chunks) {
+    for (size_t j = 0; j < chunk.tokens.size(); ++j, ++row) {
+      const int64_t pos = chunk.start_position + int64_t(j);
+      const int64_t block = chunk.block_table[pos / bs], slot = pos % bs;
+      const float* k = qkv + row * qkv_stride + nh * hd;
+      const float* v = k + nkv * hd;
+      for (int64_t g = 0; g < nkv; ++g) {
+        std::copy_n(k + g * hd, hd, kpool + cache.Offset(block, g, slot));
+        std::copy_n(v + g * hd, hd, vpool + cache.Offset(block, g, slot));
+      }
+    }
+  }
+
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  std::vector<float> scores;
+  row = 0;
+  for (const SequenceChunk& chunk : chunks) {
+    for (size_t j = 0; j < chunk.tokens.size(); ++j, ++row) {
+      const int64_t pos = chunk.start_position + int64_t(j);
+      const int64_t context = pos + 1;  // causal: positions [0, pos]
+      scores.resize(size_t(context));
+      for (int64_t h = 0; h < nh; ++h) {
+        const int64_t g = h / group;
+        const float* q = qkv + row * qkv_stride + h * hd;
+        float max_score = -INFINITY;
+        for (int64_t t = 0; t < context; ++t) {
+          const float* k = kpool + cache.Offset(chunk.block_table[t / bs], g, t % bs);
+          float dot = 0.0f;
+          for (int64_t d = 0; d < hd; ++d) dot += q[d] * k[d];
+          scores[t] = dot * scale;
+          max_score = std::max(max_score, scores[t]);
+        }
+        float denom = 0.0f;
+        for (int64_t t = 0; t < context; ++t) {
+          scores[t] = std::exp(scores[t] - max_score);
+          denom += scores[t];
+        }
+        float* o = out + row * nh * hd + h * hd;
+        std::fill_n(o, hd, 0.0f);
+        const float inv_denom = 1.0f / denom;
+        for (int64_t t = 0; t < context; ++t) {
+          const float* v = vpool + cache.Offset(chunk.block_table[t / bs], g, t % bs);
+          const float p = scores[t] * inv_denom;
+          for (int64_t d = 0; d < hd; ++d) o[d] += p * v[d];
+        }
+      }
+    }
+  }
+}
+
+absl::Status LlamaCpu::Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache,
+                               std::vector<float>& logits) {
+  const ModelConfig& c = config_;
+  const int64_t hidden = c.hidden_size, inter = c.intermediate_size, hd = c.head_dim;
+  const int64_t nh = c.num_heads, nkv = c.num_kv_heads;
+  const int64_t qkv_width = (nh + 2 * nkv) * hd;
+  const int64_t bs = cache.shape().block_size;
+
+  int64_t num_tokens = 0, num_logit_rows = 0;
+  for (const SequenceChunk& chunk : chunks) {
+    const int64_t end = chunk.start_position + int64_t(chunk.tokens.size());
+    if (end > int64_t(chunk.block_table.size()) * bs) {
+      return absl::InternalError("block table too short for the chunk");
+    }
+    if (chunk.num_logits < 0 || chunk.num_logits > int32_t(chunk.tokens.size())) {
+      return absl::InternalError("num_logits exceeds the chunk");
+    }
+    for (int32_t id : chunk.tokens) {
+      if (id < 0 || id >= c.vocab_size) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("token id ", id, " outside the vocabulary [0, ", c.vocab_size, ")"));
+      }
+    }
+    num_tokens += int64_t(chunk.tokens.size());
+    num_logit_rows += chunk.num_logits;
+  }
+  if (num_tokens == 0) {
+    logits.clear();
+    return absl::OkStatus();
+  }
+
+  std::vector<float> x(size_t(num_tokens * hidden));       // residual stream [T, hidden]
+  std::vector<float> h(size_t(num_tokens * hidden));       // normed / projected [T, hidden]
+  std::vector<float> qkv(size_t(num_tokens * qkv_width));  // [T, (nh + 2 nkv) hd]
+  std::vector<float> attn(size_t(num_tokens * nh * hd));   // [T, nh hd]
+  std::vector<float> gate_up(size_t(num_tokens * 2 * inter));
+  std::vector<float> act(size_t(num_tokens * inter));
+  std::vector<int64_t> positions;
+  positions.reserve(size_t(num_tokens));
+
+  int64_t row = 0;
+  for (const SequenceChunk& chunk : chunks) {
+    for (size_t j = 0; j < chunk.tokens.size(); ++j, ++row) {
+      std::copy_n(embed_.data() + int64_t(chunk.tokens[j]) * hidden, hidden, x.data() + row * hidden);
+      positions.push_back(chunk.start_position + int64_t(j));
+    }
+  }
+
+  for (int64_t li = 0; li < c.num_layers; ++li) {
+    const Layer& l = layers_[li];
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      RmsNorm(x.data() + t * hidden, l.input_norm.data(), h.data() + t * hidden, hidden, c.rms_norm_eps);
+    }
+    MatMulTransposed(h.data(), l.qkv.data(), qkv.data(), num_tokens, qkv_width, hidden);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      float* r = qkv.data() + t * qkv_width;
+      if (!l.qkv_bias.empty()) {
+        for (int64_t i = 0; i < qkv_width; ++i) r[i] += l.qkv_bias[i];
+      }
+      ApplyRope(r, nh, positions[t]);            // queries
+      ApplyRope(r + nh * hd, nkv, positions[t]);  // keys
+    }
+    Attention(chunks, li, qkv.data(), cache, attn.data());
+    MatMulTransposed(attn.data(), l.o.data(), h.data(), num_tokens, hidden, nh * hd);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      float* xr = x.data() + t * hidden;
+      const float* hr = h.data() + t * hidden;
+      for (int64_t i = 0; i < hidden; ++i) xr[i] += hr[i] + (l.o_bias.empty() ? 0.0f : l.o_bias[i]);
+    }
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      RmsNorm(x.data() + t * hidden, l.post_norm.data(), h.data() + t * hidden, hidden, c.rms_norm_eps);
+    }
+    MatMulTransposed(h.data(), l.gate_up.data(), gate_up.data(), num_tokens, 2 * inter, hidden);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const float* g = gate_up.data() + t * 2 * inter;
+      const float* u = g + inter;
+      float* a = act.data() + t * inter;
+      for (int64_t i = 0; i < inter; ++i) a[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
+    }
+    MatMulTransposed(act.data(), l.down.data(), h.data(), num_tokens, hidden, inter);
+    for (int64_t i = 0; i < num_tokens * hidden; ++i) x[size_t(i)] += h[size_t(i)];
+  }
+
+  // Final norm and LM head only for the rows that need logits.
+  std::vector<float> normed(size_t(num_logit_rows * hidden));
+  row = 0;
+  int64_t out_row = 0;
+  for (const SequenceChunk& chunk : chunks) {
+    const int64_t n = int64_t(chunk.tokens.size());
+    for (int64_t j = n - chunk.num_logits; j < n; ++j, ++out_row) {
+      RmsNorm(x.data() + (row + j) * hidden, final_norm_.data(), normed.data() + out_row * hidden,
+              hidden, c.rms_norm_eps);
+    }
+    row += n;
+  }
+  logits.resize(size_t(num_logit_rows * c.vocab_size));
+  const float* head = lm_head_.empty() ? embed_.data() : lm_head_.data();
+  MatMulTransposed(normed.data(), head, logits.data(), num_logit_rows, c.vocab_size, hidden);
+  return absl::OkStatus();
+}
+
+}  // namespace duet

@@ -1,0 +1,53 @@
+// The Llama-family transformer (Llama 2/3/3.1, Mistral, Qwen2/2.5) on the CPU, float32 compute
+// from bf16/fp16/fp32 weights, GEMMs through OpenBLAS. The numerical reference for every
+// other backend: greedy output matches Hugging Face transformers' float32 forward.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/model_executor.h"
+#include "engine/safetensors.h"
+
+namespace duet {
+
+class LlamaCpu : public ModelExecutor {
+ public:
+  static absl::StatusOr<std::unique_ptr<LlamaCpu>> Load(const std::string& model_dir);
+  static absl::StatusOr<std::unique_ptr<LlamaCpu>> FromWeights(const ModelConfig& config,
+                                                               const WeightStore& weights);
+
+  const ModelConfig& config() const override { return config_; }
+  absl::Status Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache,
+                       std::vector<float>& logits) override;
+
+ private:
+  struct Layer {
+    std::vector<float> input_norm;      // [hidden]
+    std::vector<float> qkv;             // [(heads + 2 * kv_heads) * head_dim, hidden]
+    std::vector<float> qkv_bias;        // [(heads + 2 * kv_heads) * head_dim] or empty
+    std::vector<float> o;               // [hidden, heads * head_dim]
+    std::vector<float> o_bias;          // [hidden] or empty
+    std::vector<float> post_norm;       // [hidden]
+    std::vector<float> gate_up;         // [2 * intermediate, hidden]: gate rows then up rows
+    std::vector<float> down;            // [hidden, intermediate]
+  };
+
+  explicit LlamaCpu(const ModelConfig& config) : config_(config) {}
+  absl::Status LoadWeights(const WeightStore& weights);
+  // Writes this step's K/V (already rotated) into the cache, then attends.
+  void Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, const float* qkv,
+                 KvCache& cache, float* out) const;
+  void ApplyRope(float* vec, int64_t num_heads, int64_t position) const;
+
+  ModelConfig config_;
+  std::vector<float> embed_;       // [vocab, hidden]
+  std::vector<float> final_norm_;  // [hidden]
+  std::vector<float> lm_head_;     // [vocab, hidden]; empty when tied to embed_
+  std::vector<Layer> layers_;
+  std::vector<float> inv_freq_;    // [head_dim / 2]
+};
+
+}  // namespace duet

@@ -1,0 +1,207 @@
+#include "engine/llm_engine.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/check.h"
+#include "engine/llama_cpu.h"
+
+namespace duet {
+
+const char* FinishReasonName(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kNone: return "none";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kAbort: return "abort";
+    case FinishReason::kError: return "error";
+  }
+  return "none";
+}
+
+namespace {
+
+EngineConfig Resolve(EngineConfig config, const ModelConfig& model) {
+  if (config.scheduler.max_model_len <= 0) config.scheduler.max_model_len = model.max_position_embeddings;
+  if (config.num_kv_blocks <= 0) {
+    KvCacheShape shape{model.num_layers, 1, model.num_kv_heads, config.block_size, model.head_dim};
+    config.num_kv_blocks = static_cast<int32_t>(std::max<int64_t>(1, config.kv_cache_bytes / shape.bytes_per_block()));
+  }
+  return config;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineConfig& config) {
+  if (config.backend != "cpu") {
+    return absl::UnimplementedError(absl::StrCat("backend '", config.backend,
+                                                 "' is not available in this build; use cpu"));
+  }
+  if (config.block_size <= 0) return absl::InvalidArgumentError("block_size must be positive");
+  absl::StatusOr<std::unique_ptr<LlamaCpu>> model = LlamaCpu::Load(config.model_dir);
+  if (!model.ok()) return model.status();
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(config.model_dir);
+  if (!tokenizer.ok()) return tokenizer.status();
+  EngineConfig resolved = Resolve(config, (*model)->config());
+  return std::make_unique<LlmEngine>(std::move(*model), std::move(*tokenizer), resolved);
+}
+
+LlmEngine::LlmEngine(std::unique_ptr<ModelExecutor> model, std::unique_ptr<Tokenizer> tokenizer,
+                     const EngineConfig& config)
+    : config_(Resolve(config, model->config())),
+      model_(std::move(model)),
+      tokenizer_(std::move(tokenizer)),
+      blocks_(config_.num_kv_blocks, config_.block_size),
+      cache_(KvCacheShape{model_->config().num_layers, config_.num_kv_blocks,
+                          model_->config().num_kv_heads, config_.block_size, model_->config().head_dim}),
+      scheduler_(config_.scheduler, blocks_) {
+  eos_token_ids_ = model_->config().eos_token_ids;
+  if (std::optional<int32_t> eos = tokenizer_->eos_token_id();
+      eos && std::find(eos_token_ids_.begin(), eos_token_ids_.end(), *eos) == eos_token_ids_.end()) {
+    eos_token_ids_.push_back(*eos);
+  }
+}
+
+absl::Status LlmEngine::AddRequest(const std::string& id, std::vector<int32_t> prompt,
+                                   SamplingParams params) {
+  if (absl::Status s = params.Validate(); !s.ok()) return s;
+  if (requests_.count(id)) return absl::AlreadyExistsError(absl::StrCat("request id '", id, "' is in use"));
+  const int64_t vocab = model_->config().vocab_size;
+  for (int32_t t : prompt) {
+    if (t < 0 || t >= vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt token id ", t, " is outside the vocabulary [0, ", vocab, ")"));
+    }
+  }
+  auto request = std::make_unique<Request>(id, next_seq_id_++, std::move(prompt), std::move(params));
+  if (absl::Status s = scheduler_.Add(request.get()); !s.ok()) return s;
+  request->decoder = std::make_unique<StreamingDecoder>(*tokenizer_, request->prompt, true);
+  requests_.emplace(id, std::move(request));
+  return absl::OkStatus();
+}
+
+bool LlmEngine::Abort(const std::string& id) {
+  auto it = requests_.find(id);
+  if (it == requests_.end() || it->second->finished()) return false;
+  FinishRequest(*it->second, FinishReason::kAbort);
+  return true;
+}
+
+const Request* LlmEngine::Find(const std::string& id) const {
+  auto it = requests_.find(id);
+  return it == requests_.end() ? nullptr : it->second.get();
+}
+
+void LlmEngine::Release(const std::string& id) {
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return;
+  if (!it->second->finished()) FinishRequest(*it->second, FinishReason::kAbort);
+  requests_.erase(it);
+}
+
+EngineStats LlmEngine::Stats() const {
+  return EngineStats{int32_t(scheduler_.num_running()), int32_t(scheduler_.num_waiting()),
+                     blocks_.num_blocks(), blocks_.num_free_blocks(), num_preemptions_};
+}
+
+void LlmEngine::FinishRequest(Request& r, FinishReason reason) {
+  scheduler_.Remove(&r);
+  r.finish_reason = reason;
+  r.finish_time = Clock::now();
+}
+
+void LlmEngine::AppendToken(Request& r, const SampledToken& token, RequestOutput& out) {
+  const SamplingParams& p = r.params;
+  r.output.push_back(token.token);
+  out.new_token_ids.push_back(token.token);
+  if (p.logprobs >= 0) {
+    r.output_logprobs.push_back(token.logprob);
+    r.output_top_logprobs.push_back(token.top_logprobs);
+  }
+  if (r.first_token_time == Clock::time_point{}) r.first_token_time = Clock::now();
+
+  FinishReason reason = FinishReason::kNone;
+  const bool is_eos = !p.ignore_eos &&
+      std::find(eos_token_ids_.begin(), eos_token_ids_.end(), token.token) != eos_token_ids_.end();
+  const bool is_stop_id =
+      std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token.token) != p.stop_token_ids.end();
+  if (is_eos || is_stop_id) {
+    reason = FinishReason::kStop;  // the stop token is in token_ids but not in the text
+  } else {
+    r.text += r.decoder->Push(token.token);
+  }
+  if (reason == FinishReason::kNone) {
+    // A new match must end in the newly decoded text, so it starts after the emitted part.
+    for (const std::string& stop : p.stop) {
+      const size_t pos = r.text.find(stop, r.num_emitted_text);
+      if (pos != std::string::npos) {
+        r.text.resize(pos);
+        reason = FinishReason::kStop;
+      }
+    }
+  }
+  if (reason == FinishReason::kNone &&
+      (int32_t(r.output.size()) >= p.max_tokens || r.num_tokens() >= config_.scheduler.max_model_len)) {
+    reason = FinishReason::kLength;
+  }
+  if (reason != FinishReason::kNone) {
+    if (reason == FinishReason::kLength) r.text += r.decoder->Flush();
+    FinishRequest(r, reason);
+    out.finished = true;
+    out.finish_reason = reason;
+  }
+  // Stream the text, holding back what could still turn out to be the start of a stop string.
+  size_t holdback = 0;
+  if (!out.finished) {
+    for (const std::string& stop : p.stop) holdback = std::max(holdback, stop.size() - 1);
+  }
+  const size_t end = r.text.size() > holdback ? r.text.size() - holdback : 0;
+  if (end > r.num_emitted_text) {
+    out.new_text = r.text.substr(r.num_emitted_text, end - r.num_emitted_text);
+    r.num_emitted_text = end;
+  }
+}
+
+absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
+  std::vector<RequestOutput> outputs;
+  SchedulerOutput plan = scheduler_.Schedule();
+  num_preemptions_ += plan.num_preempted;
+  if (plan.empty()) return outputs;
+  cache_.CopyBlocks(plan.block_copies);
+
+  std::vector<std::vector<int32_t>> chunk_tokens(plan.chunks.size());
+  std::vector<SequenceChunk> chunks(plan.chunks.size());
+  for (size_t i = 0; i < plan.chunks.size(); ++i) {
+    const ScheduledChunk& sc = plan.chunks[i];
+    Request& r = *sc.request;
+    for (int64_t t = 0; t < sc.num_new_tokens; ++t) chunk_tokens[i].push_back(r.TokenAt(r.num_computed_tokens + t));
+    chunks[i] = SequenceChunk{chunk_tokens[i], r.num_computed_tokens, blocks_.BlockTable(r.seq_id),
+                              sc.samples ? 1 : 0};
+  }
+  absl::Status forward = model_->Forward(chunks, cache_, logits_);
+  scheduler_.OnStepDone(plan);
+  const int64_t vocab = model_->config().vocab_size;
+  int64_t logit_row = 0;
+  for (const ScheduledChunk& sc : plan.chunks) {
+    Request& r = *sc.request;
+    if (!forward.ok()) {
+      RequestOutput out{r.id};
+      FinishRequest(r, FinishReason::kError);
+      out.finished = true;
+      out.finish_reason = FinishReason::kError;
+      out.error = std::string(forward.message());
+      outputs.push_back(std::move(out));
+      continue;
+    }
+    if (!sc.samples) continue;
+    absl::Span<float> row(logits_.data() + logit_row * vocab, size_t(vocab));
+    ++logit_row;
+    SampledToken token = Sampler::Sample(row, r.params, r.prompt, r.output, r.rng);
+    RequestOutput out{r.id};
+    AppendToken(r, token, out);
+    outputs.push_back(std::move(out));
+  }
+  return outputs;
+}
+
+}  // namespace duet

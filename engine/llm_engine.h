@@ -1,0 +1,92 @@
+// The generation loop: requests in, one batched forward step at a time, tokens out.
+// Single-threaded by design (gpt-fast style); servers drive it from one engine thread.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/block_manager.h"
+#include "engine/kv_cache.h"
+#include "engine/model_executor.h"
+#include "engine/request.h"
+#include "engine/scheduler.h"
+#include "engine/tokenizer.h"
+
+namespace duet {
+
+struct EngineConfig {
+  std::string model_dir;
+  std::string backend = "cpu";
+  int32_t block_size = 16;
+  // KV-cache size: explicit block count, else from a byte budget.
+  int32_t num_kv_blocks = 0;
+  int64_t kv_cache_bytes = int64_t(1) << 30;
+  SchedulerConfig scheduler;  // max_model_len 0: the model's max_position_embeddings
+};
+
+// What a step produced for one request.
+struct RequestOutput {
+  std::string id;
+  std::vector<int32_t> new_token_ids;
+  std::string new_text;
+  bool finished = false;
+  FinishReason finish_reason = FinishReason::kNone;
+  std::string error;  // with FinishReason::kError
+};
+
+struct EngineStats {
+  int32_t num_running = 0;
+  int32_t num_waiting = 0;
+  int32_t num_kv_blocks = 0;
+  int32_t num_free_kv_blocks = 0;
+  int64_t num_preemptions = 0;
+};
+
+class LlmEngine {
+ public:
+  static absl::StatusOr<std::unique_ptr<LlmEngine>> Create(const EngineConfig& config);
+  LlmEngine(std::unique_ptr<ModelExecutor> model, std::unique_ptr<Tokenizer> tokenizer,
+            const EngineConfig& config);
+
+  // Queues a request. InvalidArgument for bad params, an empty or over-long prompt, an
+  // out-of-vocabulary token id, or a duplicate id.
+  absl::Status AddRequest(const std::string& id, std::vector<int32_t> prompt, SamplingParams params);
+  // Finishes a request with reason abort and frees its blocks; false if it is unknown.
+  bool Abort(const std::string& id);
+  // Runs one scheduling step and forward pass; returns the requests that advanced.
+  absl::StatusOr<std::vector<RequestOutput>> Step();
+  bool HasUnfinished() const { return scheduler_.HasWork(); }
+
+  // A finished request stays readable until Release (timings, logprobs).
+  const Request* Find(const std::string& id) const;
+  void Release(const std::string& id);
+
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  const ModelConfig& model_config() const { return model_->config(); }
+  const EngineConfig& config() const { return config_; }
+  EngineStats Stats() const;
+
+ private:
+  // Appends a sampled token; finishes the request on EOS, stop id, stop string or length.
+  void AppendToken(Request& r, const SampledToken& token, RequestOutput& out);
+  void FinishRequest(Request& r, FinishReason reason);
+
+  EngineConfig config_;
+  std::unique_ptr<ModelExecutor> model_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::vector<int64_t> eos_token_ids_;
+  BlockManager blocks_;
+  KvCache cache_;
+  Scheduler scheduler_;
+  std::map<std::string, std::unique_ptr<Request>> requests_;
+  SequenceId next_seq_id_ = 1;
+  int64_t num_preemptions_ = 0;
+  std::vector<float> logits_;
+};
+
+}  // namespace duet

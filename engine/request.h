@@ -1,0 +1,64 @@
+// A generation request as the engine tracks it, from arrival to finish.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/block_manager.h"
+#include "engine/sampler.h"
+#include "engine/sampling_params.h"
+#include "engine/tokenizer.h"
+
+namespace duet {
+
+enum class RequestState {
+  kWaiting,   // queued, holds no KV blocks (new, or preempted and waiting to recompute)
+  kRunning,   // in the batch, holds KV blocks
+  kFinished,  // done; blocks released
+};
+
+enum class FinishReason { kNone, kStop, kLength, kAbort, kError };
+const char* FinishReasonName(FinishReason reason);  // "stop", "length", "abort", "error"
+
+using Clock = std::chrono::steady_clock;
+
+struct Request {
+  Request(std::string id, SequenceId seq_id, std::vector<int32_t> prompt, SamplingParams params)
+      : id(std::move(id)), seq_id(seq_id), prompt(std::move(prompt)), params(std::move(params)),
+        rng(this->params.seed) {}
+
+  std::string id;
+  SequenceId seq_id;
+  std::vector<int32_t> prompt;
+  std::vector<int32_t> output;
+  SamplingParams params;
+  SamplerRng rng;
+
+  RequestState state = RequestState::kWaiting;
+  FinishReason finish_reason = FinishReason::kNone;
+  int64_t num_computed_tokens = 0;  // tokens whose K/V are in the cache
+  int32_t num_preemptions = 0;
+
+  // Detokenized output so far (stop strings are checked against it).
+  std::unique_ptr<StreamingDecoder> decoder;
+  std::string text;
+  size_t num_emitted_text = 0;  // bytes of `text` already streamed out
+  std::vector<float> output_logprobs;
+  std::vector<std::vector<TokenLogprob>> output_top_logprobs;
+
+  Clock::time_point arrival_time = Clock::now();
+  Clock::time_point first_scheduled_time{};
+  Clock::time_point first_token_time{};
+  Clock::time_point finish_time{};
+
+  int64_t num_tokens() const { return int64_t(prompt.size() + output.size()); }
+  int32_t TokenAt(int64_t i) const {
+    return i < int64_t(prompt.size()) ? prompt[size_t(i)] : output[size_t(i - int64_t(prompt.size()))];
+  }
+  bool finished() const { return state == RequestState::kFinished; }
+};
+
+}  // namespace duet

@@ -1,0 +1,52 @@
+// Turns one row of logits into the next token: penalties, temperature, min-p, top-k, top-p,
+// then a greedy pick or a draw from the request's own random stream. Also reports logprobs
+// (of the model's raw distribution, as vLLM does by default).
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "engine/sampling_params.h"
+
+namespace duet {
+
+struct TokenLogprob {
+  int32_t token = -1;
+  float logprob = 0.0f;
+};
+
+struct SampledToken {
+  int32_t token = -1;
+  float logprob = 0.0f;                   // under the raw (unprocessed) distribution
+  std::vector<TokenLogprob> top_logprobs; // params.logprobs entries, most likely first
+};
+
+// A request's random stream: seeded for reproducibility, else from the OS entropy source.
+class SamplerRng {
+ public:
+  explicit SamplerRng(std::optional<uint64_t> seed);
+  double Uniform();  // [0, 1), 53 random bits
+ private:
+  std::mt19937_64 engine_;
+};
+
+class Sampler {
+ public:
+  // `logits` is modified in place. `prompt` and `output` feed the penalties.
+  static SampledToken Sample(absl::Span<float> logits, const SamplingParams& params,
+                             absl::Span<const int32_t> prompt, absl::Span<const int32_t> output,
+                             SamplerRng& rng);
+
+  // The steps of Sample, exposed for tests and for speculative verification.
+  static void ApplyPenalties(absl::Span<float> logits, const SamplingParams& params,
+                             absl::Span<const int32_t> prompt, absl::Span<const int32_t> output);
+  // Temperature, min-p, top-k, top-p → the probability of every token (zero where filtered).
+  static std::vector<float> Probabilities(absl::Span<const float> logits, const SamplingParams& params);
+  static int32_t Argmax(absl::Span<const float> logits);
+  static std::vector<TokenLogprob> LogSoftmaxTopN(absl::Span<const float> logits, int32_t chosen,
+                                                  int32_t n, float* chosen_logprob);
+};
+
+}  // namespace duet

@@ -1,0 +1,33 @@
+// Per-request generation settings, with the meanings vLLM gives them.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace duet {
+
+struct SamplingParams {
+  float temperature = 1.0f;         // 0: greedy
+  float top_p = 1.0f;               // (0, 1]
+  int32_t top_k = 0;                // 0 or -1: disabled
+  float min_p = 0.0f;               // [0, 1]
+  float repetition_penalty = 1.0f;  // > 0; over prompt and output tokens
+  float presence_penalty = 0.0f;    // [-2, 2]; over output tokens
+  float frequency_penalty = 0.0f;   // [-2, 2]; over output tokens
+  std::optional<uint64_t> seed;
+  int32_t max_tokens = 16;
+  std::vector<std::string> stop;
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;
+  int32_t logprobs = -1;  // -1: none; N >= 0: chosen token's logprob plus top-N
+
+  bool greedy() const { return temperature == 0.0f; }
+  // InvalidArgument naming the field for out-of-range values.
+  absl::Status Validate() const;
+};
+
+}  // namespace duet
