@@ -40,6 +40,11 @@ class SafetensorsFile {
   // shape × dtype size == byte length, offsets within the data section, no two tensors
   // overlapping. Errors name the file and, where there is one, the tensor.
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  // The same validation over a safetensors image already in memory (used by Open and by the
+  // fuzzer). `label` stands for the file in errors and in TensorView::file. The views point into
+  // `bytes`, which must outlive the result.
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Parse(absl::Span<const uint8_t> bytes,
+                                                                const std::string& label);
 
   const std::map<std::string, TensorView>& tensors() const { return tensors_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
@@ -65,6 +70,9 @@ class WeightStore {
   std::vector<std::string> Names() const;
 
  private:
+  absl::Status AddFile(std::unique_ptr<SafetensorsFile> file);
+
+  std::string model_dir_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, const TensorView*> index_;
 };
