@@ -1,0 +1,284 @@
+// UCX receiver: registered pools, completion notices (active messages) and leases.
+#include <atomic>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_format.h"
+#include "common/check.h"
+#include "kvtransfer/layer_copy_plan.h"
+#include "kvtransfer/status_macros.h"
+#include "kvtransfer/ucx_protocol.h"
+#include "kvtransfer/ucx_transport.h"
+#include "kvtransfer/ucx_worker.h"
+
+namespace duet::kvtransfer {
+namespace {
+
+class UcxKvReceiver final : public KvReceiver {
+ public:
+  UcxKvReceiver(KvPoolMemory pools, ReceiverCallbacks callbacks, const UcxReceiverOptions& options)
+      : pools_(std::move(pools)), callbacks_(std::move(callbacks)),
+        leases_(options.clock, [this](const ReleasedLease& lease) { OnLeaseReleased(lease); }) {}
+
+  ~UcxKvReceiver() override {
+    if (worker_ != nullptr) worker_->Stop([] {}, [] { return true; });
+    std::vector<uint64_t> live;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [id, incoming] : incoming_) live.push_back(id);
+    }
+    for (uint64_t id : live) leases_.Release(id, LeaseEnd::kCancelled);
+    regions_.clear();  // unmapped before the worker's context goes away
+  }
+
+  absl::Status Init(const UcxReceiverOptions& options) {
+    UcxWorker::Options worker_options;
+    worker_options.name = options.name;
+    worker_options.tick_period = options.tick_period;
+    KV_ASSIGN_OR_RETURN(worker_, UcxWorker::Create(worker_options));
+
+    ReceiverDescriptor descriptor;
+    descriptor.layout = pools_.layout;
+    descriptor.num_blocks = pools_.num_blocks;
+    descriptor.memory_kind = pools_.memory_kind;
+    descriptor.worker_address = worker_->address();
+    for (uint32_t layer = 0; layer < pools_.layout.num_layers; ++layer) {
+      for (void* pool : {pools_.key_pools[layer], pools_.value_pools[layer]}) {
+        KV_ASSIGN_OR_RETURN(auto region, UcxMemoryRegion::Register(worker_->context(), pool,
+                                                                   pools_.PoolBytes()));
+        descriptor.regions.push_back({reinterpret_cast<uint64_t>(pool), pools_.PoolBytes(),
+                                      region->packed_rkey()});
+        regions_.push_back(std::move(region));
+      }
+    }
+    descriptor_ = descriptor.Serialize();
+
+    ucp_am_handler_param_t handler{};
+    handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                         UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    handler.id = kNoticeAmId;
+    handler.cb = &UcxKvReceiver::OnNoticeMessage;
+    handler.arg = this;
+    ucs_status_t status = ucp_worker_set_am_recv_handler(worker_->worker(), &handler);
+    if (status != UCS_OK) return UcxError(status, "ucp_worker_set_am_recv_handler");
+
+    worker_->Start([this] { leases_.ExpireDue(); });
+    return absl::OkStatus();
+  }
+
+  const std::string& descriptor() const override { return descriptor_; }
+
+  absl::Status Expect(ExpectedRequest request) override {
+    KV_RETURN_IF_ERROR(ValidateBlockIds(pools_.layout, request.dst_block_ids, request.num_tokens,
+                                        pools_.num_blocks, "destination"));
+    absl::MutexLock lock(&mu_);
+    if (incoming_.contains(request.request_id)) {
+      return absl::AlreadyExistsError(
+          absl::StrFormat("request %u is already expected", request.request_id));
+    }
+    KV_RETURN_IF_ERROR(
+        leases_.Grant(request.request_id, request.dst_block_ids, request.lease_ttl));
+    Incoming incoming;
+    incoming.layer_received.assign(pools_.layout.num_layers, false);
+    const uint64_t id = request.request_id;
+    incoming.expected = std::move(request);
+    incoming_.emplace(id, std::move(incoming));
+    return absl::OkStatus();
+  }
+
+  bool Cancel(uint64_t request_id) override {
+    return leases_.Release(request_id, LeaseEnd::kCancelled);
+  }
+
+  size_t active_leases() const override { return leases_.size(); }
+
+ private:
+  struct Incoming {
+    ExpectedRequest expected;
+    std::vector<bool> layer_received;
+    uint32_t layers_received = 0;
+    bool finish_received = false;
+    absl::Status failure;  // why the lease ended with LeaseEnd::kFailed
+  };
+
+  static ucs_status_t OnNoticeMessage(void* arg, const void* header, size_t header_length,
+                                      void* /*data*/, size_t /*length*/,
+                                      const ucp_am_recv_param_t* /*param*/) {
+    static_cast<UcxKvReceiver*>(arg)->HandleNotice(header, header_length);
+    return UCS_OK;
+  }
+
+  void HandleNotice(const void* header, size_t header_length) {
+    absl::StatusOr<Notice> notice = Notice::Parse(header, header_length);
+    if (!notice.ok()) {
+      // Not attributable to a request: nothing to fail. The lease deadline still bounds it.
+      std::fprintf(stderr, "kvtransfer: dropping malformed notice: %s\n",
+                   notice.status().ToString().c_str());
+      return;
+    }
+    switch (notice->type) {
+      case NoticeType::kLayerDone:
+        OnLayerDone(*notice);
+        return;
+      case NoticeType::kFinish: {
+        bool complete = false;
+        {
+          absl::MutexLock lock(&mu_);
+          auto it = incoming_.find(notice->request_id);
+          if (it == incoming_.end()) return;  // already ended (e.g. expired or cancelled)
+          it->second.finish_received = true;
+          complete = it->second.layers_received == pools_.layout.num_layers;
+        }
+        if (complete) Complete(notice->request_id);
+        return;
+      }
+      case NoticeType::kAbort:
+        leases_.Release(notice->request_id, LeaseEnd::kAborted);
+        return;
+    }
+  }
+
+  void OnLayerDone(const Notice& notice) {
+    const uint64_t id = notice.request_id;
+    absl::Status invalid;
+    bool verify = false;
+    std::vector<uint32_t> block_ids;
+    absl::Duration ttl;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = incoming_.find(id);
+      if (it == incoming_.end()) return;  // already ended: late notices are harmless
+      const ExpectedRequest& expected = it->second.expected;
+      if (notice.layer >= pools_.layout.num_layers) {
+        invalid = absl::InvalidArgumentError(absl::StrFormat(
+            "KV notice for request %u names layer %u of %u", id, notice.layer,
+            pools_.layout.num_layers));
+      } else if (notice.num_tokens != expected.num_tokens) {
+        invalid = absl::InvalidArgumentError(absl::StrFormat(
+            "KV notice for request %u layer %u carries %u tokens, %u were expected", id,
+            notice.layer, notice.num_tokens, expected.num_tokens));
+      } else if (expected.verify_checksums && !(notice.flags & Notice::kHasChecksums)) {
+        invalid = absl::FailedPreconditionError(absl::StrFormat(
+            "request %u asked for checksum verification but layer %u was sent without checksums",
+            id, notice.layer));
+      }
+      verify = expected.verify_checksums;
+      block_ids = expected.dst_block_ids;
+      ttl = expected.lease_ttl;
+    }
+    if (!invalid.ok()) return Fail(id, invalid);
+
+    if (verify) {
+      // The sender flushed its puts before sending this notice, so the bytes are in place.
+      const uint64_t key_hash = HashLayerTokens(pools_.layout, pools_.key_pools[notice.layer],
+                                                block_ids, notice.num_tokens);
+      const uint64_t value_hash = HashLayerTokens(
+          pools_.layout, pools_.value_pools[notice.layer], block_ids, notice.num_tokens);
+      if (key_hash != notice.key_checksum || value_hash != notice.value_checksum) {
+        return Fail(id, absl::DataLossError(absl::StrFormat(
+                            "KV checksum mismatch for request %u layer %u (%s)", id, notice.layer,
+                            key_hash != notice.key_checksum ? "K" : "V")));
+      }
+    }
+
+    bool complete = false;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = incoming_.find(id);
+      if (it == incoming_.end()) return;
+      Incoming& incoming = it->second;
+      if (!incoming.layer_received[notice.layer]) {
+        incoming.layer_received[notice.layer] = true;
+        ++incoming.layers_received;
+      }
+      complete = incoming.finish_received &&
+                 incoming.layers_received == pools_.layout.num_layers;
+    }
+    (void)leases_.Renew(id, ttl);  // NotFound only if the lease ended meanwhile
+    if (callbacks_.on_layer_received) callbacks_.on_layer_received(id, notice.layer);
+    if (complete) Complete(id);
+  }
+
+  void Complete(uint64_t request_id) {
+    if (!leases_.Commit(request_id).ok()) return;  // lost a race with expiry or cancel
+    {
+      absl::MutexLock lock(&mu_);
+      incoming_.erase(request_id);
+    }
+    if (callbacks_.on_request_done) callbacks_.on_request_done(request_id, absl::OkStatus());
+  }
+
+  void Fail(uint64_t request_id, absl::Status failure) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = incoming_.find(request_id);
+      if (it == incoming_.end()) return;
+      it->second.failure = std::move(failure);
+    }
+    leases_.Release(request_id, LeaseEnd::kFailed);
+  }
+
+  // The lease table's release callback: runs exactly once per lease that ends unfinished.
+  void OnLeaseReleased(const ReleasedLease& lease) {
+    absl::Status status;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = incoming_.find(lease.request_id);
+      DUET_CHECK(it != incoming_.end());
+      const Incoming& incoming = it->second;
+      switch (lease.reason) {
+        case LeaseEnd::kExpired:
+          status = absl::DeadlineExceededError(absl::StrFormat(
+              "KV transfer of request %u did not finish before its lease expired (%u of %u "
+              "layers received, finish %s)",
+              lease.request_id, incoming.layers_received, pools_.layout.num_layers,
+              incoming.finish_received ? "received" : "not received"));
+          break;
+        case LeaseEnd::kCancelled:
+          status = absl::CancelledError(
+              absl::StrFormat("KV transfer of request %u was cancelled", lease.request_id));
+          break;
+        case LeaseEnd::kAborted:
+          status = absl::AbortedError(absl::StrFormat(
+              "KV transfer of request %u was aborted by the sender", lease.request_id));
+          break;
+        case LeaseEnd::kFailed:
+          status = incoming.failure;
+          break;
+      }
+      incoming_.erase(it);
+    }
+    callbacks_.on_blocks_released(lease);
+    if (callbacks_.on_request_done) callbacks_.on_request_done(lease.request_id, status);
+  }
+
+  const KvPoolMemory pools_;
+  const ReceiverCallbacks callbacks_;
+  std::unique_ptr<UcxWorker> worker_;
+  std::vector<std::unique_ptr<UcxMemoryRegion>> regions_;
+  std::string descriptor_;
+  LeaseTable leases_;
+
+  absl::Mutex mu_;  // taken before the lease table's lock, never after
+  absl::flat_hash_map<uint64_t, Incoming> incoming_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvReceiver>> CreateUcxKvReceiver(KvPoolMemory pools,
+                                                                ReceiverCallbacks callbacks,
+                                                                UcxReceiverOptions options) {
+  KV_RETURN_IF_ERROR(pools.Validate());
+  if (pools.memory_kind != MemoryKind::kHost) {
+    return absl::UnimplementedError(
+        "KV receiver pools in device memory need staging through pinned host buffers (this UCX "
+        "build is not CUDA-aware); only host memory is implemented");
+  }
+  if (!callbacks.on_blocks_released) {
+    return absl::InvalidArgumentError("KV receiver needs an on_blocks_released callback");
+  }
+  auto receiver = std::make_unique<UcxKvReceiver>(std::move(pools), std::move(callbacks), options);
+  KV_RETURN_IF_ERROR(receiver->Init(options));
+  return receiver;
+}
+
+}  // namespace duet::kvtransfer

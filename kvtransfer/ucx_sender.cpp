@@ -1,0 +1,467 @@
+// UCX sender: endpoints to receivers, RMA puts of layer block ranges, flush, notices, timeouts.
+//
+// Everything after the public entry points runs on the progress thread, so the state below needs
+// no lock. A layer send is a small state machine driven by UCX completions:
+//   puts issued (fire and forget) -> ep flush (remote completion of the puts) -> notice sent.
+#include <memory>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/node_hash_map.h"
+#include "absl/strings/str_format.h"
+#include "common/check.h"
+#include "kvtransfer/layer_copy_plan.h"
+#include "kvtransfer/status_macros.h"
+#include "kvtransfer/ucx_protocol.h"
+#include "kvtransfer/ucx_transport.h"
+#include "kvtransfer/ucx_worker.h"
+
+namespace duet::kvtransfer {
+namespace {
+
+class UcxKvSender final : public KvSender {
+ public:
+  UcxKvSender(KvPoolMemory pools, const UcxSenderOptions& options)
+      : pools_(std::move(pools)), options_(options) {}
+
+  ~UcxKvSender() override {
+    if (worker_ == nullptr) return;
+    worker_->Stop(
+        [this] {
+          std::vector<PeerId> ids;
+          for (const auto& [id, peer] : peers_) ids.push_back(id);
+          for (PeerId id : ids) FailPeer(id, absl::CancelledError("KV sender is shutting down"));
+        },
+        [this] { return ucx_calls_in_flight_ == 0; });
+    regions_.clear();  // unmapped before the worker's context goes away
+  }
+
+  absl::Status Init() {
+    UcxWorker::Options worker_options;
+    worker_options.name = options_.name;
+    worker_options.tick_period = options_.tick_period;
+    KV_ASSIGN_OR_RETURN(worker_, UcxWorker::Create(worker_options));
+    for (uint32_t layer = 0; layer < pools_.layout.num_layers; ++layer) {
+      for (void* pool : {pools_.key_pools[layer], pools_.value_pools[layer]}) {
+        KV_ASSIGN_OR_RETURN(auto region, UcxMemoryRegion::Register(worker_->context(), pool,
+                                                                   pools_.PoolBytes()));
+        regions_.push_back(std::move(region));
+      }
+    }
+    worker_->Start([this] { FailTimedOutPeers(); });
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<PeerId> Connect(std::string_view receiver_descriptor) override {
+    KV_ASSIGN_OR_RETURN(ReceiverDescriptor remote, ReceiverDescriptor::Parse(receiver_descriptor));
+    if (remote.memory_kind != MemoryKind::kHost) {
+      return absl::UnimplementedError(
+          "KV receiver pools are in device memory; staging through pinned host buffers is not "
+          "implemented");
+    }
+    KV_RETURN_IF_ERROR(CheckCompatible(pools_.layout, remote.layout).status());
+    return worker_->Call([&] { return ConnectOnWorker(std::move(remote)); });
+  }
+
+  void Disconnect(PeerId peer) override {
+    worker_->Call([&] {
+      FailPeer(peer, absl::CancelledError(absl::StrFormat("KV peer %u was disconnected", peer)));
+      peers_.erase(peer);
+      return true;
+    });
+  }
+
+  std::future<absl::Status> SendLayer(PeerId peer, LayerSend send) override {
+    auto op = NewOp(OpKind::kLayer, peer, send.request_id, NoticeType::kLayerDone);
+    op->notice.layer = send.layer;
+    op->notice.num_tokens = send.num_tokens;
+    std::future<absl::Status> future = op->done.get_future();
+    absl::Status local = ValidateSource(send);
+    if (local.ok() && send.with_checksums) {
+      // Hashing here keeps the progress thread free for other transfers.
+      op->notice.flags |= Notice::kHasChecksums;
+      op->notice.key_checksum = HashLayerTokens(pools_.layout, pools_.key_pools[send.layer],
+                                                send.src_block_ids, send.num_tokens);
+      op->notice.value_checksum = HashLayerTokens(pools_.layout, pools_.value_pools[send.layer],
+                                                  send.src_block_ids, send.num_tokens);
+    }
+    worker_->Post([this, op = op.release(), send = std::move(send), local] {
+      StartLayer(std::unique_ptr<Op>(op), send, local);
+    });
+    return future;
+  }
+
+  std::future<absl::Status> Finish(PeerId peer, uint64_t request_id) override {
+    auto op = NewOp(OpKind::kFinish, peer, request_id, NoticeType::kFinish);
+    std::future<absl::Status> future = op->done.get_future();
+    worker_->Post([this, op = op.release()] { StartFinish(std::unique_ptr<Op>(op)); });
+    return future;
+  }
+
+  std::future<absl::Status> Abort(PeerId peer, uint64_t request_id) override {
+    auto op = NewOp(OpKind::kAbort, peer, request_id, NoticeType::kAbort);
+    std::future<absl::Status> future = op->done.get_future();
+    worker_->Post([this, op = op.release()] { StartAbort(std::unique_ptr<Op>(op)); });
+    return future;
+  }
+
+  size_t pending_operations() const override {
+    return worker_->Call([&] { return ops_.size() + requests_.size(); });
+  }
+
+ private:
+  struct Peer {
+    ReceiverDescriptor remote;
+    ucp_ep_h ep = nullptr;          // null once closed
+    std::vector<ucp_rkey_h> rkeys;  // [region], valid while ep is open
+    absl::Status failure;           // set once the endpoint failed, timed out or was closed
+  };
+  enum class OpKind : uint8_t { kLayer, kFinish, kAbort };
+  struct Op {
+    OpKind kind = OpKind::kLayer;
+    PeerId peer = 0;
+    uint64_t request_id = 0;
+    absl::Time deadline;
+    std::promise<absl::Status> done;
+    Notice notice;  // sent once the op's data is remotely complete
+  };
+  // Per (peer, request): what Finish has to wait for.
+  struct OutgoingRequest {
+    uint32_t layers_in_flight = 0;
+    absl::Status first_error;
+    std::vector<uint64_t> finish_ops;
+  };
+  using RequestKey = std::pair<PeerId, uint64_t>;
+  enum class Step : uint8_t { kFlush, kNotice, kUnacknowledgedNotice };
+  // The user_data of one in-flight ucp call. It owns the notice bytes, which UCX may read until
+  // the send completes, so it outlives an op that timed out meanwhile.
+  struct InFlight {
+    UcxKvSender* sender;
+    uint64_t op_id;
+    Step step;
+    Notice notice;
+  };
+  struct ClosingEndpoint {
+    UcxKvSender* sender;
+    std::vector<ucp_rkey_h> rkeys;
+  };
+
+  std::unique_ptr<Op> NewOp(OpKind kind, PeerId peer, uint64_t request_id, NoticeType type) {
+    auto op = std::make_unique<Op>();
+    op->kind = kind;
+    op->peer = peer;
+    op->request_id = request_id;
+    op->deadline = absl::Now() + options_.operation_timeout;
+    op->notice.type = type;
+    op->notice.request_id = request_id;
+    return op;
+  }
+
+  absl::Status ValidateSource(const LayerSend& send) const {
+    if (send.layer >= pools_.layout.num_layers) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "layer %u is outside the sender's %u layers", send.layer, pools_.layout.num_layers));
+    }
+    return ValidateBlockIds(pools_.layout, send.src_block_ids, send.num_tokens,
+                            pools_.num_blocks, "source");
+  }
+
+  absl::StatusOr<PeerId> ConnectOnWorker(ReceiverDescriptor remote) {
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.address = reinterpret_cast<const ucp_address_t*>(remote.worker_address.data());
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.err_handler.cb = &UcxKvSender::OnEndpointError;
+    params.err_handler.arg = this;
+    Peer peer;
+    ucs_status_t status = ucp_ep_create(worker_->worker(), &params, &peer.ep);
+    if (status != UCS_OK) return UcxError(status, "ucp_ep_create to a KV receiver");
+    for (const RemoteRegion& region : remote.regions) {
+      ucp_rkey_h rkey = nullptr;
+      status = ucp_ep_rkey_unpack(peer.ep, region.packed_rkey.data(), &rkey);
+      if (status != UCS_OK) {
+        CloseEndpoint(peer);
+        return UcxError(status, "ucp_ep_rkey_unpack of a KV receiver's pool key");
+      }
+      peer.rkeys.push_back(rkey);
+    }
+    peer.remote = std::move(remote);
+    const PeerId id = next_peer_id_++;
+    peers_.emplace(id, std::move(peer));
+    return id;
+  }
+
+  // The peer if it can take new operations; else null and `why`.
+  Peer* UsablePeer(PeerId id, absl::Status* why) {
+    auto it = peers_.find(id);
+    if (it == peers_.end()) {
+      *why = absl::NotFoundError(absl::StrFormat("unknown KV peer %u", id));
+      return nullptr;
+    }
+    if (!it->second.failure.ok()) {
+      *why = it->second.failure;
+      return nullptr;
+    }
+    return &it->second;
+  }
+
+  uint64_t Register(std::unique_ptr<Op> op) {
+    const uint64_t id = next_op_id_++;
+    ops_.emplace(id, std::move(op));
+    return id;
+  }
+
+  void StartLayer(std::unique_ptr<Op> owned, const LayerSend& send, const absl::Status& local) {
+    const uint64_t op_id = Register(std::move(owned));
+    const Op& op = *ops_.at(op_id);
+    ++requests_[{op.peer, op.request_id}].layers_in_flight;
+    if (!local.ok()) return CompleteOp(op_id, local);
+
+    absl::Status why;
+    Peer* peer = UsablePeer(op.peer, &why);
+    if (peer == nullptr) return CompleteOp(op_id, why);
+    absl::Status valid = ValidateBlockIds(peer->remote.layout, send.dst_block_ids,
+                                          send.num_tokens, peer->remote.num_blocks,
+                                          "destination");
+    if (!valid.ok()) return CompleteOp(op_id, valid);
+    absl::StatusOr<std::vector<CopyRange>> plan =
+        PlanLayerCopy(pools_.layout, send.src_block_ids, peer->remote.layout, send.dst_block_ids,
+                      send.num_tokens);
+    if (!plan.ok()) return CompleteOp(op_id, plan.status());
+
+    for (size_t region : {KeyRegion(send.layer), ValueRegion(send.layer)}) {
+      const auto* local_base = static_cast<const uint8_t*>(regions_[region]->address());
+      const uint64_t remote_base = peer->remote.regions[region].base_address;
+      ucp_request_param_t param{};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
+      param.memh = regions_[region]->handle();
+      for (const CopyRange& range : *plan) {
+        ucs_status_ptr_t request =
+            ucp_put_nbx(peer->ep, local_base + range.src_offset, range.bytes,
+                        remote_base + range.dst_offset, peer->rkeys[region], &param);
+        if (UCS_PTR_IS_ERR(request)) {
+          return CompleteOp(op_id, UcxError(UCS_PTR_STATUS(request), "RMA put of KV blocks"));
+        }
+        // The flush below reports the puts' outcome; their requests need no tracking.
+        if (request != nullptr) ucp_request_free(request);
+      }
+    }
+    Issue(peer->ep, op_id, Step::kFlush, op.notice);
+  }
+
+  void StartFinish(std::unique_ptr<Op> owned) {
+    const uint64_t op_id = Register(std::move(owned));
+    const Op& op = *ops_.at(op_id);
+    const RequestKey key{op.peer, op.request_id};
+    requests_[key].finish_ops.push_back(op_id);
+    MaybeFinish(key);
+  }
+
+  void StartAbort(std::unique_ptr<Op> owned) {
+    const uint64_t op_id = Register(std::move(owned));
+    const Op& op = *ops_.at(op_id);
+    auto it = requests_.find({op.peer, op.request_id});
+    if (it != requests_.end()) {
+      const std::vector<uint64_t> finish_ops = std::move(it->second.finish_ops);
+      requests_.erase(it);
+      for (uint64_t finish : finish_ops) {
+        CompleteOp(finish, absl::AbortedError(absl::StrFormat(
+                               "KV transfer of request %u was aborted", op.request_id)));
+      }
+    }
+    absl::Status why;
+    Peer* peer = UsablePeer(op.peer, &why);
+    if (peer == nullptr) return CompleteOp(op_id, why);
+    Issue(peer->ep, op_id, Step::kNotice, op.notice);
+  }
+
+  // Sends the finish notices of a request whose layers have all completed.
+  void MaybeFinish(const RequestKey& key) {
+    auto it = requests_.find(key);
+    if (it == requests_.end()) return;
+    if (it->second.layers_in_flight > 0 || it->second.finish_ops.empty()) return;
+    const std::vector<uint64_t> finish_ops = std::move(it->second.finish_ops);
+    const absl::Status error = it->second.first_error;
+    requests_.erase(it);
+
+    absl::Status why;
+    Peer* peer = UsablePeer(key.first, &why);
+    if (peer != nullptr && !error.ok()) {
+      // Let the receiver release its blocks now rather than at lease expiry.
+      Notice abort;
+      abort.type = NoticeType::kAbort;
+      abort.request_id = key.second;
+      Issue(peer->ep, /*op_id=*/0, Step::kUnacknowledgedNotice, abort);
+    }
+    for (uint64_t finish : finish_ops) {
+      if (!error.ok()) {
+        CompleteOp(finish, error);
+      } else if (peer == nullptr) {
+        CompleteOp(finish, why);
+      } else {
+        Issue(peer->ep, finish, Step::kNotice, ops_.at(finish)->notice);
+      }
+    }
+  }
+
+  void Issue(ucp_ep_h ep, uint64_t op_id, Step step, const Notice& notice) {
+    auto* in_flight = new InFlight{this, op_id, step, notice};
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = &UcxKvSender::OnUcxRequestDone;
+    param.user_data = in_flight;
+    ++ucx_calls_in_flight_;
+    ucs_status_ptr_t request =
+        step == Step::kFlush
+            ? ucp_ep_flush_nbx(ep, &param)
+            : ucp_am_send_nbx(ep, kNoticeAmId, &in_flight->notice, sizeof(Notice), nullptr, 0,
+                              &param);
+    if (request == nullptr) return OnStepDone(in_flight, UCS_OK);
+    if (UCS_PTR_IS_ERR(request)) return OnStepDone(in_flight, UCS_PTR_STATUS(request));
+    // Otherwise OnUcxRequestDone runs when it completes.
+  }
+
+  static void OnUcxRequestDone(void* request, ucs_status_t status, void* user_data) {
+    ucp_request_free(request);
+    auto* in_flight = static_cast<InFlight*>(user_data);
+    in_flight->sender->OnStepDone(in_flight, status);
+  }
+
+  void OnStepDone(InFlight* in_flight, ucs_status_t status) {
+    const uint64_t op_id = in_flight->op_id;
+    const Step step = in_flight->step;
+    delete in_flight;
+    --ucx_calls_in_flight_;
+    auto it = ops_.find(op_id);
+    if (step == Step::kUnacknowledgedNotice || it == ops_.end()) return;  // op already ended
+    const Op& op = *it->second;
+    if (status != UCS_OK) {
+      return CompleteOp(op_id, UcxError(status, absl::StrFormat(
+                                                    "KV transfer of request %u to peer %u (%s)",
+                                                    op.request_id, op.peer,
+                                                    step == Step::kFlush ? "flush" : "notice")));
+    }
+    if (step == Step::kNotice) return CompleteOp(op_id, absl::OkStatus());
+    absl::Status why;
+    Peer* peer = UsablePeer(op.peer, &why);
+    if (peer == nullptr) return CompleteOp(op_id, why);
+    Issue(peer->ep, op_id, Step::kNotice, op.notice);
+  }
+
+  void CompleteOp(uint64_t op_id, absl::Status status) {
+    auto it = ops_.find(op_id);
+    if (it == ops_.end()) return;
+    std::unique_ptr<Op> op = std::move(it->second);
+    ops_.erase(it);
+    op->done.set_value(status);
+    if (op->kind != OpKind::kLayer) return;
+    const RequestKey key{op->peer, op->request_id};
+    auto request = requests_.find(key);
+    if (request == requests_.end()) return;  // aborted meanwhile
+    DUET_CHECK(request->second.layers_in_flight > 0);
+    --request->second.layers_in_flight;
+    if (!status.ok() && request->second.first_error.ok()) {
+      request->second.first_error = absl::Status(
+          status.code(), absl::StrFormat("layer %u: %s", op->notice.layer, status.message()));
+    }
+    MaybeFinish(key);
+  }
+
+  // Marks the peer failed, closes its endpoint and fails everything pending on it.
+  void FailPeer(PeerId peer_id, const absl::Status& status) {
+    auto it = peers_.find(peer_id);
+    if (it == peers_.end() || !it->second.failure.ok()) return;
+    it->second.failure = status;
+    CloseEndpoint(it->second);
+    std::vector<uint64_t> op_ids;
+    for (const auto& [id, op] : ops_) {
+      if (op->peer == peer_id) op_ids.push_back(id);
+    }
+    for (uint64_t id : op_ids) CompleteOp(id, status);
+    absl::erase_if(requests_, [&](const auto& entry) { return entry.first.first == peer_id; });
+  }
+
+  void CloseEndpoint(Peer& peer) {
+    if (peer.ep == nullptr) return;
+    auto* closing = new ClosingEndpoint{this, std::move(peer.rkeys)};
+    ucp_request_param_t param{};
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    // Force: a failed or unresponsive peer will not answer a graceful close. Outstanding
+    // requests on the endpoint complete with UCS_ERR_CANCELED.
+    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    param.cb.send = &UcxKvSender::OnEndpointClosed;
+    param.user_data = closing;
+    ++ucx_calls_in_flight_;
+    ucs_status_ptr_t request = ucp_ep_close_nbx(peer.ep, &param);
+    peer.ep = nullptr;
+    if (!UCS_PTR_IS_PTR(request)) FinishClose(closing);
+  }
+
+  static void OnEndpointClosed(void* request, ucs_status_t /*status*/, void* user_data) {
+    ucp_request_free(request);
+    auto* closing = static_cast<ClosingEndpoint*>(user_data);
+    closing->sender->FinishClose(closing);
+  }
+
+  void FinishClose(ClosingEndpoint* closing) {
+    for (ucp_rkey_h rkey : closing->rkeys) ucp_rkey_destroy(rkey);
+    delete closing;
+    --ucx_calls_in_flight_;
+  }
+
+  static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+    auto* sender = static_cast<UcxKvSender*>(arg);
+    for (const auto& [id, peer] : sender->peers_) {
+      if (peer.ep == ep) {
+        sender->FailPeer(id, UcxError(status, absl::StrFormat("KV endpoint to peer %u failed", id)));
+        return;
+      }
+    }
+  }
+
+  // Tick: a peer with an operation past its deadline is considered dead or stuck.
+  void FailTimedOutPeers() {
+    const absl::Time now = absl::Now();
+    std::vector<std::pair<PeerId, uint64_t>> late;  // peer, request
+    for (const auto& [id, op] : ops_) {
+      if (op->deadline <= now) late.emplace_back(op->peer, op->request_id);
+    }
+    for (const auto& [peer, request] : late) {
+      FailPeer(peer, absl::DeadlineExceededError(absl::StrFormat(
+                         "KV transfer of request %u to peer %u timed out after %s; the peer is "
+                         "marked failed",
+                         request, peer, absl::FormatDuration(options_.operation_timeout))));
+    }
+  }
+
+  const KvPoolMemory pools_;
+  const UcxSenderOptions options_;
+  std::unique_ptr<UcxWorker> worker_;
+  std::vector<std::unique_ptr<UcxMemoryRegion>> regions_;  // [KeyRegion/ValueRegion(layer)]
+
+  // Progress thread only.
+  absl::flat_hash_map<PeerId, Peer> peers_;
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Op>> ops_;
+  absl::flat_hash_map<RequestKey, OutgoingRequest> requests_;
+  size_t ucx_calls_in_flight_ = 0;  // InFlight and ClosingEndpoint objects UCX still holds
+  PeerId next_peer_id_ = 1;
+  uint64_t next_op_id_ = 1;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvSender>> CreateUcxKvSender(KvPoolMemory pools,
+                                                            UcxSenderOptions options) {
+  KV_RETURN_IF_ERROR(pools.Validate());
+  if (pools.memory_kind != MemoryKind::kHost) {
+    return absl::UnimplementedError(
+        "KV sender pools in device memory need staging through pinned host buffers (this UCX "
+        "build is not CUDA-aware); only host memory is implemented");
+  }
+  auto sender = std::make_unique<UcxKvSender>(std::move(pools), options);
+  KV_RETURN_IF_ERROR(sender->Init());
+  return sender;
+}
+
+}  // namespace duet::kvtransfer

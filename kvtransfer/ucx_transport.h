@@ -1,0 +1,46 @@
+// The UCX (ucp) implementation of KvSender / KvReceiver: registered pools, RMA put of block
+// ranges, endpoint flush for remote completion, then an active-message notice (see
+// kv_transport.h for the protocol and ucx_protocol.h for the wire formats).
+//
+// Transports are UCX's choice (UCX_TLS and the other UCX_* environment variables apply); on
+// this project's machines tcp, shared memory (posix/sysv) and cma all work on loopback.
+// Host memory only: Debian's UCX has no CUDA support, so pools with MemoryKind::kDevice are
+// refused with UNIMPLEMENTED. That is where device pools would be staged, layer by layer,
+// through registered pinned host buffers.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kvtransfer/kv_transport.h"
+#include "kvtransfer/lease_table.h"
+
+namespace duet::kvtransfer {
+
+struct UcxReceiverOptions {
+  std::string name = "duet-kv-receiver";
+  Clock* clock = Clock::Real();
+  // How often leases are checked for expiry.
+  absl::Duration tick_period = absl::Milliseconds(5);
+};
+
+// Registers `pools` and starts the receiver's progress thread. Leases still held when the
+// receiver is destroyed are released (reason kCancelled) after its thread has stopped.
+absl::StatusOr<std::unique_ptr<KvReceiver>> CreateUcxKvReceiver(KvPoolMemory pools,
+                                                                ReceiverCallbacks callbacks,
+                                                                UcxReceiverOptions options = {});
+
+struct UcxSenderOptions {
+  std::string name = "duet-kv-sender";
+  // Each SendLayer / Finish / Abort must complete within this, or its peer is marked failed.
+  absl::Duration operation_timeout = absl::Seconds(10);
+  absl::Duration tick_period = absl::Milliseconds(5);
+};
+
+// Registers `pools` (the source of every put) and starts the sender's progress thread.
+absl::StatusOr<std::unique_ptr<KvSender>> CreateUcxKvSender(KvPoolMemory pools,
+                                                            UcxSenderOptions options = {});
+
+}  // namespace duet::kvtransfer
