@@ -14,6 +14,11 @@ namespace {
 
 // y[rows, n] = x[rows, k] · w[n, k]ᵀ  (w in Hugging Face [out_features, in_features] layout).
 void MatMulTransposed(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k) {
+  if (rows == 1) {  // decode at batch 1: GEMV streams the weights once, without packing them
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(n), static_cast<int>(k), 1.0f, w,
+                static_cast<int>(k), x, 1, 0.0f, y, 1);
+    return;
+  }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows), static_cast<int>(n),
               static_cast<int>(k), 1.0f, x, static_cast<int>(k), w, static_cast<int>(k), 0.0f, y,
               static_cast<int>(n));
@@ -150,6 +155,7 @@ void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, 
         for (int64_t t = 0; t < context; ++t) {
           const float* k = kpool + cache.Offset(chunk.block_table[t / bs], g, t % bs);
           float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < hd; ++d) dot += q[d] * k[d];
           scores[t] = dot * scale;
           max_score = std::max(max_score, scores[t]);
@@ -165,6 +171,7 @@ void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, 
         for (int64_t t = 0; t < context; ++t) {
           const float* v = vpool + cache.Offset(chunk.block_table[t / bs], g, t % bs);
           const float p = scores[t] * inv_denom;
+#pragma omp simd
           for (int64_t d = 0; d < hd; ++d) o[d] += p * v[d];
         }
       }

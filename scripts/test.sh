@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# README command 2 (and CI): install everything, build, run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install_deps.sh
+# Node packages for the real-client and reference-implementation tests.
+if [ -f tests/node/package-lock.json ]; then
+  (cd tests/node && npm ci --no-audit --no-fund --loglevel=error)
+fi
+scripts/build.sh
+cd "${BUILD_DIR:-build}"
+ctest --output-on-failure -j "${JOBS:-$(nproc)}" --timeout 600 "$@"

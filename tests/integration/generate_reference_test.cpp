@@ -1,0 +1,68 @@
+// `duet generate` against Hugging Face transformers' float32 greedy continuations of the
+// bundled model (reference_greedy.json): every case, all at once (continuous batching) and one
+// at a time, with and without KV-cache pressure.
+#include <fstream>
+
+#include "gtest/gtest.h"
+#include "tests/integration/process.h"
+
+namespace duet {
+namespace {
+
+using nlohmann::json;
+
+class GenerateReferenceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::ifstream in(std::string(DUET_MODELS_DIR) + "/tiny-code-llama/reference_greedy.json");
+    ASSERT_TRUE(in.good());
+    reference_ = json::parse(in);
+    dir_ = testing::MakeTempDir("generate-ref");
+    std::vector<json> rows;
+    for (size_t i = 0; i < reference_["cases"].size(); ++i) {
+      const json& c = reference_["cases"][i];
+      rows.push_back({{"id", "case-" + std::to_string(i)}, {"prompt_token_ids", c["prompt_ids"]},
+                      {"temperature", 0}, {"max_tokens", 128}});
+    }
+    testing::WriteJsonlFile(dir_ + "/in.jsonl", rows);
+  }
+
+  // Runs duet generate with `flags` and checks every case's tokens against the reference.
+  void ExpectReference(const std::string& flags) {
+    const std::string out = dir_ + "/out.jsonl", log = dir_ + "/log.txt";
+    const std::string cmd = testing::DuetBinary() + " generate --model " DUET_MODELS_DIR
+                            "/tiny-code-llama --input " + dir_ + "/in.jsonl --output " + out + " " + flags;
+    ASSERT_EQ(testing::RunCommand(cmd, log), 0) << testing::ReadText(log);
+    std::vector<json> rows = testing::ReadJsonlFile(out);
+    ASSERT_EQ(rows.size(), reference_["cases"].size());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const json& c = reference_["cases"][i];
+      EXPECT_EQ(rows[i]["id"], "case-" + std::to_string(i));
+      EXPECT_EQ(rows[i]["prompt_token_ids"], c["prompt_ids"]);
+      const std::vector<int> got = rows[i]["token_ids"].get<std::vector<int>>();
+      const std::vector<int> want = c["greedy_ids"].get<std::vector<int>>();
+      size_t first_diff = 0;
+      while (first_diff < got.size() && first_diff < want.size() && got[first_diff] == want[first_diff]) ++first_diff;
+      EXPECT_EQ(got, want) << "case " << i << " (" << flags << ") first differs at step " << first_diff
+                           << " where the reference top-2 margin is "
+                           << (first_diff < c["top2_margins"].size() ? c["top2_margins"][first_diff].dump() : "-");
+      EXPECT_EQ(rows[i]["finish_reason"], "length");
+      EXPECT_EQ(rows[i]["text"], c["greedy_text"]) << "case " << i;
+    }
+  }
+
+  json reference_;
+  std::string dir_;
+};
+
+TEST_F(GenerateReferenceTest, AllCasesBatchedTogether) { ExpectReference(""); }
+
+TEST_F(GenerateReferenceTest, OneCaseAtATime) { ExpectReference("--max-num-seqs 1"); }
+
+// A small cache and token budget force chunked prefill and preemption with recomputation.
+TEST_F(GenerateReferenceTest, UnderKvPressureWithChunkedPrefill) {
+  ExpectReference("--num-kv-blocks 100 --block-size 8 --max-num-batched-tokens 96");
+}
+
+}  // namespace
+}  // namespace duet
