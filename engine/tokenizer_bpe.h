@@ -1,0 +1,66 @@
+// The BPE model of HF tokenizers: vocabulary, ranked merges, byte fallback and unknown tokens.
+// Tokenize() gives the same ids as tokenizers' BPE::tokenize (without dropout).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json_fwd.hpp"
+
+namespace duet {
+
+// Hash/equality allowing std::string_view lookups in maps keyed by std::string.
+struct StringHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+};
+using TokenIdMap = std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>>;
+
+class BpeModel {
+ public:
+  // Builds from a tokenizer.json "model" object of type BPE. May throw nlohmann::json exceptions
+  // on malformed input; the caller converts them.
+  static absl::StatusOr<std::unique_ptr<BpeModel>> FromJson(const nlohmann::json& config);
+
+  // Appends the ids of `word` (one pre-tokenized piece) to `ids`.
+  void Tokenize(std::string_view word, std::vector<int32_t>& ids) const;
+
+  std::optional<int32_t> TokenToId(std::string_view token) const;
+  const std::string* IdToToken(int32_t id) const;  // null when unknown
+  int32_t max_id() const { return static_cast<int32_t>(id_to_token_.size()) - 1; }
+
+ private:
+  struct Merge {
+    int32_t rank;
+    int32_t merged_id;
+  };
+  static uint64_t PairKey(int32_t left, int32_t right) {
+    return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
+  }
+  // Initial symbols of `word`: one per character, or its byte-fallback / unknown tokens.
+  std::vector<int32_t> InitialSymbols(std::string_view word) const;
+  void MergeSymbols(std::vector<int32_t>& symbols) const;
+
+  TokenIdMap token_to_id_;
+  std::vector<std::string> id_to_token_;  // "" for ids not in the vocabulary
+  std::unordered_map<uint64_t, Merge> merges_;
+  std::optional<int32_t> unk_id_;
+  bool fuse_unk_ = false;
+  bool byte_fallback_ = false;
+  bool ignore_merges_ = false;
+  int32_t byte_token_ids_[256];  // ids of "<0xXX>" tokens, -1 when absent
+
+  static constexpr size_t kCacheCapacity = 20000;
+  static constexpr size_t kMaxCachedWordBytes = 256;
+  mutable std::mutex cache_mutex_;
+  mutable std::unordered_map<std::string, std::vector<int32_t>, StringHash, std::equal_to<>> cache_;
+};
+
+}  // namespace duet
