@@ -3,6 +3,7 @@
 // Everything after the public entry points runs on the progress thread, so the state below needs
 // no lock. A layer send is a small state machine driven by UCX completions:
 //   puts issued (fire and forget) -> ep flush (remote completion of the puts) -> notice sent.
+#include <atomic>
 #include <memory>
 
 #include "absl/container/flat_hash_map.h"
@@ -59,7 +60,17 @@ class UcxKvSender final : public KvSender {
           "implemented");
     }
     KV_RETURN_IF_ERROR(CheckCompatible(pools_.layout, remote.layout).status());
-    return worker_->Call([&] { return ConnectOnWorker(std::move(remote)); });
+    const PeerId id = next_peer_id_++;
+    auto op = NewOp(OpKind::kConnect, id, /*request_id=*/0, NoticeType::kLayerDone);
+    std::future<absl::Status> connected = op->done.get_future();
+    worker_->Post([this, op = op.release(), remote = std::move(remote)]() mutable {
+      StartConnect(std::unique_ptr<Op>(op), std::move(remote));
+    });
+    if (absl::Status status = connected.get(); !status.ok()) {
+      Disconnect(id);
+      return status;
+    }
+    return id;
   }
 
   void Disconnect(PeerId peer) override {
@@ -115,7 +126,7 @@ class UcxKvSender final : public KvSender {
     std::vector<ucp_rkey_h> rkeys;  // [region], valid while ep is open
     absl::Status failure;           // set once the endpoint failed, timed out or was closed
   };
-  enum class OpKind : uint8_t { kLayer, kFinish, kAbort };
+  enum class OpKind : uint8_t { kConnect, kLayer, kFinish, kAbort };
   struct Op {
     OpKind kind = OpKind::kLayer;
     PeerId peer = 0;
@@ -165,30 +176,36 @@ class UcxKvSender final : public KvSender {
                             pools_.num_blocks, "source");
   }
 
-  absl::StatusOr<PeerId> ConnectOnWorker(ReceiverDescriptor remote) {
+  // Creates the endpoint, then flushes it: the flush completes once UCX's connection set-up
+  // (wireup) with the receiver is done. Waiting for it keeps the set-up out of the data path and
+  // avoids a UCX 1.13 tcp assertion in the receiver when a sender vanishes mid-wireup.
+  void StartConnect(std::unique_ptr<Op> owned, ReceiverDescriptor remote) {
+    const PeerId id = owned->peer;
+    Peer& peer = peers_[id];
+    peer.remote = std::move(remote);
     ucp_ep_params_t params{};
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                         UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    params.address = reinterpret_cast<const ucp_address_t*>(remote.worker_address.data());
-    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.address = reinterpret_cast<const ucp_address_t*>(peer.remote.worker_address.data());
+    params.err_mode = options_.peer_failure_detection ? UCP_ERR_HANDLING_MODE_PEER
+                                                      : UCP_ERR_HANDLING_MODE_NONE;
     params.err_handler.cb = &UcxKvSender::OnEndpointError;
     params.err_handler.arg = this;
-    Peer peer;
+    const uint64_t op_id = Register(std::move(owned));
     ucs_status_t status = ucp_ep_create(worker_->worker(), &params, &peer.ep);
-    if (status != UCS_OK) return UcxError(status, "ucp_ep_create to a KV receiver");
-    for (const RemoteRegion& region : remote.regions) {
+    if (status != UCS_OK) {
+      peer.ep = nullptr;
+      return FailPeer(id, UcxError(status, "ucp_ep_create to a KV receiver"));
+    }
+    for (const RemoteRegion& region : peer.remote.regions) {
       ucp_rkey_h rkey = nullptr;
       status = ucp_ep_rkey_unpack(peer.ep, region.packed_rkey.data(), &rkey);
       if (status != UCS_OK) {
-        CloseEndpoint(peer);
-        return UcxError(status, "ucp_ep_rkey_unpack of a KV receiver's pool key");
+        return FailPeer(id, UcxError(status, "ucp_ep_rkey_unpack of a KV receiver's pool key"));
       }
       peer.rkeys.push_back(rkey);
     }
-    peer.remote = std::move(remote);
-    const PeerId id = next_peer_id_++;
-    peers_.emplace(id, std::move(peer));
-    return id;
+    Issue(peer.ep, op_id, Step::kFlush, Notice{});
   }
 
   // The peer if it can take new operations; else null and `why`.
@@ -341,7 +358,9 @@ class UcxKvSender final : public KvSender {
                                                     op.request_id, op.peer,
                                                     step == Step::kFlush ? "flush" : "notice")));
     }
-    if (step == Step::kNotice) return CompleteOp(op_id, absl::OkStatus());
+    if (step == Step::kNotice || op.kind == OpKind::kConnect) {
+      return CompleteOp(op_id, absl::OkStatus());
+    }
     absl::Status why;
     Peer* peer = UsablePeer(op.peer, &why);
     if (peer == nullptr) return CompleteOp(op_id, why);
@@ -445,7 +464,7 @@ class UcxKvSender final : public KvSender {
   absl::flat_hash_map<uint64_t, std::unique_ptr<Op>> ops_;
   absl::flat_hash_map<RequestKey, OutgoingRequest> requests_;
   size_t ucx_calls_in_flight_ = 0;  // InFlight and ClosingEndpoint objects UCX still holds
-  PeerId next_peer_id_ = 1;
+  std::atomic<PeerId> next_peer_id_{1};
   uint64_t next_op_id_ = 1;
 };
 

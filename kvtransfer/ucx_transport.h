@@ -2,8 +2,8 @@
 // ranges, endpoint flush for remote completion, then an active-message notice (see
 // kv_transport.h for the protocol and ucx_protocol.h for the wire formats).
 //
-// Transports are UCX's choice (UCX_TLS and the other UCX_* environment variables apply); on
-// this project's machines tcp, shared memory (posix/sysv) and cma all work on loopback.
+// Transports are UCX's choice (UCX_TLS and the other UCX_* environment variables apply), within
+// what the sender's peer_failure_detection option allows (see UcxSenderOptions).
 // Host memory only: Debian's UCX has no CUDA support, so pools with MemoryKind::kDevice are
 // refused with UNIMPLEMENTED. That is where device pools would be staged, layer by layer,
 // through registered pinned host buffers.
@@ -37,6 +37,11 @@ struct UcxSenderOptions {
   // Each SendLayer / Finish / Abort must complete within this, or its peer is marked failed.
   absl::Duration operation_timeout = absl::Seconds(10);
   absl::Duration tick_period = absl::Milliseconds(5);
+  // true: endpoints use UCP_ERR_HANDLING_MODE_PEER, so a dead receiver is reported as soon as
+  // UCX notices. UCX 1.13 then only offers tcp (its shared-memory transports have no peer
+  // failure handler). false: shared memory (posix/sysv + cma) may carry the data, and a dead
+  // receiver shows only as an operation timeout (a put into its shared memory may even succeed).
+  bool peer_failure_detection = true;
 };
 
 // Registers `pools` (the source of every put) and starts the sender's progress thread.
