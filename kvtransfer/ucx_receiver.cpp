@@ -61,7 +61,11 @@ class UcxKvReceiver final : public KvReceiver {
     ucs_status_t status = ucp_worker_set_am_recv_handler(worker_->worker(), &handler);
     if (status != UCS_OK) return UcxError(status, "ucp_worker_set_am_recv_handler");
 
-    worker_->Start([this] { leases_.ExpireDue(); });
+    // The receiver only reacts to incoming notices: it never needs to poll.
+    worker_->Start([this] {
+      leases_.ExpireDue();
+      return false;
+    });
     return absl::OkStatus();
   }
 

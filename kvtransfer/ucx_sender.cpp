@@ -48,7 +48,10 @@ class UcxKvSender final : public KvSender {
         regions_.push_back(std::move(region));
       }
     }
-    worker_->Start([this] { FailTimedOutPeers(); });
+    worker_->Start([this] {
+      FailTimedOutPeers();
+      return !ops_.empty() || ucx_calls_in_flight_ > 0;
+    });
     return absl::OkStatus();
   }
 

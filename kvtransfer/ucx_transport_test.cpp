@@ -108,6 +108,8 @@ struct TransferShape {
   uint32_t head_dim;
   KvDtype dtype;
   uint32_t num_tokens;
+  // false lets UCX use shared memory instead of tcp (see UcxSenderOptions).
+  bool peer_failure_detection = true;
 };
 
 class UcxLoopbackTest : public ::testing::TestWithParam<TransferShape> {};
@@ -127,7 +129,8 @@ TEST_P(UcxLoopbackTest, ReceiverBytesEqualSenderBytesLayerByLayer) {
   ReceiverProbe probe;
   auto receiver = CreateUcxKvReceiver(dst.memory(), probe.callbacks());
   ASSERT_TRUE(receiver.ok()) << receiver.status();
-  auto sender = CreateUcxKvSender(src.memory());
+  auto sender = CreateUcxKvSender(src.memory(),
+                                  {.peer_failure_detection = s.peer_failure_detection});
   ASSERT_TRUE(sender.ok()) << sender.status();
   absl::StatusOr<PeerId> peer = (*sender)->Connect((*receiver)->descriptor());
   ASSERT_TRUE(peer.ok()) << peer.status();
@@ -165,7 +168,10 @@ INSTANTIATE_TEST_SUITE_P(
                       // Different block sizes on the two sides: re-blocked per (head, run).
                       TransferShape{16, 32, 6, 4, 64, KvDtype::kBFloat16, 100},
                       TransferShape{32, 16, 6, 4, 64, KvDtype::kBFloat16, 100},
-                      TransferShape{1, 16, 2, 2, 32, KvDtype::kFloat32, 40}));
+                      TransferShape{1, 16, 2, 2, 32, KvDtype::kFloat32, 40},
+                      // Shared-memory transports.
+                      TransferShape{16, 16, 6, 4, 64, KvDtype::kBFloat16, 100, false},
+                      TransferShape{16, 32, 32, 8, 128, KvDtype::kBFloat16, 300, false}));
 
 // A small same-shape setup for the protocol tests.
 class UcxProtocolTest : public ::testing::Test {

@@ -118,7 +118,7 @@ UcxWorker::~UcxWorker() {
   close(wake_fd_);
 }
 
-void UcxWorker::Start(std::function<void()> tick) {
+void UcxWorker::Start(std::function<bool()> tick) {
   DUET_CHECK(!thread_.joinable());
   thread_ = std::thread([this, tick = std::move(tick)] { Loop(tick); });
 }
@@ -156,20 +156,26 @@ void UcxWorker::RunPosted() {
   for (auto& fn : batch) fn();
 }
 
-void UcxWorker::Loop(std::function<void()> tick) {
+void UcxWorker::Loop(std::function<bool()> tick) {
   absl::Time drain_deadline = absl::InfiniteFuture();
+  absl::Time last_activity = absl::InfinitePast();
   while (true) {
     RunPosted();
-    while (ucp_worker_progress(worker_) != 0) {
-    }
+    bool active = false;
+    while (ucp_worker_progress(worker_) != 0) active = true;
+    if (active) last_activity = absl::Now();
     if (stopping_) {
       if (drain_deadline == absl::InfiniteFuture()) drain_deadline = absl::Now() + kDrainLimit;
       if (drained_() || absl::Now() > drain_deadline) return;
       std::this_thread::yield();
       continue;
     }
-    tick();
-    WaitForEvents();
+    const bool in_flight = tick();
+    if (in_flight || absl::Now() - last_activity < options_.spin_after_activity) {
+      std::this_thread::yield();
+    } else {
+      WaitForEvents();
+    }
   }
 }
 

@@ -2,9 +2,13 @@
 //
 // Every ucp call that touches the worker (endpoints, RMA, active messages, progress) runs on the
 // progress thread: other threads hand it closures with Post() / Call(). That keeps the worker in
-// UCS_THREAD_MODE_SINGLE and makes every UCX callback run on that one thread. The thread sleeps
-// on the worker's event fd (UCP_FEATURE_WAKEUP) and wakes at least every `tick_period` to run the
-// owner's tick (timeouts, lease expiry).
+// UCS_THREAD_MODE_SINGLE and makes every UCX callback run on that one thread. While the owner
+// has operations in flight, or for `spin_after_activity` after the last UCX event, the thread
+// keeps progressing: sends queued inside UCX raise no events, and the target of an RMA put
+// emulated over active messages (UCX does that for shared memory and tcp) must progress for the
+// put to land, so sleeping between messages of a burst would cost a wake-up each. Otherwise it
+// sleeps on the worker's event fd (UCP_FEATURE_WAKEUP), waking at least
+// every `tick_period` to run the owner's tick (timeouts, lease expiry).
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -59,6 +63,7 @@ class UcxWorker {
   struct Options {
     std::string name = "duet-kv";
     absl::Duration tick_period = absl::Milliseconds(5);
+    absl::Duration spin_after_activity = absl::Milliseconds(2);
   };
 
   // Creates the context (features RMA, AM and WAKEUP; UCX_* environment variables apply) and
@@ -74,8 +79,9 @@ class UcxWorker {
   // The packed worker address a peer passes to ucp_ep_create.
   const std::string& address() const { return address_; }
 
-  // Starts the progress thread; `tick` runs on it at least every tick_period.
-  void Start(std::function<void()> tick);
+  // Starts the progress thread; `tick` runs on it at least every tick_period and returns whether
+  // operations are in flight (then the thread polls instead of sleeping).
+  void Start(std::function<bool()> tick);
   // Runs `shutdown` on the progress thread (close endpoints there), keeps progressing until
   // `drained()` is true, then joins the thread. Idempotent.
   void Stop(std::function<void()> shutdown, std::function<bool()> drained);
@@ -95,7 +101,7 @@ class UcxWorker {
  private:
   UcxWorker(const Options& options, ucp_context_h context, ucp_worker_h worker, int worker_fd,
             int wake_fd, std::string address);
-  void Loop(std::function<void()> tick);
+  void Loop(std::function<bool()> tick);
   void RunPosted();
   void Wake();
   void WaitForEvents();
