@@ -200,7 +200,7 @@ std::string ToNfc(std::string_view text) {
   for (char32_t cp : chars) {
     const int cls = CombiningClassOf(cp);
     if (starter != SIZE_MAX) {
-      const bool blocked = last_class != -1 && (last_class == 0 || last_class >= cls);
+      const bool blocked = last_class != -1 && last_class >= cls;
       if (!blocked) {
         if (char32_t composite = Compose(composed[starter], cp); composite != 0) {
           composed[starter] = composite;
