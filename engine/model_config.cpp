@@ -197,7 +197,12 @@ absl::Status ParseArchitecture(const Json& root, ModelConfig& config) {
       "' (supported: ", SupportedArchitectureList(), ")"));
 }
 
-// A positive, finite number from a rope scaling object.
+// RoPE runs in float32, so its parameters must be positive, normal float32 numbers.
+bool IsPositiveFloat32(double value) {
+  return value >= std::numeric_limits<float>::min() && value <= std::numeric_limits<float>::max();
+}
+
+// A positive number from a rope scaling object.
 absl::StatusOr<double> RequiredRopeNumber(const Json& scaling, const std::string& key,
                                           const std::string& where) {
   absl::StatusOr<std::optional<double>> value = OptionalDouble(scaling, key, where);
@@ -205,11 +210,21 @@ absl::StatusOr<double> RequiredRopeNumber(const Json& scaling, const std::string
   if (!value->has_value()) {
     return absl::InvalidArgumentError(absl::StrCat("config '", where, "' is missing '", key, "'"));
   }
-  if (!std::isfinite(**value) || **value <= 0) {
+  if (!IsPositiveFloat32(**value)) {
     return absl::InvalidArgumentError(absl::StrCat("config field '", FieldName(where, key),
-                                                   "' must be positive, got ", **value));
+                                                   "' must be a positive float32, got ", **value));
   }
   return **value;
+}
+
+// transformers rejects scaling factors below 1 (they would stretch, not compress, positions).
+absl::StatusOr<double> RequiredScalingFactor(const Json& scaling, const std::string& where) {
+  absl::StatusOr<double> factor = RequiredRopeNumber(scaling, "factor", where);
+  if (factor.ok() && *factor < 1.0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config field '", where, ".factor' must be at least 1, got ", *factor));
+  }
+  return factor;
 }
 
 // RoPE settings come either from transformers 5's `rope_parameters` (theta inside) or from
@@ -235,9 +250,9 @@ absl::Status ParseRope(const Json& root, RopeConfig& rope) {
     if (inner_theta->has_value()) *theta = *inner_theta;
   }
   rope.theta = theta->value_or(10000.0);
-  if (!std::isfinite(rope.theta) || rope.theta <= 0) {
+  if (!IsPositiveFloat32(rope.theta) || rope.theta < 1.0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("config rope_theta must be positive, got ", rope.theta));
+        absl::StrCat("config rope_theta must be in [1, FLT_MAX], got ", rope.theta));
   }
 
   std::string type = "default";
@@ -259,14 +274,14 @@ absl::Status ParseRope(const Json& root, RopeConfig& rope) {
   }
   if (type == "linear") {
     rope.type = RopeConfig::Type::kLinear;
-    absl::StatusOr<double> factor = RequiredRopeNumber(*scaling, "factor", where);
+    absl::StatusOr<double> factor = RequiredScalingFactor(*scaling, where);
     if (!factor.ok()) return factor.status();
     rope.factor = *factor;
     return absl::OkStatus();
   }
   if (type == "llama3") {
     rope.type = RopeConfig::Type::kLlama3;
-    absl::StatusOr<double> factor = RequiredRopeNumber(*scaling, "factor", where);
+    absl::StatusOr<double> factor = RequiredScalingFactor(*scaling, where);
     if (!factor.ok()) return factor.status();
     absl::StatusOr<double> low = RequiredRopeNumber(*scaling, "low_freq_factor", where);
     if (!low.ok()) return low.status();
@@ -279,7 +294,7 @@ absl::Status ParseRope(const Json& root, RopeConfig& rope) {
       return absl::InvalidArgumentError(absl::StrCat(
           "config '", where, "' needs a positive 'original_max_position_embeddings'"));
     }
-    if (*high <= *low) {
+    if (static_cast<float>(*high) <= static_cast<float>(*low)) {
       return absl::InvalidArgumentError(absl::StrCat("config '", where,
                                                      "' needs high_freq_factor (", *high,
                                                      ") > low_freq_factor (", *low, ")"));
@@ -308,6 +323,9 @@ absl::Status ParseSlidingWindow(const Json& root, ModelConfig& config) {
   }
   absl::StatusOr<std::optional<int64_t>> window = OptionalInt(root, "sliding_window");
   if (!window.ok()) return window.status();
+  // transformers' MistralConfig defaults sliding_window to 4096 when the key is absent; an
+  // explicit null means none.
+  if (config.model_type == "mistral" && !root.contains("sliding_window")) *window = 4096;
   if (!window->has_value()) return absl::OkStatus();
   if (**window <= 0) {
     return absl::InvalidArgumentError(
