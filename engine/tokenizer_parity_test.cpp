@@ -66,7 +66,9 @@ TEST_P(TokenizerParityTest, EncodeMatchesReferenceIds) {
         << "line " << i + 1 << " of " << expected_path << ": " << nlohmann::json(text).dump();
     // Byte-level BPE is lossless up to normalization; special tokens are kept in this check.
     const std::string decoded = tokenizer_->Decode(ids, /*skip_special_tokens=*/false);
-    if (GetParam() == "llama3") EXPECT_EQ(decoded, text) << "line " << i + 1;
+    if (GetParam() == "llama3") {
+      EXPECT_EQ(decoded, text) << "line " << i + 1;
+    }
   }
 }
 
