@@ -53,6 +53,13 @@ absl::Status ValidateBlockIds(const KvLayout& layout, std::span<const uint32_t> 
                                                    side, id, pool_num_blocks));
     }
   }
+  // Two token ranges written into one block would silently overwrite each other.
+  std::vector<uint32_t> sorted(block_ids.begin(), block_ids.end());
+  std::sort(sorted.begin(), sorted.end());
+  if (auto dup = std::adjacent_find(sorted.begin(), sorted.end()); dup != sorted.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s block id %u appears more than once", side, *dup));
+  }
   return absl::OkStatus();
 }
 

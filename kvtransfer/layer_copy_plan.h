@@ -24,8 +24,8 @@ struct CopyRange {
   bool operator==(const CopyRange&) const = default;
 };
 
-// Checks that `block_ids` holds exactly the blocks `num_tokens` tokens need and that each id is
-// below `pool_num_blocks`. `side` names the side in the error ("source", "destination").
+// Checks that `block_ids` holds exactly the blocks `num_tokens` tokens need, each id distinct
+// and below `pool_num_blocks`. `side` names the side in the error ("source", "destination").
 absl::Status ValidateBlockIds(const KvLayout& layout, std::span<const uint32_t> block_ids,
                               uint32_t num_tokens, uint32_t pool_num_blocks, const char* side);
 

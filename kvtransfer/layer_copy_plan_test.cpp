@@ -39,6 +39,9 @@ TEST(LayerCopyPlanTest, ValidateBlockIdsExplainsProblems) {
   EXPECT_EQ(ValidateBlockIds(layout, two, 17, 1, "destination").code(),
             absl::StatusCode::kOutOfRange);
   EXPECT_FALSE(ValidateBlockIds(layout, two, 0, 4, "source").ok());
+  const std::vector<uint32_t> repeated = {2, 2};
+  EXPECT_THAT(ValidateBlockIds(layout, repeated, 20, 4, "destination").message(),
+              HasSubstr("destination block id 2 appears more than once"));
 }
 
 struct ReblockCase {

@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/check.h"
 
 namespace duet::kvtransfer {
 
@@ -88,9 +89,10 @@ class UcxWorker {
 
   // Runs `fn` on the progress thread, soon.
   void Post(std::function<void()> fn);
-  // Runs `fn` on the progress thread and waits for its result.
+  // Runs `fn` on the progress thread and waits for its result. Never from the progress thread.
   template <typename Fn>
   auto Call(Fn fn) -> decltype(fn()) {
+    DUET_CHECK_MSG(!OnProgressThread(), "UcxWorker::Call from its own thread would deadlock");
     std::promise<decltype(fn())> result;
     auto future = result.get_future();
     Post([&] { result.set_value(fn()); });
