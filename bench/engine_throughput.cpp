@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
   int round = 0;
   for (int batch : batches) {
     for (int i = 0; i < batch; ++i) {
-      std::vector<int32_t> prompt(size_t(prompt_len));
+      std::vector<int32_t> prompt(static_cast<size_t>(prompt_len));
       for (int32_t& t : prompt) t = int32_t(3 + rng() % (e.model_config().vocab_size - 3));
       duet::SamplingParams p;
       p.temperature = 0.0f;

@@ -180,7 +180,7 @@ void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, 
 }
 
 absl::Status LlamaCpu::Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache,
-                               std::vector<float>& logits) {
+                               std::vector<float>& logits, const LayerDoneCallback& on_layer_done) {
   const ModelConfig& c = config_;
   const int64_t hidden = c.hidden_size, inter = c.intermediate_size, hd = c.head_dim;
   const int64_t nh = c.num_heads, nkv = c.num_kv_heads;
@@ -242,6 +242,7 @@ absl::Status LlamaCpu::Forward(absl::Span<const SequenceChunk> chunks, KvCache& 
       ApplyRope(r + nh * hd, nkv, positions[t]);  // keys
     }
     Attention(chunks, li, qkv.data(), cache, attn.data());
+    if (on_layer_done) on_layer_done(li, chunks);
     MatMulTransposed(attn.data(), l.o.data(), h.data(), num_tokens, hidden, nh * hd);
     for (int64_t t = 0; t < num_tokens; ++t) {
       float* xr = x.data() + t * hidden;

@@ -21,7 +21,8 @@ class LlamaCpu : public ModelExecutor {
 
   const ModelConfig& config() const override { return config_; }
   absl::Status Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache,
-                       std::vector<float>& logits) override;
+                       std::vector<float>& logits,
+                       const LayerDoneCallback& on_layer_done = nullptr) override;
 
  private:
   struct Layer {

@@ -62,8 +62,9 @@ LlmEngine::LlmEngine(std::unique_ptr<ModelExecutor> model, std::unique_ptr<Token
   }
 }
 
-absl::Status LlmEngine::AddRequest(const std::string& id, std::vector<int32_t> prompt,
-                                   SamplingParams params) {
+absl::StatusOr<std::unique_ptr<Request>> LlmEngine::NewRequest(const std::string& id,
+                                                               std::vector<int32_t> prompt,
+                                                               SamplingParams params, SequenceId seq_id) {
   if (absl::Status s = params.Validate(); !s.ok()) return s;
   if (requests_.count(id)) return absl::AlreadyExistsError(absl::StrCat("request id '", id, "' is in use"));
   const int64_t vocab = model_->config().vocab_size;
@@ -73,11 +74,54 @@ absl::Status LlmEngine::AddRequest(const std::string& id, std::vector<int32_t> p
           absl::StrCat("prompt token id ", t, " is outside the vocabulary [0, ", vocab, ")"));
     }
   }
-  auto request = std::make_unique<Request>(id, next_seq_id_++, std::move(prompt), std::move(params));
-  if (absl::Status s = scheduler_.Add(request.get()); !s.ok()) return s;
+  auto request = std::make_unique<Request>(id, seq_id, std::move(prompt), std::move(params));
   request->decoder = std::make_unique<StreamingDecoder>(*tokenizer_, request->prompt, true);
-  requests_.emplace(id, std::move(request));
+  return request;
+}
+
+absl::Status LlmEngine::AddRequest(const std::string& id, std::vector<int32_t> prompt,
+                                   SamplingParams params) {
+  absl::StatusOr<std::unique_ptr<Request>> request =
+      NewRequest(id, std::move(prompt), std::move(params), next_seq_id_++);
+  if (!request.ok()) return request.status();
+  if (absl::Status s = scheduler_.Add(request->get()); !s.ok()) return s;
+  requests_.emplace(id, std::move(*request));
   return absl::OkStatus();
+}
+
+absl::StatusOr<SequenceId> LlmEngine::ReserveKv(int64_t num_tokens) {
+  if (num_tokens <= 0 || num_tokens > config_.scheduler.max_model_len) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot reserve KV for ", num_tokens, " tokens"));
+  }
+  const SequenceId seq = next_seq_id_++;
+  if (absl::Status s = blocks_.Reserve(seq, num_tokens, 0, nullptr); !s.ok()) return s;
+  return seq;
+}
+
+void LlmEngine::ReleaseKv(SequenceId reservation) { blocks_.Free(reservation); }
+
+absl::StatusOr<RequestOutput> LlmEngine::AddPrefilledRequest(const std::string& id,
+                                                             std::vector<int32_t> prompt,
+                                                             SamplingParams params,
+                                                             SequenceId reservation,
+                                                             const SampledToken& first_token) {
+  const int64_t prompt_len = int64_t(prompt.size());
+  if (blocks_.Capacity(reservation) < prompt_len) {
+    return absl::FailedPreconditionError("the KV reservation does not cover the prompt");
+  }
+  absl::StatusOr<std::unique_ptr<Request>> request =
+      NewRequest(id, std::move(prompt), std::move(params), reservation);
+  if (!request.ok()) return request.status();
+  Request& r = **request;
+  if (absl::Status s = scheduler_.Add(&r); !s.ok()) return s;
+  r.num_computed_tokens = prompt_len;
+  // The prefill worker drew one number from this request's stream to sample the first token.
+  if (!r.params.greedy()) r.rng.Uniform();
+  r.first_scheduled_time = r.arrival_time;
+  requests_.emplace(id, std::move(*request));
+  RequestOutput out{id};
+  AppendToken(r, first_token, out);
+  return out;
 }
 
 bool LlmEngine::Abort(const std::string& id) {
@@ -162,7 +206,7 @@ void LlmEngine::AppendToken(Request& r, const SampledToken& token, RequestOutput
   }
 }
 
-absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
+absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallback& on_layer_done) {
   std::vector<RequestOutput> outputs;
   SchedulerOutput plan = scheduler_.Schedule();
   num_preemptions_ += plan.num_preempted;
@@ -176,9 +220,9 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
     Request& r = *sc.request;
     for (int64_t t = 0; t < sc.num_new_tokens; ++t) chunk_tokens[i].push_back(r.TokenAt(r.num_computed_tokens + t));
     chunks[i] = SequenceChunk{chunk_tokens[i], r.num_computed_tokens, blocks_.BlockTable(r.seq_id),
-                              sc.samples ? 1 : 0};
+                              r.seq_id, sc.samples ? 1 : 0};
   }
-  absl::Status forward = model_->Forward(chunks, cache_, logits_);
+  absl::Status forward = model_->Forward(chunks, cache_, logits_, on_layer_done);
   scheduler_.OnStepDone(plan);
   const int64_t vocab = model_->config().vocab_size;
   int64_t logit_row = 0;

@@ -59,7 +59,20 @@ class LlmEngine {
   // Finishes a request with reason abort and frees its blocks; false if it is unknown.
   bool Abort(const std::string& id);
   // Runs one scheduling step and forward pass; returns the requests that advanced.
-  absl::StatusOr<std::vector<RequestOutput>> Step();
+  // `on_layer_done` sees each layer's K/V as soon as the step has written it.
+  absl::StatusOr<std::vector<RequestOutput>> Step(const LayerDoneCallback& on_layer_done = nullptr);
+
+  // Disaggregated decode. ReserveKv sets aside blocks for `num_tokens` prompt tokens that a
+  // prefill worker will write (BlockTable gives their ids); AddPrefilledRequest then joins the
+  // request to the batch with those blocks and the first token the prefill worker sampled.
+  // ReleaseKv returns a reservation that will not be used (cancelled, transfer failed).
+  absl::StatusOr<SequenceId> ReserveKv(int64_t num_tokens);
+  void ReleaseKv(SequenceId reservation);
+  const std::vector<int32_t>& BlockTable(SequenceId seq) const { return blocks_.BlockTable(seq); }
+  absl::StatusOr<RequestOutput> AddPrefilledRequest(const std::string& id, std::vector<int32_t> prompt,
+                                                    SamplingParams params, SequenceId reservation,
+                                                    const SampledToken& first_token);
+  KvCache& kv_cache() { return cache_; }
   bool HasUnfinished() const { return scheduler_.HasWork(); }
 
   // A finished request stays readable until Release (timings, logprobs).
@@ -75,6 +88,8 @@ class LlmEngine {
   // Appends a sampled token; finishes the request on EOS, stop id, stop string or length.
   void AppendToken(Request& r, const SampledToken& token, RequestOutput& out);
   void FinishRequest(Request& r, FinishReason reason);
+  absl::StatusOr<std::unique_ptr<Request>> NewRequest(const std::string& id, std::vector<int32_t> prompt,
+                                                      SamplingParams params, SequenceId seq_id);
 
   EngineConfig config_;
   std::unique_ptr<ModelExecutor> model_;
