@@ -161,7 +161,11 @@ void LlmEngine::AppendToken(Request& r, const SampledToken& token, RequestOutput
   if (p.logprobs >= 0) {
     r.output_logprobs.push_back(token.logprob);
     r.output_top_logprobs.push_back(token.top_logprobs);
+    out.new_logprobs.push_back(token.logprob);
+    out.new_top_logprobs.push_back(token.top_logprobs);
   }
+  out.num_prompt_tokens = int32_t(r.prompt.size());
+  out.num_output_tokens = int32_t(r.output.size());
   if (r.first_token_time == Clock::time_point{}) r.first_token_time = Clock::now();
 
   FinishReason reason = FinishReason::kNone;

@@ -34,9 +34,14 @@ struct RequestOutput {
   std::string id;
   std::vector<int32_t> new_token_ids;
   std::string new_text;
+  // With params.logprobs >= 0: per new token, its logprob and the top-N alternatives.
+  std::vector<float> new_logprobs;
+  std::vector<std::vector<TokenLogprob>> new_top_logprobs;
   bool finished = false;
   FinishReason finish_reason = FinishReason::kNone;
   std::string error;  // with FinishReason::kError
+  int32_t num_prompt_tokens = 0;
+  int32_t num_output_tokens = 0;  // so far
 };
 
 struct EngineStats {

@@ -1,0 +1,86 @@
+#include "engine/engine_loop.h"
+
+#include <cstdio>
+
+namespace duet {
+
+EngineLoop::EngineLoop(std::unique_ptr<LlmEngine> engine, LayerDoneCallback on_layer_done)
+    : engine_(std::move(engine)), on_layer_done_(std::move(on_layer_done)) {
+  stats_ = engine_->Stats();
+  thread_ = std::thread([this] { Run(); });
+}
+
+EngineLoop::~EngineLoop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void EngineLoop::Post(std::function<void(LlmEngine&)> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.push_back(std::move(fn));
+  }
+  cv_.notify_one();
+}
+
+void EngineLoop::Subscribe(const std::string& id, OutputCallback callback) {
+  subscribers_[id] = std::move(callback);
+}
+
+void EngineLoop::Unsubscribe(const std::string& id) { subscribers_.erase(id); }
+
+void EngineLoop::Abort(const std::string& id) {
+  Post([this, id](LlmEngine&) { AbortOnLoop(id); });
+}
+
+void EngineLoop::AbortOnLoop(const std::string& id) {
+  if (!engine_->Abort(id)) return;
+  RequestOutput out{id};
+  out.finished = true;
+  out.finish_reason = FinishReason::kAbort;
+  Deliver(out);
+}
+
+void EngineLoop::Deliver(const RequestOutput& out) {
+  auto it = subscribers_.find(out.id);
+  if (it != subscribers_.end()) {
+    OutputCallback callback = it->second;
+    if (out.finished) subscribers_.erase(it);
+    callback(out);
+  }
+  if (out.finished) engine_->Release(out.id);
+}
+
+EngineStats EngineLoop::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void EngineLoop::Run() {
+  for (;;) {
+    std::vector<std::function<void(LlmEngine&)>> work;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !pending_.empty() || engine_->HasUnfinished(); });
+      if (stopping_) return;
+      work.swap(pending_);
+    }
+    for (auto& fn : work) fn(*engine_);
+    if (engine_->HasUnfinished()) {
+      absl::StatusOr<std::vector<RequestOutput>> outputs = engine_->Step(on_layer_done_);
+      if (!outputs.ok()) {
+        std::fprintf(stderr, "engine step failed: %s\n", std::string(outputs.status().message()).c_str());
+      } else {
+        for (const RequestOutput& out : *outputs) Deliver(out);
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_ = engine_->Stats();
+  }
+}
+
+}  // namespace duet

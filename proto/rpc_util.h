@@ -1,0 +1,33 @@
+// Shared pieces of Duet's gRPC services: status and sampling conversions, server start-up with
+// health checking and reflection.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "duet/v1/duet.pb.h"
+#include "engine/sampler.h"
+#include "engine/sampling_params.h"
+#include "grpcpp/grpcpp.h"
+
+namespace duet::rpc {
+
+grpc::Status ToGrpc(const absl::Status& status);
+absl::Status FromGrpc(const grpc::Status& status);
+
+// Proto options → engine params (defaults as vLLM's), validated: InvalidArgument names the field.
+absl::StatusOr<SamplingParams> ToSamplingParams(const v1::SamplingOptions& options);
+v1::SamplingOptions ToSamplingOptions(const SamplingParams& params);
+
+void ToProto(const SampledToken& token, v1::TokenLogprobs* out);
+SampledToken FromProto(int32_t token_id, const v1::TokenLogprobs& logprobs);
+
+// Starts a server on `address` ("host:port"; port 0 picks a free one) with the given services,
+// grpc.health.v1 health checking and server reflection. `bound_port` receives the real port.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& address,
+                                                          const std::vector<grpc::Service*>& services,
+                                                          int* bound_port);
+
+}  // namespace duet::rpc
