@@ -22,4 +22,22 @@ struct TokenizeOptions {
 };
 int RunTokenize(const TokenizeOptions& options);
 
+struct ServeOptions {
+  EngineConfig engine;  // passed to every worker
+  int num_prefill_workers = 1;
+  int num_decode_workers = 1;
+  int grpc_port = 50051;
+  int max_concurrent_requests = 256;
+};
+int RunServe(const ServeOptions& options);
+
+struct CompleteOptions {
+  std::string address = "127.0.0.1:50051";
+  std::string prompt;
+  int max_tokens = 64;
+  float temperature = 0.0f;
+  int timeout_s = 120;
+};
+int RunComplete(const CompleteOptions& options);
+
 }  // namespace duet

@@ -1,29 +1,24 @@
-// duet: the command-line entry point.
+// duet: the command-line entry point. Offline commands (generate, tokenize), the cluster on one
+// machine (serve), its roles as separate processes (router, prefill-worker, decode-worker, for
+// Kubernetes), and a small client (complete).
 #include <cstdio>
 
 #include "CLI/CLI.hpp"
 #include "cli/commands.h"
+#include "cli/engine_flags.h"
+#include "cli/role_commands.h"
+
 
 int main(int argc, char** argv) {
   CLI::App app{"Duet: disaggregated LLM serving"};
   app.require_subcommand(1);
 
   duet::GenerateOptions gen;
-  double kv_cache_gib = 1.0;
+  duet::EngineFlags gen_flags{&gen.engine};
   CLI::App* generate = app.add_subcommand("generate", "Offline batch generation (JSONL in, JSONL out)");
-  generate->add_option("--model", gen.engine.model_dir, "Hugging Face model directory")->required();
+  gen_flags.Add(generate);
   generate->add_option("--input", gen.input_path, "Input JSONL, one request per line")->required();
   generate->add_option("--output", gen.output_path, "Output JSONL")->required();
-  generate->add_option("--backend", gen.engine.backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  generate->add_option("--block-size", gen.engine.block_size, "Tokens per KV-cache block")->check(CLI::Range(1, 1024));
-  generate->add_option("--num-kv-blocks", gen.engine.num_kv_blocks, "KV-cache blocks (default: from --kv-cache-gib)")
-      ->check(CLI::Range(1, 1 << 28));
-  generate->add_option("--kv-cache-gib", kv_cache_gib, "KV-cache memory in GiB")->check(CLI::Range(0.001, 4096.0));
-  generate->add_option("--max-num-seqs", gen.engine.scheduler.max_num_seqs, "Requests per batch")->check(CLI::Range(1, 65536));
-  generate->add_option("--max-num-batched-tokens", gen.engine.scheduler.max_num_batched_tokens, "Tokens per step")
-      ->check(CLI::Range(1, 1 << 24));
-  generate->add_option("--max-model-len", gen.engine.scheduler.max_model_len, "Context limit (default: the model's)");
-  gen.engine.scheduler.max_model_len = 0;
 
   duet::TokenizeOptions tok;
   CLI::App* tokenize = app.add_subcommand("tokenize", "Tokenize texts (JSONL {\"text\"} → {\"ids\"})");
@@ -31,11 +26,36 @@ int main(int argc, char** argv) {
   tokenize->add_option("--input", tok.input_path, "Input JSONL")->required();
   tokenize->add_option("--output", tok.output_path, "Output JSONL")->required();
 
+  duet::ServeOptions serve;
+  duet::EngineFlags serve_flags{&serve.engine};
+  CLI::App* serve_cmd = app.add_subcommand("serve", "Run router, prefill and decode workers on this machine");
+  serve_flags.Add(serve_cmd);
+  serve_cmd->add_option("--prefill-workers", serve.num_prefill_workers, "Prefill worker processes")->check(CLI::Range(1, 64));
+  serve_cmd->add_option("--decode-workers", serve.num_decode_workers, "Decode worker processes")->check(CLI::Range(1, 64));
+  serve_cmd->add_option("--grpc-port", serve.grpc_port, "Router gRPC port (0: any free port)")->check(CLI::Range(0, 65535));
+  serve_cmd->add_option("--max-concurrent-requests", serve.max_concurrent_requests, "Admission limit at the router")
+      ->check(CLI::Range(1, 1 << 20));
+
+  duet::CompleteOptions complete;
+  CLI::App* complete_cmd = app.add_subcommand("complete", "Send one prompt to a running router and stream the text");
+  complete_cmd->add_option("--address", complete.address, "Router host:port");
+  complete_cmd->add_option("--prompt", complete.prompt, "Prompt text")->required();
+  complete_cmd->add_option("--max-tokens", complete.max_tokens)->check(CLI::Range(1, 1 << 20));
+  complete_cmd->add_option("--temperature", complete.temperature)->check(CLI::Range(0.0, 100.0));
+
+  duet::RoleCommands roles(app);
+
   CLI11_PARSE(app, argc, argv);
   if (generate->parsed()) {
-    gen.engine.kv_cache_bytes = static_cast<int64_t>(kv_cache_gib * (1ull << 30));
+    gen_flags.Finish();
     return duet::RunGenerate(gen);
   }
   if (tokenize->parsed()) return duet::RunTokenize(tok);
+  if (serve_cmd->parsed()) {
+    serve_flags.Finish();
+    return duet::RunServe(serve);
+  }
+  if (complete_cmd->parsed()) return duet::RunComplete(complete);
+  if (std::optional<int> code = roles.RunParsed()) return *code;
   return 1;
 }

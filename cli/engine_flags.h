@@ -1,0 +1,33 @@
+// Engine flags shared by every command that runs a model (generate, serve, the workers).
+#pragma once
+
+#include "CLI/CLI.hpp"
+#include "engine/llm_engine.h"
+
+namespace duet {
+
+// Engine flags shared by every command that runs a model.
+struct EngineFlags {
+  duet::EngineConfig* config;
+  double kv_cache_gib = 1.0;
+
+  void Add(CLI::App* app, bool model_required = true) {
+    auto* model = app->add_option("--model", config->model_dir, "Hugging Face model directory");
+    if (model_required) model->required();
+    app->add_option("--backend", config->backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+    app->add_option("--block-size", config->block_size, "Tokens per KV-cache block")->check(CLI::Range(1, 1024));
+    app->add_option("--num-kv-blocks", config->num_kv_blocks, "KV-cache blocks (default: from --kv-cache-gib)")
+        ->check(CLI::Range(1, 1 << 28));
+    app->add_option("--kv-cache-gib", kv_cache_gib, "KV-cache memory in GiB")->check(CLI::Range(0.001, 4096.0));
+    app->add_option("--max-num-seqs", config->scheduler.max_num_seqs, "Requests per batch")->check(CLI::Range(1, 65536));
+    app->add_option("--max-num-batched-tokens", config->scheduler.max_num_batched_tokens, "Tokens per step")
+        ->check(CLI::Range(1, 1 << 24));
+    app->add_option("--max-model-len", config->scheduler.max_model_len, "Context limit (default: the model's)")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+    config->scheduler.max_model_len = 0;
+  }
+  void Finish() { config->kv_cache_bytes = static_cast<int64_t>(kv_cache_gib * double(1ull << 30)); }
+};
+
+
+}  // namespace duet

@@ -1,0 +1,218 @@
+// The disaggregated cluster as users meet it: real router, prefill and decode processes on
+// loopback, KV over UCX, requests through the public gRPC API.
+#include <signal.h>
+
+#include <fstream>
+#include <future>
+#include <thread>
+
+#include "grpcpp/health_check_service_interface.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "tests/integration/local_cluster.h"
+#include "tests/integration/process.h"
+
+namespace duet {
+namespace {
+
+using nlohmann::json;
+using testing::LocalCluster;
+using testing::RunGenerate;
+using testing::StreamResult;
+
+json Reference() {
+  std::ifstream in(std::string(DUET_MODELS_DIR) + "/tiny-code-llama/reference_greedy.json");
+  return json::parse(in);
+}
+
+v1::GenerateRequest TokenRequest(const std::vector<int32_t>& ids, int max_tokens) {
+  v1::GenerateRequest r;
+  for (int32_t id : ids) r.mutable_token_ids()->add_ids(id);
+  r.mutable_sampling()->set_temperature(0.0f);
+  r.mutable_sampling()->set_max_tokens(max_tokens);
+  return r;
+}
+
+// Waits until every decode and prefill worker reports all KV blocks free and no leases.
+bool WaitForIdleKv(LocalCluster& cluster, size_t expected_decode, std::string* detail) {
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    bool idle = true;
+    std::vector<v1::WorkerStats> all = cluster.DecodeStats();
+    if (all.size() != expected_decode) idle = false;
+    for (const v1::WorkerStats& s : cluster.PrefillStats()) all.push_back(s);
+    *detail = "";
+    for (const v1::WorkerStats& s : all) {
+      *detail += s.ShortDebugString() + "\n";
+      if (s.num_free_kv_blocks() != s.num_kv_blocks() || s.num_kv_leases() != 0 ||
+          s.num_requests_running() != 0 || s.num_requests_waiting() != 0) {
+        idle = false;
+      }
+    }
+    if (idle) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return false;
+}
+
+bool RouterServing(LocalCluster& cluster) {
+  auto stub = grpc::health::v1::Health::NewStub(cluster.router_channel());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  grpc::health::v1::HealthCheckRequest req;
+  grpc::health::v1::HealthCheckResponse resp;
+  return stub->Check(&ctx, req, &resp).ok() && resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
+
+TEST(ClusterTest, ReferenceGreedyCasesConcurrentlyMatchExactly) {
+  LocalCluster cluster({/*num_prefill=*/2, /*num_decode=*/2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const json ref = Reference();
+  std::vector<std::future<StreamResult>> results;
+  for (const json& c : ref["cases"]) {
+    v1::GenerateRequest r = TokenRequest(c["prompt_ids"].get<std::vector<int32_t>>(), 128);
+    results.push_back(std::async(std::launch::async, [&cluster, r] { return RunGenerate(cluster.router(), r); }));
+  }
+  for (size_t i = 0; i < results.size(); ++i) {
+    StreamResult got = results[i].get();
+    ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+    EXPECT_EQ(got.token_ids, ref["cases"][i]["greedy_ids"].get<std::vector<int32_t>>()) << "case " << i;
+    EXPECT_EQ(got.text, ref["cases"][i]["greedy_text"].get<std::string>()) << "case " << i;
+    EXPECT_EQ(got.finish_reason, "length");
+  }
+  std::string detail;
+  EXPECT_TRUE(WaitForIdleKv(cluster, 2, &detail)) << detail;
+}
+
+// The same mixed batch (seeded sampling, penalties, stop strings) through the cluster and
+// through `duet generate` gives the same tokens and text.
+TEST(ClusterTest, SampledRequestsEqualDuetGenerate) {
+  const std::vector<std::string> prompts = {"def merge_sort(items):\n", "class Stack:\n    def __init__(self):\n",
+                                            "import json\n\n\ndef load(path):\n", "for i in range(10):\n"};
+  std::vector<json> rows;
+  for (int i = 0; i < 12; ++i) {
+    json row = {{"id", "s" + std::to_string(i)}, {"prompt", prompts[size_t(i) % prompts.size()]},
+                {"max_tokens", 40}, {"temperature", 0.7 + 0.05 * (i % 4)}, {"top_p", 0.95},
+                {"top_k", i % 3 == 0 ? 0 : 40}, {"seed", 100 + i}};
+    if (i % 4 == 1) row["stop"] = json::array({"\n\n"});
+    if (i % 4 == 2) row["min_p"] = 0.05;
+    if (i == 3) row["temperature"] = 0;
+    rows.push_back(row);
+  }
+  const std::string dir = testing::MakeTempDir("cluster-vs-generate");
+  testing::WriteJsonlFile(dir + "/in.jsonl", rows);
+  ASSERT_EQ(testing::RunCommand(testing::DuetBinary() + " generate --model " DUET_MODELS_DIR
+                                "/tiny-code-llama --input " + dir + "/in.jsonl --output " + dir + "/out.jsonl",
+                                dir + "/log.txt"), 0) << testing::ReadText(dir + "/log.txt");
+  const std::vector<json> expected = testing::ReadJsonlFile(dir + "/out.jsonl");
+
+  LocalCluster cluster({1, 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  std::vector<std::future<StreamResult>> results;
+  for (const json& row : rows) {
+    v1::GenerateRequest r;
+    r.set_text(row["prompt"].get<std::string>());
+    v1::SamplingOptions* s = r.mutable_sampling();
+    s->set_max_tokens(row["max_tokens"].get<int>());
+    s->set_temperature(row["temperature"].get<float>());
+    s->set_top_p(row["top_p"].get<float>());
+    s->set_top_k(row["top_k"].get<int>());
+    s->set_seed(row["seed"].get<uint64_t>());
+    if (row.contains("stop")) s->add_stop(row["stop"][0].get<std::string>());
+    if (row.contains("min_p")) s->set_min_p(row["min_p"].get<float>());
+    results.push_back(std::async(std::launch::async, [&cluster, r] { return RunGenerate(cluster.router(), r); }));
+  }
+  for (size_t i = 0; i < rows.size(); ++i) {
+    StreamResult got = results[i].get();
+    ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+    EXPECT_EQ(got.token_ids, expected[i]["token_ids"].get<std::vector<int32_t>>()) << rows[i].dump();
+    EXPECT_EQ(got.text, expected[i]["text"].get<std::string>()) << rows[i].dump();
+    EXPECT_EQ(got.finish_reason, expected[i]["finish_reason"].get<std::string>()) << rows[i].dump();
+  }
+}
+
+TEST(ClusterTest, SixtyFourConcurrentStreamsOnTwoPlusTwoWorkers) {
+  LocalCluster cluster({2, 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const json ref = Reference();
+  std::vector<std::future<StreamResult>> results;
+  for (int i = 0; i < 64; ++i) {
+    const json& c = ref["cases"][size_t(i) % ref["cases"].size()];
+    v1::GenerateRequest r = TokenRequest(c["prompt_ids"].get<std::vector<int32_t>>(), 24);
+    results.push_back(std::async(std::launch::async, [&cluster, r] { return RunGenerate(cluster.router(), r); }));
+  }
+  for (int i = 0; i < 64; ++i) {
+    StreamResult got = results[size_t(i)].get();
+    ASSERT_TRUE(got.status.ok()) << i << ": " << got.status.error_message();
+    const std::vector<int32_t> want = ref["cases"][size_t(i) % ref["cases"].size()]["greedy_ids"].get<std::vector<int32_t>>();
+    EXPECT_EQ(got.token_ids, std::vector<int32_t>(want.begin(), want.begin() + 24)) << i;
+  }
+  std::string detail;
+  EXPECT_TRUE(WaitForIdleKv(cluster, 2, &detail)) << detail;
+}
+
+TEST(ClusterTest, CancellationAndDeadlinesReturnKvBlocksAndRouterStaysHealthy) {
+  LocalCluster cluster({1, 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const json ref = Reference();
+  std::vector<std::future<StreamResult>> cancelled, expired;
+  for (int i = 0; i < 6; ++i) {
+    v1::GenerateRequest r = TokenRequest(ref["cases"][size_t(i)]["prompt_ids"].get<std::vector<int32_t>>(), 2000);
+    r.mutable_sampling()->set_ignore_eos(true);
+    cancelled.push_back(std::async(std::launch::async, [&cluster, r] { return RunGenerate(cluster.router(), r, 5); }));
+    expired.push_back(std::async(std::launch::async, [&cluster, r] { return RunGenerate(cluster.router(), r, 0, 700); }));
+  }
+  for (auto& f : cancelled) {
+    StreamResult got = f.get();
+    EXPECT_EQ(got.status.error_code(), grpc::StatusCode::CANCELLED) << got.status.error_message();
+  }
+  for (auto& f : expired) {
+    StreamResult got = f.get();
+    EXPECT_EQ(got.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << got.status.error_message();
+  }
+  std::string detail;
+  EXPECT_TRUE(WaitForIdleKv(cluster, 2, &detail)) << detail;
+  EXPECT_TRUE(RouterServing(cluster));
+  StreamResult after = RunGenerate(cluster.router(), TokenRequest(ref["cases"][4]["prompt_ids"].get<std::vector<int32_t>>(), 16));
+  ASSERT_TRUE(after.status.ok()) << after.status.error_message();
+  EXPECT_EQ(after.token_ids.size(), 16u);
+}
+
+TEST(ClusterTest, KilledDecodeWorkerFailsItsStreamsPromptlyAndSurvivorsServe) {
+  LocalCluster cluster({1, 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const json ref = Reference();
+  std::vector<std::future<StreamResult>> streams;
+  for (int i = 0; i < 8; ++i) {
+    v1::GenerateRequest r = TokenRequest(ref["cases"][size_t(i)]["prompt_ids"].get<std::vector<int32_t>>(), 3000);
+    r.mutable_sampling()->set_ignore_eos(true);
+    streams.push_back(std::async(std::launch::async, [&cluster, r] { return RunGenerate(cluster.router(), r); }));
+  }
+  // Let every stream start on one of the two decode workers, then kill the first.
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  const auto killed_at = std::chrono::steady_clock::now();
+  cluster.decode_process(0).Signal(SIGKILL);
+  int unavailable = 0;
+  for (auto& f : streams) {
+    // Streams on the dead worker end promptly; the others run to their (long) end or are
+    // still going — wait only a bounded time for those.
+    if (f.wait_for(std::chrono::seconds(10)) != std::future_status::ready) continue;
+    StreamResult got = f.get();
+    if (got.status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+      ++unavailable;
+      EXPECT_LT(std::chrono::steady_clock::now() - killed_at, std::chrono::seconds(10));
+      EXPECT_FALSE(got.status.error_message().empty());
+    }
+  }
+  EXPECT_GE(unavailable, 1);
+  EXPECT_TRUE(RouterServing(cluster));
+  // New requests go to the survivor.
+  for (int i = 0; i < 4; ++i) {
+    StreamResult after = RunGenerate(cluster.router(), TokenRequest(ref["cases"][4]["prompt_ids"].get<std::vector<int32_t>>(), 8));
+    ASSERT_TRUE(after.status.ok()) << after.status.error_message();
+    EXPECT_EQ(after.token_ids.size(), 8u);
+  }
+}
+
+}  // namespace
+}  // namespace duet

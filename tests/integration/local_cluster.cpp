@@ -1,0 +1,100 @@
+#include "tests/integration/local_cluster.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace duet::testing {
+namespace {
+
+constexpr char kReady[] = "DUET_READY port=";
+constexpr auto kStartTimeout = std::chrono::seconds(120);
+
+std::string Duet() { return std::string(DUET_BIN_DIR) + "/duet"; }
+std::string Model() { return std::string(DUET_MODELS_DIR) + "/tiny-code-llama"; }
+
+}  // namespace
+
+LocalCluster::LocalCluster(const ClusterOptions& options) {
+  std::vector<std::string> decode_addrs, prefill_addrs;
+  auto start = [&](const char* role, std::vector<std::unique_ptr<Subprocess>>& procs,
+                   std::vector<std::string>& addrs) -> bool {
+    std::vector<std::string> argv = {Duet(), role, "--model", Model(), "--port", "0"};
+    argv.insert(argv.end(), options.worker_flags.begin(), options.worker_flags.end());
+    absl::StatusOr<std::unique_ptr<Subprocess>> p = Subprocess::Start(argv);
+    if (!p.ok()) { error_ = std::string(p.status().message()); return false; }
+    absl::StatusOr<std::string> port = (*p)->WaitForLine(kReady, kStartTimeout);
+    procs.push_back(std::move(*p));
+    if (!port.ok()) { error_ = absl::StrCat(role, ": ", port.status().message()); return false; }
+    addrs.push_back(absl::StrCat("127.0.0.1:", *port));
+    return true;
+  };
+  for (int i = 0; i < options.num_decode; ++i) if (!start("decode-worker", decode_, decode_addrs)) return;
+  for (int i = 0; i < options.num_prefill; ++i) if (!start("prefill-worker", prefill_, prefill_addrs)) return;
+  std::vector<std::string> argv = {Duet(), "router", "--model", Model(), "--port", "0",
+                                   "--prefill", absl::StrJoin(prefill_addrs, ","),
+                                   "--decode", absl::StrJoin(decode_addrs, ",")};
+  argv.insert(argv.end(), options.router_flags.begin(), options.router_flags.end());
+  absl::StatusOr<std::unique_ptr<Subprocess>> r = Subprocess::Start(argv);
+  if (!r.ok()) { error_ = std::string(r.status().message()); return; }
+  absl::StatusOr<std::string> port = (*r)->WaitForLine(kReady, kStartTimeout);
+  router_.push_back(std::move(*r));
+  if (!port.ok()) { error_ = absl::StrCat("router: ", port.status().message()); return; }
+  router_port_ = std::atoi(port->c_str());
+  router_channel_ = grpc::CreateChannel(absl::StrCat("127.0.0.1:", router_port_), grpc::InsecureChannelCredentials());
+  router_stub_ = v1::Duet::NewStub(router_channel_);
+  for (const std::string& a : decode_addrs) {
+    decode_stubs_.push_back(v1::DecodeWorker::NewStub(grpc::CreateChannel(a, grpc::InsecureChannelCredentials())));
+  }
+  for (const std::string& a : prefill_addrs) {
+    prefill_stubs_.push_back(v1::PrefillWorker::NewStub(grpc::CreateChannel(a, grpc::InsecureChannelCredentials())));
+  }
+  ok_ = true;
+}
+
+LocalCluster::~LocalCluster() {
+  for (auto& p : router_) p->Stop();
+  for (auto& p : prefill_) p->Stop();
+  for (auto& p : decode_) p->Stop();
+}
+
+namespace {
+template <typename Stub>
+std::vector<v1::WorkerStats> Stats(std::vector<std::unique_ptr<Stub>>& stubs) {
+  std::vector<v1::WorkerStats> out;
+  for (auto& stub : stubs) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    v1::WorkerStats stats;
+    if (stub->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok()) out.push_back(stats);
+  }
+  return out;
+}
+}  // namespace
+
+std::vector<v1::WorkerStats> LocalCluster::DecodeStats() { return Stats(decode_stubs_); }
+std::vector<v1::WorkerStats> LocalCluster::PrefillStats() { return Stats(prefill_stubs_); }
+
+StreamResult RunGenerate(v1::Duet::Stub& stub, const v1::GenerateRequest& request,
+                         int cancel_after_tokens, int deadline_ms) {
+  StreamResult result;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(deadline_ms > 0 ? deadline_ms : 300000));
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = stub.Generate(&ctx, request);
+  v1::GenerateResponse msg;
+  bool cancelled = false;
+  while (reader->Read(&msg)) {
+    ++result.messages;
+    result.token_ids.insert(result.token_ids.end(), msg.token_ids().begin(), msg.token_ids().end());
+    result.text += msg.text();
+    if (msg.finished()) result.finish_reason = msg.finish_reason();
+    if (!cancelled && cancel_after_tokens > 0 && int(result.token_ids.size()) >= cancel_after_tokens) {
+      ctx.TryCancel();
+      cancelled = true;
+    }
+  }
+  result.status = reader->Finish();
+  return result;
+}
+
+}  // namespace duet::testing

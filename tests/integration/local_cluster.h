@@ -1,0 +1,62 @@
+// A Duet cluster of real processes on loopback for integration tests: decode workers, prefill
+// workers and a router started from build/bin/duet on ephemeral ports, stopped on destruction.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/subprocess.h"
+#include "duet/v1/duet.grpc.pb.h"
+#include "duet/v1/worker.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace duet::testing {
+
+struct ClusterOptions {
+  int num_prefill = 1;
+  int num_decode = 1;
+  std::vector<std::string> worker_flags;  // extra flags for every worker
+  std::vector<std::string> router_flags;
+};
+
+class LocalCluster {
+ public:
+  explicit LocalCluster(const ClusterOptions& options);
+  ~LocalCluster();
+  bool ok() const { return ok_; }
+  const std::string& error() const { return error_; }
+
+  v1::Duet::Stub& router() { return *router_stub_; }
+  std::shared_ptr<grpc::Channel> router_channel() { return router_channel_; }
+  int router_port() const { return router_port_; }
+  std::vector<v1::WorkerStats> DecodeStats();   // one per decode worker still answering
+  std::vector<v1::WorkerStats> PrefillStats();
+  Subprocess& decode_process(int i) { return *decode_[size_t(i)]; }
+
+ private:
+  bool ok_ = false;
+  std::string error_;
+  std::vector<std::unique_ptr<Subprocess>> decode_, prefill_, router_;
+  std::vector<std::unique_ptr<v1::DecodeWorker::Stub>> decode_stubs_;
+  std::vector<std::unique_ptr<v1::PrefillWorker::Stub>> prefill_stubs_;
+  std::shared_ptr<grpc::Channel> router_channel_;
+  std::unique_ptr<v1::Duet::Stub> router_stub_;
+  int router_port_ = 0;
+};
+
+// Everything one Generate stream returned.
+struct StreamResult {
+  grpc::Status status;
+  std::vector<int32_t> token_ids;
+  std::string text;
+  std::string finish_reason;
+  int messages = 0;
+};
+
+// Runs Generate to the end. With cancel_after_tokens > 0 the client cancels once it has that
+// many tokens; with deadline_ms > 0 the call has that deadline.
+StreamResult RunGenerate(v1::Duet::Stub& stub, const v1::GenerateRequest& request,
+                         int cancel_after_tokens = 0, int deadline_ms = 0);
+
+}  // namespace duet::testing
