@@ -1,0 +1,89 @@
+// Test doubles of the internal PrefillWorker and DecodeWorker services, served in-process on a
+// loopback port, with knobs for the failures the router must handle.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "duet/v1/worker.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace duet::router::testing {
+
+class FakePrefillWorker final : public v1::PrefillWorker::Service {
+ public:
+  grpc::Status Prefill(grpc::ServerContext* context, const v1::PrefillRequest* request,
+                       v1::PrefillResponse* response) override;
+  grpc::Status Abort(grpc::ServerContext* context, const v1::WorkerAbortRequest* request,
+                     v1::WorkerAbortResponse* response) override;
+  grpc::Status GetStats(grpc::ServerContext* context, const v1::GetStatsRequest* request,
+                        v1::WorkerStats* response) override;
+
+  std::atomic<int> first_token{1000};
+  std::atomic<int> prefill_delay_ms{0};
+  std::atomic<bool> fail_unavailable{false};  // Prefill returns UNAVAILABLE
+  std::atomic<int> num_prefills{0};
+  std::atomic<int> num_cancelled{0};          // Prefill calls that saw their cancellation
+
+  std::vector<int32_t> last_prompt() const;
+  std::vector<std::string> aborted() const;
+
+ private:
+  mutable absl::Mutex mu_;
+  std::vector<int32_t> last_prompt_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> aborted_ ABSL_GUARDED_BY(mu_);
+};
+
+// Decode streams first_token_id, then first_token_id+1, ... (max_tokens in all), one token per
+// message, the last one finished with "length" and usage.
+class FakeDecodeWorker final : public v1::DecodeWorker::Service {
+ public:
+  grpc::Status ReserveKv(grpc::ServerContext* context, const v1::ReserveKvRequest* request,
+                         v1::ReserveKvResponse* response) override;
+  grpc::Status Decode(grpc::ServerContext* context, const v1::DecodeRequest* request,
+                      grpc::ServerWriter<v1::GenerateResponse>* writer) override;
+  grpc::Status Abort(grpc::ServerContext* context, const v1::WorkerAbortRequest* request,
+                     v1::WorkerAbortResponse* response) override;
+  grpc::Status GetStats(grpc::ServerContext* context, const v1::GetStatsRequest* request,
+                        v1::WorkerStats* response) override;
+
+  std::atomic<int> token_delay_ms{0};
+  std::atomic<bool> kv_full{false};           // ReserveKv returns RESOURCE_EXHAUSTED
+  std::atomic<int> fail_after_tokens{-1};     // Decode returns UNAVAILABLE after this many tokens
+  std::atomic<int> free_blocks{100};
+  std::atomic<int> num_reserved{0};
+  std::atomic<int> num_decodes{0};
+  std::atomic<int> num_tokens_sent{0};
+  std::atomic<int> num_cancelled{0};          // Decode calls that saw their cancellation
+  std::atomic<bool> in_decode{false};
+
+  std::vector<std::string> aborted() const;
+  uint64_t last_transfer_id() const;
+
+ private:
+  mutable absl::Mutex mu_;
+  std::vector<std::string> aborted_ ABSL_GUARDED_BY(mu_);
+  uint64_t last_transfer_id_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// A gRPC server for one fake service on 127.0.0.1 (port 0: any). A service object registers with
+// one server only: to "restart" a worker, serve a new service object on the old port.
+class FakeServer {
+ public:
+  explicit FakeServer(grpc::Service* service, int port = 0);
+  ~FakeServer();
+  int port() const { return port_; }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  void Stop(int grace_ms = 0);
+
+ private:
+  grpc::Service* service_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+}  // namespace duet::router::testing

@@ -1,0 +1,130 @@
+#include "router/router.h"
+
+#include <pthread.h>
+#include <signal.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "engine/model_config.h"
+#include "engine/tokenizer.h"
+#include "proto/rpc_util.h"
+#include "router/assignment_policy.h"
+#include "router/router_service.h"
+#include "router/worker_registry.h"
+
+namespace duet::router {
+namespace {
+
+std::string ModelNameFromDir(const std::string& dir) {
+  std::filesystem::path path(dir);
+  if (!path.has_filename()) path = path.parent_path();  // "models/tiny/" → "tiny"
+  return path.filename().string();
+}
+
+class RouterImpl : public Router {
+ public:
+  absl::Status Init(const RouterOptions& options) {
+    if (options.max_concurrent_requests < 1) {
+      return absl::InvalidArgumentError("max_concurrent_requests must be >= 1");
+    }
+    absl::StatusOr<ModelConfig> config = LoadModelConfig(options.model_dir);
+    if (!config.ok()) return config.status();
+    absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(options.model_dir);
+    if (!tokenizer.ok()) return tokenizer.status();
+    tokenizer_ = *std::move(tokenizer);
+
+    RouterServiceOptions service_options;
+    service_options.model_name =
+        options.served_model_name.empty() ? ModelNameFromDir(options.model_dir) : options.served_model_name;
+    service_options.vocab_size = config->vocab_size;
+    service_options.max_model_len = config->max_position_embeddings;
+    if (options.max_model_len > 0) {
+      if (options.max_model_len > config->max_position_embeddings) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "max_model_len ", options.max_model_len, " is larger than the model's max_position_embeddings ",
+            config->max_position_embeddings));
+      }
+      service_options.max_model_len = options.max_model_len;
+    }
+    service_options.max_concurrent_requests = options.max_concurrent_requests;
+    service_options.kv_lease_ms = options.kv_lease_ms;
+
+    if (options.prefill_addresses.empty() || options.decode_addresses.empty()) {
+      std::fprintf(stderr, "router: warning: %zu prefill and %zu decode workers configured; requests will fail\n",
+                   options.prefill_addresses.size(), options.decode_addresses.size());
+    }
+    registry_ = std::make_unique<WorkerRegistry>(options.prefill_addresses, options.decode_addresses);
+    registry_->Start();
+    policy_ = MakeLeastLoadedPolicy(registry_.get());
+    service_ = std::make_unique<RouterService>(service_options, tokenizer_.get(), registry_.get(), policy_.get());
+
+    const std::string host = options.host.find(':') != std::string::npos && options.host.front() != '['
+                                 ? absl::StrCat("[", options.host, "]")
+                                 : options.host;
+    absl::StatusOr<std::unique_ptr<grpc::Server>> server =
+        rpc::StartServer(absl::StrCat(host, ":", options.port), {service_.get()}, &port_);
+    if (!server.ok()) {
+      registry_->Stop();
+      return server.status();
+    }
+    server_ = *std::move(server);
+    return absl::OkStatus();
+  }
+
+  int port() const override { return port_; }
+
+  void Shutdown(int grace_ms) override {
+    if (server_ != nullptr) {
+      server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(grace_ms));
+      server_->Wait();
+      server_.reset();
+    }
+    if (registry_ != nullptr) registry_->Stop();
+  }
+
+  ~RouterImpl() override { Shutdown(0); }
+
+ private:
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<WorkerRegistry> registry_;
+  std::unique_ptr<AssignmentPolicy> policy_;
+  std::unique_ptr<RouterService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
+  auto router = std::make_unique<RouterImpl>();
+  if (absl::Status status = router->Init(options); !status.ok()) return status;
+  return router;
+}
+
+int RunRouter(const RouterOptions& options) {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::StatusOr<std::unique_ptr<Router>> router = Router::Start(options);
+  if (!router.ok()) {
+    std::fprintf(stderr, "router: %s\n", std::string(router.status().message()).c_str());
+    return 1;
+  }
+  std::printf("DUET_READY port=%d\n", (*router)->port());
+  std::fflush(stdout);
+
+  int signal = 0;
+  while (sigwait(&signals, &signal) != 0) {
+  }
+  std::fprintf(stderr, "router: signal %d, shutting down\n", signal);
+  (*router)->Shutdown(2000);
+  return 0;
+}
+
+}  // namespace duet::router

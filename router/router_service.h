@@ -1,0 +1,103 @@
+// The public duet.v1.Duet service: validates and tokenizes requests, admits them up to a limit,
+// places each on a decode worker (KV reservation) and a prefill worker, and relays the decode
+// worker's token stream to the client. The client's deadline and cancellation reach every
+// downstream call; Abort(request_id) cancels a request wherever it is.
+//
+// One request:
+//   decode.ReserveKv (next decode worker on RESOURCE_EXHAUSTED / UNAVAILABLE)
+//   prefill.Prefill  (on UNAVAILABLE: the worker is marked down, the reservation released, and
+//                     the request placed once more on another prefill worker with a fresh one)
+//   decode.Decode    (streamed to the client; a broken stream is UNAVAILABLE and the decode
+//                     worker is marked down)
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "duet/v1/duet.grpc.pb.h"
+#include "engine/sampling_params.h"
+#include "engine/tokenizer.h"
+#include "router/assignment_policy.h"
+#include "router/worker_registry.h"
+
+namespace duet::router {
+
+struct RouterServiceOptions {
+  std::string model_name;
+  int64_t vocab_size = 0;     // token ids must be in [0, vocab_size)
+  int64_t max_model_len = 0;  // prompt + max_tokens must fit
+  int max_concurrent_requests = 256;
+  int kv_lease_ms = 30000;
+  absl::Duration reserve_timeout = absl::Seconds(10);   // ReserveKv
+  absl::Duration prefill_timeout = absl::Seconds(600);  // Prefill (liveness comes from keepalive)
+  absl::Duration abort_timeout = absl::Seconds(1);      // worker Abort during clean-up
+};
+
+class RouterService final : public v1::Duet::Service {
+ public:
+  // `tokenizer` may be null (then text prompts are rejected). All pointers outlive the service.
+  RouterService(RouterServiceOptions options, const Tokenizer* tokenizer, WorkerRegistry* registry,
+                AssignmentPolicy* policy);
+  ~RouterService() override;
+
+  grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
+                        grpc::ServerWriter<v1::GenerateResponse>* writer) override;
+  grpc::Status Abort(grpc::ServerContext* context, const v1::AbortRequest* request,
+                     v1::AbortResponse* response) override;
+  grpc::Status GetModelInfo(grpc::ServerContext* context, const v1::GetModelInfoRequest* request,
+                            v1::ModelInfo* response) override;
+
+  int num_in_flight() const { return in_flight_.load(std::memory_order_acquire); }
+
+  // A request after validation: what the workers are sent.
+  struct Prepared {
+    std::string request_id;
+    std::vector<int32_t> prompt_token_ids;
+    SamplingParams params;
+    v1::SamplingOptions sampling;  // `params` written out in full
+  };
+  // Validation and tokenization alone (InvalidArgument with a clear message).
+  absl::StatusOr<Prepared> Prepare(const v1::GenerateRequest& request) const;
+
+  // One in-flight request, as Abort sees it.
+  class ActiveCall;
+
+ private:
+  struct Reservation;
+
+  grpc::Status Run(grpc::ServerContext* context, const Prepared& prepared, ActiveCall* call,
+                   grpc::ServerWriter<v1::GenerateResponse>* writer);
+  absl::StatusOr<Reservation> Reserve(grpc::ServerContext* context, const Prepared& prepared,
+                                      ActiveCall* call);
+  // Best effort: tells a worker to drop `request_id` (fresh context; the client's may be gone).
+  void AbortOnWorker(Worker* worker, const std::string& request_id);
+  // Why a request ended early, when it was the client (cancel, deadline) or Abort; else nullopt.
+  std::optional<grpc::Status> EndedByClient(grpc::ServerContext* context, ActiveCall* call,
+                                            const Prepared& prepared, int completion_tokens,
+                                            bool prompt_sent, grpc::ServerWriter<v1::GenerateResponse>* writer);
+  std::string NewRequestId() const;
+  uint64_t NewTransferId();
+
+  const RouterServiceOptions options_;
+  const Tokenizer* const tokenizer_;
+  WorkerRegistry* const registry_;
+  AssignmentPolicy* const policy_;
+
+  std::atomic<int> in_flight_{0};
+  mutable std::atomic<uint64_t> next_request_number_{0};
+  std::atomic<uint64_t> next_transfer_id_;
+  const std::string request_id_prefix_;
+
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<ActiveCall>> active_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace duet::router

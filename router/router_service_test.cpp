@@ -1,0 +1,497 @@
+#include "router/router_service.h"
+
+#include <chrono>
+#include <functional>
+#include <thread>
+
+#include "engine/model_config.h"
+#include "gmock/gmock.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "gtest/gtest.h"
+#include "proto/rpc_util.h"
+#include "router/fake_workers.h"
+#include "router/router.h"
+
+namespace duet::router {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::FakeDecodeWorker;
+using testing::FakePrefillWorker;
+using testing::FakeServer;
+
+constexpr char kModelDir[] = DUET_MODELS_DIR "/tiny-code-llama";
+
+bool WaitFor(const std::function<bool()>& condition, int timeout_ms = 5000) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (std::chrono::steady_clock::now() < end) {
+    if (condition()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return condition();
+}
+
+struct Result {
+  grpc::Status status;
+  std::vector<v1::GenerateResponse> messages;
+  std::vector<int32_t> tokens() const {
+    std::vector<int32_t> ids;
+    for (const auto& m : messages) ids.insert(ids.end(), m.token_ids().begin(), m.token_ids().end());
+    return ids;
+  }
+};
+
+v1::GenerateRequest TokenRequest(std::vector<int32_t> ids, int max_tokens, std::string request_id = "") {
+  v1::GenerateRequest request;
+  request.set_request_id(request_id);
+  for (int32_t id : ids) request.mutable_token_ids()->add_ids(id);
+  request.mutable_sampling()->set_max_tokens(max_tokens);
+  request.mutable_sampling()->set_temperature(0);
+  return request;
+}
+
+class RouterServiceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(kModelDir);
+    ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+    tokenizer_ = tokenizer->release();
+  }
+  static void TearDownTestSuite() {
+    delete tokenizer_;
+    tokenizer_ = nullptr;
+  }
+
+  // Starts `num_prefill` + `num_decode` fake workers and the router service in front of them.
+  void Start(int num_prefill, int num_decode, RouterServiceOptions options = {}) {
+    for (int i = 0; i < num_prefill; ++i) {
+      prefill_.push_back(std::make_unique<FakePrefillWorker>());
+      prefill_servers_.push_back(std::make_unique<FakeServer>(prefill_.back().get()));
+    }
+    for (int i = 0; i < num_decode; ++i) {
+      decode_.push_back(std::make_unique<FakeDecodeWorker>());
+      decode_servers_.push_back(std::make_unique<FakeServer>(decode_.back().get()));
+    }
+    std::vector<std::string> prefill_addresses, decode_addresses;
+    for (const auto& s : prefill_servers_) prefill_addresses.push_back(s->address());
+    for (const auto& s : decode_servers_) decode_addresses.push_back(s->address());
+    StartWith(prefill_addresses, decode_addresses, options);
+  }
+
+  void StartWith(const std::vector<std::string>& prefill_addresses,
+                 const std::vector<std::string>& decode_addresses, RouterServiceOptions options) {
+    RegistryOptions registry_options;
+    registry_options.poll_interval = absl::Seconds(30);  // states change only through MarkDown here
+    registry_options.log_state_changes = false;
+    registry_ = std::make_unique<WorkerRegistry>(prefill_addresses, decode_addresses, registry_options);
+    registry_->Start();
+    policy_ = MakeLeastLoadedPolicy(registry_.get());
+    options.model_name = "tiny";
+    options.vocab_size = 8192;
+    if (options.max_model_len == 0) options.max_model_len = 256;
+    service_ = std::make_unique<RouterService>(options, tokenizer_, registry_.get(), policy_.get());
+    int port = 0;
+    absl::StatusOr<std::unique_ptr<grpc::Server>> server = rpc::StartServer("127.0.0.1:0", {service_.get()}, &port);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    stub_ = v1::Duet::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                                  grpc::InsecureChannelCredentials()));
+  }
+
+  void TearDown() override {
+    if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now());
+    server_.reset();
+    service_.reset();
+    policy_.reset();
+    registry_.reset();
+    prefill_servers_.clear();
+    decode_servers_.clear();
+  }
+
+  // Runs Generate to the end. `on_message(i)` runs after the i-th message (for cancel/abort).
+  Result Generate(const v1::GenerateRequest& request, int deadline_ms = 10000,
+                  const std::function<void(int, grpc::ClientContext*)>& on_message = nullptr) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(deadline_ms));
+    Result result;
+    auto reader = stub_->Generate(&context, request);
+    v1::GenerateResponse message;
+    while (reader->Read(&message)) {
+      result.messages.push_back(message);
+      if (on_message) on_message(static_cast<int>(result.messages.size()), &context);
+    }
+    result.status = reader->Finish();
+    return result;
+  }
+
+  static Tokenizer* tokenizer_;
+  std::vector<std::unique_ptr<FakePrefillWorker>> prefill_;
+  std::vector<std::unique_ptr<FakeDecodeWorker>> decode_;
+  std::vector<std::unique_ptr<FakeServer>> prefill_servers_;
+  std::vector<std::unique_ptr<FakeServer>> decode_servers_;
+  std::unique_ptr<WorkerRegistry> registry_;
+  std::unique_ptr<AssignmentPolicy> policy_;
+  std::unique_ptr<RouterService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::Duet::Stub> stub_;
+};
+
+Tokenizer* RouterServiceTest::tokenizer_ = nullptr;
+
+TEST_F(RouterServiceTest, RelaysTokensInOrder) {
+  Start(1, 1);
+  Result result = Generate(TokenRequest({1, 2, 3}, 5, "req-1"));
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(result.tokens(), (std::vector<int32_t>{1000, 1001, 1002, 1003, 1004}));
+  ASSERT_EQ(result.messages.size(), 5u);
+  for (const auto& m : result.messages) EXPECT_EQ(m.request_id(), "req-1");
+  EXPECT_THAT(result.messages[0].prompt_token_ids(), ::testing::ElementsAre(1, 2, 3));
+  EXPECT_TRUE(result.messages.back().finished());
+  EXPECT_EQ(result.messages.back().finish_reason(), "length");
+  EXPECT_EQ(result.messages.back().usage().completion_tokens(), 5);
+  EXPECT_EQ(prefill_[0]->last_prompt(), (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(decode_[0]->num_reserved, 1);
+  EXPECT_NE(decode_[0]->last_transfer_id(), 0u);
+  EXPECT_EQ(registry_->prefill_workers()[0]->in_flight(), 0);
+  EXPECT_EQ(registry_->decode_workers()[0]->in_flight(), 0);
+  EXPECT_EQ(service_->num_in_flight(), 0);
+}
+
+TEST_F(RouterServiceTest, TextPromptIsTokenizedWithSpecialTokens) {
+  Start(1, 1);
+  v1::GenerateRequest request = TokenRequest({}, 2);
+  request.set_text("def fib(n):");
+  Result result = Generate(request);
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  const std::vector<int32_t> expected = tokenizer_->Encode("def fib(n):", true);
+  EXPECT_EQ(prefill_[0]->last_prompt(), expected);
+  if (tokenizer_->bos_token_id()) EXPECT_EQ(expected.front(), *tokenizer_->bos_token_id());
+  EXPECT_EQ(result.messages[0].prompt_token_ids_size(), static_cast<int>(expected.size()));
+}
+
+TEST_F(RouterServiceTest, MakesUniqueRequestIdsAndTransferIds) {
+  Start(1, 1);
+  Result a = Generate(TokenRequest({1}, 1));
+  const uint64_t transfer_a = decode_[0]->last_transfer_id();
+  Result b = Generate(TokenRequest({1}, 1));
+  ASSERT_TRUE(a.status.ok() && b.status.ok());
+  EXPECT_FALSE(a.messages[0].request_id().empty());
+  EXPECT_NE(a.messages[0].request_id(), b.messages[0].request_id());
+  EXPECT_NE(transfer_a, decode_[0]->last_transfer_id());
+}
+
+TEST_F(RouterServiceTest, InvalidRequests) {
+  Start(1, 1);
+  auto expect_invalid = [&](const v1::GenerateRequest& request, const std::string& message) {
+    Result result = Generate(request);
+    EXPECT_EQ(result.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << message;
+    EXPECT_THAT(result.status.error_message(), HasSubstr(message));
+  };
+  v1::GenerateRequest no_prompt;
+  expect_invalid(no_prompt, "prompt is required");
+  v1::GenerateRequest empty_text = TokenRequest({}, 4);
+  empty_text.set_text("");
+  expect_invalid(empty_text, "prompt is empty");
+  expect_invalid(TokenRequest({}, 4), "prompt is empty");
+  v1::GenerateRequest bad_temperature = TokenRequest({1, 2}, 4);
+  bad_temperature.mutable_sampling()->set_temperature(-1);
+  expect_invalid(bad_temperature, "temperature");
+  v1::GenerateRequest bad_top_p = TokenRequest({1, 2}, 4);
+  bad_top_p.mutable_sampling()->set_top_p(0);
+  expect_invalid(bad_top_p, "top_p");
+  expect_invalid(TokenRequest({1, 2}, 0), "max_tokens");
+  expect_invalid(TokenRequest({1, 8192}, 4), "token id 8192 at prompt position 1 is out of vocabulary");
+  expect_invalid(TokenRequest({-1}, 4), "out of vocabulary");
+  expect_invalid(TokenRequest(std::vector<int32_t>(250, 5), 16),
+                 "This model's maximum context length is 256 tokens. However, you requested 266 tokens "
+                 "(250 in the messages, 16 in the completion)");
+  EXPECT_TRUE(Generate(TokenRequest(std::vector<int32_t>(240, 5), 16)).status.ok());  // exactly fits
+  EXPECT_EQ(prefill_[0]->num_prefills, 1);
+  EXPECT_EQ(decode_[0]->num_reserved, 1);
+}
+
+TEST_F(RouterServiceTest, AtCapacityIsResourceExhausted) {
+  RouterServiceOptions options;
+  options.max_concurrent_requests = 1;
+  Start(1, 1, options);
+  decode_[0]->token_delay_ms = 20;
+  Result first;
+  std::thread slow([&] { first = Generate(TokenRequest({1}, 25)); });
+  ASSERT_TRUE(WaitFor([&] { return service_->num_in_flight() == 1; }));
+  Result second = Generate(TokenRequest({1}, 2));
+  EXPECT_EQ(second.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(second.status.error_message(), HasSubstr("server is at capacity: 1 requests in flight"));
+  slow.join();
+  EXPECT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_EQ(first.tokens().size(), 25u);
+  EXPECT_TRUE(Generate(TokenRequest({1}, 2)).status.ok());  // room again
+}
+
+TEST_F(RouterServiceTest, NoWorkersIsUnavailable) {
+  StartWith({}, {}, {});
+  Result result = Generate(TokenRequest({1}, 2));
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(result.status.error_message(), HasSubstr("no decode workers are configured"));
+}
+
+TEST_F(RouterServiceTest, DeadWorkersAreUnavailable) {
+  std::string dead;
+  {
+    FakeDecodeWorker decode;
+    FakeServer server(&decode);
+    dead = server.address();
+  }
+  StartWith({dead}, {dead}, {});
+  EXPECT_EQ(registry_->NumUp(WorkerRole::kDecode), 0);
+  Result result = Generate(TokenRequest({1}, 2));
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(result.status.error_message(), HasSubstr("no decode worker is up"));
+}
+
+TEST_F(RouterServiceTest, NoPrefillWorkerUpReleasesReservation) {
+  Start(1, 1);
+  registry_->MarkDown(registry_->prefill_workers()[0].get(), "test");
+  Result result = Generate(TokenRequest({1}, 2, "r"));
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(result.status.error_message(), HasSubstr("no prefill worker is up"));
+  EXPECT_THAT(decode_[0]->aborted(), ::testing::ElementsAre("r"));
+}
+
+TEST_F(RouterServiceTest, KvFullDecodeWorkerIsSkipped) {
+  Start(1, 2);
+  decode_[0]->kv_full = true;
+  for (int i = 0; i < 4; ++i) {
+    Result result = Generate(TokenRequest({1, 2}, 2));
+    EXPECT_TRUE(result.status.ok()) << result.status.error_message();
+  }
+  EXPECT_EQ(decode_[0]->num_reserved, 0);
+  EXPECT_EQ(decode_[1]->num_decodes, 4);
+  decode_[1]->kv_full = true;
+  Result full = Generate(TokenRequest({1, 2}, 2));
+  EXPECT_EQ(full.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(full.status.error_message(), HasSubstr("no decode worker has room"));
+  EXPECT_EQ(registry_->NumUp(WorkerRole::kDecode), 2);  // full is not down
+}
+
+TEST_F(RouterServiceTest, PrefillUnavailableRetriesOnAnotherWorker) {
+  Start(2, 1);
+  prefill_[0]->fail_unavailable = true;
+  for (int i = 0; i < 3; ++i) {
+    Result result = Generate(TokenRequest({1, 2}, 3, "p" + std::to_string(i)));
+    EXPECT_TRUE(result.status.ok()) << result.status.error_message();
+    EXPECT_EQ(result.tokens().size(), 3u);
+  }
+  EXPECT_EQ(prefill_[1]->num_prefills, 3);
+  if (prefill_[0]->num_prefills > 0) {
+    EXPECT_FALSE(registry_->prefill_workers()[0]->up());
+    EXPECT_EQ(prefill_[0]->num_prefills, 1);  // down after the first failure
+    EXPECT_EQ(decode_[0]->num_reserved, 4);   // a fresh reservation for the retry
+    EXPECT_EQ(decode_[0]->aborted().size(), 1u);
+  }
+  // Both failing: UNAVAILABLE naming the worker.
+  registry_->prefill_workers()[0]->SetUpForTesting(true);
+  prefill_[1]->fail_unavailable = true;
+  Result result = Generate(TokenRequest({1, 2}, 3));
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(result.status.error_message(), HasSubstr("fake prefill is unavailable"));
+}
+
+TEST_F(RouterServiceTest, DecodeStreamFailureIsUnavailableAndMarksDown) {
+  Start(1, 1);
+  decode_[0]->fail_after_tokens = 2;
+  Result result = Generate(TokenRequest({1}, 5));
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(result.status.error_message(), HasSubstr("decode worker 0 ("));
+  EXPECT_THAT(result.status.error_message(), HasSubstr("failed: fake decode crashed"));
+  EXPECT_EQ(result.tokens(), (std::vector<int32_t>{1000, 1001}));
+  EXPECT_FALSE(registry_->decode_workers()[0]->up());
+  Result next = Generate(TokenRequest({1}, 5));
+  EXPECT_EQ(next.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(next.status.error_message(), HasSubstr("no decode worker is up"));
+}
+
+TEST_F(RouterServiceTest, DecodeServerGoneMidStreamIsPromptlyUnavailable) {
+  Start(1, 1);
+  decode_[0]->token_delay_ms = 50;
+  std::thread killer;
+  const auto start = std::chrono::steady_clock::now();
+  Result result = Generate(TokenRequest({1}, 200), 10000, [&](int n, grpc::ClientContext*) {
+    if (n == 2) killer = std::thread([&] { decode_servers_[0]->Stop(0); });
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  killer.join();
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE) << result.status.error_message();
+  EXPECT_THAT(result.status.error_message(), HasSubstr("decode worker 0"));
+  EXPECT_LT(seconds, 3.0);
+  EXPECT_FALSE(registry_->decode_workers()[0]->up());
+}
+
+TEST_F(RouterServiceTest, ClientCancelReachesDecodeWorker) {
+  Start(1, 1);
+  decode_[0]->token_delay_ms = 10;
+  Result result = Generate(TokenRequest({1}, 1000), 10000, [](int n, grpc::ClientContext* context) {
+    if (n == 3) context->TryCancel();
+  });
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->num_cancelled == 1; }, 3000));
+  EXPECT_TRUE(WaitFor([&] { return service_->num_in_flight() == 0; }, 3000));
+  EXPECT_TRUE(WaitFor([&] { return registry_->decode_workers()[0]->in_flight() == 0; }, 3000));
+  EXPECT_TRUE(registry_->decode_workers()[0]->up());  // a cancel is not a failure
+}
+
+TEST_F(RouterServiceTest, ClientCancelDuringPrefillReachesBothWorkers) {
+  Start(1, 1);
+  prefill_[0]->prefill_delay_ms = 5000;
+  grpc::ClientContext context;
+  std::thread canceller([&] {
+    WaitFor([&] { return prefill_[0]->num_prefills == 1; });
+    context.TryCancel();
+  });
+  auto reader = stub_->Generate(&context, TokenRequest({1}, 5, "c1"));
+  v1::GenerateResponse message;
+  EXPECT_FALSE(reader->Read(&message));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  canceller.join();
+  EXPECT_TRUE(WaitFor([&] { return prefill_[0]->num_cancelled == 1; }, 3000));
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 1; }, 3000));  // reservation released
+  EXPECT_EQ(decode_[0]->num_decodes, 0);
+}
+
+TEST_F(RouterServiceTest, DeadlineReachesDecodeWorker) {
+  Start(1, 1);
+  decode_[0]->token_delay_ms = 10;
+  Result result = Generate(TokenRequest({1}, 1000), 300);
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_GT(result.messages.size(), 0u);
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->num_cancelled == 1; }, 3000));
+  EXPECT_TRUE(registry_->decode_workers()[0]->up());
+}
+
+TEST_F(RouterServiceTest, AbortEndsTheStreamWithAbort) {
+  Start(1, 1);
+  decode_[0]->token_delay_ms = 10;
+  v1::AbortResponse abort_response;
+  Result result = Generate(TokenRequest({1, 2}, 1000, "to-abort"), 10000, [&](int n, grpc::ClientContext*) {
+    if (n != 3) return;
+    grpc::ClientContext context;
+    v1::AbortRequest abort;
+    abort.set_request_id("to-abort");
+    EXPECT_TRUE(stub_->Abort(&context, abort, &abort_response).ok());
+  });
+  EXPECT_TRUE(abort_response.found());
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  ASSERT_GE(result.messages.size(), 4u);
+  const v1::GenerateResponse& last = result.messages.back();
+  EXPECT_TRUE(last.finished());
+  EXPECT_EQ(last.finish_reason(), "abort");
+  EXPECT_EQ(last.request_id(), "to-abort");
+  EXPECT_EQ(last.usage().prompt_tokens(), 2);
+  EXPECT_EQ(last.usage().completion_tokens(), static_cast<int>(result.messages.size()) - 1);
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->num_cancelled == 1; }, 3000));
+
+  grpc::ClientContext context;
+  v1::AbortRequest unknown;
+  unknown.set_request_id("nope");
+  v1::AbortResponse response;
+  ASSERT_TRUE(stub_->Abort(&context, unknown, &response).ok());
+  EXPECT_FALSE(response.found());
+}
+
+TEST_F(RouterServiceTest, AbortDuringPrefill) {
+  Start(1, 1);
+  prefill_[0]->prefill_delay_ms = 5000;
+  std::thread aborter([&] {
+    WaitFor([&] { return prefill_[0]->num_prefills == 1; });
+    grpc::ClientContext context;
+    v1::AbortRequest abort;
+    abort.set_request_id("a1");
+    v1::AbortResponse response;
+    EXPECT_TRUE(stub_->Abort(&context, abort, &response).ok());
+    EXPECT_TRUE(response.found());
+  });
+  const auto start = std::chrono::steady_clock::now();
+  Result result = Generate(TokenRequest({1, 2, 3}, 5, "a1"));
+  aborter.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  ASSERT_EQ(result.messages.size(), 1u);
+  EXPECT_EQ(result.messages[0].finish_reason(), "abort");
+  EXPECT_EQ(result.messages[0].prompt_token_ids_size(), 3);
+  EXPECT_TRUE(WaitFor([&] { return prefill_[0]->num_cancelled == 1; }, 3000));
+  EXPECT_THAT(decode_[0]->aborted(), ::testing::Contains("a1"));
+  EXPECT_EQ(decode_[0]->num_decodes, 0);
+}
+
+TEST_F(RouterServiceTest, DuplicateRequestIdIsRejected) {
+  Start(1, 1);
+  decode_[0]->token_delay_ms = 20;
+  Result first;
+  std::thread slow([&] { first = Generate(TokenRequest({1}, 20, "dup")); });
+  ASSERT_TRUE(WaitFor([&] { return decode_[0]->in_decode.load(); }));
+  Result second = Generate(TokenRequest({1}, 2, "dup"));
+  EXPECT_EQ(second.status.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  slow.join();
+  EXPECT_TRUE(first.status.ok());
+}
+
+TEST_F(RouterServiceTest, GetModelInfo) {
+  Start(2, 1);
+  registry_->MarkDown(registry_->prefill_workers()[1].get(), "test");
+  grpc::ClientContext context;
+  v1::ModelInfo info;
+  ASSERT_TRUE(stub_->GetModelInfo(&context, v1::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(info.model_name(), "tiny");
+  EXPECT_EQ(info.vocab_size(), 8192);
+  EXPECT_EQ(info.max_model_len(), 256);
+  EXPECT_EQ(info.num_prefill_workers(), 1);  // workers up
+  EXPECT_EQ(info.num_decode_workers(), 1);
+}
+
+TEST(RouterTest, StartsWithTheModelAndServesHealthAndModelInfo) {
+  FakePrefillWorker prefill;
+  FakeDecodeWorker decode;
+  FakeServer prefill_server(&prefill);
+  FakeServer decode_server(&decode);
+  RouterOptions options;
+  options.model_dir = kModelDir;
+  options.prefill_addresses = {prefill_server.address()};
+  options.decode_addresses = {decode_server.address()};
+  absl::StatusOr<std::unique_ptr<Router>> router = Router::Start(options);
+  ASSERT_TRUE(router.ok()) << router.status();
+  ASSERT_GT((*router)->port(), 0);
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string((*router)->port()),
+                                     grpc::InsecureChannelCredentials());
+  auto stub = v1::Duet::NewStub(channel);
+  grpc::ClientContext context;
+  v1::ModelInfo info;
+  ASSERT_TRUE(stub->GetModelInfo(&context, v1::GetModelInfoRequest(), &info).ok());
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(kModelDir);
+  ASSERT_TRUE(config.ok());
+  EXPECT_EQ(info.model_name(), "tiny-code-llama");
+  EXPECT_EQ(info.vocab_size(), config->vocab_size);
+  EXPECT_EQ(info.max_model_len(), config->max_position_embeddings);
+  EXPECT_EQ(info.num_prefill_workers(), 1);
+  EXPECT_EQ(info.num_decode_workers(), 1);
+
+  grpc::ClientContext generate_context;
+  v1::GenerateRequest request;
+  request.set_text("import os");
+  request.mutable_sampling()->set_max_tokens(3);
+  auto reader = stub->Generate(&generate_context, request);
+  v1::GenerateResponse message;
+  int n = 0;
+  while (reader->Read(&message)) ++n;
+  EXPECT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(n, 3);
+  (*router)->Shutdown(100);
+
+  RouterOptions bad = options;
+  bad.model_dir = "/nonexistent";
+  EXPECT_FALSE(Router::Start(bad).ok());
+  bad = options;
+  bad.max_model_len = config->max_position_embeddings + 1;
+  EXPECT_FALSE(Router::Start(bad).ok());
+}
+
+}  // namespace
+}  // namespace duet::router

@@ -1,0 +1,165 @@
+// The router's view of its prefill and decode workers: one gRPC channel and stub per worker,
+// an in-flight request count, an up/down state and the last stats each worker reported.
+//
+// Workers come from static address lists. A poller thread calls GetStats on every worker every
+// `poll_interval` (all in parallel, each with `poll_timeout`). A worker that refuses the call
+// (UNAVAILABLE: connection refused or reset) is marked down at once; one that times out is
+// marked down after `timeouts_to_mark_down` consecutive timeouts (a busy worker is not dead). A
+// down worker is marked up again as soon as it answers. The request path also calls MarkDown
+// when a call to a worker fails as if the worker were gone.
+//
+// Channels use HTTP/2 keepalive pings (every `keepalive_time`, dead after `keepalive_timeout`
+// without an answer) so a stream to a worker whose host vanished fails instead of hanging. The
+// workers' servers must accept those pings; see KeepaliveServerArgs().
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "duet/v1/worker.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace duet::router {
+
+enum class WorkerRole { kPrefill, kDecode };
+
+const char* RoleName(WorkerRole role);  // "prefill" / "decode"
+
+class Worker {
+ public:
+  Worker(WorkerRole role, int index, std::string address, std::shared_ptr<grpc::Channel> channel);
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  WorkerRole role() const { return role_; }
+  int index() const { return index_; }  // position in its role's address list
+  const std::string& address() const { return address_; }
+  // "decode worker 1 (127.0.0.1:5001)", for messages.
+  const std::string& name() const { return name_; }
+
+  // The stub of this worker's role; the other one is null.
+  v1::PrefillWorker::Stub* prefill() const { return prefill_stub_.get(); }
+  v1::DecodeWorker::Stub* decode() const { return decode_stub_.get(); }
+
+  bool up() const { return up_.load(std::memory_order_acquire); }
+  int in_flight() const { return in_flight_.load(std::memory_order_acquire); }
+  void AddInFlight(int delta) { in_flight_.fetch_add(delta, std::memory_order_acq_rel); }
+  // The last stats GetStats returned; nullopt before the first answer.
+  std::optional<v1::WorkerStats> stats() const;
+
+  // For tests of assignment policies (no gRPC involved).
+  void SetUpForTesting(bool up) { up_.store(up, std::memory_order_release); }
+  void SetStatsForTesting(const v1::WorkerStats& stats);
+
+ private:
+  friend class WorkerRegistry;
+
+  const WorkerRole role_;
+  const int index_;
+  const std::string address_;
+  const std::string name_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::PrefillWorker::Stub> prefill_stub_;
+  std::unique_ptr<v1::DecodeWorker::Stub> decode_stub_;
+  std::atomic<bool> up_{false};
+  std::atomic<int> in_flight_{0};
+
+  mutable absl::Mutex mu_;
+  std::optional<v1::WorkerStats> stats_ ABSL_GUARDED_BY(mu_);
+  int consecutive_timeouts_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Holds a worker's in-flight count up for its lifetime.
+class InFlightGuard {
+ public:
+  InFlightGuard() = default;
+  explicit InFlightGuard(Worker* worker) : worker_(worker) {
+    if (worker_ != nullptr) worker_->AddInFlight(1);
+  }
+  InFlightGuard(InFlightGuard&& other) noexcept : worker_(other.worker_) { other.worker_ = nullptr; }
+  InFlightGuard& operator=(InFlightGuard&& other) noexcept {
+    if (this != &other) {
+      Reset();
+      worker_ = other.worker_;
+      other.worker_ = nullptr;
+    }
+    return *this;
+  }
+  ~InFlightGuard() { Reset(); }
+  void Reset() {
+    if (worker_ != nullptr) worker_->AddInFlight(-1);
+    worker_ = nullptr;
+  }
+
+ private:
+  Worker* worker_ = nullptr;
+};
+
+struct RegistryOptions {
+  absl::Duration poll_interval = absl::Milliseconds(200);
+  absl::Duration poll_timeout = absl::Milliseconds(500);
+  int timeouts_to_mark_down = 2;
+  absl::Duration keepalive_time = absl::Milliseconds(1000);
+  absl::Duration keepalive_timeout = absl::Milliseconds(1000);
+  // Reconnect backoff cap, so a restarted worker is found again quickly.
+  absl::Duration max_reconnect_backoff = absl::Milliseconds(1000);
+  bool log_state_changes = true;  // "router: decode worker 0 (...) is down: ..." on stderr
+};
+
+// Channel arguments for a connection from the router to a worker (keepalive, backoff).
+grpc::ChannelArguments WorkerChannelArgs(const RegistryOptions& options);
+
+// Server-side channel arguments a worker's grpc::ServerBuilder needs so the router's keepalive
+// pings are accepted (otherwise the server answers them with GOAWAY "too_many_pings"):
+//   GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS = 1
+//   GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS = 500 (below the router's 1000 ms)
+//   GRPC_ARG_HTTP2_MAX_PING_STRIKES = 0 (never GOAWAY for pings)
+std::vector<std::pair<std::string, int>> KeepaliveServerArgs();
+
+class WorkerRegistry {
+ public:
+  WorkerRegistry(const std::vector<std::string>& prefill_addresses,
+                 const std::vector<std::string>& decode_addresses, RegistryOptions options = {});
+  ~WorkerRegistry();  // stops the poller
+  WorkerRegistry(const WorkerRegistry&) = delete;
+  WorkerRegistry& operator=(const WorkerRegistry&) = delete;
+
+  // Polls every worker once (so the up/down states are known), then starts the poller thread.
+  void Start();
+  void Stop();
+  // One round of GetStats on all workers, in parallel; returns when all have answered or timed out.
+  void PollOnce();
+
+  const std::vector<std::unique_ptr<Worker>>& workers(WorkerRole role) const {
+    return role == WorkerRole::kPrefill ? prefill_ : decode_;
+  }
+  const std::vector<std::unique_ptr<Worker>>& prefill_workers() const { return prefill_; }
+  const std::vector<std::unique_ptr<Worker>>& decode_workers() const { return decode_; }
+  int NumUp(WorkerRole role) const;
+
+  // A call to `worker` failed as if it were gone. It stays down until it answers a poll again.
+  void MarkDown(Worker* worker, std::string_view reason);
+
+ private:
+  void SetUp(Worker* worker, bool up, std::string_view reason);
+  void PollLoop();
+
+  const RegistryOptions options_;
+  std::vector<std::unique_ptr<Worker>> prefill_;
+  std::vector<std::unique_ptr<Worker>> decode_;
+
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread poller_;  // started and joined by the owner thread only
+};
+
+}  // namespace duet::router
