@@ -1,0 +1,81 @@
+// Duet's metric set: vLLM's metric names, meanings and histogram buckets with the prefix "duet:"
+// instead of "vllm:", plus KV-transfer metrics for disaggregated serving. Every series carries
+// the labels model_name and role (router, prefill or decode).
+//
+// Bucket sources (vLLM vllm/v1/metrics/loggers.py, PrometheusStatLogger):
+//   time_to_first_token_seconds        TtftBuckets()               (22 bounds, 0.001 .. 2560)
+//   inter_token_latency_seconds        InterTokenLatencyBuckets()  (19 bounds, 0.01 .. 80; the
+//                                      buckets of the former time_per_output_token_seconds)
+//   e2e_request_latency_seconds, request_{queue,inference,prefill,decode}_time_seconds
+//                                      RequestLatencyBuckets()     (21 bounds, 0.3 .. 7680)
+//   request_{prompt,generation}_tokens Build125Buckets(max_model_len) (vLLM's build_1_2_5_buckets)
+// vLLM has no KV-transfer histograms of its own in this shape; Duet's are
+//   kv_transfer_bytes   KvTransferBytesBuckets():   1 KiB * 4^k up to 4 GiB
+//   kv_transfer_seconds KvTransferSecondsBuckets(): 1-2-5 steps from 100 us to 50 s
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "metrics/registry.h"
+
+namespace duet::metrics {
+
+enum class Role { kRouter, kPrefill, kDecode };
+std::string_view RoleName(Role role);  // "router", "prefill", "decode"
+
+// vLLM's FinishReason values, as the finished_reason label shows them.
+enum class FinishedReason { kStop, kLength, kAbort };
+std::string_view FinishedReasonName(FinishedReason reason);  // "stop", "length", "abort"
+
+std::vector<double> TtftBuckets();
+std::vector<double> InterTokenLatencyBuckets();
+std::vector<double> RequestLatencyBuckets();
+std::vector<double> KvTransferBytesBuckets();
+std::vector<double> KvTransferSecondsBuckets();
+// 1, 2, 5, 10, 20, 50, ... up to and including max_value (vLLM's build_1_2_5_buckets).
+std::vector<double> Build125Buckets(int64_t max_value);
+
+// Registers (or finds) every Duet metric in `registry` and holds the children for one
+// (model_name, role). Several DuetMetrics may share a registry (say, two roles in one test
+// process); they share the families. The registry must outlive this object.
+class DuetMetrics {
+ public:
+  DuetMetrics(Registry& registry, std::string_view model_name, Role role,
+              int64_t max_model_len = 4096);
+
+  // Scheduler state.
+  Gauge& num_requests_running;  // requests in model execution batches
+  Gauge& num_requests_waiting;  // requests waiting to be scheduled
+  Gauge& kv_cache_usage_perc;   // KV-cache usage, 0..1 (1 means 100 percent)
+
+  // Counters.
+  Counter& prefix_cache_queries;  // prefix-cache queries, in queried tokens
+  Counter& prefix_cache_hits;     // prefix-cache hits, in cached tokens
+  Counter& num_preemptions;
+  Counter& prompt_tokens;       // prefill tokens processed
+  Counter& generation_tokens;   // generation tokens processed
+  Counter& kv_transfer_failures;
+  Counter& request_success(FinishedReason reason) { return *request_success_[static_cast<int>(reason)]; }
+
+  // Request histograms.
+  Histogram& request_prompt_tokens;
+  Histogram& request_generation_tokens;
+  Histogram& time_to_first_token_seconds;
+  Histogram& inter_token_latency_seconds;
+  Histogram& e2e_request_latency_seconds;
+  Histogram& request_queue_time_seconds;
+  Histogram& request_inference_time_seconds;
+  Histogram& request_prefill_time_seconds;
+  Histogram& request_decode_time_seconds;
+
+  // KV transfer between prefill and decode workers (one observation per transferred request).
+  Histogram& kv_transfer_bytes;
+  Histogram& kv_transfer_seconds;
+
+ private:
+  Counter* request_success_[3];
+};
+
+}  // namespace duet::metrics
