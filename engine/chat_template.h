@@ -1,0 +1,64 @@
+// Chat templates: renders the Jinja `chat_template` of a Hugging Face tokenizer_config.json.
+//
+// A small interpreter for the Jinja subset real templates use (Llama 3/3.1, Qwen2.5/3, Mistral),
+// checked byte-for-byte against @huggingface/jinja (tests/chat_template_parity). Rendering follows
+// HF: trim_blocks and lstrip_blocks on, one trailing newline of the template dropped.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+
+namespace duet {
+
+namespace jinja {
+struct Node;
+}  // namespace jinja
+
+// For models whose tokenizer_config.json has no chat_template (e.g. the bundled tiny model):
+// ChatML turns, with an optional generation prompt.
+inline constexpr char kFallbackChatTemplate[] =
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] if message['content'] is string else '') "
+    "+ '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+
+class ChatTemplate {
+ public:
+  // Parses once; syntax errors are InvalidArgument naming line and column.
+  static absl::StatusOr<ChatTemplate> Parse(std::string source);
+
+  // Renders with the given variables (messages, add_generation_prompt, bos_token, eos_token,
+  // tools, ...). Key order of objects is kept (it shows in `tojson`), hence ordered_json; a
+  // plain nlohmann::json converts implicitly with sorted keys. Runtime errors (unknown filter,
+  // bad operand types, raise_exception(msg)) are InvalidArgument; raise_exception's message
+  // is returned verbatim.
+  absl::StatusOr<std::string> Render(const nlohmann::ordered_json& context) const;
+
+  const std::string& source() const { return *source_; }
+
+ private:
+  struct Program;
+  ChatTemplate(std::shared_ptr<const std::string> source, std::shared_ptr<const Program> program)
+      : source_(std::move(source)), program_(std::move(program)) {}
+
+  std::shared_ptr<const std::string> source_;
+  std::shared_ptr<const Program> program_;
+};
+
+struct LoadedChatTemplate {
+  ChatTemplate chat_template;
+  bool is_fallback = false;  // the model has no template; kFallbackChatTemplate is used
+  std::string bos_token;     // empty when the model has none
+  std::string eos_token;
+};
+
+// Loads chat_template from <model_dir>/tokenizer_config.json: a string, or a list of
+// {name, template} from which "default" is taken. Falls back to kFallbackChatTemplate when
+// absent. bos/eos tokens may be strings or {"content": ...} objects.
+absl::StatusOr<LoadedChatTemplate> LoadChatTemplate(const std::string& model_dir);
+
+}  // namespace duet
