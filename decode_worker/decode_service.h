@@ -1,0 +1,105 @@
+// The decode worker's gRPC service (duet.v1.DecodeWorker): reserves KV blocks for a prompt that a
+// prefill worker writes over UCX, then joins the request to the continuous batch with those
+// blocks and the first token, and streams tokens back.
+//
+// A reservation's blocks always return to the engine exactly once: when Decode claims them (they
+// become the request's, freed when it finishes or is aborted), or when the reservation ends
+// unclaimed (transfer failed or aborted, lease expired, Abort, or a completed transfer that no
+// Decode call claims within its lease).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "duet/v1/worker.grpc.pb.h"
+#include "engine/engine_loop.h"
+#include "engine/llm_engine.h"
+#include "kvtransfer/kv_transport.h"
+
+namespace duet {
+
+struct DecodeServiceOptions {
+  // Lease for a ReserveKv call that gives none (lease_ms <= 0), and the longest one granted.
+  absl::Duration default_lease = absl::Seconds(30);
+  absl::Duration max_lease = absl::Minutes(5);
+  // How often handlers check for cancellation and unclaimed reservations are reaped.
+  absl::Duration poll_period = absl::Milliseconds(50);
+};
+
+class DecodeService final : public v1::DecodeWorker::Service {
+ public:
+  // Takes the engine, registers its KV pools with a UCX receiver and starts the engine thread.
+  static absl::StatusOr<std::unique_ptr<DecodeService>> Create(std::unique_ptr<LlmEngine> engine,
+                                                               DecodeServiceOptions options = {});
+  ~DecodeService() override;
+
+  grpc::Status ReserveKv(grpc::ServerContext* context, const v1::ReserveKvRequest* request,
+                         v1::ReserveKvResponse* response) override;
+  grpc::Status Decode(grpc::ServerContext* context, const v1::DecodeRequest* request,
+                      grpc::ServerWriter<v1::GenerateResponse>* writer) override;
+  grpc::Status Abort(grpc::ServerContext* context, const v1::WorkerAbortRequest* request,
+                     v1::WorkerAbortResponse* response) override;
+  grpc::Status GetStats(grpc::ServerContext* context, const v1::GetStatsRequest* request,
+                        v1::WorkerStats* response) override;
+
+  const std::string& receiver_descriptor() const { return receiver_->descriptor(); }
+
+ private:
+  enum class ReservationState {
+    kTransferring,  // lease held by the receiver; the prefill worker is writing the blocks
+    kReceived,      // every layer arrived; waiting for Decode to claim the blocks
+    kClaimed,       // Decode took the blocks (they now belong to its request)
+    kEnded,         // ended unclaimed; `failure` says why; blocks released
+  };
+  struct Reservation {
+    std::string request_id;
+    uint64_t transfer_id = 0;
+    SequenceId seq = 0;
+    int32_t num_tokens = 0;
+    absl::Duration lease;
+    // Guarded by DecodeService::mu_.
+    ReservationState state = ReservationState::kTransferring;
+    absl::Status failure;
+    absl::Time claim_deadline = absl::InfiniteFuture();  // once kReceived
+    bool owns_blocks = true;  // the reservation (not a request) still holds its engine blocks
+  };
+
+  DecodeService(std::unique_ptr<LlmEngine> engine, DecodeServiceOptions options);
+
+  // Receiver callbacks (receiver progress thread, or the caller of receiver_->Cancel).
+  void OnRequestDone(uint64_t transfer_id, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
+  void OnBlocksReleased(uint64_t transfer_id, const std::string& why) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Ends `r` unclaimed: returns its blocks to the engine (once), forgets it, wakes waiters.
+  void EndLocked(Reservation& r, absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends `r` whatever its state: cancels its lease at the receiver, or releases its blocks.
+  // Returns false if it had already ended or been claimed.
+  bool CancelReservation(const std::shared_ptr<Reservation>& r, absl::Status why)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  std::shared_ptr<Reservation> FindByRequest(const std::string& request_id) ABSL_LOCKS_EXCLUDED(mu_);
+  void ReapLoop();
+
+  const DecodeServiceOptions options_;
+  const int32_t block_size_;
+  std::unique_ptr<EngineLoop> loop_;
+
+  absl::Mutex mu_;
+  absl::CondVar cv_;  // signalled when a reservation changes state
+  std::map<uint64_t, std::shared_ptr<Reservation>> by_transfer_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> transfer_by_request_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread reaper_;
+
+  // Last: destroyed first, while the engine (its pools) and the maps above still exist.
+  std::unique_ptr<kvtransfer::KvReceiver> receiver_;
+};
+
+}  // namespace duet

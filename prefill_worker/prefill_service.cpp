@@ -1,0 +1,264 @@
+#include "prefill_worker/prefill_service.h"
+
+#include <chrono>
+#include <future>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/blocking_queue.h"
+#include "proto/rpc_util.h"
+
+namespace duet {
+namespace {
+
+grpc::Status Error(grpc::StatusCode code, std::string message) {
+  return grpc::Status(code, std::move(message));
+}
+
+kvtransfer::KvPoolMemory PoolsOf(LlmEngine& engine) {
+  KvCache& cache = engine.kv_cache();
+  const KvCacheShape& shape = cache.shape();
+  kvtransfer::KvPoolMemory pools;
+  pools.layout.num_layers = uint32_t(shape.num_layers);
+  pools.layout.block_size = uint32_t(shape.block_size);
+  pools.layout.num_kv_heads = uint32_t(shape.num_kv_heads);
+  pools.layout.head_dim = uint32_t(shape.head_dim);
+  pools.layout.dtype = kvtransfer::KvDtype::kFloat32;
+  pools.num_blocks = uint32_t(shape.num_blocks);
+  pools.memory_kind = kvtransfer::MemoryKind::kHost;
+  for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
+    pools.key_pools.push_back(cache.keys(layer));
+    pools.value_pools.push_back(cache.values(layer));
+  }
+  return pools;
+}
+
+// A peer failure (as opposed to a bad request): the connection should be made again.
+bool IsPeerFailure(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kDeadlineExceeded ||
+         s.code() == absl::StatusCode::kCancelled;
+}
+
+// What the subscription hands the Prefill handler.
+struct PrefillResult {
+  RequestOutput output;
+  absl::Status transfer;  // OK once the prompt's KV is complete at the decode worker
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PrefillService>> PrefillService::Create(std::unique_ptr<LlmEngine> engine,
+                                                                       PrefillServiceOptions options) {
+  absl::StatusOr<std::unique_ptr<kvtransfer::KvSender>> sender =
+      kvtransfer::CreateUcxKvSender(PoolsOf(*engine), options.sender);
+  if (!sender.ok()) {
+    return absl::Status(sender.status().code(),
+                        absl::StrCat("cannot start the KV sender: ", sender.status().message()));
+  }
+  return std::unique_ptr<PrefillService>(new PrefillService(std::move(engine), std::move(*sender), options));
+}
+
+PrefillService::PrefillService(std::unique_ptr<LlmEngine> engine,
+                               std::unique_ptr<kvtransfer::KvSender> sender, PrefillServiceOptions options)
+    : options_(std::move(options)),
+      block_size_(engine->config().block_size),
+      num_layers_(engine->model_config().num_layers),
+      sender_(std::move(sender)) {
+  loop_ = std::make_unique<EngineLoop>(
+      std::move(engine),
+      [this](int64_t layer, absl::Span<const SequenceChunk> chunks) { OnLayerDone(layer, chunks); });
+}
+
+PrefillService::~PrefillService() {
+  // Stop shipping (no step runs while this closure does), then drop the sender while the
+  // engine's pools still exist, then the engine.
+  loop_->Call([this](LlmEngine&) {
+    stopping_ = true;
+    transfers_.clear();
+  });
+  sender_.reset();
+  loop_.reset();
+}
+
+void PrefillService::OnLayerDone(int64_t layer, absl::Span<const SequenceChunk> chunks) {
+  if (stopping_ || transfers_.empty()) return;
+  const bool last_layer = layer == num_layers_ - 1;
+  std::vector<std::pair<Transfer*, std::future<absl::Status>>> finishing;
+  for (const SequenceChunk& chunk : chunks) {
+    // Only the chunk that completes the prompt ships (chunked prefill: all blocks at once).
+    if (chunk.num_logits <= 0) continue;
+    auto it = transfers_.find(chunk.sequence_id);
+    if (it == transfers_.end()) continue;
+    Transfer& t = *it->second;
+    if (t.done) continue;
+    if (!t.sending) {
+      if (layer != 0) continue;
+      t.sending = true;
+      t.num_tokens = uint32_t(chunk.start_position + int64_t(chunk.tokens.size()));
+      const size_t num_blocks = (t.num_tokens + uint32_t(block_size_) - 1) / uint32_t(block_size_);
+      if (chunk.block_table.size() < num_blocks) {
+        t.done = true;
+        t.status = absl::InternalError("the prefill sequence's block table does not cover its prompt");
+        continue;
+      }
+      t.src_block_ids.assign(chunk.block_table.begin(), chunk.block_table.begin() + num_blocks);
+    }
+    kvtransfer::LayerSend send;
+    send.request_id = t.transfer_id;
+    send.layer = uint32_t(layer);
+    send.num_tokens = t.num_tokens;
+    send.src_block_ids = t.src_block_ids;
+    send.dst_block_ids = t.dst_block_ids;
+    // Its outcome is reported by Finish, which resolves after every SendLayer of the request.
+    (void)sender_->SendLayer(t.peer, std::move(send));
+    if (last_layer) finishing.emplace_back(&t, sender_->Finish(t.peer, t.transfer_id));
+  }
+  // The engine frees these sequences' blocks right after the step: wait for the puts to land.
+  for (auto& [t, done] : finishing) {
+    t->status = done.get();
+    t->done = true;
+  }
+}
+
+absl::StatusOr<kvtransfer::PeerId> PrefillService::PeerFor(const std::string& descriptor) {
+  {
+    absl::MutexLock lock(&peers_mu_);
+    auto it = peers_.find(descriptor);
+    if (it != peers_.end()) return it->second;
+  }
+  absl::StatusOr<kvtransfer::PeerId> peer = sender_->Connect(descriptor);
+  if (!peer.ok()) return peer.status();
+  absl::MutexLock lock(&peers_mu_);
+  auto [it, inserted] = peers_.emplace(descriptor, *peer);
+  if (!inserted) sender_->Disconnect(*peer);  // another call connected first
+  return it->second;
+}
+
+void PrefillService::ForgetPeer(const std::string& descriptor, kvtransfer::PeerId peer) {
+  {
+    absl::MutexLock lock(&peers_mu_);
+    auto it = peers_.find(descriptor);
+    if (it == peers_.end() || it->second != peer) return;  // already replaced
+    peers_.erase(it);
+  }
+  sender_->Disconnect(peer);
+}
+
+grpc::Status PrefillService::Prefill(grpc::ServerContext* context, const v1::PrefillRequest* request,
+                                     v1::PrefillResponse* response) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::string& id = request->request_id();
+  absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(request->sampling());
+  if (!params.ok()) return rpc::ToGrpc(params.status());
+  const v1::KvTarget& target = request->target();
+  if (target.receiver_descriptor().empty() || target.block_ids().empty()) {
+    return Error(grpc::StatusCode::INVALID_ARGUMENT,
+                 "the KV target (receiver_descriptor and block_ids from the decode worker's ReserveKv) is required");
+  }
+
+  absl::StatusOr<kvtransfer::PeerId> peer = PeerFor(target.receiver_descriptor());
+  if (!peer.ok()) {
+    const grpc::StatusCode code = peer.status().code() == absl::StatusCode::kInvalidArgument
+                                      ? grpc::StatusCode::INVALID_ARGUMENT
+                                      : grpc::StatusCode::UNAVAILABLE;
+    return Error(code, absl::StrCat("cannot connect to the decode worker's KV receiver: ",
+                                    peer.status().message()));
+  }
+
+  auto transfer = std::make_shared<Transfer>();
+  transfer->transfer_id = target.transfer_id();
+  transfer->peer = *peer;
+  transfer->dst_block_ids.assign(target.block_ids().begin(), target.block_ids().end());
+
+  // The first token is sampled here; the decode worker continues the same seeded stream.
+  SamplingParams first = *params;
+  first.max_tokens = 1;
+  std::vector<int32_t> prompt(request->prompt_token_ids().begin(), request->prompt_token_ids().end());
+  auto results = std::make_shared<BlockingQueue<PrefillResult>>();
+  EngineLoop* loop = loop_.get();
+  absl::Status added = loop_->Call([&](LlmEngine& engine) -> absl::Status {
+    if (absl::Status s = engine.AddRequest(id, std::move(prompt), first); !s.ok()) return s;
+    const SequenceId seq = engine.Find(id)->seq_id;
+    transfers_[seq] = transfer;
+    loop->Subscribe(id, [this, seq, transfer, results](const RequestOutput& out) {
+      if (!out.finished) return;  // max_tokens 1: the sampled token comes with the finish
+      transfers_.erase(seq);
+      absl::Status shipped = transfer->done ? transfer->status
+                                            : absl::AbortedError("the prompt's KV was not shipped");
+      // Never shipped (aborted or failed before its step): let the decode worker release the lease.
+      if (!transfer->done && !stopping_) (void)sender_->Abort(transfer->peer, transfer->transfer_id);
+      results->Push(PrefillResult{out, std::move(shipped)});
+    });
+    return absl::OkStatus();
+  });
+  if (!added.ok()) return rpc::ToGrpc(added);
+
+  for (;;) {
+    std::optional<PrefillResult> result = results->Pop(std::chrono::milliseconds(
+        std::max<int64_t>(1, absl::ToInt64Milliseconds(options_.poll_period))));
+    if (!result) {
+      if (context->IsCancelled()) {
+        loop_->Abort(id);  // the subscription then aborts the transfer if it had not finished
+        return Error(grpc::StatusCode::CANCELLED, "the Prefill call was cancelled");
+      }
+      continue;
+    }
+    const RequestOutput& out = result->output;
+    if (out.finish_reason == FinishReason::kAbort) {
+      return Error(grpc::StatusCode::ABORTED, absl::StrCat("request '", id, "' was aborted"));
+    }
+    if (out.finish_reason == FinishReason::kError) {
+      return Error(grpc::StatusCode::INTERNAL, absl::StrCat("prefill of request '", id, "' failed: ", out.error));
+    }
+    if (!result->transfer.ok()) {
+      if (IsPeerFailure(result->transfer)) ForgetPeer(target.receiver_descriptor(), transfer->peer);
+      const grpc::StatusCode code = result->transfer.code() == absl::StatusCode::kInvalidArgument
+                                        ? grpc::StatusCode::INVALID_ARGUMENT
+                                        : grpc::StatusCode::UNAVAILABLE;
+      return Error(code, absl::StrCat("the KV transfer of request '", id, "' to the decode worker failed: ",
+                                      result->transfer.ToString()));
+    }
+    if (out.new_token_ids.empty()) {
+      return Error(grpc::StatusCode::INTERNAL, absl::StrCat("prefill of request '", id, "' produced no token"));
+    }
+    response->set_first_token_id(out.new_token_ids[0]);
+    if (!out.new_logprobs.empty()) {
+      SampledToken token{out.new_token_ids[0], out.new_logprobs[0],
+                         out.new_top_logprobs.empty() ? std::vector<TokenLogprob>{} : out.new_top_logprobs[0]};
+      rpc::ToProto(token, response->mutable_first_token_logprobs());
+    }
+    response->set_prefill_seconds(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    return grpc::Status::OK;
+  }
+}
+
+grpc::Status PrefillService::Abort(grpc::ServerContext*, const v1::WorkerAbortRequest* request,
+                                   v1::WorkerAbortResponse* response) {
+  const std::string& id = request->request_id();
+  const bool running = loop_->Call([&id](LlmEngine& engine) {
+    const Request* req = engine.Find(id);
+    return req != nullptr && !req->finished();
+  });
+  if (running) loop_->Abort(id);
+  response->set_found(running);
+  return grpc::Status::OK;
+}
+
+grpc::Status PrefillService::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
+                                      v1::WorkerStats* response) {
+  const EngineStats stats = loop_->Stats();
+  response->set_role("prefill");
+  response->set_num_requests_running(stats.num_running);
+  response->set_num_requests_waiting(stats.num_waiting);
+  response->set_num_kv_blocks(stats.num_kv_blocks);
+  response->set_num_free_kv_blocks(stats.num_free_kv_blocks);
+  response->set_num_kv_leases(0);
+  response->set_num_preemptions(stats.num_preemptions);
+  response->set_block_size(block_size_);
+  return grpc::Status::OK;
+}
+
+}  // namespace duet

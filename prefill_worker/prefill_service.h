@@ -1,0 +1,85 @@
+// The prefill worker's gRPC service (duet.v1.PrefillWorker): runs a prompt through the engine
+// (batched with other prompts by the continuous-batching scheduler), samples the first token,
+// and ships the prompt's KV blocks into the decode worker's reserved blocks over UCX layer by
+// layer, as each layer is computed, so the transfer overlaps the rest of the forward pass.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "duet/v1/worker.grpc.pb.h"
+#include "engine/engine_loop.h"
+#include "engine/llm_engine.h"
+#include "kvtransfer/kv_transport.h"
+#include "kvtransfer/ucx_transport.h"
+
+namespace duet {
+
+struct PrefillServiceOptions {
+  // UCX sender options; keep operation_timeout below the decode worker's lease.
+  kvtransfer::UcxSenderOptions sender;
+  absl::Duration poll_period = absl::Milliseconds(50);
+};
+
+class PrefillService final : public v1::PrefillWorker::Service {
+ public:
+  // Takes the engine, registers its KV pools with a UCX sender and starts the engine thread.
+  static absl::StatusOr<std::unique_ptr<PrefillService>> Create(std::unique_ptr<LlmEngine> engine,
+                                                                PrefillServiceOptions options = {});
+  ~PrefillService() override;
+
+  grpc::Status Prefill(grpc::ServerContext* context, const v1::PrefillRequest* request,
+                       v1::PrefillResponse* response) override;
+  grpc::Status Abort(grpc::ServerContext* context, const v1::WorkerAbortRequest* request,
+                     v1::WorkerAbortResponse* response) override;
+  grpc::Status GetStats(grpc::ServerContext* context, const v1::GetStatsRequest* request,
+                        v1::WorkerStats* response) override;
+
+ private:
+  // One Prefill call's KV shipment. Fields below `peer` are touched on the loop thread only.
+  struct Transfer {
+    uint64_t transfer_id = 0;
+    kvtransfer::PeerId peer = 0;
+    std::vector<uint32_t> dst_block_ids;
+    // Loop thread only.
+    bool sending = false;   // the prompt's final chunk is being computed and shipped
+    bool done = false;      // Finish resolved: `status` is the outcome
+    uint32_t num_tokens = 0;
+    std::vector<uint32_t> src_block_ids;
+    absl::Status status = absl::OkStatus();
+  };
+
+  PrefillService(std::unique_ptr<LlmEngine> engine, std::unique_ptr<kvtransfer::KvSender> sender,
+                 PrefillServiceOptions options);
+
+  // The engine's per-layer hook (loop thread, inside the forward pass).
+  void OnLayerDone(int64_t layer, absl::Span<const SequenceChunk> chunks);
+  absl::StatusOr<kvtransfer::PeerId> PeerFor(const std::string& descriptor) ABSL_LOCKS_EXCLUDED(peers_mu_);
+  // Drops a failed peer so the next Prefill to that decode worker connects again.
+  void ForgetPeer(const std::string& descriptor, kvtransfer::PeerId peer) ABSL_LOCKS_EXCLUDED(peers_mu_);
+
+  const PrefillServiceOptions options_;
+  const int32_t block_size_;
+  const int64_t num_layers_;
+
+  absl::Mutex peers_mu_;
+  std::map<std::string, kvtransfer::PeerId> peers_ ABSL_GUARDED_BY(peers_mu_);
+
+  // Loop thread only: transfers keyed by the engine's sequence id.
+  std::map<SequenceId, std::shared_ptr<Transfer>> transfers_;
+  bool stopping_ = false;  // loop thread only
+
+  // The sender reads the engine's pools: created before and destroyed after the loop's thread
+  // has stopped using it (see the destructor); the engine itself lives in loop_.
+  std::unique_ptr<kvtransfer::KvSender> sender_;
+  std::unique_ptr<EngineLoop> loop_;
+};
+
+}  // namespace duet

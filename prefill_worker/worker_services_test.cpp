@@ -1,0 +1,350 @@
+// Both worker services in one process over real gRPC and UCX loopback, driven as the router
+// drives them: ReserveKv (decode) → Prefill (prefill) → Decode (decode).
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "decode_worker/decode_service.h"
+#include "gtest/gtest.h"
+#include "grpcpp/grpcpp.h"
+#include "prefill_worker/prefill_service.h"
+#include "proto/rpc_util.h"
+
+namespace duet {
+namespace {
+
+constexpr char kModel[] = DUET_MODELS_DIR "/tiny-code-llama";
+
+std::unique_ptr<LlmEngine> NewEngine(int32_t block_size, int32_t num_blocks, int32_t max_batched_tokens = 2048) {
+  EngineConfig config;
+  config.model_dir = kModel;
+  config.block_size = block_size;
+  config.num_kv_blocks = num_blocks;
+  config.scheduler.max_num_batched_tokens = max_batched_tokens;
+  absl::StatusOr<std::unique_ptr<LlmEngine>> e = LlmEngine::Create(config);
+  EXPECT_TRUE(e.ok()) << e.status();
+  return std::move(*e);
+}
+
+std::vector<int32_t> LocalOutput(const std::vector<int32_t>& prompt, const SamplingParams& p) {
+  std::unique_ptr<LlmEngine> e = NewEngine(16, 256);
+  EXPECT_TRUE(e->AddRequest("x", prompt, p).ok());
+  while (e->HasUnfinished()) EXPECT_TRUE(e->Step().ok());
+  return e->Find("x")->output;
+}
+
+struct FlowResult {
+  grpc::Status reserve, prefill, decode;
+  std::vector<int32_t> tokens;
+  std::vector<int32_t> prompt_echo;
+  std::string text;
+  std::string finish_reason;
+  int32_t num_logprobs = 0;
+  int32_t completion_tokens = 0;
+};
+
+class WorkerServicesTest : public ::testing::Test {
+ protected:
+  static constexpr int32_t kDecodeBlocks = 64;
+
+  void SetUp() override {
+    // Prefill: block size 16, prompts chunked 8 tokens per step. Decode: block size 8 (the
+    // transport re-blocks).
+    DecodeServiceOptions decode_options;
+    decode_options.poll_period = absl::Milliseconds(10);
+    absl::StatusOr<std::unique_ptr<DecodeService>> decode =
+        DecodeService::Create(NewEngine(8, kDecodeBlocks), decode_options);
+    ASSERT_TRUE(decode.ok()) << decode.status();
+    decode_ = std::move(*decode);
+    PrefillServiceOptions prefill_options;
+    prefill_options.sender.operation_timeout = absl::Seconds(3);
+    prefill_options.poll_period = absl::Milliseconds(10);
+    absl::StatusOr<std::unique_ptr<PrefillService>> prefill =
+        PrefillService::Create(NewEngine(16, 128, /*max_batched_tokens=*/8), prefill_options);
+    ASSERT_TRUE(prefill.ok()) << prefill.status();
+    prefill_ = std::move(*prefill);
+
+    int port = 0;
+    auto decode_server = rpc::StartServer("127.0.0.1:0", {decode_.get()}, &port);
+    ASSERT_TRUE(decode_server.ok()) << decode_server.status();
+    decode_server_ = std::move(*decode_server);
+    decode_stub_ = v1::DecodeWorker::NewStub(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+    auto prefill_server = rpc::StartServer("127.0.0.1:0", {prefill_.get()}, &port);
+    ASSERT_TRUE(prefill_server.ok()) << prefill_server.status();
+    prefill_server_ = std::move(*prefill_server);
+    prefill_stub_ = v1::PrefillWorker::NewStub(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+
+    std::unique_ptr<LlmEngine> e = NewEngine(16, 16);
+    prompt_ = e->tokenizer().Encode("import os\n\ndef read_config(path):\n    with open(path) as f:\n");
+  }
+
+  void TearDown() override {
+    if (prefill_server_) prefill_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    if (decode_server_) decode_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    prefill_.reset();
+    decode_.reset();
+  }
+
+  v1::WorkerStats DecodeStats() {
+    grpc::ClientContext ctx;
+    v1::WorkerStats stats;
+    EXPECT_TRUE(decode_stub_->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+    return stats;
+  }
+
+  // Waits until the decode worker holds no blocks, leases or requests.
+  bool DecodeBecomesIdle(std::chrono::milliseconds timeout = std::chrono::seconds(5)) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      v1::WorkerStats s = DecodeStats();
+      if (s.num_free_kv_blocks() == s.num_kv_blocks() && s.num_kv_leases() == 0 &&
+          s.num_requests_running() == 0 && s.num_requests_waiting() == 0) {
+        return true;
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        ADD_FAILURE() << "decode worker not idle: free " << s.num_free_kv_blocks() << "/" << s.num_kv_blocks()
+                      << ", leases " << s.num_kv_leases() << ", running " << s.num_requests_running();
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+
+  grpc::Status Reserve(const std::string& id, uint64_t transfer_id, int32_t lease_ms, v1::KvTarget* target) {
+    grpc::ClientContext ctx;
+    v1::ReserveKvRequest req;
+    req.set_request_id(id);
+    req.set_transfer_id(transfer_id);
+    req.set_num_prompt_tokens(int32_t(prompt_.size()));
+    req.set_lease_ms(lease_ms);
+    v1::ReserveKvResponse resp;
+    grpc::Status s = decode_stub_->ReserveKv(&ctx, req, &resp);
+    *target = resp.target();
+    return s;
+  }
+
+  grpc::Status Prefill(const std::string& id, const v1::SamplingOptions& sampling, const v1::KvTarget& target,
+                       v1::PrefillResponse* resp) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    v1::PrefillRequest req;
+    req.set_request_id(id);
+    for (int32_t t : prompt_) req.add_prompt_token_ids(t);
+    *req.mutable_sampling() = sampling;
+    *req.mutable_target() = target;
+    return prefill_stub_->Prefill(&ctx, req, resp);
+  }
+
+  v1::DecodeRequest DecodeRequestFor(const std::string& id, uint64_t transfer_id,
+                                     const v1::SamplingOptions& sampling, const v1::PrefillResponse& pre) {
+    v1::DecodeRequest req;
+    req.set_request_id(id);
+    req.set_transfer_id(transfer_id);
+    for (int32_t t : prompt_) req.add_prompt_token_ids(t);
+    *req.mutable_sampling() = sampling;
+    req.set_first_token_id(pre.first_token_id());
+    *req.mutable_first_token_logprobs() = pre.first_token_logprobs();
+    return req;
+  }
+
+  FlowResult RunFlow(const std::string& id, uint64_t transfer_id, const v1::SamplingOptions& sampling) {
+    FlowResult r;
+    v1::KvTarget target;
+    r.reserve = Reserve(id, transfer_id, 10000, &target);
+    if (!r.reserve.ok()) return r;
+    v1::PrefillResponse pre;
+    r.prefill = Prefill(id, sampling, target, &pre);
+    if (!r.prefill.ok()) return r;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    auto reader = decode_stub_->Decode(&ctx, DecodeRequestFor(id, transfer_id, sampling, pre));
+    v1::GenerateResponse msg;
+    bool first = true;
+    while (reader->Read(&msg)) {
+      EXPECT_EQ(msg.request_id(), id);
+      if (first) r.prompt_echo.assign(msg.prompt_token_ids().begin(), msg.prompt_token_ids().end());
+      first = false;
+      r.tokens.insert(r.tokens.end(), msg.token_ids().begin(), msg.token_ids().end());
+      r.text += msg.text();
+      r.num_logprobs += msg.logprobs_size();
+      if (msg.finished()) {
+        r.finish_reason = msg.finish_reason();
+        r.completion_tokens = msg.usage().completion_tokens();
+      }
+    }
+    r.decode = reader->Finish();
+    return r;
+  }
+
+  std::unique_ptr<DecodeService> decode_;
+  std::unique_ptr<PrefillService> prefill_;
+  std::unique_ptr<grpc::Server> decode_server_, prefill_server_;
+  std::unique_ptr<v1::DecodeWorker::Stub> decode_stub_;
+  std::unique_ptr<v1::PrefillWorker::Stub> prefill_stub_;
+  std::vector<int32_t> prompt_;
+};
+
+TEST_F(WorkerServicesTest, GreedyAndSeededSampledMatchLocalGeneration) {
+  for (const bool greedy : {true, false}) {
+    SamplingParams p;
+    p.temperature = greedy ? 0.0f : 0.9f;
+    p.top_p = greedy ? 1.0f : 0.95f;
+    p.seed = 77;
+    p.max_tokens = 20;
+    p.ignore_eos = true;
+    if (!greedy) p.logprobs = 2;
+    const std::vector<int32_t> expected = LocalOutput(prompt_, p);
+    FlowResult r = RunFlow(greedy ? "greedy" : "sampled", greedy ? 1 : 2, rpc::ToSamplingOptions(p));
+    ASSERT_TRUE(r.reserve.ok()) << r.reserve.error_message();
+    ASSERT_TRUE(r.prefill.ok()) << r.prefill.error_message();
+    ASSERT_TRUE(r.decode.ok()) << r.decode.error_message();
+    EXPECT_EQ(r.tokens, expected) << (greedy ? "greedy" : "sampled");
+    EXPECT_EQ(r.prompt_echo, prompt_);
+    EXPECT_EQ(r.finish_reason, "length");
+    EXPECT_EQ(r.completion_tokens, 20);
+    EXPECT_FALSE(r.text.empty());
+    EXPECT_EQ(r.num_logprobs, greedy ? 0 : 20);
+  }
+  EXPECT_TRUE(DecodeBecomesIdle());
+}
+
+TEST_F(WorkerServicesTest, ConcurrentRequestsMatchLocalGeneration) {
+  constexpr int kRequests = 6;
+  std::vector<SamplingParams> params(kRequests);
+  std::vector<std::vector<int32_t>> expected(kRequests);
+  for (int i = 0; i < kRequests; ++i) {
+    params[i].temperature = i % 2 ? 0.8f : 0.0f;
+    params[i].seed = 1000 + i;
+    params[i].max_tokens = 12;
+    params[i].ignore_eos = true;
+    expected[i] = LocalOutput(prompt_, params[i]);
+  }
+  std::vector<FlowResult> results(kRequests);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRequests; ++i) {
+    threads.emplace_back([&, i] {
+      results[i] = RunFlow("c" + std::to_string(i), 100 + i, rpc::ToSamplingOptions(params[i]));
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kRequests; ++i) {
+    ASSERT_TRUE(results[i].reserve.ok() && results[i].prefill.ok() && results[i].decode.ok())
+        << i << ": " << results[i].reserve.error_message() << results[i].prefill.error_message()
+        << results[i].decode.error_message();
+    EXPECT_EQ(results[i].tokens, expected[i]) << i;
+  }
+  EXPECT_TRUE(DecodeBecomesIdle());
+}
+
+TEST_F(WorkerServicesTest, CancellingDecodeMidStreamFreesItsBlocks) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = 200;
+  p.ignore_eos = true;
+  const v1::SamplingOptions sampling = rpc::ToSamplingOptions(p);
+  v1::KvTarget target;
+  ASSERT_TRUE(Reserve("cancel", 7, 10000, &target).ok());
+  v1::PrefillResponse pre;
+  ASSERT_TRUE(Prefill("cancel", sampling, target, &pre).ok());
+  grpc::ClientContext ctx;
+  auto reader = decode_stub_->Decode(&ctx, DecodeRequestFor("cancel", 7, sampling, pre));
+  v1::GenerateResponse msg;
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(reader->Read(&msg));
+  EXPECT_LT(DecodeStats().num_free_kv_blocks(), kDecodeBlocks);
+  ctx.TryCancel();
+  while (reader->Read(&msg)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(DecodeBecomesIdle());
+}
+
+TEST_F(WorkerServicesTest, UnclaimedReservationIsReleasedWhenItsLeaseExpires) {
+  v1::KvTarget target;
+  ASSERT_TRUE(Reserve("unclaimed", 8, 150, &target).ok());
+  EXPECT_EQ(target.transfer_id(), 8u);
+  EXPECT_FALSE(target.receiver_descriptor().empty());
+  EXPECT_EQ(target.block_ids_size(), int((prompt_.size() + 7) / 8));
+  v1::WorkerStats stats = DecodeStats();
+  EXPECT_EQ(stats.num_kv_leases(), 1);
+  EXPECT_EQ(stats.num_free_kv_blocks(), kDecodeBlocks - target.block_ids_size());
+  EXPECT_TRUE(DecodeBecomesIdle());
+
+  // A Decode for it now fails cleanly.
+  grpc::ClientContext ctx;
+  auto reader = decode_stub_->Decode(&ctx, DecodeRequestFor("unclaimed", 8, v1::SamplingOptions(), {}));
+  v1::GenerateResponse msg;
+  EXPECT_FALSE(reader->Read(&msg));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+TEST_F(WorkerServicesTest, TransferredButUnclaimedBlocksAreReleasedAfterTheLease) {
+  v1::KvTarget target;
+  ASSERT_TRUE(Reserve("received", 9, 300, &target).ok());
+  v1::PrefillResponse pre;
+  ASSERT_TRUE(Prefill("received", v1::SamplingOptions(), target, &pre).ok());
+  EXPECT_EQ(DecodeStats().num_kv_leases(), 1);
+  EXPECT_TRUE(DecodeBecomesIdle());
+}
+
+TEST_F(WorkerServicesTest, AbortReleasesAReservation) {
+  v1::KvTarget target;
+  ASSERT_TRUE(Reserve("aborted", 10, 10000, &target).ok());
+  grpc::ClientContext ctx;
+  v1::WorkerAbortRequest req;
+  req.set_request_id("aborted");
+  v1::WorkerAbortResponse resp;
+  ASSERT_TRUE(decode_stub_->Abort(&ctx, req, &resp).ok());
+  EXPECT_TRUE(resp.found());
+  EXPECT_TRUE(DecodeBecomesIdle(std::chrono::milliseconds(2000)));
+}
+
+TEST_F(WorkerServicesTest, ReserveKvWithoutRoomIsResourceExhausted) {
+  grpc::ClientContext ctx;
+  v1::ReserveKvRequest req;
+  req.set_request_id("huge");
+  req.set_transfer_id(11);
+  req.set_num_prompt_tokens(8 * kDecodeBlocks + 1);
+  v1::ReserveKvResponse resp;
+  grpc::Status s = decode_stub_->ReserveKv(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_TRUE(DecodeBecomesIdle());
+}
+
+TEST_F(WorkerServicesTest, PrefillToABogusDescriptorFailsCleanly) {
+  v1::KvTarget target;
+  target.set_receiver_descriptor("not a descriptor");
+  target.set_transfer_id(12);
+  target.add_block_ids(0);
+  target.add_block_ids(1);
+  target.add_block_ids(2);
+  v1::PrefillResponse pre;
+  grpc::Status s = Prefill("bogus", v1::SamplingOptions(), target, &pre);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.error_message().find("KV receiver"), std::string::npos) << s.error_message();
+  // The worker still serves.
+  FlowResult r = RunFlow("after-bogus", 13, rpc::ToSamplingOptions(SamplingParams{}));
+  EXPECT_TRUE(r.decode.ok()) << r.reserve.error_message() << r.prefill.error_message() << r.decode.error_message();
+  grpc::ClientContext ctx;
+  v1::WorkerStats stats;
+  ASSERT_TRUE(prefill_stub_->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+  EXPECT_EQ(stats.role(), "prefill");
+  EXPECT_EQ(stats.num_free_kv_blocks(), stats.num_kv_blocks());
+}
+
+TEST_F(WorkerServicesTest, PrefillWithWrongBlockCountFailsAndReleasesTheLease) {
+  v1::KvTarget target;
+  ASSERT_TRUE(Reserve("short", 14, 10000, &target).ok());
+  target.mutable_block_ids()->RemoveLast();
+  v1::PrefillResponse pre;
+  grpc::Status s = Prefill("short", v1::SamplingOptions(), target, &pre);
+  EXPECT_FALSE(s.ok());
+  EXPECT_TRUE(DecodeBecomesIdle());
+}
+
+}  // namespace
+}  // namespace duet
