@@ -44,6 +44,7 @@ struct Result {
 v1::GenerateRequest TokenRequest(std::vector<int32_t> ids, int max_tokens, std::string request_id = "") {
   v1::GenerateRequest request;
   request.set_request_id(request_id);
+  request.mutable_token_ids();  // set even when empty
   for (int32_t id : ids) request.mutable_token_ids()->add_ids(id);
   request.mutable_sampling()->set_max_tokens(max_tokens);
   request.mutable_sampling()->set_temperature(0);
@@ -88,7 +89,7 @@ class RouterServiceTest : public ::testing::Test {
     policy_ = MakeLeastLoadedPolicy(registry_.get());
     options.model_name = "tiny";
     options.vocab_size = 8192;
-    if (options.max_model_len == 0) options.max_model_len = 256;
+    if (options.max_model_len == 0) options.max_model_len = 4096;
     service_ = std::make_unique<RouterService>(options, tokenizer_, registry_.get(), policy_.get());
     int port = 0;
     absl::StatusOr<std::unique_ptr<grpc::Server>> server = rpc::StartServer("127.0.0.1:0", {service_.get()}, &port);
@@ -165,7 +166,6 @@ TEST_F(RouterServiceTest, TextPromptIsTokenizedWithSpecialTokens) {
   ASSERT_TRUE(result.status.ok()) << result.status.error_message();
   const std::vector<int32_t> expected = tokenizer_->Encode("def fib(n):", true);
   EXPECT_EQ(prefill_[0]->last_prompt(), expected);
-  if (tokenizer_->bos_token_id()) EXPECT_EQ(expected.front(), *tokenizer_->bos_token_id());
   EXPECT_EQ(result.messages[0].prompt_token_ids_size(), static_cast<int>(expected.size()));
 }
 
@@ -181,7 +181,9 @@ TEST_F(RouterServiceTest, MakesUniqueRequestIdsAndTransferIds) {
 }
 
 TEST_F(RouterServiceTest, InvalidRequests) {
-  Start(1, 1);
+  RouterServiceOptions options;
+  options.max_model_len = 256;
+  Start(1, 1, options);
   auto expect_invalid = [&](const v1::GenerateRequest& request, const std::string& message) {
     Result result = Generate(request);
     EXPECT_EQ(result.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << message;
@@ -442,7 +444,7 @@ TEST_F(RouterServiceTest, GetModelInfo) {
   ASSERT_TRUE(stub_->GetModelInfo(&context, v1::GetModelInfoRequest(), &info).ok());
   EXPECT_EQ(info.model_name(), "tiny");
   EXPECT_EQ(info.vocab_size(), 8192);
-  EXPECT_EQ(info.max_model_len(), 256);
+  EXPECT_EQ(info.max_model_len(), 4096);
   EXPECT_EQ(info.num_prefill_workers(), 1);  // workers up
   EXPECT_EQ(info.num_decode_workers(), 1);
 }
