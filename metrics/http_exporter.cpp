@@ -168,13 +168,18 @@ void HttpExporter::Run() {
   std::vector<Connection> conns;
   std::vector<pollfd> fds;
   char buffer[4096];
+  // After accept() fails for lack of descriptors the listener stays readable; stop polling it for
+  // a moment rather than spin.
+  Clock::time_point accept_paused_until;
   for (;;) {
     fds.clear();
     fds.push_back({wake_fd_, POLLIN, 0});
-    bool accepting = static_cast<int>(conns.size()) < options_.max_connections;
-    fds.push_back({listen_fd_, static_cast<short>(accepting ? POLLIN : 0), 0});
     Clock::time_point now = Clock::now();
+    bool accepting = static_cast<int>(conns.size()) < options_.max_connections &&
+                     now >= accept_paused_until;
+    fds.push_back({listen_fd_, static_cast<short>(accepting ? POLLIN : 0), 0});
     Clock::time_point next_deadline = now + std::chrono::seconds(3600);
+    if (!accepting && now < accept_paused_until) next_deadline = accept_paused_until;
     for (const Connection& c : conns) {
       fds.push_back({c.fd, static_cast<short>(c.state == Connection::kWriting ? POLLOUT : POLLIN), 0});
       next_deadline = std::min(next_deadline, c.deadline);
@@ -229,7 +234,12 @@ void HttpExporter::Run() {
     if (fds[1].revents & POLLIN) {
       for (;;) {
         int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) break;  // EAGAIN, or a transient error (EMFILE, ECONNABORTED): poll again
+        if (fd < 0) {
+          if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+            accept_paused_until = Clock::now() + std::chrono::milliseconds(100);
+          }
+          break;  // EAGAIN, or a transient error such as ECONNABORTED: poll again
+        }
         if (static_cast<int>(conns.size()) >= options_.max_connections) {
           ::close(fd);
           continue;

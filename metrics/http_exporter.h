@@ -4,8 +4,9 @@
 // One background thread runs a poll() loop over non-blocking sockets, so a slow or half-open
 // client cannot hold up other scrapes: each connection has a deadline (Options::io_timeout) for
 // the whole exchange and is closed when it passes. Each response closes its connection
-// ("Connection: close"), which Prometheus handles fine. Requests are limited to max_request_bytes
-// of headers (bodies are never read); connections beyond max_connections are closed at once.
+// ("Connection: close"), which Prometheus handles fine. Request heads are limited to
+// max_request_bytes (431 beyond; bodies are never parsed). At most max_connections are served at
+// once; further clients wait in the listen backlog until a slot frees (at worst io_timeout).
 //
 // This exporter only serves scrapes; the OpenAI HTTP API is a separate server.
 #pragma once

@@ -167,6 +167,25 @@ TEST(HttpExporterStartTest, Errors) {
   EXPECT_THAT(std::string(second.status().message()), HasSubstr("cannot listen"));
 }
 
+TEST(HttpExporterStartTest, ConnectionLimitOnlyDelays) {
+  Registry registry;
+  HttpExporter::Options options;
+  options.host = "127.0.0.1";
+  options.max_connections = 2;
+  options.io_timeout = std::chrono::milliseconds(300);
+  auto exporter = HttpExporter::Start(registry, options);
+  ASSERT_TRUE(exporter.ok());
+  uint16_t port = (*exporter)->port();
+  int a = ConnectLoopback(port);
+  int b = ConnectLoopback(port);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(HttpGet(port, "/metrics").status, 200);  // served once a silent client times out
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  ::close(a);
+  ::close(b);
+}
+
 TEST(HttpExporterStartTest, CustomBody) {
   HttpExporter::Options options;
   options.host = "127.0.0.1";
