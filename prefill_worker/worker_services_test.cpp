@@ -265,7 +265,7 @@ TEST_F(WorkerServicesTest, CancellingDecodeMidStreamFreesItsBlocks) {
 
 TEST_F(WorkerServicesTest, UnclaimedReservationIsReleasedWhenItsLeaseExpires) {
   v1::KvTarget target;
-  ASSERT_TRUE(Reserve("unclaimed", 8, 150, &target).ok());
+  ASSERT_TRUE(Reserve("unclaimed", 8, 600, &target).ok());
   EXPECT_EQ(target.transfer_id(), 8u);
   EXPECT_FALSE(target.receiver_descriptor().empty());
   EXPECT_EQ(target.block_ids_size(), int((prompt_.size() + 7) / 8));
@@ -284,7 +284,7 @@ TEST_F(WorkerServicesTest, UnclaimedReservationIsReleasedWhenItsLeaseExpires) {
 
 TEST_F(WorkerServicesTest, TransferredButUnclaimedBlocksAreReleasedAfterTheLease) {
   v1::KvTarget target;
-  ASSERT_TRUE(Reserve("received", 9, 300, &target).ok());
+  ASSERT_TRUE(Reserve("received", 9, 1500, &target).ok());
   v1::PrefillResponse pre;
   ASSERT_TRUE(Prefill("received", v1::SamplingOptions(), target, &pre).ok());
   EXPECT_EQ(DecodeStats().num_kv_leases(), 1);
