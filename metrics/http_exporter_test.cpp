@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -87,6 +88,31 @@ TEST_F(HttpExporterTest, ErrorStatuses) {
   for (int i = 0; i < 20; ++i) {
     int fd = ConnectLoopback(port());
     ASSERT_GE(fd, 0);
+    ::close(fd);
+  }
+  EXPECT_EQ(HttpGet(port(), "/metrics").status, 200);
+}
+
+TEST_F(HttpExporterTest, SurvivesRandomInput) {
+  std::mt19937 rng(4);
+  for (int i = 0; i < 200; ++i) {
+    std::string junk(rng() % 300, '\0');
+    for (char& c : junk) c = static_cast<char>(rng());
+    if (i % 2 == 0) junk += "\r\n\r\n";
+    if (i % 3 == 0) junk = "GET /metrics HTTP/1.1\r\n" + junk;
+    std::string raw = RawExchange(port(), junk, std::chrono::seconds(2), /*half_close=*/true);
+    if (!raw.empty()) {
+      int status = ParseResponse(raw).status;
+      EXPECT_TRUE(status == 200 || (status >= 400 && status < 500)) << status;
+    }
+  }
+  // Clients that send a request and vanish without reading the answer.
+  for (int i = 0; i < 20; ++i) {
+    int fd = ConnectLoopback(port());
+    ASSERT_GE(fd, 0);
+    ::send(fd, "GET /metrics HTTP/1.1\r\n\r\n", 27, MSG_NOSIGNAL);
+    linger hard{1, 0};  // close with RST
+    ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &hard, sizeof(hard));
     ::close(fd);
   }
   EXPECT_EQ(HttpGet(port(), "/metrics").status, 200);

@@ -28,10 +28,11 @@ inline int ConnectLoopback(uint16_t port) {
   return fd;
 }
 
-// Sends `raw` as is and reads until the server closes (or `timeout`); returns all bytes read,
-// or "" when the connection failed.
+// Sends `raw` as is (then shuts down our sending side when `half_close`) and reads until the
+// server closes (or `timeout`); returns all bytes read, or "" when the connection failed.
 inline std::string RawExchange(uint16_t port, const std::string& raw,
-                               std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+                               std::chrono::milliseconds timeout = std::chrono::seconds(10),
+                               bool half_close = false) {
   int fd = ConnectLoopback(port);
   if (fd < 0) return "";
   size_t sent = 0;
@@ -40,6 +41,7 @@ inline std::string RawExchange(uint16_t port, const std::string& raw,
     if (n <= 0) break;
     sent += n;
   }
+  if (half_close) ::shutdown(fd, SHUT_WR);
   std::string response;
   auto deadline = std::chrono::steady_clock::now() + timeout;
   char buffer[8192];
