@@ -193,7 +193,11 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* context, const v1::Pre
     });
     return absl::OkStatus();
   });
-  if (!added.ok()) return rpc::ToGrpc(added);
+  if (!added.ok()) {
+    // Nothing will be shipped: let the decode worker release the reserved blocks now.
+    (void)sender_->Abort(transfer->peer, transfer->transfer_id);
+    return rpc::ToGrpc(added);
+  }
 
   for (;;) {
     std::optional<PrefillResult> result = results->Pop(std::chrono::milliseconds(
