@@ -110,7 +110,8 @@ TEST_F(HttpExporterTest, SurvivesRandomInput) {
   for (int i = 0; i < 20; ++i) {
     int fd = ConnectLoopback(port());
     ASSERT_GE(fd, 0);
-    ::send(fd, "GET /metrics HTTP/1.1\r\n\r\n", 27, MSG_NOSIGNAL);
+    const std::string request = "GET /metrics HTTP/1.1\r\n\r\n";
+    ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
     linger hard{1, 0};  // close with RST
     ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &hard, sizeof(hard));
     ::close(fd);
