@@ -233,7 +233,7 @@ absl::StatusOr<RouterService::Reservation> RouterService::Reserve(grpc::ServerCo
         last_exhausted = what;
         break;
       case grpc::StatusCode::UNAVAILABLE:
-        registry_->MarkDown(decode, absl::StrCat("ReserveKv failed: ", status.error_message()));
+        registry_->ConfirmDown(decode, absl::StrCat("ReserveKv failed: ", status.error_message()));
         last_failure = what;
         break;
       default:
@@ -314,11 +314,15 @@ grpc::Status RouterService::Run(grpc::ServerContext* context, const Prepared& pr
     info.max_tokens = prepared.params.max_tokens;
     info.excluded = excluded_prefill;
     Worker* prefill = policy_->PickPrefill(info);
+    if (prefill == nullptr && !excluded_prefill.empty()) {
+      info.excluded.clear();  // the retry: the failed worker answers its stats and is the only one
+      prefill = policy_->PickPrefill(info);
+    }
     if (prefill == nullptr) {
       AbortOnWorker(reserved->decode, request_id);
       if (!excluded_prefill.empty()) {
         return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                            absl::StrCat(excluded_prefill.back()->name(), " failed and no other prefill worker is up"));
+                            absl::StrCat(excluded_prefill.back()->name(), " failed and no prefill worker is up"));
       }
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, registry_->prefill_workers().empty()
                                                              ? "no prefill workers are configured"
@@ -347,7 +351,11 @@ grpc::Status RouterService::Run(grpc::ServerContext* context, const Prepared& pr
     }
     const std::string what = absl::StrCat(prefill->name(), " failed: ", status.error_message());
     if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
-      registry_->MarkDown(prefill, absl::StrCat("Prefill failed: ", status.error_message()));
+      // The prefill worker died, or its KV transfer to the decode worker failed (then the decode
+      // worker may be the dead one). Whichever does not answer is marked down; retry once.
+      const std::string reason = absl::StrCat("Prefill failed: ", status.error_message());
+      registry_->ConfirmDown(prefill, reason);
+      registry_->ConfirmDown(reserved->decode, reason);
       if (attempt == 0) {
         excluded_prefill.push_back(prefill);
         continue;
@@ -413,7 +421,7 @@ grpc::Status RouterService::Run(grpc::ServerContext* context, const Prepared& pr
                         absl::StrCat(decode->name(), " ended the stream before the request finished"));
   }
   if (IsWorkerFailure(status.error_code())) {
-    registry_->MarkDown(decode, absl::StrCat("Decode stream failed: ", status.error_message()));
+    registry_->ConfirmDown(decode, absl::StrCat("Decode stream failed: ", status.error_message()));
     return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                         absl::StrCat(decode->name(), " failed: ", status.error_message()));
   }

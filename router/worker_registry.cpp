@@ -177,6 +177,22 @@ int WorkerRegistry::NumUp(WorkerRole role) const {
 
 void WorkerRegistry::MarkDown(Worker* worker, std::string_view reason) { SetUp(worker, false, reason); }
 
+bool WorkerRegistry::ConfirmDown(Worker* worker, std::string_view reason) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.poll_timeout));
+  v1::WorkerStats stats;
+  const grpc::Status status = worker->prefill() != nullptr
+                                  ? worker->prefill()->GetStats(&context, v1::GetStatsRequest(), &stats)
+                                  : worker->decode()->GetStats(&context, v1::GetStatsRequest(), &stats);
+  if (status.ok()) {
+    absl::MutexLock lock(&worker->mu_);
+    worker->stats_ = stats;
+    return false;
+  }
+  SetUp(worker, false, absl::StrCat(std::string(reason), "; GetStats: ", status.error_message()));
+  return true;
+}
+
 void WorkerRegistry::SetUp(Worker* worker, bool up, std::string_view reason) {
   const bool was = worker->up_.exchange(up, std::memory_order_acq_rel);
   if (was == up || !options_.log_state_changes) return;

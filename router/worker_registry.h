@@ -146,8 +146,12 @@ class WorkerRegistry {
   const std::vector<std::unique_ptr<Worker>>& decode_workers() const { return decode_; }
   int NumUp(WorkerRole role) const;
 
-  // A call to `worker` failed as if it were gone. It stays down until it answers a poll again.
+  // Marks `worker` down; it stays down until it answers a poll again.
   void MarkDown(Worker* worker, std::string_view reason);
+  // A call to `worker` failed as if the worker were gone (UNAVAILABLE, broken stream). Asks it for
+  // its stats (poll_timeout) and marks it down unless it answers: a live worker that reported a
+  // failure elsewhere (e.g. a KV transfer to a dead peer) stays up. Returns whether it is down.
+  bool ConfirmDown(Worker* worker, std::string_view reason);
 
  private:
   void SetUp(Worker* worker, bool up, std::string_view reason);
