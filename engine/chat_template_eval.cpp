@@ -814,14 +814,13 @@ class Interpreter {
       if (op == "**") return Value::Float(std::pow(a, b));
     } else {
       int64_t x = left.integer, y = right.integer;
-      auto checked = [](bool overflow, int64_t result) {
-        if (overflow) Fail("integer overflow");
-        return Value::Int(result);
-      };
       int64_t r = 0;
-      if (op == "+") return checked(__builtin_add_overflow(x, y, &r), r);
-      if (op == "-") return checked(__builtin_sub_overflow(x, y, &r), r);
-      if (op == "*") return checked(__builtin_mul_overflow(x, y, &r), r);
+      bool overflow = false;
+      if (op == "+") overflow = __builtin_add_overflow(x, y, &r);
+      if (op == "-") overflow = __builtin_sub_overflow(x, y, &r);
+      if (op == "*") overflow = __builtin_mul_overflow(x, y, &r);
+      if (overflow) Fail("integer overflow");
+      if (op == "+" || op == "-" || op == "*") return Value::Int(r);
       if (op == "//" || op == "%") {
         if (y == 0) Fail("division by zero");
         if (x == INT64_MIN && y == -1) Fail("integer overflow");

@@ -61,20 +61,20 @@ class Parser {
     return false;
   }
 
-  const Token& Expect(TokenType type, std::string_view what) {
+  const Token& Expect(TokenType type, const std::string& what) {
     if (!Is(type)) {
       Fail(AtEnd() ? absl::StrCat("unexpected end of template, expected ", what)
                    : absl::StrCat("expected ", what, ", got '", tokens_[current_].value, "'"));
     }
     return tokens_[current_++];
   }
-  void ExpectIdentifier(std::string_view name) {
+  void ExpectIdentifier(const std::string& name) {
     if (!IsIdentifier(name)) Fail(absl::StrCat("expected '", name, "'"));
     ++current_;
   }
 
   // Parses statements until one of `ends` opens; fails naming the opening tag at end of input.
-  Body ParseUntil(std::initializer_list<std::string_view> ends, const Node& opener, std::string_view end_tag) {
+  Body ParseUntil(std::initializer_list<std::string_view> ends, const Node& opener, const std::string& end_tag) {
     Body body;
     while (!IsStatement(ends)) {
       if (AtEnd()) {
@@ -85,7 +85,7 @@ class Parser {
     return body;
   }
 
-  void ExpectEndTag(std::string_view name) {
+  void ExpectEndTag(const std::string& name) {
     Expect(TokenType::kOpenStatement, "'{%'");
     ExpectIdentifier(name);
     Expect(TokenType::kCloseStatement, "'%}'");
