@@ -1,0 +1,45 @@
+#include "cli/role_commands.h"
+
+namespace duet {
+
+RoleCommands::RoleCommands(CLI::App& app) {
+  router_cmd_ = app.add_subcommand("router", "Run the router (public gRPC API) in front of given workers");
+  router_cmd_->add_option("--model", router_.model_dir, "Model directory (tokenizer, config)")->required();
+  router_cmd_->add_option("--served-model-name", router_.served_model_name, "Model name in responses");
+  router_cmd_->add_option("--host", router_.host, "Address to listen on");
+  router_cmd_->add_option("--port", router_.port, "gRPC port (0: any free port)")->check(CLI::Range(0, 65535));
+  router_cmd_->add_option("--prefill", router_.prefill_addresses, "Prefill workers, host:port,...")
+      ->delimiter(',')->required();
+  router_cmd_->add_option("--decode", router_.decode_addresses, "Decode workers, host:port,...")
+      ->delimiter(',')->required();
+  router_cmd_->add_option("--max-concurrent-requests", router_.max_concurrent_requests,
+                          "In-flight requests before RESOURCE_EXHAUSTED")->check(CLI::Range(1, 1 << 20));
+  router_cmd_->add_option("--max-model-len", router_.max_model_len, "Context limit (default: the model's)");
+  router_cmd_->add_option("--kv-lease-ms", router_.kv_lease_ms, "How long a KV reservation waits for its decode call")
+      ->check(CLI::Range(100, 3600000));
+
+  prefill_cmd_ = app.add_subcommand("prefill-worker", "Run a prefill worker");
+  prefill_flags_.Add(prefill_cmd_);
+  prefill_cmd_->add_option("--host", prefill_.host, "Address to listen on");
+  prefill_cmd_->add_option("--port", prefill_.port, "gRPC port (0: any free port)")->check(CLI::Range(0, 65535));
+
+  decode_cmd_ = app.add_subcommand("decode-worker", "Run a decode worker");
+  decode_flags_.Add(decode_cmd_);
+  decode_cmd_->add_option("--host", decode_.host, "Address to listen on");
+  decode_cmd_->add_option("--port", decode_.port, "gRPC port (0: any free port)")->check(CLI::Range(0, 65535));
+}
+
+std::optional<int> RoleCommands::RunParsed() {
+  if (router_cmd_->parsed()) return router::RunRouter(router_);
+  if (prefill_cmd_->parsed()) {
+    prefill_flags_.Finish();
+    return RunPrefillWorker(prefill_);
+  }
+  if (decode_cmd_->parsed()) {
+    decode_flags_.Finish();
+    return RunDecodeWorker(decode_);
+  }
+  return std::nullopt;
+}
+
+}  // namespace duet
