@@ -79,8 +79,12 @@ class WorkerServicesTest : public ::testing::Test {
     prefill_stub_ = v1::PrefillWorker::NewStub(
         grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
 
-    std::unique_ptr<LlmEngine> e = NewEngine(16, 16);
-    prompt_ = e->tokenizer().Encode("import os\n\ndef read_config(path):\n    with open(path) as f:\n");
+    static const std::vector<int32_t> prompt = [] {
+      absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(kModel);
+      EXPECT_TRUE(tokenizer.ok()) << tokenizer.status();
+      return (*tokenizer)->Encode("import os\n\ndef read_config(path):\n    with open(path) as f:\n");
+    }();
+    prompt_ = prompt;
   }
 
   void TearDown() override {
