@@ -68,12 +68,21 @@ SampledToken FromProto(int32_t token_id, const v1::TokenLogprobs& logprobs) {
   return token;
 }
 
+std::vector<std::pair<std::string, int>> KeepaliveServerArgs() {
+  return {
+      {GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1},
+      {GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 500},
+      {GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0},
+  };
+}
+
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& address,
                                                           const std::vector<grpc::Service*>& services,
                                                           int* bound_port) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  for (const auto& [name, value] : KeepaliveServerArgs()) builder.AddChannelArgument(name, value);
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(), bound_port);
   for (grpc::Service* service : services) builder.RegisterService(service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

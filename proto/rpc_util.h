@@ -4,6 +4,8 @@
 
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -23,6 +25,11 @@ v1::SamplingOptions ToSamplingOptions(const SamplingParams& params);
 
 void ToProto(const SampledToken& token, v1::TokenLogprobs* out);
 SampledToken FromProto(int32_t token_id, const v1::TokenLogprobs& logprobs);
+
+// Server-side channel arguments so the router's keepalive pings (every second, also on idle
+// connections, to notice dead workers at once) are accepted rather than answered with GOAWAY
+// "too_many_pings": permit pings without calls, a 500 ms minimum interval, no strikes.
+std::vector<std::pair<std::string, int>> KeepaliveServerArgs();
 
 // Starts a server on `address` ("host:port"; port 0 picks a free one) with the given services,
 // grpc.health.v1 health checking and server reflection. `bound_port` receives the real port.

@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "common/check.h"
+#include "proto/rpc_util.h"
 #include "router/worker_registry.h"
 
 namespace duet::router::testing {
@@ -135,7 +136,7 @@ uint64_t FakeDecodeWorker::last_transfer_id() const {
 FakeServer::FakeServer(grpc::Service* service, int port) : service_(service) {
 
   grpc::ServerBuilder builder;
-  for (const auto& [name, value] : KeepaliveServerArgs()) builder.AddChannelArgument(name, value);
+  for (const auto& [name, value] : rpc::KeepaliveServerArgs()) builder.AddChannelArgument(name, value);
   int bound = 0;
   builder.AddListeningPort("127.0.0.1:" + std::to_string(port), grpc::InsecureServerCredentials(), &bound);
   builder.RegisterService(service_);

@@ -54,14 +54,6 @@ grpc::ChannelArguments WorkerChannelArgs(const RegistryOptions& options) {
   return args;
 }
 
-std::vector<std::pair<std::string, int>> KeepaliveServerArgs() {
-  return {
-      {GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1},
-      {GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 500},
-      {GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0},
-  };
-}
-
 WorkerRegistry::WorkerRegistry(const std::vector<std::string>& prefill_addresses,
                                const std::vector<std::string>& decode_addresses, RegistryOptions options)
     : options_(options) {

@@ -10,7 +10,7 @@
 //
 // Channels use HTTP/2 keepalive pings (every `keepalive_time`, dead after `keepalive_timeout`
 // without an answer) so a stream to a worker whose host vanished fails instead of hanging. The
-// workers' servers must accept those pings; see KeepaliveServerArgs().
+// workers' servers must accept those pings; see rpc::KeepaliveServerArgs().
 #pragma once
 
 #include <atomic>
@@ -118,12 +118,6 @@ struct RegistryOptions {
 // Channel arguments for a connection from the router to a worker (keepalive, backoff).
 grpc::ChannelArguments WorkerChannelArgs(const RegistryOptions& options);
 
-// Server-side channel arguments a worker's grpc::ServerBuilder needs so the router's keepalive
-// pings are accepted (otherwise the server answers them with GOAWAY "too_many_pings"):
-//   GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS = 1
-//   GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS = 500 (below the router's 1000 ms)
-//   GRPC_ARG_HTTP2_MAX_PING_STRIKES = 0 (never GOAWAY for pings)
-std::vector<std::pair<std::string, int>> KeepaliveServerArgs();
 
 class WorkerRegistry {
  public:
