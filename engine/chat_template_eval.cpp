@@ -440,6 +440,7 @@ class Interpreter {
     }
     Array items;
     for (Value& candidate : candidates) {
+      Step(node.offset);
       if (condition != nullptr) {
         Scope test_scope{&loop_scope, {}};
         Assign(*node.target, candidate, test_scope);
@@ -450,6 +451,7 @@ class Interpreter {
     bool iterated = false;
     int64_t n = static_cast<int64_t>(items.size());
     for (int64_t i = 0; i < n; ++i) {
+      Step(node.offset);
       Object loop = {
           {"index", Value::Int(i + 1)},
           {"index0", Value::Int(i)},

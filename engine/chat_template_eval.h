@@ -12,7 +12,7 @@ namespace duet::jinja {
 
 // Bounds that keep hostile templates from hanging or exhausting memory.
 struct RenderLimits {
-  int64_t max_steps = 10'000'000;        // expressions and statements evaluated
+  int64_t max_steps = 1'000'000;         // expressions, statements and loop iterations
   size_t max_string_bytes = 64 << 20;    // any string built, including the output
   int max_call_depth = 64;               // nested macro calls
   int64_t max_range_length = 1'000'000;  // range(...) elements
