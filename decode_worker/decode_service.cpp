@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -55,6 +56,30 @@ void ToResponse(const RequestOutput& out, const SamplingParams& params, v1::Gene
   }
 }
 
+std::string ModelName(const DecodeServiceOptions& options, const EngineConfig& config) {
+  if (!options.model_name.empty()) return options.model_name;
+  std::filesystem::path path(config.model_dir);
+  if (!path.has_filename()) path = path.parent_path();
+  return path.filename().string();
+}
+
+std::optional<metrics::FinishedReason> FinishedReasonOf(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kStop:
+      return metrics::FinishedReason::kStop;
+    case FinishReason::kLength:
+      return metrics::FinishedReason::kLength;
+    case FinishReason::kAbort:
+      return metrics::FinishedReason::kAbort;
+    default:
+      return std::nullopt;
+  }
+}
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(std::unique_ptr<LlmEngine> engine,
@@ -62,7 +87,10 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(std::unique
   kvtransfer::KvPoolMemory pools = PoolsOf(*engine);
   std::unique_ptr<DecodeService> service(new DecodeService(std::move(engine), options));
   DecodeService* self = service.get();
+  service->kv_token_bytes_ =
+      int64_t(pools.layout.num_kv_heads) * int64_t(pools.layout.TokenHeadBytes()) * 2 * int64_t(pools.layout.num_layers);
   kvtransfer::ReceiverCallbacks callbacks;
+  callbacks.on_layer_received = [self](uint64_t transfer_id, uint32_t) { self->OnLayerReceived(transfer_id); };
   callbacks.on_request_done = [self](uint64_t transfer_id, const absl::Status& status) {
     self->OnRequestDone(transfer_id, status);
   };
@@ -84,6 +112,9 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(std::unique
 DecodeService::DecodeService(std::unique_ptr<LlmEngine> engine, DecodeServiceOptions options)
     : options_(options),
       block_size_(engine->config().block_size),
+      metrics_(std::make_unique<metrics::DuetMetrics>(metrics_registry_, ModelName(options, engine->config()),
+                                                      metrics::Role::kDecode,
+                                                      engine->config().scheduler.max_model_len)),
       loop_(std::make_unique<EngineLoop>(std::move(engine))) {}
 
 DecodeService::~DecodeService() {
@@ -119,13 +150,26 @@ void DecodeService::EndLocked(Reservation& r, absl::Status why) {
   cv_.SignalAll();
 }
 
+void DecodeService::OnLayerReceived(uint64_t transfer_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = by_transfer_.find(transfer_id);
+  if (it == by_transfer_.end()) return;
+  if (it->second->first_layer_time == absl::InfinitePast()) it->second->first_layer_time = absl::Now();
+}
+
 void DecodeService::OnRequestDone(uint64_t transfer_id, const absl::Status& status) {
+  // Our own cancellations (Abort, a Decode call that gave up) are not transfer failures.
+  if (!status.ok() && status.code() != absl::StatusCode::kCancelled) metrics_->kv_transfer_failures.Inc();
   absl::MutexLock lock(&mu_);
   auto it = by_transfer_.find(transfer_id);
   if (it == by_transfer_.end()) return;
   Reservation& r = *it->second;
   if (r.state != ReservationState::kTransferring) return;
   if (status.ok()) {
+    metrics_->kv_transfer_bytes.Observe(double(r.num_tokens) * double(kv_token_bytes_));
+    if (r.first_layer_time != absl::InfinitePast()) {
+      metrics_->kv_transfer_seconds.Observe(absl::ToDoubleSeconds(absl::Now() - r.first_layer_time));
+    }
     // The receiver committed the lease: the blocks are ours until Decode claims them.
     r.state = ReservationState::kReceived;
     r.claim_deadline = absl::Now() + r.lease;
@@ -253,6 +297,7 @@ grpc::Status DecodeService::ReserveKv(grpc::ServerContext*, const v1::ReserveKvR
 
 grpc::Status DecodeService::Decode(grpc::ServerContext* context, const v1::DecodeRequest* request,
                                    grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  const auto arrival = std::chrono::steady_clock::now();
   const std::string& id = request->request_id();
   const uint64_t transfer_id = request->transfer_id();
   absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(request->sampling());
@@ -325,6 +370,8 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* context, const v1::Decod
   const SampledToken first = rpc::FromProto(request->first_token_id(), request->first_token_logprobs());
   const SequenceId seq = r->seq;
   EngineLoop* loop = loop_.get();
+  metrics::Histogram* itl = &metrics_->inter_token_latency_seconds;
+  std::chrono::steady_clock::time_point joined_at;
   absl::Status joined = loop_->Call([&, queue](LlmEngine& engine) -> absl::Status {
     absl::StatusOr<RequestOutput> out = engine.AddPrefilledRequest(id, prompt, *params, seq, first);
     if (!out.ok()) {
@@ -332,11 +379,20 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* context, const v1::Decod
       return out.status();
     }
     const bool finished = out->finished;
+    joined_at = std::chrono::steady_clock::now();
     queue->Push(*std::move(out));
     if (finished) {
       engine.Release(id);
     } else {
-      loop->Subscribe(id, [queue](const RequestOutput& o) { queue->Push(o); });
+      // Inter-token latency as the engine produces tokens (loop thread), one per step.
+      loop->Subscribe(id, [queue, itl, last = joined_at](const RequestOutput& o) mutable {
+        if (!o.new_token_ids.empty()) {
+          const auto now = std::chrono::steady_clock::now();
+          itl->Observe(std::chrono::duration<double>(now - last).count());
+          last = now;
+        }
+        queue->Push(o);
+      });
     }
     return absl::OkStatus();
   });
@@ -372,7 +428,17 @@ grpc::Status DecodeService::Decode(grpc::ServerContext* context, const v1::Decod
       if (!out->finished) loop_->Abort(id);
       return Error(grpc::StatusCode::CANCELLED, "the Decode stream's client is gone");
     }
-    if (out->finished) return grpc::Status::OK;
+    // Every token this stream delivers, the prefill worker's first token included.
+    metrics_->generation_tokens.Inc(double(out->new_token_ids.size()));
+    if (out->finished) {
+      if (std::optional<metrics::FinishedReason> reason = FinishedReasonOf(out->finish_reason)) {
+        metrics_->request_success(*reason).Inc();
+      }
+      metrics_->request_generation_tokens.Observe(num_output_tokens);
+      metrics_->request_decode_time_seconds.Observe(SecondsSince(joined_at));
+      metrics_->e2e_request_latency_seconds.Observe(SecondsSince(arrival));
+      return grpc::Status::OK;
+    }
   }
 }
 
@@ -393,6 +459,24 @@ grpc::Status DecodeService::Abort(grpc::ServerContext*, const v1::WorkerAbortReq
   }
   response->set_found(found);
   return grpc::Status::OK;
+}
+
+void DecodeService::RefreshMetrics() {
+  const EngineStats stats = loop_->Stats();
+  metrics_->num_requests_running.Set(stats.num_running);
+  metrics_->num_requests_waiting.Set(stats.num_waiting);
+  metrics_->kv_cache_usage_perc.Set(
+      stats.num_kv_blocks > 0 ? double(stats.num_kv_blocks - stats.num_free_kv_blocks) / stats.num_kv_blocks : 0.0);
+  absl::MutexLock lock(&metrics_mu_);
+  if (stats.num_preemptions > preemptions_seen_) {
+    metrics_->num_preemptions.Inc(double(stats.num_preemptions - preemptions_seen_));
+    preemptions_seen_ = stats.num_preemptions;
+  }
+}
+
+std::string DecodeService::RenderMetrics() {
+  RefreshMetrics();
+  return metrics_registry_.Render();
 }
 
 grpc::Status DecodeService::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,

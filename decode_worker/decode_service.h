@@ -23,6 +23,8 @@
 #include "engine/engine_loop.h"
 #include "engine/llm_engine.h"
 #include "kvtransfer/kv_transport.h"
+#include "metrics/registry.h"
+#include "metrics/vllm_metrics.h"
 
 namespace duet {
 
@@ -32,6 +34,8 @@ struct DecodeServiceOptions {
   absl::Duration max_lease = absl::Minutes(5);
   // How often handlers check for cancellation and unclaimed reservations are reaped.
   absl::Duration poll_period = absl::Milliseconds(50);
+  // The model_name label of this worker's metrics; empty: the model directory's base name.
+  std::string model_name;
 };
 
 class DecodeService final : public v1::DecodeWorker::Service {
@@ -52,6 +56,13 @@ class DecodeService final : public v1::DecodeWorker::Service {
 
   const std::string& receiver_descriptor() const { return receiver_->descriptor(); }
 
+  // Prometheus metrics (role "decode"): RenderMetrics refreshes the scheduler gauges
+  // (running, waiting, KV usage) and the preemption counter from the engine, then renders the
+  // text exposition; serve it with metrics::HttpExporter. Thread-safe.
+  std::string RenderMetrics() ABSL_LOCKS_EXCLUDED(metrics_mu_);
+  void RefreshMetrics() ABSL_LOCKS_EXCLUDED(metrics_mu_);
+  const metrics::DuetMetrics& metrics() const { return *metrics_; }
+
  private:
   enum class ReservationState {
     kTransferring,  // lease held by the receiver; the prefill worker is writing the blocks
@@ -70,6 +81,7 @@ class DecodeService final : public v1::DecodeWorker::Service {
     absl::Status failure;
     absl::Time claim_deadline = absl::InfiniteFuture();  // once kReceived
     bool owns_blocks = true;  // the reservation (not a request) still holds its engine blocks
+    absl::Time first_layer_time = absl::InfinitePast();  // when the first layer arrived
   };
 
   DecodeService(std::unique_ptr<LlmEngine> engine, DecodeServiceOptions options);
@@ -77,6 +89,7 @@ class DecodeService final : public v1::DecodeWorker::Service {
   // Receiver callbacks (receiver progress thread, or the caller of receiver_->Cancel).
   void OnRequestDone(uint64_t transfer_id, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
   void OnBlocksReleased(uint64_t transfer_id, const std::string& why) ABSL_LOCKS_EXCLUDED(mu_);
+  void OnLayerReceived(uint64_t transfer_id) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Ends `r` unclaimed: returns its blocks to the engine (once), forgets it, wakes waiters.
   void EndLocked(Reservation& r, absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -89,6 +102,14 @@ class DecodeService final : public v1::DecodeWorker::Service {
 
   const DecodeServiceOptions options_;
   const int32_t block_size_;
+  int64_t kv_token_bytes_ = 0;  // K and V of one token over all layers
+
+  // Before loop_: the engine thread's callbacks use them until the loop stops.
+  metrics::Registry metrics_registry_;
+  std::unique_ptr<metrics::DuetMetrics> metrics_;
+  absl::Mutex metrics_mu_;
+  int64_t preemptions_seen_ ABSL_GUARDED_BY(metrics_mu_) = 0;
+
   std::unique_ptr<EngineLoop> loop_;
 
   absl::Mutex mu_;

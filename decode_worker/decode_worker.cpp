@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "metrics/http_exporter.h"
 #include "proto/rpc_util.h"
 
 namespace duet {
@@ -40,6 +41,23 @@ int RunDecodeWorker(const DecodeWorkerOptions& options) {
       if (!service.ok()) {
         std::fprintf(stderr, "decode worker: %s\n", service.status().ToString().c_str());
       } else {
+        DecodeService* svc = service->get();
+        std::unique_ptr<metrics::HttpExporter> exporter;
+        if (options.metrics_port >= 0) {
+          metrics::HttpExporter::Options exporter_options;
+          exporter_options.host = options.host;
+          exporter_options.port = uint16_t(options.metrics_port);
+          absl::StatusOr<std::unique_ptr<metrics::HttpExporter>> started =
+              metrics::HttpExporter::Start([svc] { return svc->RenderMetrics(); }, exporter_options);
+          if (!started.ok()) {
+            std::fprintf(stderr, "decode worker: cannot serve metrics: %s\n", started.status().ToString().c_str());
+            pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+            return 1;
+          }
+          exporter = *std::move(started);
+          std::printf("DUET_METRICS_READY port=%d\n", int(exporter->port()));
+          std::fflush(stdout);
+        }
         int port = 0;
         absl::StatusOr<std::unique_ptr<grpc::Server>> server =
             rpc::StartServer(HostPort(options.host, options.port), {service->get()}, &port);
@@ -53,6 +71,7 @@ int RunDecodeWorker(const DecodeWorkerOptions& options) {
           std::fprintf(stderr, "decode worker: signal %d, shutting down\n", signal_number);
           (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
           (*server)->Wait();
+          if (exporter != nullptr) exporter->Stop();
           exit_code = 0;
         }
       }

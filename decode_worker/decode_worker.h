@@ -15,11 +15,15 @@ struct DecodeWorkerOptions {
   EngineConfig engine;
   std::string host = "127.0.0.1";
   int port = 0;  // 0: a free port
+  // Prometheus /metrics on this port (same host): -1 off, 0 a free port. When on, the line
+  // `DUET_METRICS_READY port=<port>` is printed before DUET_READY.
+  int metrics_port = -1;
   DecodeServiceOptions service;
 };
 
-// Builds the engine, starts the service, prints exactly one line `DUET_READY port=<port>` to
-// stdout, then serves until SIGINT or SIGTERM and shuts down. Returns the process exit code
+// Builds the engine, starts the service (and the metrics exporter when metrics_port >= 0,
+// printing `DUET_METRICS_READY port=<port>` first), prints exactly one line
+// `DUET_READY port=<port>` to stdout, then serves until SIGINT or SIGTERM and shuts down. Returns the process exit code
 // (0 after a signal; 1 if start-up failed, with the reason on stderr).
 // Blocks SIGINT/SIGTERM in the calling thread (and so in every thread it starts); call it from
 // the main thread before starting other threads.

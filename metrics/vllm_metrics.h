@@ -58,6 +58,9 @@ class DuetMetrics {
   Counter& generation_tokens;   // generation tokens processed
   Counter& kv_transfer_failures;
   Counter& request_success(FinishedReason reason) { return *request_success_[static_cast<int>(reason)]; }
+  const Counter& request_success(FinishedReason reason) const {
+    return *request_success_[static_cast<int>(reason)];
+  }
 
   // Request histograms.
   Histogram& request_prompt_tokens;

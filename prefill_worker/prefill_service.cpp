@@ -1,6 +1,7 @@
 #include "prefill_worker/prefill_service.h"
 
 #include <chrono>
+#include <filesystem>
 #include <future>
 #include <optional>
 #include <utility>
@@ -47,17 +48,31 @@ struct PrefillResult {
   absl::Status transfer;  // OK once the prompt's KV is complete at the decode worker
 };
 
+std::string ModelName(const PrefillServiceOptions& options, const EngineConfig& config) {
+  if (!options.model_name.empty()) return options.model_name;
+  std::filesystem::path path(config.model_dir);
+  if (!path.has_filename()) path = path.parent_path();
+  return path.filename().string();
+}
+
+double Seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PrefillService>> PrefillService::Create(std::unique_ptr<LlmEngine> engine,
                                                                        PrefillServiceOptions options) {
+  kvtransfer::KvPoolMemory pools = PoolsOf(*engine);
+  const int64_t kv_token_bytes =
+      int64_t(pools.layout.num_kv_heads) * int64_t(pools.layout.TokenHeadBytes()) * 2 * int64_t(pools.layout.num_layers);
   absl::StatusOr<std::unique_ptr<kvtransfer::KvSender>> sender =
-      kvtransfer::CreateUcxKvSender(PoolsOf(*engine), options.sender);
+      kvtransfer::CreateUcxKvSender(std::move(pools), options.sender);
   if (!sender.ok()) {
     return absl::Status(sender.status().code(),
                         absl::StrCat("cannot start the KV sender: ", sender.status().message()));
   }
-  return std::unique_ptr<PrefillService>(new PrefillService(std::move(engine), std::move(*sender), options));
+  std::unique_ptr<PrefillService> service(new PrefillService(std::move(engine), std::move(*sender), options));
+  service->kv_token_bytes_ = kv_token_bytes;  // read on the loop thread, after a Prefill call posts
+  return service;
 }
 
 PrefillService::PrefillService(std::unique_ptr<LlmEngine> engine,
@@ -65,6 +80,9 @@ PrefillService::PrefillService(std::unique_ptr<LlmEngine> engine,
     : options_(std::move(options)),
       block_size_(engine->config().block_size),
       num_layers_(engine->model_config().num_layers),
+      metrics_(std::make_unique<metrics::DuetMetrics>(metrics_registry_, ModelName(options_, engine->config()),
+                                                      metrics::Role::kPrefill,
+                                                      engine->config().scheduler.max_model_len)),
       sender_(std::move(sender)) {
   loop_ = std::make_unique<EngineLoop>(
       std::move(engine),
@@ -101,8 +119,10 @@ void PrefillService::OnLayerDone(int64_t layer, absl::Span<const SequenceChunk> 
       if (chunk.block_table.size() < num_blocks) {
         t.done = true;
         t.status = absl::InternalError("the prefill sequence's block table does not cover its prompt");
+        metrics_->kv_transfer_failures.Inc();
         continue;
       }
+      t.send_start = std::chrono::steady_clock::now();
       t.src_block_ids.assign(chunk.block_table.begin(), chunk.block_table.begin() + num_blocks);
     }
     kvtransfer::LayerSend send;
@@ -119,6 +139,12 @@ void PrefillService::OnLayerDone(int64_t layer, absl::Span<const SequenceChunk> 
   for (auto& [t, done] : finishing) {
     t->status = done.get();
     t->done = true;
+    if (t->status.ok()) {
+      metrics_->kv_transfer_bytes.Observe(double(t->num_tokens) * double(kv_token_bytes_));
+      metrics_->kv_transfer_seconds.Observe(Seconds(std::chrono::steady_clock::now() - t->send_start));
+    } else {
+      metrics_->kv_transfer_failures.Inc();
+    }
   }
 }
 
@@ -160,6 +186,7 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* context, const v1::Pre
 
   absl::StatusOr<kvtransfer::PeerId> peer = PeerFor(target.receiver_descriptor());
   if (!peer.ok()) {
+    metrics_->kv_transfer_failures.Inc();
     const grpc::StatusCode code = peer.status().code() == absl::StatusCode::kInvalidArgument
                                       ? grpc::StatusCode::INVALID_ARGUMENT
                                       : grpc::StatusCode::UNAVAILABLE;
@@ -182,8 +209,18 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* context, const v1::Pre
     if (absl::Status s = engine.AddRequest(id, std::move(prompt), first); !s.ok()) return s;
     const SequenceId seq = engine.Find(id)->seq_id;
     transfers_[seq] = transfer;
-    loop->Subscribe(id, [this, seq, transfer, results](const RequestOutput& out) {
+    LlmEngine* engine_ptr = &engine;
+    loop->Subscribe(id, [this, seq, transfer, results, engine_ptr](const RequestOutput& out) {
       if (!out.finished) return;  // max_tokens 1: the sampled token comes with the finish
+      // The request is still readable here (the loop releases it after this callback).
+      const Request* req = engine_ptr->Find(out.id);
+      if (req != nullptr && !out.new_token_ids.empty() &&
+          (out.finish_reason == FinishReason::kStop || out.finish_reason == FinishReason::kLength)) {
+        metrics_->prompt_tokens.Inc(double(req->prompt.size()));
+        metrics_->request_prompt_tokens.Observe(double(req->prompt.size()));
+        metrics_->request_queue_time_seconds.Observe(Seconds(req->first_scheduled_time - req->arrival_time));
+        metrics_->request_prefill_time_seconds.Observe(Seconds(req->first_token_time - req->first_scheduled_time));
+      }
       transfers_.erase(seq);
       absl::Status shipped = transfer->done ? transfer->status
                                             : absl::AbortedError("the prompt's KV was not shipped");
@@ -249,6 +286,24 @@ grpc::Status PrefillService::Abort(grpc::ServerContext*, const v1::WorkerAbortRe
   if (running) loop_->Abort(id);
   response->set_found(running);
   return grpc::Status::OK;
+}
+
+void PrefillService::RefreshMetrics() {
+  const EngineStats stats = loop_->Stats();
+  metrics_->num_requests_running.Set(stats.num_running);
+  metrics_->num_requests_waiting.Set(stats.num_waiting);
+  metrics_->kv_cache_usage_perc.Set(
+      stats.num_kv_blocks > 0 ? double(stats.num_kv_blocks - stats.num_free_kv_blocks) / stats.num_kv_blocks : 0.0);
+  absl::MutexLock lock(&metrics_mu_);
+  if (stats.num_preemptions > preemptions_seen_) {
+    metrics_->num_preemptions.Inc(double(stats.num_preemptions - preemptions_seen_));
+    preemptions_seen_ = stats.num_preemptions;
+  }
+}
+
+std::string PrefillService::RenderMetrics() {
+  RefreshMetrics();
+  return metrics_registry_.Render();
 }
 
 grpc::Status PrefillService::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,

@@ -4,6 +4,7 @@
 // layer, as each layer is computed, so the transfer overlaps the rest of the forward pass.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -19,6 +20,8 @@
 #include "engine/llm_engine.h"
 #include "kvtransfer/kv_transport.h"
 #include "kvtransfer/ucx_transport.h"
+#include "metrics/registry.h"
+#include "metrics/vllm_metrics.h"
 
 namespace duet {
 
@@ -26,6 +29,8 @@ struct PrefillServiceOptions {
   // UCX sender options; keep operation_timeout below the decode worker's lease.
   kvtransfer::UcxSenderOptions sender;
   absl::Duration poll_period = absl::Milliseconds(50);
+  // The model_name label of this worker's metrics; empty: the model directory's base name.
+  std::string model_name;
 };
 
 class PrefillService final : public v1::PrefillWorker::Service {
@@ -42,6 +47,13 @@ class PrefillService final : public v1::PrefillWorker::Service {
   grpc::Status GetStats(grpc::ServerContext* context, const v1::GetStatsRequest* request,
                         v1::WorkerStats* response) override;
 
+  // Prometheus metrics (role "prefill"): RenderMetrics refreshes the scheduler gauges (running,
+  // waiting, KV usage) and the preemption counter from the engine, then renders the text
+  // exposition; serve it with metrics::HttpExporter. Thread-safe.
+  std::string RenderMetrics() ABSL_LOCKS_EXCLUDED(metrics_mu_);
+  void RefreshMetrics() ABSL_LOCKS_EXCLUDED(metrics_mu_);
+  const metrics::DuetMetrics& metrics() const { return *metrics_; }
+
  private:
   // One Prefill call's KV shipment. Fields below `peer` are touched on the loop thread only.
   struct Transfer {
@@ -54,6 +66,7 @@ class PrefillService final : public v1::PrefillWorker::Service {
     uint32_t num_tokens = 0;
     std::vector<uint32_t> src_block_ids;
     absl::Status status = absl::OkStatus();
+    std::chrono::steady_clock::time_point send_start{};  // the first SendLayer
   };
 
   PrefillService(std::unique_ptr<LlmEngine> engine, std::unique_ptr<kvtransfer::KvSender> sender,
@@ -68,6 +81,13 @@ class PrefillService final : public v1::PrefillWorker::Service {
   const PrefillServiceOptions options_;
   const int32_t block_size_;
   const int64_t num_layers_;
+  int64_t kv_token_bytes_ = 0;  // K and V of one token over all layers
+
+  // Before loop_: the engine thread's callbacks use them until the loop stops.
+  metrics::Registry metrics_registry_;
+  std::unique_ptr<metrics::DuetMetrics> metrics_;
+  absl::Mutex metrics_mu_;
+  int64_t preemptions_seen_ ABSL_GUARDED_BY(metrics_mu_) = 0;
 
   absl::Mutex peers_mu_;
   std::map<std::string, kvtransfer::PeerId> peers_ ABSL_GUARDED_BY(peers_mu_);

@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "decode_worker/decode_service.h"
 #include "gtest/gtest.h"
 #include "grpcpp/grpcpp.h"
@@ -215,6 +216,83 @@ TEST_F(WorkerServicesTest, GreedyAndSeededSampledMatchLocalGeneration) {
     EXPECT_EQ(r.num_logprobs, greedy ? 0 : 20);
   }
   EXPECT_TRUE(DecodeBecomesIdle());
+}
+
+// The worker metrics follow one request: tokens streamed, finish reason, timings, the KV
+// transfer on both sides, and KV usage up while blocks are reserved and back to 0 when idle.
+TEST_F(WorkerServicesTest, MetricsFollowARequest) {
+  const metrics::DuetMetrics& dm = decode_->metrics();
+  const metrics::DuetMetrics& pm = prefill_->metrics();
+  decode_->RefreshMetrics();
+  EXPECT_EQ(dm.kv_cache_usage_perc.Value(), 0.0);
+
+  // A reservation alone takes blocks (the engine's stats catch up after the loop's iteration).
+  v1::KvTarget reserved;
+  ASSERT_TRUE(Reserve("held", 20, 10000, &reserved).ok());
+  const double expected_usage = double(reserved.block_ids_size()) / kDecodeBlocks;
+  for (int i = 0; i < 200 && dm.kv_cache_usage_perc.Value() != expected_usage; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    decode_->RefreshMetrics();
+  }
+  EXPECT_DOUBLE_EQ(dm.kv_cache_usage_perc.Value(), expected_usage);
+  {
+    grpc::ClientContext ctx;
+    v1::WorkerAbortRequest req;
+    req.set_request_id("held");
+    v1::WorkerAbortResponse resp;
+    ASSERT_TRUE(decode_stub_->Abort(&ctx, req, &resp).ok());
+  }
+  EXPECT_TRUE(DecodeBecomesIdle());
+  EXPECT_EQ(dm.kv_transfer_failures.Value(), 0.0);  // our own cancellation is not a failure
+
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = 20;
+  p.ignore_eos = true;
+  FlowResult r = RunFlow("metered", 21, rpc::ToSamplingOptions(p));
+  ASSERT_TRUE(r.decode.ok()) << r.reserve.error_message() << r.prefill.error_message() << r.decode.error_message();
+  ASSERT_EQ(r.tokens.size(), 20u);
+
+  // Decode: every token the stream delivered, the prefill's first one included.
+  EXPECT_EQ(dm.generation_tokens.Value(), 20.0);
+  EXPECT_EQ(dm.request_success(metrics::FinishedReason::kLength).Value(), 1.0);
+  EXPECT_EQ(dm.request_success(metrics::FinishedReason::kStop).Value(), 0.0);
+  EXPECT_EQ(dm.inter_token_latency_seconds.Collect().count, 19u);  // one per decode step
+  EXPECT_EQ(dm.request_decode_time_seconds.Collect().count, 1u);
+  EXPECT_EQ(dm.e2e_request_latency_seconds.Collect().count, 1u);
+  EXPECT_EQ(dm.request_generation_tokens.Collect().sum, 20.0);
+  // Prefill: the prompt, its queue and prefill time.
+  EXPECT_EQ(pm.prompt_tokens.Value(), double(prompt_.size()));
+  EXPECT_EQ(pm.request_prefill_time_seconds.Collect().count, 1u);
+  EXPECT_EQ(pm.request_queue_time_seconds.Collect().count, 1u);
+  EXPECT_EQ(pm.generation_tokens.Value(), 0.0);
+  // The KV transfer, seen from both ends: the same prompt bytes.
+  const metrics::Histogram::Snapshot sent = pm.kv_transfer_bytes.Collect();
+  const metrics::Histogram::Snapshot received = dm.kv_transfer_bytes.Collect();
+  EXPECT_EQ(sent.count, 1u);
+  EXPECT_EQ(received.count, 1u);
+  EXPECT_GT(sent.sum, 0.0);
+  EXPECT_EQ(sent.sum, received.sum);
+  EXPECT_EQ(pm.kv_transfer_seconds.Collect().count, 1u);
+  EXPECT_EQ(dm.kv_transfer_seconds.Collect().count, 1u);
+  EXPECT_EQ(pm.kv_transfer_failures.Value(), 0.0);
+  EXPECT_EQ(dm.kv_transfer_failures.Value(), 0.0);
+
+  EXPECT_TRUE(DecodeBecomesIdle());
+  const std::string text = decode_->RenderMetrics();
+  EXPECT_EQ(dm.kv_cache_usage_perc.Value(), 0.0);
+  EXPECT_EQ(dm.num_requests_running.Value(), 0.0);
+  EXPECT_NE(text.find("duet:generation_tokens_total{model_name=\"tiny-code-llama\",role=\"decode\"} 20\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("duet:kv_cache_usage_perc{model_name=\"tiny-code-llama\",role=\"decode\"} 0\n"),
+            std::string::npos);
+  const std::string prefill_text = prefill_->RenderMetrics();
+  EXPECT_NE(prefill_text.find(absl::StrCat("duet:prompt_tokens_total{model_name=\"tiny-code-llama\",role=\"prefill\"} ",
+                                           prompt_.size(), "\n")),
+            std::string::npos)
+      << prefill_text;
+  EXPECT_EQ(pm.kv_cache_usage_perc.Value(), 0.0);
 }
 
 TEST_F(WorkerServicesTest, ConcurrentRequestsMatchLocalGeneration) {
