@@ -1,0 +1,51 @@
+// The router's HTTP front end: the OpenAI-compatible API (router/openai_api.h) on an HTTP server
+// (router/http_server.h), calling the router's gRPC service through an in-process channel.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "engine/chat_template.h"
+#include "engine/tokenizer.h"
+#include "grpcpp/channel.h"
+#include "router/http_server.h"
+#include "router/openai_api.h"
+
+namespace duet::router {
+
+struct HttpFrontendOptions {
+  std::string host = "127.0.0.1";
+  int port = 0;
+  int num_threads = 2;
+  std::string model_dir;   // for the chat template
+  std::string model_name;
+  int64_t max_model_len = 0;
+  std::string api_key;
+  std::function<std::string()> metrics_body;  // none: /metrics is 404
+  std::function<bool()> healthy;
+};
+
+class HttpFrontend {
+ public:
+  // `tokenizer` outlives the front end; `channel` reaches the router's duet.v1.Duet service.
+  static absl::StatusOr<std::unique_ptr<HttpFrontend>> Start(const HttpFrontendOptions& options,
+                                                             const Tokenizer* tokenizer,
+                                                             std::shared_ptr<grpc::Channel> channel);
+  ~HttpFrontend() { Stop(); }
+  int port() const { return server_ != nullptr ? server_->port() : -1; }
+  // Lets in-flight calls end (up to `grace_ms`), closes every connection (cancelling what is left)
+  // and waits for the calls. Idempotent.
+  void Stop(int grace_ms = 0);
+  OpenAiApi* api() { return api_.get(); }
+
+ private:
+  HttpFrontend() = default;
+  std::unique_ptr<LoadedChatTemplate> chat_;
+  std::unique_ptr<OpenAiApi> api_;
+  std::unique_ptr<HttpServer> server_;
+  bool stopped_ = false;
+};
+
+}  // namespace duet::router

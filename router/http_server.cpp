@@ -1,0 +1,506 @@
+#include "router/http_server.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <cstdio>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <unordered_map>
+
+#include <boost/asio/bind_executor.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/strand.hpp>
+#include <boost/asio/write.hpp>
+#include <boost/beast/core/flat_buffer.hpp>
+#include <boost/beast/http/error.hpp>
+#include <boost/beast/http/parser.hpp>
+#include <boost/beast/http/read.hpp>
+#include <boost/beast/http/status.hpp>
+#include <boost/beast/http/string_body.hpp>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace duet::router {
+namespace {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = net::ip::tcp;
+using error_code = boost::system::error_code;
+
+std::string StatusLine(int status) {
+  const beast::string_view reason = http::obsolete_reason(static_cast<http::status>(status));
+  return absl::StrCat("HTTP/1.1 ", status, " ", std::string(reason.data(), reason.size()), "\r\n");
+}
+
+const char kErrorContentType[] = "application/json";
+
+std::string ErrorJson(int status, const std::string& message, const std::string& code) {
+  // Same shape as the OpenAI API's errors (the API layer builds its own; these are the server's).
+  return absl::StrFormat(R"({"error":{"message":"%s","type":"invalid_request_error","param":null,"code":"%s"}})",
+                         message, code);
+}
+
+class ServerImpl;
+class Session;
+
+class Responder final : public HttpResponder {
+ public:
+  Responder(std::weak_ptr<Session> session, net::any_io_executor strand)
+      : session_(std::move(session)), strand_(std::move(strand)) {}
+
+  void Respond(int status, std::string content_type, std::string body,
+               std::vector<std::pair<std::string, std::string>> extra_headers) override;
+  void StartStream(int status, std::string content_type) override;
+  void Write(std::string data) override;
+  void End() override;
+  void SetCancelHandler(std::function<void()> on_cancel) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (cancelled_) {
+      lock.unlock();
+      if (on_cancel) on_cancel();
+      return;
+    }
+    on_cancel_ = std::move(on_cancel);
+  }
+  bool cancelled() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cancelled_;
+  }
+
+  // From the session (on its strand): the connection is gone before the response ended.
+  void Cancel() {
+    std::function<void()> on_cancel;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (cancelled_ || ended_) return;
+      cancelled_ = true;
+      on_cancel = std::move(on_cancel_);
+      on_cancel_ = nullptr;
+    }
+    if (on_cancel) on_cancel();
+  }
+  bool close_after = false;  // set by the session before the handler runs
+
+ private:
+  void Post(std::string bytes, bool last);
+
+  const std::weak_ptr<Session> session_;
+  const net::any_io_executor strand_;
+  mutable std::mutex mu_;
+  bool started_ = false;  // a stream's header went out
+  bool ended_ = false;
+  bool cancelled_ = false;
+  std::function<void()> on_cancel_;
+};
+
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(tcp::socket socket, ServerImpl* server);
+  void Run();
+  void Close();
+  // On the strand: bytes of `responder`'s response; `last` ends it.
+  void Send(Responder* responder, std::string bytes, bool last);
+  net::any_io_executor executor() { return socket_.get_executor(); }
+
+ private:
+  void DoRead();
+  void OnRead(error_code ec);
+  void Dispatch(HttpRequest request, bool keep_alive);
+  void DoWrite();
+  void OnWrite(error_code ec);
+  void ArmTimer(std::chrono::milliseconds after);
+
+  tcp::socket socket_;
+  ServerImpl* const server_;
+  beast::flat_buffer buffer_;
+  std::optional<http::request_parser<http::string_body>> parser_;
+  net::steady_timer timer_;
+  struct Out {
+    std::string bytes;
+    bool last;
+  };
+  std::deque<Out> out_;
+  bool writing_ = false;
+  bool reading_ = false;
+  bool closed_ = false;
+  bool close_after_ = false;  // of the response being written
+  std::shared_ptr<Responder> active_;
+  std::optional<std::pair<HttpRequest, bool>> pending_;  // a pipelined request
+};
+
+class ServerImpl final : public HttpServer {
+ public:
+  ServerImpl(HttpServerOptions options, HttpHandler handler)
+      : options_(std::move(options)),
+        handler_(std::move(handler)),
+        ioc_(std::max(1, options_.num_threads)),
+        acceptor_(net::make_strand(ioc_)),
+        work_(net::make_work_guard(ioc_)) {}
+
+  ~ServerImpl() override { Stop(); }
+
+  absl::Status Listen() {
+    error_code ec;
+    const net::ip::address address = net::ip::make_address(options_.host, ec);
+    if (ec) return absl::InvalidArgumentError(absl::StrCat("http: bad host \"", options_.host, "\": ", ec.message()));
+    const tcp::endpoint endpoint(address, static_cast<uint16_t>(options_.port));
+    acceptor_.open(endpoint.protocol(), ec);
+    if (!ec) acceptor_.set_option(net::socket_base::reuse_address(true), ec);
+    if (!ec) acceptor_.bind(endpoint, ec);
+    if (!ec) acceptor_.listen(net::socket_base::max_listen_connections, ec);
+    if (ec) {
+      return absl::UnavailableError(
+          absl::StrCat("http: cannot listen on ", options_.host, ":", options_.port, ": ", ec.message()));
+    }
+    port_ = acceptor_.local_endpoint(ec).port();
+    DoAccept();
+    for (int i = 0; i < std::max(1, options_.num_threads); ++i) {
+      threads_.emplace_back([this] {
+        for (;;) {
+          try {
+            ioc_.run();
+            return;
+          } catch (const std::exception& e) {
+            std::fprintf(stderr, "http: exception on an io thread: %s\n", e.what());
+          } catch (...) {
+            std::fprintf(stderr, "http: unknown exception on an io thread\n");
+          }
+        }
+      });
+    }
+    return absl::OkStatus();
+  }
+
+  int port() const override { return port_; }
+  int num_connections() const override { return num_connections_.load(); }
+
+  void Stop() override {
+    if (stopped_.exchange(true)) return;
+    net::post(acceptor_.get_executor(), [this] {
+      error_code ec;
+      acceptor_.close(ec);
+    });
+    std::vector<std::shared_ptr<Session>> sessions;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [ptr, weak] : sessions_) {
+        if (auto s = weak.lock()) sessions.push_back(std::move(s));
+      }
+    }
+    for (auto& s : sessions) net::post(s->executor(), [s] { s->Close(); });
+    sessions.clear();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (num_connections_.load() > 0 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    work_.reset();
+    ioc_.stop();
+    for (std::thread& t : threads_) t.join();
+    threads_.clear();
+  }
+
+  const HttpServerOptions& options() const { return options_; }
+  const HttpHandler& handler() const { return handler_; }
+
+  void Add(Session* s, std::weak_ptr<Session> weak) {
+    std::lock_guard<std::mutex> lock(mu_);
+    sessions_.emplace(s, std::move(weak));
+    num_connections_.fetch_add(1);
+  }
+  void Remove(Session* s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (sessions_.erase(s) > 0) num_connections_.fetch_sub(1);
+  }
+
+ private:
+  void DoAccept() {
+    acceptor_.async_accept(net::make_strand(ioc_), [this](error_code ec, tcp::socket socket) {
+      if (ec == net::error::operation_aborted || !acceptor_.is_open()) return;
+      if (!ec && !stopped_.load()) {
+        error_code ignored;
+        socket.set_option(tcp::no_delay(true), ignored);
+        auto session = std::make_shared<Session>(std::move(socket), this);
+        Add(session.get(), session);
+        session->Run();
+      } else if (ec) {
+        // EMFILE and the like: pause briefly rather than spin.
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      DoAccept();
+    });
+  }
+
+  const HttpServerOptions options_;
+  const HttpHandler handler_;
+  net::io_context ioc_;
+  tcp::acceptor acceptor_;
+  net::executor_work_guard<net::io_context::executor_type> work_;
+  std::vector<std::thread> threads_;
+  int port_ = 0;
+  std::atomic<bool> stopped_{false};
+  std::atomic<int> num_connections_{0};
+  std::mutex mu_;
+  std::unordered_map<Session*, std::weak_ptr<Session>> sessions_;
+};
+
+// --- Responder ---
+
+void Responder::Post(std::string bytes, bool last) {
+  net::post(strand_, [weak = session_, self = this, bytes = std::move(bytes), last]() mutable {
+    if (auto session = weak.lock()) session->Send(self, std::move(bytes), last);
+  });
+}
+
+void Responder::Respond(int status, std::string content_type, std::string body,
+                        std::vector<std::pair<std::string, std::string>> extra_headers) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ended_ || cancelled_ || started_) return;
+    ended_ = true;
+  }
+  std::string out = StatusLine(status);
+  absl::StrAppend(&out, "Content-Type: ", content_type, "\r\nContent-Length: ", body.size(),
+                  "\r\nConnection: ", close_after ? "close" : "keep-alive", "\r\n");
+  for (const auto& [name, value] : extra_headers) absl::StrAppend(&out, name, ": ", value, "\r\n");
+  out += "\r\n";
+  out += body;
+  Post(std::move(out), /*last=*/true);
+}
+
+void Responder::StartStream(int status, std::string content_type) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ended_ || cancelled_ || started_) return;
+    started_ = true;
+  }
+  std::string out = StatusLine(status);
+  absl::StrAppend(&out, "Content-Type: ", content_type,
+                  "\r\nTransfer-Encoding: chunked\r\nCache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"
+                  "Connection: ",
+                  close_after ? "close" : "keep-alive", "\r\n\r\n");
+  Post(std::move(out), false);
+}
+
+void Responder::Write(std::string data) {
+  if (data.empty()) return;  // an empty chunk would end the body
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!started_ || ended_ || cancelled_) return;
+  }
+  std::string out = absl::StrFormat("%x\r\n", data.size());
+  out += data;
+  out += "\r\n";
+  Post(std::move(out), false);
+}
+
+void Responder::End() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!started_ || ended_ || cancelled_) return;
+    ended_ = true;
+  }
+  Post("0\r\n\r\n", true);
+}
+
+// --- Session ---
+
+Session::Session(tcp::socket socket, ServerImpl* server)
+    : socket_(std::move(socket)), server_(server), timer_(socket_.get_executor()) {}
+
+void Session::Run() {
+  net::dispatch(socket_.get_executor(), [self = shared_from_this()] { self->DoRead(); });
+}
+
+void Session::ArmTimer(std::chrono::milliseconds after) {
+  timer_.expires_after(after);
+  timer_.async_wait([self = shared_from_this()](error_code ec) {
+    if (ec || self->closed_) return;
+    if (self->timer_.expiry() > std::chrono::steady_clock::now()) return;  // re-armed meanwhile
+    if (self->active_ != nullptr || self->writing_) return;                 // busy: not idle
+    self->Close();
+  });
+}
+
+void Session::DoRead() {
+  if (closed_ || reading_) return;
+  parser_.emplace();
+  parser_->body_limit(server_->options().max_body_bytes);
+  parser_->header_limit(static_cast<std::uint32_t>(server_->options().max_header_bytes));
+  reading_ = true;
+  if (active_ == nullptr) {
+    ArmTimer(buffer_.size() == 0 ? server_->options().idle_timeout : server_->options().read_timeout);
+  }
+  http::async_read_header(socket_, buffer_, *parser_, [self = shared_from_this()](error_code ec, size_t) {
+    if (ec) {
+      self->OnRead(ec);
+      return;
+    }
+    // The header is in: the rest gets the (shorter) read timeout.
+    if (self->active_ == nullptr) self->ArmTimer(self->server_->options().read_timeout);
+    http::async_read(self->socket_, self->buffer_, *self->parser_,
+                     [self](error_code ec2, size_t) { self->OnRead(ec2); });
+  });
+}
+
+void Session::OnRead(error_code ec) {
+  reading_ = false;
+  if (closed_) return;
+  if (ec == http::error::body_limit || ec == http::error::header_limit) {
+    if (active_ != nullptr) {  // pipelined while answering: give up on the connection
+      Close();
+      return;
+    }
+    const bool body = ec == http::error::body_limit;
+    const std::string payload =
+        body ? ErrorJson(413, absl::StrCat("request body is larger than ", server_->options().max_body_bytes, " bytes"),
+                         "request_too_large")
+             : ErrorJson(431, "request headers are too large", "request_header_fields_too_large");
+    std::string out = StatusLine(body ? 413 : 431);
+    absl::StrAppend(&out, "Content-Type: ", kErrorContentType, "\r\nContent-Length: ", payload.size(),
+                    "\r\nConnection: close\r\n\r\n", payload);
+    close_after_ = true;
+    out_.push_back({std::move(out), true});
+    DoWrite();
+    return;
+  }
+  if (ec) {
+    if (ec != http::error::end_of_stream && ec != net::error::eof && ec != net::error::operation_aborted &&
+        ec != net::error::connection_reset && ec != net::error::bad_descriptor) {
+      // A malformed request: answer 400 when nothing else is being answered, then close.
+      if (active_ == nullptr && !writing_ && ec.category() == http::make_error_code(http::error::bad_method).category()) {
+        const std::string payload = ErrorJson(400, absl::StrCat("malformed HTTP request: ", ec.message()),
+                                              "bad_request");
+        std::string out = StatusLine(400);
+        absl::StrAppend(&out, "Content-Type: ", kErrorContentType, "\r\nContent-Length: ", payload.size(),
+                        "\r\nConnection: close\r\n\r\n", payload);
+        close_after_ = true;
+        out_.push_back({std::move(out), true});
+        DoWrite();
+        return;
+      }
+    }
+    Close();
+    return;
+  }
+  http::request<http::string_body> message = parser_->release();
+  HttpRequest request;
+  request.method = std::string(message.method_string());
+  request.target = std::string(message.target());
+  request.path = request.target.substr(0, request.target.find('?'));
+  for (const auto& field : message) {
+    request.headers.emplace_back(absl::AsciiStrToLower(std::string(field.name_string().data(), field.name_string().size())),
+                                 std::string(field.value()));
+  }
+  request.body = std::move(message.body());
+  const bool keep_alive = message.keep_alive();
+  if (active_ != nullptr || writing_) {
+    pending_.emplace(std::move(request), keep_alive);  // answered after the current response
+    return;
+  }
+  Dispatch(std::move(request), keep_alive);
+}
+
+void Session::Dispatch(HttpRequest request, bool keep_alive) {
+  timer_.cancel();
+  active_ = std::make_shared<Responder>(weak_from_this(), socket_.get_executor());
+  active_->close_after = !keep_alive;
+  close_after_ = !keep_alive;
+  std::shared_ptr<Responder> responder = active_;
+  try {
+    server_->handler()(std::move(request), responder);
+  } catch (const std::exception& e) {
+    responder->Respond(500, kErrorContentType,
+                       R"({"error":{"message":"internal error","type":"server_error","param":null,"code":null}})", {});
+    std::fprintf(stderr, "http: handler threw: %s\n", e.what());
+  } catch (...) {
+    responder->Respond(500, kErrorContentType,
+                       R"({"error":{"message":"internal error","type":"server_error","param":null,"code":null}})", {});
+  }
+  // Keep a read pending while the response is produced: it notices the client leaving.
+  DoRead();
+}
+
+void Session::Send(Responder* responder, std::string bytes, bool last) {
+  if (closed_ || responder != active_.get()) return;
+  out_.push_back({std::move(bytes), last});
+  if (last) active_ = nullptr;
+  DoWrite();
+}
+
+void Session::DoWrite() {
+  if (writing_ || out_.empty() || closed_) return;
+  writing_ = true;
+  net::async_write(socket_, net::buffer(out_.front().bytes),
+                   [self = shared_from_this()](error_code ec, size_t) { self->OnWrite(ec); });
+}
+
+void Session::OnWrite(error_code ec) {
+  writing_ = false;
+  if (ec) {
+    Close();
+    return;
+  }
+  const bool last = out_.front().last;
+  out_.pop_front();
+  if (last) {
+    if (close_after_) {
+      error_code ignored;
+      socket_.shutdown(tcp::socket::shutdown_send, ignored);
+      Close();
+      return;
+    }
+    if (pending_) {
+      auto [request, keep_alive] = std::move(*pending_);
+      pending_.reset();
+      Dispatch(std::move(request), keep_alive);
+    } else if (!reading_) {
+      DoRead();
+    } else if (active_ == nullptr) {
+      ArmTimer(server_->options().idle_timeout);
+    }
+  }
+  DoWrite();
+}
+
+void Session::Close() {
+  if (closed_) return;
+  closed_ = true;
+  if (active_ != nullptr) {
+    std::shared_ptr<Responder> active = std::move(active_);
+    active_ = nullptr;
+    active->Cancel();
+  }
+  error_code ignored;
+  timer_.cancel();
+  socket_.shutdown(tcp::socket::shutdown_both, ignored);
+  socket_.close(ignored);
+  out_.clear();
+  server_->Remove(this);
+}
+
+}  // namespace
+
+std::string HttpRequest::Header(const std::string& lower_name) const {
+  for (const auto& [name, value] : headers) {
+    if (name == lower_name) return value;
+  }
+  return "";
+}
+
+absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOptions& options, HttpHandler handler) {
+  auto server = std::make_unique<ServerImpl>(options, std::move(handler));
+  if (absl::Status status = server->Listen(); !status.ok()) return status;
+  return server;
+}
+
+}  // namespace duet::router

@@ -1,0 +1,76 @@
+// A small asynchronous HTTP/1.1 server on Boost.Beast/Asio for the router's OpenAI API.
+//
+// A fixed pool of io threads serves every connection (no thread per connection), so thousands
+// of idle or streaming connections cost only their buffers. Keep-alive, a body size limit (413),
+// a header/body read timeout and an idle timeout. A handler answers with one full response or a
+// chunked stream (SSE) through an HttpResponder, from any thread; when the client goes away
+// before the response ends, the responder's cancel callback runs once (so the work behind it can
+// be aborted).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace duet::router {
+
+struct HttpRequest {
+  std::string method;  // "GET", "POST", ...
+  std::string target;  // path and query, as sent
+  std::string path;    // target without the query
+  std::vector<std::pair<std::string, std::string>> headers;  // names in lower case
+  std::string body;
+
+  // The first header of that (lower-case) name, or empty.
+  std::string Header(const std::string& lower_name) const;
+};
+
+// One response. Thread-safe; every call after the response ended (or the client left) is a no-op.
+class HttpResponder {
+ public:
+  virtual ~HttpResponder() = default;
+  // A whole response with Content-Length.
+  virtual void Respond(int status, std::string content_type, std::string body,
+                       std::vector<std::pair<std::string, std::string>> extra_headers = {}) = 0;
+  // Starts a chunked response (e.g. text/event-stream); then Write() chunks and End().
+  virtual void StartStream(int status, std::string content_type) = 0;
+  virtual void Write(std::string data) = 0;
+  virtual void End() = 0;
+  // `on_cancel` runs once (on an io thread) if the connection closes before the response ends.
+  // When it already has, it runs right away, on the calling thread.
+  virtual void SetCancelHandler(std::function<void()> on_cancel) = 0;
+  virtual bool cancelled() const = 0;
+};
+
+using HttpHandler = std::function<void(HttpRequest request, std::shared_ptr<HttpResponder> responder)>;
+
+struct HttpServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 0;              // 0: any free port
+  int num_threads = 2;       // io threads
+  size_t max_body_bytes = 8u << 20;  // larger bodies: 413
+  size_t max_header_bytes = 64u << 10;
+  std::chrono::milliseconds read_timeout{30000};   // from the first byte of a request to its end
+  std::chrono::milliseconds idle_timeout{120000};  // keep-alive connection without a request
+};
+
+class HttpServer {
+ public:
+  // Listens and starts the io threads. `handler` runs on an io thread and must not block;
+  // exceptions it throws become a 500.
+  static absl::StatusOr<std::unique_ptr<HttpServer>> Start(const HttpServerOptions& options, HttpHandler handler);
+  virtual ~HttpServer() = default;
+  virtual int port() const = 0;
+  virtual int num_connections() const = 0;
+  // Stops accepting, closes every connection (their responders' cancel callbacks run), joins the
+  // io threads. Idempotent.
+  virtual void Stop() = 0;
+};
+
+}  // namespace duet::router

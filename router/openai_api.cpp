@@ -1,0 +1,403 @@
+#include "router/openai_api.h"
+
+#include <cstdio>
+#include <optional>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/support/client_callback.h"
+
+namespace duet::router {
+namespace {
+
+using openai::ApiError;
+using openai::Json;
+
+constexpr char kJson[] = "application/json";
+
+void SendError(HttpResponder& responder, const ApiError& error) {
+  responder.Respond(error.status, kJson, openai::ErrorBody(error));
+}
+
+void SendJson(HttpResponder& responder, const Json& json) {
+  responder.Respond(200, kJson, json.dump(-1, ' ', false, Json::error_handler_t::replace));
+}
+
+// One completion or chat request: its choices' gRPC calls and the response they make.
+class Job : public std::enable_shared_from_this<Job> {
+ public:
+  Job(OpenAiApi* api, openai::ParsedRequest request, std::shared_ptr<HttpResponder> responder)
+      : api_(api),
+        request_(std::move(request)),
+        responder_(std::move(responder)),
+        id_(openai::NewId(request_.chat ? "chatcmpl-" : "cmpl-")) {}
+
+  void Start();
+  void OnMessage(int index, const v1::GenerateResponse& message);
+  void OnDone(int index, const grpc::Status& status);
+  // The client left: cancel every call.
+  void Cancel() {
+    std::vector<grpc::ClientContext*> contexts;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      client_gone_ = true;
+      for (auto& c : contexts_) contexts.push_back(c.get());
+    }
+    for (grpc::ClientContext* c : contexts) c->TryCancel();
+  }
+
+ private:
+  struct Choice {
+    openai::ChoiceResult result;
+    bool role_sent = false;
+    bool echo_sent = false;
+    size_t text_offset = 0;  // completions logprobs
+  };
+  void Finish();  // under mu_
+  void StartStreamLocked() {
+    if (stream_started_) return;
+    stream_started_ = true;
+    responder_->StartStream(200, "text/event-stream; charset=utf-8");
+  }
+
+  OpenAiApi* const api_;
+  const openai::ParsedRequest request_;
+  const std::shared_ptr<HttpResponder> responder_;
+  const std::string id_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts_;
+  std::vector<Choice> choices_;
+  std::vector<std::string> echo_prefix_;
+  int remaining_ = 0;
+  bool stream_started_ = false;
+  bool client_gone_ = false;
+  std::optional<ApiError> error_;
+};
+
+class GenerateReactor final : public grpc::ClientReadReactor<v1::GenerateResponse> {
+ public:
+  GenerateReactor(std::shared_ptr<Job> job, int index, v1::GenerateRequest request)
+      : job_(std::move(job)), index_(index), request_(std::move(request)) {}
+
+  void Start(v1::Duet::Stub* stub, grpc::ClientContext* context) {
+    stub->async()->Generate(context, &request_, this);
+    StartRead(&response_);
+    StartCall();
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) return;  // OnDone follows
+    job_->OnMessage(index_, response_);
+    response_.Clear();
+    StartRead(&response_);
+  }
+  void OnDone(const grpc::Status& status) override {
+    job_->OnDone(index_, status);
+    delete this;
+  }
+
+ private:
+  std::shared_ptr<Job> job_;
+  const int index_;
+  v1::GenerateRequest request_;
+  v1::GenerateResponse response_;
+};
+
+void Job::Start() {
+  const int num_prompts = static_cast<int>(request_.prompts.size());
+  const int total = num_prompts * request_.n;
+  std::vector<std::pair<GenerateReactor*, grpc::ClientContext*>> calls;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    choices_.resize(total);
+    remaining_ = total;
+    for (int p = 0; p < num_prompts; ++p) {
+      const openai::PromptInput& prompt = request_.prompts[p];
+      if (request_.echo) {
+        echo_prefix_.push_back(prompt.is_text
+                                   ? prompt.text
+                                   : (api_->tokenizer() != nullptr
+                                          ? api_->tokenizer()->Decode(prompt.token_ids, /*skip_special_tokens=*/false)
+                                          : std::string()));
+      }
+      for (int i = 0; i < request_.n; ++i) {
+        const int index = p * request_.n + i;
+        choices_[index].result.index = index;
+        v1::GenerateRequest generate;
+        generate.set_request_id(absl::StrCat(id_, "-", index));
+        if (prompt.is_text) {
+          generate.set_text(prompt.text);
+        } else {
+          generate.mutable_token_ids()->mutable_ids()->Assign(prompt.token_ids.begin(), prompt.token_ids.end());
+        }
+        *generate.mutable_sampling() = request_.sampling;
+        if (request_.seed) generate.mutable_sampling()->set_seed(*request_.seed + static_cast<uint64_t>(i));
+        auto context = std::make_unique<grpc::ClientContext>();
+        if (!api_->options().api_key.empty()) {
+          context->AddMetadata("authorization", absl::StrCat("Bearer ", api_->options().api_key));
+        }
+        auto* reactor = new GenerateReactor(shared_from_this(), index, std::move(generate));
+        calls.emplace_back(reactor, context.get());
+        contexts_.push_back(std::move(context));
+      }
+    }
+  }
+  std::weak_ptr<Job> weak = weak_from_this();
+  responder_->SetCancelHandler([weak] {
+    if (auto job = weak.lock()) job->Cancel();
+  });
+  for (auto& [reactor, context] : calls) {
+    api_->CallStarted();
+    reactor->Start(api_->stub(), context);
+  }
+}
+
+void Job::OnMessage(int index, const v1::GenerateResponse& message) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Choice& choice = choices_[index];
+  openai::ChoiceResult& r = choice.result;
+  if (message.prompt_token_ids_size() > 0) r.prompt_tokens = message.prompt_token_ids_size();
+  if (message.has_usage()) {
+    if (message.usage().prompt_tokens() > 0) r.prompt_tokens = message.usage().prompt_tokens();
+  }
+  const size_t first_new = r.token_ids.size();
+  r.token_ids.insert(r.token_ids.end(), message.token_ids().begin(), message.token_ids().end());
+  for (const v1::TokenLogprobs& lp : message.logprobs()) r.logprobs.push_back(lp);
+  r.text += message.text();
+  r.completion_tokens = static_cast<int>(r.token_ids.size());
+  if (message.finished()) r.finish_reason = message.finish_reason();
+  if (message.has_usage() && message.usage().completion_tokens() > 0) {
+    r.completion_tokens = message.usage().completion_tokens();
+  }
+  if (!request_.stream || client_gone_) return;
+
+  StartStreamLocked();
+  const std::optional<std::string> finish =
+      message.finished() ? std::optional<std::string>(message.finish_reason()) : std::nullopt;
+  const std::vector<int32_t> new_ids(r.token_ids.begin() + first_new, r.token_ids.end());
+  std::vector<v1::TokenLogprobs> new_logprobs;
+  if (request_.logprobs && r.logprobs.size() >= r.token_ids.size()) {
+    new_logprobs.assign(r.logprobs.begin() + first_new, r.logprobs.begin() + r.token_ids.size());
+  }
+  std::string out;
+  if (request_.chat) {
+    if (!choice.role_sent) {
+      choice.role_sent = true;
+      out += openai::SseEvent(openai::ChatChunk(id_, request_, index, true, std::string(), Json(nullptr), std::nullopt));
+    }
+    if (!message.text().empty() || finish || !new_ids.empty()) {
+      const Json logprobs = request_.logprobs
+                                ? openai::ChatLogprobs(api_->tokenizer(), new_ids, new_logprobs, *request_.logprobs)
+                                : Json(nullptr);
+      std::optional<std::string> content;
+      if (!message.text().empty() || !finish) content = message.text();
+      out += openai::SseEvent(openai::ChatChunk(id_, request_, index, false, content, logprobs, finish));
+    }
+  } else {
+    std::string text;
+    if (request_.echo && !choice.echo_sent) {
+      choice.echo_sent = true;
+      const size_t p = static_cast<size_t>(index / request_.n);
+      if (p < echo_prefix_.size()) text = echo_prefix_[p];
+      choice.text_offset = text.size();
+    }
+    text += message.text();
+    if (!text.empty() || finish || !new_ids.empty()) {
+      const Json logprobs =
+          request_.logprobs ? openai::CompletionLogprobs(api_->tokenizer(), new_ids, new_logprobs, &choice.text_offset)
+                            : Json(nullptr);
+      out += openai::SseEvent(openai::CompletionChunk(id_, request_, index, text, logprobs, finish));
+    }
+  }
+  responder_->Write(std::move(out));
+}
+
+void Job::OnDone(int index, const grpc::Status& status) {
+  std::vector<grpc::ClientContext*> to_cancel;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!status.ok() && !error_) {
+      error_ = openai::FromGrpc(status);
+      // One choice failed: the others are not needed.
+      for (auto& c : contexts_) to_cancel.push_back(c.get());
+    } else if (status.ok() && choices_[index].result.finish_reason.empty() && !error_) {
+      ApiError e;
+      e.status = 500;
+      e.type = "server_error";
+      e.message = "the generation stream ended without a finish reason";
+      error_ = e;
+    }
+    if (--remaining_ == 0) Finish();
+  }
+  for (grpc::ClientContext* c : to_cancel) c->TryCancel();
+  api_->CallDone();
+}
+
+void Job::Finish() {
+  if (client_gone_) return;
+  if (error_) {
+    if (stream_started_) {
+      Json error;
+      error["error"] = Json::parse(openai::ErrorBody(*error_))["error"];
+      responder_->Write(openai::SseEvent(error) + openai::kSseDone);
+      responder_->End();
+    } else {
+      SendError(*responder_, *error_);
+    }
+    return;
+  }
+  std::vector<openai::ChoiceResult> results;
+  results.reserve(choices_.size());
+  for (const Choice& c : choices_) results.push_back(c.result);
+  if (request_.stream) {
+    StartStreamLocked();
+    std::string out;
+    if (request_.include_usage) {
+      int prompt = 0, completion = 0;
+      for (const openai::ChoiceResult& r : results) {
+        if (r.index % request_.n == 0) prompt += r.prompt_tokens;
+        completion += r.completion_tokens;
+      }
+      out += openai::SseEvent(openai::UsageChunk(id_, request_, prompt, completion));
+    }
+    out += openai::kSseDone;
+    responder_->Write(std::move(out));
+    responder_->End();
+    return;
+  }
+  const Json response = request_.chat ? openai::ChatResponse(id_, request_, api_->tokenizer(), results)
+                                      : openai::CompletionResponse(id_, request_, api_->tokenizer(), results,
+                                                                   echo_prefix_);
+  SendJson(*responder_, response);
+}
+
+}  // namespace
+
+OpenAiApi::OpenAiApi(OpenAiApiOptions options, const Tokenizer* tokenizer, const LoadedChatTemplate* chat,
+                     std::shared_ptr<grpc::Channel> channel)
+    : options_(std::move(options)), tokenizer_(tokenizer), chat_(chat), channel_(std::move(channel)) {
+  context_.model_name = options_.model_name;
+  context_.tokenizer = tokenizer_;
+  context_.chat = chat_;
+  context_.max_model_len = options_.max_model_len;
+  stub_ = v1::Duet::NewStub(channel_);
+}
+
+OpenAiApi::~OpenAiApi() { WaitIdle(std::chrono::seconds(5)); }
+
+void OpenAiApi::CallDone() {
+  if (active_calls_.fetch_sub(1) == 1) {
+    std::lock_guard<std::mutex> lock(idle_mu_);
+    idle_cv_.notify_all();
+  }
+}
+
+bool OpenAiApi::WaitIdle(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(idle_mu_);
+  return idle_cv_.wait_for(lock, timeout, [this] { return active_calls_.load() == 0; });
+}
+
+void OpenAiApi::Handle(HttpRequest request, std::shared_ptr<HttpResponder> responder) {
+  const std::string& path = request.path;
+  const std::string& method = request.method;
+  auto method_not_allowed = [&] {
+    ApiError e;
+    e.status = 405;
+    e.message = absl::StrCat("method ", method, " is not allowed on ", path);
+    SendError(*responder, e);
+  };
+  if (absl::StartsWith(path, "/v1/") && !options_.api_key.empty()) {
+    if (request.Header("authorization") != absl::StrCat("Bearer ", options_.api_key)) {
+      ApiError e;
+      e.status = 401;
+      e.message = "Incorrect API key provided. Send it as \"Authorization: Bearer <key>\".";
+      e.code = "invalid_api_key";
+      SendError(*responder, e);
+      return;
+    }
+  }
+  if (path == "/v1/completions" || path == "/v1/chat/completions") {
+    if (method != "POST") return method_not_allowed();
+    Generate(path == "/v1/chat/completions", request, responder);
+    return;
+  }
+  if (path == "/v1/models") {
+    if (method != "GET") return method_not_allowed();
+    Json model;
+    model["id"] = options_.model_name;
+    model["object"] = "model";
+    model["created"] = 0;
+    model["owned_by"] = "duet";
+    model["root"] = options_.model_name;
+    model["parent"] = nullptr;
+    model["max_model_len"] = options_.max_model_len;
+    Json list;
+    list["object"] = "list";
+    list["data"] = Json::array({model});
+    SendJson(*responder, list);
+    return;
+  }
+  if (path.rfind("/v1/models/", 0) == 0) {
+    if (method != "GET") return method_not_allowed();
+    const std::string name = path.substr(std::string("/v1/models/").size());
+    if (name != options_.model_name) {
+      SendError(*responder, openai::NotFound(absl::StrCat("The model `", name, "` does not exist."), "model_not_found"));
+      return;
+    }
+    Json model;
+    model["id"] = options_.model_name;
+    model["object"] = "model";
+    model["created"] = 0;
+    model["owned_by"] = "duet";
+    model["root"] = options_.model_name;
+    model["parent"] = nullptr;
+    model["max_model_len"] = options_.max_model_len;
+    SendJson(*responder, model);
+    return;
+  }
+  if (path == "/health") {
+    if (method != "GET" && method != "HEAD") return method_not_allowed();
+    if (!options_.healthy || options_.healthy()) {
+      responder->Respond(200, kJson, "{}");
+    } else {
+      ApiError e;
+      e.status = 503;
+      e.type = "service_unavailable";
+      e.message = "no prefill or no decode worker is up";
+      SendError(*responder, e);
+    }
+    return;
+  }
+  if (path == "/metrics" && options_.metrics_body) {
+    if (method != "GET") return method_not_allowed();
+    responder->Respond(200, options_.metrics_content_type, options_.metrics_body());
+    return;
+  }
+  if (path == "/tokenize" || path == "/detokenize") {
+    if (method != "POST") return method_not_allowed();
+    std::variant<Json, ApiError> result = path == "/tokenize" ? openai::Tokenize(request.body, context_)
+                                                              : openai::Detokenize(request.body, context_);
+    if (auto* error = std::get_if<ApiError>(&result)) {
+      SendError(*responder, *error);
+    } else {
+      SendJson(*responder, std::get<Json>(result));
+    }
+    return;
+  }
+  SendError(*responder, openai::NotFound(absl::StrCat("Not found: ", method, " ", path)));
+}
+
+void OpenAiApi::Generate(bool chat, const HttpRequest& request, const std::shared_ptr<HttpResponder>& responder) {
+  openai::ParseResult parsed = chat ? openai::ParseChatRequest(request.body, context_)
+                                    : openai::ParseCompletionRequest(request.body, context_);
+  if (auto* error = std::get_if<ApiError>(&parsed)) {
+    SendError(*responder, *error);
+    return;
+  }
+  auto job = std::make_shared<Job>(this, std::get<openai::ParsedRequest>(std::move(parsed)), responder);
+  job->Start();
+}
+
+}  // namespace duet::router

@@ -1,0 +1,69 @@
+// The OpenAI-compatible HTTP API of the router (served by router/http_server.h):
+//   POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
+//   GET /health, GET /metrics, POST /tokenize, POST /detokenize.
+// Generation goes through the router's own duet.v1.Duet gRPC service over an in-process channel
+// with the callback API, so no thread waits per request and the HTTP and gRPC paths are the
+// same code. A client that disconnects cancels its calls (the router then aborts the request on
+// its workers and their KV blocks are freed).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "duet/v1/duet.grpc.pb.h"
+#include "engine/chat_template.h"
+#include "engine/tokenizer.h"
+#include "router/http_server.h"
+#include "router/openai_protocol.h"
+
+namespace duet::router {
+
+struct OpenAiApiOptions {
+  std::string model_name;
+  int64_t max_model_len = 0;
+  std::string api_key;  // non-empty: /v1/* need "Authorization: Bearer <key>" (sent on to gRPC too)
+  std::function<std::string()> metrics_body;  // GET /metrics; none: 404
+  std::string metrics_content_type = "text/plain; version=0.0.4; charset=utf-8";
+  std::function<bool()> healthy;  // GET /health: 200 when true (no function: always 200)
+};
+
+class OpenAiApi {
+ public:
+  // `tokenizer` and `chat` outlive the API; `chat` may be null (chat completions then 400).
+  OpenAiApi(OpenAiApiOptions options, const Tokenizer* tokenizer, const LoadedChatTemplate* chat,
+            std::shared_ptr<grpc::Channel> channel);
+  ~OpenAiApi();
+
+  // The HttpHandler.
+  void Handle(HttpRequest request, std::shared_ptr<HttpResponder> responder);
+
+  int num_active_calls() const { return active_calls_.load(); }
+  // Waits until no gRPC call is in flight (after the HTTP server and the gRPC server stopped).
+  bool WaitIdle(std::chrono::milliseconds timeout);
+
+  // For the generation jobs.
+  void CallStarted() { active_calls_.fetch_add(1); }
+  void CallDone();
+  const OpenAiApiOptions& options() const { return options_; }
+  const Tokenizer* tokenizer() const { return tokenizer_; }
+  v1::Duet::Stub* stub() { return stub_.get(); }
+
+ private:
+  void Generate(bool chat, const HttpRequest& request, const std::shared_ptr<HttpResponder>& responder);
+
+  const OpenAiApiOptions options_;
+  const Tokenizer* const tokenizer_;
+  const LoadedChatTemplate* const chat_;
+  openai::ProtocolContext context_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Duet::Stub> stub_;
+  std::atomic<int> active_calls_{0};
+  std::mutex idle_mu_;
+  std::condition_variable idle_cv_;
+};
+
+}  // namespace duet::router

@@ -1,0 +1,52 @@
+// The --api-key check on the gRPC API: wraps the duet.v1.Duet service and answers
+// UNAUTHENTICATED unless the call carries "authorization: Bearer <key>" metadata. Health
+// checking and reflection stay open.
+#pragma once
+
+#include <string>
+#include <utility>
+
+#include "duet/v1/duet.grpc.pb.h"
+
+namespace duet::router {
+
+class ApiKeyDuetService final : public v1::Duet::Service {
+ public:
+  ApiKeyDuetService(v1::Duet::Service* inner, std::string api_key)
+      : inner_(inner), expected_("Bearer " + std::move(api_key)) {}
+
+  grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
+                        grpc::ServerWriter<v1::GenerateResponse>* writer) override {
+    if (!Authorized(*context)) return Unauthenticated();
+    return inner_->Generate(context, request, writer);
+  }
+  grpc::Status Abort(grpc::ServerContext* context, const v1::AbortRequest* request,
+                     v1::AbortResponse* response) override {
+    if (!Authorized(*context)) return Unauthenticated();
+    return inner_->Abort(context, request, response);
+  }
+  grpc::Status GetModelInfo(grpc::ServerContext* context, const v1::GetModelInfoRequest* request,
+                            v1::ModelInfo* response) override {
+    if (!Authorized(*context)) return Unauthenticated();
+    return inner_->GetModelInfo(context, request, response);
+  }
+
+  bool Authorized(const grpc::ServerContext& context) const {
+    auto range = context.client_metadata().equal_range("authorization");
+    for (auto it = range.first; it != range.second; ++it) {
+      if (std::string_view(it->second.data(), it->second.size()) == expected_) return true;
+    }
+    return false;
+  }
+
+ private:
+  static grpc::Status Unauthenticated() {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "missing or wrong API key: send metadata \"authorization: Bearer <key>\"");
+  }
+
+  v1::Duet::Service* const inner_;
+  const std::string expected_;
+};
+
+}  // namespace duet::router

@@ -1,0 +1,248 @@
+// The OpenAI API in-process: a Router with its HTTP server in front of fake workers.
+#include <gtest/gtest.h>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/write.hpp>
+#include <thread>
+
+#include "grpcpp/grpcpp.h"
+#include "nlohmann/json.hpp"
+#include "router/fake_workers.h"
+#include "router/router.h"
+
+namespace duet::router {
+namespace {
+
+namespace net = boost::asio;
+using tcp = net::ip::tcp;
+using nlohmann::json;
+using testing::FakeDecodeWorker;
+using testing::FakePrefillWorker;
+using testing::FakeServer;
+
+struct Response {
+  int status = 0;
+  std::string headers;
+  std::string body;  // de-chunked
+};
+
+// One request per connection ("Connection: close"), reads to EOF, de-chunks.
+class Client {
+ public:
+  explicit Client(int port) : socket_(ioc_) {
+    socket_.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<uint16_t>(port)));
+  }
+  void Send(const std::string& method, const std::string& path, const std::string& body,
+            const std::string& extra_headers = "") {
+    const std::string request = method + " " + path + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + extra_headers +
+                                "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+                                "\r\n\r\n" + body;
+    net::write(socket_, net::buffer(request));
+  }
+  // Reads until `needle` is in the raw bytes (or EOF).
+  std::string ReadUntil(const std::string& needle) {
+    while (raw_.find(needle) == std::string::npos) {
+      char buf[4096];
+      boost::system::error_code ec;
+      size_t n = socket_.read_some(net::buffer(buf), ec);
+      if (ec) break;
+      raw_.append(buf, n);
+    }
+    return raw_;
+  }
+  Response ReadAll() {
+    ReadUntil(std::string(1, '\0'));  // to EOF
+    Response r;
+    const size_t header_end = raw_.find("\r\n\r\n");
+    if (header_end == std::string::npos) return r;
+    r.headers = raw_.substr(0, header_end);
+    r.status = std::stoi(raw_.substr(9, 3));
+    std::string rest = raw_.substr(header_end + 4);
+    if (r.headers.find("Transfer-Encoding: chunked") == std::string::npos) {
+      r.body = rest;
+      return r;
+    }
+    size_t pos = 0;
+    while (pos < rest.size()) {
+      const size_t line_end = rest.find("\r\n", pos);
+      const size_t size = std::stoul(rest.substr(pos, line_end - pos), nullptr, 16);
+      if (size == 0) break;
+      r.body += rest.substr(line_end + 2, size);
+      pos = line_end + 2 + size + 2;
+    }
+    return r;
+  }
+  void Close() { socket_.close(); }
+
+ private:
+  net::io_context ioc_;
+  tcp::socket socket_;
+  std::string raw_;
+};
+
+class OpenAiApiTest : public ::testing::Test {
+ protected:
+  void StartRouter(const std::string& api_key = "") {
+    prefill_server_ = std::make_unique<FakeServer>(&prefill_);
+    decode_server_ = std::make_unique<FakeServer>(&decode_);
+    RouterOptions options;
+    options.model_dir = DUET_MODELS_DIR "/tiny-code-llama";
+    options.prefill_addresses = {prefill_server_->address()};
+    options.decode_addresses = {decode_server_->address()};
+    options.http_port = 0;
+    options.api_key = api_key;
+    options.metrics_body = [] { return std::string("duet:test 1\n"); };
+    auto router = Router::Start(options);
+    ASSERT_TRUE(router.ok()) << router.status();
+    router_ = *std::move(router);
+    ASSERT_GT(router_->http_port(), 0);
+  }
+  void TearDown() override {
+    if (router_) router_->Shutdown(0);
+  }
+  Response Call(const std::string& method, const std::string& path, const std::string& body,
+                const std::string& headers = "") {
+    Client c(router_->http_port());
+    c.Send(method, path, body, headers);
+    return c.ReadAll();
+  }
+
+  FakePrefillWorker prefill_;
+  FakeDecodeWorker decode_;
+  std::unique_ptr<FakeServer> prefill_server_, decode_server_;
+  std::unique_ptr<Router> router_;
+};
+
+TEST_F(OpenAiApiTest, Completion) {
+  StartRouter();
+  Response r = Call("POST", "/v1/completions", R"({"model":"tiny-code-llama","prompt":"import os","max_tokens":3})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  json j = json::parse(r.body);
+  EXPECT_EQ(j["object"], "text_completion");
+  EXPECT_EQ(j["id"].get<std::string>().rfind("cmpl-", 0), 0u);
+  EXPECT_EQ(j["choices"][0]["text"], "t0 t1 t2 ");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(j["usage"]["completion_tokens"], 3);
+  EXPECT_GT(j["usage"]["prompt_tokens"], 0);
+}
+
+TEST_F(OpenAiApiTest, CompletionNAndEcho) {
+  StartRouter();
+  Response r = Call("POST", "/v1/completions", R"({"prompt":["a","b"],"n":2,"max_tokens":2,"echo":true,"seed":1})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  json j = json::parse(r.body);
+  ASSERT_EQ(j["choices"].size(), 4u);
+  EXPECT_EQ(j["choices"][3]["index"], 3);
+  EXPECT_EQ(j["choices"][3]["text"], "bt0 t1 ");
+  EXPECT_EQ(j["usage"]["completion_tokens"], 8);
+}
+
+TEST_F(OpenAiApiTest, ChatStreamFraming) {
+  StartRouter();
+  Response r = Call("POST", "/v1/chat/completions",
+                    R"({"messages":[{"role":"user","content":"hi"}],"max_tokens":2,"stream":true,
+                        "stream_options":{"include_usage":true}})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_NE(r.headers.find("Content-Type: text/event-stream"), std::string::npos);
+  // Events: "data: {...}\n\n" ... "data: [DONE]\n\n".
+  std::vector<std::string> events;
+  size_t pos = 0;
+  while (pos < r.body.size()) {
+    const size_t end = r.body.find("\n\n", pos);
+    ASSERT_NE(end, std::string::npos) << r.body;
+    const std::string event = r.body.substr(pos, end - pos);
+    ASSERT_EQ(event.rfind("data: ", 0), 0u) << event;
+    events.push_back(event.substr(6));
+    pos = end + 2;
+  }
+  ASSERT_GE(events.size(), 4u);
+  EXPECT_EQ(events.back(), "[DONE]");
+  json first = json::parse(events[0]);
+  EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
+  json usage = json::parse(events[events.size() - 2]);
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 2);
+  std::string text;
+  for (size_t i = 0; i + 2 < events.size(); ++i) {
+    json e = json::parse(events[i]);
+    if (e["choices"][0]["delta"].contains("content")) text += e["choices"][0]["delta"]["content"];
+  }
+  EXPECT_EQ(text, "t0 t1 ");
+}
+
+TEST_F(OpenAiApiTest, ErrorsAndEndpoints) {
+  StartRouter();
+  Response r = Call("POST", "/v1/completions", R"({"model":"gpt-4","prompt":"x"})");
+  EXPECT_EQ(r.status, 404);
+  EXPECT_EQ(json::parse(r.body)["error"]["code"], "model_not_found");
+  r = Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":100000000})");
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_EQ(json::parse(r.body)["error"]["code"], "context_length_exceeded");
+  r = Call("POST", "/v1/completions", R"({"prompt":[999999999]})");
+  EXPECT_EQ(r.status, 400) << r.body;
+  r = Call("POST", "/v1/completions", "{bad json");
+  EXPECT_EQ(r.status, 400);
+  r = Call("GET", "/v1/completions", "");
+  EXPECT_EQ(r.status, 405);
+  r = Call("GET", "/nope", "");
+  EXPECT_EQ(r.status, 404);
+  r = Call("GET", "/health", "");
+  EXPECT_EQ(r.status, 200);
+  r = Call("GET", "/metrics", "");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.body, "duet:test 1\n");
+  r = Call("GET", "/v1/models", "");
+  ASSERT_EQ(r.status, 200);
+  EXPECT_EQ(json::parse(r.body)["data"][0]["id"], "tiny-code-llama");
+  r = Call("POST", "/tokenize", R"({"prompt":"hello"})");
+  EXPECT_EQ(r.status, 200);
+  // Overloaded: the decode worker has no room → 429.
+  decode_.kv_full = true;
+  r = Call("POST", "/v1/completions", R"({"prompt":"x"})");
+  EXPECT_EQ(r.status, 429) << r.body;
+  decode_.kv_full = false;
+  r = Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":1})");
+  EXPECT_EQ(r.status, 200);
+}
+
+TEST_F(OpenAiApiTest, ApiKey) {
+  StartRouter("sekret");
+  EXPECT_EQ(Call("GET", "/v1/models", "").status, 401);
+  EXPECT_EQ(Call("GET", "/v1/models", "", "Authorization: Bearer wrong\r\n").status, 401);
+  EXPECT_EQ(Call("GET", "/v1/models", "", "Authorization: Bearer sekret\r\n").status, 200);
+  EXPECT_EQ(Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":1})", "Authorization: Bearer sekret\r\n").status,
+            200);
+  EXPECT_EQ(Call("GET", "/health", "").status, 200);  // not under /v1
+  // gRPC: the key as metadata.
+  auto stub = v1::Duet::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(router_->port()),
+                                                    grpc::InsecureChannelCredentials()));
+  v1::ModelInfo info;
+  grpc::ClientContext no_key;
+  EXPECT_EQ(stub->GetModelInfo(&no_key, v1::GetModelInfoRequest(), &info).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  grpc::ClientContext with_key;
+  with_key.AddMetadata("authorization", "Bearer sekret");
+  EXPECT_TRUE(stub->GetModelInfo(&with_key, v1::GetModelInfoRequest(), &info).ok());
+}
+
+TEST_F(OpenAiApiTest, DisconnectAbortsTheRequest) {
+  StartRouter();
+  decode_.token_delay_ms = 20;
+  Client c(router_->http_port());
+  c.Send("POST", "/v1/completions", R"({"prompt":"x","max_tokens":500,"stream":true})");
+  c.ReadUntil("data: ");  // streaming has begun
+  c.Close();
+  for (int i = 0; i < 500 && decode_.aborted().empty() && decode_.num_cancelled == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(!decode_.aborted().empty() || decode_.num_cancelled > 0);
+  EXPECT_LT(decode_.num_tokens_sent.load(), 500);
+  // Still healthy.
+  decode_.token_delay_ms = 0;
+  EXPECT_EQ(Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":1})").status, 200);
+}
+
+}  // namespace
+}  // namespace duet::router

@@ -1,0 +1,709 @@
+#include "router/openai_protocol.h"
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "proto/rpc_util.h"
+
+namespace duet::router::openai {
+namespace {
+
+constexpr int kMaxJsonDepth = 128;
+constexpr int kMaxChoices = 1024;  // prompts × n
+
+// Nesting depth of a JSON text (strings skipped), so a hostile body cannot exhaust the stack.
+bool DepthWithin(std::string_view text, int limit) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > limit) return false;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return true;
+}
+
+std::variant<Json, ApiError> ParseBody(std::string_view body) {
+  if (!DepthWithin(body, kMaxJsonDepth)) {
+    return BadRequest(absl::StrCat("JSON nesting deeper than ", kMaxJsonDepth, " levels"));
+  }
+  Json json = Json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
+  if (json.is_discarded()) return BadRequest("the request body is not valid JSON");
+  if (!json.is_object()) return BadRequest("the request body must be a JSON object");
+  return json;
+}
+
+std::string TypeName(const Json& v) { return v.type_name(); }
+
+ApiError WrongType(const std::string& field, const std::string& want, const Json& got) {
+  return BadRequest(absl::StrCat("'", field, "' must be ", want, ", got ", TypeName(got)), field);
+}
+
+// Field accessors: absent or null leaves `out` unchanged. An error when the type is wrong.
+std::optional<ApiError> GetBool(const Json& j, const char* field, bool* out) {
+  auto it = j.find(field);
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  if (!it->is_boolean()) return WrongType(field, "a boolean", *it);
+  *out = it->get<bool>();
+  return std::nullopt;
+}
+
+std::optional<ApiError> GetInt(const Json& j, const char* field, int64_t min, int64_t max, std::optional<int64_t>* out) {
+  auto it = j.find(field);
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  int64_t value = 0;
+  if (it->is_number_integer()) {
+    if (it->is_number_unsigned() && it->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return BadRequest(absl::StrCat("'", field, "' is out of range: ", it->dump()), field);
+    }
+    value = it->get<int64_t>();
+  } else if (it->is_number_float()) {
+    const double d = it->get<double>();
+    if (!std::isfinite(d) || d != std::floor(d) || std::fabs(d) > 9.0e18) return WrongType(field, "an integer", *it);
+    value = static_cast<int64_t>(d);
+  } else {
+    return WrongType(field, "an integer", *it);
+  }
+  if (value < min || value > max) {
+    return BadRequest(absl::StrCat("'", field, "' must be between ", min, " and ", max, ", got ", value), field);
+  }
+  *out = value;
+  return std::nullopt;
+}
+
+std::optional<ApiError> GetNumber(const Json& j, const char* field, std::optional<double>* out) {
+  auto it = j.find(field);
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  if (!it->is_number()) return WrongType(field, "a number", *it);
+  const double d = it->get<double>();
+  if (!std::isfinite(d) || std::fabs(d) > 1e30) {
+    return BadRequest(absl::StrCat("'", field, "' is out of range"), field);
+  }
+  *out = d;
+  return std::nullopt;
+}
+
+std::optional<ApiError> GetTokenIds(const Json& v, const char* field, std::vector<int32_t>* out) {
+  for (const Json& e : v) {
+    if (!e.is_number_integer()) return WrongType(field, "a list of integer token ids", v);
+    if (e.is_number_unsigned() ? e.get<uint64_t>() > uint64_t{std::numeric_limits<int32_t>::max()}
+                               : (e.get<int64_t>() < std::numeric_limits<int32_t>::min() ||
+                                  e.get<int64_t>() > std::numeric_limits<int32_t>::max())) {
+      return BadRequest(absl::StrCat("'", field, "' has a token id out of range: ", e.dump()), field);
+    }
+    out->push_back(static_cast<int32_t>(e.get<int64_t>()));
+  }
+  return std::nullopt;
+}
+
+#define RETURN_IF_ERROR(expr)                                  \
+  do {                                                         \
+    if (std::optional<ApiError> error_ = (expr)) return *error_; \
+  } while (0)
+
+// The fields both endpoints share. `default_max_tokens` when neither max_tokens field is given.
+std::optional<ApiError> ParseCommon(const Json& j, const ProtocolContext& context, ParsedRequest* out) {
+  if (std::optional<ApiError> error = CheckModel(j, context)) return error;
+  out->model = context.model_name;
+  v1::SamplingOptions& s = out->sampling;
+
+  std::optional<int64_t> i;
+  std::optional<double> d;
+  const int64_t max_int32 = std::numeric_limits<int32_t>::max();
+  for (const char* field : {"max_tokens", "max_completion_tokens"}) {
+    i.reset();
+    RETURN_IF_ERROR(GetInt(j, field, 1, max_int32, &i));
+    if (i) s.set_max_tokens(static_cast<int32_t>(*i));
+  }
+  d.reset();
+  RETURN_IF_ERROR(GetNumber(j, "temperature", &d));
+  if (d) s.set_temperature(static_cast<float>(*d));
+  d.reset();
+  RETURN_IF_ERROR(GetNumber(j, "top_p", &d));
+  if (d) s.set_top_p(static_cast<float>(*d));
+  i.reset();
+  RETURN_IF_ERROR(GetInt(j, "top_k", -1, max_int32, &i));
+  if (i) s.set_top_k(static_cast<int32_t>(*i));
+  d.reset();
+  RETURN_IF_ERROR(GetNumber(j, "min_p", &d));
+  if (d) s.set_min_p(static_cast<float>(*d));
+  d.reset();
+  RETURN_IF_ERROR(GetNumber(j, "presence_penalty", &d));
+  if (d) s.set_presence_penalty(static_cast<float>(*d));
+  d.reset();
+  RETURN_IF_ERROR(GetNumber(j, "frequency_penalty", &d));
+  if (d) s.set_frequency_penalty(static_cast<float>(*d));
+  d.reset();
+  RETURN_IF_ERROR(GetNumber(j, "repetition_penalty", &d));
+  if (d) s.set_repetition_penalty(static_cast<float>(*d));
+  i.reset();
+  RETURN_IF_ERROR(GetInt(j, "seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(), &i));
+  if (i) out->seed = static_cast<uint64_t>(*i);
+  i.reset();
+  RETURN_IF_ERROR(GetInt(j, "n", 1, context.max_n, &i));
+  if (i) out->n = static_cast<int>(*i);
+  bool ignore_eos = false;
+  RETURN_IF_ERROR(GetBool(j, "ignore_eos", &ignore_eos));
+  s.set_ignore_eos(ignore_eos);
+
+  if (auto it = j.find("stop"); it != j.end() && !it->is_null()) {
+    if (it->is_string()) {
+      if (!it->get_ref<const std::string&>().empty()) s.add_stop(it->get<std::string>());
+    } else if (it->is_array()) {
+      for (const Json& e : *it) {
+        if (!e.is_string()) return WrongType("stop", "a string or a list of strings", *it);
+        if (!e.get_ref<const std::string&>().empty()) s.add_stop(e.get<std::string>());
+      }
+    } else {
+      return WrongType("stop", "a string or a list of strings", *it);
+    }
+  }
+  if (auto it = j.find("stop_token_ids"); it != j.end() && !it->is_null()) {
+    if (!it->is_array()) return WrongType("stop_token_ids", "a list of integers", *it);
+    std::vector<int32_t> ids;
+    RETURN_IF_ERROR(GetTokenIds(*it, "stop_token_ids", &ids));
+    for (int32_t id : ids) s.add_stop_token_ids(id);
+  }
+  if (auto it = j.find("user"); it != j.end() && !it->is_null() && !it->is_string()) {
+    return WrongType("user", "a string", *it);
+  }
+  if (auto it = j.find("logit_bias"); it != j.end() && !it->is_null() && !(it->is_object() && it->empty())) {
+    return BadRequest("'logit_bias' is not supported", "logit_bias");
+  }
+  i.reset();
+  RETURN_IF_ERROR(GetInt(j, "best_of", 1, context.max_n, &i));
+  if (i && *i != out->n && *i != 1) return BadRequest("'best_of' other than n is not supported", "best_of");
+
+  RETURN_IF_ERROR(GetBool(j, "stream", &out->stream));
+  if (auto it = j.find("stream_options"); it != j.end() && !it->is_null()) {
+    if (!it->is_object()) return WrongType("stream_options", "an object", *it);
+    if (!out->stream) {
+      return BadRequest("'stream_options' can only be given when 'stream' is true", "stream_options");
+    }
+    RETURN_IF_ERROR(GetBool(*it, "include_usage", &out->include_usage));
+  }
+  out->created =
+      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  return std::nullopt;
+}
+
+// The sampling fields' ranges (the engine's own rules), as a 400.
+std::optional<ApiError> ValidateSampling(const ParsedRequest& request) {
+  v1::SamplingOptions sampling = request.sampling;
+  if (request.seed) sampling.set_seed(*request.seed);
+  absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(sampling);
+  if (!params.ok()) return BadRequest(std::string(params.status().message()));
+  return std::nullopt;
+}
+
+void ClampLogprob(Json* out, float value) {
+  *out = std::isfinite(value) ? static_cast<double>(value) : -9999.0;
+}
+
+Json Bytes(const std::string& s) {
+  Json bytes = Json::array();
+  for (unsigned char c : s) bytes.push_back(static_cast<int>(c));
+  return bytes;
+}
+
+}  // namespace
+
+ApiError BadRequest(std::string message, std::optional<std::string> param, std::optional<std::string> code) {
+  ApiError e;
+  e.status = 400;
+  e.message = std::move(message);
+  e.param = std::move(param);
+  e.code = std::move(code);
+  return e;
+}
+
+ApiError NotFound(std::string message, std::optional<std::string> code) {
+  ApiError e;
+  e.status = 404;
+  e.message = std::move(message);
+  e.code = std::move(code);
+  return e;
+}
+
+std::string ErrorBody(const ApiError& error) {
+  Json inner;
+  inner["message"] = error.message;
+  inner["type"] = error.type;
+  inner["param"] = error.param ? Json(*error.param) : Json(nullptr);
+  inner["code"] = error.code ? Json(*error.code) : Json(nullptr);
+  Json out;
+  out["error"] = std::move(inner);
+  return out.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+ApiError FromGrpc(const grpc::Status& status) {
+  ApiError e;
+  e.message = status.error_message();
+  switch (status.error_code()) {
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::ALREADY_EXISTS:
+    case grpc::StatusCode::OUT_OF_RANGE:
+      e.status = 400;
+      if (absl::StrContains(e.message, "maximum context length")) e.code = "context_length_exceeded";
+      break;
+    case grpc::StatusCode::NOT_FOUND:
+      e.status = 404;
+      break;
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      e.status = 429;
+      e.type = "rate_limit_error";
+      e.code = "rate_limit_exceeded";
+      break;
+    case grpc::StatusCode::UNAUTHENTICATED:
+    case grpc::StatusCode::PERMISSION_DENIED:
+      e.status = 401;
+      e.type = "authentication_error";
+      e.code = "invalid_api_key";
+      break;
+    case grpc::StatusCode::UNAVAILABLE:
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      e.status = 503;
+      e.type = "service_unavailable";
+      break;
+    default:
+      e.status = 500;
+      e.type = "server_error";
+      break;
+  }
+  if (e.message.empty()) e.message = absl::StrCat("request failed (gRPC code ", status.error_code(), ")");
+  return e;
+}
+
+std::optional<ApiError> CheckModel(const Json& j, const ProtocolContext& context) {
+  auto it = j.find("model");
+  if (it == j.end() || it->is_null()) return std::nullopt;  // vLLM: the served model
+  if (!it->is_string()) return WrongType("model", "a string", *it);
+  if (it->get_ref<const std::string&>() != context.model_name) {
+    ApiError e = NotFound(absl::StrCat("The model `", it->get<std::string>(), "` does not exist."), "model_not_found");
+    e.param = "model";
+    return e;
+  }
+  return std::nullopt;
+}
+
+ParseResult ParseCompletionRequest(std::string_view body, const ProtocolContext& context) {
+  std::variant<Json, ApiError> parsed = ParseBody(body);
+  if (auto* error = std::get_if<ApiError>(&parsed)) return *error;
+  const Json& j = std::get<Json>(parsed);
+  ParsedRequest out;
+  RETURN_IF_ERROR(ParseCommon(j, context, &out));
+  auto it = j.find("prompt");
+  if (it == j.end() || it->is_null()) return BadRequest("'prompt' is required", "prompt");
+  const char* kPromptTypes = "a string, a list of strings, a list of token ids or a list of lists of token ids";
+  if (it->is_string()) {
+    out.prompts.push_back({true, it->get<std::string>(), {}});
+  } else if (it->is_array()) {
+    if (it->empty()) return BadRequest("'prompt' is an empty list", "prompt");
+    const Json& first = it->front();
+    if (first.is_string()) {
+      for (const Json& e : *it) {
+        if (!e.is_string()) return WrongType("prompt", kPromptTypes, *it);
+        out.prompts.push_back({true, e.get<std::string>(), {}});
+      }
+    } else if (first.is_number_integer()) {
+      PromptInput p;
+      RETURN_IF_ERROR(GetTokenIds(*it, "prompt", &p.token_ids));
+      out.prompts.push_back(std::move(p));
+    } else if (first.is_array()) {
+      for (const Json& e : *it) {
+        if (!e.is_array()) return WrongType("prompt", kPromptTypes, *it);
+        if (e.empty()) return BadRequest("'prompt' has an empty list of token ids", "prompt");
+        PromptInput p;
+        RETURN_IF_ERROR(GetTokenIds(e, "prompt", &p.token_ids));
+        out.prompts.push_back(std::move(p));
+      }
+    } else {
+      return WrongType("prompt", kPromptTypes, *it);
+    }
+  } else {
+    return WrongType("prompt", kPromptTypes, *it);
+  }
+  RETURN_IF_ERROR(GetBool(j, "echo", &out.echo));
+  if (auto lp = j.find("logprobs"); lp != j.end() && !lp->is_null()) {
+    if (lp->is_boolean()) return WrongType("logprobs", "an integer", *lp);
+    std::optional<int64_t> n;
+    RETURN_IF_ERROR(GetInt(j, "logprobs", 0, context.max_logprobs, &n));
+    out.logprobs = static_cast<int>(*n);
+    out.sampling.set_logprobs(out.logprobs.value());
+  }
+  if (auto sx = j.find("suffix"); sx != j.end() && !sx->is_null()) {
+    return BadRequest("'suffix' is not supported", "suffix");
+  }
+  if (static_cast<int64_t>(out.prompts.size()) * out.n > kMaxChoices) {
+    return BadRequest(absl::StrCat("too many choices: ", out.prompts.size(), " prompts × n=", out.n, " is over ",
+                                   kMaxChoices));
+  }
+  RETURN_IF_ERROR(ValidateSampling(out));
+  return out;
+}
+
+std::variant<std::string, ApiError> RenderChat(const Json& j, const ProtocolContext& context) {
+  if (context.chat == nullptr) return BadRequest("this model has no chat template");
+  auto it = j.find("messages");
+  if (it == j.end() || it->is_null()) return BadRequest("'messages' is required", "messages");
+  if (!it->is_array()) return WrongType("messages", "a list of messages", *it);
+  if (it->empty()) return BadRequest("'messages' is an empty list", "messages");
+  Json messages = Json::array();
+  for (size_t m = 0; m < it->size(); ++m) {
+    const Json& message = (*it)[m];
+    const std::string where = absl::StrCat("messages[", m, "]");
+    if (!message.is_object()) return WrongType(where, "an object", message);
+    auto role = message.find("role");
+    if (role == message.end() || !role->is_string()) {
+      return BadRequest(absl::StrCat("'", where, ".role' must be a string"), where + ".role");
+    }
+    Json copy = message;
+    auto content = message.find("content");
+    if (content == message.end() || content->is_null()) {
+      copy["content"] = nullptr;
+    } else if (content->is_string()) {
+      // as is
+    } else if (content->is_array()) {
+      std::vector<std::string> texts;
+      for (const Json& part : *content) {
+        if (!part.is_object() || !part.contains("type") || !part["type"].is_string()) {
+          return BadRequest(absl::StrCat("'", where, ".content' parts must be objects with a 'type'"),
+                            where + ".content");
+        }
+        if (part["type"] != "text") {
+          return BadRequest(absl::StrCat("content part type '", part["type"].get<std::string>(),
+                                         "' is not supported (only 'text')"),
+                            where + ".content");
+        }
+        auto text = part.find("text");
+        if (text == part.end() || !text->is_string()) {
+          return BadRequest(absl::StrCat("'", where, ".content' text parts need a string 'text'"), where + ".content");
+        }
+        texts.push_back(text->get<std::string>());
+      }
+      copy["content"] = absl::StrJoin(texts, "\n");
+    } else {
+      return WrongType(where + ".content", "a string or a list of content parts", *content);
+    }
+    messages.push_back(std::move(copy));
+  }
+  bool add_generation_prompt = true;
+  RETURN_IF_ERROR(GetBool(j, "add_generation_prompt", &add_generation_prompt));
+  Json variables;
+  variables["messages"] = std::move(messages);
+  variables["add_generation_prompt"] = add_generation_prompt;
+  variables["bos_token"] = context.chat->bos_token;
+  variables["eos_token"] = context.chat->eos_token;
+  if (auto tools = j.find("tools"); tools != j.end() && !tools->is_null()) {
+    if (!tools->is_array()) return WrongType("tools", "a list", *tools);
+    variables["tools"] = *tools;
+  }
+  if (auto kwargs = j.find("chat_template_kwargs"); kwargs != j.end() && !kwargs->is_null()) {
+    if (!kwargs->is_object()) return WrongType("chat_template_kwargs", "an object", *kwargs);
+    for (auto& [key, value] : kwargs->items()) {
+      if (key != "messages") variables[key] = value;
+    }
+  }
+  absl::StatusOr<std::string> rendered = context.chat->chat_template.Render(variables);
+  if (!rendered.ok()) {
+    return BadRequest(absl::StrCat("chat template: ", rendered.status().message()), "messages");
+  }
+  return *std::move(rendered);
+}
+
+ParseResult ParseChatRequest(std::string_view body, const ProtocolContext& context) {
+  std::variant<Json, ApiError> parsed = ParseBody(body);
+  if (auto* error = std::get_if<ApiError>(&parsed)) return *error;
+  const Json& j = std::get<Json>(parsed);
+  ParsedRequest out;
+  out.chat = true;
+  RETURN_IF_ERROR(ParseCommon(j, context, &out));
+  bool logprobs = false;
+  RETURN_IF_ERROR(GetBool(j, "logprobs", &logprobs));
+  std::optional<int64_t> top;
+  RETURN_IF_ERROR(GetInt(j, "top_logprobs", 0, context.max_logprobs, &top));
+  if (top && !logprobs) {
+    return BadRequest("'top_logprobs' needs 'logprobs' set to true", "top_logprobs");
+  }
+  if (logprobs) {
+    out.logprobs = static_cast<int>(top.value_or(0));
+    out.sampling.set_logprobs(*out.logprobs);
+  }
+  std::variant<std::string, ApiError> prompt = RenderChat(j, context);
+  if (auto* error = std::get_if<ApiError>(&prompt)) return *error;
+  if (context.tokenizer == nullptr) return BadRequest("chat needs a tokenizer");
+  PromptInput input;
+  input.token_ids = context.tokenizer->Encode(std::get<std::string>(prompt), /*add_special_tokens=*/false);
+  if (input.token_ids.empty()) return BadRequest("the chat prompt has no tokens", "messages");
+  if (!out.sampling.has_max_tokens()) {
+    // vLLM: what is left of the context.
+    const int64_t left = context.max_model_len - static_cast<int64_t>(input.token_ids.size());
+    out.sampling.set_max_tokens(static_cast<int32_t>(std::clamp<int64_t>(left, 1, std::numeric_limits<int32_t>::max())));
+  }
+  out.prompts.push_back(std::move(input));
+  RETURN_IF_ERROR(ValidateSampling(out));
+  return out;
+}
+
+std::variant<Json, ApiError> Tokenize(std::string_view body, const ProtocolContext& context) {
+  std::variant<Json, ApiError> parsed = ParseBody(body);
+  if (auto* error = std::get_if<ApiError>(&parsed)) return *error;
+  const Json& j = std::get<Json>(parsed);
+  RETURN_IF_ERROR(CheckModel(j, context));
+  if (context.tokenizer == nullptr) return BadRequest("no tokenizer");
+  std::vector<int32_t> ids;
+  if (j.contains("messages")) {
+    bool add_special_tokens = false;
+    RETURN_IF_ERROR(GetBool(j, "add_special_tokens", &add_special_tokens));
+    std::variant<std::string, ApiError> prompt = RenderChat(j, context);
+    if (auto* error = std::get_if<ApiError>(&prompt)) return *error;
+    ids = context.tokenizer->Encode(std::get<std::string>(prompt), add_special_tokens);
+  } else {
+    auto it = j.find("prompt");
+    if (it == j.end() || it->is_null()) return BadRequest("'prompt' or 'messages' is required", "prompt");
+    if (!it->is_string()) return WrongType("prompt", "a string", *it);
+    bool add_special_tokens = true;
+    RETURN_IF_ERROR(GetBool(j, "add_special_tokens", &add_special_tokens));
+    ids = context.tokenizer->Encode(it->get_ref<const std::string&>(), add_special_tokens);
+  }
+  bool return_token_strs = false;
+  RETURN_IF_ERROR(GetBool(j, "return_token_strs", &return_token_strs));
+  Json out;
+  out["count"] = ids.size();
+  out["max_model_len"] = context.max_model_len;
+  out["tokens"] = ids;
+  if (return_token_strs) {
+    Json strs = Json::array();
+    for (int32_t id : ids) strs.push_back(context.tokenizer->IdToToken(id).value_or(""));
+    out["token_strs"] = std::move(strs);
+  } else {
+    out["token_strs"] = nullptr;
+  }
+  return out;
+}
+
+std::variant<Json, ApiError> Detokenize(std::string_view body, const ProtocolContext& context) {
+  std::variant<Json, ApiError> parsed = ParseBody(body);
+  if (auto* error = std::get_if<ApiError>(&parsed)) return *error;
+  const Json& j = std::get<Json>(parsed);
+  RETURN_IF_ERROR(CheckModel(j, context));
+  if (context.tokenizer == nullptr) return BadRequest("no tokenizer");
+  auto it = j.find("tokens");
+  if (it == j.end() || it->is_null()) return BadRequest("'tokens' is required", "tokens");
+  if (!it->is_array()) return WrongType("tokens", "a list of integers", *it);
+  std::vector<int32_t> ids;
+  RETURN_IF_ERROR(GetTokenIds(*it, "tokens", &ids));
+  for (int32_t id : ids) {
+    if (id < 0 || id >= context.tokenizer->vocab_size()) {
+      return BadRequest(absl::StrCat("token id ", id, " is out of vocabulary (vocab size ",
+                                     context.tokenizer->vocab_size(), ")"),
+                        "tokens");
+    }
+  }
+  Json out;
+  out["prompt"] = context.tokenizer->Decode(ids, /*skip_special_tokens=*/false);
+  return out;
+}
+
+// --- responses ---
+
+Json UsageJson(int prompt_tokens, int completion_tokens) {
+  Json usage;
+  usage["prompt_tokens"] = prompt_tokens;
+  usage["completion_tokens"] = completion_tokens;
+  usage["total_tokens"] = prompt_tokens + completion_tokens;
+  return usage;
+}
+
+std::string TokenString(const Tokenizer* tokenizer, int32_t id) {
+  if (tokenizer == nullptr) return absl::StrCat("token_id:", id);
+  return tokenizer->Decode(absl::MakeConstSpan(&id, 1), /*skip_special_tokens=*/false);
+}
+
+Json CompletionLogprobs(const Tokenizer* tokenizer, const std::vector<int32_t>& ids,
+                        const std::vector<v1::TokenLogprobs>& logprobs, size_t* offset) {
+  Json tokens = Json::array(), token_logprobs = Json::array(), top_logprobs = Json::array(),
+       text_offset = Json::array();
+  for (size_t k = 0; k < ids.size() && k < logprobs.size(); ++k) {
+    const std::string token = TokenString(tokenizer, ids[k]);
+    tokens.push_back(token);
+    Json lp;
+    ClampLogprob(&lp, logprobs[k].logprob());
+    token_logprobs.push_back(lp);
+    Json top = Json::object();
+    for (const v1::TopLogprob& t : logprobs[k].top()) {
+      Json v;
+      ClampLogprob(&v, t.logprob());
+      top[TokenString(tokenizer, t.token_id())] = v;
+    }
+    top_logprobs.push_back(std::move(top));
+    text_offset.push_back(*offset);
+    *offset += token.size();
+  }
+  Json out;
+  out["tokens"] = std::move(tokens);
+  out["token_logprobs"] = std::move(token_logprobs);
+  out["top_logprobs"] = std::move(top_logprobs);
+  out["text_offset"] = std::move(text_offset);
+  return out;
+}
+
+Json ChatLogprobs(const Tokenizer* tokenizer, const std::vector<int32_t>& ids,
+                  const std::vector<v1::TokenLogprobs>& logprobs, int top_n) {
+  Json content = Json::array();
+  for (size_t k = 0; k < ids.size() && k < logprobs.size(); ++k) {
+    Json entry;
+    const std::string token = TokenString(tokenizer, ids[k]);
+    entry["token"] = token;
+    ClampLogprob(&entry["logprob"], logprobs[k].logprob());
+    entry["bytes"] = Bytes(token);
+    Json top = Json::array();
+    for (int t = 0; t < logprobs[k].top_size() && t < top_n; ++t) {
+      Json item;
+      const std::string s = TokenString(tokenizer, logprobs[k].top(t).token_id());
+      item["token"] = s;
+      ClampLogprob(&item["logprob"], logprobs[k].top(t).logprob());
+      item["bytes"] = Bytes(s);
+      top.push_back(std::move(item));
+    }
+    entry["top_logprobs"] = std::move(top);
+    content.push_back(std::move(entry));
+  }
+  Json out;
+  out["content"] = std::move(content);
+  return out;
+}
+
+namespace {
+Json Header(const std::string& id, const char* object, const ParsedRequest& request) {
+  Json out;
+  out["id"] = id;
+  out["object"] = object;
+  out["created"] = request.created;
+  out["model"] = request.model;
+  return out;
+}
+
+// prompt tokens counted once per prompt; completion tokens of every choice.
+Json TotalUsage(const ParsedRequest& request, const std::vector<ChoiceResult>& choices) {
+  int prompt = 0, completion = 0;
+  for (const ChoiceResult& c : choices) {
+    if (c.index % request.n == 0) prompt += c.prompt_tokens;
+    completion += c.completion_tokens;
+  }
+  return UsageJson(prompt, completion);
+}
+}  // namespace
+
+Json CompletionResponse(const std::string& id, const ParsedRequest& request, const Tokenizer* tokenizer,
+                        const std::vector<ChoiceResult>& choices, const std::vector<std::string>& echo_prefix) {
+  Json out = Header(id, "text_completion", request);
+  Json list = Json::array();
+  for (const ChoiceResult& c : choices) {
+    const size_t prompt = static_cast<size_t>(c.index / request.n);
+    const std::string prefix = request.echo && prompt < echo_prefix.size() ? echo_prefix[prompt] : "";
+    Json choice;
+    choice["index"] = c.index;
+    choice["text"] = prefix + c.text;
+    if (request.logprobs) {
+      size_t offset = prefix.size();
+      choice["logprobs"] = CompletionLogprobs(tokenizer, c.token_ids, c.logprobs, &offset);
+    } else {
+      choice["logprobs"] = nullptr;
+    }
+    choice["finish_reason"] = c.finish_reason.empty() ? Json(nullptr) : Json(c.finish_reason);
+    list.push_back(std::move(choice));
+  }
+  out["choices"] = std::move(list);
+  out["usage"] = TotalUsage(request, choices);
+  return out;
+}
+
+Json ChatResponse(const std::string& id, const ParsedRequest& request, const Tokenizer* tokenizer,
+                  const std::vector<ChoiceResult>& choices) {
+  Json out = Header(id, "chat.completion", request);
+  Json list = Json::array();
+  for (const ChoiceResult& c : choices) {
+    Json choice;
+    choice["index"] = c.index;
+    Json message;
+    message["role"] = "assistant";
+    message["content"] = c.text;
+    choice["message"] = std::move(message);
+    choice["logprobs"] = request.logprobs ? ChatLogprobs(tokenizer, c.token_ids, c.logprobs, *request.logprobs)
+                                          : Json(nullptr);
+    choice["finish_reason"] = c.finish_reason.empty() ? Json(nullptr) : Json(c.finish_reason);
+    list.push_back(std::move(choice));
+  }
+  out["choices"] = std::move(list);
+  out["usage"] = TotalUsage(request, choices);
+  return out;
+}
+
+Json CompletionChunk(const std::string& id, const ParsedRequest& request, int index, const std::string& text,
+                     const Json& logprobs, const std::optional<std::string>& finish_reason) {
+  Json out = Header(id, "text_completion", request);
+  Json choice;
+  choice["index"] = index;
+  choice["text"] = text;
+  choice["logprobs"] = logprobs;
+  choice["finish_reason"] = finish_reason ? Json(*finish_reason) : Json(nullptr);
+  out["choices"] = Json::array({std::move(choice)});
+  if (request.include_usage) out["usage"] = nullptr;
+  return out;
+}
+
+Json ChatChunk(const std::string& id, const ParsedRequest& request, int index, bool role,
+               const std::optional<std::string>& content, const Json& logprobs,
+               const std::optional<std::string>& finish_reason) {
+  Json out = Header(id, "chat.completion.chunk", request);
+  Json choice;
+  choice["index"] = index;
+  Json delta = Json::object();
+  if (role) delta["role"] = "assistant";
+  if (content) delta["content"] = *content;
+  choice["delta"] = std::move(delta);
+  choice["logprobs"] = logprobs;
+  choice["finish_reason"] = finish_reason ? Json(*finish_reason) : Json(nullptr);
+  out["choices"] = Json::array({std::move(choice)});
+  if (request.include_usage) out["usage"] = nullptr;
+  return out;
+}
+
+Json UsageChunk(const std::string& id, const ParsedRequest& request, int prompt_tokens, int completion_tokens) {
+  Json out = Header(id, request.chat ? "chat.completion.chunk" : "text_completion", request);
+  out["choices"] = Json::array();
+  out["usage"] = UsageJson(prompt_tokens, completion_tokens);
+  return out;
+}
+
+std::string SseEvent(const Json& json) {
+  return absl::StrCat("data: ", json.dump(-1, ' ', false, Json::error_handler_t::replace), "\n\n");
+}
+
+std::string NewId(std::string_view prefix) {
+  thread_local std::mt19937_64 gen(std::random_device{}() ^
+                                   static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  return absl::StrFormat("%s%016x%016x", prefix, gen(), gen());
+}
+
+}  // namespace duet::router::openai

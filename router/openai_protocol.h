@@ -1,0 +1,142 @@
+// The OpenAI-compatible API's wire format, as pure functions: request parsing and validation
+// (completions, chat completions, tokenize, detokenize), error objects, response and SSE chunk
+// JSON. No I/O; router/openai_api.cpp runs the requests.
+//
+// Errors follow OpenAI's shape {"error": {"message", "type", "param", "code"}}: type
+// "invalid_request_error" for 400/404/413 (code "model_not_found" for an unknown model,
+// "context_length_exceeded" for a prompt that does not fit), "authentication_error" /
+// "invalid_api_key" for 401, "rate_limit_error" / "rate_limit_exceeded" for 429,
+// "server_error" for 500 and "service_unavailable" for 503.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "duet/v1/duet.pb.h"
+#include "engine/chat_template.h"
+#include "engine/tokenizer.h"
+#include "grpcpp/support/status.h"
+#include "nlohmann/json.hpp"
+
+namespace duet::router::openai {
+
+using Json = nlohmann::ordered_json;
+
+struct ApiError {
+  int status = 400;
+  std::string message;
+  std::string type = "invalid_request_error";
+  std::optional<std::string> param;
+  std::optional<std::string> code;
+};
+
+ApiError BadRequest(std::string message, std::optional<std::string> param = std::nullopt,
+                    std::optional<std::string> code = std::nullopt);
+ApiError NotFound(std::string message, std::optional<std::string> code = std::nullopt);
+// {"error": {...}}
+std::string ErrorBody(const ApiError& error);
+// A gRPC status from the router's Generate as an API error (INVALID_ARGUMENT → 400,
+// RESOURCE_EXHAUSTED → 429, UNAVAILABLE → 503, UNAUTHENTICATED → 401, else 500).
+ApiError FromGrpc(const grpc::Status& status);
+
+// What parsing needs to know about the server.
+struct ProtocolContext {
+  std::string model_name;
+  const Tokenizer* tokenizer = nullptr;         // required for text and chat
+  const LoadedChatTemplate* chat = nullptr;     // required for chat
+  int64_t max_model_len = 0;
+  int max_n = 128;         // n above this is "absurd"
+  int max_logprobs = 20;   // like vLLM's default max_logprobs
+};
+
+// One prompt of a request: text (tokenized by the router, with special tokens) or token ids.
+struct PromptInput {
+  bool is_text = false;
+  std::string text;
+  std::vector<int32_t> token_ids;
+};
+
+struct ParsedRequest {
+  bool chat = false;
+  std::string model;
+  std::vector<PromptInput> prompts;  // completions: one or more; chat: one (token ids)
+  v1::SamplingOptions sampling;      // without seed (see seed)
+  std::optional<uint64_t> seed;      // choice i of a prompt gets seed + i
+  int n = 1;
+  bool stream = false;
+  bool include_usage = false;        // stream_options.include_usage
+  bool echo = false;                 // completions
+  // completions: `logprobs` (top-N); chat: `top_logprobs` when `logprobs` is true.
+  std::optional<int> logprobs;
+  bool chat_add_role_first = true;   // chat streaming: first chunk carries the role
+  int64_t created = 0;
+};
+
+using ParseResult = std::variant<ParsedRequest, ApiError>;
+
+ParseResult ParseCompletionRequest(std::string_view body, const ProtocolContext& context);
+ParseResult ParseChatRequest(std::string_view body, const ProtocolContext& context);
+
+// The request's `model` check alone (unknown → 404 model_not_found).
+std::optional<ApiError> CheckModel(const Json& request, const ProtocolContext& context);
+
+// The chat prompt: messages rendered with the template (add_generation_prompt defaults true),
+// tokenized without special tokens (the template has them). Exposed for tests and /tokenize.
+std::variant<std::string, ApiError> RenderChat(const Json& request, const ProtocolContext& context);
+
+// POST /tokenize and /detokenize bodies → response JSON, or an error.
+std::variant<Json, ApiError> Tokenize(std::string_view body, const ProtocolContext& context);
+std::variant<Json, ApiError> Detokenize(std::string_view body, const ProtocolContext& context);
+
+// --- responses ---
+
+// The result of one choice, accumulated from the router's stream.
+struct ChoiceResult {
+  int index = 0;
+  std::string text;
+  std::vector<int32_t> token_ids;
+  std::vector<v1::TokenLogprobs> logprobs;  // one per token id, when asked
+  std::string finish_reason;
+  int prompt_tokens = 0;
+  int completion_tokens = 0;
+};
+
+Json UsageJson(int prompt_tokens, int completion_tokens);
+
+// A token as a string for logprobs (its own decoded text, special tokens kept).
+std::string TokenString(const Tokenizer* tokenizer, int32_t id);
+// Completions logprobs: {tokens, token_logprobs, top_logprobs, text_offset}; `offset` is the
+// text offset of the first token (grows as tokens are added).
+Json CompletionLogprobs(const Tokenizer* tokenizer, const std::vector<int32_t>& ids,
+                        const std::vector<v1::TokenLogprobs>& logprobs, size_t* offset);
+// Chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}.
+Json ChatLogprobs(const Tokenizer* tokenizer, const std::vector<int32_t>& ids,
+                  const std::vector<v1::TokenLogprobs>& logprobs, int top_n);
+
+// Whole (non-streaming) responses. `echo_prefix[i]` is prepended to prompt i's choices (echo).
+Json CompletionResponse(const std::string& id, const ParsedRequest& request, const Tokenizer* tokenizer,
+                        const std::vector<ChoiceResult>& choices, const std::vector<std::string>& echo_prefix);
+Json ChatResponse(const std::string& id, const ParsedRequest& request, const Tokenizer* tokenizer,
+                  const std::vector<ChoiceResult>& choices);
+
+// Streaming chunks (the JSON of one `data:` event).
+Json CompletionChunk(const std::string& id, const ParsedRequest& request, int index, const std::string& text,
+                     const Json& logprobs, const std::optional<std::string>& finish_reason);
+// `role`: the first chunk of a choice ({"role":"assistant","content":""}).
+Json ChatChunk(const std::string& id, const ParsedRequest& request, int index, bool role,
+               const std::optional<std::string>& content, const Json& logprobs,
+               const std::optional<std::string>& finish_reason);
+// The last chunk with include_usage: empty choices and the usage.
+Json UsageChunk(const std::string& id, const ParsedRequest& request, int prompt_tokens, int completion_tokens);
+
+// SSE framing: "data: <json>\n\n" and "data: [DONE]\n\n".
+std::string SseEvent(const Json& json);
+inline constexpr char kSseDone[] = "data: [DONE]\n\n";
+
+// Random ids: "cmpl-<32 hex>", "chatcmpl-<32 hex>".
+std::string NewId(std::string_view prefix);
+
+}  // namespace duet::router::openai

@@ -1,0 +1,284 @@
+#include "router/openai_protocol.h"
+
+#include <gtest/gtest.h>
+
+#include "engine/chat_template.h"
+#include "engine/tokenizer.h"
+
+namespace duet::router::openai {
+namespace {
+
+class ProtocolTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto tokenizer = Tokenizer::FromModelDir(DUET_MODELS_DIR "/tiny-code-llama");
+    ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+    tokenizer_ = *std::move(tokenizer);
+    auto chat = LoadChatTemplate(DUET_MODELS_DIR "/tiny-code-llama");
+    ASSERT_TRUE(chat.ok()) << chat.status();
+    chat_ = std::make_unique<LoadedChatTemplate>(*std::move(chat));
+    context_.model_name = "tiny";
+    context_.tokenizer = tokenizer_.get();
+    context_.chat = chat_.get();
+    context_.max_model_len = 2048;
+  }
+  ParsedRequest Completion(const std::string& body) {
+    ParseResult r = ParseCompletionRequest(body, context_);
+    if (auto* e = std::get_if<ApiError>(&r)) ADD_FAILURE() << body << " → " << e->message;
+    return std::holds_alternative<ParsedRequest>(r) ? std::get<ParsedRequest>(r) : ParsedRequest{};
+  }
+  ApiError CompletionError(const std::string& body) {
+    ParseResult r = ParseCompletionRequest(body, context_);
+    if (!std::holds_alternative<ApiError>(r)) ADD_FAILURE() << body << " was accepted";
+    return std::holds_alternative<ApiError>(r) ? std::get<ApiError>(r) : ApiError{};
+  }
+  ApiError ChatError(const std::string& body) {
+    ParseResult r = ParseChatRequest(body, context_);
+    if (!std::holds_alternative<ApiError>(r)) ADD_FAILURE() << body << " was accepted";
+    return std::holds_alternative<ApiError>(r) ? std::get<ApiError>(r) : ApiError{};
+  }
+
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<LoadedChatTemplate> chat_;
+  ProtocolContext context_;
+};
+
+TEST_F(ProtocolTest, CompletionFields) {
+  ParsedRequest r = Completion(R"({"model":"tiny","prompt":"hi","max_tokens":5,"temperature":0,"top_p":0.5,
+    "top_k":7,"min_p":0.1,"n":3,"stop":["a","b"],"stop_token_ids":[2],"seed":42,"presence_penalty":0.5,
+    "frequency_penalty":-0.5,"repetition_penalty":1.2,"logprobs":3,"echo":true,"ignore_eos":true,"user":"u",
+    "stream":true,"stream_options":{"include_usage":true}})");
+  ASSERT_EQ(r.prompts.size(), 1u);
+  EXPECT_TRUE(r.prompts[0].is_text);
+  EXPECT_EQ(r.prompts[0].text, "hi");
+  EXPECT_EQ(r.sampling.max_tokens(), 5);
+  EXPECT_EQ(r.sampling.temperature(), 0.0f);
+  EXPECT_FLOAT_EQ(r.sampling.top_p(), 0.5f);
+  EXPECT_EQ(r.sampling.top_k(), 7);
+  EXPECT_FLOAT_EQ(r.sampling.min_p(), 0.1f);
+  EXPECT_EQ(r.n, 3);
+  ASSERT_EQ(r.sampling.stop_size(), 2);
+  EXPECT_EQ(r.sampling.stop(1), "b");
+  EXPECT_EQ(r.sampling.stop_token_ids(0), 2);
+  EXPECT_EQ(r.seed, 42u);
+  EXPECT_FALSE(r.sampling.has_seed());  // per choice: seed + i
+  EXPECT_FLOAT_EQ(r.sampling.presence_penalty(), 0.5f);
+  EXPECT_FLOAT_EQ(r.sampling.frequency_penalty(), -0.5f);
+  EXPECT_FLOAT_EQ(r.sampling.repetition_penalty(), 1.2f);
+  EXPECT_EQ(r.logprobs, 3);
+  EXPECT_EQ(r.sampling.logprobs(), 3);
+  EXPECT_TRUE(r.echo);
+  EXPECT_TRUE(r.sampling.ignore_eos());
+  EXPECT_TRUE(r.stream);
+  EXPECT_TRUE(r.include_usage);
+}
+
+TEST_F(ProtocolTest, PromptForms) {
+  EXPECT_EQ(Completion(R"({"prompt":["a","b"]})").prompts.size(), 2u);
+  ParsedRequest ids = Completion(R"({"prompt":[1,2,3]})");
+  ASSERT_EQ(ids.prompts.size(), 1u);
+  EXPECT_FALSE(ids.prompts[0].is_text);
+  EXPECT_EQ(ids.prompts[0].token_ids, (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(Completion(R"({"prompt":[[1,2],[3]]})").prompts.size(), 2u);
+  EXPECT_EQ(Completion(R"({"prompt":"x","max_completion_tokens":9})").sampling.max_tokens(), 9);
+  EXPECT_FALSE(Completion(R"({"prompt":"x"})").sampling.has_max_tokens());  // the engine default, 16
+  EXPECT_EQ(Completion(R"({"prompt":"x","max_tokens":3.0})").sampling.max_tokens(), 3);
+}
+
+TEST_F(ProtocolTest, CompletionErrors) {
+  struct Case {
+    const char* body;
+    int status;
+    const char* param;  // "" for none
+  };
+  const Case cases[] = {
+      {"not json", 400, ""},
+      {"[1,2]", 400, ""},
+      {R"({"model":"tiny"})", 400, "prompt"},
+      {R"({"prompt":5})", 400, "prompt"},
+      {R"({"prompt":[]})", 400, "prompt"},
+      {R"({"prompt":["a",1]})", 400, "prompt"},
+      {R"({"prompt":[1,"a"]})", 400, "prompt"},
+      {R"({"prompt":[[1],[]]})", 400, "prompt"},
+      {R"({"prompt":[99999999999]})", 400, "prompt"},
+      {R"({"prompt":"x","max_tokens":0})", 400, "max_tokens"},
+      {R"({"prompt":"x","max_tokens":-1})", 400, "max_tokens"},
+      {R"({"prompt":"x","max_tokens":"5"})", 400, "max_tokens"},
+      {R"({"prompt":"x","max_tokens":1.5})", 400, "max_tokens"},
+      {R"({"prompt":"x","max_tokens":1e300})", 400, "max_tokens"},
+      {R"({"prompt":"x","temperature":"hot"})", 400, "temperature"},
+      {R"({"prompt":"x","temperature":-1})", 400, ""},
+      {R"({"prompt":"x","top_p":0})", 400, ""},
+      {R"({"prompt":"x","top_p":1.5})", 400, ""},
+      {R"({"prompt":"x","top_k":-2})", 400, "top_k"},
+      {R"({"prompt":"x","min_p":2})", 400, ""},
+      {R"({"prompt":"x","presence_penalty":5})", 400, ""},
+      {R"({"prompt":"x","frequency_penalty":-5})", 400, ""},
+      {R"({"prompt":"x","repetition_penalty":0})", 400, ""},
+      {R"({"prompt":"x","n":0})", 400, "n"},
+      {R"({"prompt":"x","n":100000})", 400, "n"},
+      {R"({"prompt":"x","n":true})", 400, "n"},
+      {R"({"prompt":"x","stop":5})", 400, "stop"},
+      {R"({"prompt":"x","stop":["a",5]})", 400, "stop"},
+      {R"({"prompt":"x","stop_token_ids":"a"})", 400, "stop_token_ids"},
+      {R"({"prompt":"x","seed":"s"})", 400, "seed"},
+      {R"({"prompt":"x","logprobs":true})", 400, "logprobs"},
+      {R"({"prompt":"x","logprobs":21})", 400, "logprobs"},
+      {R"({"prompt":"x","logprobs":-1})", 400, "logprobs"},
+      {R"({"prompt":"x","echo":"yes"})", 400, "echo"},
+      {R"({"prompt":"x","ignore_eos":1})", 400, "ignore_eos"},
+      {R"({"prompt":"x","stream":"true"})", 400, "stream"},
+      {R"({"prompt":"x","stream_options":{"include_usage":true}})", 400, "stream_options"},
+      {R"({"prompt":"x","stream":true,"stream_options":{"include_usage":1}})", 400, "include_usage"},
+      {R"({"prompt":"x","user":5})", 400, "user"},
+      {R"({"prompt":"x","suffix":"s"})", 400, "suffix"},
+      {R"({"prompt":"x","logit_bias":{"1":5}})", 400, "logit_bias"},
+      {R"({"prompt":"x","model":5})", 400, "model"},
+      {R"({"prompt":"x","model":"gpt-4"})", 404, "model"},
+  };
+  for (const Case& c : cases) {
+    ApiError e = CompletionError(c.body);
+    EXPECT_EQ(e.status, c.status) << c.body;
+    EXPECT_EQ(e.param.value_or(""), c.param) << c.body;
+    EXPECT_FALSE(e.message.empty()) << c.body;
+    EXPECT_EQ(e.type, "invalid_request_error") << c.body;
+  }
+  EXPECT_EQ(CompletionError(R"({"prompt":"x","model":"gpt-4"})").code, "model_not_found");
+  // Deep nesting is refused before parsing.
+  EXPECT_EQ(CompletionError(std::string(100000, '[') + std::string(100000, ']')).status, 400);
+}
+
+TEST_F(ProtocolTest, ErrorBodyShape) {
+  ApiError e = BadRequest("bad", "n");
+  EXPECT_EQ(ErrorBody(e), R"({"error":{"message":"bad","type":"invalid_request_error","param":"n","code":null}})");
+  ApiError nf = NotFound("The model `x` does not exist.", "model_not_found");
+  EXPECT_EQ(nf.status, 404);
+  EXPECT_NE(ErrorBody(nf).find(R"("code":"model_not_found")"), std::string::npos);
+}
+
+TEST_F(ProtocolTest, GrpcStatusMapping) {
+  EXPECT_EQ(FromGrpc(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "x")).status, 400);
+  ApiError too_long = FromGrpc(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                            "This model's maximum context length is 2048 tokens."));
+  EXPECT_EQ(too_long.code, "context_length_exceeded");
+  ApiError busy = FromGrpc(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "full"));
+  EXPECT_EQ(busy.status, 429);
+  EXPECT_EQ(busy.type, "rate_limit_error");
+  EXPECT_EQ(FromGrpc(grpc::Status(grpc::StatusCode::UNAVAILABLE, "x")).status, 503);
+  EXPECT_EQ(FromGrpc(grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "x")).status, 401);
+  EXPECT_EQ(FromGrpc(grpc::Status(grpc::StatusCode::INTERNAL, "x")).status, 500);
+}
+
+TEST_F(ProtocolTest, ChatTemplateApplied) {
+  ParseResult r = ParseChatRequest(
+      R"({"model":"tiny","messages":[{"role":"system","content":"Be brief."},
+         {"role":"user","content":[{"type":"text","text":"Hello"},{"type":"text","text":"there"}]}],
+         "logprobs":true,"top_logprobs":2})",
+      context_);
+  ASSERT_TRUE(std::holds_alternative<ParsedRequest>(r)) << std::get<ApiError>(r).message;
+  const ParsedRequest& p = std::get<ParsedRequest>(r);
+  const std::string expected =
+      "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello\nthere<|im_end|>\n<|im_start|>assistant\n";
+  ASSERT_EQ(p.prompts.size(), 1u);
+  EXPECT_FALSE(p.prompts[0].is_text);
+  EXPECT_EQ(p.prompts[0].token_ids, tokenizer_->Encode(expected, /*add_special_tokens=*/false));
+  EXPECT_EQ(p.logprobs, 2);
+  // No max_tokens: what is left of the context.
+  EXPECT_EQ(p.sampling.max_tokens(), 2048 - static_cast<int>(p.prompts[0].token_ids.size()));
+  std::variant<std::string, ApiError> rendered =
+      RenderChat(Json::parse(R"({"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false})"),
+                 context_);
+  EXPECT_EQ(std::get<std::string>(rendered), "<|im_start|>user\nhi<|im_end|>\n");
+}
+
+TEST_F(ProtocolTest, ChatErrors) {
+  EXPECT_EQ(ChatError(R"({"model":"tiny"})").param, "messages");
+  EXPECT_EQ(ChatError(R"({"messages":[]})").param, "messages");
+  EXPECT_EQ(ChatError(R"({"messages":"hi"})").param, "messages");
+  EXPECT_EQ(ChatError(R"({"messages":[5]})").status, 400);
+  EXPECT_EQ(ChatError(R"({"messages":[{"content":"hi"}]})").param, "messages[0].role");
+  EXPECT_EQ(ChatError(R"({"messages":[{"role":"user","content":5}]})").param, "messages[0].content");
+  EXPECT_EQ(ChatError(R"({"messages":[{"role":"user","content":[{"type":"image_url"}]}]})").param,
+            "messages[0].content");
+  EXPECT_EQ(ChatError(R"({"messages":[{"role":"user","content":"x"}],"top_logprobs":2})").param, "top_logprobs");
+  EXPECT_EQ(ChatError(R"({"messages":[{"role":"user","content":"x"}],"logprobs":3})").param, "logprobs");
+  EXPECT_EQ(ChatError(R"({"messages":[{"role":"user","content":"x"}],"model":"nope"})").status, 404);
+}
+
+TEST_F(ProtocolTest, TokenizeDetokenize) {
+  auto t = Tokenize(R"({"prompt":"hello world"})", context_);
+  ASSERT_TRUE(std::holds_alternative<Json>(t));
+  const Json& tj = std::get<Json>(t);
+  EXPECT_EQ(tj["tokens"].get<std::vector<int32_t>>(), tokenizer_->Encode("hello world", true));
+  EXPECT_EQ(tj["count"], tj["tokens"].size());
+  EXPECT_EQ(tj["max_model_len"], 2048);
+  Json body;
+  body["tokens"] = tokenizer_->Encode("hello world", false);
+  auto d = Detokenize(body.dump(), context_);
+  ASSERT_TRUE(std::holds_alternative<Json>(d));
+  EXPECT_EQ(std::get<Json>(d)["prompt"], "hello world");
+  EXPECT_TRUE(std::holds_alternative<ApiError>(Detokenize(R"({"tokens":[-1]})", context_)));
+  EXPECT_TRUE(std::holds_alternative<ApiError>(Detokenize(R"({"tokens":"x"})", context_)));
+  EXPECT_TRUE(std::holds_alternative<ApiError>(Tokenize(R"({"prompt":3})", context_)));
+  auto chat = Tokenize(R"({"messages":[{"role":"user","content":"hi"}]})", context_);
+  ASSERT_TRUE(std::holds_alternative<Json>(chat));
+  EXPECT_EQ(std::get<Json>(chat)["tokens"].get<std::vector<int32_t>>(),
+            tokenizer_->Encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", false));
+}
+
+TEST_F(ProtocolTest, SseFramingAndChunks) {
+  ParsedRequest r = Completion(R"({"prompt":"x","stream":true,"stream_options":{"include_usage":true}})");
+  r.created = 123;
+  r.model = "tiny";
+  const std::string event = SseEvent(CompletionChunk("cmpl-1", r, 0, "ab", Json(nullptr), std::nullopt));
+  EXPECT_EQ(event,
+            "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"created\":123,\"model\":\"tiny\",\"choices\":"
+            "[{\"index\":0,\"text\":\"ab\",\"logprobs\":null,\"finish_reason\":null}],\"usage\":null}\n\n");
+  EXPECT_EQ(std::string(kSseDone), "data: [DONE]\n\n");
+  const Json usage = UsageChunk("cmpl-1", r, 3, 4);
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["total_tokens"], 7);
+  r.chat = true;
+  const Json first = ChatChunk("chatcmpl-1", r, 0, true, std::string(), Json(nullptr), std::nullopt);
+  EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_EQ(first["choices"][0]["delta"], Json::parse(R"({"role":"assistant","content":""})"));
+  const Json last = ChatChunk("chatcmpl-1", r, 0, false, std::nullopt, Json(nullptr), "length");
+  EXPECT_EQ(last["choices"][0]["delta"], Json::object());
+  EXPECT_EQ(last["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(NewId("cmpl-").size(), 5u + 32u);
+}
+
+TEST_F(ProtocolTest, ResponsesAndLogprobs) {
+  ParsedRequest r = Completion(R"({"prompt":["p0","p1"],"n":2,"echo":true,"logprobs":1})");
+  std::vector<ChoiceResult> choices(4);
+  for (int i = 0; i < 4; ++i) {
+    choices[i].index = i;
+    choices[i].text = "t";
+    choices[i].token_ids = {tokenizer_->Encode("hello", false)[0]};
+    v1::TokenLogprobs lp;
+    lp.set_logprob(-0.5f);
+    v1::TopLogprob* top = lp.add_top();
+    top->set_token_id(choices[i].token_ids[0]);
+    top->set_logprob(-0.5f);
+    choices[i].logprobs = {lp};
+    choices[i].finish_reason = "length";
+    choices[i].prompt_tokens = 2;
+    choices[i].completion_tokens = 1;
+  }
+  const Json out = CompletionResponse("cmpl-x", r, tokenizer_.get(), choices, {"p0", "p1"});
+  EXPECT_EQ(out["object"], "text_completion");
+  EXPECT_EQ(out["choices"].size(), 4u);
+  EXPECT_EQ(out["choices"][3]["text"], "p1t");
+  EXPECT_EQ(out["choices"][0]["logprobs"]["token_logprobs"][0], -0.5);
+  EXPECT_EQ(out["choices"][0]["logprobs"]["text_offset"][0], 2);
+  EXPECT_EQ(out["usage"], Json::parse(R"({"prompt_tokens":4,"completion_tokens":4,"total_tokens":8})"));
+  r.chat = true;
+  r.logprobs = 1;
+  const Json chat = ChatResponse("chatcmpl-x", r, tokenizer_.get(), choices);
+  EXPECT_EQ(chat["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"].size(), 1u);
+  EXPECT_TRUE(chat["choices"][0]["logprobs"]["content"][0]["bytes"].is_array());
+}
+
+}  // namespace
+}  // namespace duet::router::openai

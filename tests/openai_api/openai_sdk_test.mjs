@@ -1,0 +1,211 @@
+// The official `openai` npm SDK against Duet's OpenAI-compatible API (a running local cluster).
+// Env: OPENAI_BASE_URL (…/v1), OPENAI_AUTH_BASE_URL (a router with --api-key test-key and
+// --max-concurrent-requests 1), MODEL_NAME.
+import assert from 'node:assert/strict';
+import OpenAI from 'openai';
+
+const baseURL = process.env.OPENAI_BASE_URL;
+const authBaseURL = process.env.OPENAI_AUTH_BASE_URL;
+const model = process.env.MODEL_NAME;
+const client = new OpenAI({ baseURL, apiKey: 'unused', maxRetries: 0, timeout: 60000 });
+
+let passed = 0;
+async function test(name, fn) {
+  const start = Date.now();
+  try {
+    await fn();
+    passed++;
+    console.log(`ok   ${name} (${Date.now() - start} ms)`);
+  } catch (e) {
+    console.error(`FAIL ${name}:`, e);
+    process.exitCode = 1;
+  }
+}
+
+async function expectError(cls, fn, status) {
+  try {
+    await fn();
+  } catch (e) {
+    assert.ok(e instanceof cls, `expected ${cls.name}, got ${e?.constructor?.name}: ${e?.message}`);
+    if (status !== undefined) assert.equal(e.status, status);
+    if (e.status) assert.equal(typeof e.error?.message, 'string', 'OpenAI error object with a message');
+    return e;
+  }
+  assert.fail(`expected ${cls.name}, got success`);
+}
+
+const greedy = { temperature: 0, ignore_eos: true };
+
+await test('models.list', async () => {
+  const models = await client.models.list();
+  assert.deepEqual(models.data.map((m) => m.id), [model]);
+});
+
+await test('completions: non-streaming', async () => {
+  const r = await client.completions.create({ model, prompt: 'def fib(n):', max_tokens: 8, ...greedy });
+  assert.equal(r.object, 'text_completion');
+  assert.match(r.id, /^cmpl-/);
+  assert.equal(r.model, model);
+  assert.equal(typeof r.created, 'number');
+  assert.equal(r.choices.length, 1);
+  assert.equal(r.choices[0].finish_reason, 'length');
+  assert.ok(r.choices[0].text.length > 0);
+  assert.equal(r.usage.completion_tokens, 8);
+  assert.ok(r.usage.prompt_tokens > 0);
+  assert.equal(r.usage.total_tokens, r.usage.prompt_tokens + 8);
+});
+
+await test('completions: streaming equals non-streaming (greedy), include_usage', async () => {
+  const whole = await client.completions.create({ model, prompt: 'import os\n', max_tokens: 10, ...greedy });
+  const stream = await client.completions.create({
+    model, prompt: 'import os\n', max_tokens: 10, ...greedy, stream: true, stream_options: { include_usage: true },
+  });
+  let text = '';
+  let finish = null;
+  let usage = null;
+  for await (const chunk of stream) {
+    if (chunk.usage) usage = chunk.usage;
+    for (const c of chunk.choices) {
+      text += c.text;
+      if (c.finish_reason) finish = c.finish_reason;
+    }
+  }
+  assert.equal(text, whole.choices[0].text);
+  assert.equal(finish, 'length');
+  assert.deepEqual(usage, whole.usage);
+});
+
+await test('completions: n > 1 with seed, multiple prompts, token-id prompts', async () => {
+  const r = await client.completions.create({ model, prompt: 'x = ', max_tokens: 6, n: 3, seed: 7, temperature: 1.0 });
+  assert.equal(r.choices.length, 3);
+  assert.deepEqual(r.choices.map((c) => c.index), [0, 1, 2]);
+  const again = await client.completions.create({ model, prompt: 'x = ', max_tokens: 6, n: 3, seed: 7, temperature: 1.0 });
+  assert.deepEqual(again.choices.map((c) => c.text), r.choices.map((c) => c.text), 'seeded choices are reproducible');
+  const multi = await client.completions.create({ model, prompt: ['a', 'b'], max_tokens: 2, n: 2, ...greedy });
+  assert.equal(multi.choices.length, 4);
+  assert.equal(multi.usage.completion_tokens, 8);
+  const tok = await fetch(baseURL.replace(/\/v1$/, '') + '/tokenize', {
+    method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ prompt: 'def fib(n):' }),
+  }).then((x) => x.json());
+  const byIds = await client.completions.create({ model, prompt: tok.tokens, max_tokens: 8, ...greedy });
+  const byText = await client.completions.create({ model, prompt: 'def fib(n):', max_tokens: 8, ...greedy });
+  assert.equal(byIds.choices[0].text, byText.choices[0].text);
+});
+
+await test('completions: stop strings, echo, logprobs', async () => {
+  const base = await client.completions.create({ model, prompt: 'def fib(n):', max_tokens: 16, ...greedy });
+  const text = base.choices[0].text;
+  const stop = text.slice(3, 5);
+  assert.ok(stop.length === 2, 'need some generated text');
+  const stopped = await client.completions.create({ model, prompt: 'def fib(n):', max_tokens: 16, temperature: 0, stop: [stop] });
+  assert.equal(stopped.choices[0].finish_reason, 'stop');
+  assert.ok(!stopped.choices[0].text.includes(stop), JSON.stringify(stopped.choices[0].text));
+  assert.ok(text.startsWith(stopped.choices[0].text));
+  const echoed = await client.completions.create({ model, prompt: 'def fib(n):', max_tokens: 4, ...greedy, echo: true });
+  assert.ok(echoed.choices[0].text.startsWith('def fib(n):'));
+  const lp = await client.completions.create({ model, prompt: 'def fib(n):', max_tokens: 4, ...greedy, logprobs: 2 });
+  const l = lp.choices[0].logprobs;
+  assert.equal(l.tokens.length, 4);
+  assert.equal(l.token_logprobs.length, 4);
+  assert.ok(l.token_logprobs.every((x) => typeof x === 'number' && x <= 0));
+  assert.equal(l.top_logprobs.length, 4);
+  assert.ok(Object.keys(l.top_logprobs[0]).length >= 1);
+  assert.equal(l.text_offset.length, 4);
+  assert.equal(l.tokens.join(''), lp.choices[0].text);
+});
+
+await test('chat: non-streaming and streaming, logprobs, n', async () => {
+  const messages = [{ role: 'system', content: 'You write Python.' }, { role: 'user', content: 'Print hello.' }];
+  const r = await client.chat.completions.create({ model, messages, max_tokens: 8, ...greedy });
+  assert.equal(r.object, 'chat.completion');
+  assert.match(r.id, /^chatcmpl-/);
+  assert.equal(r.choices[0].message.role, 'assistant');
+  assert.equal(typeof r.choices[0].message.content, 'string');
+  assert.equal(r.usage.completion_tokens, 8);
+  const stream = await client.chat.completions.create({
+    model, messages, max_tokens: 8, ...greedy, stream: true, stream_options: { include_usage: true },
+  });
+  let content = '';
+  let role = null;
+  let usage = null;
+  let finish = null;
+  for await (const chunk of stream) {
+    assert.equal(chunk.object, 'chat.completion.chunk');
+    if (chunk.usage) usage = chunk.usage;
+    for (const c of chunk.choices) {
+      if (c.delta.role) role = c.delta.role;
+      if (c.delta.content) content += c.delta.content;
+      if (c.finish_reason) finish = c.finish_reason;
+    }
+  }
+  assert.equal(role, 'assistant');
+  assert.equal(content, r.choices[0].message.content);
+  assert.equal(finish, 'length');
+  assert.deepEqual(usage, r.usage);
+  const lp = await client.chat.completions.create({ model, messages, max_tokens: 3, ...greedy, logprobs: true, top_logprobs: 2 });
+  const items = lp.choices[0].logprobs.content;
+  assert.equal(items.length, 3);
+  assert.equal(items[0].top_logprobs.length, 2);
+  assert.ok(Array.isArray(items[0].bytes));
+  const parts = await client.chat.completions.create({
+    model, messages: [{ role: 'user', content: [{ type: 'text', text: 'Print hello.' }] }], max_tokens: 2, n: 2, ...greedy,
+  });
+  assert.equal(parts.choices.length, 2);
+});
+
+await test('errors: BadRequestError, NotFoundError', async () => {
+  const e = await expectError(OpenAI.BadRequestError, () =>
+    client.completions.create({ model, prompt: 'x', max_tokens: -3 }), 400);
+  assert.equal(e.param, 'max_tokens');
+  await expectError(OpenAI.BadRequestError, () => client.completions.create({ model, prompt: 'x', temperature: -1 }), 400);
+  await expectError(OpenAI.BadRequestError, () => client.completions.create({ model, prompt: 'x', n: 0 }), 400);
+  await expectError(OpenAI.BadRequestError, () => client.completions.create({ model, prompt: 42 }), 400);
+  await expectError(OpenAI.BadRequestError, () => client.chat.completions.create({ model, messages: [] }), 400);
+  const long = await expectError(OpenAI.BadRequestError, () =>
+    client.completions.create({ model, prompt: 'hello '.repeat(5000), max_tokens: 16 }), 400);
+  assert.equal(long.code, 'context_length_exceeded');
+  await expectError(OpenAI.BadRequestError, () =>
+    client.completions.create({ model, prompt: 'x', max_tokens: 100000000 }), 400);
+  await expectError(OpenAI.BadRequestError, () =>
+    client.completions.create({ model, prompt: 'x', stream: true, top_p: 7 }), 400);
+  const nf = await expectError(OpenAI.NotFoundError, () =>
+    client.completions.create({ model: 'no-such-model', prompt: 'x' }), 404);
+  assert.equal(nf.code, 'model_not_found');
+  await expectError(OpenAI.NotFoundError, () => client.chat.completions.create({ model: 'gpt-4', messages: [{ role: 'user', content: 'x' }] }), 404);
+});
+
+await test('errors: APIConnectionError', async () => {
+  const dead = new OpenAI({ baseURL: 'http://127.0.0.1:1/v1', apiKey: 'x', maxRetries: 0 });
+  await expectError(OpenAI.APIConnectionError, () => dead.completions.create({ model, prompt: 'x' }));
+});
+
+await test('errors: AuthenticationError, then RateLimitError over --max-concurrent-requests 1', async () => {
+  const wrong = new OpenAI({ baseURL: authBaseURL, apiKey: 'wrong-key', maxRetries: 0 });
+  await expectError(OpenAI.AuthenticationError, () => wrong.completions.create({ model, prompt: 'x', max_tokens: 1 }), 401);
+  await expectError(OpenAI.AuthenticationError, () => wrong.models.list(), 401);
+  const right = new OpenAI({ baseURL: authBaseURL, apiKey: 'test-key', maxRetries: 0 });
+  const ok = await right.completions.create({ model, prompt: 'x', max_tokens: 1 });
+  assert.equal(ok.choices.length, 1);
+  // Hold the only slot with a long stream, then ask again.
+  const controller = new AbortController();
+  const long = await right.completions.create(
+    { model, prompt: 'def fib(n):', max_tokens: 1000, ...greedy, stream: true }, { signal: controller.signal });
+  const it = long[Symbol.asyncIterator]();
+  await it.next();  // the stream is running
+  await expectError(OpenAI.RateLimitError, () => right.completions.create({ model, prompt: 'x', max_tokens: 1 }), 429);
+  controller.abort();  // disconnect: the router aborts the request and frees its slot
+  try { await it.next(); } catch { /* aborted */ }
+  let freed = false;
+  for (let i = 0; i < 100 && !freed; i++) {
+    try {
+      await right.completions.create({ model, prompt: 'x', max_tokens: 1 });
+      freed = true;
+    } catch (e) {
+      if (!(e instanceof OpenAI.RateLimitError)) throw e;
+      await new Promise((r) => setTimeout(r, 50));
+    }
+  }
+  assert.ok(freed, 'the slot is freed after the client disconnected');
+});
+
+console.log(`openai_sdk_test: ${passed} passed${process.exitCode ? ', some FAILED' : ''}`);

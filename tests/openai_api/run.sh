@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# The OpenAI API with real clients against a real local cluster (decode worker, prefill worker,
+# router as separate processes):
+#   1. the official `openai` npm SDK (openai_sdk_test.mjs): completions and chat, streaming and
+#      not, n > 1, stop strings, usage, logprobs, error classes;
+#   2. curl -N: the exact SSE framing;
+#   3. greedy parity: HTTP completions equal `duet generate` for the same prompt_token_ids;
+#   4. a second router with --api-key and --max-concurrent-requests 1: AuthenticationError and
+#      RateLimitError (in the SDK test).
+# Usage: run.sh DUET_BINARY MODEL_DIR [ROUTER_BINARY]
+#   ROUTER_BINARY: runs the router when `duet router` has no --http-port yet (same flags).
+set -euo pipefail
+DUET=$1
+MODEL=$2
+ROUTER_BIN=${3:-}
+HERE=$(cd "$(dirname "$0")" && pwd)
+NODE_DIR=$HERE/../node
+TMP=$(mktemp -d)
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+
+if [[ ! -d $NODE_DIR/node_modules/openai ]]; then
+  echo "openai_api: tests/node/node_modules/openai is missing (run npm ci in tests/node)" >&2
+  exit 1
+fi
+
+# start NAME PATTERN CMD...: runs CMD with stdout to $TMP/NAME.out, waits for PATTERN<port>.
+start() {
+  local name=$1 pattern=$2
+  shift 2
+  "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
+  PIDS+=($!)
+  for _ in $(seq 1 600); do
+    if grep -q "^DUET_READY port=" "$TMP/$name.out" 2>/dev/null; then
+      sed -n "s/^${pattern}\([0-9]*\)$/\1/p" "$TMP/$name.out" | head -1
+      return 0
+    fi
+    if ! kill -0 "${PIDS[-1]}" 2>/dev/null; then break; fi
+    sleep 0.1
+  done
+  echo "openai_api: $name did not start" >&2
+  cat "$TMP/$name.err" >&2
+  return 1
+}
+
+router_cmd() {
+  if "$DUET" router --help 2>&1 | grep -q -- --http-port; then
+    echo "$DUET router"
+  elif [[ -n $ROUTER_BIN ]]; then
+    echo "$ROUTER_BIN"
+  else
+    echo "openai_api: no router with --http-port" >&2
+    return 1
+  fi
+}
+
+DECODE_PORT=$(start decode "DUET_READY port=" "$DUET" decode-worker --model "$MODEL" --port 0)
+PREFILL_PORT=$(start prefill "DUET_READY port=" "$DUET" prefill-worker --model "$MODEL" --port 0)
+ROUTER=$(router_cmd)
+# shellcheck disable=SC2086
+HTTP_PORT=$(start router "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --http-port 0 \
+  --prefill "127.0.0.1:$PREFILL_PORT" --decode "127.0.0.1:$DECODE_PORT")
+# shellcheck disable=SC2086
+AUTH_PORT=$(start router_auth "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --http-port 0 \
+  --prefill "127.0.0.1:$PREFILL_PORT" --decode "127.0.0.1:$DECODE_PORT" --api-key test-key \
+  --max-concurrent-requests 1)
+BASE=http://127.0.0.1:$HTTP_PORT
+MODEL_NAME=$(basename "$MODEL")
+echo "openai_api: router HTTP on $HTTP_PORT, auth router on $AUTH_PORT"
+
+for _ in $(seq 1 100); do
+  [[ $(curl -s -o /dev/null -w '%{http_code}' "$BASE/health") == 200 ]] && break
+  sleep 0.1
+done
+
+# 1. The official SDK.
+OPENAI_BASE_URL=$BASE/v1 OPENAI_AUTH_BASE_URL=http://127.0.0.1:$AUTH_PORT/v1 MODEL_NAME=$MODEL_NAME \
+  NODE_PATH=$NODE_DIR/node_modules node "$HERE/openai_sdk_test.mjs"
+
+# 2. curl -N: exact SSE framing.
+curl -sN "$BASE/v1/completions" -H 'Content-Type: application/json' \
+  -d "{\"model\":\"$MODEL_NAME\",\"prompt\":\"def fib(n):\",\"max_tokens\":5,\"temperature\":0,\"ignore_eos\":true,\"stream\":true,\"stream_options\":{\"include_usage\":true}}" \
+  >"$TMP/sse.txt"
+python3 - "$TMP/sse.txt" <<'PY'
+import json, sys
+raw = open(sys.argv[1], 'rb').read().decode()
+assert raw.endswith("data: [DONE]\n\n"), repr(raw[-80:])
+events = raw.split("\n\n")
+assert events[-1] == "", "the stream must end with a blank line"
+events = events[:-1]
+for e in events:
+    assert e.startswith("data: ") and "\n" not in e, repr(e)
+payloads = [json.loads(e[6:]) for e in events[:-1]]
+assert events[-1] == "data: [DONE]"
+assert all(p["object"] == "text_completion" for p in payloads)
+usage = payloads[-1]
+assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5, usage
+assert payloads[-2]["choices"][0]["finish_reason"] == "length", payloads[-2]
+print(f"openai_api: curl SSE framing ok ({len(events)} events)")
+PY
+# An error before the stream starts is a JSON error with its status, not an event stream.
+code=$(curl -s -o "$TMP/err.json" -w '%{http_code}' "$BASE/v1/completions" -H 'Content-Type: application/json' \
+  -d '{"prompt":"x","stream":true,"max_tokens":-1}')
+[[ $code == 400 ]] || { echo "expected 400, got $code" >&2; exit 1; }
+grep -q '"error"' "$TMP/err.json"
+# Garbage and a huge body: clear 4xx, server stays healthy.
+code=$(curl -s -o /dev/null -w '%{http_code}' "$BASE/v1/completions" -H 'Content-Type: application/json' -d '{"prompt":')
+[[ $code == 400 ]] || { echo "malformed JSON: expected 400, got $code" >&2; exit 1; }
+head -c 9000000 /dev/zero | tr '\0' 'a' >"$TMP/huge.txt"
+code=$(curl -s -o /dev/null -w '%{http_code}' "$BASE/v1/completions" -H 'Content-Type: application/json' \
+  --data-binary "@$TMP/huge.txt")
+[[ $code == 413 ]] || { echo "huge body: expected 413, got $code" >&2; exit 1; }
+[[ $(curl -s -o /dev/null -w '%{http_code}' "$BASE/health") == 200 ]]
+echo "openai_api: curl error cases ok"
+
+# 3. Greedy parity with `duet generate` (same prompt_token_ids).
+python3 - "$TMP/in.jsonl" "$BASE" <<'PY'
+import json, sys, urllib.request
+texts = ["def fib(n):", "import os\n", "// quicksort in C\n"]
+with open(sys.argv[1], "w") as f:
+    for i, t in enumerate(texts):
+        r = urllib.request.Request(sys.argv[2] + "/tokenize", json.dumps({"prompt": t}).encode(),
+                                   {"Content-Type": "application/json"})
+        ids = json.load(urllib.request.urlopen(r))["tokens"]
+        f.write(json.dumps({"id": str(i), "prompt_token_ids": ids, "max_tokens": 12, "temperature": 0}) + "\n")
+PY
+"$DUET" generate --model "$MODEL" --input "$TMP/in.jsonl" --output "$TMP/out.jsonl" >/dev/null 2>"$TMP/generate.err"
+python3 - "$TMP/in.jsonl" "$TMP/out.jsonl" "$BASE" "$MODEL_NAME" <<'PY'
+import json, sys, urllib.request
+inputs = [json.loads(l) for l in open(sys.argv[1])]
+outputs = {o["id"]: o for o in map(json.loads, open(sys.argv[2]))}
+for req in inputs:
+    body = json.dumps({"model": sys.argv[4], "prompt": req["prompt_token_ids"], "max_tokens": req["max_tokens"],
+                       "temperature": 0, "logprobs": 0}).encode()
+    r = urllib.request.Request(sys.argv[3] + "/v1/completions", body, {"Content-Type": "application/json"})
+    got = json.load(urllib.request.urlopen(r))
+    want = outputs[req["id"]]
+    choice = got["choices"][0]
+    assert choice["text"] == want["text"], (choice["text"], want["text"])
+    assert choice["finish_reason"] == want["finish_reason"], (choice["finish_reason"], want["finish_reason"])
+    assert got["usage"]["completion_tokens"] == len(want["token_ids"]), (got["usage"], want["token_ids"])
+print(f"openai_api: greedy parity with duet generate ok ({len(inputs)} prompts)")
+PY
+echo "openai_api: all passed"
