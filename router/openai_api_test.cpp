@@ -6,6 +6,7 @@
 #include <boost/asio/write.hpp>
 #include <thread>
 
+#include "duet/v1/duet.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 #include "router/fake_workers.h"

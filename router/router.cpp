@@ -12,6 +12,8 @@
 #include "engine/tokenizer.h"
 #include "proto/rpc_util.h"
 #include "router/assignment_policy.h"
+#include "router/http_frontend.h"
+#include "router/openai_api_key.h"
 #include "router/router_service.h"
 #include "router/worker_registry.h"
 
@@ -60,28 +62,57 @@ class RouterImpl : public Router {
     registry_->Start();
     policy_ = MakeLeastLoadedPolicy(registry_.get());
     service_ = std::make_unique<RouterService>(service_options, tokenizer_.get(), registry_.get(), policy_.get());
+    grpc::Service* grpc_service = service_.get();
+    if (!options.api_key.empty()) {  // --api-key: the Duet service needs "authorization: Bearer <key>"
+      api_key_service_ = std::make_unique<ApiKeyDuetService>(service_.get(), options.api_key);
+      grpc_service = api_key_service_.get();
+    }
 
     const std::string host = options.host.find(':') != std::string::npos && options.host.front() != '['
                                  ? absl::StrCat("[", options.host, "]")
                                  : options.host;
     absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-        rpc::StartServer(absl::StrCat(host, ":", options.port), {service_.get()}, &port_);
+        rpc::StartServer(absl::StrCat(host, ":", options.port), {grpc_service}, &port_);
     if (!server.ok()) {
       registry_->Stop();
       return server.status();
     }
     server_ = *std::move(server);
+    if (options.http_port >= 0) {  // the OpenAI-compatible HTTP API, through an in-process channel
+      HttpFrontendOptions http_options;
+      http_options.host = options.host;
+      http_options.port = options.http_port;
+      http_options.num_threads = options.http_threads;
+      http_options.model_dir = options.model_dir;
+      http_options.model_name = service_options.model_name;
+      http_options.max_model_len = service_options.max_model_len;
+      http_options.api_key = options.api_key;
+      http_options.metrics_body = options.metrics_body;
+      http_options.healthy = [registry = registry_.get()] {
+        return registry->NumUp(WorkerRole::kPrefill) > 0 && registry->NumUp(WorkerRole::kDecode) > 0;
+      };
+      absl::StatusOr<std::unique_ptr<HttpFrontend>> http =
+          HttpFrontend::Start(http_options, tokenizer_.get(), server_->InProcessChannel(grpc::ChannelArguments()));
+      if (!http.ok()) {
+        Shutdown(0);
+        return http.status();
+      }
+      http_ = *std::move(http);
+    }
     return absl::OkStatus();
   }
 
   int port() const override { return port_; }
+  int http_port() const override { return http_ != nullptr ? http_->port() : -1; }
 
   void Shutdown(int grace_ms) override {
     if (server_ != nullptr) {
       server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(grace_ms));
       server_->Wait();
-      server_.reset();
     }
+    if (http_ != nullptr) http_->Stop();  // after the gRPC server: its calls have ended
+    http_.reset();
+    server_.reset();
     if (registry_ != nullptr) registry_->Stop();
   }
 
@@ -93,6 +124,8 @@ class RouterImpl : public Router {
   std::unique_ptr<AssignmentPolicy> policy_;
   std::unique_ptr<RouterService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<ApiKeyDuetService> api_key_service_;
+  std::unique_ptr<HttpFrontend> http_;
   int port_ = 0;
 };
 
@@ -116,6 +149,7 @@ int RunRouter(const RouterOptions& options) {
     std::fprintf(stderr, "router: %s\n", std::string(router.status().message()).c_str());
     return 1;
   }
+  if ((*router)->http_port() >= 0) std::printf("DUET_HTTP_READY port=%d\n", (*router)->http_port());
   std::printf("DUET_READY port=%d\n", (*router)->port());
   std::fflush(stdout);
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,6 +21,14 @@ struct RouterOptions {
   int max_concurrent_requests = 256;
   int64_t max_model_len = 0;      // 0: the model's max_position_embeddings
   int kv_lease_ms = 30000;        // how long a decode worker holds a KV reservation for Decode
+  // The OpenAI-compatible HTTP API (router/openai_api.h): -1 none, 0 any free port. When on,
+  // RunRouter prints `DUET_HTTP_READY port=<port>` before DUET_READY.
+  int http_port = -1;
+  int http_threads = 2;  // io threads of the HTTP server (not one per connection)
+  // Non-empty: HTTP /v1/* and the gRPC Duet service need "Authorization: Bearer <api_key>".
+  std::string api_key;
+  // GET /metrics on the HTTP port returns this; none: the router's own RenderMetrics().
+  std::function<std::string()> metrics_body;
 };
 
 // A running router (server, registry poller). Tests can run one in-process.
@@ -28,11 +37,13 @@ class Router {
   static absl::StatusOr<std::unique_ptr<Router>> Start(const RouterOptions& options);
   virtual ~Router() = default;
   virtual int port() const = 0;
+  virtual int http_port() const { return -1; }  // -1: no HTTP server
   // Stops accepting calls, cancels the ones still running after `grace_ms`, stops the poller.
   virtual void Shutdown(int grace_ms = 2000) = 0;
 };
 
-// Starts the router, prints exactly one line `DUET_READY port=<port>` to stdout, serves until
+// Starts the router, prints `DUET_HTTP_READY port=<http port>` (with an HTTP server) and then
+// `DUET_READY port=<port>` to stdout, serves until
 // SIGINT or SIGTERM, shuts down and returns 0 (1 when it cannot start; the error is on stderr).
 // Blocks SIGINT/SIGTERM in the calling thread (and so in the threads it starts) to sigwait them.
 int RunRouter(const RouterOptions& options);

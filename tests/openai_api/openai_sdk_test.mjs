@@ -2,7 +2,11 @@
 // Env: OPENAI_BASE_URL (…/v1), OPENAI_AUTH_BASE_URL (a router with --api-key test-key and
 // --max-concurrent-requests 1), MODEL_NAME.
 import assert from 'node:assert/strict';
-import OpenAI from 'openai';
+import { createRequire } from 'node:module';
+
+// tests/node holds the test dependencies (NODE_DEPS_DIR).
+const require = createRequire(`${process.env.NODE_DEPS_DIR}/package.json`);
+const OpenAI = require('openai');
 
 const baseURL = process.env.OPENAI_BASE_URL;
 const authBaseURL = process.env.OPENAI_AUTH_BASE_URL;

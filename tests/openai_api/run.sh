@@ -80,7 +80,7 @@ done
 
 # 1. The official SDK.
 OPENAI_BASE_URL=$BASE/v1 OPENAI_AUTH_BASE_URL=http://127.0.0.1:$AUTH_PORT/v1 MODEL_NAME=$MODEL_NAME \
-  NODE_PATH=$NODE_DIR/node_modules node "$HERE/openai_sdk_test.mjs"
+  NODE_DEPS_DIR=$NODE_DIR node "$HERE/openai_sdk_test.mjs"
 
 # 2. curl -N: exact SSE framing.
 curl -sN "$BASE/v1/completions" -H 'Content-Type: application/json' \
