@@ -11,6 +11,8 @@ STREAMS=${STREAMS:-1000}
 TMP=$(mktemp -d)
 PIDS=()
 cleanup() {
+  local rc=$?
+  if [[ $rc != 0 ]]; then for f in "$TMP"/*.err; do echo "== $f"; tail -5 "$f"; done; fi
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
   rm -rf "$TMP"
@@ -25,7 +27,7 @@ start() {
   PIDS+=($!)
   for _ in $(seq 1 600); do
     if grep -q "^DUET_READY port=" "$TMP/$name.out" 2>/dev/null; then
-      sed -n "s/^${pattern}\([0-9]*\)$/\1/p" "$TMP/$name.out" | head -1
+      PORT=$(sed -n "s/^${pattern}\([0-9]*\)$/\1/p" "$TMP/$name.out" | head -1)
       return 0
     fi
     sleep 0.1
@@ -34,15 +36,18 @@ start() {
 }
 if "$DUET" router --help 2>&1 | grep -q -- --http-port; then ROUTER="$DUET router"; else ROUTER=$ROUTER_BIN; fi
 
-DECODE_PORT=$(start decode "DUET_READY port=" "$DUET" decode-worker --model "$MODEL" --port 0 --max-num-seqs 1024)
-PREFILL_PORT=$(start prefill "DUET_READY port=" "$DUET" prefill-worker --model "$MODEL" --port 0)
+start decode "DUET_READY port=" "$DUET" decode-worker --model "$MODEL" --port 0 --max-num-seqs 1024
+DECODE_PORT=$PORT
+start prefill "DUET_READY port=" "$DUET" prefill-worker --model "$MODEL" --port 0
+PREFILL_PORT=$PORT
 # shellcheck disable=SC2086
-HTTP_PORT=$(start router "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --http-port 0 \
-  --prefill "127.0.0.1:$PREFILL_PORT" --decode "127.0.0.1:$DECODE_PORT" --max-concurrent-requests $((STREAMS * 2)))
+start router "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --http-port 0 \
+  --prefill "127.0.0.1:$PREFILL_PORT" --decode "127.0.0.1:$DECODE_PORT" --max-concurrent-requests $((STREAMS * 2))
+HTTP_PORT=$PORT
 ROUTER_PID=${PIDS[2]}
 for _ in $(seq 1 100); do
   [[ $(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$HTTP_PORT/health") == 200 ]] && break
   sleep 0.1
 done
-BASE_URL=http://127.0.0.1:$HTTP_PORT MODEL_NAME=$(basename "$MODEL") ROUTER_PID=$ROUTER_PID STREAMS=$STREAMS \
+BASE_URL=http://127.0.0.1:$HTTP_PORT MODEL_NAME=$(basename "$MODEL") ROUTER_PID=$ROUTER_PID STREAMS=$STREAMS MAX_TOKENS=${MAX_TOKENS:-4} \
   node "$HERE/load_test.mjs"

@@ -37,7 +37,7 @@ start() {
   PIDS+=($!)
   for _ in $(seq 1 600); do
     if grep -q "^DUET_READY port=" "$TMP/$name.out" 2>/dev/null; then
-      sed -n "s/^${pattern}\([0-9]*\)$/\1/p" "$TMP/$name.out" | head -1
+      PORT=$(sed -n "s/^${pattern}\([0-9]*\)$/\1/p" "$TMP/$name.out" | head -1)
       return 0
     fi
     if ! kill -0 "${PIDS[-1]}" 2>/dev/null; then break; fi
@@ -59,16 +59,20 @@ router_cmd() {
   fi
 }
 
-DECODE_PORT=$(start decode "DUET_READY port=" "$DUET" decode-worker --model "$MODEL" --port 0)
-PREFILL_PORT=$(start prefill "DUET_READY port=" "$DUET" prefill-worker --model "$MODEL" --port 0)
+start decode "DUET_READY port=" "$DUET" decode-worker --model "$MODEL" --port 0
+DECODE_PORT=$PORT
+start prefill "DUET_READY port=" "$DUET" prefill-worker --model "$MODEL" --port 0
+PREFILL_PORT=$PORT
 ROUTER=$(router_cmd)
 # shellcheck disable=SC2086
-HTTP_PORT=$(start router "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --http-port 0 \
-  --prefill "127.0.0.1:$PREFILL_PORT" --decode "127.0.0.1:$DECODE_PORT")
+start router "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --http-port 0 \
+  --prefill "127.0.0.1:$PREFILL_PORT" --decode "127.0.0.1:$DECODE_PORT"
+HTTP_PORT=$PORT
 # shellcheck disable=SC2086
-AUTH_PORT=$(start router_auth "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --http-port 0 \
+start router_auth "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --http-port 0 \
   --prefill "127.0.0.1:$PREFILL_PORT" --decode "127.0.0.1:$DECODE_PORT" --api-key test-key \
-  --max-concurrent-requests 1)
+  --max-concurrent-requests 1
+AUTH_PORT=$PORT
 BASE=http://127.0.0.1:$HTTP_PORT
 MODEL_NAME=$(basename "$MODEL")
 echo "openai_api: router HTTP on $HTTP_PORT, auth router on $AUTH_PORT"
