@@ -17,16 +17,22 @@ RoleCommands::RoleCommands(CLI::App& app) {
   router_cmd_->add_option("--max-model-len", router_.max_model_len, "Context limit (default: the model's)");
   router_cmd_->add_option("--kv-lease-ms", router_.kv_lease_ms, "How long a KV reservation waits for its decode call")
       ->check(CLI::Range(100, 3600000));
+  router_cmd_->add_option("--metrics-port", router_.metrics_port,
+                          "Prometheus /metrics port (-1: off, 0: any free port)")->check(CLI::Range(-1, 65535));
 
   prefill_cmd_ = app.add_subcommand("prefill-worker", "Run a prefill worker");
   prefill_flags_.Add(prefill_cmd_);
   prefill_cmd_->add_option("--host", prefill_.host, "Address to listen on");
   prefill_cmd_->add_option("--port", prefill_.port, "gRPC port (0: any free port)")->check(CLI::Range(0, 65535));
+  prefill_cmd_->add_option("--metrics-port", prefill_.metrics_port,
+                           "Prometheus /metrics port (-1: off, 0: any free port)")->check(CLI::Range(-1, 65535));
 
   decode_cmd_ = app.add_subcommand("decode-worker", "Run a decode worker");
   decode_flags_.Add(decode_cmd_);
   decode_cmd_->add_option("--host", decode_.host, "Address to listen on");
   decode_cmd_->add_option("--port", decode_.port, "gRPC port (0: any free port)")->check(CLI::Range(0, 65535));
+  decode_cmd_->add_option("--metrics-port", decode_.metrics_port,
+                          "Prometheus /metrics port (-1: off, 0: any free port)")->check(CLI::Range(-1, 65535));
 }
 
 std::optional<int> RoleCommands::RunParsed() {

@@ -10,6 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "engine/model_config.h"
 #include "engine/tokenizer.h"
+#include "metrics/http_exporter.h"
+#include "metrics/registry.h"
 #include "proto/rpc_util.h"
 #include "router/assignment_policy.h"
 #include "router/http_frontend.h"
@@ -53,6 +55,7 @@ class RouterImpl : public Router {
     }
     service_options.max_concurrent_requests = options.max_concurrent_requests;
     service_options.kv_lease_ms = options.kv_lease_ms;
+    service_options.metrics_registry = &metrics_registry_;
 
     if (options.prefill_addresses.empty() || options.decode_addresses.empty()) {
       std::fprintf(stderr, "router: warning: %zu prefill and %zu decode workers configured; requests will fail\n",
@@ -78,6 +81,19 @@ class RouterImpl : public Router {
       return server.status();
     }
     server_ = *std::move(server);
+    if (options.metrics_port >= 0) {
+      metrics::HttpExporter::Options exporter_options;
+      exporter_options.host = options.host;
+      exporter_options.port = uint16_t(options.metrics_port);
+      absl::StatusOr<std::unique_ptr<metrics::HttpExporter>> exporter =
+          metrics::HttpExporter::Start(metrics_registry_, exporter_options);
+      if (!exporter.ok()) {
+        Shutdown(0);
+        return absl::Status(exporter.status().code(),
+                            absl::StrCat("cannot serve metrics: ", exporter.status().message()));
+      }
+      exporter_ = *std::move(exporter);
+    }
     if (options.http_port >= 0) {  // the OpenAI-compatible HTTP API, through an in-process channel
       HttpFrontendOptions http_options;
       http_options.host = options.host;
@@ -104,8 +120,11 @@ class RouterImpl : public Router {
 
   int port() const override { return port_; }
   int http_port() const override { return http_ != nullptr ? http_->port() : -1; }
+  int metrics_port() const override { return exporter_ != nullptr ? int(exporter_->port()) : -1; }
+  std::string RenderMetrics() const override { return metrics_registry_.Render(); }
 
   void Shutdown(int grace_ms) override {
+    if (exporter_ != nullptr) exporter_->Stop();
     if (server_ != nullptr) {
       server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(grace_ms));
       server_->Wait();
@@ -119,11 +138,13 @@ class RouterImpl : public Router {
   ~RouterImpl() override { Shutdown(0); }
 
  private:
+  metrics::Registry metrics_registry_;  // first: outlives everything that updates it
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<WorkerRegistry> registry_;
   std::unique_ptr<AssignmentPolicy> policy_;
   std::unique_ptr<RouterService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<metrics::HttpExporter> exporter_;
   std::unique_ptr<ApiKeyDuetService> api_key_service_;
   std::unique_ptr<HttpFrontend> http_;
   int port_ = 0;
@@ -149,6 +170,7 @@ int RunRouter(const RouterOptions& options) {
     std::fprintf(stderr, "router: %s\n", std::string(router.status().message()).c_str());
     return 1;
   }
+  if ((*router)->metrics_port() >= 0) std::printf("DUET_METRICS_READY port=%d\n", (*router)->metrics_port());
   if ((*router)->http_port() >= 0) std::printf("DUET_HTTP_READY port=%d\n", (*router)->http_port());
   std::printf("DUET_READY port=%d\n", (*router)->port());
   std::fflush(stdout);

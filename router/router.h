@@ -21,6 +21,9 @@ struct RouterOptions {
   int max_concurrent_requests = 256;
   int64_t max_model_len = 0;      // 0: the model's max_position_embeddings
   int kv_lease_ms = 30000;        // how long a decode worker holds a KV reservation for Decode
+  // Prometheus /metrics on its own port (same host): -1 off, 0 a free port. When on, RunRouter
+  // prints `DUET_METRICS_READY port=<port>` before DUET_READY.
+  int metrics_port = -1;
   // The OpenAI-compatible HTTP API (router/openai_api.h): -1 none, 0 any free port. When on,
   // RunRouter prints `DUET_HTTP_READY port=<port>` before DUET_READY.
   int http_port = -1;
@@ -38,6 +41,11 @@ class Router {
   virtual ~Router() = default;
   virtual int port() const = 0;
   virtual int http_port() const { return -1; }  // -1: no HTTP server
+  // The metrics exporter's port, -1 when metrics_port was -1.
+  virtual int metrics_port() const = 0;
+  // The router's metrics (role "router") in Prometheus text exposition format 0.0.4
+  // (Content-Type metrics::kExpositionContentType), e.g. for GET /metrics on the HTTP API.
+  virtual std::string RenderMetrics() const = 0;
   // Stops accepting calls, cancels the ones still running after `grace_ms`, stops the poller.
   virtual void Shutdown(int grace_ms = 2000) = 0;
 };

@@ -1,6 +1,8 @@
 #include "router/router_service.h"
 
+#include <algorithm>
 #include <chrono>
+#include <optional>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -14,6 +16,9 @@ namespace duet::router {
 // The downstream call a request is waiting on, so Abort can cancel it from another thread.
 class RouterService::ActiveCall {
  public:
+  // When the request reached the router (time to first token and e2e latency start here).
+  const std::chrono::steady_clock::time_point arrival = std::chrono::steady_clock::now();
+
   void Attach(grpc::ClientContext* context) {
     absl::MutexLock lock(&mu_);
     downstream_ = context;
@@ -85,6 +90,15 @@ bool IsWorkerFailure(grpc::StatusCode code) {
   }
 }
 
+std::optional<metrics::FinishedReason> FinishedReasonOf(const std::string& reason) {
+  if (reason == "stop") return metrics::FinishedReason::kStop;
+  if (reason == "length") return metrics::FinishedReason::kLength;
+  if (reason == "abort") return metrics::FinishedReason::kAbort;
+  return std::nullopt;
+}
+
+double Seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
 std::string RandomHex() {
   absl::BitGen gen;
   return absl::StrFormat("%016x", absl::Uniform<uint64_t>(gen));
@@ -104,6 +118,14 @@ RouterService::RouterService(RouterServiceOptions options, const Tokenizer* toke
       registry_(registry),
       policy_(policy),
       request_id_prefix_(absl::StrCat("cmpl-", RandomHex().substr(0, 8), "-")) {
+  if (options_.metrics_registry != nullptr) {
+    metrics_registry_ = options_.metrics_registry;
+  } else {
+    own_metrics_registry_ = std::make_unique<metrics::Registry>();
+    metrics_registry_ = own_metrics_registry_.get();
+  }
+  metrics_ = std::make_unique<metrics::DuetMetrics>(*metrics_registry_, options_.model_name, metrics::Role::kRouter,
+                                                    std::max<int64_t>(1, options_.max_model_len));
   absl::BitGen gen;
   next_transfer_id_.store(absl::Uniform<uint64_t>(gen) | 1);
 }
@@ -180,6 +202,8 @@ grpc::Status RouterService::Generate(grpc::ServerContext* context, const v1::Gen
                                      " requests in flight (max_concurrent_requests); retry later"));
   }
 
+  metrics_->num_requests_running.Inc();
+  absl::Cleanup running = [this] { metrics_->num_requests_running.Dec(); };
   const std::string& request_id = prepared->request_id;
   auto call = std::make_shared<ActiveCall>();
   {
@@ -285,6 +309,8 @@ std::optional<grpc::Status> RouterService::EndedByClient(grpc::ServerContext* co
       last.mutable_prompt_token_ids()->Assign(prepared.prompt_token_ids.begin(), prepared.prompt_token_ids.end());
     }
     (void)writer->Write(last);
+    metrics_->request_success(metrics::FinishedReason::kAbort).Inc();
+    metrics_->e2e_request_latency_seconds.Observe(Seconds(std::chrono::steady_clock::now() - call->arrival));
     return grpc::Status::OK;
   }
   if (context->deadline() <= std::chrono::system_clock::now()) {
@@ -342,6 +368,8 @@ grpc::Status RouterService::Run(grpc::ServerContext* context, const Prepared& pr
     }
     if (status.ok()) {
       reservation = *std::move(reserved);
+      metrics_->prompt_tokens.Inc(double(prepared.prompt_token_ids.size()));
+      metrics_->request_prompt_tokens.Observe(double(prepared.prompt_token_ids.size()));
       break;
     }
     AbortOnWorker(reserved->decode, request_id);  // release the KV reservation now, not at lease end
@@ -381,6 +409,8 @@ grpc::Status RouterService::Run(grpc::ServerContext* context, const Prepared& pr
   bool finished = false;
   bool client_gone = false;
   int completion_tokens = 0;
+  std::string finish_reason;
+  std::chrono::steady_clock::time_point last_token_at{};
   grpc::Status status;
   {
     ScopedAttach attach(call, downstream.get());
@@ -399,14 +429,33 @@ grpc::Status RouterService::Run(grpc::ServerContext* context, const Prepared& pr
       }
       completion_tokens += message.token_ids_size();
       finished = finished || message.finished();
+      if (message.finished()) finish_reason = message.finish_reason();
       if (!writer->Write(message)) {
         client_gone = true;
         downstream->TryCancel();
+      } else if (message.token_ids_size() > 0) {
+        // Tokens relayed to the client: the first ends the time to first token, the rest are
+        // spaced by the inter-token latency.
+        const auto now = std::chrono::steady_clock::now();
+        metrics_->generation_tokens.Inc(message.token_ids_size());
+        if (last_token_at == std::chrono::steady_clock::time_point{}) {
+          metrics_->time_to_first_token_seconds.Observe(Seconds(now - call->arrival));
+        } else {
+          metrics_->inter_token_latency_seconds.Observe(Seconds(now - last_token_at));
+        }
+        last_token_at = now;
       }
     }
     status = reader->Finish();
   }
-  if (finished && !client_gone) return grpc::Status::OK;
+  if (finished && !client_gone) {
+    if (std::optional<metrics::FinishedReason> reason = FinishedReasonOf(finish_reason)) {
+      metrics_->request_success(*reason).Inc();
+    }
+    metrics_->request_generation_tokens.Observe(completion_tokens);
+    metrics_->e2e_request_latency_seconds.Observe(Seconds(std::chrono::steady_clock::now() - call->arrival));
+    return grpc::Status::OK;
+  }
   if (client_gone) {
     AbortOnWorker(decode, request_id);
     return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");

@@ -25,6 +25,8 @@
 #include "duet/v1/duet.grpc.pb.h"
 #include "engine/sampling_params.h"
 #include "engine/tokenizer.h"
+#include "metrics/registry.h"
+#include "metrics/vllm_metrics.h"
 #include "router/assignment_policy.h"
 #include "router/worker_registry.h"
 
@@ -39,6 +41,8 @@ struct RouterServiceOptions {
   absl::Duration reserve_timeout = absl::Seconds(10);   // ReserveKv
   absl::Duration prefill_timeout = absl::Seconds(600);  // Prefill (liveness comes from keepalive)
   absl::Duration abort_timeout = absl::Seconds(1);      // worker Abort during clean-up
+  // Where the router's metrics (role "router") are registered; null: a registry of its own.
+  metrics::Registry* metrics_registry = nullptr;
 };
 
 class RouterService final : public v1::Duet::Service {
@@ -56,6 +60,8 @@ class RouterService final : public v1::Duet::Service {
                             v1::ModelInfo* response) override;
 
   int num_in_flight() const { return in_flight_.load(std::memory_order_acquire); }
+  const metrics::DuetMetrics& metrics() const { return *metrics_; }
+  metrics::Registry& metrics_registry() { return *metrics_registry_; }
 
   // A request after validation: what the workers are sent.
   struct Prepared {
@@ -95,6 +101,10 @@ class RouterService final : public v1::Duet::Service {
   mutable std::atomic<uint64_t> next_request_number_{0};
   std::atomic<uint64_t> next_transfer_id_;
   const std::string request_id_prefix_;
+
+  std::unique_ptr<metrics::Registry> own_metrics_registry_;  // when the options give none
+  metrics::Registry* metrics_registry_;
+  std::unique_ptr<metrics::DuetMetrics> metrics_;
 
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<ActiveCall>> active_ ABSL_GUARDED_BY(mu_);

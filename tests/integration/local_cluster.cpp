@@ -7,6 +7,7 @@ namespace duet::testing {
 namespace {
 
 constexpr char kReady[] = "DUET_READY port=";
+constexpr char kMetricsReady[] = "DUET_METRICS_READY port=";
 constexpr auto kStartTimeout = std::chrono::seconds(120);
 
 std::string Duet() { return std::string(DUET_BIN_DIR) + "/duet"; }
@@ -16,26 +17,44 @@ std::string Model() { return std::string(DUET_MODELS_DIR) + "/tiny-code-llama"; 
 
 LocalCluster::LocalCluster(const ClusterOptions& options) {
   std::vector<std::string> decode_addrs, prefill_addrs;
+  // With metrics on, reads the DUET_METRICS_READY line (printed before DUET_READY) into *port.
+  auto metrics_port = [&](const char* role, Subprocess& p, int* port) -> bool {
+    if (!options.metrics) return true;
+    absl::StatusOr<std::string> line = p.WaitForLine(kMetricsReady, kStartTimeout);
+    if (!line.ok()) { error_ = absl::StrCat(role, " metrics: ", line.status().message()); return false; }
+    *port = std::atoi(line->c_str());
+    return true;
+  };
   auto start = [&](const char* role, std::vector<std::unique_ptr<Subprocess>>& procs,
-                   std::vector<std::string>& addrs) -> bool {
+                   std::vector<std::string>& addrs, std::vector<int>& metrics_ports) -> bool {
     std::vector<std::string> argv = {Duet(), role, "--model", Model(), "--port", "0"};
+    if (options.metrics) argv.insert(argv.end(), {"--metrics-port", "0"});
     argv.insert(argv.end(), options.worker_flags.begin(), options.worker_flags.end());
     absl::StatusOr<std::unique_ptr<Subprocess>> p = Subprocess::Start(argv);
     if (!p.ok()) { error_ = std::string(p.status().message()); return false; }
+    int mport = -1;
+    if (!metrics_port(role, **p, &mport)) { procs.push_back(std::move(*p)); return false; }
+    metrics_ports.push_back(mport);
     absl::StatusOr<std::string> port = (*p)->WaitForLine(kReady, kStartTimeout);
     procs.push_back(std::move(*p));
     if (!port.ok()) { error_ = absl::StrCat(role, ": ", port.status().message()); return false; }
     addrs.push_back(absl::StrCat("127.0.0.1:", *port));
     return true;
   };
-  for (int i = 0; i < options.num_decode; ++i) if (!start("decode-worker", decode_, decode_addrs)) return;
-  for (int i = 0; i < options.num_prefill; ++i) if (!start("prefill-worker", prefill_, prefill_addrs)) return;
+  for (int i = 0; i < options.num_decode; ++i) {
+    if (!start("decode-worker", decode_, decode_addrs, decode_metrics_ports_)) return;
+  }
+  for (int i = 0; i < options.num_prefill; ++i) {
+    if (!start("prefill-worker", prefill_, prefill_addrs, prefill_metrics_ports_)) return;
+  }
   std::vector<std::string> argv = {Duet(), "router", "--model", Model(), "--port", "0",
                                    "--prefill", absl::StrJoin(prefill_addrs, ","),
                                    "--decode", absl::StrJoin(decode_addrs, ",")};
+  if (options.metrics) argv.insert(argv.end(), {"--metrics-port", "0"});
   argv.insert(argv.end(), options.router_flags.begin(), options.router_flags.end());
   absl::StatusOr<std::unique_ptr<Subprocess>> r = Subprocess::Start(argv);
   if (!r.ok()) { error_ = std::string(r.status().message()); return; }
+  if (!metrics_port("router", **r, &router_metrics_port_)) { router_.push_back(std::move(*r)); return; }
   absl::StatusOr<std::string> port = (*r)->WaitForLine(kReady, kStartTimeout);
   router_.push_back(std::move(*r));
   if (!port.ok()) { error_ = absl::StrCat("router: ", port.status().message()); return; }

@@ -18,6 +18,9 @@ struct ClusterOptions {
   int num_decode = 1;
   std::vector<std::string> worker_flags;  // extra flags for every worker
   std::vector<std::string> router_flags;
+  // Every process serves Prometheus /metrics on a free port (--metrics-port 0); the ports are
+  // read from their DUET_METRICS_READY lines.
+  bool metrics = false;
 };
 
 class LocalCluster {
@@ -33,6 +36,10 @@ class LocalCluster {
   std::vector<v1::WorkerStats> DecodeStats();   // one per decode worker still answering
   std::vector<v1::WorkerStats> PrefillStats();
   Subprocess& decode_process(int i) { return *decode_[size_t(i)]; }
+  // With ClusterOptions::metrics: each process's /metrics port.
+  int router_metrics_port() const { return router_metrics_port_; }
+  const std::vector<int>& decode_metrics_ports() const { return decode_metrics_ports_; }
+  const std::vector<int>& prefill_metrics_ports() const { return prefill_metrics_ports_; }
 
  private:
   bool ok_ = false;
@@ -43,6 +50,8 @@ class LocalCluster {
   std::shared_ptr<grpc::Channel> router_channel_;
   std::unique_ptr<v1::Duet::Stub> router_stub_;
   int router_port_ = 0;
+  int router_metrics_port_ = -1;
+  std::vector<int> decode_metrics_ports_, prefill_metrics_ports_;
 };
 
 // Everything one Generate stream returned.
