@@ -27,6 +27,8 @@ struct ServeOptions {
   int num_prefill_workers = 1;
   int num_decode_workers = 1;
   int grpc_port = 50051;
+  int http_port = 8000;  // OpenAI-compatible API; -1: none
+  std::string api_key;   // when set, required on /v1/* and on gRPC Generate
   int max_concurrent_requests = 256;
 };
 int RunServe(const ServeOptions& options);

@@ -17,6 +17,9 @@ RoleCommands::RoleCommands(CLI::App& app) {
   router_cmd_->add_option("--max-model-len", router_.max_model_len, "Context limit (default: the model's)");
   router_cmd_->add_option("--kv-lease-ms", router_.kv_lease_ms, "How long a KV reservation waits for its decode call")
       ->check(CLI::Range(100, 3600000));
+  router_cmd_->add_option("--http-port", router_.http_port, "OpenAI-compatible HTTP port (-1: none, 0: any free port)")
+      ->check(CLI::Range(-1, 65535));
+  router_cmd_->add_option("--api-key", router_.api_key, "Bearer token required on /v1/* and gRPC Generate");
   router_cmd_->add_option("--metrics-port", router_.metrics_port,
                           "Prometheus /metrics port (-1: off, 0: any free port)")->check(CLI::Range(-1, 65535));
 

@@ -87,7 +87,9 @@ int RunServe(const ServeOptions& options) {
                                           "--port", std::to_string(options.grpc_port),
                                           "--prefill", absl::StrJoin(prefill_addresses, ","),
                                           "--decode", absl::StrJoin(decode_addresses, ","),
-                                          "--max-concurrent-requests", std::to_string(options.max_concurrent_requests)};
+                                          "--max-concurrent-requests", std::to_string(options.max_concurrent_requests),
+                                          "--http-port", std::to_string(options.http_port)};
+  if (!options.api_key.empty()) router_argv.insert(router_argv.end(), {"--api-key", options.api_key});
   if (options.engine.scheduler.max_model_len > 0) {
     router_argv.insert(router_argv.end(), {"--max-model-len", std::to_string(options.engine.scheduler.max_model_len)});
   }
@@ -97,8 +99,10 @@ int RunServe(const ServeOptions& options) {
     stop_all();
     return 1;
   }
-  std::fprintf(stderr, "duet serve: router on 127.0.0.1:%d (gRPC duet.v1.Duet); prefill %s; decode %s\n",
-               *grpc_port, absl::StrJoin(prefill_addresses, ",").c_str(), absl::StrJoin(decode_addresses, ",").c_str());
+  std::fprintf(stderr, "duet serve: router on 127.0.0.1:%d (gRPC duet.v1.Duet)%s; prefill %s; decode %s\n",
+               *grpc_port,
+               options.http_port >= 0 ? absl::StrCat(", OpenAI HTTP API on 127.0.0.1:", options.http_port).c_str() : "",
+               absl::StrJoin(prefill_addresses, ",").c_str(), absl::StrJoin(decode_addresses, ",").c_str());
   std::printf("DUET_READY grpc_port=%d\n", *grpc_port);
   std::fflush(stdout);
 

@@ -203,7 +203,11 @@ void LlmEngine::AppendToken(Request& r, const SampledToken& token, RequestOutput
   if (!out.finished) {
     for (const std::string& stop : p.stop) holdback = std::max(holdback, stop.size() - 1);
   }
-  const size_t end = r.text.size() > holdback ? r.text.size() - holdback : 0;
+  size_t end = r.text.size() > holdback ? r.text.size() - holdback : 0;
+  // Never split a UTF-8 character: step back over continuation bytes.
+  while (end > r.num_emitted_text && end < r.text.size() && (static_cast<unsigned char>(r.text[end]) & 0xC0) == 0x80) {
+    --end;
+  }
   if (end > r.num_emitted_text) {
     out.new_text = r.text.substr(r.num_emitted_text, end - r.num_emitted_text);
     r.num_emitted_text = end;

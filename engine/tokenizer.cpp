@@ -359,7 +359,9 @@ std::string StreamingDecoder::Push(int32_t id) {
   if (new_text.size() <= prefix_text.size() || new_text.ends_with(unicode::kReplacementChar)) {
     return "";
   }
-  std::string emitted = new_text.substr(prefix_text.size());
+  // Lossy decoding can make the two texts differ before their end, so the cut may fall inside a
+  // character; streamed pieces must each be valid UTF-8 (they travel as protobuf strings).
+  std::string emitted = unicode::Utf8Lossy(std::string_view(new_text).substr(prefix_text.size()));
   prefix_offset_ = read_offset_;
   read_offset_ = ids_.size();
   // Drop ids that can no longer matter, keeping memory bounded on long generations.
@@ -377,7 +379,9 @@ std::string StreamingDecoder::Flush() {
   ids_.erase(ids_.begin(), ids_.begin() + read_offset_);
   prefix_offset_ = 0;
   read_offset_ = ids_.size();
-  return new_text.size() > prefix_text.size() ? new_text.substr(prefix_text.size()) : "";
+  return new_text.size() > prefix_text.size()
+             ? unicode::Utf8Lossy(std::string_view(new_text).substr(prefix_text.size()))
+             : "";
 }
 
 }  // namespace duet

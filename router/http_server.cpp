@@ -446,6 +446,10 @@ void Session::DoWrite() {
 
 void Session::OnWrite(error_code ec) {
   writing_ = false;
+  if (closed_) {
+    out_.clear();
+    return;
+  }
   if (ec) {
     Close();
     return;
@@ -484,7 +488,8 @@ void Session::Close() {
   timer_.cancel();
   socket_.shutdown(tcp::socket::shutdown_both, ignored);
   socket_.close(ignored);
-  out_.clear();
+  // A write in flight still reads out_.front(); OnWrite clears the queue when it completes.
+  if (!writing_) out_.clear();
   server_->Remove(this);
 }
 

@@ -104,6 +104,7 @@ class RouterImpl : public Router {
       http_options.max_model_len = service_options.max_model_len;
       http_options.api_key = options.api_key;
       http_options.metrics_body = options.metrics_body;
+      if (!http_options.metrics_body) http_options.metrics_body = [this] { return RenderMetrics(); };
       http_options.healthy = [registry = registry_.get()] {
         return registry->NumUp(WorkerRole::kPrefill) > 0 && registry->NumUp(WorkerRole::kDecode) > 0;
       };
