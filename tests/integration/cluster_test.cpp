@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <fstream>
+#include <set>
 #include <future>
 #include <thread>
 
@@ -10,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "tests/integration/local_cluster.h"
 #include "tests/integration/process.h"
 
@@ -62,6 +64,49 @@ bool RouterServing(LocalCluster& cluster) {
   grpc::health::v1::HealthCheckRequest req;
   grpc::health::v1::HealthCheckResponse resp;
   return stub->Check(&ctx, req, &resp).ok() && resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
+
+// Services a process lists through server reflection.
+std::set<std::string> ReflectedServices(const std::string& address) {
+  auto stub = grpc::reflection::v1alpha::ServerReflection::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  auto stream = stub->ServerReflectionInfo(&ctx);
+  grpc::reflection::v1alpha::ServerReflectionRequest request;
+  request.set_list_services("");
+  std::set<std::string> names;
+  grpc::reflection::v1alpha::ServerReflectionResponse response;
+  if (stream->Write(request) && stream->WritesDone() && stream->Read(&response)) {
+    for (const auto& s : response.list_services_response().service()) names.insert(s.name());
+  }
+  stream->Finish();
+  return names;
+}
+
+bool Serving(const std::string& address) {
+  auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  grpc::health::v1::HealthCheckResponse resp;
+  return stub->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok() &&
+         resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
+
+TEST(ClusterTest, EveryProcessAnswersHealthAndReflection) {
+  LocalCluster cluster({1, 1});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const std::string router = "127.0.0.1:" + std::to_string(cluster.router_port());
+  EXPECT_TRUE(Serving(router));
+  std::set<std::string> services = ReflectedServices(router);
+  EXPECT_TRUE(services.count("duet.v1.Duet")) << services.size();
+  EXPECT_TRUE(services.count("grpc.health.v1.Health"));
+  const std::vector<std::string>& workers = cluster.worker_addresses();
+  ASSERT_EQ(workers.size(), 2u);
+  EXPECT_TRUE(Serving(workers[0]));
+  EXPECT_TRUE(ReflectedServices(workers[0]).count("duet.v1.DecodeWorker"));
+  EXPECT_TRUE(Serving(workers[1]));
+  EXPECT_TRUE(ReflectedServices(workers[1]).count("duet.v1.PrefillWorker"));
 }
 
 TEST(ClusterTest, ReferenceGreedyCasesConcurrentlyMatchExactly) {

@@ -61,6 +61,8 @@ LocalCluster::LocalCluster(const ClusterOptions& options) {
   router_port_ = std::atoi(port->c_str());
   router_channel_ = grpc::CreateChannel(absl::StrCat("127.0.0.1:", router_port_), grpc::InsecureChannelCredentials());
   router_stub_ = v1::Duet::NewStub(router_channel_);
+  worker_addresses_ = decode_addrs;
+  worker_addresses_.insert(worker_addresses_.end(), prefill_addrs.begin(), prefill_addrs.end());
   for (const std::string& a : decode_addrs) {
     decode_stubs_.push_back(v1::DecodeWorker::NewStub(grpc::CreateChannel(a, grpc::InsecureChannelCredentials())));
   }

@@ -38,6 +38,8 @@ class LocalCluster {
   Subprocess& decode_process(int i) { return *decode_[size_t(i)]; }
   // With ClusterOptions::metrics: each process's /metrics port.
   int router_metrics_port() const { return router_metrics_port_; }
+  // host:port of every worker, decode then prefill.
+  const std::vector<std::string>& worker_addresses() const { return worker_addresses_; }
   const std::vector<int>& decode_metrics_ports() const { return decode_metrics_ports_; }
   const std::vector<int>& prefill_metrics_ports() const { return prefill_metrics_ports_; }
 
@@ -52,6 +54,7 @@ class LocalCluster {
   int router_port_ = 0;
   int router_metrics_port_ = -1;
   std::vector<int> decode_metrics_ports_, prefill_metrics_ports_;
+  std::vector<std::string> worker_addresses_;
 };
 
 // Everything one Generate stream returned.
