@@ -463,15 +463,8 @@ grpc::Status DecodeService::Abort(grpc::ServerContext*, const v1::WorkerAbortReq
 
 void DecodeService::RefreshMetrics() {
   const EngineStats stats = loop_->Stats();
-  metrics_->num_requests_running.Set(stats.num_running);
-  metrics_->num_requests_waiting.Set(stats.num_waiting);
-  metrics_->kv_cache_usage_perc.Set(
-      stats.num_kv_blocks > 0 ? double(stats.num_kv_blocks - stats.num_free_kv_blocks) / stats.num_kv_blocks : 0.0);
   absl::MutexLock lock(&metrics_mu_);
-  if (stats.num_preemptions > preemptions_seen_) {
-    metrics_->num_preemptions.Inc(double(stats.num_preemptions - preemptions_seen_));
-    preemptions_seen_ = stats.num_preemptions;
-  }
+  rpc::RecordEngineStats(stats, *metrics_, &preemptions_seen_);
 }
 
 std::string DecodeService::RenderMetrics() {
@@ -481,14 +474,7 @@ std::string DecodeService::RenderMetrics() {
 
 grpc::Status DecodeService::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
                                      v1::WorkerStats* response) {
-  const EngineStats stats = loop_->Stats();
-  response->set_role("decode");
-  response->set_num_requests_running(stats.num_running);
-  response->set_num_requests_waiting(stats.num_waiting);
-  response->set_num_kv_blocks(stats.num_kv_blocks);
-  response->set_num_free_kv_blocks(stats.num_free_kv_blocks);
-  response->set_num_preemptions(stats.num_preemptions);
-  response->set_block_size(block_size_);
+  rpc::FillWorkerStats(loop_->Stats(), "decode", block_size_, response);
   absl::MutexLock lock(&mu_);
   response->set_num_kv_leases(int32_t(by_transfer_.size()));
   return grpc::Status::OK;

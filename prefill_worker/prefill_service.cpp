@@ -290,15 +290,8 @@ grpc::Status PrefillService::Abort(grpc::ServerContext*, const v1::WorkerAbortRe
 
 void PrefillService::RefreshMetrics() {
   const EngineStats stats = loop_->Stats();
-  metrics_->num_requests_running.Set(stats.num_running);
-  metrics_->num_requests_waiting.Set(stats.num_waiting);
-  metrics_->kv_cache_usage_perc.Set(
-      stats.num_kv_blocks > 0 ? double(stats.num_kv_blocks - stats.num_free_kv_blocks) / stats.num_kv_blocks : 0.0);
   absl::MutexLock lock(&metrics_mu_);
-  if (stats.num_preemptions > preemptions_seen_) {
-    metrics_->num_preemptions.Inc(double(stats.num_preemptions - preemptions_seen_));
-    preemptions_seen_ = stats.num_preemptions;
-  }
+  rpc::RecordEngineStats(stats, *metrics_, &preemptions_seen_);
 }
 
 std::string PrefillService::RenderMetrics() {
@@ -308,15 +301,8 @@ std::string PrefillService::RenderMetrics() {
 
 grpc::Status PrefillService::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
                                       v1::WorkerStats* response) {
-  const EngineStats stats = loop_->Stats();
-  response->set_role("prefill");
-  response->set_num_requests_running(stats.num_running);
-  response->set_num_requests_waiting(stats.num_waiting);
-  response->set_num_kv_blocks(stats.num_kv_blocks);
-  response->set_num_free_kv_blocks(stats.num_free_kv_blocks);
+  rpc::FillWorkerStats(loop_->Stats(), "prefill", block_size_, response);
   response->set_num_kv_leases(0);
-  response->set_num_preemptions(stats.num_preemptions);
-  response->set_block_size(block_size_);
   return grpc::Status::OK;
 }
 

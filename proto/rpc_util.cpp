@@ -68,6 +68,28 @@ SampledToken FromProto(int32_t token_id, const v1::TokenLogprobs& logprobs) {
   return token;
 }
 
+void FillWorkerStats(const EngineStats& stats, const std::string& role, int32_t block_size,
+                     v1::WorkerStats* out) {
+  out->set_role(role);
+  out->set_num_requests_running(stats.num_running);
+  out->set_num_requests_waiting(stats.num_waiting);
+  out->set_num_kv_blocks(stats.num_kv_blocks);
+  out->set_num_free_kv_blocks(stats.num_free_kv_blocks);
+  out->set_num_preemptions(stats.num_preemptions);
+  out->set_block_size(block_size);
+}
+
+void RecordEngineStats(const EngineStats& stats, metrics::DuetMetrics& metrics, int64_t* preemptions_seen) {
+  metrics.num_requests_running.Set(stats.num_running);
+  metrics.num_requests_waiting.Set(stats.num_waiting);
+  metrics.kv_cache_usage_perc.Set(
+      stats.num_kv_blocks > 0 ? double(stats.num_kv_blocks - stats.num_free_kv_blocks) / stats.num_kv_blocks : 0.0);
+  if (stats.num_preemptions > *preemptions_seen) {
+    metrics.num_preemptions.Inc(double(stats.num_preemptions - *preemptions_seen));
+    *preemptions_seen = stats.num_preemptions;
+  }
+}
+
 std::vector<std::pair<std::string, int>> KeepaliveServerArgs() {
   return {
       {GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1},

@@ -10,6 +10,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "duet/v1/duet.pb.h"
+#include "duet/v1/worker.pb.h"
+#include "engine/llm_engine.h"
+#include "metrics/vllm_metrics.h"
 #include "engine/sampler.h"
 #include "engine/sampling_params.h"
 #include "grpcpp/grpcpp.h"
@@ -25,6 +28,13 @@ v1::SamplingOptions ToSamplingOptions(const SamplingParams& params);
 
 void ToProto(const SampledToken& token, v1::TokenLogprobs* out);
 SampledToken FromProto(int32_t token_id, const v1::TokenLogprobs& logprobs);
+
+// A worker's GetStats answer from its engine counters (leases are the caller's to add).
+void FillWorkerStats(const EngineStats& stats, const std::string& role, int32_t block_size,
+                     v1::WorkerStats* out);
+// Brings a worker's scheduler gauges and preemption counter up to `stats`; `preemptions_seen`
+// is the engine total already counted (the caller serializes calls).
+void RecordEngineStats(const EngineStats& stats, metrics::DuetMetrics& metrics, int64_t* preemptions_seen);
 
 // Server-side channel arguments so the router's keepalive pings (every second, also on idle
 // connections, to notice dead workers at once) are accepted rather than answered with GOAWAY
