@@ -1,0 +1,134 @@
+// Device building blocks shared by the paged decode and prefill attention kernels: cp.async
+// copies from the paged KV cache into swizzled shared-memory tiles, ldmatrix, and the bf16
+// tensor-core MMA m16n8k16 (fp32 accumulate), as inline PTX for sm_80+.
+//
+// Shared-memory tiles hold rows of head_dim bf16 (head_dim / 8 chunks of 16 bytes). Chunk c of
+// row r is stored at chunk c ^ (r % 8) so that the 8 row addresses of one ldmatrix 8x8 matrix
+// (same logical chunk, 8 consecutive rows) hit 8 different bank groups.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+// Launcher argument checks: a violated one is a caller bug, so report where and abort.
+#define DUET_ATTN_CHECK(cond)                                                          \
+  do {                                                                                 \
+    if (!(cond)) {                                                                     \
+      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond);   \
+      std::abort();                                                                    \
+    }                                                                                  \
+  } while (0)
+
+namespace duet::kernels::attention_detail {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Byte offset of (row, chunk) in a swizzled tile of `chunks_per_row` 16-byte chunks per row.
+template <int kChunksPerRow>
+__device__ __forceinline__ uint32_t SwizzledOffset(int row, int chunk) {
+  return uint32_t((row * kChunksPerRow + (chunk ^ (row & 7))) * 16);
+}
+
+__device__ __forceinline__ uint32_t SmemAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global->shared copy that bypasses L1; copies nothing and zero-fills when !valid
+// (src must still be a valid address).
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                           uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                                uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+// d[4] += A(16x16, row-major bf16, a[4]) * B(16x8, col-major bf16, b[2]); fp32 accumulators.
+// Fragment layout (lane = 4*group + quad): a0 (row g, k 2q..2q+1), a1 (row g+8), a2 (k+8),
+// a3 (row g+8, k+8); b0 (k 2q..2q+1, col g), b1 (k+8); d0,d1 (row g, col 2q..2q+1), d2,d3 (row g+8).
+__device__ __forceinline__ void MmaBf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x on the special-function unit (the softmax's only transcendental); 2^-inf = 0.
+__device__ __forceinline__ float Exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Max/sum over the 4 lanes of a quad (the lanes that share one accumulator row).
+__device__ __forceinline__ float QuadMax(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float QuadSum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Issues the cp.async copies of `kTileTokens` consecutive tokens [first_token, ...) of one KV
+// head from a paged cache ([num_blocks, num_kv_heads, block_size, head_dim]) into a swizzled
+// tile. Tokens at or past `end_token` are zero-filled, so masked columns hold zeros (never NaN
+// garbage that 0 * x would turn into NaN). Every thread of the block takes a share.
+template <int kHeadDim, int kTileTokens, int kThreads>
+__device__ __forceinline__ void LoadKvTile(uint32_t smem_tile, const __nv_bfloat16* __restrict__ cache,
+                                           const int32_t* __restrict__ block_table, int first_token,
+                                           int end_token, int kv_head, int num_kv_heads, int block_size_log2) {
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kChunks = kTileTokens * kChunksPerRow;
+  static_assert(kChunks % kThreads == 0, "tile chunks must divide evenly among threads");
+  const int block_mask = (1 << block_size_log2) - 1;
+#pragma unroll
+  for (int i = 0; i < kChunks / kThreads; ++i) {
+    const int chunk_id = i * kThreads + int(threadIdx.x);
+    const int row = chunk_id / kChunksPerRow;
+    const int chunk = chunk_id % kChunksPerRow;
+    const int token = first_token + row;
+    const bool valid = token < end_token;
+    const __nv_bfloat16* src = cache;
+    if (valid) {
+      const int64_t block = block_table[token >> block_size_log2];
+      src = cache + (((block * num_kv_heads + kv_head) << block_size_log2) + (token & block_mask)) * kHeadDim +
+            chunk * 8;
+    }
+    CpAsync16(smem_tile + SwizzledOffset<kChunksPerRow>(row, chunk), src, valid);
+  }
+}
+
+inline int Log2OfPowerOfTwo(int x) {
+  int log2 = 0;
+  while ((1 << log2) < x) ++log2;
+  DUET_ATTN_CHECK((1 << log2) == x);
+  return log2;
+}
+
+}  // namespace duet::kernels::attention_detail

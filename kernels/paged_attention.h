@@ -1,0 +1,48 @@
+// Paged decode attention: one new query token per sequence against its paged KV cache.
+//
+// GQA-aware (each CTA serves up to 16 query heads of one KV head, so every KV block is read once
+// for all of them), split-KV ("flash-decoding") with a log-sum-exp merge for long contexts and
+// small batches, cp.async triple-buffered 64-token tiles, bf16 tensor-core math, fp32 softmax and
+// accumulation. head_dim 64 or 128; block_size any power of two.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace duet::kernels {
+
+struct PagedDecodeAttentionParams {
+  const __nv_bfloat16* q;        // [num_seqs, num_q_heads, head_dim] (one new token per sequence, RoPE applied)
+  const __nv_bfloat16* k_cache;  // [num_blocks, num_kv_heads, block_size, head_dim]
+  const __nv_bfloat16* v_cache;  // same
+  const int32_t* block_tables;   // [num_seqs, max_blocks_per_seq]
+  const int32_t* context_lens;   // [num_seqs] tokens in the cache incl. the new one (its K/V already written)
+  __nv_bfloat16* out;            // [num_seqs, num_q_heads, head_dim]
+  int num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks_per_seq;
+  float scale;                   // usually 1/sqrt(head_dim)
+  float* workspace;              // split-KV partial outputs + log-sum-exp; size from the plan
+};
+
+// How a decode launch splits each sequence's context. Valid for every batch of at most the
+// planned num_seqs whose context_lens are all <= the planned max_context_len (so the launch can
+// be captured once in a CUDA graph): splits past a sequence's end exit at once and the merge
+// reads only the splits a sequence has. A sequence with context_len 0 gets zeros.
+struct PagedDecodeAttentionPlan {
+  int num_splits;          // CTAs along each sequence's context (1: no workspace, no merge)
+  int tokens_per_split;    // a multiple of the 64-token tile
+  size_t workspace_bytes;  // float partials [num_seqs, num_q_heads, num_splits, head_dim] + LSE
+};
+
+PagedDecodeAttentionPlan PlanPagedDecodeAttention(int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
+                                                  int max_context_len, int num_sms);
+
+// Enqueues the attention (and, for num_splits > 1, the merge) on `stream`. Aborts on arguments
+// that break the contract above (unsupported head_dim, block_size not a power of two, missing
+// workspace); a context_len beyond the plan traps the kernel.
+void PagedDecodeAttention(const PagedDecodeAttentionParams& params, const PagedDecodeAttentionPlan& plan,
+                          cudaStream_t stream);
+
+}  // namespace duet::kernels

@@ -1,0 +1,37 @@
+// Prefill (and chunked-prefill) flash attention over the paged KV cache: packed variable-length
+// queries, causal with a per-sequence offset, GQA. FA2-style: 128 query rows per CTA (32 per
+// warp), 64-token K/V tiles double-buffered with cp.async straight from the paged cache, bf16
+// tensor-core MMA (mma.sync m16n8k16, ldmatrix), online softmax in fp32, causal tile skipping.
+// head_dim 64 or 128; block_size any power of two.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace duet::kernels {
+
+struct PrefillAttentionParams {
+  const __nv_bfloat16* q;        // [num_q_tokens, num_q_heads, head_dim] (packed varlen, RoPE applied)
+  const __nv_bfloat16* k_cache;  // [num_blocks, num_kv_heads, block_size, head_dim] (this step's K/V already written)
+  const __nv_bfloat16* v_cache;  // same
+  const int32_t* block_tables;   // [num_seqs, max_blocks_per_seq]
+  const int32_t* q_start;        // [num_seqs + 1] prefix sums of query tokens per sequence
+  const int32_t* context_lens;   // [num_seqs] tokens in cache incl. this step's
+  __nv_bfloat16* out;            // [num_q_tokens, num_q_heads, head_dim]
+  int num_seqs, num_q_tokens, max_q_len, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks_per_seq;
+  float scale;
+};
+
+// Query i of sequence s (q_len = q_start[s+1] - q_start[s]) sits at position
+// context_lens[s] - q_len + i and attends to cache positions [0, that position].
+// max_q_len must bound every sequence's q_len (it sizes the grid).
+void PrefillAttention(const PrefillAttentionParams& params, cudaStream_t stream);
+
+namespace internal {
+// PrefillAttention with an explicit K/V tile of 32 or 64 keys, for the benchmark to compare.
+void PrefillAttentionWithKeyTile(const PrefillAttentionParams& params, int key_tile, cudaStream_t stream);
+}  // namespace internal
+
+}  // namespace duet::kernels
