@@ -95,34 +95,54 @@ __device__ __forceinline__ float QuadSum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Issues the cp.async copies of `kTileTokens` consecutive tokens [first_token, ...) of one KV
-// head from a paged cache ([num_blocks, num_kv_heads, block_size, head_dim]) into a swizzled
-// tile. Tokens at or past `end_token` are zero-filled, so masked columns hold zeros (never NaN
-// garbage that 0 * x would turn into NaN). Every thread of the block takes a share.
+// Copies K and V tiles of `kTileTokens` consecutive tokens of one KV head from the paged caches
+// ([num_blocks, num_kv_heads, block_size, head_dim]) into swizzled shared-memory tiles with
+// cp.async, every thread of the block taking a share. Two phases, so that the block-table read
+// of the next tile is in flight while the current one is computed: Prefetch(tile) reads the
+// block ids of this thread's rows into registers, Issue(tile) starts the copies. Tokens at or
+// past `end_token` are zero-filled, so masked columns hold zeros (never NaN garbage that 0 * x
+// would turn into NaN). K and V share the address arithmetic (same layout).
 template <int kHeadDim, int kTileTokens, int kThreads>
-__device__ __forceinline__ void LoadKvTile(uint32_t smem_tile, const __nv_bfloat16* __restrict__ cache,
-                                           const int32_t* __restrict__ block_table, int first_token,
-                                           int end_token, int kv_head, int num_kv_heads, int block_size_log2) {
-  constexpr int kChunksPerRow = kHeadDim / 8;
-  constexpr int kChunks = kTileTokens * kChunksPerRow;
-  static_assert(kChunks % kThreads == 0, "tile chunks must divide evenly among threads");
-  const int block_mask = (1 << block_size_log2) - 1;
+struct PagedKvTileLoader {
+  static constexpr int kChunksPerRow = kHeadDim / 8;
+  static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  static constexpr int kPasses = kTileTokens / kRowsPerPass;
+  static_assert(kThreads % kChunksPerRow == 0 && kTileTokens % kRowsPerPass == 0, "tile must split evenly");
+
+  const __nv_bfloat16* __restrict__ k_cache;
+  const __nv_bfloat16* __restrict__ v_cache;
+  const int32_t* __restrict__ block_table;  // this sequence's row
+  int end_token, kv_head, num_kv_heads, block_size_log2;
+  int32_t blocks[kPasses];  // block ids of this thread's rows of the prefetched tile
+
+  __device__ __forceinline__ void Prefetch(int first_token) {
+    const int row0 = int(threadIdx.x) / kChunksPerRow;
 #pragma unroll
-  for (int i = 0; i < kChunks / kThreads; ++i) {
-    const int chunk_id = i * kThreads + int(threadIdx.x);
-    const int row = chunk_id / kChunksPerRow;
-    const int chunk = chunk_id % kChunksPerRow;
-    const int token = first_token + row;
-    const bool valid = token < end_token;
-    const __nv_bfloat16* src = cache;
-    if (valid) {
-      const int64_t block = block_table[token >> block_size_log2];
-      src = cache + (((block * num_kv_heads + kv_head) << block_size_log2) + (token & block_mask)) * kHeadDim +
-            chunk * 8;
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int token = first_token + pass * kRowsPerPass + row0;
+      blocks[pass] = token < end_token ? block_table[token >> block_size_log2] : 0;
     }
-    CpAsync16(smem_tile + SwizzledOffset<kChunksPerRow>(row, chunk), src, valid);
   }
-}
+
+  __device__ __forceinline__ void Issue(uint32_t k_tile, uint32_t v_tile, int first_token) const {
+    const int row0 = int(threadIdx.x) / kChunksPerRow, chunk = int(threadIdx.x) % kChunksPerRow;
+    const int slot_mask = (1 << block_size_log2) - 1;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int row = pass * kRowsPerPass + row0;
+      const int token = first_token + row;
+      const bool valid = token < end_token;
+      const int64_t offset =
+          valid ? (((int64_t(blocks[pass]) * num_kv_heads + kv_head) << block_size_log2) + (token & slot_mask)) *
+                          kHeadDim +
+                      chunk * 8
+                : 0;
+      const uint32_t dst = SwizzledOffset<kChunksPerRow>(row, chunk);
+      CpAsync16(k_tile + dst, k_cache + offset, valid);
+      CpAsync16(v_tile + dst, v_cache + offset, valid);
+    }
+  }
+};
 
 inline int Log2OfPowerOfTwo(int x) {
   int log2 = 0;

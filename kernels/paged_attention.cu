@@ -71,19 +71,20 @@ __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const PagedDecodeA
   const int32_t* block_table = p.block_tables + size_t(seq) * p.max_blocks_per_seq;
   const uint32_t smem_base = SmemAddress(smem);
 
-  auto load_tile = [&](int tile) {
+  PagedKvTileLoader<kHeadDim, kTileTokens, kThreads> loader{p.k_cache, p.v_cache, block_table, split_end, kv_head,
+                                                            p.num_kv_heads, block_size_log2};
+  auto tile_first_token = [&](int tile) { return split_begin + tile * kTileTokens; };
+  auto issue_tile = [&](int tile) {
     const uint32_t stage = smem_base + uint32_t(tile % kStages) * 2 * kTileBytes;
-    const int first_token = split_begin + tile * kTileTokens;
-    LoadKvTile<kHeadDim, kTileTokens, kThreads>(stage, p.k_cache, block_table, first_token, split_end, kv_head,
-                                                p.num_kv_heads, block_size_log2);
-    LoadKvTile<kHeadDim, kTileTokens, kThreads>(stage + kTileBytes, p.v_cache, block_table, first_token, split_end,
-                                                kv_head, p.num_kv_heads, block_size_log2);
+    loader.Issue(stage, stage + kTileBytes, tile_first_token(tile));
   };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_tiles) load_tile(s);
+    loader.Prefetch(tile_first_token(s));
+    if (s < num_tiles) issue_tile(s);
     CpAsyncCommit();
   }
+  loader.Prefetch(tile_first_token(kStages - 1));
 
   // Query A-fragments straight from global memory (rows = heads; rows past the group are 0).
   uint32_t q_frag[kKSteps][4];
@@ -112,8 +113,9 @@ __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const PagedDecodeA
   for (int tile = 0; tile < num_tiles; ++tile) {
     CpAsyncWait<kStages - 2>();
     __syncthreads();  // tile ready for all; every warp is done with the stage refilled below
-    if (tile + kStages - 1 < num_tiles) load_tile(tile + kStages - 1);
+    if (tile + kStages - 1 < num_tiles) issue_tile(tile + kStages - 1);
     CpAsyncCommit();
+    loader.Prefetch(tile_first_token(tile + kStages));  // its block ids arrive during this tile's math
 
     const uint32_t k_tile = smem_base + uint32_t(tile % kStages) * 2 * kTileBytes;
     const uint32_t v_tile = k_tile + kTileBytes;

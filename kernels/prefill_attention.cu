@@ -15,13 +15,17 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kBlockM = 128;            // query rows per CTA
 constexpr int kMTiles = 2;              // 16-row MMA tiles per warp (32 rows: each K/V fragment feeds 2 MMAs)
 static_assert(kWarps * kMTiles * 16 == kBlockM);
-constexpr int kDefaultKeyTile = 64;
+constexpr int kDefaultKeyTile = 32;  // measured faster on H200 at head_dim 128 (no spills)
 
 // kBlockN: keys per K/V tile (64 halves the per-tile overhead, 32 halves the score registers).
+// K/V pipeline depth: 3 stages where 2 CTAs still fit an SM's shared memory, else 2.
 template <int kHeadDim, int kBlockN>
-constexpr int SmemBytes() {
-  // Q tile + 2 stages of (K tile, V tile).
-  return (kBlockM + 2 * 2 * kBlockN) * kHeadDim * int(sizeof(__nv_bfloat16));
+constexpr int KvStages() {
+  return (kBlockM + 3 * 2 * kBlockN) * kHeadDim * int(sizeof(__nv_bfloat16)) <= 112 * 1024 ? 3 : 2;
+}
+template <int kHeadDim, int kBlockN>
+constexpr int SmemBytes() {  // Q tile + stages of (K tile, V tile)
+  return (kBlockM + KvStages<kHeadDim, kBlockN>() * 2 * kBlockN) * kHeadDim * int(sizeof(__nv_bfloat16));
 }
 
 // grid: x = query head (heads of one KV head are neighbours, so their K/V reads meet in L2),
@@ -69,15 +73,20 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(const PrefillAttent
       CpAsync16(q_smem + SwizzledOffset<kChunksPerRow>(row, chunk), src, valid);
     }
   }
-  auto load_tile = [&](int tile) {
-    const uint32_t stage = kv_smem + uint32_t(tile % 2) * 2 * kKvTileBytes;
-    LoadKvTile<kHeadDim, kBlockN, kThreads>(stage, p.k_cache, block_table, tile * kBlockN, kv_end, kv_head,
-                                            p.num_kv_heads, block_size_log2);
-    LoadKvTile<kHeadDim, kBlockN, kThreads>(stage + kKvTileBytes, p.v_cache, block_table, tile * kBlockN, kv_end,
-                                            kv_head, p.num_kv_heads, block_size_log2);
+  PagedKvTileLoader<kHeadDim, kBlockN, kThreads> loader{p.k_cache, p.v_cache, block_table, kv_end, kv_head,
+                                                        p.num_kv_heads, block_size_log2};
+  constexpr int kStages = KvStages<kHeadDim, kBlockN>();
+  auto issue_tile = [&](int tile) {
+    const uint32_t stage = kv_smem + uint32_t(tile % kStages) * 2 * kKvTileBytes;
+    loader.Issue(stage, stage + kKvTileBytes, tile * kBlockN);
   };
-  load_tile(0);
-  CpAsyncCommit();
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {  // the first group also carries the Q tile
+    loader.Prefetch(s * kBlockN);
+    if (s < num_tiles) issue_tile(s);
+    CpAsyncCommit();
+  }
+  loader.Prefetch((kStages - 1) * kBlockN);
 
   // Per-lane ldmatrix offsets. A fragment's row is (multiple of 8) + lane part and its chunk is
   // (even step) + lane bit, so its swizzled offset is lane_offset ^ (step chunk << 4) plus a row
@@ -106,15 +115,15 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(const PrefillAttent
   }
 
   for (int tile = 0; tile < num_tiles; ++tile) {
-    // The stage refilled here was last read in iteration tile - 1, which ended in a barrier.
-    if (tile + 1 < num_tiles) load_tile(tile + 1);
+    CpAsyncWait<kStages - 2>();
+    __syncthreads();  // tile ready for all; every warp is done with the stage refilled below
+    if (tile + kStages - 1 < num_tiles) issue_tile(tile + kStages - 1);
     CpAsyncCommit();
-    CpAsyncWait<1>();
-    __syncthreads();
+    loader.Prefetch((tile + kStages) * kBlockN);  // its block ids arrive during this tile's math
 
     const int tile_start = tile * kBlockN;
     if (warp_has_rows && tile_start <= warp_last_pos) {
-      const uint32_t k_tile = kv_smem + uint32_t(tile % 2) * 2 * kKvTileBytes;
+      const uint32_t k_tile = kv_smem + uint32_t(tile % kStages) * 2 * kKvTileBytes;
       const uint32_t v_tile = k_tile + kKvTileBytes;
 
       // S = Q K^T for this warp's 32 rows x 64 keys.
@@ -144,6 +153,8 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(const PrefillAttent
 
       // Causal mask (only tiles that reach past the warp's first position) and online softmax.
       const bool needs_mask = tile_start + kBlockN - 1 > warp_first_pos;
+      float rescale[kMTiles][2];
+      bool any_rescale = false;
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -162,7 +173,8 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(const PrefillAttent
           tile_max = QuadMax(tile_max);
           const float new_max = fmaxf(row_max[mt][half], tile_max);
           const float base = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-          const float rescale = Exp2(row_max[mt][half] * scale_log2 - base);
+          rescale[mt][half] = Exp2(row_max[mt][half] * scale_log2 - base);
+          any_rescale |= rescale[mt][half] != 1.f;
           row_max[mt][half] = new_max;
           float sum = 0.f;
 #pragma unroll
@@ -174,11 +186,19 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(const PrefillAttent
               sum += x;
             }
           }
-          row_sum[mt][half] = row_sum[mt][half] * rescale + sum;
+          row_sum[mt][half] = row_sum[mt][half] * rescale[mt][half] + sum;
+        }
+      }
+      // Row maxima settle after the first tiles: skip rescaling O when no row of the warp moved.
+      if (__any_sync(0xffffffffu, any_rescale)) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
           for (int n = 0; n < kDTiles; ++n) {
-            acc[mt][n][half * 2] *= rescale;
-            acc[mt][n][half * 2 + 1] *= rescale;
+            acc[mt][n][0] *= rescale[mt][0];
+            acc[mt][n][1] *= rescale[mt][0];
+            acc[mt][n][2] *= rescale[mt][1];
+            acc[mt][n][3] *= rescale[mt][1];
           }
         }
       }
@@ -206,7 +226,6 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(const PrefillAttent
         }
       }
     }
-    __syncthreads();
   }
 
 #pragma unroll
