@@ -57,9 +57,9 @@ struct SampleOutput {
   std::vector<float> logprobs;
 };
 
-// SampleTokens over logits [rows, vocab] with one Filters per row, seed `seed` for every row and
-// offsets first_offset + r.
-SampleOutput Sample(const std::vector<float>& logits, int vocab, const std::vector<Filters>& filters, uint64_t seed,
+// SampleTokens over device logits [rows, vocab] with one Filters per row, seed `seed` for every
+// row and offsets first_offset + r.
+SampleOutput Sample(const float* logits, int vocab, const std::vector<Filters>& filters, uint64_t seed,
                     uint64_t first_offset) {
   const int rows = int(filters.size());
   std::vector<float> temperature(rows), top_p(rows), min_p(rows);
@@ -72,18 +72,37 @@ SampleOutput Sample(const std::vector<float>& logits, int vocab, const std::vect
     min_p[r] = filters[r].min_p;
     offsets[r] = first_offset + r;
   }
-  DeviceBuffer<float> d_logits(logits), d_temperature(temperature), d_top_p(top_p), d_min_p(min_p);
+  DeviceBuffer<float> d_temperature(temperature), d_top_p(top_p), d_min_p(min_p);
   DeviceBuffer<int32_t> d_top_k(top_k);
   DeviceBuffer<uint64_t> d_seeds(seeds), d_offsets(offsets);
   DeviceBuffer<int32_t> d_tokens(rows);
   DeviceBuffer<float> d_logprobs(rows);
   d_tokens.Poison();
   d_logprobs.Poison();
-  SamplingParams p{d_logits.get(), rows,          vocab,          d_temperature.get(), d_top_k.get(), d_top_p.get(),
-                   d_min_p.get(),  d_seeds.get(), d_offsets.get(), d_tokens.get(),      d_logprobs.get()};
+  SamplingParams p{logits,        rows,          vocab,           d_temperature.get(), d_top_k.get(), d_top_p.get(),
+                   d_min_p.get(), d_seeds.get(), d_offsets.get(), d_tokens.get(),      d_logprobs.get()};
   SampleTokens(p, nullptr);
   DUET_CUDA_CHECK(cudaDeviceSynchronize());
   return {d_tokens.Download(), d_logprobs.Download()};
+}
+SampleOutput Sample(const std::vector<float>& logits, int vocab, const std::vector<Filters>& filters, uint64_t seed,
+                    uint64_t first_offset) {
+  const DeviceBuffer<float> d_logits(logits);
+  return Sample(d_logits.get(), vocab, filters, seed, first_offset);
+}
+
+// Draws `draws` tokens from copies of one row (seed 77, offsets 0 .. draws - 1), uploading at
+// most `rows_per_launch` copies once.
+std::vector<int32_t> DrawMany(const std::vector<float>& row, const Filters& f, int draws, int rows_per_launch) {
+  const int vocab = int(row.size());
+  const DeviceBuffer<float> copies(Repeat(row, std::min(draws, rows_per_launch)));
+  std::vector<int32_t> tokens;
+  for (int first = 0; first < draws; first += rows_per_launch) {
+    const int rows = std::min(rows_per_launch, draws - first);
+    const SampleOutput out = Sample(copies.get(), vocab, std::vector<Filters>(rows, f), 77, uint64_t(first));
+    tokens.insert(tokens.end(), out.tokens.begin(), out.tokens.end());
+  }
+  return tokens;
 }
 
 std::vector<double> Reference(const std::vector<float>& row, const Filters& f) {
@@ -304,13 +323,7 @@ void CheckDistribution(int vocab, float stddev, const Filters& f, int draws, uin
     ASSERT_LT(tries, 100);
     row = NormalLogits(vocab, ++seed, stddev);
   }
-  std::vector<int32_t> tokens;
-  for (int first = 0; first < draws; first += rows_per_launch) {
-    const int rows = std::min(rows_per_launch, draws - first);
-    const SampleOutput out = Sample(Repeat(row, rows), vocab, std::vector<Filters>(rows, f), 77, uint64_t(first));
-    tokens.insert(tokens.end(), out.tokens.begin(), out.tokens.end());
-  }
-  ExpectDistribution(tokens, Reference(row, f));
+  ExpectDistribution(DrawMany(row, f, draws, rows_per_launch), Reference(row, f));
 }
 
 TEST(SampleTokens, Fp32ChiSquareSmallVocab) {
@@ -366,12 +379,7 @@ void CheckLargeSet(const Filters& f, uint64_t seed) {
     row = DistinctLogits(vocab, ++seed, -0.5f, 0.5f);
   }
   const std::vector<double> probs = Reference(row, f);
-  std::vector<int32_t> tokens;
-  const int draws = 4096, rows_per_launch = 512;
-  for (int first = 0; first < draws; first += rows_per_launch) {
-    const SampleOutput out = Sample(Repeat(row, rows_per_launch), vocab, std::vector<Filters>(rows_per_launch, f), 5, first);
-    tokens.insert(tokens.end(), out.tokens.begin(), out.tokens.end());
-  }
+  const std::vector<int32_t> tokens = DrawMany(row, f, /*draws=*/4096, /*rows_per_launch=*/512);
   // Groups: kept tokens ranked by logit, cut into 10 equal-count groups.
   std::vector<int32_t> kept;
   for (int t = 0; t < vocab; ++t) {
@@ -409,7 +417,7 @@ TEST(SampleTokens, Fp32LargeTopPBeyondCandidateBuffer) {
 TEST(SampleTokens, Fp32FiltersNeverLeakLlama8bVocab) {
   DUET_SKIP_WITHOUT_GPU();
   // Many different rows (fresh logits each), every draw inside the reference's kept set.
-  const int rows = 256;
+  const int rows = 128;
   for (const Filters& f : {Filters{1.f, 50}, Filters{1.f, 0, 0.9f}, Filters{0.7f, 0, 1.f, 0.1f},
                            Filters{1.5f, 1000, 0.95f}, Filters{1.f, 3}, Filters{1.f, 20000}}) {
     SCOPED_TRACE(::testing::Message() << "T " << f.temperature << " top_k " << f.top_k << " top_p " << f.top_p
