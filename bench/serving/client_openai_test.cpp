@@ -1,0 +1,120 @@
+#include "bench/serving/client_openai.h"
+
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace duet::bench {
+namespace {
+
+TEST(SseParser, EventsSplitAcrossReads) {
+  SseParser sse;
+  EXPECT_TRUE(sse.Feed("data: {\"a\"").empty());
+  EXPECT_TRUE(sse.Feed(":1}\n").empty());
+  EXPECT_EQ(sse.Feed("\ndata: [DO"), std::vector<std::string>{"{\"a\":1}"});
+  EXPECT_EQ(sse.Feed("NE]\n\n"), std::vector<std::string>{"[DONE]"});
+}
+
+TEST(SseParser, CrLfCommentsFieldsAndMultiLineData) {
+  SseParser sse;
+  const std::vector<std::string> events =
+      sse.Feed(": keep-alive\r\n\r\nevent: message\r\ndata: one\r\ndata:two\r\nid: 7\r\n\r\ndata: x\n\ndata: y\n\n");
+  EXPECT_EQ(events, (std::vector<std::string>{"one\ntwo", "x", "y"}));
+}
+
+TEST(CompletionStream, CompletionsChunksUsageAndDone) {
+  CompletionStream stream(/*chat=*/false);
+  auto chunk = [](const std::string& text) {
+    return nlohmann::json{{"choices", {{{"index", 0}, {"text", text}, {"finish_reason", nullptr}}}}, {"usage", nullptr}}.dump();
+  };
+  EXPECT_TRUE(stream.OnEvent(chunk("def"), 0.1).ok());
+  EXPECT_TRUE(stream.OnEvent(chunk(""), 0.12).ok());  // no output: not a chunk for TTFT/ITL
+  EXPECT_TRUE(stream.OnEvent(chunk(" f(x)"), 0.2).ok());
+  EXPECT_TRUE(stream.OnEvent(R"({"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":5,"total_tokens":17}})", 0.21).ok());
+  EXPECT_FALSE(stream.done());
+  EXPECT_TRUE(stream.OnEvent("[DONE]", 0.25).ok());
+  EXPECT_TRUE(stream.done());
+  const RequestResult r = stream.Finish(0.3, absl::OkStatus());
+  EXPECT_TRUE(r.success) << r.error;
+  EXPECT_EQ(r.chunk_times, (std::vector<double>{0.1, 0.2}));
+  EXPECT_EQ(r.prompt_tokens, 12);
+  EXPECT_EQ(r.output_tokens, 5);
+  EXPECT_DOUBLE_EQ(r.latency, 0.25);
+}
+
+TEST(CompletionStream, ChatDeltas) {
+  CompletionStream stream(/*chat=*/true);
+  EXPECT_TRUE(stream.OnEvent(R"({"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]})", 0.1).ok());
+  EXPECT_TRUE(stream.OnEvent(R"({"choices":[{"index":0,"delta":{"content":"Hello"}}]})", 0.2).ok());
+  EXPECT_TRUE(stream.OnEvent(R"({"choices":[{"index":0,"delta":{},"finish_reason":"length"}]})", 0.3).ok());
+  EXPECT_TRUE(stream.OnEvent(R"({"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}})", 0.3).ok());
+  EXPECT_TRUE(stream.OnEvent("[DONE]", 0.31).ok());
+  const RequestResult r = stream.Finish(0.31, absl::OkStatus());
+  EXPECT_TRUE(r.success) << r.error;
+  EXPECT_EQ(r.chunk_times, std::vector<double>{0.2});
+  EXPECT_EQ(r.output_tokens, 1);
+}
+
+TEST(CompletionStream, Failures) {
+  {
+    CompletionStream stream(false);
+    absl::Status s = stream.OnEvent(R"({"error":{"message":"worker died","type":"server_error"}})", 0.1);
+    EXPECT_NE(s.message().find("worker died"), absl::string_view::npos);
+    const RequestResult r = stream.Finish(0.2, s);
+    EXPECT_FALSE(r.success);
+    EXPECT_NE(r.error.find("worker died"), std::string::npos);
+    EXPECT_DOUBLE_EQ(r.latency, 0.2);
+  }
+  {
+    CompletionStream stream(false);
+    EXPECT_FALSE(stream.OnEvent("{not json", 0.1).ok());
+  }
+  {
+    CompletionStream stream(false);  // no usage chunk
+    EXPECT_TRUE(stream.OnEvent(R"({"choices":[{"text":"a"}]})", 0.1).ok());
+    EXPECT_TRUE(stream.OnEvent("[DONE]", 0.2).ok());
+    const RequestResult r = stream.Finish(0.2, absl::OkStatus());
+    EXPECT_FALSE(r.success);
+    EXPECT_NE(r.error.find("include_usage"), std::string::npos);
+  }
+  {
+    CompletionStream stream(false);  // cut off before [DONE]
+    EXPECT_TRUE(stream.OnEvent(R"({"choices":[{"text":"a"}]})", 0.1).ok());
+    EXPECT_NE(stream.Finish(0.2, absl::OkStatus()).error.find("[DONE]"), std::string::npos);
+  }
+}
+
+TEST(OpenAiClient, RequestBodies) {
+  OpenAiClientOptions options;
+  options.model = "tiny";
+  ClientRequest request{.prompt = "x = ", .max_tokens = 9, .ignore_eos = true};
+  nlohmann::json body = nlohmann::json::parse(OpenAiClient::RequestBody(options, request));
+  EXPECT_EQ(body["model"], "tiny");
+  EXPECT_EQ(body["prompt"], "x = ");
+  EXPECT_EQ(body["max_tokens"], 9);
+  EXPECT_EQ(body["temperature"], 0.0);
+  EXPECT_EQ(body["stream"], true);
+  EXPECT_EQ(body["stream_options"]["include_usage"], true);
+  EXPECT_EQ(body["ignore_eos"], true);
+  options.chat = true;
+  request.ignore_eos = false;
+  body = nlohmann::json::parse(OpenAiClient::RequestBody(options, request));
+  EXPECT_EQ(body["messages"], nlohmann::json::parse(R"([{"role":"user","content":"x = "}])"));
+  EXPECT_EQ(body["max_completion_tokens"], 9);
+  EXPECT_FALSE(body.contains("prompt"));
+  EXPECT_FALSE(body.contains("ignore_eos"));
+}
+
+TEST(OpenAiClient, BadSettings) {
+  OpenAiClientOptions options;
+  options.model = "m";
+  for (const char* url : {"127.0.0.1:8000", "https://example.com", "http://:80", "http://host:99999", "http://host:x"}) {
+    options.base_url = url;
+    EXPECT_FALSE(OpenAiClient::Create(options).ok()) << url;
+  }
+  options.base_url = "http://127.0.0.1:8000";
+  options.model.clear();
+  EXPECT_FALSE(OpenAiClient::Create(options).ok());
+}
+
+}  // namespace
+}  // namespace duet::bench

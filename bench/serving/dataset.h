@@ -1,0 +1,55 @@
+// Benchmark workloads: what each request sends and how many tokens it asks for.
+//   random         prompts of random tokens with lengths uniform in
+//                  [input_len·(1−range_ratio), input_len·(1+range_ratio)] (the same for outputs),
+//                  exact in tokens of the model's tokenizer
+//   jsonl          a file of {"prompt": str, "output_len"?: int} lines (also "max_tokens")
+//   sharegpt       a ShareGPT JSON file: [{"conversations": [{"from", "value"}, ...]}, ...]; the
+//                  first human turn is the prompt, the reply's token count the output length
+//   shared-prefix  num_prefix_groups long "system prompts" of prefix_len tokens; each request is
+//                  one of them followed by its own input_len-token question
+//   code           code completion: a source file under code_dir cut at a random line, the last
+//                  input_len tokens before the cut as the prompt
+// A file that is missing, malformed or has no usable entries is an error naming what is wrong.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/tokenizer.h"
+
+namespace duet::bench {
+
+struct BenchRequest {
+  std::string prompt;
+  int prompt_tokens = 0;  // by our tokenizer, without special tokens; 0 when there is none
+  int output_tokens = 0;  // max_tokens to ask for
+};
+
+enum class DatasetKind { kRandom, kJsonl, kShareGpt, kSharedPrefix, kCode };
+absl::StatusOr<DatasetKind> ParseDatasetKind(const std::string& name);
+
+struct DatasetOptions {
+  DatasetKind kind = DatasetKind::kRandom;
+  std::string path;       // jsonl, sharegpt
+  std::string code_dir;   // code
+  int num_prompts = 100;
+  int input_len = 256;
+  int output_len = 128;
+  // jsonl, sharegpt: use output_len instead of each entry's own length (sharegpt without a
+  // tokenizer needs it).
+  bool fixed_output_len = false;
+  double range_ratio = 0;  // [0, 1)
+  int prefix_len = 512;    // shared-prefix
+  int num_prefix_groups = 4;
+  uint64_t seed = 0;
+  // Needed by random, shared-prefix and code; optional for jsonl and sharegpt.
+  const Tokenizer* tokenizer = nullptr;
+};
+
+// Exactly num_prompts requests. jsonl keeps the file's order; sharegpt is shuffled by the seed;
+// a file with fewer usable entries than num_prompts is cycled.
+absl::StatusOr<std::vector<BenchRequest>> LoadDataset(const DatasetOptions& options);
+
+}  // namespace duet::bench

@@ -1,0 +1,222 @@
+// duet-bench: a serving benchmark client, after vLLM's benchmark_serving. Sends a workload to a
+// Duet router (gRPC) or any OpenAI-compatible HTTP server on an arrival schedule, and reports
+// throughput, TTFT, TPOT, ITL, E2EL and goodput.
+//
+//   duet-bench --backend duet-grpc --base-url 127.0.0.1:50051 --tokenizer models/tiny-code-llama
+//              --dataset random --input-len 128 --output-len 64 --num-prompts 100 --request-rate 4
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+
+#include "CLI/CLI.hpp"
+#include "bench/serving/arrival.h"
+#include "bench/serving/client_grpc.h"
+#include "bench/serving/client_openai.h"
+#include "bench/serving/dataset.h"
+#include "bench/serving/metrics.h"
+#include "bench/serving/progress.h"
+#include "bench/serving/report.h"
+#include "engine/tokenizer.h"
+
+namespace duet::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Streams per gRPC channel before another channel (connection) is opened.
+constexpr int kStreamsPerChannel = 100;
+constexpr int kMaxChannels = 16;
+constexpr int kMaxErrorsShown = 5;
+
+struct Flags {
+  std::string backend = "duet-grpc";
+  std::string base_url;
+  std::string model;
+  std::string dataset = "random";
+  std::string dataset_path, code_dir, tokenizer, api_key, result_json;
+  int input_len = 1024, output_len = 128, num_prompts = 1000, max_concurrency = 0;
+  int prefix_len = 512, num_prefix_groups = 4;
+  double range_ratio = 0, request_rate = std::numeric_limits<double>::infinity(), burstiness = 1;
+  uint64_t seed = 0;
+  bool ignore_eos = false;
+  bool output_len_given = false;
+  std::vector<std::string> goodput;
+};
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "duet-bench: %s\n", std::string(status.message()).c_str());
+  return 1;
+}
+
+absl::StatusOr<std::unique_ptr<Client>> MakeClient(const Flags& f) {
+  if (f.backend == "duet-grpc") {
+    GrpcClientOptions o;
+    o.address = f.base_url.empty() ? "127.0.0.1:50051" : f.base_url;
+    o.api_key = f.api_key;
+    const int in_flight = f.max_concurrency > 0 ? std::min(f.max_concurrency, f.num_prompts) : f.num_prompts;
+    o.num_channels = std::clamp((in_flight + kStreamsPerChannel - 1) / kStreamsPerChannel, 1, kMaxChannels);
+    absl::StatusOr<std::unique_ptr<GrpcClient>> client = GrpcClient::Create(o);
+    if (!client.ok()) return client.status();
+    return std::unique_ptr<Client>(std::move(*client));
+  }
+  if (f.backend == "openai-completions" || f.backend == "openai-chat") {
+    OpenAiClientOptions o;
+    o.base_url = f.base_url.empty() ? "http://127.0.0.1:8000" : f.base_url;
+    o.chat = f.backend == "openai-chat";
+    o.model = f.model;
+    o.api_key = f.api_key;
+    absl::StatusOr<std::unique_ptr<OpenAiClient>> client = OpenAiClient::Create(o);
+    if (!client.ok()) return client.status();
+    return std::unique_ptr<Client>(std::move(*client));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown --backend '", f.backend, "' (duet-grpc, openai-completions, openai-chat)"));
+}
+
+// Sends one request and waits for it.
+RequestResult SendAndWait(Client& client, const ClientRequest& request) {
+  std::mutex mu;
+  std::condition_variable finished;
+  std::optional<RequestResult> out;
+  client.Send(request, [&](RequestResult r) {
+    std::lock_guard lock(mu);
+    out = std::move(r);
+    finished.notify_all();
+  });
+  std::unique_lock lock(mu);
+  finished.wait(lock, [&] { return out.has_value(); });
+  return std::move(*out);
+}
+
+int Run(const Flags& f) {
+  absl::StatusOr<GoodputSlo> slo = ParseGoodput(f.goodput);
+  if (!slo.ok()) return Fail(slo.status());
+  absl::StatusOr<DatasetKind> kind = ParseDatasetKind(f.dataset);
+  if (!kind.ok()) return Fail(kind.status());
+
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (!f.tokenizer.empty()) {
+    absl::StatusOr<std::unique_ptr<Tokenizer>> loaded = Tokenizer::FromModelDir(f.tokenizer);
+    if (!loaded.ok()) return Fail(loaded.status());
+    tokenizer = std::move(*loaded);
+  }
+  DatasetOptions d;
+  d.kind = *kind;
+  d.path = f.dataset_path;
+  d.code_dir = f.code_dir;
+  d.num_prompts = f.num_prompts;
+  d.input_len = f.input_len;
+  d.output_len = f.output_len;
+  d.fixed_output_len = f.output_len_given;
+  d.range_ratio = f.range_ratio;
+  d.prefix_len = f.prefix_len;
+  d.num_prefix_groups = f.num_prefix_groups;
+  d.seed = f.seed;
+  d.tokenizer = tokenizer.get();
+  absl::StatusOr<std::vector<BenchRequest>> requests = LoadDataset(d);
+  if (!requests.ok()) return Fail(requests.status());
+  absl::StatusOr<std::vector<double>> schedule =
+      ArrivalSchedule(f.num_prompts, {.request_rate = f.request_rate, .burstiness = f.burstiness, .seed = f.seed});
+  if (!schedule.ok()) return Fail(schedule.status());
+  absl::StatusOr<std::unique_ptr<Client>> client = MakeClient(f);
+  if (!client.ok()) return Fail(client.status());
+
+  auto to_send = [&](const BenchRequest& r) {
+    return ClientRequest{.prompt = r.prompt, .max_tokens = r.output_tokens, .ignore_eos = f.ignore_eos};
+  };
+  std::fprintf(stderr, "duet-bench: warm-up request (the first prompt)\n");
+  const RequestResult warmup = SendAndWait(**client, to_send(requests->front()));
+  if (!warmup.success) {
+    return Fail(absl::UnavailableError(absl::StrCat("the warm-up request failed: ", warmup.error)));
+  }
+  std::fprintf(stderr, "duet-bench: %d requests, rate %s, burstiness %g, max concurrency %s\n", f.num_prompts,
+               std::isinf(f.request_rate) ? "inf" : absl::StrCat(f.request_rate).c_str(), f.burstiness,
+               f.max_concurrency > 0 ? absl::StrCat(f.max_concurrency).c_str() : "none");
+
+  std::vector<RequestResult> results(size_t(f.num_prompts));
+  std::mutex end_mu;
+  Clock::time_point last_end;
+  const Clock::time_point start = Clock::now();
+  {
+    ProgressBar progress(f.num_prompts);
+    Dispatch(*schedule, f.max_concurrency, [&](int i, std::function<void()> done) {
+      (*client)->Send(to_send((*requests)[size_t(i)]), [&, i, done = std::move(done)](RequestResult r) {
+        const bool success = r.success;
+        results[size_t(i)] = std::move(r);
+        {
+          std::lock_guard lock(end_mu);
+          last_end = std::max(last_end, Clock::now());
+        }
+        progress.Finished(success);
+        done();
+      });
+    });
+  }
+  const double duration = std::chrono::duration<double>(last_end - start).count();
+
+  std::map<std::string, int> errors;
+  for (const RequestResult& r : results) {
+    if (!r.success) ++errors[r.error];
+  }
+  int shown = 0;
+  for (const auto& [error, count] : errors) {
+    if (shown++ == kMaxErrorsShown) break;
+    std::fprintf(stderr, "duet-bench: %d failed: %s\n", count, error.c_str());
+  }
+
+  const BenchmarkMetrics metrics = ComputeMetrics(results, duration, *slo);
+  const RunInfo info{.backend = f.backend, .base_url = f.base_url, .model = f.model, .dataset = f.dataset,
+                     .num_prompts = f.num_prompts, .request_rate = f.request_rate, .burstiness = f.burstiness,
+                     .max_concurrency = f.max_concurrency, .ignore_eos = f.ignore_eos, .seed = f.seed};
+  std::fputs(FormatReport(info, metrics).c_str(), stdout);
+  std::fflush(stdout);
+  if (!f.result_json.empty()) {
+    std::ofstream out(f.result_json);
+    out << ReportJson(info, metrics, results).dump(2) << "\n";
+    if (!out) return Fail(absl::UnavailableError(absl::StrCat("cannot write --result-json '", f.result_json, "'")));
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace duet::bench
+
+int main(int argc, char** argv) {
+  duet::bench::Flags f;
+  CLI::App app{"duet-bench: serving benchmark for Duet's gRPC API and OpenAI-compatible servers"};
+  app.add_option("--backend", f.backend, "duet-grpc | openai-completions | openai-chat")
+      ->check(CLI::IsMember({"duet-grpc", "openai-completions", "openai-chat"}));
+  app.add_option("--base-url", f.base_url,
+                 "host:port for duet-grpc (default 127.0.0.1:50051); http://host:port for OpenAI (default "
+                 "http://127.0.0.1:8000)");
+  app.add_option("--model", f.model, "Model name sent to OpenAI servers (required there)");
+  app.add_option("--dataset", f.dataset, "random | jsonl | sharegpt | shared-prefix | code");
+  app.add_option("--dataset-path", f.dataset_path, "File for jsonl and sharegpt");
+  app.add_option("--code-dir", f.code_dir, "Directory of source files for the code dataset");
+  app.add_option("--tokenizer", f.tokenizer, "Model directory with tokenizer.json (random, shared-prefix, code)");
+  app.add_option("--input-len", f.input_len, "Prompt tokens (random, code; the question for shared-prefix)")
+      ->check(CLI::PositiveNumber);
+  CLI::Option* output_len = app.add_option("--output-len", f.output_len, "Output tokens to ask for")->check(CLI::PositiveNumber);
+  app.add_option("--range-ratio", f.range_ratio, "Lengths uniform in len*(1-r)..len*(1+r)")->check(CLI::Range(0.0, 0.999));
+  app.add_option("--prefix-len", f.prefix_len, "shared-prefix: tokens of each shared system prompt")->check(CLI::PositiveNumber);
+  app.add_option("--num-prefix-groups", f.num_prefix_groups, "shared-prefix: number of shared prompts")->check(CLI::PositiveNumber);
+  app.add_option("--num-prompts", f.num_prompts, "Requests to send")->check(CLI::PositiveNumber);
+  app.add_option("--request-rate", f.request_rate, "Requests per second (inf: all at once)");
+  app.add_option("--burstiness", f.burstiness, "Gamma shape of the arrivals (1: Poisson)");
+  app.add_option("--max-concurrency", f.max_concurrency, "Cap on requests in flight (0: none)")->check(CLI::NonNegativeNumber);
+  app.add_option("--seed", f.seed, "Seed for the dataset and the arrivals");
+  app.add_flag("--ignore-eos", f.ignore_eos, "Generate exactly the asked-for output lengths");
+  app.add_option("--goodput", f.goodput, "SLOs for goodput: ttft:MS tpot:MS e2el:MS");
+  app.add_option("--result-json", f.result_json, "Write the results as JSON here");
+  app.add_option("--api-key", f.api_key, "Bearer token (HTTP Authorization / gRPC metadata)");
+  CLI11_PARSE(app, argc, argv);
+  f.output_len_given = output_len->count() > 0;
+  return duet::bench::Run(f);
+}

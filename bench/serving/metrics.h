@@ -1,0 +1,63 @@
+// Serving metrics from per-request timelines, with vLLM benchmark_serving's definitions:
+// TTFT = first streamed chunk with output − send; TPOT = (latency − TTFT) / (output tokens − 1)
+// for requests with more than one output token; ITL = the gaps between consecutive streamed
+// chunks (a chunk may carry several tokens); E2EL = latency. Token totals and throughput count
+// completed requests only. Goodput: completed requests per second that meet every given SLO.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace duet::bench {
+
+// One request as the client saw it. Times are seconds since the request was sent.
+struct RequestResult {
+  bool success = false;
+  std::string error;                 // why it failed
+  int prompt_tokens = 0;             // as counted by the server
+  int output_tokens = 0;             // from the server's usage or streamed token ids
+  std::vector<double> chunk_times;   // arrival of each streamed chunk that carried output
+  double latency = 0;                // end of the stream
+};
+
+// Service-level objectives for goodput, in milliseconds; unset ones are not checked.
+struct GoodputSlo {
+  std::optional<double> ttft_ms, tpot_ms, e2el_ms;
+  bool any() const { return ttft_ms || tpot_ms || e2el_ms; }
+};
+// "ttft:200", "tpot:50", "e2el:5000" (one per element) → SLOs; bad names or values are errors.
+absl::StatusOr<GoodputSlo> ParseGoodput(const std::vector<std::string>& specs);
+
+// Milliseconds over a set of samples; all zero when there are none.
+struct LatencyStats {
+  int count = 0;
+  double mean = 0, median = 0, stddev = 0, p90 = 0, p99 = 0, max = 0;
+};
+// Linear interpolation between closest ranks, as numpy.percentile; `sorted` ascending, not empty.
+double Percentile(const std::vector<double>& sorted, double percent);
+LatencyStats Summarize(std::vector<double> samples_ms);
+
+struct BenchmarkMetrics {
+  int completed = 0;
+  int failed = 0;
+  int64_t total_input_tokens = 0;
+  int64_t total_output_tokens = 0;
+  double duration_s = 0;
+  double request_throughput = 0;       // completed requests / s
+  std::optional<double> request_goodput;  // with SLOs: good requests / s
+  double output_throughput = 0;        // output tokens / s
+  double total_token_throughput = 0;   // (input + output) tokens / s
+  LatencyStats ttft, tpot, itl, e2el;  // ms
+};
+
+// `duration_s`: from the first send to the last request's end.
+BenchmarkMetrics ComputeMetrics(const std::vector<RequestResult>& results, double duration_s,
+                                const GoodputSlo& slo);
+
+// Per request (0 for one output token): (latency − TTFT) / (output tokens − 1), in seconds.
+double TimePerOutputToken(const RequestResult& result);
+
+}  // namespace duet::bench

@@ -1,0 +1,119 @@
+#include "bench/serving/metrics.h"
+
+#include <cmath>
+
+#include "gtest/gtest.h"
+
+namespace duet::bench {
+namespace {
+
+RequestResult Ok(std::vector<double> chunk_times, int output_tokens, double latency, int prompt_tokens = 10) {
+  RequestResult r;
+  r.success = true;
+  r.prompt_tokens = prompt_tokens;
+  r.output_tokens = output_tokens;
+  r.chunk_times = std::move(chunk_times);
+  r.latency = latency;
+  return r;
+}
+
+TEST(Percentile, InterpolatesLikeNumpy) {
+  const std::vector<double> v = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+  EXPECT_DOUBLE_EQ(Percentile(v, 50), 5.5);   // numpy.percentile(range(1, 11), 50)
+  EXPECT_DOUBLE_EQ(Percentile(v, 90), 9.1);
+  EXPECT_DOUBLE_EQ(Percentile(v, 99), 9.91);
+  EXPECT_DOUBLE_EQ(Percentile(v, 0), 1);
+  EXPECT_DOUBLE_EQ(Percentile(v, 100), 10);
+  EXPECT_DOUBLE_EQ(Percentile({4}, 99), 4);
+}
+
+TEST(Summarize, MeanMedianStdAndTails) {
+  const LatencyStats s = Summarize({3, 1, 2, 4});
+  EXPECT_EQ(s.count, 4);
+  EXPECT_DOUBLE_EQ(s.mean, 2.5);
+  EXPECT_DOUBLE_EQ(s.median, 2.5);
+  EXPECT_DOUBLE_EQ(s.stddev, std::sqrt(1.25));  // population std, as numpy.std
+  EXPECT_DOUBLE_EQ(s.p90, 3.7);
+  EXPECT_DOUBLE_EQ(s.p99, 3.97);
+  EXPECT_DOUBLE_EQ(s.max, 4);
+  EXPECT_EQ(Summarize({}).count, 0);
+  EXPECT_EQ(Summarize({}).p99, 0);
+}
+
+TEST(ComputeMetrics, OneKnownTimeline) {
+  // First chunk at 100 ms, then chunks at 150, 250, 300 ms; 4 tokens; the stream ends at 300 ms.
+  const BenchmarkMetrics m = ComputeMetrics({Ok({0.1, 0.15, 0.25, 0.3}, 4, 0.3)}, 1.0, {});
+  EXPECT_EQ(m.completed, 1);
+  EXPECT_DOUBLE_EQ(m.ttft.mean, 100);
+  EXPECT_NEAR(m.tpot.mean, 200.0 / 3, 1e-9);  // (300 − 100) / (4 − 1)
+  ASSERT_EQ(m.itl.count, 3);
+  EXPECT_NEAR(m.itl.mean, 200.0 / 3, 1e-9);
+  EXPECT_NEAR(m.itl.median, 50, 1e-9);
+  EXPECT_NEAR(m.itl.max, 100, 1e-9);
+  EXPECT_DOUBLE_EQ(m.e2el.mean, 300);
+}
+
+TEST(ComputeMetrics, ChunksOfSeveralTokensGiveOneItlEach) {
+  // 6 tokens in 3 chunks (e.g. speculative decoding): ITL per chunk, TPOT per token.
+  const BenchmarkMetrics m = ComputeMetrics({Ok({0.2, 0.3, 0.45}, 6, 0.45)}, 1.0, {});
+  EXPECT_EQ(m.itl.count, 2);
+  EXPECT_NEAR(m.itl.mean, 125, 1e-9);
+  EXPECT_NEAR(m.tpot.mean, 50, 1e-9);  // (450 − 200) / 5
+}
+
+TEST(ComputeMetrics, TotalsThroughputAndFailures) {
+  RequestResult failed;
+  failed.error = "boom";
+  failed.latency = 0.5;
+  failed.prompt_tokens = 1000;  // not counted
+  const std::vector<RequestResult> results = {Ok({0.1, 0.2}, 2, 0.2, 10), Ok({0.3}, 1, 0.3, 30), failed,
+                                              Ok({0.2, 0.4, 0.6}, 3, 0.6, 20)};
+  const BenchmarkMetrics m = ComputeMetrics(results, 2.0, {});
+  EXPECT_EQ(m.completed, 3);
+  EXPECT_EQ(m.failed, 1);
+  EXPECT_EQ(m.total_input_tokens, 60);
+  EXPECT_EQ(m.total_output_tokens, 6);
+  EXPECT_DOUBLE_EQ(m.request_throughput, 1.5);
+  EXPECT_DOUBLE_EQ(m.output_throughput, 3);
+  EXPECT_DOUBLE_EQ(m.total_token_throughput, 33);
+  EXPECT_FALSE(m.request_goodput.has_value());
+  EXPECT_EQ(m.ttft.count, 3);
+  EXPECT_NEAR(m.ttft.median, 200, 1e-9);
+  EXPECT_EQ(m.tpot.count, 2);  // the one-token request has no TPOT
+  EXPECT_NEAR(m.tpot.mean, (100 + 200) / 2.0, 1e-9);
+  EXPECT_EQ(m.itl.count, 3);
+  EXPECT_NEAR(m.e2el.mean, (200 + 300 + 600) / 3.0, 1e-9);
+}
+
+TEST(ComputeMetrics, GoodputCountsRequestsMeetingEverySlo) {
+  const std::vector<RequestResult> results = {
+      Ok({0.1, 0.2}, 2, 0.2),          // ttft 100, tpot 100, e2el 200
+      Ok({0.3, 0.35}, 2, 0.35),        // ttft 300: misses ttft
+      Ok({0.1, 0.5}, 2, 0.5),          // tpot 400: misses tpot
+      Ok({0.05, 0.1, 0.15}, 3, 0.15),  // good
+  };
+  absl::StatusOr<GoodputSlo> slo = ParseGoodput({"ttft:200", "tpot:150"});
+  ASSERT_TRUE(slo.ok());
+  BenchmarkMetrics m = ComputeMetrics(results, 2.0, *slo);
+  ASSERT_TRUE(m.request_goodput.has_value());
+  EXPECT_DOUBLE_EQ(*m.request_goodput, 1.0);  // 2 good requests in 2 s
+  slo = ParseGoodput({"e2el:160"});
+  ASSERT_TRUE(slo.ok());
+  m = ComputeMetrics(results, 2.0, *slo);
+  EXPECT_DOUBLE_EQ(*m.request_goodput, 0.5);
+}
+
+TEST(ParseGoodput, NamesAndValues) {
+  absl::StatusOr<GoodputSlo> slo = ParseGoodput({"ttft:200", "tpot:50.5", "e2el:3000"});
+  ASSERT_TRUE(slo.ok());
+  EXPECT_EQ(*slo->ttft_ms, 200);
+  EXPECT_EQ(*slo->tpot_ms, 50.5);
+  EXPECT_EQ(*slo->e2el_ms, 3000);
+  EXPECT_FALSE(ParseGoodput({}).value().any());
+  for (const char* bad : {"ttft", "ttft:", "ttft:-1", "ttft:0", "ttft:abc", "latency:100", "ttft:inf"}) {
+    EXPECT_FALSE(ParseGoodput({bad}).ok()) << bad;
+  }
+}
+
+}  // namespace
+}  // namespace duet::bench

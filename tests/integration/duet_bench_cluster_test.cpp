@@ -1,0 +1,149 @@
+// duet-bench against a real local cluster (1 prefill + 1 decode worker, the tiny model): ~20
+// prompts through the gRPC API and through the OpenAI HTTP API (completions and chat), each run
+// completing every request with sane figures in --result-json.
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/subprocess.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/integration/local_cluster.h"
+#include "tests/integration/process.h"
+
+namespace duet {
+namespace {
+
+using testing::ClusterOptions;
+using testing::LocalCluster;
+
+constexpr int kNumPrompts = 20;
+constexpr int kOutputLen = 12;
+constexpr int kInputLen = 32;
+
+std::string Model() { return std::string(DUET_MODELS_DIR) + "/tiny-code-llama"; }
+
+class DuetBenchClusterTest : public ::testing::Test {
+ protected:
+  // The cluster's router serves gRPC; a second router over the same workers serves the OpenAI
+  // API on a free port (LocalCluster does not report an HTTP port).
+  static void SetUpTestSuite() {
+    cluster_ = new LocalCluster(ClusterOptions{.num_prefill = 1, .num_decode = 1});
+    if (!cluster_->ok()) return;
+    const std::vector<std::string>& workers = cluster_->worker_addresses();  // decode, then prefill
+    absl::StatusOr<std::unique_ptr<Subprocess>> router =
+        Subprocess::Start({testing::DuetBinary(), "router", "--model", Model(), "--port", "0", "--http-port", "0",
+                           "--decode", workers[0], "--prefill", workers[1]});
+    if (!router.ok()) return;
+    http_router_ = router->release();
+    absl::StatusOr<std::string> port = http_router_->WaitForLine("DUET_HTTP_READY port=", std::chrono::seconds(60));
+    if (port.ok()) http_port_ = std::atoi(port->c_str());
+  }
+  static void TearDownTestSuite() {
+    if (http_router_ != nullptr) http_router_->Stop();
+    delete http_router_;
+    delete cluster_;
+  }
+  void SetUp() override {
+    ASSERT_TRUE(cluster_->ok()) << cluster_->error();
+    ASSERT_GT(http_port_, 0) << "the HTTP router did not start";
+    dir_ = testing::MakeTempDir("duet_bench");
+  }
+
+  // Runs duet-bench with `flags`; returns its exit code and leaves the JSON in json_.
+  int Bench(const std::string& flags) {
+    const std::string result = dir_ + "/result.json";
+    const std::string command = absl::StrCat(DUET_BIN_DIR, "/duet-bench ", flags, " --result-json ", result, " > ",
+                                             dir_, "/report.txt");
+    const int code = testing::RunCommand(command, dir_ + "/stderr.txt");
+    stderr_ = testing::ReadText(dir_ + "/stderr.txt");
+    report_ = testing::ReadText(dir_ + "/report.txt");
+    json_ = nlohmann::json::parse(testing::ReadText(result), nullptr, false);
+    return code;
+  }
+
+  // Every request completed, with `output_len` tokens each and consistent latencies.
+  void ExpectSane(int num_prompts, int output_len) {
+    ASSERT_TRUE(json_.is_object()) << stderr_;
+    EXPECT_EQ(json_["completed"], num_prompts) << json_["errors"].dump();
+    EXPECT_EQ(json_["failed"], 0) << json_["errors"].dump();
+    EXPECT_EQ(json_["total_output_tokens"], num_prompts * output_len);
+    for (const auto& n : json_["output_lens"]) EXPECT_EQ(n, output_len);
+    EXPECT_GE(json_["total_input_tokens"].get<int>(), num_prompts * 8);
+    EXPECT_GT(json_["duration"].get<double>(), 0);
+    EXPECT_GT(json_["request_throughput"].get<double>(), 0);
+    EXPECT_GT(json_["output_throughput"].get<double>(), 0);
+    EXPECT_GT(json_["total_token_throughput"].get<double>(), json_["output_throughput"].get<double>());
+    for (const char* metric : {"ttft", "tpot", "itl", "e2el"}) {
+      const double mean = json_[absl::StrCat("mean_", metric, "_ms")], median = json_[absl::StrCat("median_", metric, "_ms")],
+                   p90 = json_[absl::StrCat("p90_", metric, "_ms")], p99 = json_[absl::StrCat("p99_", metric, "_ms")];
+      EXPECT_GT(mean, 0) << metric;
+      EXPECT_LE(median, p90) << metric;
+      EXPECT_LE(p90, p99) << metric;
+      EXPECT_LT(p99, 120000) << metric;
+    }
+    EXPECT_LT(json_["mean_ttft_ms"].get<double>(), json_["mean_e2el_ms"].get<double>());
+    // The time after the first token spreads over the other tokens: TPOT ≤ E2EL − TTFT.
+    EXPECT_LE(json_["mean_tpot_ms"].get<double>() * (output_len - 1),
+              json_["mean_e2el_ms"].get<double>() - json_["mean_ttft_ms"].get<double>() + 1e-6);
+    EXPECT_NE(report_.find("Serving Benchmark Result"), std::string::npos) << report_;
+  }
+
+  static LocalCluster* cluster_;
+  static Subprocess* http_router_;
+  static int http_port_;
+  std::string dir_, stderr_, report_;
+  nlohmann::json json_;
+};
+LocalCluster* DuetBenchClusterTest::cluster_ = nullptr;
+Subprocess* DuetBenchClusterTest::http_router_ = nullptr;
+int DuetBenchClusterTest::http_port_ = 0;
+
+std::string RandomWorkload() {
+  return absl::StrCat(" --tokenizer ", Model(), " --dataset random --input-len ", kInputLen, " --output-len ", kOutputLen,
+                      " --num-prompts ", kNumPrompts, " --ignore-eos --seed 1");
+}
+
+TEST_F(DuetBenchClusterTest, GrpcPoissonArrivals) {
+  ASSERT_EQ(Bench(absl::StrCat("--backend duet-grpc --base-url 127.0.0.1:", cluster_->router_port(), RandomWorkload(),
+                               " --request-rate 40 --goodput e2el:120000")),
+            0)
+      << stderr_;
+  ExpectSane(kNumPrompts, kOutputLen);
+  EXPECT_EQ(json_["request_goodput"].get<double>(), json_["request_throughput"].get<double>());
+}
+
+TEST_F(DuetBenchClusterTest, OpenAiCompletionsClosedLoop) {
+  // Four in flight at a time: connections are kept alive and reused.
+  ASSERT_EQ(Bench(absl::StrCat("--backend openai-completions --model tiny-code-llama --base-url http://127.0.0.1:",
+                               http_port_, RandomWorkload(), " --max-concurrency 4")),
+            0)
+      << stderr_;
+  ExpectSane(kNumPrompts, kOutputLen);
+}
+
+TEST_F(DuetBenchClusterTest, OpenAiChatCodeWorkload) {
+  ASSERT_EQ(Bench(absl::StrCat("--backend openai-chat --model tiny-code-llama --base-url http://127.0.0.1:", http_port_,
+                               " --tokenizer ", Model(), " --dataset code --code-dir ", DUET_SOURCE_DIR,
+                               "/bench --input-len 48 --output-len ", kOutputLen, " --num-prompts 10 --ignore-eos",
+                               " --request-rate 20 --burstiness 0.5")),
+            0)
+      << stderr_;
+  ExpectSane(10, kOutputLen);
+}
+
+TEST_F(DuetBenchClusterTest, UnknownModelFailsTheWarmUpClearly) {
+  EXPECT_NE(Bench(absl::StrCat("--backend openai-completions --model no-such-model --base-url http://127.0.0.1:",
+                               http_port_, RandomWorkload())),
+            0);
+  EXPECT_NE(stderr_.find("warm-up request failed: HTTP 404"), std::string::npos) << stderr_;
+}
+
+TEST_F(DuetBenchClusterTest, NothingListeningFailsTheWarmUpClearly) {
+  EXPECT_NE(Bench(absl::StrCat("--backend duet-grpc --base-url 127.0.0.1:1", RandomWorkload())), 0);
+  EXPECT_NE(stderr_.find("warm-up request failed"), std::string::npos) << stderr_;
+}
+
+}  // namespace
+}  // namespace duet
