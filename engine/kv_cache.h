@@ -1,9 +1,10 @@
-// KV-cache storage for the CPU backend.
+// KV-cache storage. The executor that computes with the cache also allocates it (host memory
+// for the CPU backend, device memory for CUDA); BlockManager decides which blocks a sequence
+// owns, and this class only holds the bytes.
 //
 // Per layer, separate K and V pools, each laid out [num_blocks, num_kv_heads, block_size, head_dim]
-// (float32), so one head's keys in a block are contiguous. Token t of a sequence lives in
-// block table[t / block_size] at slot t % block_size. BlockManager decides which blocks a
-// sequence owns; this class only holds the bytes.
+// of `dtype`, so one head's keys in a block are contiguous. Token t of a sequence lives in block
+// table[t / block_size] at slot t % block_size.
 #pragma once
 
 #include <cstddef>
@@ -14,37 +15,63 @@
 
 namespace duet {
 
+enum class KvDtype { kFloat32, kBFloat16 };
+enum class MemorySpace { kHost, kDevice };
+
+inline int64_t KvDtypeBytes(KvDtype dtype) { return dtype == KvDtype::kFloat32 ? 4 : 2; }
+
 struct KvCacheShape {
   int64_t num_layers = 0;
   int64_t num_blocks = 0;
   int64_t num_kv_heads = 0;
   int64_t block_size = 0;
   int64_t head_dim = 0;
+  KvDtype dtype = KvDtype::kFloat32;
 
   int64_t block_elems() const { return num_kv_heads * block_size * head_dim; }
   // Bytes of K plus V for one block across all layers.
-  int64_t bytes_per_block() const { return 2 * num_layers * block_elems() * int64_t(sizeof(float)); }
+  int64_t bytes_per_block() const { return 2 * num_layers * block_elems() * KvDtypeBytes(dtype); }
 };
 
 class KvCache {
  public:
-  explicit KvCache(const KvCacheShape& shape);
+  virtual ~KvCache() = default;
 
   const KvCacheShape& shape() const { return shape_; }
-  float* keys(int64_t layer) { return keys_[layer].data(); }
-  float* values(int64_t layer) { return values_[layer].data(); }
-  const float* keys(int64_t layer) const { return keys_[layer].data(); }
-  const float* values(int64_t layer) const { return values_[layer].data(); }
+  virtual MemorySpace memory_space() const = 0;
+  // Base address of one layer's K or V pool ([num_blocks, num_kv_heads, block_size, head_dim]
+  // elements of shape().dtype), in memory_space().
+  virtual void* key_pool(int64_t layer) = 0;
+  virtual void* value_pool(int64_t layer) = 0;
+  // Copies whole blocks in every layer (copy-on-write).
+  virtual void CopyBlocks(const std::vector<BlockCopy>& copies) = 0;
 
-  // Address of (block, head, slot) within a layer's K or V pool.
+  // Element offset of (block, head, slot) within a layer's K or V pool.
   int64_t Offset(int64_t block, int64_t head, int64_t slot) const {
     return ((block * shape_.num_kv_heads + head) * shape_.block_size + slot) * shape_.head_dim;
   }
-  // Copies whole blocks in every layer (copy-on-write).
-  void CopyBlocks(const std::vector<BlockCopy>& copies);
+
+ protected:
+  explicit KvCache(const KvCacheShape& shape) : shape_(shape) {}
 
  private:
   KvCacheShape shape_;
+};
+
+// float32 pools in host memory (the CPU backend).
+class HostKvCache : public KvCache {
+ public:
+  explicit HostKvCache(KvCacheShape shape);
+
+  MemorySpace memory_space() const override { return MemorySpace::kHost; }
+  void* key_pool(int64_t layer) override { return keys(layer); }
+  void* value_pool(int64_t layer) override { return values(layer); }
+  void CopyBlocks(const std::vector<BlockCopy>& copies) override;
+
+  float* keys(int64_t layer) { return keys_[layer].data(); }
+  float* values(int64_t layer) { return values_[layer].data(); }
+
+ private:
   std::vector<std::vector<float>> keys_;    // [num_layers][num_blocks * block_elems]
   std::vector<std::vector<float>> values_;  // same
 };

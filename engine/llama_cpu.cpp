@@ -117,7 +117,7 @@ void LlamaCpu::ApplyRope(float* vec, int64_t num_heads, int64_t position) const 
 }
 
 void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, const float* qkv,
-                         KvCache& cache, float* out) const {
+                         HostKvCache& cache, float* out) const {
   const int64_t hd = config_.head_dim, nh = config_.num_heads, nkv = config_.num_kv_heads;
   const int64_t group = nh / nkv;
   const int64_t qkv_stride = (nh + 2 * nkv) * hd;
@@ -179,8 +179,16 @@ void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, 
   }
 }
 
-absl::Status LlamaCpu::Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache,
+std::unique_ptr<KvCache> LlamaCpu::CreateKvCache(int64_t num_blocks, int64_t block_size) {
+  return std::make_unique<HostKvCache>(
+      KvCacheShape{config_.num_layers, num_blocks, config_.num_kv_heads, block_size, config_.head_dim});
+}
+
+absl::Status LlamaCpu::Forward(absl::Span<const SequenceChunk> chunks, KvCache& kv_cache,
                                std::vector<float>& logits, const LayerDoneCallback& on_layer_done) {
+  auto* host_cache = dynamic_cast<HostKvCache*>(&kv_cache);
+  if (host_cache == nullptr) return absl::InvalidArgumentError("the CPU backend needs a host KV cache");
+  HostKvCache& cache = *host_cache;
   const ModelConfig& c = config_;
   const int64_t hidden = c.hidden_size, inter = c.intermediate_size, hd = c.head_dim;
   const int64_t nh = c.num_heads, nkv = c.num_kv_heads;

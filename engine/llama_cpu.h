@@ -20,6 +20,8 @@ class LlamaCpu : public ModelExecutor {
                                                                const WeightStore& weights);
 
   const ModelConfig& config() const override { return config_; }
+  KvDtype kv_dtype() const override { return KvDtype::kFloat32; }
+  std::unique_ptr<KvCache> CreateKvCache(int64_t num_blocks, int64_t block_size) override;
   absl::Status Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache,
                        std::vector<float>& logits,
                        const LayerDoneCallback& on_layer_done = nullptr) override;
@@ -40,7 +42,7 @@ class LlamaCpu : public ModelExecutor {
   absl::Status LoadWeights(const WeightStore& weights);
   // Writes this step's K/V (already rotated) into the cache, then attends.
   void Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, const float* qkv,
-                 KvCache& cache, float* out) const;
+                 HostKvCache& cache, float* out) const;
   void ApplyRope(float* vec, int64_t num_heads, int64_t position) const;
 
   ModelConfig config_;

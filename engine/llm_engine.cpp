@@ -5,6 +5,9 @@
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
 #include "engine/llama_cpu.h"
+#ifdef DUET_HAVE_CUDA
+#include "engine/cuda/llama_cuda.h"
+#endif
 
 namespace duet {
 
@@ -21,39 +24,59 @@ const char* FinishReasonName(FinishReason reason) {
 
 namespace {
 
-EngineConfig Resolve(EngineConfig config, const ModelConfig& model) {
-  if (config.scheduler.max_model_len <= 0) config.scheduler.max_model_len = model.max_position_embeddings;
+EngineConfig Resolve(EngineConfig config, const ModelExecutor& model) {
+  const ModelConfig& m = model.config();
+  if (config.scheduler.max_model_len <= 0) config.scheduler.max_model_len = m.max_position_embeddings;
   if (config.num_kv_blocks <= 0) {
-    KvCacheShape shape{model.num_layers, 1, model.num_kv_heads, config.block_size, model.head_dim};
-    config.num_kv_blocks = static_cast<int32_t>(std::max<int64_t>(1, config.kv_cache_bytes / shape.bytes_per_block()));
+    KvCacheShape shape{m.num_layers, 1, m.num_kv_heads, config.block_size, m.head_dim, model.kv_dtype()};
+    const int64_t budget =
+        model.DeviceKvBudgetBytes(config.gpu_memory_utilization).value_or(config.kv_cache_bytes);
+    config.num_kv_blocks = static_cast<int32_t>(std::max<int64_t>(1, budget / shape.bytes_per_block()));
   }
   return config;
+}
+
+absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadExecutor(const EngineConfig& config) {
+  if (config.backend == "cpu") return LlamaCpu::Load(config.model_dir);
+#ifdef DUET_HAVE_CUDA
+  if (config.backend == "cuda") {
+    LlamaCudaOptions options;
+    options.max_num_seqs = config.scheduler.max_num_seqs;
+    options.max_num_batched_tokens = config.scheduler.max_num_batched_tokens;
+    options.max_model_len = config.scheduler.max_model_len;
+    return LlamaCuda::Load(config.model_dir, options);
+  }
+#endif
+#ifdef DUET_HAVE_CUDA
+  constexpr const char* kAvailable = "cpu or cuda";
+#else
+  constexpr const char* kAvailable = "cpu (this build has no CUDA)";
+#endif
+  return absl::UnimplementedError(
+      absl::StrCat("backend '", config.backend, "' is not available; use ", kAvailable));
 }
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineConfig& config) {
-  if (config.backend != "cpu") {
-    return absl::UnimplementedError(absl::StrCat("backend '", config.backend,
-                                                 "' is not available in this build; use cpu"));
-  }
   if (config.block_size <= 0) return absl::InvalidArgumentError("block_size must be positive");
-  absl::StatusOr<std::unique_ptr<LlamaCpu>> model = LlamaCpu::Load(config.model_dir);
+  if (!(config.gpu_memory_utilization > 0 && config.gpu_memory_utilization <= 1)) {
+    return absl::InvalidArgumentError("gpu_memory_utilization must be in (0, 1]");
+  }
+  absl::StatusOr<std::unique_ptr<ModelExecutor>> model = LoadExecutor(config);
   if (!model.ok()) return model.status();
   absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(config.model_dir);
   if (!tokenizer.ok()) return tokenizer.status();
-  EngineConfig resolved = Resolve(config, (*model)->config());
-  return std::make_unique<LlmEngine>(std::move(*model), std::move(*tokenizer), resolved);
+  return std::make_unique<LlmEngine>(std::move(*model), std::move(*tokenizer), config);
 }
 
 LlmEngine::LlmEngine(std::unique_ptr<ModelExecutor> model, std::unique_ptr<Tokenizer> tokenizer,
                      const EngineConfig& config)
-    : config_(Resolve(config, model->config())),
+    : config_(Resolve(config, *model)),
       model_(std::move(model)),
       tokenizer_(std::move(tokenizer)),
       blocks_(config_.num_kv_blocks, config_.block_size),
-      cache_(KvCacheShape{model_->config().num_layers, config_.num_kv_blocks,
-                          model_->config().num_kv_heads, config_.block_size, model_->config().head_dim}),
+      cache_(model_->CreateKvCache(config_.num_kv_blocks, config_.block_size)),
       scheduler_(config_.scheduler, blocks_) {
   eos_token_ids_ = model_->config().eos_token_ids;
   if (std::optional<int32_t> eos = tokenizer_->eos_token_id();
@@ -219,7 +242,7 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
   SchedulerOutput plan = scheduler_.Schedule();
   num_preemptions_ += plan.num_preempted;
   if (plan.empty()) return outputs;
-  cache_.CopyBlocks(plan.block_copies);
+  cache_->CopyBlocks(plan.block_copies);
 
   std::vector<std::vector<int32_t>> chunk_tokens(plan.chunks.size());
   std::vector<SequenceChunk> chunks(plan.chunks.size());
@@ -230,7 +253,30 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
     chunks[i] = SequenceChunk{chunk_tokens[i], r.num_computed_tokens, blocks_.BlockTable(r.seq_id),
                               r.seq_id, sc.samples ? 1 : 0};
   }
-  absl::Status forward = model_->Forward(chunks, cache_, logits_, on_layer_done);
+  // Sample on the executor's device when it can and no request needs host-side processing
+  // (penalties, top-N logprobs): then only token ids cross back, not [rows, vocab] logits.
+  bool device_sampling = model_->CanSampleOnDevice();
+  std::vector<DeviceSamplingRow> sampling_rows;
+  for (const ScheduledChunk& sc : plan.chunks) {
+    if (!device_sampling || !sc.samples) continue;
+    Request& r = *sc.request;
+    const SamplingParams& p = r.params;
+    if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f || p.logprobs > 0) {
+      device_sampling = false;
+      break;
+    }
+    // Each draw is keyed by a number from the request's own generator (seeded when the request
+    // has a seed) and the token index, so seeded requests repeat exactly.
+    const auto key = static_cast<uint64_t>(r.rng.Uniform() * 9007199254740992.0);
+    sampling_rows.push_back(DeviceSamplingRow{p.greedy() ? 0.0f : p.temperature, p.top_k, p.top_p, p.min_p, key,
+                                              uint64_t(r.output.size())});
+  }
+  absl::Status forward;
+  if (device_sampling) {
+    forward = model_->ForwardSample(chunks, *cache_, sampling_rows, device_samples_, on_layer_done);
+  } else {
+    forward = model_->Forward(chunks, *cache_, logits_, on_layer_done);
+  }
   scheduler_.OnStepDone(plan);
   const int64_t vocab = model_->config().vocab_size;
   int64_t logit_row = 0;
@@ -246,9 +292,15 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
       continue;
     }
     if (!sc.samples) continue;
-    absl::Span<float> row(logits_.data() + logit_row * vocab, size_t(vocab));
+    SampledToken token;
+    if (device_sampling) {
+      token.token = device_samples_[size_t(logit_row)].token;
+      token.logprob = device_samples_[size_t(logit_row)].logprob;
+    } else {
+      absl::Span<float> row(logits_.data() + logit_row * vocab, size_t(vocab));
+      token = Sampler::Sample(row, r.params, r.prompt, r.output, r.rng);
+    }
     ++logit_row;
-    SampledToken token = Sampler::Sample(row, r.params, r.prompt, r.output, r.rng);
     RequestOutput out{r.id};
     AppendToken(r, token, out);
     outputs.push_back(std::move(out));

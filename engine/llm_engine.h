@@ -25,7 +25,10 @@ struct EngineConfig {
   int32_t block_size = 16;
   // KV-cache size: explicit block count, else from a byte budget.
   int32_t num_kv_blocks = 0;
-  int64_t kv_cache_bytes = int64_t(1) << 30;
+  int64_t kv_cache_bytes = int64_t(1) << 30;  // host backends
+  // Device backends: the KV cache takes what is left of this fraction of device memory once the
+  // weights and activations are in (like vLLM's --gpu-memory-utilization).
+  double gpu_memory_utilization = 0.9;
   SchedulerConfig scheduler;  // max_model_len 0: the model's max_position_embeddings
 };
 
@@ -77,7 +80,7 @@ class LlmEngine {
   absl::StatusOr<RequestOutput> AddPrefilledRequest(const std::string& id, std::vector<int32_t> prompt,
                                                     SamplingParams params, SequenceId reservation,
                                                     const SampledToken& first_token);
-  KvCache& kv_cache() { return cache_; }
+  KvCache& kv_cache() { return *cache_; }
   bool HasUnfinished() const { return scheduler_.HasWork(); }
 
   // A finished request stays readable until Release (timings, logprobs).
@@ -101,12 +104,13 @@ class LlmEngine {
   std::unique_ptr<Tokenizer> tokenizer_;
   std::vector<int64_t> eos_token_ids_;
   BlockManager blocks_;
-  KvCache cache_;
+  std::unique_ptr<KvCache> cache_;
   Scheduler scheduler_;
   std::map<std::string, std::unique_ptr<Request>> requests_;
   SequenceId next_seq_id_ = 1;
   int64_t num_preemptions_ = 0;
   std::vector<float> logits_;
+  std::vector<DeviceSample> device_samples_;
 };
 
 }  // namespace duet

@@ -151,8 +151,8 @@ TEST(LlmEngineTest, PrefilledHandoffMatchesLocalGeneration) {
       for (const SequenceChunk& c : chunks) {
         for (size_t b = 0; b < c.block_table.size(); ++b) {
           const int64_t n = shape.block_elems();
-          std::memcpy(decode->kv_cache().keys(layer) + dst[b] * n, prefill->kv_cache().keys(layer) + c.block_table[b] * n, n * sizeof(float));
-          std::memcpy(decode->kv_cache().values(layer) + dst[b] * n, prefill->kv_cache().values(layer) + c.block_table[b] * n, n * sizeof(float));
+          std::memcpy(static_cast<float*>(decode->kv_cache().key_pool(layer)) + dst[b] * n, static_cast<float*>(prefill->kv_cache().key_pool(layer)) + c.block_table[b] * n, n * sizeof(float));
+          std::memcpy(static_cast<float*>(decode->kv_cache().value_pool(layer)) + dst[b] * n, static_cast<float*>(prefill->kv_cache().value_pool(layer)) + c.block_table[b] * n, n * sizeof(float));
         }
       }
     };

@@ -4,16 +4,18 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "engine/block_manager.h"
+#include "engine/kv_cache.h"
 #include "engine/model_config.h"
 
 namespace duet {
 
-class KvCache;
 struct SequenceChunk;
 
 // Called after each layer's K/V for the whole step are in the cache, so a prefill worker can
@@ -33,14 +35,47 @@ struct SequenceChunk {
   int32_t num_logits = 1;
 };
 
+// Sampling parameters of one logits row for executors that sample on their device. Only what
+// needs no host-side state: penalties, logit bias and top-N logprobs stay on the host sampler.
+struct DeviceSamplingRow {
+  float temperature = 0.0f;  // <= 0: greedy
+  int32_t top_k = 0;         // <= 0: off
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  uint64_t seed = 0;         // with `offset`, keys the draw: same (seed, offset), same token
+  uint64_t offset = 0;
+};
+
+struct DeviceSample {
+  int32_t token = 0;
+  float logprob = 0.0f;  // log-softmax of the raw logits at `token`
+};
+
 class ModelExecutor {
  public:
   virtual ~ModelExecutor() = default;
   virtual const ModelConfig& config() const = 0;
+
+  // KV-cache storage in the memory and element type this executor computes with.
+  virtual KvDtype kv_dtype() const = 0;
+  virtual std::unique_ptr<KvCache> CreateKvCache(int64_t num_blocks, int64_t block_size) = 0;
+  // Bytes the KV cache may take on the executor's device when the process may use
+  // `memory_fraction` of it; nullopt for host executors (EngineConfig::kv_cache_bytes applies).
+  virtual std::optional<int64_t> DeviceKvBudgetBytes(double memory_fraction) const { return std::nullopt; }
+
   // Runs the step. `logits` receives [sum(num_logits), vocab_size] float32 rows, in chunk order.
   virtual absl::Status Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache,
                                std::vector<float>& logits,
                                const LayerDoneCallback& on_layer_done = nullptr) = 0;
+
+  // Runs the step and samples one token per logits row on the device (rows.size() must equal
+  // the step's logits rows), so only token ids cross to the host.
+  virtual bool CanSampleOnDevice() const { return false; }
+  virtual absl::Status ForwardSample(absl::Span<const SequenceChunk> chunks, KvCache& cache,
+                                     absl::Span<const DeviceSamplingRow> rows, std::vector<DeviceSample>& samples,
+                                     const LayerDoneCallback& on_layer_done = nullptr) {
+    return absl::UnimplementedError("this executor samples on the host");
+  }
 };
 
 }  // namespace duet

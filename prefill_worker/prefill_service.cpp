@@ -26,12 +26,14 @@ kvtransfer::KvPoolMemory PoolsOf(LlmEngine& engine) {
   pools.layout.block_size = uint32_t(shape.block_size);
   pools.layout.num_kv_heads = uint32_t(shape.num_kv_heads);
   pools.layout.head_dim = uint32_t(shape.head_dim);
-  pools.layout.dtype = kvtransfer::KvDtype::kFloat32;
+  pools.layout.dtype = shape.dtype == KvDtype::kFloat32 ? kvtransfer::KvDtype::kFloat32
+                                                        : kvtransfer::KvDtype::kBFloat16;
   pools.num_blocks = uint32_t(shape.num_blocks);
-  pools.memory_kind = kvtransfer::MemoryKind::kHost;
+  pools.memory_kind = cache.memory_space() == MemorySpace::kHost ? kvtransfer::MemoryKind::kHost
+                                                                 : kvtransfer::MemoryKind::kDevice;
   for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
-    pools.key_pools.push_back(cache.keys(layer));
-    pools.value_pools.push_back(cache.values(layer));
+    pools.key_pools.push_back(cache.key_pool(layer));
+    pools.value_pools.push_back(cache.value_pool(layer));
   }
   return pools;
 }

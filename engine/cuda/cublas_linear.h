@@ -1,0 +1,36 @@
+// Dense projections through cuBLAS: y[rows, out] = x[rows, in] · W[out, in]^T with bf16 inputs,
+// fp32 accumulation and a bf16 or fp32 output — HF's row-major nn.Linear layout, no transposes
+// materialized (cuBLAS sees the column-major transpose of each operand).
+#pragma once
+
+#include <cstddef>
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "absl/status/statusor.h"
+
+namespace duet::cuda {
+
+class CublasLinear {
+ public:
+  // `workspace` (device memory, may be shared by nothing else running concurrently) lets cuBLAS
+  // run inside CUDA-graph capture without allocating.
+  static absl::StatusOr<CublasLinear> Create(cudaStream_t stream, void* workspace, size_t workspace_bytes);
+  CublasLinear(CublasLinear&& o) noexcept : handle_(o.handle_) { o.handle_ = nullptr; }
+  CublasLinear& operator=(CublasLinear&&) = delete;
+  ~CublasLinear();
+
+  // x: [rows, in] bf16, weight: [out, in] bf16, y: [rows, out] bf16.
+  void Forward(const __nv_bfloat16* x, const __nv_bfloat16* weight, __nv_bfloat16* y, int rows, int in,
+               int out) const;
+  // Same with an fp32 output (logits).
+  void ForwardF32(const __nv_bfloat16* x, const __nv_bfloat16* weight, float* y, int rows, int in, int out) const;
+
+ private:
+  explicit CublasLinear(cublasHandle_t handle) : handle_(handle) {}
+  cublasHandle_t handle_ = nullptr;
+};
+
+}  // namespace duet::cuda

@@ -1,0 +1,680 @@
+#include "engine/cuda/llama_cuda.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/check.h"
+#include "kernels/activation.h"
+#include "kernels/bias.h"
+#include "kernels/cuda_check.h"
+#include "kernels/embedding.h"
+#include "kernels/norm.h"
+#include "kernels/paged_attention.h"
+#include "kernels/prefill_attention.h"
+#include "kernels/rope.h"
+#include "kernels/sampling.h"
+
+namespace duet {
+namespace {
+
+constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;
+// Device memory the executor needs beyond its own allocations (CUDA context, cuBLAS kernels,
+// graphs); kept out of the KV-cache budget.
+constexpr int64_t kRuntimeReserveBytes = int64_t(768) << 20;
+
+// Decode graphs are captured for these padded batch sizes (vLLM's buckets): 1, 2, 4, then
+// multiples of 8.
+int GraphBatchSize(int num_seqs) {
+  if (num_seqs <= 2) return num_seqs;
+  if (num_seqs <= 4) return 4;
+  return (num_seqs + 7) / 8 * 8;
+}
+
+// Offsets (in int32 units) of the step-metadata arrays, fixed for the executor's lifetime so
+// captured graphs keep pointing at the right places.
+struct MetadataLayout {
+  size_t tokens, positions, slots, q_start, context_lens, logit_rows, block_tables;
+  size_t temperature, top_k, top_p, min_p, seeds, offsets;  // seeds/offsets: uint64 (2 units)
+  size_t sampled_tokens, sampled_logprobs;
+  size_t total;
+
+  MetadataLayout(int max_tokens, int max_seqs, int max_rows, int max_blocks_per_seq) {
+    size_t at = 0;
+    auto take = [&](size_t n) {
+      at = (at + 3) / 4 * 4;  // 16-byte aligned arrays
+      const size_t begin = at;
+      at += n;
+      return begin;
+    };
+    tokens = take(max_tokens);
+    positions = take(max_tokens);
+    slots = take(max_tokens);
+    q_start = take(max_seqs + 1);
+    context_lens = take(max_seqs);
+    logit_rows = take(max_tokens);
+    block_tables = take(size_t(max_seqs) * max_blocks_per_seq);
+    temperature = take(max_rows);
+    top_k = take(max_rows);
+    top_p = take(max_rows);
+    min_p = take(max_rows);
+    seeds = take(2 * size_t(max_rows));
+    offsets = take(2 * size_t(max_rows));
+    sampled_tokens = take(max_rows);
+    sampled_logprobs = take(max_rows);
+    total = take(0);
+  }
+};
+
+}  // namespace
+
+struct LlamaCuda::StepPlan {
+  int num_tokens = 0;        // rows of the step (padded to the graph batch in graph mode)
+  int num_seqs = 0;          // sequences (padded likewise)
+  int num_logit_rows = 0;    // logits rows (padded likewise)
+  int max_q_len = 0;
+  int max_context_len = 0;
+  bool decode_only = false;  // one token per sequence: paged decode attention
+  int graph_batch = 0;       // > 0: replay the decode graph of this padded batch size
+};
+
+LlamaCuda::LlamaCuda(const ModelConfig& config, const LlamaCudaOptions& options)
+    : config_(config), options_(options) {
+  if (options_.max_model_len <= 0) options_.max_model_len = config.max_position_embeddings;
+}
+
+LlamaCuda::~LlamaCuda() {
+  for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+  linear_.reset();
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+absl::StatusOr<std::unique_ptr<LlamaCuda>> LlamaCuda::Load(const std::string& model_dir,
+                                                           const LlamaCudaOptions& options) {
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(model_dir);
+  if (!config.ok()) return config.status();
+  if (config->head_dim != 64 && config->head_dim != 128) {
+    return absl::UnimplementedError(absl::StrCat("the CUDA backend supports head_dim 64 and 128, not ", config->head_dim));
+  }
+  if (config->mlp_bias) return absl::UnimplementedError("mlp_bias is not supported");
+  if (options.max_num_seqs <= 0 || options.max_num_batched_tokens <= 0) {
+    return absl::InvalidArgumentError("max_num_seqs and max_num_batched_tokens must be positive");
+  }
+  absl::StatusOr<std::unique_ptr<WeightStore>> weights = WeightStore::Open(model_dir);
+  if (!weights.ok()) return weights.status();
+  std::unique_ptr<LlamaCuda> model(new LlamaCuda(*config, options));
+  if (absl::Status s = model->Init(**weights); !s.ok()) return s;
+  return model;
+}
+
+absl::Status LlamaCuda::Init(const WeightStore& weights) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError("no CUDA device is available");
+  }
+  if (options_.device < 0 || options_.device >= count) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA device ", options_.device, " does not exist (", count, " found)"));
+  }
+  if (absl::Status s = cuda::CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"); !s.ok()) return s;
+  cudaDeviceProp prop{};
+  if (absl::Status s = cuda::CudaStatus(cudaGetDeviceProperties(&prop, options_.device), "device properties"); !s.ok()) {
+    return s;
+  }
+  if (prop.major < 8) return absl::FailedPreconditionError("the CUDA backend needs compute capability 8.0 or newer");
+  num_sms_ = prop.multiProcessorCount;
+  if (absl::Status s = cuda::CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream");
+      !s.ok()) {
+    return s;
+  }
+  absl::StatusOr<cuda::DeviceAllocation> ws = arena_.Allocate(kCublasWorkspaceBytes, "cuBLAS workspace");
+  if (!ws.ok()) return ws.status();
+  cublas_workspace_ = std::move(*ws);
+  absl::StatusOr<cuda::CublasLinear> linear =
+      cuda::CublasLinear::Create(stream_, cublas_workspace_.get(), cublas_workspace_.bytes());
+  if (!linear.ok()) return linear.status();
+  linear_ = std::make_unique<cuda::CublasLinear>(std::move(*linear));
+  if (absl::Status s = LoadWeights(weights); !s.ok()) return s;
+  weight_bytes_ = arena_.allocated_bytes() - int64_t(kCublasWorkspaceBytes);
+
+  const std::vector<float> inv_freq = config_.rope.InverseFrequencies(static_cast<int>(config_.head_dim));
+  const std::vector<float2> table = kernels::BuildRopeTable(inv_freq, static_cast<int>(options_.max_model_len));
+  absl::StatusOr<cuda::DeviceAllocation> rope = arena_.Allocate(table.size() * sizeof(float2), "RoPE table");
+  if (!rope.ok()) return rope.status();
+  rope_table_ = std::move(*rope);
+  if (absl::Status s = cuda::CudaStatus(
+          cudaMemcpy(rope_table_.get(), table.data(), table.size() * sizeof(float2), cudaMemcpyHostToDevice), "RoPE upload");
+      !s.ok()) {
+    return s;
+  }
+  return AllocateActivations();
+}
+
+absl::Status LlamaCuda::LoadWeights(const WeightStore& weights) {
+  const ModelConfig& c = config_;
+  const int64_t hidden = c.hidden_size, inter = c.intermediate_size, hd = c.head_dim;
+  const int64_t q_rows = c.num_heads * hd, kv_rows = c.num_kv_heads * hd;
+  std::vector<__nv_bfloat16> staging;
+
+  // Copies tensor `name` (checked to have `shape`) into `dst` as bf16.
+  auto upload = [&](const std::string& name, const std::vector<int64_t>& shape, __nv_bfloat16* dst) -> absl::Status {
+    absl::StatusOr<const TensorView*> view = weights.Get(name);
+    if (!view.ok()) return view.status();
+    if ((*view)->shape != shape) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", name, " has shape [", absl::StrJoin((*view)->shape, ", "),
+                                                     "], expected [", absl::StrJoin(shape, ", "), "]"));
+    }
+    int64_t numel = 1;
+    for (int64_t d : shape) numel *= d;
+    const void* src = (*view)->data;
+    if ((*view)->dtype != DType::kBF16) {
+      std::vector<float> f32(static_cast<size_t>(numel));
+      if (absl::Status s = weights.ReadFloat32(name, shape, absl::MakeSpan(f32)); !s.ok()) return s;
+      staging.resize(size_t(numel));
+      for (int64_t i = 0; i < numel; ++i) staging[size_t(i)] = __float2bfloat16(f32[size_t(i)]);
+      src = staging.data();
+    }
+    return cuda::CudaStatus(cudaMemcpy(dst, src, size_t(numel) * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice),
+                            "weight upload");
+  };
+  auto allocate = [&](int64_t elems, const char* what) -> absl::StatusOr<__nv_bfloat16*> {
+    absl::StatusOr<cuda::DeviceAllocation> a = arena_.Allocate(size_t(elems) * sizeof(__nv_bfloat16), what);
+    if (!a.ok()) return a.status();
+    weight_allocations_.push_back(std::move(*a));
+    return weight_allocations_.back().as<__nv_bfloat16>();
+  };
+#define DUET_ALLOC(var, elems, what)                                  \
+  absl::StatusOr<__nv_bfloat16*> var##_or = allocate((elems), (what)); \
+  if (!var##_or.ok()) return var##_or.status();                       \
+  __nv_bfloat16* var = *var##_or;
+#define DUET_RETURN_IF_ERROR(expr)          \
+  do {                                      \
+    if (absl::Status s_ = (expr); !s_.ok()) return s_; \
+  } while (0)
+
+  DUET_ALLOC(embed, c.vocab_size * hidden, "embedding");
+  DUET_RETURN_IF_ERROR(upload("model.embed_tokens.weight", {c.vocab_size, hidden}, embed));
+  embed_ = embed;
+  DUET_ALLOC(final_norm, hidden, "final norm");
+  DUET_RETURN_IF_ERROR(upload("model.norm.weight", {hidden}, final_norm));
+  final_norm_ = final_norm;
+  if (c.tie_word_embeddings) {
+    lm_head_ = embed_;
+  } else {
+    if (!weights.Has("lm_head.weight")) {
+      return absl::InvalidArgumentError("checkpoint has no lm_head.weight and config.json does not tie word embeddings");
+    }
+    DUET_ALLOC(lm_head, c.vocab_size * hidden, "lm_head");
+    DUET_RETURN_IF_ERROR(upload("lm_head.weight", {c.vocab_size, hidden}, lm_head));
+    lm_head_ = lm_head;
+  }
+  layers_.resize(size_t(c.num_layers));
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    Layer& l = layers_[size_t(i)];
+    DUET_ALLOC(input_norm, hidden, "norm");
+    DUET_RETURN_IF_ERROR(upload(p + "input_layernorm.weight", {hidden}, input_norm));
+    DUET_ALLOC(post_norm, hidden, "norm");
+    DUET_RETURN_IF_ERROR(upload(p + "post_attention_layernorm.weight", {hidden}, post_norm));
+    DUET_ALLOC(qkv, (q_rows + 2 * kv_rows) * hidden, "qkv_proj");
+    DUET_RETURN_IF_ERROR(upload(p + "self_attn.q_proj.weight", {q_rows, hidden}, qkv));
+    DUET_RETURN_IF_ERROR(upload(p + "self_attn.k_proj.weight", {kv_rows, hidden}, qkv + q_rows * hidden));
+    DUET_RETURN_IF_ERROR(upload(p + "self_attn.v_proj.weight", {kv_rows, hidden}, qkv + (q_rows + kv_rows) * hidden));
+    l.qkv_bias = nullptr;
+    if (c.qkv_bias) {
+      DUET_ALLOC(qkv_bias, q_rows + 2 * kv_rows, "qkv bias");
+      DUET_RETURN_IF_ERROR(upload(p + "self_attn.q_proj.bias", {q_rows}, qkv_bias));
+      DUET_RETURN_IF_ERROR(upload(p + "self_attn.k_proj.bias", {kv_rows}, qkv_bias + q_rows));
+      DUET_RETURN_IF_ERROR(upload(p + "self_attn.v_proj.bias", {kv_rows}, qkv_bias + q_rows + kv_rows));
+      l.qkv_bias = qkv_bias;
+    }
+    DUET_ALLOC(o, hidden * q_rows, "o_proj");
+    DUET_RETURN_IF_ERROR(upload(p + "self_attn.o_proj.weight", {hidden, q_rows}, o));
+    l.o_bias = nullptr;
+    if (c.o_bias) {
+      DUET_ALLOC(o_bias, hidden, "o bias");
+      DUET_RETURN_IF_ERROR(upload(p + "self_attn.o_proj.bias", {hidden}, o_bias));
+      l.o_bias = o_bias;
+    }
+    DUET_ALLOC(gate_up, 2 * inter * hidden, "gate_up_proj");
+    DUET_RETURN_IF_ERROR(upload(p + "mlp.gate_proj.weight", {inter, hidden}, gate_up));
+    DUET_RETURN_IF_ERROR(upload(p + "mlp.up_proj.weight", {inter, hidden}, gate_up + inter * hidden));
+    DUET_ALLOC(down, hidden * inter, "down_proj");
+    DUET_RETURN_IF_ERROR(upload(p + "mlp.down_proj.weight", {hidden, inter}, down));
+    l.input_norm = input_norm;
+    l.post_norm = post_norm;
+    l.qkv = qkv;
+    l.o = o;
+    l.gate_up = gate_up;
+    l.down = down;
+  }
+#undef DUET_ALLOC
+#undef DUET_RETURN_IF_ERROR
+  return absl::OkStatus();
+}
+
+absl::Status LlamaCuda::AllocateActivations() {
+  const ModelConfig& c = config_;
+  const int64_t t = options_.max_num_batched_tokens;
+  max_logit_rows_ = options_.max_num_seqs;
+  const int64_t r = max_logit_rows_;
+  const int64_t qkv_width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
+  const int64_t q_width = c.num_heads * c.head_dim;
+  struct Want {
+    cuda::DeviceAllocation* into;
+    int64_t bytes;
+    const char* what;
+  };
+  // The decode workspace must hold the largest plan any graph bucket uses.
+  for (int b = 1; b <= options_.max_num_seqs; ++b) {
+    const kernels::PagedDecodeAttentionPlan plan = kernels::PlanPagedDecodeAttention(
+        b, int(c.num_heads), int(c.num_kv_heads), int(c.head_dim), int(options_.max_model_len), num_sms_);
+    decode_workspace_bytes_ = std::max(decode_workspace_bytes_, plan.workspace_bytes);
+  }
+  const std::vector<Want> wants = {
+      {&residual_, t * c.hidden_size * 4, "residual"},
+      {&normed_, t * c.hidden_size * 2, "normed"},
+      {&qkv_, t * qkv_width * 2, "qkv"},
+      {&q_, t * q_width * 2, "q"},
+      {&attn_, t * q_width * 2, "attention output"},
+      {&delta_, t * c.hidden_size * 2, "delta"},
+      {&gate_up_, t * 2 * c.intermediate_size * 2, "gate_up"},
+      {&act_, t * c.intermediate_size * 2, "mlp activation"},
+      {&final_normed_, r * c.hidden_size * 2, "final norm"},
+      {&logits_, r * c.vocab_size * 4, "logits"},
+      {&decode_workspace_, int64_t(decode_workspace_bytes_), "decode attention workspace"},
+  };
+  for (const Want& w : wants) {
+    absl::StatusOr<cuda::DeviceAllocation> a = arena_.Allocate(size_t(w.bytes), w.what);
+    if (!a.ok()) return a.status();
+    *w.into = std::move(*a);
+  }
+  return results_host_.Resize(size_t(r) * size_t(c.vocab_size) * 4);
+}
+
+std::optional<int64_t> LlamaCuda::DeviceKvBudgetBytes(double memory_fraction) const {
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return int64_t(0);
+  // Our share of the device, minus what we already hold; never more than is actually free
+  // (another process — e.g. the prefill worker beside a decode worker — may hold the rest).
+  const int64_t share = int64_t(double(total_bytes) * memory_fraction) - arena_.allocated_bytes() - kRuntimeReserveBytes;
+  const int64_t free_now = int64_t(free_bytes) - kRuntimeReserveBytes;
+  return std::max<int64_t>(0, std::min(share, free_now));
+}
+
+std::unique_ptr<KvCache> LlamaCuda::CreateKvCache(int64_t num_blocks, int64_t block_size) {
+  DUET_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0);
+  block_size_ = int(block_size);
+  max_blocks_per_seq_ = int((options_.max_model_len + block_size - 1) / block_size);
+  const MetadataLayout layout(options_.max_num_batched_tokens, options_.max_num_seqs, max_logit_rows_,
+                              max_blocks_per_seq_);
+  absl::StatusOr<cuda::DeviceAllocation> meta = arena_.Allocate(layout.total * 4, "step metadata");
+  DUET_CHECK_MSG(meta.ok(), std::string(meta.status().message()).c_str());
+  metadata_ = std::move(*meta);
+  DUET_CHECK(metadata_host_.Resize(layout.total * 4).ok());
+  std::memset(metadata_host_.as<int32_t>(), 0, layout.total * 4);
+  absl::StatusOr<std::unique_ptr<cuda::DeviceKvCache>> cache = cuda::DeviceKvCache::Create(
+      KvCacheShape{config_.num_layers, num_blocks, config_.num_kv_heads, block_size, config_.head_dim,
+                   KvDtype::kBFloat16},
+      arena_, stream_);
+  DUET_CHECK_MSG(cache.ok(), std::string(cache.status().message()).c_str());
+  return std::move(*cache);
+}
+
+absl::StatusOr<LlamaCuda::StepPlan> LlamaCuda::PlanStep(absl::Span<const SequenceChunk> chunks, int block_size) const {
+  StepPlan plan;
+  if (block_size != block_size_ || metadata_.get() == nullptr) {
+    return absl::FailedPreconditionError("the KV cache passed to the CUDA executor was not created by it");
+  }
+  if (chunks.empty()) return absl::InvalidArgumentError("empty step");
+  if (int(chunks.size()) > options_.max_num_seqs) {
+    return absl::InvalidArgumentError(absl::StrCat("step has ", chunks.size(), " sequences; max_num_seqs is ",
+                                                   options_.max_num_seqs));
+  }
+  const MetadataLayout layout(options_.max_num_batched_tokens, options_.max_num_seqs, max_logit_rows_,
+                              max_blocks_per_seq_);
+  int32_t* meta = metadata_host_.as<int32_t>();
+  int32_t* tokens = meta + layout.tokens;
+  int32_t* positions = meta + layout.positions;
+  int32_t* slots = meta + layout.slots;
+  int32_t* q_start = meta + layout.q_start;
+  int32_t* context_lens = meta + layout.context_lens;
+  int32_t* block_tables = meta + layout.block_tables;
+  int32_t* logit_rows = meta + layout.logit_rows;
+
+  plan.decode_only = true;
+  int row = 0, logit_row = 0;
+  q_start[0] = 0;
+  for (size_t s = 0; s < chunks.size(); ++s) {
+    const SequenceChunk& chunk = chunks[s];
+    const int n = int(chunk.tokens.size());
+    const int64_t end = chunk.start_position + n;
+    if (n == 0) return absl::InvalidArgumentError("empty chunk");
+    if (end > options_.max_model_len) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence reaches position ", end, " past max_model_len ",
+                                                     options_.max_model_len));
+    }
+    if (end > int64_t(chunk.block_table.size()) * block_size) return absl::InternalError("block table too short for the chunk");
+    if (chunk.num_logits < 0 || chunk.num_logits > n) return absl::InternalError("num_logits exceeds the chunk");
+    if (row + n > options_.max_num_batched_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat("step has more than max_num_batched_tokens (",
+                                                     options_.max_num_batched_tokens, ") tokens"));
+    }
+    if (n != 1 || chunk.num_logits != 1) plan.decode_only = false;
+    for (int j = 0; j < n; ++j) {
+      const int32_t id = chunk.tokens[size_t(j)];
+      if (id < 0 || id >= config_.vocab_size) return absl::InvalidArgumentError(absl::StrCat("token id ", id, " out of range"));
+      const int64_t pos = chunk.start_position + j;
+      tokens[row + j] = id;
+      positions[row + j] = int32_t(pos);
+      slots[row + j] = chunk.block_table[size_t(pos / block_size)] * block_size + int32_t(pos % block_size);
+    }
+    for (int j = n - chunk.num_logits; j < n; ++j) logit_rows[logit_row++] = row + j;
+    const int num_blocks = int((end + block_size - 1) / block_size);
+    std::memcpy(block_tables + s * size_t(max_blocks_per_seq_), chunk.block_table.data(), size_t(num_blocks) * 4);
+    context_lens[s] = int32_t(end);
+    row += n;
+    q_start[s + 1] = row;
+    plan.max_q_len = std::max(plan.max_q_len, n);
+    plan.max_context_len = std::max(plan.max_context_len, int(end));
+  }
+  plan.num_tokens = row;
+  plan.num_seqs = int(chunks.size());
+  plan.num_logit_rows = logit_row;
+  return plan;
+}
+
+void LlamaCuda::Upload(const StepPlan& plan, absl::Span<const DeviceSamplingRow> sampling) {
+  const MetadataLayout layout(options_.max_num_batched_tokens, options_.max_num_seqs, max_logit_rows_,
+                              max_blocks_per_seq_);
+  int32_t* host = metadata_host_.as<int32_t>();
+  int32_t* dev = metadata_.as<int32_t>();
+  auto copy = [&](size_t offset, size_t count) {
+    if (count == 0) return;
+    DUET_CUDA_CHECK(cudaMemcpyAsync(dev + offset, host + offset, count * 4, cudaMemcpyHostToDevice, stream_));
+  };
+  // tokens, positions, slots, q_start, context_lens and logit_rows are laid out back to back.
+  copy(layout.tokens, layout.block_tables - layout.tokens);
+  // Only each row's used prefix of the block table travels.
+  const size_t pitch = size_t(max_blocks_per_seq_) * 4;
+  const size_t used = size_t((plan.max_context_len + block_size_ - 1) / block_size_) * 4;
+  if (used > 0) {
+    DUET_CUDA_CHECK(cudaMemcpy2DAsync(dev + layout.block_tables, pitch, host + layout.block_tables, pitch, used,
+                                      size_t(plan.num_seqs), cudaMemcpyHostToDevice, stream_));
+  }
+  if (!sampling.empty()) {
+    const int rows = std::min(plan.num_logit_rows, max_logit_rows_);
+    auto* temperature = reinterpret_cast<float*>(host + layout.temperature);
+    int32_t* top_k = host + layout.top_k;
+    auto* top_p = reinterpret_cast<float*>(host + layout.top_p);
+    auto* min_p = reinterpret_cast<float*>(host + layout.min_p);
+    auto* seeds = reinterpret_cast<uint64_t*>(host + layout.seeds);
+    auto* offsets = reinterpret_cast<uint64_t*>(host + layout.offsets);
+    for (int i = 0; i < rows; ++i) {
+      if (size_t(i) >= sampling.size()) {  // graph padding rows: greedy
+        temperature[i] = 0.0f;
+        continue;
+      }
+      temperature[i] = sampling[i].temperature;
+      top_k[i] = sampling[i].top_k;
+      top_p[i] = sampling[i].top_p;
+      min_p[i] = sampling[i].min_p;
+      seeds[i] = sampling[i].seed;
+      offsets[i] = sampling[i].offset;
+    }
+    copy(layout.temperature, layout.sampled_tokens - layout.temperature);
+  }
+}
+
+void LlamaCuda::Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool sample,
+                        absl::Span<const SequenceChunk> chunks, const LayerDoneCallback& on_layer_done) {
+  const ModelConfig& c = config_;
+  const MetadataLayout layout(options_.max_num_batched_tokens, options_.max_num_seqs, max_logit_rows_,
+                              max_blocks_per_seq_);
+  const int32_t* meta = metadata_.as<int32_t>();
+  const int t = plan.num_tokens;
+  const int hidden = int(c.hidden_size), inter = int(c.intermediate_size), hd = int(c.head_dim);
+  const int nh = int(c.num_heads), nkv = int(c.num_kv_heads);
+  const int qkv_width = (nh + 2 * nkv) * hd, q_width = nh * hd;
+  const float scale = 1.0f / std::sqrt(float(hd));
+  auto* residual = residual_.as<float>();
+  auto* normed = normed_.as<__nv_bfloat16>();
+  auto* qkv = qkv_.as<__nv_bfloat16>();
+  auto* q = q_.as<__nv_bfloat16>();
+  auto* attn = attn_.as<__nv_bfloat16>();
+  auto* delta = delta_.as<__nv_bfloat16>();
+  auto* gate_up = gate_up_.as<__nv_bfloat16>();
+  auto* act = act_.as<__nv_bfloat16>();
+
+  kernels::PagedDecodeAttentionPlan decode_plan{};
+  if (plan.decode_only) {
+    // A graph must serve any context up to max_model_len; an eager step plans for its own.
+    const int planned_context = plan.graph_batch > 0 ? int(options_.max_model_len) : plan.max_context_len;
+    decode_plan = kernels::PlanPagedDecodeAttention(plan.num_seqs, nh, nkv, hd, planned_context, num_sms_);
+    if (decode_plan.workspace_bytes > decode_workspace_bytes_) {
+      decode_plan = kernels::PlanPagedDecodeAttention(plan.num_seqs, nh, nkv, hd, int(options_.max_model_len), num_sms_);
+    }
+    DUET_CHECK(decode_plan.workspace_bytes <= decode_workspace_bytes_);
+  }
+
+  kernels::EmbeddingGather(meta + layout.tokens, embed_, residual, t, hidden, stream_);
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const Layer& l = layers_[li];
+    kernels::FusedAddRmsNorm({residual, li == 0 ? nullptr : delta, l.input_norm, nullptr, normed, t, hidden,
+                              float(c.rms_norm_eps)},
+                             stream_);
+    linear_->Forward(normed, l.qkv, qkv, t, hidden, qkv_width);
+    if (l.qkv_bias != nullptr) kernels::AddBias(qkv, l.qkv_bias, t, qkv_width, stream_);
+    kernels::RopeAndWriteKv({qkv, meta + layout.positions, meta + layout.slots, rope_table_.as<float2>(), q,
+                             cache.keys(int64_t(li)), cache.values(int64_t(li)), t, nh, nkv, hd, block_size_},
+                            stream_);
+    if (plan.decode_only) {
+      kernels::PagedDecodeAttentionParams p{};
+      p.q = q;
+      p.k_cache = cache.keys(int64_t(li));
+      p.v_cache = cache.values(int64_t(li));
+      p.block_tables = meta + layout.block_tables;
+      p.context_lens = meta + layout.context_lens;
+      p.out = attn;
+      p.num_seqs = plan.num_seqs;
+      p.num_q_heads = nh;
+      p.num_kv_heads = nkv;
+      p.head_dim = hd;
+      p.block_size = block_size_;
+      p.max_blocks_per_seq = max_blocks_per_seq_;
+      p.scale = scale;
+      p.workspace = decode_workspace_.as<float>();
+      kernels::PagedDecodeAttention(p, decode_plan, stream_);
+    } else {
+      kernels::PrefillAttentionParams p{};
+      p.q = q;
+      p.k_cache = cache.keys(int64_t(li));
+      p.v_cache = cache.values(int64_t(li));
+      p.block_tables = meta + layout.block_tables;
+      p.q_start = meta + layout.q_start;
+      p.context_lens = meta + layout.context_lens;
+      p.out = attn;
+      p.num_seqs = plan.num_seqs;
+      p.num_q_tokens = t;
+      p.max_q_len = plan.max_q_len;
+      p.num_q_heads = nh;
+      p.num_kv_heads = nkv;
+      p.head_dim = hd;
+      p.block_size = block_size_;
+      p.max_blocks_per_seq = max_blocks_per_seq_;
+      p.scale = scale;
+      kernels::PrefillAttention(p, stream_);
+    }
+    linear_->Forward(attn, l.o, delta, t, q_width, hidden);
+    if (l.o_bias != nullptr) kernels::AddBias(delta, l.o_bias, t, hidden, stream_);
+    kernels::FusedAddRmsNorm({residual, delta, l.post_norm, nullptr, normed, t, hidden, float(c.rms_norm_eps)}, stream_);
+    linear_->Forward(normed, l.gate_up, gate_up, t, hidden, 2 * inter);
+    kernels::SiluAndMul(gate_up, act, t, inter, stream_);
+    linear_->Forward(act, l.down, delta, t, inter, hidden);
+    if (on_layer_done) {
+      // The layer's K/V are in the cache once the stream reaches here.
+      DUET_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      on_layer_done(int64_t(li), chunks);
+    }
+  }
+  // The last MLP output joins the residual stream (the normalized copy is unused).
+  kernels::FusedAddRmsNorm({residual, delta, final_norm_, nullptr, normed, t, hidden, float(c.rms_norm_eps)}, stream_);
+  if (plan.graph_batch > 0) {
+    // Decode: every row gives logits, and they all fit one head pass.
+    kernels::FusedAddRmsNorm({residual, nullptr, final_norm_, meta + layout.logit_rows,
+                              final_normed_.as<__nv_bfloat16>(), plan.num_logit_rows, hidden, float(c.rms_norm_eps)},
+                             stream_);
+    linear_->ForwardF32(final_normed_.as<__nv_bfloat16>(), lm_head_, logits_.as<float>(), plan.num_logit_rows, hidden,
+                        int(c.vocab_size));
+    if (sample) {
+      kernels::SampleTokens(
+          {logits_.as<float>(), plan.num_logit_rows, int(c.vocab_size),
+           reinterpret_cast<const float*>(meta + layout.temperature), meta + layout.top_k,
+           reinterpret_cast<const float*>(meta + layout.top_p), reinterpret_cast<const float*>(meta + layout.min_p),
+           reinterpret_cast<const uint64_t*>(meta + layout.seeds), reinterpret_cast<const uint64_t*>(meta + layout.offsets),
+           metadata_.as<int32_t>() + layout.sampled_tokens,
+           reinterpret_cast<float*>(metadata_.as<int32_t>() + layout.sampled_logprobs)},
+          stream_);
+    }
+  }
+}
+
+void LlamaCuda::PadForGraph(StepPlan& plan) const {
+  const MetadataLayout layout(options_.max_num_batched_tokens, options_.max_num_seqs, max_logit_rows_,
+                              max_blocks_per_seq_);
+  int32_t* meta = metadata_host_.as<int32_t>();
+  const int batch = GraphBatchSize(plan.num_seqs);
+  for (int i = plan.num_seqs; i < batch; ++i) {
+    meta[layout.tokens + i] = 0;
+    meta[layout.positions + i] = 0;
+    meta[layout.slots + i] = -1;            // writes no K/V
+    meta[layout.context_lens + i] = 0;      // attends to nothing
+    meta[layout.q_start + i + 1] = i + 1;
+    meta[layout.logit_rows + i] = i;
+  }
+  plan.num_tokens = plan.num_seqs = plan.num_logit_rows = batch;
+  plan.graph_batch = batch;
+}
+
+absl::Status LlamaCuda::LaunchGraph(const StepPlan& plan, cuda::DeviceKvCache& cache, bool sample) {
+  if (graph_cache_ != &cache) {
+    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    graphs_.clear();
+    graph_cache_ = &cache;
+  }
+  const auto key = std::make_pair(plan.graph_batch, sample);
+  auto it = graphs_.find(key);
+  if (it == graphs_.end()) {
+    cudaGraph_t graph = nullptr;
+    if (absl::Status s = cuda::CudaStatus(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "begin capture");
+        !s.ok()) {
+      return s;
+    }
+    Enqueue(plan, cache, sample, {}, nullptr);
+    if (absl::Status s = cuda::CudaStatus(cudaStreamEndCapture(stream_, &graph), "end capture"); !s.ok()) return s;
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    if (absl::Status s = cuda::CudaStatus(err, "graph instantiate"); !s.ok()) return s;
+    it = graphs_.emplace(key, exec).first;
+  }
+  return cuda::CudaStatus(cudaGraphLaunch(it->second, stream_), "graph launch");
+}
+
+absl::Status LlamaCuda::EagerHead(const StepPlan& plan, bool sample, std::vector<float>* logits,
+                                  std::vector<DeviceSample>* samples) {
+  const MetadataLayout layout(options_.max_num_batched_tokens, options_.max_num_seqs, max_logit_rows_,
+                              max_blocks_per_seq_);
+  const int32_t* meta = metadata_.as<int32_t>();
+  const int64_t vocab = config_.vocab_size;
+  for (int begin = 0; begin < plan.num_logit_rows; begin += max_logit_rows_) {
+    const int rows = std::min(max_logit_rows_, plan.num_logit_rows - begin);
+    kernels::FusedAddRmsNorm({residual_.as<float>(), nullptr, final_norm_, meta + layout.logit_rows + begin,
+                              final_normed_.as<__nv_bfloat16>(), rows, int(config_.hidden_size), float(config_.rms_norm_eps)},
+                             stream_);
+    linear_->ForwardF32(final_normed_.as<__nv_bfloat16>(), lm_head_, logits_.as<float>(), rows, int(config_.hidden_size),
+                        int(vocab));
+    if (sample) {
+      DUET_CHECK(begin == 0);  // ForwardSample checks the rows fit one pass
+      kernels::SampleTokens(
+          {logits_.as<float>(), rows, int(vocab), reinterpret_cast<const float*>(meta + layout.temperature),
+           meta + layout.top_k, reinterpret_cast<const float*>(meta + layout.top_p),
+           reinterpret_cast<const float*>(meta + layout.min_p), reinterpret_cast<const uint64_t*>(meta + layout.seeds),
+           reinterpret_cast<const uint64_t*>(meta + layout.offsets), metadata_.as<int32_t>() + layout.sampled_tokens,
+           reinterpret_cast<float*>(metadata_.as<int32_t>() + layout.sampled_logprobs)},
+          stream_);
+      continue;
+    }
+    const size_t bytes = size_t(rows) * size_t(vocab) * sizeof(float);
+    if (absl::Status s = cuda::CudaStatus(
+            cudaMemcpyAsync(results_host_.as<float>(), logits_.get(), bytes, cudaMemcpyDeviceToHost, stream_), "logits copy");
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = cuda::CudaStatus(cudaStreamSynchronize(stream_), "step"); !s.ok()) return s;
+    std::memcpy(logits->data() + size_t(begin) * size_t(vocab), results_host_.as<float>(), bytes);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LlamaCuda::Run(absl::Span<const SequenceChunk> chunks, KvCache& kv_cache,
+                            absl::Span<const DeviceSamplingRow> sampling, const LayerDoneCallback& on_layer_done,
+                            std::vector<float>* logits, std::vector<DeviceSample>* samples) {
+  auto* cache = dynamic_cast<cuda::DeviceKvCache*>(&kv_cache);
+  if (cache == nullptr) return absl::InvalidArgumentError("the CUDA backend needs its own device KV cache");
+  absl::StatusOr<StepPlan> plan = PlanStep(chunks, int(cache->shape().block_size));
+  if (!plan.ok()) return plan.status();
+  const bool sample = samples != nullptr;
+  const int real_rows = plan->num_logit_rows;
+  if (sample && (size_t(real_rows) != sampling.size() || real_rows > max_logit_rows_)) {
+    return absl::InvalidArgumentError(absl::StrCat("device sampling needs one row per logits row (", real_rows,
+                                                   " rows, ", sampling.size(), " given, at most ", max_logit_rows_, ")"));
+  }
+  const bool use_graph = plan->decode_only && options_.cuda_graphs && !on_layer_done &&
+                         GraphBatchSize(plan->num_seqs) <= std::min(options_.max_num_seqs, options_.max_num_batched_tokens);
+  if (use_graph) PadForGraph(*plan);
+  Upload(*plan, sampling);
+
+  const int64_t vocab = config_.vocab_size;
+  if (!sample) logits->resize(size_t(real_rows) * size_t(vocab));
+  if (use_graph) {
+    if (absl::Status s = LaunchGraph(*plan, *cache, sample); !s.ok()) return s;
+    if (!sample) {
+      const size_t bytes = size_t(real_rows) * size_t(vocab) * sizeof(float);
+      DUET_CUDA_CHECK(cudaMemcpyAsync(results_host_.as<float>(), logits_.get(), bytes, cudaMemcpyDeviceToHost, stream_));
+      if (absl::Status s = cuda::CudaStatus(cudaStreamSynchronize(stream_), "step"); !s.ok()) return s;
+      std::memcpy(logits->data(), results_host_.as<float>(), bytes);
+    }
+  } else {
+    Enqueue(*plan, *cache, sample, chunks, on_layer_done);
+    if (absl::Status s = EagerHead(*plan, sample, logits, samples); !s.ok()) return s;
+  }
+  if (sample) {
+    const MetadataLayout layout(options_.max_num_batched_tokens, options_.max_num_seqs, max_logit_rows_,
+                                max_blocks_per_seq_);
+    // Tokens and logprobs are adjacent: one copy brings both back.
+    int32_t* host = results_host_.as<int32_t>();
+    DUET_CUDA_CHECK(cudaMemcpyAsync(host, metadata_.as<int32_t>() + layout.sampled_tokens,
+                                    (layout.total - layout.sampled_tokens) * 4, cudaMemcpyDeviceToHost, stream_));
+    if (absl::Status s = cuda::CudaStatus(cudaStreamSynchronize(stream_), "step"); !s.ok()) return s;
+    const auto* logprobs = reinterpret_cast<const float*>(host + (layout.sampled_logprobs - layout.sampled_tokens));
+    samples->resize(size_t(real_rows));
+    for (int i = 0; i < real_rows; ++i) (*samples)[size_t(i)] = DeviceSample{host[i], logprobs[i]};
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LlamaCuda::Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache, std::vector<float>& logits,
+                                const LayerDoneCallback& on_layer_done) {
+  return Run(chunks, cache, {}, on_layer_done, &logits, nullptr);
+}
+
+absl::Status LlamaCuda::ForwardSample(absl::Span<const SequenceChunk> chunks, KvCache& cache,
+                                      absl::Span<const DeviceSamplingRow> rows, std::vector<DeviceSample>& samples,
+                                      const LayerDoneCallback& on_layer_done) {
+  return Run(chunks, cache, rows, on_layer_done, nullptr, &samples);
+}
+
+}  // namespace duet

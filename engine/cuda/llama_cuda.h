@@ -1,0 +1,128 @@
+// The Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5) on an NVIDIA GPU: bf16 weights resident
+// on the device, an fp32 residual stream, cuBLAS for the projections, Duet's kernels for
+// everything else, the bf16 KV cache in device memory, and decode steps replayed from CUDA graphs
+// captured per batch-size bucket. Stream-ordered: the only host synchronization in a step is
+// reading its results (logits or sampled token ids).
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "absl/status/statusor.h"
+#include "engine/cuda/cublas_linear.h"
+#include "engine/cuda/device_kv_cache.h"
+#include "engine/cuda/device_memory.h"
+#include "engine/model_executor.h"
+#include "engine/safetensors.h"
+
+namespace duet {
+
+struct LlamaCudaOptions {
+  int device = 0;
+  int max_num_seqs = 256;               // sequences in one step
+  int max_num_batched_tokens = 8192;    // tokens in one step (activation buffers are sized by it)
+  int64_t max_model_len = 0;            // 0: the model's max_position_embeddings
+  bool cuda_graphs = true;              // replay decode steps from graphs
+};
+
+class LlamaCuda : public ModelExecutor {
+ public:
+  static absl::StatusOr<std::unique_ptr<LlamaCuda>> Load(const std::string& model_dir, const LlamaCudaOptions& options);
+  ~LlamaCuda() override;
+
+  const ModelConfig& config() const override { return config_; }
+  KvDtype kv_dtype() const override { return KvDtype::kBFloat16; }
+  std::unique_ptr<KvCache> CreateKvCache(int64_t num_blocks, int64_t block_size) override;
+  std::optional<int64_t> DeviceKvBudgetBytes(double memory_fraction) const override;
+
+  absl::Status Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache, std::vector<float>& logits,
+                       const LayerDoneCallback& on_layer_done = nullptr) override;
+  bool CanSampleOnDevice() const override { return true; }
+  absl::Status ForwardSample(absl::Span<const SequenceChunk> chunks, KvCache& cache,
+                             absl::Span<const DeviceSamplingRow> rows, std::vector<DeviceSample>& samples,
+                             const LayerDoneCallback& on_layer_done = nullptr) override;
+
+  cudaStream_t stream() const { return stream_; }
+  int64_t weight_bytes() const { return weight_bytes_; }
+
+ private:
+  struct Layer {
+    const __nv_bfloat16* input_norm;  // [hidden]
+    const __nv_bfloat16* qkv;         // [(heads + 2 * kv_heads) * head_dim, hidden]
+    const __nv_bfloat16* qkv_bias;    // [(heads + 2 * kv_heads) * head_dim] or null
+    const __nv_bfloat16* o;           // [hidden, heads * head_dim]
+    const __nv_bfloat16* o_bias;      // [hidden] or null
+    const __nv_bfloat16* post_norm;   // [hidden]
+    const __nv_bfloat16* gate_up;     // [2 * intermediate, hidden]: gate rows then up rows
+    const __nv_bfloat16* down;        // [hidden, intermediate]
+  };
+  // Host-side description of one step, uploaded before it runs.
+  struct StepPlan;
+
+  LlamaCuda(const ModelConfig& config, const LlamaCudaOptions& options);
+  absl::Status Init(const WeightStore& weights);
+  absl::Status LoadWeights(const WeightStore& weights);
+  absl::Status AllocateActivations();
+
+  // Runs the step; with `sampling` empty copies logits to `logits`, else samples into `samples`.
+  absl::Status Run(absl::Span<const SequenceChunk> chunks, KvCache& cache, absl::Span<const DeviceSamplingRow> sampling,
+                   const LayerDoneCallback& on_layer_done, std::vector<float>* logits, std::vector<DeviceSample>* samples);
+  absl::StatusOr<StepPlan> PlanStep(absl::Span<const SequenceChunk> chunks, int block_size) const;
+  void Upload(const StepPlan& plan, absl::Span<const DeviceSamplingRow> sampling);
+  // Pads a decode step to its graph batch size with rows that write nothing.
+  void PadForGraph(StepPlan& plan) const;
+  // Enqueues the whole step (embedding → logits → optional sampling) on stream_.
+  void Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool sample,
+               absl::Span<const SequenceChunk> chunks, const LayerDoneCallback& on_layer_done);
+  absl::Status LaunchGraph(const StepPlan& plan, cuda::DeviceKvCache& cache, bool sample);
+  // The logits head for eager steps, in passes of at most max_logit_rows_ rows.
+  absl::Status EagerHead(const StepPlan& plan, bool sample, std::vector<float>* logits, std::vector<DeviceSample>* samples);
+
+  ModelConfig config_;
+  LlamaCudaOptions options_;
+  cudaStream_t stream_ = nullptr;
+  int num_sms_ = 0;
+  cuda::DeviceArena arena_;
+  std::vector<cuda::DeviceAllocation> weight_allocations_;
+  int64_t weight_bytes_ = 0;
+  std::unique_ptr<cuda::CublasLinear> linear_;
+
+  const __nv_bfloat16* embed_ = nullptr;       // [vocab, hidden]
+  const __nv_bfloat16* final_norm_ = nullptr;  // [hidden]
+  const __nv_bfloat16* lm_head_ = nullptr;     // [vocab, hidden] (the embedding when tied)
+  std::vector<Layer> layers_;
+  cuda::DeviceAllocation rope_table_;          // [max_model_len, head_dim / 2] float2
+
+  // Activations, sized for max_num_batched_tokens (T) and max logits rows (R).
+  cuda::DeviceAllocation cublas_workspace_;
+  cuda::DeviceAllocation residual_;     // [T, hidden] fp32
+  cuda::DeviceAllocation normed_;       // [T, hidden] bf16
+  cuda::DeviceAllocation qkv_;          // [T, (heads + 2 kv_heads) * head_dim] bf16
+  cuda::DeviceAllocation q_;            // [T, heads, head_dim] bf16
+  cuda::DeviceAllocation attn_;         // [T, heads, head_dim] bf16
+  cuda::DeviceAllocation delta_;        // [T, hidden] bf16: each sublayer's output, added on the next norm
+  cuda::DeviceAllocation gate_up_;      // [T, 2 * intermediate] bf16
+  cuda::DeviceAllocation act_;          // [T, intermediate] bf16
+  cuda::DeviceAllocation final_normed_; // [R, hidden] bf16
+  cuda::DeviceAllocation logits_;       // [R, vocab] fp32
+  cuda::DeviceAllocation decode_workspace_;
+  size_t decode_workspace_bytes_ = 0;
+  // Step metadata (device) and its pinned host staging.
+  cuda::DeviceAllocation metadata_;
+  cuda::PinnedBuffer metadata_host_;
+  cuda::PinnedBuffer results_host_;
+  int block_size_ = 0;
+  int max_blocks_per_seq_ = 0;
+  int max_logit_rows_ = 0;
+
+  // Decode graphs by (padded batch size, samples on device).
+  std::map<std::pair<int, bool>, cudaGraphExec_t> graphs_;
+  const KvCache* graph_cache_ = nullptr;  // the cache the graphs were captured with
+};
+
+}  // namespace duet
