@@ -1,0 +1,224 @@
+// Decode and prefill speed of the CUDA backend on one checkpoint, next to the limits measured in
+// the same run: device copy bandwidth (the decode floor: weight bytes + KV bytes read per step)
+// and cuBLAS bf16 matmul throughput (the prefill ceiling).
+//
+//   cuda_llama_bench --model DIR [--batch 1,8,32,128] [--context 1024] [--prefill 1024,8192]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "engine/cuda/llama_cuda.h"
+
+namespace duet {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Device-to-device copy of 2 GiB; bytes read plus written per second.
+double MeasureCopyBandwidth() {
+  const size_t bytes = size_t(2) << 30;
+  void *a = nullptr, *b = nullptr;
+  cudaMalloc(&a, bytes);
+  cudaMalloc(&b, bytes);
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<double> secs;
+  for (int i = 0; i < 12; ++i) {
+    cudaEventRecord(start);
+    cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice);
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    if (i >= 2) secs.push_back(ms / 1e3);
+  }
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * double(bytes) / Median(secs);
+}
+
+// cuBLAS bf16 GEMM 8192^3 with fp32 accumulation, FLOP/s.
+double MeasureMatmulPeak() {
+  const int n = 8192;
+  void *a = nullptr, *b = nullptr, *c = nullptr;
+  cudaMalloc(&a, size_t(n) * n * 2);
+  cudaMalloc(&b, size_t(n) * n * 2);
+  cudaMalloc(&c, size_t(n) * n * 2);
+  cudaMemset(a, 0x3c, size_t(n) * n * 2);  // finite bf16 values
+  cudaMemset(b, 0x3c, size_t(n) * n * 2);
+  cublasHandle_t handle;
+  cublasCreate(&handle);
+  const float alpha = 1, beta = 0;
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<double> secs;
+  for (int i = 0; i < 12; ++i) {
+    cudaEventRecord(start);
+    cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n, &beta, c,
+                 CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    if (i >= 2) secs.push_back(ms / 1e3);
+  }
+  cublasDestroy(handle);
+  cudaFree(a);
+  cudaFree(b);
+  cudaFree(c);
+  return 2.0 * double(n) * n * n / Median(secs);
+}
+
+std::vector<int> ParseList(const std::string& text) {
+  std::vector<int> out;
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t comma = text.find(',', at);
+    if (comma == std::string::npos) comma = text.size();
+    out.push_back(std::stoi(text.substr(at, comma - at)));
+    at = comma + 1;
+  }
+  return out;
+}
+
+int Run(int argc, char** argv) {
+  CLI::App app{"CUDA backend decode/prefill benchmark"};
+  std::string model_dir, batches = "1,8,32,128", prefills = "1024,8192";
+  int context = 1024, steps = 64;
+  bool graphs = true;
+  app.add_option("--model", model_dir, "checkpoint directory")->required();
+  app.add_option("--batch", batches, "decode batch sizes");
+  app.add_option("--context", context, "tokens already in each sequence's KV cache when decode starts");
+  app.add_option("--steps", steps, "decode steps timed per batch size");
+  app.add_option("--prefill", prefills, "single-sequence prefill lengths");
+  app.add_flag("!--no-cuda-graphs", graphs, "run decode steps eagerly");
+  CLI11_PARSE(app, argc, argv);
+
+  const std::vector<int> batch_sizes = ParseList(batches), prefill_lens = ParseList(prefills);
+  const int max_batch = *std::max_element(batch_sizes.begin(), batch_sizes.end());
+  const int max_prefill = *std::max_element(prefill_lens.begin(), prefill_lens.end());
+  LlamaCudaOptions options;
+  options.max_num_seqs = max_batch;
+  options.max_num_batched_tokens = std::max(max_prefill, 8192);
+  options.max_model_len = std::max<int64_t>(max_prefill, context + steps + 16);
+  options.cuda_graphs = graphs;
+  auto loaded = LlamaCuda::Load(model_dir, options);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "load: %s\n", std::string(loaded.status().message()).c_str());
+    return 1;
+  }
+  LlamaCuda& model = **loaded;
+  const ModelConfig& c = model.config();
+  const int block_size = 16;
+  const int blocks_per_seq = int((options.max_model_len + block_size - 1) / block_size);
+  const int64_t num_blocks = int64_t(std::max(max_batch, 1)) * blocks_per_seq;
+  std::unique_ptr<KvCache> cache = model.CreateKvCache(num_blocks, block_size);
+
+  const double copy_bw = MeasureCopyBandwidth();
+  const double matmul_peak = MeasureMatmulPeak();
+  const double weight_bytes = double(model.weight_bytes());
+  const double kv_bytes_per_token = 2.0 * double(c.num_layers * c.num_kv_heads * c.head_dim) * 2.0;
+  std::printf("model %s: %.2f GB of bf16 weights, %lld layers, hidden %lld, vocab %lld\n", model_dir.c_str(),
+              weight_bytes / 1e9, (long long)c.num_layers, (long long)c.hidden_size, (long long)c.vocab_size);
+  std::printf("device copy %.0f GB/s (read+write), cuBLAS bf16 matmul %.0f TFLOP/s\n", copy_bw / 1e9,
+              matmul_peak / 1e12);
+
+  std::vector<std::vector<int32_t>> tables(size_t(max_batch));
+  for (int s = 0; s < max_batch; ++s) {
+    tables[size_t(s)].resize(size_t(blocks_per_seq));
+    std::iota(tables[size_t(s)].begin(), tables[size_t(s)].end(), s * blocks_per_seq);
+  }
+  auto tokens_of = [&](int n, int seed) {
+    std::vector<int32_t> t(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) t[size_t(i)] = int32_t((uint64_t(i + 1) * 2654435761u + uint64_t(seed) * 97) % uint64_t(c.vocab_size));
+    return t;
+  };
+
+  // Prefill: one sequence, logits for its last token, synchronous (the time a prompt takes).
+  std::printf("\n%-10s %10s %10s %12s\n", "prefill", "ms", "TFLOP/s", "of matmul");
+  for (int n : prefill_lens) {
+    const std::vector<int32_t> prompt = tokens_of(n, 1);
+    std::vector<double> secs;
+    std::vector<float> logits;
+    for (int rep = 0; rep < 6; ++rep) {
+      SequenceChunk chunk{prompt, 0, tables[0], 1, 1};
+      const auto t0 = Clock::now();
+      if (absl::Status s = model.Forward({chunk}, *cache, logits); !s.ok()) {
+        std::fprintf(stderr, "prefill: %s\n", std::string(s.message()).c_str());
+        return 1;
+      }
+      if (rep >= 1) secs.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    const double linear_params = double(c.num_layers) * double(c.hidden_size) *
+                                 double((c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim +
+                                        3 * c.intermediate_size);
+    const double flops = 2.0 * n * linear_params + 2.0 * double(c.hidden_size) * double(c.vocab_size) +
+                         4.0 * double(c.num_layers * c.num_heads * c.head_dim) * double(n) * double(n) / 2.0;
+    const double t = Median(secs);
+    std::printf("%-10d %10.2f %10.1f %11.0f%%\n", n, t * 1e3, flops / t / 1e12, 100.0 * flops / t / matmul_peak);
+  }
+
+  // Decode: fill every sequence's cache with `context` tokens, then time greedy steps sampled on
+  // the device (graph replay), each step synchronous because its tokens come back.
+  std::printf("\n%-8s %10s %10s %12s %10s %10s\n", "batch", "ms/step", "tok/s", "floor ms", "of floor", "context");
+  for (int batch : batch_sizes) {
+    const int per_step = std::max(1, int(options.max_num_batched_tokens) / context);
+    for (int begin = 0; begin < batch; begin += per_step) {
+      std::vector<std::vector<int32_t>> prompts;
+      std::vector<SequenceChunk> chunks;
+      for (int s = begin; s < std::min(batch, begin + per_step); ++s) prompts.push_back(tokens_of(context, s));
+      for (int s = begin; s < std::min(batch, begin + per_step); ++s) {
+        chunks.push_back(SequenceChunk{prompts[size_t(s - begin)], 0, tables[size_t(s)], SequenceId(s + 1), 0});
+      }
+      chunks.back().num_logits = 1;
+      std::vector<float> logits;
+      if (absl::Status st = model.Forward(chunks, *cache, logits); !st.ok()) {
+        std::fprintf(stderr, "context fill: %s\n", std::string(st.message()).c_str());
+        return 1;
+      }
+    }
+    std::vector<int32_t> next(size_t(batch), 1);
+    std::vector<DeviceSamplingRow> rows(size_t(batch));
+    std::vector<DeviceSample> samples;
+    std::vector<double> secs;
+    for (int step = 0; step < steps; ++step) {
+      std::vector<SequenceChunk> chunks;
+      for (int s = 0; s < batch; ++s) {
+        chunks.push_back(SequenceChunk{absl::MakeConstSpan(&next[size_t(s)], 1), int64_t(context + step), tables[size_t(s)],
+                                       SequenceId(s + 1), 1});
+      }
+      const auto t0 = Clock::now();
+      if (absl::Status st = model.ForwardSample(chunks, *cache, rows, samples); !st.ok()) {
+        std::fprintf(stderr, "decode: %s\n", std::string(st.message()).c_str());
+        return 1;
+      }
+      if (step >= 4) secs.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      for (int s = 0; s < batch; ++s) next[size_t(s)] = samples[size_t(s)].token;
+    }
+    const double t = Median(secs);
+    const double mid_context = context + steps / 2.0;
+    const double floor = (weight_bytes + batch * mid_context * kv_bytes_per_token) / copy_bw;
+    std::printf("%-8d %10.3f %10.0f %12.3f %9.0f%% %10d\n", batch, t * 1e3, batch / t, floor * 1e3, 100.0 * floor / t,
+                context);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace duet
+
+int main(int argc, char** argv) { return duet::Run(argc, argv); }
