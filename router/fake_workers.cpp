@@ -133,6 +133,126 @@ uint64_t FakeDecodeWorker::last_transfer_id() const {
   return last_transfer_id_;
 }
 
+// Writes the scripted messages one at a time, then waits for the cancellation.
+class MalformedDecodeWorker::Stream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+ public:
+  Stream(MalformedDecodeWorker* worker, const v1::DecodeRequest& request) : worker_(worker) {
+    for (int i = 0; i < worker->good_messages; ++i) {
+      v1::GenerateResponse message;
+      message.add_token_ids(request.first_token_id() + i);
+      message.set_text("t" + std::to_string(i) + " ");
+      messages_.push_back(Serialize(message));
+    }
+    v1::GenerateResponse bad;
+    switch (worker->fault.load()) {
+      case Fault::kUnparsable: {
+        // Field 3 (text) announces 100 bytes and carries 3.
+        const char truncated[] = {0x1a, 100, 'a', 'b', 'c'};
+        grpc::Slice slice(truncated, sizeof(truncated));
+        messages_.emplace_back(&slice, 1);
+        break;
+      }
+      case Fault::kTokenOutOfVocabulary:
+        bad.add_token_ids(1 << 30);
+        messages_.push_back(Serialize(bad));
+        break;
+      case Fault::kUnknownFinishReason:
+        bad.add_token_ids(request.first_token_id());
+        bad.set_finished(true);
+        bad.set_finish_reason("exploded");
+        messages_.push_back(Serialize(bad));
+        break;
+    }
+    NextWrite();
+  }
+
+  void OnWriteDone(bool ok) override {
+    bool finish = false;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      ++next_;
+      finish = !ok || cancelled_;
+    }
+    finish ? Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled")) : NextWrite();
+  }
+  void OnCancel() override {
+    ++worker_->num_cancelled;
+    bool finish = false;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+      finish = !writing_;  // else OnWriteDone finishes
+    }
+    if (finish) Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  static grpc::ByteBuffer Serialize(const v1::GenerateResponse& message) {
+    grpc::ByteBuffer bytes;
+    bool own = false;
+    DUET_CHECK(grpc::SerializationTraits<v1::GenerateResponse>::Serialize(message, &bytes, &own).ok());
+    return bytes;
+  }
+  // Writes the next message; after the last one, stays silent. (gRPC calls outside the lock: a
+  // reaction may run inline.)
+  void NextWrite() {
+    const grpc::ByteBuffer* next = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      if (next_ >= messages_.size() || cancelled_) return;
+      writing_ = true;
+      next = &messages_[next_];
+    }
+    StartWrite(next);
+  }
+
+  MalformedDecodeWorker* const worker_;
+  absl::Mutex mu_;
+  std::vector<grpc::ByteBuffer> messages_;
+  size_t next_ ABSL_GUARDED_BY(mu_) = 0;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+grpc::Status MalformedDecodeWorker::ReserveKv(grpc::ServerContext*, const v1::ReserveKvRequest* request,
+                                              v1::ReserveKvResponse* response) {
+  response->mutable_target()->set_transfer_id(request->transfer_id());
+  response->mutable_target()->add_block_ids(7);
+  return grpc::Status::OK;
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* MalformedDecodeWorker::Decode(grpc::CallbackServerContext* context,
+                                                                          const grpc::ByteBuffer* request) {
+  ++num_decodes;
+  grpc::ByteBuffer copy = *request;
+  v1::DecodeRequest decode;
+  DUET_CHECK(grpc::SerializationTraits<v1::DecodeRequest>::Deserialize(&copy, &decode).ok());
+  return new Stream(this, decode);
+}
+
+grpc::Status MalformedDecodeWorker::Abort(grpc::ServerContext*, const v1::WorkerAbortRequest* request,
+                                          v1::WorkerAbortResponse*) {
+  absl::MutexLock lock(&mu_);
+  aborted_.push_back(request->request_id());
+  return grpc::Status::OK;
+}
+
+grpc::Status MalformedDecodeWorker::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
+                                             v1::WorkerStats* response) {
+  response->set_role("decode");
+  response->set_num_kv_blocks(100);
+  response->set_num_free_kv_blocks(100);
+  response->set_block_size(16);
+  return grpc::Status::OK;
+}
+
+std::vector<std::string> MalformedDecodeWorker::aborted() const {
+  absl::MutexLock lock(&mu_);
+  return aborted_;
+}
+
 FakeServer::FakeServer(grpc::Service* service, int port) : service_(service) {
 
   grpc::ServerBuilder builder;

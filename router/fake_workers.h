@@ -70,6 +70,40 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
   uint64_t last_transfer_id_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
+// A decode worker whose Decode stream goes wrong the way a broken or mismatched worker could: it
+// sends `good_messages` valid tokens (first_token_id, +1, ...), then one bad message (`fault`), and
+// then keeps the stream open without another word until the router cancels it.
+class MalformedDecodeWorker final
+    : public v1::DecodeWorker::WithRawCallbackMethod_Decode<v1::DecodeWorker::Service> {
+ public:
+  enum class Fault {
+    kUnparsable,           // bytes that are no GenerateResponse
+    kTokenOutOfVocabulary, // token id 1 << 30
+    kUnknownFinishReason,  // finished with finish_reason "exploded"
+  };
+
+  grpc::Status ReserveKv(grpc::ServerContext* context, const v1::ReserveKvRequest* request,
+                         v1::ReserveKvResponse* response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Decode(grpc::CallbackServerContext* context,
+                                                     const grpc::ByteBuffer* request) override;
+  grpc::Status Abort(grpc::ServerContext* context, const v1::WorkerAbortRequest* request,
+                     v1::WorkerAbortResponse* response) override;
+  grpc::Status GetStats(grpc::ServerContext* context, const v1::GetStatsRequest* request,
+                        v1::WorkerStats* response) override;
+
+  std::atomic<Fault> fault{Fault::kUnparsable};
+  std::atomic<int> good_messages{2};
+  std::atomic<int> num_decodes{0};
+  std::atomic<int> num_cancelled{0};  // Decode streams that ended by the router's cancellation
+
+  std::vector<std::string> aborted() const;
+
+ private:
+  class Stream;
+  mutable absl::Mutex mu_;
+  std::vector<std::string> aborted_ ABSL_GUARDED_BY(mu_);
+};
+
 // A gRPC server for one fake service on 127.0.0.1 (port 0: any). A service object registers with
 // one server only: to "restart" a worker, serve a new service object on the old port.
 class FakeServer {

@@ -10,28 +10,28 @@
 
 namespace duet::router {
 
-class ApiKeyDuetService final : public v1::Duet::Service {
+class ApiKeyDuetService final : public v1::Duet::CallbackService {
  public:
-  ApiKeyDuetService(v1::Duet::Service* inner, std::string api_key)
+  ApiKeyDuetService(v1::Duet::CallbackService* inner, std::string api_key)
       : inner_(inner), expected_("Bearer " + std::move(api_key)) {}
 
-  grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
-                        grpc::ServerWriter<v1::GenerateResponse>* writer) override {
-    if (!Authorized(*context)) return Unauthenticated();
-    return inner_->Generate(context, request, writer);
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(grpc::CallbackServerContext* context,
+                                                           const v1::GenerateRequest* request) override {
+    if (!Authorized(*context)) return new RejectedStream(Unauthenticated());
+    return inner_->Generate(context, request);
   }
-  grpc::Status Abort(grpc::ServerContext* context, const v1::AbortRequest* request,
-                     v1::AbortResponse* response) override {
-    if (!Authorized(*context)) return Unauthenticated();
+  grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context, const v1::AbortRequest* request,
+                                  v1::AbortResponse* response) override {
+    if (!Authorized(*context)) return Reject(context);
     return inner_->Abort(context, request, response);
   }
-  grpc::Status GetModelInfo(grpc::ServerContext* context, const v1::GetModelInfoRequest* request,
-                            v1::ModelInfo* response) override {
-    if (!Authorized(*context)) return Unauthenticated();
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
+                                         const v1::GetModelInfoRequest* request, v1::ModelInfo* response) override {
+    if (!Authorized(*context)) return Reject(context);
     return inner_->GetModelInfo(context, request, response);
   }
 
-  bool Authorized(const grpc::ServerContext& context) const {
+  bool Authorized(const grpc::CallbackServerContext& context) const {
     auto range = context.client_metadata().equal_range("authorization");
     for (auto it = range.first; it != range.second; ++it) {
       if (std::string_view(it->second.data(), it->second.size()) == expected_) return true;
@@ -40,12 +40,24 @@ class ApiKeyDuetService final : public v1::Duet::Service {
   }
 
  private:
+  // A stream finished at once with `status`.
+  class RejectedStream final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+   public:
+    explicit RejectedStream(grpc::Status status) { Finish(std::move(status)); }
+    void OnDone() override { delete this; }
+  };
+
   static grpc::Status Unauthenticated() {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "missing or wrong API key: send metadata \"authorization: Bearer <key>\"");
   }
+  static grpc::ServerUnaryReactor* Reject(grpc::CallbackServerContext* context) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(Unauthenticated());
+    return reactor;
+  }
 
-  v1::Duet::Service* const inner_;
+  v1::Duet::CallbackService* const inner_;
   const std::string expected_;
 };
 

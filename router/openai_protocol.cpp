@@ -350,6 +350,14 @@ ParseResult ParseCompletionRequest(std::string_view body, const ProtocolContext&
     out.logprobs = static_cast<int>(*n);
     out.sampling.set_logprobs(out.logprobs.value());
   }
+  if (out.echo && out.logprobs) {
+    // Prompt logprobs would need the prefill worker to score every prompt position, which it does
+    // not do: refuse (as OpenAI does for such models) rather than answer logprobs that cover the
+    // completion but not the echoed prompt.
+    return BadRequest(
+        "Setting 'echo' and 'logprobs' at the same time is not supported: prompt logprobs are not computed",
+        "echo");
+  }
   if (auto sx = j.find("suffix"); sx != j.end() && !sx->is_null()) {
     return BadRequest("'suffix' is not supported", "suffix");
   }

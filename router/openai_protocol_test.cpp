@@ -46,7 +46,7 @@ class ProtocolTest : public ::testing::Test {
 TEST_F(ProtocolTest, CompletionFields) {
   ParsedRequest r = Completion(R"({"model":"tiny","prompt":"hi","max_tokens":5,"temperature":0,"top_p":0.5,
     "top_k":7,"min_p":0.1,"n":3,"stop":["a","b"],"stop_token_ids":[2],"seed":42,"presence_penalty":0.5,
-    "frequency_penalty":-0.5,"repetition_penalty":1.2,"logprobs":3,"echo":true,"ignore_eos":true,"user":"u",
+    "frequency_penalty":-0.5,"repetition_penalty":1.2,"logprobs":3,"ignore_eos":true,"user":"u",
     "stream":true,"stream_options":{"include_usage":true}})");
   ASSERT_EQ(r.prompts.size(), 1u);
   EXPECT_TRUE(r.prompts[0].is_text);
@@ -67,7 +67,8 @@ TEST_F(ProtocolTest, CompletionFields) {
   EXPECT_FLOAT_EQ(r.sampling.repetition_penalty(), 1.2f);
   EXPECT_EQ(r.logprobs, 3);
   EXPECT_EQ(r.sampling.logprobs(), 3);
-  EXPECT_TRUE(r.echo);
+  EXPECT_FALSE(r.echo);
+  EXPECT_TRUE(Completion(R"({"prompt":"hi","echo":true})").echo);
   EXPECT_TRUE(r.sampling.ignore_eos());
   EXPECT_TRUE(r.stream);
   EXPECT_TRUE(r.include_usage);
@@ -126,6 +127,7 @@ TEST_F(ProtocolTest, CompletionErrors) {
       {R"({"prompt":"x","logprobs":21})", 400, "logprobs"},
       {R"({"prompt":"x","logprobs":-1})", 400, "logprobs"},
       {R"({"prompt":"x","echo":"yes"})", 400, "echo"},
+      {R"({"prompt":"x","echo":true,"logprobs":0})", 400, "echo"},  // prompt logprobs
       {R"({"prompt":"x","ignore_eos":1})", 400, "ignore_eos"},
       {R"({"prompt":"x","stream":"true"})", 400, "stream"},
       {R"({"prompt":"x","stream_options":{"include_usage":true}})", 400, "stream_options"},
@@ -249,7 +251,7 @@ TEST_F(ProtocolTest, SseFramingAndChunks) {
 }
 
 TEST_F(ProtocolTest, ResponsesAndLogprobs) {
-  ParsedRequest r = Completion(R"({"prompt":["p0","p1"],"n":2,"echo":true,"logprobs":1})");
+  ParsedRequest r = Completion(R"({"prompt":["p0","p1"],"n":2,"logprobs":1})");
   std::vector<ChoiceResult> choices(4);
   for (int i = 0; i < 4; ++i) {
     choices[i].index = i;
@@ -265,12 +267,16 @@ TEST_F(ProtocolTest, ResponsesAndLogprobs) {
     choices[i].prompt_tokens = 2;
     choices[i].completion_tokens = 1;
   }
-  const Json out = CompletionResponse("cmpl-x", r, tokenizer_.get(), choices, {"p0", "p1"});
+  const Json out = CompletionResponse("cmpl-x", r, tokenizer_.get(), choices, {});
   EXPECT_EQ(out["object"], "text_completion");
   EXPECT_EQ(out["choices"].size(), 4u);
-  EXPECT_EQ(out["choices"][3]["text"], "p1t");
+  EXPECT_EQ(out["choices"][3]["text"], "t");
   EXPECT_EQ(out["choices"][0]["logprobs"]["token_logprobs"][0], -0.5);
-  EXPECT_EQ(out["choices"][0]["logprobs"]["text_offset"][0], 2);
+  EXPECT_EQ(out["choices"][0]["logprobs"]["text_offset"][0], 0);
+  const ParsedRequest echo = Completion(R"({"prompt":["p0","p1"],"n":2,"echo":true})");
+  const Json echoed = CompletionResponse("cmpl-y", echo, tokenizer_.get(), choices, {"p0", "p1"});
+  EXPECT_EQ(echoed["choices"][3]["text"], "p1t");
+  EXPECT_TRUE(echoed["choices"][3]["logprobs"].is_null());
   EXPECT_EQ(out["usage"], Json::parse(R"({"prompt_tokens":4,"completion_tokens":4,"total_tokens":8})"));
   r.chat = true;
   r.logprobs = 1;

@@ -2,76 +2,62 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <optional>
 #include <utility>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "proto/rpc_util.h"
 
 namespace duet::router {
 
-// The downstream call a request is waiting on, so Abort can cancel it from another thread.
+// What Abort and the client's cancellation need of a request: why it was interrupted, and the
+// downstream call it is waiting on so that call can be cancelled from another thread.
 class RouterService::ActiveCall {
  public:
   // When the request reached the router (time to first token and e2e latency start here).
   const std::chrono::steady_clock::time_point arrival = std::chrono::steady_clock::now();
 
-  void Attach(grpc::ClientContext* context) {
+  // Makes `context` the request's current downstream call. Called before the call starts, so a
+  // request already interrupted cancels it at once (and nothing can run inline).
+  void Attach(std::shared_ptr<grpc::ClientContext> context) {
     absl::MutexLock lock(&mu_);
-    downstream_ = context;
-    if (aborted_) context->TryCancel();  // cancels the call as soon as it starts
+    if (aborted_ || client_gone_) context->TryCancel();
+    downstream_ = std::move(context);
   }
-  void Detach() {
-    absl::MutexLock lock(&mu_);
-    downstream_ = nullptr;
-  }
-  void Abort() {
-    absl::MutexLock lock(&mu_);
-    aborted_ = true;
-    if (downstream_ != nullptr) downstream_->TryCancel();
-  }
+  void Abort() { Interrupt(&aborted_); }
+  void ClientGone() { Interrupt(&client_gone_); }
   bool aborted() const {
     absl::MutexLock lock(&mu_);
     return aborted_;
   }
+  bool client_gone() const {
+    absl::MutexLock lock(&mu_);
+    return client_gone_;
+  }
 
  private:
-  mutable absl::Mutex mu_;
-  grpc::ClientContext* downstream_ ABSL_GUARDED_BY(mu_) = nullptr;
-  bool aborted_ ABSL_GUARDED_BY(mu_) = false;
-};
+  void Interrupt(bool* flag) {
+    std::shared_ptr<grpc::ClientContext> downstream;
+    {
+      absl::MutexLock lock(&mu_);
+      *flag = true;
+      downstream = downstream_;
+    }
+    // Outside the lock: the cancelled call's callbacks may run on this thread.
+    if (downstream != nullptr) downstream->TryCancel();
+  }
 
-struct RouterService::Reservation {
-  Worker* decode = nullptr;
-  InFlightGuard in_flight;
-  v1::KvTarget target;
-  uint64_t transfer_id = 0;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<grpc::ClientContext> downstream_ ABSL_GUARDED_BY(mu_);
+  bool aborted_ ABSL_GUARDED_BY(mu_) = false;
+  bool client_gone_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 namespace {
-
-// Attaches a downstream context to the request for the duration of one call.
-class ScopedAttach {
- public:
-  ScopedAttach(RouterService::ActiveCall* call, grpc::ClientContext* context);
-  ~ScopedAttach();
-
- private:
-  RouterService::ActiveCall* call_;
-};
-
-// A context for a call to a worker: the client's deadline and cancellation propagate to it, and
-// `timeout` (if finite) bounds it further.
-std::unique_ptr<grpc::ClientContext> Downstream(grpc::ServerContext* context, absl::Duration timeout) {
-  std::unique_ptr<grpc::ClientContext> downstream = grpc::ClientContext::FromServerContext(*context);
-  if (timeout != absl::InfiniteDuration()) {
-    downstream->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  }
-  return downstream;
-}
 
 // Codes a call gets when the worker (or the connection to it) is gone or broken, as opposed to
 // the worker rejecting the request.
@@ -104,12 +90,576 @@ std::string RandomHex() {
   return absl::StrFormat("%016x", absl::Uniform<uint64_t>(gen));
 }
 
+// Full method names for the generic stubs (they outlive every call).
+const std::string& ReserveKvMethod() {
+  static const std::string name = absl::StrCat("/", v1::DecodeWorker::service_full_name(), "/ReserveKv");
+  return name;
+}
+const std::string& DecodeMethod() {
+  static const std::string name = absl::StrCat("/", v1::DecodeWorker::service_full_name(), "/Decode");
+  return name;
+}
+const std::string& PrefillMethod() {
+  static const std::string name = absl::StrCat("/", v1::PrefillWorker::service_full_name(), "/Prefill");
+  return name;
+}
+
+// Parses a worker's message here rather than in the stub: the generated stubs drop a parse
+// failure (a unary call then answers OK with an empty reply; a stream read just ends, and the
+// stream stays open).
+template <typename Message>
+bool Parse(grpc::ByteBuffer* bytes, Message* message) {
+  return bytes->Valid() && grpc::SerializationTraits<Message>::Deserialize(bytes, message).ok();
+}
+
+// Calls a worker's unary `method`. `done` gets the call's status and, when it is OK, the reply
+// (nullptr when the reply is not a valid Response).
+template <typename Response, typename Request>
+void CallWorker(const Worker& worker, const std::string& method, std::shared_ptr<grpc::ClientContext> context,
+                Request request, std::function<void(const grpc::Status&, const Response*)> done) {
+  struct Pending {
+    std::shared_ptr<grpc::ClientContext> context;
+    Request request;
+    grpc::ByteBuffer reply;
+  };
+  auto pending = std::make_shared<Pending>(Pending{std::move(context), std::move(request), {}});
+  grpc::TemplatedGenericStub<Request, grpc::ByteBuffer> stub(worker.channel());
+  stub.UnaryCall(pending->context.get(), method, grpc::StubOptions(), &pending->request, &pending->reply,
+                 [pending, done = std::move(done)](grpc::Status status) {
+                   Response response;
+                   const bool parsed = status.ok() && Parse(&pending->reply, &response);
+                   done(status, parsed ? &response : nullptr);
+                 });
+}
+
+// Why a decode worker's stream message cannot be relayed; empty when it can.
+std::string InvalidDecodeMessage(const v1::GenerateResponse& message, int64_t vocab_size, bool finished_before) {
+  if (finished_before) return "a message after the request had finished";
+  for (int32_t id : message.token_ids()) {
+    if (id < 0 || id >= vocab_size) {
+      return absl::StrFormat("token id %d, out of vocabulary (vocab size %d)", id, vocab_size);
+    }
+  }
+  if (message.logprobs_size() != 0 && message.logprobs_size() != message.token_ids_size()) {
+    return absl::StrFormat("%d logprobs for %d token ids", message.logprobs_size(), message.token_ids_size());
+  }
+  if (message.finished() && !FinishedReasonOf(message.finish_reason())) {
+    return absl::StrCat("finish reason \"", message.finish_reason(), "\" (not stop, length or abort)");
+  }
+  return "";
+}
+
 }  // namespace
 
-ScopedAttach::ScopedAttach(RouterService::ActiveCall* call, grpc::ClientContext* context) : call_(call) {
-  call_->Attach(context);
+// One Generate: the reactor the client's stream is bound to, and the chain of worker calls behind
+// it (ReserveKv → Prefill → Decode, each started from the previous one's callback). The chain is
+// sequential, so its state needs no lock; only Abort and OnCancel come from elsewhere, and they
+// go through ActiveCall. The object lives while the server call or any worker call needs it.
+class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
+                                          public std::enable_shared_from_this<GenerateCall> {
+ public:
+  GenerateCall(RouterService* service, grpc::CallbackServerContext* context)
+      : live_(service), service_(service), context_(context) {}
+
+  // Validates, admits and starts the request, or finishes the call with why not.
+  void Start(const v1::GenerateRequest& request);
+
+  void OnWriteDone(bool ok) override;
+  void OnCancel() override { active_->ClientGone(); }
+  void OnDone() override {
+    auto last_reference = std::move(self_);  // may destroy this at the end of the scope
+  }
+
+ private:
+  class DecodeStream;
+
+  // Counts the call as alive for ~RouterService (declared first: destroyed last).
+  class Live {
+   public:
+    explicit Live(RouterService* service) : service_(service) { service_->CallCreated(); }
+    ~Live() { service_->CallDestroyed(); }
+
+   private:
+    RouterService* const service_;
+  };
+
+  enum class Stage { kNotAdmitted, kWaiting, kStreaming, kEnded };
+
+  // A context for a call to a worker: the client's deadline and cancellation propagate to it,
+  // `timeout` (if finite) bounds it further, and Abort can cancel it.
+  std::shared_ptr<grpc::ClientContext> Downstream(absl::Duration timeout);
+
+  void BeginReserve();
+  void ReserveNext();
+  void OnReserved(const grpc::Status& status, const v1::ReserveKvResponse* reply);
+  void ReserveFailed();
+  void StartPrefill();
+  void OnPrefilled(const grpc::Status& status, const v1::PrefillResponse* reply);
+  void OnPrefillUnavailable(const std::string& what);
+  void StartDecode();
+  // From the decode stream: one message (the stream waits for ReadNext or StopReading), the end.
+  void OnDecodeMessage(grpc::ByteBuffer* bytes);
+  void OnDecodeDone(const grpc::Status& status);
+
+  // Whether the client (cancel, deadline) or Abort stopped the request, and ending it then.
+  bool Interrupted() const;
+  void EndInterrupted();
+  // Best effort, in the background: tells a worker to drop the request (its KV, its queue slot).
+  void AbortOnWorker(Worker* worker);
+  // Releases what the request holds in the router and finishes the client's call.
+  void End(const grpc::Status& status);
+  void EndWithAbortMessage();
+  void Release();
+
+  Live live_;
+  RouterService* const service_;
+  grpc::CallbackServerContext* const context_;
+  const std::shared_ptr<ActiveCall> active_ = std::make_shared<ActiveCall>();
+  std::shared_ptr<GenerateCall> self_;  // the server call's reference, dropped in OnDone
+
+  Prepared prepared_;
+  Stage stage_ = Stage::kNotAdmitted;
+  bool registered_ = false;  // in service_->active_
+
+  // Placement. `info_` points into `prepared_`.
+  RequestInfo info_;
+  std::vector<const Worker*> excluded_prefill_;
+  int attempt_ = 0;
+  std::string last_exhausted_;  // why decode workers refused the reservation
+  std::string last_failure_;
+  Worker* decode_ = nullptr;
+  InFlightGuard decode_in_flight_;
+  uint64_t transfer_id_ = 0;
+  v1::KvTarget target_;
+  Worker* prefill_ = nullptr;
+  InFlightGuard prefill_in_flight_;
+  v1::PrefillResponse prefilled_;
+
+  // The relay. One server write at a time: the next stream read starts when it is done.
+  DecodeStream* stream_ = nullptr;  // until OnDecodeDone
+  std::shared_ptr<grpc::ClientContext> stream_context_;
+  v1::GenerateResponse out_;  // the message being written
+  grpc::Status stream_error_;  // the stream's message was unusable
+  bool prompt_sent_ = false;
+  bool finished_ = false;
+  bool client_write_failed_ = false;
+  int completion_tokens_ = 0;
+  std::string finish_reason_;
+  std::chrono::steady_clock::time_point last_token_at_{};
+  v1::GenerateResponse last_;  // the closing "abort" message
+};
+
+// The Decode call, read as raw bytes (parsed by the GenerateCall). Reads are started from the
+// server side's write callbacks, outside this reactor's own reactions, hence the hold.
+class RouterService::GenerateCall::DecodeStream final
+    : public grpc::ClientBidiReactor<v1::DecodeRequest, grpc::ByteBuffer> {
+ public:
+  DecodeStream(std::shared_ptr<GenerateCall> call, std::shared_ptr<grpc::ClientContext> context,
+               v1::DecodeRequest request)
+      : call_(std::move(call)), context_(std::move(context)), request_(std::move(request)) {}
+
+  void Start(const Worker& worker) {
+    grpc::TemplatedGenericStub<v1::DecodeRequest, grpc::ByteBuffer> stub(worker.channel());
+    stub.PrepareBidiStreamingCall(context_.get(), DecodeMethod(), grpc::StubOptions(), this);
+    StartWriteLast(&request_, grpc::WriteOptions());  // a server-streaming method: one request
+    StartRead(&bytes_);
+    AddHold();
+    StartCall();
+  }
+  void ReadNext() { StartRead(&bytes_); }
+  void StopReading() { RemoveHold(); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      RemoveHold();  // the stream ended; OnDone brings its status
+      return;
+    }
+    call_->OnDecodeMessage(&bytes_);
+  }
+  void OnDone(const grpc::Status& status) override {
+    call_->OnDecodeDone(status);
+    delete this;
+  }
+
+ private:
+  const std::shared_ptr<GenerateCall> call_;
+  const std::shared_ptr<grpc::ClientContext> context_;
+  const v1::DecodeRequest request_;
+  grpc::ByteBuffer bytes_;
+};
+
+std::shared_ptr<grpc::ClientContext> RouterService::GenerateCall::Downstream(absl::Duration timeout) {
+  std::shared_ptr<grpc::ClientContext> downstream = grpc::ClientContext::FromCallbackServerContext(*context_);
+  if (timeout != absl::InfiniteDuration()) {
+    downstream->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  }
+  active_->Attach(downstream);
+  return downstream;
 }
-ScopedAttach::~ScopedAttach() { call_->Detach(); }
+
+void RouterService::GenerateCall::Start(const v1::GenerateRequest& request) {
+  self_ = shared_from_this();
+  absl::StatusOr<Prepared> prepared = service_->Prepare(request);
+  if (!prepared.ok()) return Finish(rpc::ToGrpc(prepared.status()));
+  prepared_ = *std::move(prepared);
+
+  const int in_flight = service_->in_flight_.fetch_add(1, std::memory_order_acq_rel) + 1;
+  if (in_flight > service_->options_.max_concurrent_requests) {
+    service_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
+    return Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                               absl::StrCat("server is at capacity: ", service_->options_.max_concurrent_requests,
+                                            " requests in flight (max_concurrent_requests); retry later")));
+  }
+  {
+    absl::MutexLock lock(&service_->mu_);
+    registered_ = service_->active_.try_emplace(prepared_.request_id, active_).second;
+  }
+  if (!registered_) {
+    service_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
+    return Finish(grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                               absl::StrCat("request_id \"", prepared_.request_id, "\" is already in flight")));
+  }
+  stage_ = Stage::kWaiting;  // admitted: counted in in_flight_ and waiting for its workers
+  service_->metrics_->num_requests_waiting.Inc();
+  info_.request_id = prepared_.request_id;
+  info_.prompt_token_ids = prepared_.prompt_token_ids;
+  info_.max_tokens = prepared_.params.max_tokens;
+  BeginReserve();
+}
+
+void RouterService::GenerateCall::BeginReserve() {
+  info_.excluded.clear();
+  last_exhausted_.clear();
+  last_failure_.clear();
+  ReserveNext();
+}
+
+void RouterService::GenerateCall::ReserveNext() {
+  Worker* decode = service_->policy_->PickDecode(info_);
+  if (decode == nullptr) return ReserveFailed();
+  decode_ = decode;
+  decode_in_flight_ = InFlightGuard(decode);
+  transfer_id_ = service_->NewTransferId();
+  v1::ReserveKvRequest request;
+  request.set_request_id(prepared_.request_id);
+  request.set_transfer_id(transfer_id_);
+  request.set_num_prompt_tokens(static_cast<int32_t>(prepared_.prompt_token_ids.size()));
+  request.set_lease_ms(service_->options_.kv_lease_ms);
+  CallWorker<v1::ReserveKvResponse>(
+      *decode, ReserveKvMethod(), Downstream(service_->options_.reserve_timeout), std::move(request),
+      [self = shared_from_this()](const grpc::Status& status, const v1::ReserveKvResponse* reply) {
+        self->OnReserved(status, reply);
+      });
+}
+
+void RouterService::GenerateCall::OnReserved(const grpc::Status& status, const v1::ReserveKvResponse* reply) {
+  if (status.ok()) {
+    if (reply != nullptr && reply->target().transfer_id() == transfer_id_) {
+      target_ = reply->target();
+      return StartPrefill();
+    }
+    AbortOnWorker(decode_);  // whatever it reserved
+    return End(grpc::Status(
+        grpc::StatusCode::INTERNAL,
+        reply == nullptr ? absl::StrCat(decode_->name(), " answered ReserveKv with a reply that is not a valid ",
+                                        v1::ReserveKvResponse::descriptor()->full_name())
+                         : absl::StrCat(decode_->name(), " answered ReserveKv for transfer id ",
+                                        reply->target().transfer_id(), " instead of ", transfer_id_)));
+  }
+  Worker* decode = decode_;
+  decode_ = nullptr;
+  decode_in_flight_.Reset();
+  if (Interrupted()) return EndInterrupted();
+  info_.excluded.push_back(decode);
+  const std::string what = absl::StrCat(decode->name(), ": ", status.error_message());
+  switch (status.error_code()) {
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      last_exhausted_ = what;
+      break;
+    case grpc::StatusCode::UNAVAILABLE:
+      last_failure_ = what;
+      service_->registry_->ConfirmDown(decode, absl::StrCat("ReserveKv failed: ", status.error_message()),
+                                       [self = shared_from_this()](bool) { self->ReserveNext(); });
+      return;
+    default:
+      if (!IsWorkerFailure(status.error_code())) {
+        return End(grpc::Status(status.error_code(), what));
+      }
+      last_failure_ = what;
+      break;
+  }
+  ReserveNext();
+}
+
+void RouterService::GenerateCall::ReserveFailed() {
+  if (Interrupted()) return EndInterrupted();
+  if (!last_exhausted_.empty()) {
+    return End(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                            absl::StrCat("no decode worker has room for the prompt's KV cache (",
+                                         prepared_.prompt_token_ids.size(),
+                                         " tokens); retry later. Last refusal: ", last_exhausted_)));
+  }
+  if (!last_failure_.empty()) {
+    return End(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            absl::StrCat("no decode worker could take the request: ", last_failure_)));
+  }
+  End(grpc::Status(grpc::StatusCode::UNAVAILABLE, service_->registry_->decode_workers().empty()
+                                                      ? "no decode workers are configured"
+                                                      : "no decode worker is up"));
+}
+
+void RouterService::GenerateCall::StartPrefill() {
+  info_.excluded = excluded_prefill_;
+  Worker* prefill = service_->policy_->PickPrefill(info_);
+  if (prefill == nullptr && !excluded_prefill_.empty()) {
+    info_.excluded.clear();  // the retry: the failed worker answers its stats and is the only one
+    prefill = service_->policy_->PickPrefill(info_);
+  }
+  if (prefill == nullptr) {
+    AbortOnWorker(decode_);
+    if (!excluded_prefill_.empty()) {
+      return End(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                              absl::StrCat(excluded_prefill_.back()->name(), " failed and no prefill worker is up")));
+    }
+    return End(grpc::Status(grpc::StatusCode::UNAVAILABLE, service_->registry_->prefill_workers().empty()
+                                                               ? "no prefill workers are configured"
+                                                               : "no prefill worker is up"));
+  }
+  prefill_ = prefill;
+  prefill_in_flight_ = InFlightGuard(prefill);
+  v1::PrefillRequest request;
+  request.set_request_id(prepared_.request_id);
+  request.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
+  *request.mutable_sampling() = prepared_.sampling;
+  *request.mutable_target() = target_;
+  CallWorker<v1::PrefillResponse>(
+      *prefill, PrefillMethod(), Downstream(service_->options_.prefill_timeout), std::move(request),
+      [self = shared_from_this()](const grpc::Status& status, const v1::PrefillResponse* reply) {
+        self->OnPrefilled(status, reply);
+      });
+}
+
+void RouterService::GenerateCall::OnPrefilled(const grpc::Status& status, const v1::PrefillResponse* reply) {
+  prefill_in_flight_.Reset();
+  std::string invalid;  // why an OK reply cannot be used
+  if (status.ok()) {
+    if (reply == nullptr) {
+      invalid = absl::StrCat("a reply that is not a valid ", v1::PrefillResponse::descriptor()->full_name());
+    } else if (reply->first_token_id() < 0 || reply->first_token_id() >= service_->options_.vocab_size) {
+      invalid = absl::StrFormat("first token id %d, out of vocabulary (vocab size %d)", reply->first_token_id(),
+                                service_->options_.vocab_size);
+    } else {
+      prefilled_ = *reply;
+      const double prompt_tokens = double(prepared_.prompt_token_ids.size());
+      service_->metrics_->prompt_tokens.Inc(prompt_tokens);
+      service_->metrics_->request_prompt_tokens.Observe(prompt_tokens);
+      return StartDecode();
+    }
+  }
+  AbortOnWorker(decode_);  // release the KV reservation now, not at lease end
+  if (!invalid.empty()) {
+    return End(grpc::Status(grpc::StatusCode::INTERNAL, absl::StrCat(prefill_->name(), " sent ", invalid)));
+  }
+  if (Interrupted()) {
+    AbortOnWorker(prefill_);
+    return EndInterrupted();
+  }
+  const std::string what = absl::StrCat(prefill_->name(), " failed: ", status.error_message());
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    // The prefill worker died, or its KV transfer to the decode worker failed (then the decode
+    // worker may be the dead one). Whichever does not answer is marked down; retry once.
+    const std::string reason = absl::StrCat("Prefill failed: ", status.error_message());
+    service_->registry_->ConfirmDown(prefill_, reason, [self = shared_from_this(), reason, what](bool) {
+      self->service_->registry_->ConfirmDown(self->decode_, reason,
+                                             [self, what](bool) { self->OnPrefillUnavailable(what); });
+    });
+    return;
+  }
+  if (IsWorkerFailure(status.error_code())) return End(grpc::Status(grpc::StatusCode::UNAVAILABLE, what));
+  End(grpc::Status(status.error_code(), absl::StrCat(prefill_->name(), ": ", status.error_message())));
+}
+
+void RouterService::GenerateCall::OnPrefillUnavailable(const std::string& what) {
+  if (attempt_ > 0) return End(grpc::Status(grpc::StatusCode::UNAVAILABLE, what));
+  ++attempt_;
+  excluded_prefill_.push_back(prefill_);
+  prefill_ = nullptr;
+  decode_ = nullptr;
+  decode_in_flight_.Reset();
+  BeginReserve();
+}
+
+void RouterService::GenerateCall::StartDecode() {
+  v1::DecodeRequest request;
+  request.set_request_id(prepared_.request_id);
+  request.set_transfer_id(transfer_id_);
+  request.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
+  *request.mutable_sampling() = prepared_.sampling;
+  request.set_first_token_id(prefilled_.first_token_id());
+  *request.mutable_first_token_logprobs() = prefilled_.first_token_logprobs();
+  stream_context_ = Downstream(absl::InfiniteDuration());
+  stream_ = new DecodeStream(shared_from_this(), stream_context_, std::move(request));
+  stream_->Start(*decode_);  // its callbacks may already be running: nothing after this
+}
+
+void RouterService::GenerateCall::OnDecodeMessage(grpc::ByteBuffer* bytes) {
+  out_.Clear();
+  std::string invalid;
+  if (!Parse(bytes, &out_)) {
+    invalid = absl::StrCat("a stream message that is not a valid ", v1::GenerateResponse::descriptor()->full_name());
+  } else {
+    invalid = InvalidDecodeMessage(out_, service_->options_.vocab_size, finished_);
+  }
+  if (!invalid.empty()) {
+    stream_error_ = grpc::Status(grpc::StatusCode::INTERNAL, absl::StrCat(decode_->name(), " sent ", invalid));
+    stream_context_->TryCancel();
+    stream_->StopReading();
+    return;
+  }
+  if (stage_ == Stage::kWaiting) {  // the first message: the request is streaming now
+    stage_ = Stage::kStreaming;
+    service_->metrics_->num_requests_waiting.Dec();
+    service_->metrics_->num_requests_running.Inc();
+  }
+  out_.set_request_id(prepared_.request_id);
+  if (!prompt_sent_) {
+    if (out_.prompt_token_ids().empty()) {
+      out_.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
+    }
+    prompt_sent_ = true;
+  }
+  completion_tokens_ += out_.token_ids_size();
+  if (out_.finished()) {
+    finished_ = true;
+    finish_reason_ = out_.finish_reason();
+  }
+  StartWrite(&out_);
+}
+
+void RouterService::GenerateCall::OnWriteDone(bool ok) {
+  if (!ok) {  // the client is gone
+    client_write_failed_ = true;
+    stream_context_->TryCancel();
+    stream_->StopReading();
+    return;
+  }
+  if (out_.token_ids_size() > 0) {
+    // Tokens relayed to the client: the first ends the time to first token, the rest are spaced
+    // by the inter-token latency.
+    const auto now = std::chrono::steady_clock::now();
+    service_->metrics_->generation_tokens.Inc(out_.token_ids_size());
+    if (last_token_at_ == std::chrono::steady_clock::time_point{}) {
+      service_->metrics_->time_to_first_token_seconds.Observe(Seconds(now - active_->arrival));
+    } else {
+      service_->metrics_->inter_token_latency_seconds.Observe(Seconds(now - last_token_at_));
+    }
+    last_token_at_ = now;
+  }
+  stream_->ReadNext();
+}
+
+void RouterService::GenerateCall::OnDecodeDone(const grpc::Status& status) {
+  stream_ = nullptr;
+  if (!stream_error_.ok()) {
+    AbortOnWorker(decode_);
+    return End(stream_error_);
+  }
+  if (finished_ && !client_write_failed_) {
+    if (std::optional<metrics::FinishedReason> reason = FinishedReasonOf(finish_reason_)) {
+      service_->metrics_->request_success(*reason).Inc();
+    }
+    service_->metrics_->request_generation_tokens.Observe(completion_tokens_);
+    service_->metrics_->e2e_request_latency_seconds.Observe(
+        Seconds(std::chrono::steady_clock::now() - active_->arrival));
+    return End(grpc::Status::OK);
+  }
+  if (client_write_failed_) {
+    AbortOnWorker(decode_);
+    return End(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+  }
+  if (Interrupted()) {
+    AbortOnWorker(decode_);
+    return EndInterrupted();
+  }
+  if (status.ok()) {
+    return End(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            absl::StrCat(decode_->name(), " ended the stream before the request finished")));
+  }
+  if (IsWorkerFailure(status.error_code())) {
+    const std::string what = absl::StrCat(decode_->name(), " failed: ", status.error_message());
+    service_->registry_->ConfirmDown(decode_, absl::StrCat("Decode stream failed: ", status.error_message()),
+                                     [self = shared_from_this(), what](bool) {
+                                       self->End(grpc::Status(grpc::StatusCode::UNAVAILABLE, what));
+                                     });
+    return;
+  }
+  End(grpc::Status(status.error_code(), absl::StrCat(decode_->name(), ": ", status.error_message())));
+}
+
+bool RouterService::GenerateCall::Interrupted() const {
+  return active_->aborted() || active_->client_gone() || context_->IsCancelled() ||
+         context_->deadline() <= std::chrono::system_clock::now();
+}
+
+void RouterService::GenerateCall::EndInterrupted() {
+  if (active_->aborted()) return EndWithAbortMessage();
+  if (context_->deadline() <= std::chrono::system_clock::now()) {
+    return End(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded"));
+  }
+  End(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
+}
+
+void RouterService::GenerateCall::AbortOnWorker(Worker* worker) {
+  if (worker == nullptr || !worker->up()) return;
+  struct Pending {
+    grpc::ClientContext context;
+    v1::WorkerAbortRequest request;
+    v1::WorkerAbortResponse response;
+  };
+  auto pending = std::make_shared<Pending>();
+  pending->context.set_deadline(absl::ToChronoTime(absl::Now() + service_->options_.abort_timeout));
+  pending->request.set_request_id(prepared_.request_id);
+  // Holds the call (and so the service) until the worker has answered.
+  auto done = [pending, self = shared_from_this()](grpc::Status) {};
+  if (worker->prefill() != nullptr) {
+    worker->prefill()->async()->Abort(&pending->context, &pending->request, &pending->response, std::move(done));
+  } else {
+    worker->decode()->async()->Abort(&pending->context, &pending->request, &pending->response, std::move(done));
+  }
+}
+
+void RouterService::GenerateCall::EndWithAbortMessage() {
+  last_.set_request_id(prepared_.request_id);
+  last_.set_finished(true);
+  last_.set_finish_reason("abort");
+  last_.mutable_usage()->set_prompt_tokens(static_cast<int32_t>(prepared_.prompt_token_ids.size()));
+  last_.mutable_usage()->set_completion_tokens(completion_tokens_);
+  if (!prompt_sent_) {
+    last_.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
+  }
+  service_->metrics_->request_success(metrics::FinishedReason::kAbort).Inc();
+  service_->metrics_->e2e_request_latency_seconds.Observe(Seconds(std::chrono::steady_clock::now() - active_->arrival));
+  Release();
+  StartWriteAndFinish(&last_, grpc::WriteOptions(), grpc::Status::OK);
+}
+
+void RouterService::GenerateCall::End(const grpc::Status& status) {
+  Release();
+  Finish(status);
+}
+
+void RouterService::GenerateCall::Release() {
+  decode_in_flight_.Reset();
+  prefill_in_flight_.Reset();
+  if (registered_) {
+    absl::MutexLock lock(&service_->mu_);
+    service_->active_.erase(prepared_.request_id);
+  }
+  if (stage_ == Stage::kWaiting) service_->metrics_->num_requests_waiting.Dec();
+  if (stage_ == Stage::kStreaming) service_->metrics_->num_requests_running.Dec();
+  if (stage_ != Stage::kNotAdmitted) service_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
+  stage_ = Stage::kEnded;
+}
 
 RouterService::RouterService(RouterServiceOptions options, const Tokenizer* tokenizer, WorkerRegistry* registry,
                              AssignmentPolicy* policy)
@@ -130,7 +680,21 @@ RouterService::RouterService(RouterServiceOptions options, const Tokenizer* toke
   next_transfer_id_.store(absl::Uniform<uint64_t>(gen) | 1);
 }
 
-RouterService::~RouterService() = default;
+RouterService::~RouterService() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](int* live_calls) { return *live_calls == 0; }, &live_calls_));
+}
+
+void RouterService::CallCreated() {
+  absl::MutexLock lock(&mu_);
+  ++live_calls_;
+}
+
+void RouterService::CallDestroyed() {
+  absl::MutexLock lock(&mu_);
+  --live_calls_;
+}
 
 std::string RouterService::NewRequestId() const {
   return absl::StrCat(request_id_prefix_, next_request_number_.fetch_add(1, std::memory_order_relaxed));
@@ -184,303 +748,23 @@ absl::StatusOr<RouterService::Prepared> RouterService::Prepare(const v1::Generat
         options_.max_model_len, prompt_len + max_tokens, prompt_len, max_tokens));
   }
   prepared.sampling = rpc::ToSamplingOptions(prepared.params);
-  prepared.request_id = request.request_id().empty() ? NewRequestId()
-                                                     : request.request_id();
+  prepared.request_id = request.request_id().empty() ? NewRequestId() : request.request_id();
   return prepared;
 }
 
-grpc::Status RouterService::Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
-                                     grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  absl::StatusOr<Prepared> prepared = Prepare(*request);
-  if (!prepared.ok()) return rpc::ToGrpc(prepared.status());
-
-  const int in_flight = in_flight_.fetch_add(1, std::memory_order_acq_rel) + 1;
-  absl::Cleanup release = [this] { in_flight_.fetch_sub(1, std::memory_order_acq_rel); };
-  if (in_flight > options_.max_concurrent_requests) {
-    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                        absl::StrCat("server is at capacity: ", options_.max_concurrent_requests,
-                                     " requests in flight (max_concurrent_requests); retry later"));
-  }
-
-  metrics_->num_requests_running.Inc();
-  absl::Cleanup running = [this] { metrics_->num_requests_running.Dec(); };
-  const std::string& request_id = prepared->request_id;
-  auto call = std::make_shared<ActiveCall>();
-  {
-    absl::MutexLock lock(&mu_);
-    if (!active_.try_emplace(request_id, call).second) {
-      return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
-                          absl::StrCat("request_id \"", request_id, "\" is already in flight"));
-    }
-  }
-  absl::Cleanup unregister = [this, &request_id] {
-    absl::MutexLock lock(&mu_);
-    active_.erase(request_id);
-  };
-  return Run(context, *prepared, call.get(), writer);
+grpc::ServerWriteReactor<v1::GenerateResponse>* RouterService::Generate(grpc::CallbackServerContext* context,
+                                                                        const v1::GenerateRequest* request) {
+  auto call = std::make_shared<GenerateCall>(this, context);
+  call->Start(*request);  // the call holds itself until OnDone
+  return call.get();
 }
 
-absl::StatusOr<RouterService::Reservation> RouterService::Reserve(grpc::ServerContext* context,
-                                                                   const Prepared& prepared, ActiveCall* call) {
-  RequestInfo info;
-  info.request_id = prepared.request_id;
-  info.prompt_token_ids = prepared.prompt_token_ids;
-  info.max_tokens = prepared.params.max_tokens;
-  std::string last_exhausted;
-  std::string last_failure;
-  while (Worker* decode = policy_->PickDecode(info)) {
-    Reservation reservation;
-    reservation.decode = decode;
-    reservation.in_flight = InFlightGuard(decode);
-    reservation.transfer_id = NewTransferId();
-    v1::ReserveKvRequest request;
-    request.set_request_id(prepared.request_id);
-    request.set_transfer_id(reservation.transfer_id);
-    request.set_num_prompt_tokens(static_cast<int32_t>(prepared.prompt_token_ids.size()));
-    request.set_lease_ms(options_.kv_lease_ms);
-    v1::ReserveKvResponse response;
-    std::unique_ptr<grpc::ClientContext> downstream = Downstream(context, options_.reserve_timeout);
-    grpc::Status status;
-    {
-      ScopedAttach attach(call, downstream.get());
-      status = decode->decode()->ReserveKv(downstream.get(), request, &response);
-    }
-    if (status.ok()) {
-      reservation.target = response.target();
-      return reservation;
-    }
-    if (context->IsCancelled() || call->aborted()) return absl::CancelledError("request cancelled");
-    info.excluded.push_back(decode);
-    const std::string what = absl::StrCat(decode->name(), ": ", status.error_message());
-    switch (status.error_code()) {
-      case grpc::StatusCode::RESOURCE_EXHAUSTED:
-        last_exhausted = what;
-        break;
-      case grpc::StatusCode::UNAVAILABLE:
-        registry_->ConfirmDown(decode, absl::StrCat("ReserveKv failed: ", status.error_message()));
-        last_failure = what;
-        break;
-      default:
-        if (!IsWorkerFailure(status.error_code())) {
-          return absl::Status(static_cast<absl::StatusCode>(status.error_code()), what);
-        }
-        last_failure = what;
-        break;
-    }
-  }
-  if (!last_exhausted.empty()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("no decode worker has room for the prompt's KV cache (",
-                     prepared.prompt_token_ids.size(), " tokens); retry later. Last refusal: ", last_exhausted));
-  }
-  if (!last_failure.empty()) {
-    return absl::UnavailableError(absl::StrCat("no decode worker could take the request: ", last_failure));
-  }
-  return absl::UnavailableError(registry_->decode_workers().empty() ? "no decode workers are configured"
-                                                                    : "no decode worker is up");
-}
-
-void RouterService::AbortOnWorker(Worker* worker, const std::string& request_id) {
-  if (worker == nullptr || !worker->up()) return;
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.abort_timeout));
-  v1::WorkerAbortRequest request;
-  request.set_request_id(request_id);
-  v1::WorkerAbortResponse response;
-  if (worker->prefill() != nullptr) {
-    (void)worker->prefill()->Abort(&context, request, &response);
-  } else {
-    (void)worker->decode()->Abort(&context, request, &response);
-  }
-}
-
-std::optional<grpc::Status> RouterService::EndedByClient(grpc::ServerContext* context, ActiveCall* call,
-                                                         const Prepared& prepared, int completion_tokens,
-                                                         bool prompt_sent,
-                                                         grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  if (call->aborted()) {
-    v1::GenerateResponse last;
-    last.set_request_id(prepared.request_id);
-    last.set_finished(true);
-    last.set_finish_reason("abort");
-    last.mutable_usage()->set_prompt_tokens(static_cast<int32_t>(prepared.prompt_token_ids.size()));
-    last.mutable_usage()->set_completion_tokens(completion_tokens);
-    if (!prompt_sent) {
-      last.mutable_prompt_token_ids()->Assign(prepared.prompt_token_ids.begin(), prepared.prompt_token_ids.end());
-    }
-    (void)writer->Write(last);
-    metrics_->request_success(metrics::FinishedReason::kAbort).Inc();
-    metrics_->e2e_request_latency_seconds.Observe(Seconds(std::chrono::steady_clock::now() - call->arrival));
-    return grpc::Status::OK;
-  }
-  if (context->deadline() <= std::chrono::system_clock::now()) {
-    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded");
-  }
-  if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
-  return std::nullopt;
-}
-
-grpc::Status RouterService::Run(grpc::ServerContext* context, const Prepared& prepared, ActiveCall* call,
-                                grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  const std::string& request_id = prepared.request_id;
-  std::vector<const Worker*> excluded_prefill;
-  Reservation reservation;
-  v1::PrefillResponse prefilled;
-  for (int attempt = 0;; ++attempt) {
-    absl::StatusOr<Reservation> reserved = Reserve(context, prepared, call);
-    if (!reserved.ok()) {
-      if (std::optional<grpc::Status> ended = EndedByClient(context, call, prepared, 0, false, writer)) {
-        return *ended;
-      }
-      return rpc::ToGrpc(reserved.status());
-    }
-    RequestInfo info;
-    info.request_id = request_id;
-    info.prompt_token_ids = prepared.prompt_token_ids;
-    info.max_tokens = prepared.params.max_tokens;
-    info.excluded = excluded_prefill;
-    Worker* prefill = policy_->PickPrefill(info);
-    if (prefill == nullptr && !excluded_prefill.empty()) {
-      info.excluded.clear();  // the retry: the failed worker answers its stats and is the only one
-      prefill = policy_->PickPrefill(info);
-    }
-    if (prefill == nullptr) {
-      AbortOnWorker(reserved->decode, request_id);
-      if (!excluded_prefill.empty()) {
-        return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                            absl::StrCat(excluded_prefill.back()->name(), " failed and no prefill worker is up"));
-      }
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE, registry_->prefill_workers().empty()
-                                                             ? "no prefill workers are configured"
-                                                             : "no prefill worker is up");
-    }
-    InFlightGuard prefill_in_flight(prefill);
-    v1::PrefillRequest request;
-    request.set_request_id(request_id);
-    request.mutable_prompt_token_ids()->Assign(prepared.prompt_token_ids.begin(), prepared.prompt_token_ids.end());
-    *request.mutable_sampling() = prepared.sampling;
-    *request.mutable_target() = reserved->target;
-    std::unique_ptr<grpc::ClientContext> downstream = Downstream(context, options_.prefill_timeout);
-    grpc::Status status;
-    {
-      ScopedAttach attach(call, downstream.get());
-      status = prefill->prefill()->Prefill(downstream.get(), request, &prefilled);
-    }
-    if (status.ok()) {
-      reservation = *std::move(reserved);
-      metrics_->prompt_tokens.Inc(double(prepared.prompt_token_ids.size()));
-      metrics_->request_prompt_tokens.Observe(double(prepared.prompt_token_ids.size()));
-      break;
-    }
-    AbortOnWorker(reserved->decode, request_id);  // release the KV reservation now, not at lease end
-    if (std::optional<grpc::Status> ended = EndedByClient(context, call, prepared, 0, false, writer)) {
-      AbortOnWorker(prefill, request_id);
-      return *ended;
-    }
-    const std::string what = absl::StrCat(prefill->name(), " failed: ", status.error_message());
-    if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
-      // The prefill worker died, or its KV transfer to the decode worker failed (then the decode
-      // worker may be the dead one). Whichever does not answer is marked down; retry once.
-      const std::string reason = absl::StrCat("Prefill failed: ", status.error_message());
-      registry_->ConfirmDown(prefill, reason);
-      registry_->ConfirmDown(reserved->decode, reason);
-      if (attempt == 0) {
-        excluded_prefill.push_back(prefill);
-        continue;
-      }
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE, what);
-    }
-    if (IsWorkerFailure(status.error_code())) return grpc::Status(grpc::StatusCode::UNAVAILABLE, what);
-    return grpc::Status(status.error_code(), absl::StrCat(prefill->name(), ": ", status.error_message()));
-  }
-
-  // Decode: relay the stream.
-  Worker* decode = reservation.decode;
-  v1::DecodeRequest request;
-  request.set_request_id(request_id);
-  request.set_transfer_id(reservation.transfer_id);
-  request.mutable_prompt_token_ids()->Assign(prepared.prompt_token_ids.begin(), prepared.prompt_token_ids.end());
-  *request.mutable_sampling() = prepared.sampling;
-  request.set_first_token_id(prefilled.first_token_id());
-  *request.mutable_first_token_logprobs() = prefilled.first_token_logprobs();
-
-  std::unique_ptr<grpc::ClientContext> downstream = Downstream(context, absl::InfiniteDuration());
-  bool prompt_sent = false;
-  bool finished = false;
-  bool client_gone = false;
-  int completion_tokens = 0;
-  std::string finish_reason;
-  std::chrono::steady_clock::time_point last_token_at{};
-  grpc::Status status;
-  {
-    ScopedAttach attach(call, downstream.get());
-    std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader =
-        decode->decode()->Decode(downstream.get(), request);
-    v1::GenerateResponse message;
-    while (reader->Read(&message)) {
-      if (client_gone) continue;  // drain until the cancellation lands
-      message.set_request_id(request_id);
-      if (!prompt_sent) {
-        if (message.prompt_token_ids().empty()) {
-          message.mutable_prompt_token_ids()->Assign(prepared.prompt_token_ids.begin(),
-                                                     prepared.prompt_token_ids.end());
-        }
-        prompt_sent = true;
-      }
-      completion_tokens += message.token_ids_size();
-      finished = finished || message.finished();
-      if (message.finished()) finish_reason = message.finish_reason();
-      if (!writer->Write(message)) {
-        client_gone = true;
-        downstream->TryCancel();
-      } else if (message.token_ids_size() > 0) {
-        // Tokens relayed to the client: the first ends the time to first token, the rest are
-        // spaced by the inter-token latency.
-        const auto now = std::chrono::steady_clock::now();
-        metrics_->generation_tokens.Inc(message.token_ids_size());
-        if (last_token_at == std::chrono::steady_clock::time_point{}) {
-          metrics_->time_to_first_token_seconds.Observe(Seconds(now - call->arrival));
-        } else {
-          metrics_->inter_token_latency_seconds.Observe(Seconds(now - last_token_at));
-        }
-        last_token_at = now;
-      }
-    }
-    status = reader->Finish();
-  }
-  if (finished && !client_gone) {
-    if (std::optional<metrics::FinishedReason> reason = FinishedReasonOf(finish_reason)) {
-      metrics_->request_success(*reason).Inc();
-    }
-    metrics_->request_generation_tokens.Observe(completion_tokens);
-    metrics_->e2e_request_latency_seconds.Observe(Seconds(std::chrono::steady_clock::now() - call->arrival));
-    return grpc::Status::OK;
-  }
-  if (client_gone) {
-    AbortOnWorker(decode, request_id);
-    return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
-  }
-  if (std::optional<grpc::Status> ended =
-          EndedByClient(context, call, prepared, completion_tokens, prompt_sent, writer)) {
-    AbortOnWorker(decode, request_id);
-    return *ended;
-  }
-  if (status.ok()) {
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                        absl::StrCat(decode->name(), " ended the stream before the request finished"));
-  }
-  if (IsWorkerFailure(status.error_code())) {
-    registry_->ConfirmDown(decode, absl::StrCat("Decode stream failed: ", status.error_message()));
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                        absl::StrCat(decode->name(), " failed: ", status.error_message()));
-  }
-  return grpc::Status(status.error_code(), absl::StrCat(decode->name(), ": ", status.error_message()));
-}
-
-grpc::Status RouterService::Abort(grpc::ServerContext* context, const v1::AbortRequest* request,
-                                  v1::AbortResponse* response) {
+grpc::ServerUnaryReactor* RouterService::Abort(grpc::CallbackServerContext* context, const v1::AbortRequest* request,
+                                               v1::AbortResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (request->request_id().empty()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "request_id is required");
+    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "request_id is required"));
+    return reactor;
   }
   std::shared_ptr<ActiveCall> call;
   {
@@ -490,17 +774,20 @@ grpc::Status RouterService::Abort(grpc::ServerContext* context, const v1::AbortR
   }
   if (call != nullptr) call->Abort();
   response->set_found(call != nullptr);
-  return grpc::Status::OK;
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
 }
 
-grpc::Status RouterService::GetModelInfo(grpc::ServerContext* context, const v1::GetModelInfoRequest* request,
-                                         v1::ModelInfo* response) {
+grpc::ServerUnaryReactor* RouterService::GetModelInfo(grpc::CallbackServerContext* context,
+                                                      const v1::GetModelInfoRequest*, v1::ModelInfo* response) {
   response->set_model_name(options_.model_name);
   response->set_vocab_size(static_cast<int32_t>(options_.vocab_size));
   response->set_max_model_len(options_.max_model_len);
   response->set_num_prefill_workers(registry_->NumUp(WorkerRole::kPrefill));
   response->set_num_decode_workers(registry_->NumUp(WorkerRole::kDecode));
-  return grpc::Status::OK;
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
 }
 
 }  // namespace duet::router

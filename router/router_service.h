@@ -3,12 +3,18 @@
 // worker's token stream to the client. The client's deadline and cancellation reach every
 // downstream call; Abort(request_id) cancels a request wherever it is.
 //
+// Everything runs on gRPC's callback API, on both sides: a request in flight is a reactor and a
+// chain of callbacks, never a waiting thread, so thousands of open streams cost memory only.
+//
 // One request:
 //   decode.ReserveKv (next decode worker on RESOURCE_EXHAUSTED / UNAVAILABLE)
 //   prefill.Prefill  (on UNAVAILABLE: the worker is marked down, the reservation released, and
 //                     the request placed once more on another prefill worker with a fresh one)
 //   decode.Decode    (streamed to the client; a broken stream is UNAVAILABLE and the decode
 //                     worker is marked down)
+// Workers' replies are parsed and checked here, not by the generated stubs: a reply or stream
+// message that is not a valid message (or names tokens outside the vocabulary, an unknown finish
+// reason, ...) ends the request at once with INTERNAL and releases what it holds on the workers.
 #pragma once
 
 #include <atomic>
@@ -45,20 +51,22 @@ struct RouterServiceOptions {
   metrics::Registry* metrics_registry = nullptr;
 };
 
-class RouterService final : public v1::Duet::Service {
+class RouterService final : public v1::Duet::CallbackService {
  public:
   // `tokenizer` may be null (then text prompts are rejected). All pointers outlive the service.
   RouterService(RouterServiceOptions options, const Tokenizer* tokenizer, WorkerRegistry* registry,
                 AssignmentPolicy* policy);
+  // Waits until every request has ended and released its workers (stop the server first).
   ~RouterService() override;
 
-  grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
-                        grpc::ServerWriter<v1::GenerateResponse>* writer) override;
-  grpc::Status Abort(grpc::ServerContext* context, const v1::AbortRequest* request,
-                     v1::AbortResponse* response) override;
-  grpc::Status GetModelInfo(grpc::ServerContext* context, const v1::GetModelInfoRequest* request,
-                            v1::ModelInfo* response) override;
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(grpc::CallbackServerContext* context,
+                                                           const v1::GenerateRequest* request) override;
+  grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context, const v1::AbortRequest* request,
+                                  v1::AbortResponse* response) override;
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
+                                         const v1::GetModelInfoRequest* request, v1::ModelInfo* response) override;
 
+  // Requests admitted and not yet ended.
   int num_in_flight() const { return in_flight_.load(std::memory_order_acquire); }
   const metrics::DuetMetrics& metrics() const { return *metrics_; }
   metrics::Registry& metrics_registry() { return *metrics_registry_; }
@@ -77,20 +85,13 @@ class RouterService final : public v1::Duet::Service {
   class ActiveCall;
 
  private:
-  struct Reservation;
+  class GenerateCall;  // the reactor of one Generate and its downstream calls
 
-  grpc::Status Run(grpc::ServerContext* context, const Prepared& prepared, ActiveCall* call,
-                   grpc::ServerWriter<v1::GenerateResponse>* writer);
-  absl::StatusOr<Reservation> Reserve(grpc::ServerContext* context, const Prepared& prepared,
-                                      ActiveCall* call);
-  // Best effort: tells a worker to drop `request_id` (fresh context; the client's may be gone).
-  void AbortOnWorker(Worker* worker, const std::string& request_id);
-  // Why a request ended early, when it was the client (cancel, deadline) or Abort; else nullopt.
-  std::optional<grpc::Status> EndedByClient(grpc::ServerContext* context, ActiveCall* call,
-                                            const Prepared& prepared, int completion_tokens,
-                                            bool prompt_sent, grpc::ServerWriter<v1::GenerateResponse>* writer);
   std::string NewRequestId() const;
   uint64_t NewTransferId();
+  // GenerateCall objects alive (each may still have calls to workers in flight).
+  void CallCreated();
+  void CallDestroyed();
 
   const RouterServiceOptions options_;
   const Tokenizer* const tokenizer_;
@@ -108,6 +109,7 @@ class RouterService final : public v1::Duet::Service {
 
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<ActiveCall>> active_ ABSL_GUARDED_BY(mu_);
+  int live_calls_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace duet::router

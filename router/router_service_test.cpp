@@ -19,6 +19,7 @@ using ::testing::HasSubstr;
 using testing::FakeDecodeWorker;
 using testing::FakePrefillWorker;
 using testing::FakeServer;
+using testing::MalformedDecodeWorker;
 
 constexpr char kModelDir[] = DUET_MODELS_DIR "/tiny-code-llama";
 
@@ -130,6 +131,7 @@ class RouterServiceTest : public ::testing::Test {
   std::vector<std::unique_ptr<FakeDecodeWorker>> decode_;
   std::vector<std::unique_ptr<FakeServer>> prefill_servers_;
   std::vector<std::unique_ptr<FakeServer>> decode_servers_;
+  std::unique_ptr<MalformedDecodeWorker> malformed_decode_;
   std::unique_ptr<WorkerRegistry> registry_;
   std::unique_ptr<AssignmentPolicy> policy_;
   std::unique_ptr<RouterService> service_;
@@ -256,6 +258,8 @@ TEST_F(RouterServiceTest, NoPrefillWorkerUpReleasesReservation) {
   Result result = Generate(TokenRequest({1}, 2, "r"));
   EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(result.status.error_message(), HasSubstr("no prefill worker is up"));
+  // Released in the background (the client's answer does not wait for it).
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 1; }));
   EXPECT_THAT(decode_[0]->aborted(), ::testing::ElementsAre("r"));
 }
 
@@ -288,7 +292,8 @@ TEST_F(RouterServiceTest, PrefillUnavailableRetriesOnAnotherWorker) {
   EXPECT_GT(failures, 0);                               // ties rotate, so it was tried
   EXPECT_TRUE(registry_->prefill_workers()[0]->up());   // it answers its stats: not down
   EXPECT_EQ(decode_[0]->num_reserved, 4 + failures);    // a fresh reservation for each retry
-  EXPECT_EQ(static_cast<int>(decode_[0]->aborted().size()), failures);  // the old one released
+  EXPECT_TRUE(WaitFor([&] { return static_cast<int>(decode_[0]->aborted().size()) == failures; }))
+      << "each failed attempt's reservation is released";
 
   // Both failing: UNAVAILABLE naming the worker.
   prefill_[1]->fail_unavailable = true;
@@ -339,6 +344,76 @@ TEST_F(RouterServiceTest, DecodeServerGoneMidStreamIsPromptlyUnavailable) {
   Result next = Generate(TokenRequest({1}, 5));
   EXPECT_EQ(next.status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(next.status.error_message(), HasSubstr("no decode worker is up"));
+}
+
+// A decode worker whose stream carries a message the router cannot use (bytes that are no
+// GenerateResponse, a token outside the vocabulary, an unknown finish reason) and then goes
+// silent: the request ends at once with INTERNAL, the stream is cancelled and the request aborted
+// on the worker (its KV freed), and nothing stays in flight.
+TEST_F(RouterServiceTest, MalformedDecodeMessageEndsTheRequestPromptly) {
+  prefill_.push_back(std::make_unique<FakePrefillWorker>());
+  prefill_servers_.push_back(std::make_unique<FakeServer>(prefill_.back().get()));
+  malformed_decode_ = std::make_unique<MalformedDecodeWorker>();
+  decode_servers_.push_back(std::make_unique<FakeServer>(malformed_decode_.get()));
+  StartWith({prefill_servers_[0]->address()}, {decode_servers_[0]->address()}, {});
+  using Fault = MalformedDecodeWorker::Fault;
+  const struct {
+    Fault fault;
+    const char* message;
+  } cases[] = {
+      {Fault::kUnparsable, "sent a stream message that is not a valid duet.v1.GenerateResponse"},
+      {Fault::kTokenOutOfVocabulary, "sent token id 1073741824, out of vocabulary (vocab size 8192)"},
+      {Fault::kUnknownFinishReason, "sent finish reason \"exploded\" (not stop, length or abort)"},
+  };
+  int n = 0;
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.message);
+    malformed_decode_->fault = c.fault;
+    const std::string id = "bad-" + std::to_string(n);
+    const auto start = std::chrono::steady_clock::now();
+    Result result = Generate(TokenRequest({1, 2}, 50, id), /*deadline_ms=*/20000);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+    EXPECT_EQ(result.status.error_code(), grpc::StatusCode::INTERNAL) << result.status.error_message();
+    EXPECT_THAT(result.status.error_message(), HasSubstr("decode worker 0 ("));
+    EXPECT_THAT(result.status.error_message(), HasSubstr(c.message));
+    EXPECT_EQ(result.tokens(), (std::vector<int32_t>{1000, 1001}));  // the valid ones were relayed
+    ++n;
+    EXPECT_TRUE(WaitFor([&] { return malformed_decode_->num_cancelled == n; }, 3000));
+    EXPECT_TRUE(WaitFor([&] { return malformed_decode_->aborted().size() == size_t(n); }, 3000));
+    EXPECT_EQ(malformed_decode_->aborted().back(), id);
+    EXPECT_EQ(service_->num_in_flight(), 0);
+    EXPECT_TRUE(WaitFor([&] { return registry_->decode_workers()[0]->in_flight() == 0; }, 3000));
+    EXPECT_EQ(service_->metrics().num_requests_running.Value(), 0);
+    EXPECT_TRUE(registry_->decode_workers()[0]->up());  // it answers GetStats: not down
+  }
+}
+
+// duet:num_requests_waiting on the router: admitted, not streaming yet (placed on workers,
+// prefilling). Running from the first relayed message to the end.
+TEST_F(RouterServiceTest, NumRequestsWaitingCountsAdmittedRequestsNotYetStreaming) {
+  Start(1, 1);
+  prefill_[0]->prefill_delay_ms = 300;
+  decode_[0]->token_delay_ms = 30;
+  const metrics::DuetMetrics& m = service_->metrics();
+  Result first, second;
+  std::thread a([&] { first = Generate(TokenRequest({1}, 20)); });
+  std::thread b([&] { second = Generate(TokenRequest({2}, 20)); });
+  EXPECT_TRUE(WaitFor([&] { return m.num_requests_waiting.Value() == 2; }));
+  EXPECT_EQ(m.num_requests_running.Value(), 0);
+  EXPECT_TRUE(WaitFor([&] { return m.num_requests_running.Value() == 2; }));
+  EXPECT_EQ(m.num_requests_waiting.Value(), 0);
+  a.join();
+  b.join();
+  EXPECT_TRUE(first.status.ok() && second.status.ok());
+  EXPECT_EQ(m.num_requests_waiting.Value(), 0);
+  EXPECT_EQ(m.num_requests_running.Value(), 0);
+
+  // Rejected requests are never counted.
+  EXPECT_EQ(Generate(TokenRequest({}, 4)).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  registry_->MarkDown(registry_->prefill_workers()[0].get(), "test");
+  EXPECT_EQ(Generate(TokenRequest({1}, 4)).status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(m.num_requests_waiting.Value(), 0);
+  EXPECT_EQ(m.num_requests_running.Value(), 0);
 }
 
 TEST_F(RouterServiceTest, ClientCancelReachesDecodeWorker) {
@@ -433,6 +508,7 @@ TEST_F(RouterServiceTest, AbortDuringPrefill) {
   EXPECT_EQ(result.messages[0].finish_reason(), "abort");
   EXPECT_EQ(result.messages[0].prompt_token_ids_size(), 3);
   EXPECT_TRUE(WaitFor([&] { return prefill_[0]->num_cancelled == 1; }, 3000));
+  EXPECT_TRUE(WaitFor([&] { return !decode_[0]->aborted().empty(); }));
   EXPECT_THAT(decode_[0]->aborted(), ::testing::Contains("a1"));
   EXPECT_EQ(decode_[0]->num_decodes, 0);
 }

@@ -169,20 +169,28 @@ int WorkerRegistry::NumUp(WorkerRole role) const {
 
 void WorkerRegistry::MarkDown(Worker* worker, std::string_view reason) { SetUp(worker, false, reason); }
 
-bool WorkerRegistry::ConfirmDown(Worker* worker, std::string_view reason) {
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.poll_timeout));
-  v1::WorkerStats stats;
-  const grpc::Status status = worker->prefill() != nullptr
-                                  ? worker->prefill()->GetStats(&context, v1::GetStatsRequest(), &stats)
-                                  : worker->decode()->GetStats(&context, v1::GetStatsRequest(), &stats);
-  if (status.ok()) {
-    absl::MutexLock lock(&worker->mu_);
-    worker->stats_ = stats;
-    return false;
+void WorkerRegistry::ConfirmDown(Worker* worker, std::string reason, std::function<void(bool down)> done) {
+  struct Probe {
+    grpc::ClientContext context;
+    v1::GetStatsRequest request;
+    v1::WorkerStats stats;
+  };
+  auto probe = std::make_shared<Probe>();
+  probe->context.set_deadline(absl::ToChronoTime(absl::Now() + options_.poll_timeout));
+  auto on_answer = [this, worker, probe, reason = std::move(reason), done = std::move(done)](grpc::Status status) {
+    if (status.ok()) {
+      absl::MutexLock lock(&worker->mu_);
+      worker->stats_ = probe->stats;
+    } else {
+      SetUp(worker, false, absl::StrCat(reason, "; GetStats: ", status.error_message()));
+    }
+    if (done) done(!status.ok());
+  };
+  if (worker->prefill() != nullptr) {
+    worker->prefill()->async()->GetStats(&probe->context, &probe->request, &probe->stats, std::move(on_answer));
+  } else {
+    worker->decode()->async()->GetStats(&probe->context, &probe->request, &probe->stats, std::move(on_answer));
   }
-  SetUp(worker, false, absl::StrCat(std::string(reason), "; GetStats: ", status.error_message()));
-  return true;
 }
 
 void WorkerRegistry::SetUp(Worker* worker, bool up, std::string_view reason) {

@@ -15,6 +15,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -46,6 +47,8 @@ class Worker {
   // "decode worker 1 (127.0.0.1:5001)", for messages.
   const std::string& name() const { return name_; }
 
+  // The connection, for calls the stubs do not make (e.g. reading replies as raw bytes).
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
   // The stub of this worker's role; the other one is null.
   v1::PrefillWorker::Stub* prefill() const { return prefill_stub_.get(); }
   v1::DecodeWorker::Stub* decode() const { return decode_stub_.get(); }
@@ -144,8 +147,9 @@ class WorkerRegistry {
   void MarkDown(Worker* worker, std::string_view reason);
   // A call to `worker` failed as if the worker were gone (UNAVAILABLE, broken stream). Asks it for
   // its stats (poll_timeout) and marks it down unless it answers: a live worker that reported a
-  // failure elsewhere (e.g. a KV transfer to a dead peer) stays up. Returns whether it is down.
-  bool ConfirmDown(Worker* worker, std::string_view reason);
+  // failure elsewhere (e.g. a KV transfer to a dead peer) stays up. Asynchronous: `done` gets
+  // whether the worker is down, on a gRPC callback thread; the registry must outlive the call.
+  void ConfirmDown(Worker* worker, std::string reason, std::function<void(bool down)> done);
 
  private:
   void SetUp(Worker* worker, bool up, std::string_view reason);

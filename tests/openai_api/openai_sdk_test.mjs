@@ -1,6 +1,8 @@
 // The official `openai` npm SDK against Duet's OpenAI-compatible API (a running local cluster).
 // Env: OPENAI_BASE_URL (…/v1), OPENAI_AUTH_BASE_URL (a router with --api-key test-key and
-// --max-concurrent-requests 1), MODEL_NAME.
+// --max-concurrent-requests 1), OPENAI_DOWN_BASE_URL (a router none of whose workers is up),
+// OPENAI_FAULT_BASE_URL (a router whose decode worker sends two tokens, then a message that is no
+// GenerateResponse), MODEL_NAME.
 import assert from 'node:assert/strict';
 import { createRequire } from 'node:module';
 
@@ -10,6 +12,8 @@ const OpenAI = require('openai');
 
 const baseURL = process.env.OPENAI_BASE_URL;
 const authBaseURL = process.env.OPENAI_AUTH_BASE_URL;
+const downBaseURL = process.env.OPENAI_DOWN_BASE_URL;
+const faultBaseURL = process.env.OPENAI_FAULT_BASE_URL;
 const model = process.env.MODEL_NAME;
 const client = new OpenAI({ baseURL, apiKey: 'unused', maxRetries: 0, timeout: 60000 });
 
@@ -176,6 +180,60 @@ await test('errors: BadRequestError, NotFoundError', async () => {
     client.completions.create({ model: 'no-such-model', prompt: 'x' }), 404);
   assert.equal(nf.code, 'model_not_found');
   await expectError(OpenAI.NotFoundError, () => client.chat.completions.create({ model: 'gpt-4', messages: [{ role: 'user', content: 'x' }] }), 404);
+});
+
+await test('completions: echo with logprobs (prompt logprobs) is a BadRequestError', async () => {
+  // The workers compute no prompt logprobs; the API says so instead of answering logprobs that
+  // miss the echoed prompt.
+  const e = await expectError(OpenAI.BadRequestError, () =>
+    client.completions.create({ model, prompt: 'def fib(n):', max_tokens: 4, ...greedy, echo: true, logprobs: 1 }), 400);
+  assert.equal(e.param, 'echo');
+  assert.match(e.message, /prompt logprobs/);
+  await expectError(OpenAI.BadRequestError, () =>
+    client.completions.create({ model, prompt: 'x', max_tokens: 2, echo: true, logprobs: 0, stream: true }), 400);
+});
+
+await test('errors: InternalServerError 503 when no worker is up', async () => {
+  const down = new OpenAI({ baseURL: downBaseURL, apiKey: 'x', maxRetries: 0 });
+  const e = await expectError(OpenAI.InternalServerError, () =>
+    down.completions.create({ model, prompt: 'x', max_tokens: 2 }), 503);
+  assert.equal(e.type, 'service_unavailable');
+  assert.match(e.message, /no decode worker is up/);
+  // Streaming too: the failure comes before the first chunk, so it is the HTTP status.
+  await expectError(OpenAI.InternalServerError, () =>
+    down.chat.completions.create({ model, messages: [{ role: 'user', content: 'x' }], max_tokens: 2, stream: true }), 503);
+});
+
+await test('errors: InternalServerError 500 when the decode worker sends an unparsable message', async () => {
+  const fault = new OpenAI({ baseURL: faultBaseURL, apiKey: 'x', maxRetries: 0, timeout: 20000 });
+  const e = await expectError(OpenAI.InternalServerError, () =>
+    fault.completions.create({ model, prompt: 'x', max_tokens: 8 }), 500);
+  assert.equal(e.type, 'server_error');
+  assert.match(e.message, /decode worker 0 .* sent a stream message that is not a valid duet\.v1\.GenerateResponse/);
+  await expectError(OpenAI.InternalServerError, () =>
+    fault.chat.completions.create({ model, messages: [{ role: 'user', content: 'x' }], max_tokens: 8 }), 500);
+});
+
+await test('errors: a failure after the stream started is an SSE error event the SDK raises', async () => {
+  const fault = new OpenAI({ baseURL: faultBaseURL, apiKey: 'x', maxRetries: 0, timeout: 20000 });
+  const stream = await fault.completions.create({ model, prompt: 'x', max_tokens: 8, stream: true });
+  let text = '';
+  const e = await expectError(OpenAI.APIError, async () => {
+    for await (const chunk of stream) text += chunk.choices.map((c) => c.text).join('');
+  });
+  assert.equal(text, 't0 t1 ', 'the chunks before the failure arrived');
+  assert.equal(e.status, undefined, 'the HTTP status was 200: the error is in the stream');
+  assert.equal(e.error.type, 'server_error');
+  assert.match(e.error.message, /not a valid duet\.v1\.GenerateResponse/);
+  const chat = await fault.chat.completions.create({
+    model, messages: [{ role: 'user', content: 'x' }], max_tokens: 8, stream: true,
+  });
+  let content = '';
+  const chatError = await expectError(OpenAI.APIError, async () => {
+    for await (const chunk of chat) content += chunk.choices.map((c) => c.delta.content ?? '').join('');
+  });
+  assert.equal(content, 't0 t1 ');
+  assert.match(chatError.message, /not a valid duet\.v1\.GenerateResponse/);
 });
 
 await test('errors: APIConnectionError', async () => {

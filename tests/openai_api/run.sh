@@ -6,13 +6,18 @@
 #   2. curl -N: the exact SSE framing;
 #   3. greedy parity: HTTP completions equal `duet generate` for the same prompt_token_ids;
 #   4. a second router with --api-key and --max-concurrent-requests 1: AuthenticationError and
-#      RateLimitError (in the SDK test).
-# Usage: run.sh DUET_BINARY MODEL_DIR [ROUTER_BINARY]
-#   ROUTER_BINARY: runs the router when `duet router` has no --http-port yet (same flags).
+#      RateLimitError (in the SDK test);
+#   5. a router whose workers are all down: InternalServerError with status 503;
+#   6. a router whose decode worker sends a message it cannot parse (FAULT_ROUTER_BINARY):
+#      InternalServerError 500, and once the stream has started, an SSE error event (curl sees
+#      the framing, the SDK raises it).
+# Usage: run.sh DUET_BINARY MODEL_DIR [ROUTER_BINARY] FAULT_ROUTER_BINARY
+#   ROUTER_BINARY: runs the router when `duet router` has no --http-port yet (same flags; may be "").
 set -euo pipefail
 DUET=$1
 MODEL=$2
 ROUTER_BIN=${3:-}
+FAULT_ROUTER_BIN=${4:?run.sh: the fault router binary is required}
 HERE=$(cd "$(dirname "$0")" && pwd)
 NODE_DIR=$HERE/../node
 TMP=$(mktemp -d)
@@ -73,6 +78,13 @@ start router_auth "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --ht
   --prefill "127.0.0.1:$PREFILL_PORT" --decode "127.0.0.1:$DECODE_PORT" --api-key test-key \
   --max-concurrent-requests 1
 AUTH_PORT=$PORT
+# Port 1 refuses connections: no worker is ever up.
+# shellcheck disable=SC2086
+start router_down "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --http-port 0 \
+  --prefill 127.0.0.1:1 --decode 127.0.0.1:1
+DOWN_PORT=$PORT
+start router_fault "DUET_HTTP_READY port=" "$FAULT_ROUTER_BIN" --model "$MODEL"
+FAULT_PORT=$PORT
 BASE=http://127.0.0.1:$HTTP_PORT
 MODEL_NAME=$(basename "$MODEL")
 echo "openai_api: router HTTP on $HTTP_PORT, auth router on $AUTH_PORT"
@@ -83,8 +95,9 @@ for _ in $(seq 1 100); do
 done
 
 # 1. The official SDK.
-OPENAI_BASE_URL=$BASE/v1 OPENAI_AUTH_BASE_URL=http://127.0.0.1:$AUTH_PORT/v1 MODEL_NAME=$MODEL_NAME \
-  NODE_DEPS_DIR=$NODE_DIR node "$HERE/openai_sdk_test.mjs"
+OPENAI_BASE_URL=$BASE/v1 OPENAI_AUTH_BASE_URL=http://127.0.0.1:$AUTH_PORT/v1 \
+  OPENAI_DOWN_BASE_URL=http://127.0.0.1:$DOWN_PORT/v1 OPENAI_FAULT_BASE_URL=http://127.0.0.1:$FAULT_PORT/v1 \
+  MODEL_NAME=$MODEL_NAME NODE_DEPS_DIR=$NODE_DIR node "$HERE/openai_sdk_test.mjs"
 
 # 2. curl -N: exact SSE framing.
 curl -sN "$BASE/v1/completions" -H 'Content-Type: application/json' \
@@ -120,6 +133,25 @@ code=$(curl -s -o /dev/null -w '%{http_code}' "$BASE/v1/completions" -H 'Content
   --data-binary "@$TMP/huge.txt")
 [[ $code == 413 ]] || { echo "huge body: expected 413, got $code" >&2; exit 1; }
 [[ $(curl -s -o /dev/null -w '%{http_code}' "$BASE/health") == 200 ]]
+# No worker up: 503 on /health and on a completion.
+[[ $(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$DOWN_PORT/health") == 503 ]]
+code=$(curl -s -o "$TMP/down.json" -w '%{http_code}' "http://127.0.0.1:$DOWN_PORT/v1/completions" \
+  -H 'Content-Type: application/json' -d '{"prompt":"x","max_tokens":2}')
+[[ $code == 503 ]] || { echo "workers down: expected 503, got $code" >&2; exit 1; }
+# A failure after the stream started: 200, the chunks so far, an error event, then [DONE].
+curl -sN --max-time 20 "http://127.0.0.1:$FAULT_PORT/v1/completions" -H 'Content-Type: application/json' \
+  -d '{"prompt":"x","max_tokens":8,"stream":true}' >"$TMP/fault_sse.txt"
+python3 - "$TMP/fault_sse.txt" <<'PY'
+import json, sys
+raw = open(sys.argv[1], 'rb').read().decode()
+assert raw.endswith("data: [DONE]\n\n"), repr(raw[-200:])
+events = [e[6:] for e in raw.split("\n\n")[:-1]]
+payloads = [json.loads(e) for e in events[:-1]]
+assert [p["choices"][0]["text"] for p in payloads[:-1]] == ["t0 ", "t1 "], payloads
+error = payloads[-1]["error"]
+assert error["type"] == "server_error" and "not a valid duet.v1.GenerateResponse" in error["message"], error
+print("openai_api: curl SSE error event ok")
+PY
 echo "openai_api: curl error cases ok"
 
 # 3. Greedy parity with `duet generate` (same prompt_token_ids).
