@@ -18,7 +18,11 @@ struct EngineFlags {
     app->add_option("--block-size", config->block_size, "Tokens per KV-cache block")->check(CLI::Range(1, 1024));
     app->add_option("--num-kv-blocks", config->num_kv_blocks, "KV-cache blocks (default: from --kv-cache-gib)")
         ->check(CLI::Range(1, 1 << 28));
-    app->add_option("--kv-cache-gib", kv_cache_gib, "KV-cache memory in GiB")->check(CLI::Range(0.001, 4096.0));
+    app->add_option("--kv-cache-gib", kv_cache_gib, "cpu: KV-cache memory in GiB")->check(CLI::Range(0.001, 4096.0));
+    app->add_option("--gpu-memory-utilization", config->gpu_memory_utilization,
+                    "cuda: fraction of the GPU's memory this process may use; the KV cache gets what the "
+                    "weights and activations leave (like vLLM)")
+        ->check(CLI::Range(0.01, 1.0));
     app->add_option("--max-num-seqs", config->scheduler.max_num_seqs, "Requests per batch")->check(CLI::Range(1, 65536));
     app->add_option("--max-num-batched-tokens", config->scheduler.max_num_batched_tokens, "Tokens per step")
         ->check(CLI::Range(1, 1 << 24));
