@@ -1,5 +1,10 @@
 #include "bench/serving/client_openai.h"
 
+#include <future>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "boost/asio.hpp"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -114,6 +119,90 @@ TEST(OpenAiClient, BadSettings) {
   options.base_url = "http://127.0.0.1:8000";
   options.model.clear();
   EXPECT_FALSE(OpenAiClient::Create(options).ok());
+}
+
+// A one-thread HTTP server for the client: answers each connection's first request with
+// `responses[i]` (the i-th connection), then closes it.
+class ScriptedServer {
+ public:
+  explicit ScriptedServer(std::vector<std::string> responses)
+      : acceptor_(io_, {boost::asio::ip::make_address("127.0.0.1"), 0}),
+        thread_([this, responses = std::move(responses)] {
+          for (const std::string& response : responses) {
+            boost::asio::ip::tcp::socket socket(io_);
+            acceptor_.accept(socket);
+            ReadRequest(socket);  // all of it: closing with unread bytes would reset the connection
+            boost::asio::write(socket, boost::asio::buffer(response));
+            ++answered_;
+          }
+        }) {}
+  ~ScriptedServer() { thread_.join(); }
+  int port() const { return acceptor_.local_endpoint().port(); }
+  int answered() const { return answered_; }
+
+ private:
+  static void ReadRequest(boost::asio::ip::tcp::socket& socket) {
+    boost::asio::streambuf buffer;
+    const size_t header_bytes = boost::asio::read_until(socket, buffer, "\r\n\r\n");
+    const std::string header(boost::asio::buffers_begin(buffer.data()),
+                             boost::asio::buffers_begin(buffer.data()) + std::ptrdiff_t(header_bytes));
+    const size_t at = header.find("Content-Length: ");
+    const size_t body_bytes = at == std::string::npos ? 0 : std::stoul(header.substr(at + 16));
+    if (buffer.size() - header_bytes < body_bytes) {
+      boost::asio::read(socket, buffer, boost::asio::transfer_exactly(body_bytes - (buffer.size() - header_bytes)));
+    }
+  }
+
+  boost::asio::io_context io_;
+  boost::asio::ip::tcp::acceptor acceptor_;
+  std::atomic<int> answered_{0};
+  std::thread thread_;
+};
+
+std::string Chunked(const std::string& payload) {
+  std::string out;
+  for (size_t at = 0; at < payload.size(); at += 40) {
+    const std::string piece = payload.substr(at, 40);
+    out += absl::StrCat(absl::Hex(piece.size()), "\r\n", piece, "\r\n");
+  }
+  return out + "0\r\n\r\n";
+}
+
+RequestResult SendAndWait(OpenAiClient& client, const ClientRequest& request) {
+  std::promise<RequestResult> result;
+  client.Send(request, [&](RequestResult r) { result.set_value(std::move(r)); });
+  return result.get_future().get();
+}
+
+TEST(OpenAiClient, StreamsThenRetriesAClosedKeptAliveConnectionAndReportsHttpErrors) {
+  const std::string sse = absl::StrCat(
+      "data: {\"choices\":[{\"index\":0,\"text\":\"def\"}]}\n\n",
+      "data: {\"choices\":[{\"index\":0,\"text\":\" f\"}]}\n\n",
+      "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":2}}\n\n", "data: [DONE]\n\n");
+  const std::string error = R"({"error":{"message":"too busy","type":"rate_limit_error"}})";
+  ScriptedServer server({
+      "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+      "Connection: keep-alive\r\n\r\n" + Chunked(sse),
+      absl::StrCat("HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nContent-Length: ",
+                   error.size(), "\r\nConnection: close\r\n\r\n", error),
+  });
+  OpenAiClientOptions options;
+  options.base_url = absl::StrCat("http://127.0.0.1:", server.port());
+  options.model = "tiny";
+  auto client = OpenAiClient::Create(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const ClientRequest request{.prompt = "x", .max_tokens = 2};
+
+  const RequestResult first = SendAndWait(**client, request);
+  ASSERT_TRUE(first.success) << first.error;
+  EXPECT_EQ(first.output_tokens, 2);
+  EXPECT_EQ(first.prompt_tokens, 4);
+  EXPECT_EQ(first.chunk_times.size(), 2u);
+  // The server closed the kept-alive connection: the client notices and sends on a new one.
+  const RequestResult second = SendAndWait(**client, request);
+  EXPECT_FALSE(second.success);
+  EXPECT_EQ(second.error, absl::StrCat("HTTP 429: ", error));
+  EXPECT_EQ(server.answered(), 2);
 }
 
 }  // namespace

@@ -214,7 +214,7 @@ absl::StatusOr<std::vector<BenchRequest>> Code(const DatasetOptions& o, std::mt1
   }
   std::vector<fs::path> files;
   fs::recursive_directory_iterator it(o.code_dir, fs::directory_options::skip_permission_denied, ec), end;
-  for (; it != end && files.size() < kMaxCodeFiles; it.increment(ec)) {
+  for (; it != end; it.increment(ec)) {
     if (ec) return absl::InvalidArgumentError(absl::StrCat("reading --code-dir '", o.code_dir, "': ", ec.message()));
     const std::string name = it->path().filename().string();
     if (it->is_directory(ec) && name.starts_with(".")) {
@@ -225,7 +225,9 @@ absl::StatusOr<std::vector<BenchRequest>> Code(const DatasetOptions& o, std::mt1
       files.push_back(it->path());
     }
   }
-  std::sort(files.begin(), files.end());  // directory order is not stable; the seed's choice must be
+  // Directory order is not stable; the seed's choice must be.
+  std::sort(files.begin(), files.end());
+  if (files.size() > kMaxCodeFiles) files.resize(kMaxCodeFiles);
   // Token ids of each file long enough to cut from, read on first use.
   std::vector<std::vector<int32_t>> tokens(files.size());
   std::vector<bool> loaded(files.size(), false);

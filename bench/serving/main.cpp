@@ -131,6 +131,12 @@ int Run(const Flags& f) {
   auto to_send = [&](const BenchRequest& r) {
     return ClientRequest{.prompt = r.prompt, .max_tokens = r.output_tokens, .ignore_eos = f.ignore_eos};
   };
+  int64_t dataset_tokens = 0;
+  for (const BenchRequest& r : *requests) dataset_tokens += r.prompt_tokens;
+  if (tokenizer != nullptr) {
+    std::fprintf(stderr, "duet-bench: %zu prompts, %lld prompt tokens by the tokenizer (servers may add special tokens)\n",
+                 requests->size(), static_cast<long long>(dataset_tokens));
+  }
   std::fprintf(stderr, "duet-bench: warm-up request (the first prompt)\n");
   const RequestResult warmup = SendAndWait(**client, to_send(requests->front()));
   if (!warmup.success) {
@@ -147,7 +153,9 @@ int Run(const Flags& f) {
   {
     ProgressBar progress(f.num_prompts);
     Dispatch(*schedule, f.max_concurrency, [&](int i, std::function<void()> done) {
-      (*client)->Send(to_send((*requests)[size_t(i)]), [&, i, done = std::move(done)](RequestResult r) {
+      const BenchRequest& request = (*requests)[size_t(i)];
+      (*client)->Send(to_send(request), [&, i, done = std::move(done)](RequestResult r) {
+        if (r.prompt_tokens == 0) r.prompt_tokens = request.prompt_tokens;  // the server did not say
         const bool success = r.success;
         results[size_t(i)] = std::move(r);
         {
