@@ -75,6 +75,17 @@ void BlockManager::Free(SequenceId seq) {
   tables_.erase(it);
 }
 
+void BlockManager::Truncate(SequenceId seq, int64_t num_tokens) {
+  auto it = tables_.find(seq);
+  if (it == tables_.end()) return;
+  std::vector<int32_t>& table = it->second;
+  const size_t keep = size_t(BlocksForTokens(num_tokens));
+  while (table.size() > keep) {
+    ReleaseBlock(table.back());
+    table.pop_back();
+  }
+}
+
 const std::vector<int32_t>& BlockManager::BlockTable(SequenceId seq) const {
   static const std::vector<int32_t> kEmpty;
   auto it = tables_.find(seq);

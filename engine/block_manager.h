@@ -54,6 +54,9 @@ class BlockManager {
   absl::Status Fork(SequenceId parent, SequenceId child);
   // Drops `seq`'s references; blocks reaching zero return to the free list.
   void Free(SequenceId seq);
+  // Drops the blocks of `seq` beyond those `num_tokens` tokens need (speculative slots that the
+  // accepted tokens did not fill).
+  void Truncate(SequenceId seq, int64_t num_tokens);
 
   // Physical block ids of `seq`, in logical order. Empty for an unknown sequence.
   const std::vector<int32_t>& BlockTable(SequenceId seq) const;

@@ -126,11 +126,12 @@ void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, 
   float* vpool = cache.values(layer);
 
   // Write this step's keys and values first: a token attends to earlier tokens of its own chunk.
+  // Token j of a chunk goes to slot start_position + j (for a tree, not its position).
   int64_t row = 0;
   for (const SequenceChunk& chunk : chunks) {
     for (size_t j = 0; j < chunk.tokens.size(); ++j, ++row) {
-      const int64_t pos = chunk.start_position + int64_t(j);
-      const int64_t block = chunk.block_table[pos / bs], slot = pos % bs;
+      const int64_t slot_index = chunk.start_position + int64_t(j);
+      const int64_t block = chunk.block_table[slot_index / bs], slot = slot_index % bs;
       const float* k = qkv + row * qkv_stride + nh * hd;
       const float* v = k + nkv * hd;
       for (int64_t g = 0; g < nkv; ++g) {
@@ -142,35 +143,47 @@ void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, 
 
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   std::vector<float> scores;
+  std::vector<int64_t> slots;      // the slots this row attends to, in position order
+  std::vector<int64_t> ancestors;  // tree rows: the path from the token up to the root
   row = 0;
   for (const SequenceChunk& chunk : chunks) {
     for (size_t j = 0; j < chunk.tokens.size(); ++j, ++row) {
-      const int64_t pos = chunk.start_position + int64_t(j);
-      const int64_t context = pos + 1;  // causal: positions [0, pos]
+      slots.clear();
+      if (chunk.tree_parents.empty()) {  // causal: positions [0, start + j]
+        for (int64_t t = 0; t <= chunk.start_position + int64_t(j); ++t) slots.push_back(t);
+      } else {
+        for (int64_t t = 0; t < chunk.start_position; ++t) slots.push_back(t);
+        ancestors.clear();
+        for (int64_t a = int64_t(j); a >= 0; a = chunk.tree_parents[size_t(a)]) ancestors.push_back(a);
+        for (auto a = ancestors.rbegin(); a != ancestors.rend(); ++a) slots.push_back(chunk.start_position + *a);
+      }
+      const int64_t context = int64_t(slots.size());
       scores.resize(size_t(context));
       for (int64_t h = 0; h < nh; ++h) {
         const int64_t g = h / group;
         const float* q = qkv + row * qkv_stride + h * hd;
         float max_score = -INFINITY;
-        for (int64_t t = 0; t < context; ++t) {
+        for (int64_t i = 0; i < context; ++i) {
+          const int64_t t = slots[size_t(i)];
           const float* k = kpool + cache.Offset(chunk.block_table[t / bs], g, t % bs);
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < hd; ++d) dot += q[d] * k[d];
-          scores[t] = dot * scale;
-          max_score = std::max(max_score, scores[t]);
+          scores[i] = dot * scale;
+          max_score = std::max(max_score, scores[i]);
         }
         float denom = 0.0f;
-        for (int64_t t = 0; t < context; ++t) {
-          scores[t] = std::exp(scores[t] - max_score);
-          denom += scores[t];
+        for (int64_t i = 0; i < context; ++i) {
+          scores[i] = std::exp(scores[i] - max_score);
+          denom += scores[i];
         }
         float* o = out + row * nh * hd + h * hd;
         std::fill_n(o, hd, 0.0f);
         const float inv_denom = 1.0f / denom;
-        for (int64_t t = 0; t < context; ++t) {
+        for (int64_t i = 0; i < context; ++i) {
+          const int64_t t = slots[size_t(i)];
           const float* v = vpool + cache.Offset(chunk.block_table[t / bs], g, t % bs);
-          const float p = scores[t] * inv_denom;
+          const float p = scores[i] * inv_denom;
 #pragma omp simd
           for (int64_t d = 0; d < hd; ++d) o[d] += p * v[d];
         }
@@ -186,6 +199,15 @@ std::unique_ptr<KvCache> LlamaCpu::CreateKvCache(int64_t num_blocks, int64_t blo
 
 absl::Status LlamaCpu::Forward(absl::Span<const SequenceChunk> chunks, KvCache& kv_cache,
                                std::vector<float>& logits, const LayerDoneCallback& on_layer_done) {
+  return ForwardLayers(chunks, kv_cache, logits, config_.num_layers, on_layer_done);
+}
+
+absl::Status LlamaCpu::ForwardLayers(absl::Span<const SequenceChunk> chunks, KvCache& kv_cache,
+                                     std::vector<float>& logits, int64_t num_layers,
+                                     const LayerDoneCallback& on_layer_done) {
+  if (num_layers < 1 || num_layers > config_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot run ", num_layers, " of ", config_.num_layers, " layers"));
+  }
   auto* host_cache = dynamic_cast<HostKvCache*>(&kv_cache);
   if (host_cache == nullptr) return absl::InvalidArgumentError("the CPU backend needs a host KV cache");
   HostKvCache& cache = *host_cache;
@@ -203,6 +225,16 @@ absl::Status LlamaCpu::Forward(absl::Span<const SequenceChunk> chunks, KvCache& 
     }
     if (chunk.num_logits < 0 || chunk.num_logits > int32_t(chunk.tokens.size())) {
       return absl::InternalError("num_logits exceeds the chunk");
+    }
+    if (!chunk.tree_parents.empty()) {
+      if (chunk.tree_parents.size() != chunk.tokens.size() || chunk.tree_parents[0] != -1) {
+        return absl::InternalError("a draft tree needs one parent per token and token 0 as its root");
+      }
+      for (size_t j = 1; j < chunk.tree_parents.size(); ++j) {
+        if (chunk.tree_parents[j] < 0 || chunk.tree_parents[j] >= int32_t(j)) {
+          return absl::InternalError("a draft tree token's parent must come before it");
+        }
+      }
     }
     for (int32_t id : chunk.tokens) {
       if (id < 0 || id >= c.vocab_size) {
@@ -228,14 +260,17 @@ absl::Status LlamaCpu::Forward(absl::Span<const SequenceChunk> chunks, KvCache& 
   positions.reserve(size_t(num_tokens));
 
   int64_t row = 0;
+  std::vector<int64_t> depths;  // a tree token's position is start + its depth in the tree
   for (const SequenceChunk& chunk : chunks) {
+    depths.assign(chunk.tokens.size(), 0);
     for (size_t j = 0; j < chunk.tokens.size(); ++j, ++row) {
       std::copy_n(embed_.data() + int64_t(chunk.tokens[j]) * hidden, hidden, x.data() + row * hidden);
-      positions.push_back(chunk.start_position + int64_t(j));
+      if (!chunk.tree_parents.empty() && j > 0) depths[j] = depths[size_t(chunk.tree_parents[j])] + 1;
+      positions.push_back(chunk.start_position + (chunk.tree_parents.empty() ? int64_t(j) : depths[j]));
     }
   }
 
-  for (int64_t li = 0; li < c.num_layers; ++li) {
+  for (int64_t li = 0; li < num_layers; ++li) {
     const Layer& l = layers_[li];
     for (int64_t t = 0; t < num_tokens; ++t) {
       RmsNorm(x.data() + t * hidden, l.input_norm.data(), h.data() + t * hidden, hidden, c.rms_norm_eps);
@@ -287,6 +322,69 @@ absl::Status LlamaCpu::Forward(absl::Span<const SequenceChunk> chunks, KvCache& 
   const float* head = lm_head_.empty() ? embed_.data() : lm_head_.data();
   MatMulTransposed(normed.data(), head, logits.data(), num_logit_rows, c.vocab_size, hidden);
   return absl::OkStatus();
+}
+
+absl::Status LlamaCpu::MoveKvSlots(KvCache& kv_cache, absl::Span<const int32_t> block_table,
+                                   absl::Span<const KvSlotMove> moves) {
+  auto* host_cache = dynamic_cast<HostKvCache*>(&kv_cache);
+  if (host_cache == nullptr) return absl::InvalidArgumentError("the CPU backend needs a host KV cache");
+  HostKvCache& cache = *host_cache;
+  const int64_t bs = cache.shape().block_size, hd = config_.head_dim;
+  const int64_t capacity = int64_t(block_table.size()) * bs;
+  for (const KvSlotMove& m : moves) {
+    if (m.from < 0 || m.to < 0 || m.from >= capacity || m.to >= capacity) {
+      return absl::InternalError("KV slot move outside the sequence's blocks");
+    }
+  }
+  for (int64_t layer = 0; layer < cache.shape().num_layers; ++layer) {
+    for (const KvSlotMove& m : moves) {
+      for (int64_t g = 0; g < config_.num_kv_heads; ++g) {
+        const int64_t from = cache.Offset(block_table[m.from / bs], g, m.from % bs);
+        const int64_t to = cache.Offset(block_table[m.to / bs], g, m.to % bs);
+        std::copy_n(cache.keys(layer) + from, hd, cache.keys(layer) + to);
+        std::copy_n(cache.values(layer) + from, hd, cache.values(layer) + to);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// The first layers of a LlamaCpu as a draft model, sharing its weights and KV cache.
+class LlamaCpuLayerPrefix : public ModelExecutor {
+ public:
+  LlamaCpuLayerPrefix(LlamaCpu& model, int64_t num_layers) : model_(model), num_layers_(num_layers) {}
+
+  const ModelConfig& config() const override { return model_.config(); }
+  KvDtype kv_dtype() const override { return model_.kv_dtype(); }
+  std::unique_ptr<KvCache> CreateKvCache(int64_t num_blocks, int64_t block_size) override {
+    return model_.CreateKvCache(num_blocks, block_size);
+  }
+  absl::Status Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache, std::vector<float>& logits,
+                       const LayerDoneCallback& on_layer_done = nullptr) override {
+    return model_.ForwardLayers(chunks, cache, logits, num_layers_, on_layer_done);
+  }
+  bool SupportsTreeAttention() const override { return true; }
+  absl::Status MoveKvSlots(KvCache& cache, absl::Span<const int32_t> block_table,
+                           absl::Span<const KvSlotMove> moves) override {
+    return model_.MoveKvSlots(cache, block_table, moves);
+  }
+
+ private:
+  LlamaCpu& model_;
+  int64_t num_layers_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModelExecutor>> LlamaCpu::LayerPrefix(int64_t num_layers) {
+  if (num_layers < 1 || num_layers >= config_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("self-speculation needs 1 to ", config_.num_layers - 1,
+                                                   " layers of this ", config_.num_layers, "-layer model, got ",
+                                                   num_layers));
+  }
+  return std::make_unique<LlamaCpuLayerPrefix>(*this, num_layers);
 }
 
 }  // namespace duet

@@ -25,6 +25,14 @@ class LlamaCpu : public ModelExecutor {
   absl::Status Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache,
                        std::vector<float>& logits,
                        const LayerDoneCallback& on_layer_done = nullptr) override;
+  bool SupportsTreeAttention() const override { return true; }
+  absl::Status MoveKvSlots(KvCache& cache, absl::Span<const int32_t> block_table,
+                           absl::Span<const KvSlotMove> moves) override;
+  absl::StatusOr<std::unique_ptr<ModelExecutor>> LayerPrefix(int64_t num_layers) override;
+
+  // Forward through the first `num_layers` layers only, then the final norm and LM head.
+  absl::Status ForwardLayers(absl::Span<const SequenceChunk> chunks, KvCache& cache, std::vector<float>& logits,
+                             int64_t num_layers, const LayerDoneCallback& on_layer_done = nullptr);
 
  private:
   struct Layer {
@@ -40,7 +48,8 @@ class LlamaCpu : public ModelExecutor {
 
   explicit LlamaCpu(const ModelConfig& config) : config_(config) {}
   absl::Status LoadWeights(const WeightStore& weights);
-  // Writes this step's K/V (already rotated) into the cache, then attends.
+  // Writes this step's K/V (already rotated) into the cache, then attends: causally, or within
+  // a draft tree to the context and the token's ancestors (SequenceChunk::tree_parents).
   void Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, const float* qkv,
                  HostKvCache& cache, float* out) const;
   void ApplyRope(float* vec, int64_t num_heads, int64_t position) const;

@@ -1,6 +1,8 @@
 #include "engine/llm_engine.h"
 
 #include <algorithm>
+#include <chrono>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
@@ -67,7 +69,12 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineConfig&
   if (!model.ok()) return model.status();
   absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(config.model_dir);
   if (!tokenizer.ok()) return tokenizer.status();
-  return std::make_unique<LlmEngine>(std::move(*model), std::move(*tokenizer), config);
+  auto engine = std::make_unique<LlmEngine>(std::move(*model), std::move(*tokenizer), config);
+  absl::StatusOr<std::unique_ptr<SpeculativeDecoder>> spec = SpeculativeDecoder::Create(
+      engine->config_.speculation, *engine->model_, engine->blocks_, *engine->cache_, *engine->tokenizer_);
+  if (!spec.ok()) return spec.status();
+  engine->spec_ = std::move(*spec);
+  return engine;
 }
 
 LlmEngine::LlmEngine(std::unique_ptr<ModelExecutor> model, std::unique_ptr<Tokenizer> tokenizer,
@@ -97,7 +104,14 @@ absl::StatusOr<std::unique_ptr<Request>> LlmEngine::NewRequest(const std::string
           absl::StrCat("prompt token id ", t, " is outside the vocabulary [0, ", vocab, ")"));
     }
   }
+  SpeculationMode mode = SpeculationMode::kNone;
+  if (spec_) {
+    absl::StatusOr<SpeculationMode> resolved = spec_->Resolve(params.speculation);
+    if (!resolved.ok()) return resolved.status();
+    mode = *resolved;
+  }
   auto request = std::make_unique<Request>(id, seq_id, std::move(prompt), std::move(params));
+  request->spec.mode = mode;
   request->decoder = std::make_unique<StreamingDecoder>(*tokenizer_, request->prompt, true);
   return request;
 }
@@ -168,11 +182,13 @@ void LlmEngine::Release(const std::string& id) {
 
 EngineStats LlmEngine::Stats() const {
   return EngineStats{int32_t(scheduler_.num_running()), int32_t(scheduler_.num_waiting()),
-                     blocks_.num_blocks(), blocks_.num_free_blocks(), num_preemptions_};
+                     blocks_.num_blocks(), blocks_.num_free_blocks(), num_preemptions_,
+                     spec_ ? spec_->stats() : SpecDecodeStats{}};
 }
 
 void LlmEngine::FinishRequest(Request& r, FinishReason reason) {
   scheduler_.Remove(&r);
+  if (spec_) spec_->OnFinished(r);
   r.finish_reason = reason;
   r.finish_time = Clock::now();
 }
@@ -189,6 +205,7 @@ void LlmEngine::AppendToken(Request& r, const SampledToken& token, RequestOutput
   }
   out.num_prompt_tokens = int32_t(r.prompt.size());
   out.num_output_tokens = int32_t(r.output.size());
+  if (spec_) spec_->OnToken(r);
   if (r.first_token_time == Clock::time_point{}) r.first_token_time = Clock::now();
 
   FinishReason reason = FinishReason::kNone;
@@ -237,28 +254,105 @@ void LlmEngine::AppendToken(Request& r, const SampledToken& token, RequestOutput
   }
 }
 
+void LlmEngine::PlanSpeculation() {
+  std::vector<Request*> decoding;
+  for (auto& [id, r] : requests_) {
+    if (r->state == RequestState::kRunning && r->spec.mode != SpeculationMode::kNone && !r->output.empty() &&
+        r->num_tokens() - r->num_computed_tokens == 1) {
+      decoding.push_back(r.get());
+    }
+  }
+  if (!decoding.empty()) spec_->Plan(decoding, config_.scheduler.max_model_len);
+}
+
+void LlmEngine::VerifyDraft(Request& r, const std::vector<int32_t>& tokens, const std::vector<int32_t>& parents,
+                            const float* first_row, RequestOutput& out) {
+  const int64_t vocab = model_->config().vocab_size;
+  const int64_t start = r.num_computed_tokens - 1;  // the root's slot (the scheduler counted it)
+  SampledToken last;
+  auto draw = [&](int32_t node) {
+    absl::Span<float> row(const_cast<float*>(first_row) + node * vocab, size_t(vocab));
+    last = Sampler::Sample(row, r.params, r.prompt, r.output, r.rng);
+    return last.token;
+  };
+  auto emit = [&](int32_t) {
+    AppendToken(r, last, out);
+    return !r.finished();
+  };
+  const std::vector<int32_t> accepted = VerifyDraftTree(tokens, parents, draw, emit);
+  const int32_t end_node = accepted.empty() ? 0 : accepted.back();
+  const bool missed = !r.finished() && std::find(parents.begin(), parents.end(), end_node) != parents.end();
+  std::vector<int32_t> depths(accepted.size());
+  std::iota(depths.begin(), depths.end(), 1);
+  spec_->OnVerified(r, int32_t(tokens.size()) - 1, depths, missed);
+  if (r.finished()) return;  // its blocks are already free
+  // The accepted path's K/V move to the slots right after the root, in order (a node's slot is
+  // never before its depth, so no move overwrites a slot still to be read).
+  std::vector<KvSlotMove> moves;
+  for (size_t i = 0; i < accepted.size(); ++i) {
+    if (accepted[i] != int32_t(i) + 1) moves.push_back({start + accepted[i], start + int64_t(i) + 1});
+  }
+  if (absl::Status s = model_->MoveKvSlots(*cache_, blocks_.BlockTable(r.seq_id), moves); !s.ok()) {
+    FinishRequest(r, FinishReason::kError);
+    out.finished = true;
+    out.finish_reason = FinishReason::kError;
+    out.error = std::string(s.message());
+    return;
+  }
+  r.num_computed_tokens += int64_t(accepted.size());
+  blocks_.Truncate(r.seq_id, r.num_tokens());
+}
+
 absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallback& on_layer_done) {
   std::vector<RequestOutput> outputs;
+  if (spec_) PlanSpeculation();
   SchedulerOutput plan = scheduler_.Schedule();
   num_preemptions_ += plan.num_preempted;
   if (plan.empty()) return outputs;
   cache_->CopyBlocks(plan.block_copies);
 
+  // Drafts for the decoding requests that got room for them.
+  std::vector<Request*> drafting;
+  for (const ScheduledChunk& sc : plan.chunks) {
+    if (sc.samples && sc.num_draft_slots > 0) drafting.push_back(sc.request);
+  }
+  if (!drafting.empty() && !spec_->Draft(drafting).ok()) {
+    for (Request* r : drafting) r->spec.tree.Clear();  // a failed draft only costs the speed-up
+  }
+
   std::vector<std::vector<int32_t>> chunk_tokens(plan.chunks.size());
+  std::vector<std::vector<int32_t>> chunk_parents(plan.chunks.size());  // draft trees: root + drafts
   std::vector<SequenceChunk> chunks(plan.chunks.size());
+  int64_t num_step_tokens = 0;
   for (size_t i = 0; i < plan.chunks.size(); ++i) {
     const ScheduledChunk& sc = plan.chunks[i];
     Request& r = *sc.request;
     for (int64_t t = 0; t < sc.num_new_tokens; ++t) chunk_tokens[i].push_back(r.TokenAt(r.num_computed_tokens + t));
     chunks[i] = SequenceChunk{chunk_tokens[i], r.num_computed_tokens, blocks_.BlockTable(r.seq_id),
                               r.seq_id, sc.samples ? 1 : 0};
+    if (sc.num_draft_slots > 0 && !r.spec.tree.empty()) {
+      chunk_parents[i].push_back(-1);
+      for (int32_t j = 0; j < r.spec.tree.size(); ++j) {
+        chunk_tokens[i].push_back(r.spec.tree.tokens[size_t(j)]);
+        chunk_parents[i].push_back(r.spec.tree.parents[size_t(j)] + 1);
+      }
+      chunks[i].tokens = chunk_tokens[i];
+      chunks[i].tree_parents = chunk_parents[i];
+      chunks[i].num_logits = int32_t(chunk_tokens[i].size());
+    }
+    num_step_tokens += int64_t(chunk_tokens[i].size());
   }
   // Sample on the executor's device when it can and no request needs host-side processing
   // (penalties, top-N logprobs): then only token ids cross back, not [rows, vocab] logits.
   bool device_sampling = model_->CanSampleOnDevice();
   std::vector<DeviceSamplingRow> sampling_rows;
-  for (const ScheduledChunk& sc : plan.chunks) {
-    if (!device_sampling || !sc.samples) continue;
+  for (size_t i = 0; i < plan.chunks.size() && device_sampling; ++i) {
+    const ScheduledChunk& sc = plan.chunks[i];
+    if (!chunk_parents[i].empty()) {  // draft trees are verified on the host
+      device_sampling = false;
+      break;
+    }
+    if (!sc.samples) continue;
     Request& r = *sc.request;
     const SamplingParams& p = r.params;
     if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f || p.logprobs > 0) {
@@ -272,15 +366,20 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
                                               uint64_t(r.output.size())});
   }
   absl::Status forward;
+  const Clock::time_point forward_start = Clock::now();
   if (device_sampling) {
     forward = model_->ForwardSample(chunks, *cache_, sampling_rows, device_samples_, on_layer_done);
   } else {
     forward = model_->Forward(chunks, *cache_, logits_, on_layer_done);
   }
+  if (spec_ && forward.ok()) {
+    spec_->ObserveStep(num_step_tokens, std::chrono::duration<double>(Clock::now() - forward_start).count());
+  }
   scheduler_.OnStepDone(plan);
   const int64_t vocab = model_->config().vocab_size;
   int64_t logit_row = 0;
-  for (const ScheduledChunk& sc : plan.chunks) {
+  for (size_t i = 0; i < plan.chunks.size(); ++i) {
+    const ScheduledChunk& sc = plan.chunks[i];
     Request& r = *sc.request;
     if (!forward.ok()) {
       RequestOutput out{r.id};
@@ -292,6 +391,13 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
       continue;
     }
     if (!sc.samples) continue;
+    RequestOutput out{r.id};
+    if (!chunk_parents[i].empty()) {
+      VerifyDraft(r, chunk_tokens[i], chunk_parents[i], logits_.data() + logit_row * vocab, out);
+      logit_row += int64_t(chunk_tokens[i].size());
+      outputs.push_back(std::move(out));
+      continue;
+    }
     SampledToken token;
     if (device_sampling) {
       token.token = device_samples_[size_t(logit_row)].token;
@@ -301,7 +407,15 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
       token = Sampler::Sample(row, r.params, r.prompt, r.output, r.rng);
     }
     ++logit_row;
-    RequestOutput out{r.id};
+    const bool decoding = r.spec.mode != SpeculationMode::kNone && !r.output.empty();
+    if (decoding) {
+      // No drafts this step: does the planned guess (lookahead's tree, kept for this) still match?
+      const DraftTree& guess = r.spec.tree;
+      bool hit = false;
+      for (int32_t j = 0; j < guess.size(); ++j) hit |= guess.parents[size_t(j)] == -1 && guess.tokens[size_t(j)] == token.token;
+      const int32_t first_depth[] = {1};
+      spec_->OnVerified(r, 0, hit ? absl::MakeConstSpan(first_depth) : absl::Span<const int32_t>(), !hit);
+    }
     AppendToken(r, token, out);
     outputs.push_back(std::move(out));
   }

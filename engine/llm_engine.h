@@ -15,6 +15,7 @@
 #include "engine/model_executor.h"
 #include "engine/request.h"
 #include "engine/scheduler.h"
+#include "engine/spec_decode.h"
 #include "engine/tokenizer.h"
 
 namespace duet {
@@ -30,6 +31,7 @@ struct EngineConfig {
   // weights and activations are in (like vLLM's --gpu-memory-utilization).
   double gpu_memory_utilization = 0.9;
   SchedulerConfig scheduler;  // max_model_len 0: the model's max_position_embeddings
+  SpeculationConfig speculation;
 };
 
 // What a step produced for one request.
@@ -53,6 +55,7 @@ struct EngineStats {
   int32_t num_kv_blocks = 0;
   int32_t num_free_kv_blocks = 0;
   int64_t num_preemptions = 0;
+  SpecDecodeStats spec_decode;
 };
 
 class LlmEngine {
@@ -96,6 +99,12 @@ class LlmEngine {
   // Appends a sampled token; finishes the request on EOS, stop id, stop string or length.
   void AppendToken(Request& r, const SampledToken& token, RequestOutput& out);
   void FinishRequest(Request& r, FinishReason reason);
+  // Sets the draft budget of every decoding request before the scheduler reserves its room.
+  void PlanSpeculation();
+  // Verifies request r's draft tree from its logits rows: appends the accepted tokens and the
+  // target's next one, then compacts the accepted K/V and frees the unused slots.
+  void VerifyDraft(Request& r, const std::vector<int32_t>& tokens, const std::vector<int32_t>& parents,
+                   const float* first_row, RequestOutput& out);
   absl::StatusOr<std::unique_ptr<Request>> NewRequest(const std::string& id, std::vector<int32_t> prompt,
                                                       SamplingParams params, SequenceId seq_id);
 
@@ -111,6 +120,7 @@ class LlmEngine {
   int64_t num_preemptions_ = 0;
   std::vector<float> logits_;
   std::vector<DeviceSample> device_samples_;
+  std::unique_ptr<SpeculativeDecoder> spec_;  // null: no request speculates
 };
 
 }  // namespace duet

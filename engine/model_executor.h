@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "engine/block_manager.h"
 #include "engine/kv_cache.h"
@@ -33,6 +34,19 @@ struct SequenceChunk {
   // Logits are produced for the last `num_logits` tokens of the chunk (0: none, e.g. a prefill
   // chunk that does not end the prompt).
   int32_t num_logits = 1;
+  // Speculative verification: the chunk is a draft TREE rather than a run of tokens. When not
+  // empty (one entry per token), tree_parents[j] is the index in this chunk of token j's parent
+  // (0 <= parent < j), or -1 for token 0 alone, the root, which continues the sequence. Token j
+  // takes position start_position + depth(j), attends to positions [0, start_position) plus its
+  // ancestors and itself only, and its K/V go to slot start_position + j (see MoveKvSlots).
+  absl::Span<const int32_t> tree_parents;
+};
+
+// Moves one token's K/V within a sequence, in every layer: slot `from` to slot `to` (positions
+// in the sequence, mapped through its block table).
+struct KvSlotMove {
+  int64_t from = 0;
+  int64_t to = 0;
 };
 
 // Sampling parameters of one logits row for executors that sample on their device. Only what
@@ -75,6 +89,21 @@ class ModelExecutor {
                                      absl::Span<const DeviceSamplingRow> rows, std::vector<DeviceSample>& samples,
                                      const LayerDoneCallback& on_layer_done = nullptr) {
     return absl::UnimplementedError("this executor samples on the host");
+  }
+
+  // Speculative decoding. The engine speculates only with executors that honour
+  // SequenceChunk::tree_parents and can compact the accepted path's K/V.
+  virtual bool SupportsTreeAttention() const { return false; }
+  // Applies `moves` in order (callers order them so no move reads a slot already overwritten).
+  virtual absl::Status MoveKvSlots(KvCache& cache, absl::Span<const int32_t> block_table,
+                                   absl::Span<const KvSlotMove> moves) {
+    return absl::UnimplementedError("this executor cannot move KV slots");
+  }
+  // Self-speculation: an executor that runs only the first `num_layers` layers, then the final
+  // norm and LM head. It shares this executor's weights and KV cache (reading and writing only
+  // those layers' K/V) and must not outlive it.
+  virtual absl::StatusOr<std::unique_ptr<ModelExecutor>> LayerPrefix(int64_t num_layers) {
+    return absl::UnimplementedError("this executor has no layer-prefix draft");
   }
 };
 

@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "engine/block_manager.h"
+#include "engine/lookahead_cache.h"
+#include "engine/ngram_trie.h"
 #include "engine/sampler.h"
 #include "engine/sampling_params.h"
 #include "engine/tokenizer.h"
@@ -24,6 +26,18 @@ enum class FinishReason { kNone, kStop, kLength, kAbort, kError };
 const char* FinishReasonName(FinishReason reason);  // "stop", "length", "abort", "error"
 
 using Clock = std::chrono::steady_clock;
+
+// A request's speculative-decoding state (see spec_decode.h).
+struct SpeculationState {
+  SpeculationMode mode = SpeculationMode::kNone;  // resolved from params and server default
+  std::unique_ptr<NgramTrie> local_ngrams;        // lookahead: its prompt and output so far
+  DraftTree tree;                 // this step's draft (lookahead: proposed before planning)
+  int32_t lookahead_slots = 0;    // draft tokens the scheduler reserves KV room for this step
+  // Decayed counts behind the acceptance estimate: accepted draft tokens, and those plus misses.
+  double accepted = 0.0;
+  double trials = 0.0;
+  double acceptance() const { return (accepted + 0.5) / (trials + 1.0); }
+};
 
 struct Request {
   Request(std::string id, SequenceId seq_id, std::vector<int32_t> prompt, SamplingParams params)
@@ -48,6 +62,7 @@ struct Request {
   size_t num_emitted_text = 0;  // bytes of `text` already streamed out
   std::vector<float> output_logprobs;
   std::vector<std::vector<TokenLogprob>> output_top_logprobs;
+  SpeculationState spec;
 
   Clock::time_point arrival_time = Clock::now();
   Clock::time_point first_scheduled_time{};

@@ -10,6 +10,25 @@
 
 namespace duet {
 
+const char* SpeculationModeName(SpeculationMode mode) {
+  switch (mode) {
+    case SpeculationMode::kNone: return "none";
+    case SpeculationMode::kLookahead: return "lookahead";
+    case SpeculationMode::kDraft: return "draft";
+    case SpeculationMode::kSelf: return "self";
+  }
+  return "none";
+}
+
+absl::StatusOr<SpeculationMode> ParseSpeculationMode(const std::string& name) {
+  for (SpeculationMode mode : {SpeculationMode::kNone, SpeculationMode::kLookahead, SpeculationMode::kDraft,
+                               SpeculationMode::kSelf}) {
+    if (name == SpeculationModeName(mode)) return mode;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("speculation must be none, lookahead, draft or self, got '", name, "'"));
+}
+
 absl::Status SamplingParams::Validate() const {
   auto bad = [](const char* field, auto value, const char* want) {
     return absl::InvalidArgumentError(absl::StrCat(field, " must be ", want, ", got ", value));

@@ -7,8 +7,20 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace duet {
+
+// How a request guesses tokens ahead for the target to verify (lossless in every mode).
+enum class SpeculationMode {
+  kNone,       // one token per step
+  kLookahead,  // n-gram tries of the request's own tokens and of earlier outputs
+  kDraft,      // a separate small model with the same tokenizer
+  kSelf,       // the target's first layers (plus final norm and LM head)
+};
+const char* SpeculationModeName(SpeculationMode mode);  // "none", "lookahead", "draft", "self"
+// InvalidArgument naming the accepted values for anything else.
+absl::StatusOr<SpeculationMode> ParseSpeculationMode(const std::string& name);
 
 struct SamplingParams {
   float temperature = 1.0f;         // 0: greedy
@@ -24,6 +36,7 @@ struct SamplingParams {
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
   int32_t logprobs = -1;  // -1: none; N >= 0: chosen token's logprob plus top-N
+  std::optional<SpeculationMode> speculation;  // unset: the server's default
 
   bool greedy() const { return temperature == 0.0f; }
   // InvalidArgument naming the field for out-of-range values.

@@ -56,6 +56,17 @@ SchedulerOutput Scheduler::Schedule() {
     }
     const int64_t remaining = r->num_tokens() - r->num_computed_tokens;
     const int64_t n = std::min(remaining, token_budget);
+    // A decoding request's draft slots come only from spare blocks and budget: speculation
+    // never preempts anyone.
+    int32_t draft_slots = 0;
+    if (remaining == 1 && r->spec.lookahead_slots > 0) {
+      draft_slots = int32_t(std::min<int64_t>(r->spec.lookahead_slots, token_budget - n));
+      if (draft_slots > 0 && !blocks_.Reserve(r->seq_id, r->num_computed_tokens + n + draft_slots,
+                                              r->num_computed_tokens, &out.block_copies).ok()) {
+        draft_slots = 0;
+      }
+    }
+    r->spec.lookahead_slots = draft_slots;
     bool placed = false;
     while (!placed) {
       absl::Status s = blocks_.Reserve(r->seq_id, r->num_computed_tokens + n, r->num_computed_tokens,
@@ -77,8 +88,8 @@ SchedulerOutput Scheduler::Schedule() {
       continue;
     }
     kept.push_back(r);
-    out.chunks.push_back({r, n, r->num_computed_tokens + n == r->num_tokens()});
-    token_budget -= n;
+    out.chunks.push_back({r, n, r->num_computed_tokens + n == r->num_tokens(), draft_slots});
+    token_budget -= n + draft_slots;
   }
   running_ = std::move(kept);
 
@@ -94,6 +105,7 @@ SchedulerOutput Scheduler::Schedule() {
       break;  // first come, first served: no overtaking by smaller requests
     }
     waiting_.pop_front();
+    r->spec.lookahead_slots = 0;
     r->state = RequestState::kRunning;
     if (r->first_scheduled_time == Clock::time_point{}) r->first_scheduled_time = Clock::now();
     running_.push_back(r);

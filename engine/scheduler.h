@@ -28,6 +28,9 @@ struct ScheduledChunk {
   Request* request = nullptr;
   int64_t num_new_tokens = 0;  // tokens [num_computed_tokens, + num_new_tokens) run this step
   bool samples = false;        // the chunk reaches the end of the request's tokens
+  // Draft tokens this decode chunk verifies (request->spec.lookahead_slots that got KV room;
+  // they sit in slots after the chunk's token and count against the token budget).
+  int32_t num_draft_slots = 0;
 };
 
 struct SchedulerOutput {
@@ -45,7 +48,8 @@ class Scheduler {
   // max_model_len, or more KV blocks than the whole cache holds.
   absl::Status Add(Request* request);
   SchedulerOutput Schedule();
-  // Called after the step: advances num_computed_tokens of every scheduled chunk.
+  // Called after the step: advances num_computed_tokens of every scheduled chunk (by its
+  // num_new_tokens; the engine adds accepted draft tokens itself).
   void OnStepDone(const SchedulerOutput& output);
   // Removes a request (finished or aborted) and frees its blocks.
   void Remove(Request* request);

@@ -1,0 +1,367 @@
+#include "engine/spec_decode.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "common/check.h"
+
+namespace duet {
+
+std::vector<int32_t> VerifyDraftTree(absl::Span<const int32_t> tokens, absl::Span<const int32_t> parents,
+                                     const std::function<int32_t(int32_t node)>& draw,
+                                     const std::function<bool(int32_t token)>& emit) {
+  DUET_CHECK(!tokens.empty() && parents.size() == tokens.size() && parents[0] == -1);
+  std::vector<int32_t> accepted;
+  int32_t node = 0;
+  while (true) {
+    const int32_t token = draw(node);
+    if (!emit(token)) break;
+    int32_t next = -1;
+    for (size_t j = size_t(node) + 1; j < tokens.size(); ++j) {
+      if (parents[j] == node && tokens[j] == token) {
+        next = int32_t(j);
+        break;
+      }
+    }
+    if (next < 0) break;
+    accepted.push_back(next);
+    node = next;
+  }
+  return accepted;
+}
+
+// Buckets: every T up to 16, then steps of about 1/8.
+int64_t StepCostModel::BucketAtOrAbove(int64_t num_tokens) {
+  if (num_tokens <= 16) return std::max<int64_t>(num_tokens, 1);
+  int64_t b = 16;
+  while (b < num_tokens) b += std::max<int64_t>(1, b / 8);
+  return b;
+}
+
+int64_t StepCostModel::BucketBelow(int64_t num_tokens) {
+  if (num_tokens <= 17) return std::max<int64_t>(num_tokens - 1, 1);
+  int64_t b = 16;
+  while (b + std::max<int64_t>(1, b / 8) < num_tokens) b += std::max<int64_t>(1, b / 8);
+  return b;
+}
+
+double StepCostModel::BucketSeconds(int64_t bucket) {
+  auto it = seconds_.find(bucket);
+  if (it != seconds_.end()) return it->second;
+  // Best of three runs: the step's own cost, not a neighbour's interference.
+  std::optional<double> best;
+  for (int i = 0; i < 3; ++i) {
+    std::optional<double> s = measure_(bucket);
+    if (!s) break;
+    best = best ? std::min(*best, *s) : *s;
+  }
+  if (!best) {
+    // Cannot measure now: scale the nearest measured bucket linearly (pessimistic for larger T).
+    if (seconds_.empty()) return double(bucket);
+    auto near = seconds_.lower_bound(bucket);
+    if (near == seconds_.end()) --near;
+    return near->second * double(bucket) / double(near->first);
+  }
+  seconds_[bucket] = *best;
+  return *best;
+}
+
+double StepCostModel::Seconds(int64_t num_tokens) {
+  num_tokens = std::max<int64_t>(num_tokens, 1);
+  const int64_t hi = BucketAtOrAbove(num_tokens);
+  if (hi == num_tokens) return BucketSeconds(hi);
+  const int64_t lo = BucketBelow(num_tokens);
+  const double f = double(num_tokens - lo) / double(hi - lo);
+  return (1 - f) * BucketSeconds(lo) + f * BucketSeconds(hi);
+}
+
+void StepCostModel::Observe(int64_t num_tokens, double seconds) {
+  // Nudge the buckets around T towards what the real step took (context length, cache state
+  // and the machine's load are in it; the scratch measurement has none of them).
+  const int64_t hi = BucketAtOrAbove(std::max<int64_t>(num_tokens, 1));
+  auto it = seconds_.find(hi);
+  if (it == seconds_.end()) return;
+  const double predicted = Seconds(num_tokens);
+  if (!(predicted > 0) || !(seconds > 0)) return;
+  const double ratio = std::pow(seconds / predicted, 0.1);
+  it->second *= ratio;
+  if (hi != num_tokens) {
+    auto lo = seconds_.find(BucketBelow(num_tokens));
+    if (lo != seconds_.end()) lo->second *= ratio;
+  }
+}
+
+std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, int64_t base_tokens,
+                                      int64_t base_samples, const CostFn& target_cost, const CostFn& draft_cost,
+                                      const CostFn& self_cost) {
+  const size_t n = requests.size();
+  std::vector<int32_t> k(n, 0);
+  int32_t max_cap = 0;
+  for (const BudgetRequest& r : requests) max_cap = std::max(max_cap, r.cap);
+  if (max_cap == 0) return k;
+
+  // Expected accepted tokens of request i with k drafts: sum_{d=1..k} a^d.
+  auto gain = [&](size_t i, int32_t drafts) {
+    double g = 0, p = 1;
+    for (int32_t d = 0; d < drafts; ++d) g += (p *= requests[i].acceptance);
+    return g;
+  };
+  std::vector<double> gains(n, 0.0);
+  auto throughput = [&]() {
+    int64_t tokens = base_tokens;
+    double expected = double(base_samples);
+    std::vector<int64_t> draft_rounds(size_t(max_cap), 0), self_rounds(size_t(max_cap), 0);
+    for (size_t i = 0; i < n; ++i) {
+      tokens += k[i];
+      expected += gains[i];
+      std::vector<int64_t>* rounds = requests[i].mode == SpeculationMode::kDraft  ? &draft_rounds
+                                     : requests[i].mode == SpeculationMode::kSelf ? &self_rounds
+                                                                                   : nullptr;
+      if (rounds != nullptr) for (int32_t d = 0; d < k[i]; ++d) ++(*rounds)[size_t(d)];
+    }
+    double seconds = target_cost(tokens);
+    for (int32_t d = 0; d < max_cap; ++d) {
+      // The first draft round also catches the draft model up on the last step's tokens.
+      if (draft_rounds[size_t(d)] > 0) seconds += draft_cost(draft_rounds[size_t(d)] * (d == 0 ? 2 : 1));
+      if (self_rounds[size_t(d)] > 0) seconds += self_cost(self_rounds[size_t(d)]);
+    }
+    return expected / seconds;
+  };
+
+  std::vector<size_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return requests[a].acceptance > requests[b].acceptance; });
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t i : order) {
+      int32_t best_k = k[i];
+      double best = -1;
+      for (int32_t c = 0; c <= requests[i].cap; ++c) {
+        k[i] = c;
+        gains[i] = gain(i, c);
+        const double t = throughput();
+        if (t > best * 1.0001) {  // ties keep fewer drafts
+          best = t;
+          best_k = c;
+        }
+      }
+      k[i] = best_k;
+      gains[i] = gain(i, best_k);
+    }
+  }
+  return k;
+}
+
+absl::StatusOr<std::unique_ptr<SpeculativeDecoder>> SpeculativeDecoder::Create(const SpeculationConfig& config,
+                                                                              ModelExecutor& executor,
+                                                                              BlockManager& blocks, KvCache& cache,
+                                                                              const Tokenizer& tokenizer) {
+  if (config.max_draft_tokens < 0) return absl::InvalidArgumentError("max_draft_tokens must be >= 0");
+  std::unique_ptr<ModelDrafter> draft, self;
+  if (executor.SupportsTreeAttention()) {
+    if (!config.draft_model_dir.empty()) {
+      absl::StatusOr<std::unique_ptr<ModelDrafter>> d = ModelDrafter::LoadDraftModel(
+          config.draft_model_dir, executor.config(), tokenizer, blocks.num_blocks(), blocks.block_size());
+      if (!d.ok()) return d.status();
+      draft = std::move(*d);
+    }
+    const int64_t layers = config.self_spec_layers > 0 ? config.self_spec_layers
+                                                       : std::max<int64_t>(1, executor.config().num_layers / 2);
+    absl::StatusOr<std::unique_ptr<ModelDrafter>> s = ModelDrafter::SelfSpeculation(executor, layers);
+    if (s.ok()) {
+      self = std::move(*s);
+    } else if (config.self_spec_layers > 0) {
+      return s.status();
+    }
+  }
+  if (config.default_mode == SpeculationMode::kDraft && draft == nullptr && executor.SupportsTreeAttention()) {
+    return absl::InvalidArgumentError("speculation 'draft' needs a draft model (--draft-model)");
+  }
+  return std::unique_ptr<SpeculativeDecoder>(
+      new SpeculativeDecoder(config, executor, blocks, cache, std::move(draft), std::move(self)));
+}
+
+SpeculativeDecoder::SpeculativeDecoder(const SpeculationConfig& config, ModelExecutor& executor,
+                                       BlockManager& blocks, KvCache& cache, std::unique_ptr<ModelDrafter> draft,
+                                       std::unique_ptr<ModelDrafter> self)
+    : config_(config),
+      executor_(executor),
+      blocks_(blocks),
+      cache_(cache),
+      lookahead_(config.lookahead),
+      draft_(std::move(draft)),
+      self_(std::move(self)),
+      target_cost_([this](int64_t t) { return MeasureForward(executor_, blocks_, cache_, t); }) {
+  if (draft_) {
+    draft_cost_.emplace([this](int64_t t) {
+      return MeasureForward(draft_->executor(), *draft_->own_blocks(), *draft_->own_cache(), t);
+    });
+  }
+  if (self_) self_cost_.emplace([this](int64_t t) { return MeasureForward(self_->executor(), blocks_, cache_, t); });
+}
+
+std::optional<double> SpeculativeDecoder::MeasureForward(ModelExecutor& executor, BlockManager& blocks,
+                                                         KvCache& cache, int64_t num_tokens) {
+  // One-token chunks on scratch sequences (ids no request uses), like a decode batch.
+  constexpr SequenceId kScratchBase = ~SequenceId{0} - (SequenceId{1} << 20);
+  const int32_t tokens_per_seq = blocks.block_size();
+  const int64_t num_seqs = (num_tokens + tokens_per_seq - 1) / tokens_per_seq;
+  if (num_seqs > blocks.num_free_blocks()) return std::nullopt;
+  std::vector<int32_t> ids(size_t(num_tokens), 0);
+  std::vector<SequenceChunk> chunks;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const SequenceId seq = kScratchBase + SequenceId(t / tokens_per_seq);
+    if (t % tokens_per_seq == 0) DUET_CHECK(blocks.Reserve(seq, tokens_per_seq, 0, nullptr).ok());
+    chunks.push_back(SequenceChunk{absl::MakeConstSpan(&ids[size_t(t)], 1), t % tokens_per_seq,
+                                   blocks.BlockTable(seq), seq, 1});
+  }
+  std::vector<float> logits;
+  const auto start = std::chrono::steady_clock::now();
+  const absl::Status s = executor.Forward(chunks, cache, logits);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int64_t i = 0; i < num_seqs; ++i) blocks.Free(kScratchBase + SequenceId(i));
+  if (!s.ok()) return std::nullopt;
+  return seconds;
+}
+
+absl::StatusOr<SpeculationMode> SpeculativeDecoder::Resolve(std::optional<SpeculationMode> requested) const {
+  const SpeculationMode mode = requested.value_or(config_.default_mode);
+  if (mode == SpeculationMode::kNone || !executor_.SupportsTreeAttention()) return SpeculationMode::kNone;
+  if (mode == SpeculationMode::kDraft && draft_ == nullptr) {
+    return absl::InvalidArgumentError("speculation 'draft' needs the server started with a draft model (--draft-model)");
+  }
+  if (mode == SpeculationMode::kSelf && self_ == nullptr) {
+    return absl::InvalidArgumentError("speculation 'self' is not available for this model");
+  }
+  return mode;
+}
+
+void SpeculativeDecoder::EnsureLocalTrie(Request& r) {
+  if (r.spec.local_ngrams) return;
+  r.spec.local_ngrams = std::make_unique<NgramTrie>(lookahead_.NewLocalTrie());
+  std::vector<int32_t> all(r.prompt);
+  all.insert(all.end(), r.output.begin(), r.output.end());
+  r.spec.local_ngrams->AddSequence(all);
+}
+
+void SpeculativeDecoder::OnToken(Request& r) {
+  if (!r.spec.local_ngrams) return;
+  const int64_t n = r.num_tokens();
+  const int64_t window = std::min<int64_t>(n, r.spec.local_ngrams->max_ngram());
+  std::vector<int32_t> last;
+  for (int64_t i = n - window; i < n; ++i) last.push_back(r.TokenAt(i));
+  r.spec.local_ngrams->AddLastToken(last);
+}
+
+void SpeculativeDecoder::OnFinished(Request& r) {
+  if (r.spec.mode == SpeculationMode::kLookahead) lookahead_.AddOutput(r.output);
+  if (draft_) draft_->Release(r.seq_id);
+}
+
+void SpeculativeDecoder::Plan(absl::Span<Request* const> decoding, int64_t max_model_len) {
+  std::vector<BudgetRequest> budget;
+  std::vector<int32_t> context;
+  for (Request* r : decoding) {
+    SpeculationState& s = r->spec;
+    s.tree.Clear();
+    s.lookahead_slots = 0;
+    // Never draft past max_tokens or the context limit (the bonus token takes one more).
+    const int64_t room = std::min<int64_t>(int64_t(r->params.max_tokens) - int64_t(r->output.size()),
+                                           max_model_len - r->num_tokens()) - 1;
+    int32_t cap = int32_t(std::clamp<int64_t>(room, 0, config_.max_draft_tokens));
+    if (s.mode == SpeculationMode::kLookahead && cap > 0) {
+      EnsureLocalTrie(*r);
+      context.clear();
+      const int64_t n = r->num_tokens();
+      for (int64_t i = std::max<int64_t>(0, n - config_.lookahead.max_match); i < n; ++i) context.push_back(r->TokenAt(i));
+      s.tree = lookahead_.Propose(*s.local_ngrams, context, cap);
+      cap = s.tree.size();
+    }
+    if (s.mode == SpeculationMode::kNone) cap = 0;
+    budget.push_back({s.mode, s.acceptance(), cap});
+  }
+  std::vector<int32_t> k;
+  if (config_.adaptive) {
+    auto target = [this](int64_t t) { return target_cost_.Seconds(t); };
+    auto draft = [this](int64_t t) { return draft_cost_ ? draft_cost_->Seconds(t) : 0.0; };
+    auto self = [this](int64_t t) { return self_cost_ ? self_cost_->Seconds(t) : 0.0; };
+    k = PlanDraftBudgets(budget, int64_t(decoding.size()), int64_t(decoding.size()), target, draft, self);
+  } else {
+    for (const BudgetRequest& b : budget) k.push_back(b.cap);
+  }
+  for (size_t i = 0; i < decoding.size(); ++i) decoding[i]->spec.lookahead_slots = k[i];
+}
+
+absl::Status SpeculativeDecoder::Draft(absl::Span<Request* const> scheduled) {
+  std::vector<ModelDrafter::Job> draft_jobs, self_jobs;
+  std::vector<Request*> draft_requests, self_requests;
+  std::vector<std::vector<int32_t>> all_tokens;
+  all_tokens.reserve(scheduled.size());
+  for (Request* r : scheduled) {
+    SpeculationState& s = r->spec;
+    const int32_t budget = s.lookahead_slots;
+    if (s.mode == SpeculationMode::kLookahead) {
+      // Best-first order: the first `budget` nodes are the best subtree.
+      s.tree.tokens.resize(size_t(std::min(budget, s.tree.size())));
+      s.tree.parents.resize(s.tree.tokens.size());
+      continue;
+    }
+    s.tree.Clear();
+    if (budget <= 0) continue;
+    std::vector<int32_t>& tokens = all_tokens.emplace_back(r->prompt);
+    tokens.insert(tokens.end(), r->output.begin(), r->output.end());
+    ModelDrafter::Job job{r->seq_id, tokens, blocks_.BlockTable(r->seq_id), budget, {}};
+    if (s.mode == SpeculationMode::kDraft) {
+      draft_jobs.push_back(std::move(job));
+      draft_requests.push_back(r);
+    } else if (s.mode == SpeculationMode::kSelf) {
+      self_jobs.push_back(std::move(job));
+      self_requests.push_back(r);
+    }
+  }
+  auto run = [&](ModelDrafter* drafter, std::vector<ModelDrafter::Job>& jobs, std::vector<Request*>& requests) {
+    if (jobs.empty()) return absl::OkStatus();
+    if (absl::Status st = drafter->Propose(absl::MakeSpan(jobs), cache_); !st.ok()) return st;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      for (int32_t token : jobs[i].draft) requests[i]->spec.tree.Add(token, requests[i]->spec.tree.size() - 1);
+    }
+    return absl::OkStatus();
+  };
+  if (absl::Status st = run(draft_.get(), draft_jobs, draft_requests); !st.ok()) return st;
+  return run(self_.get(), self_jobs, self_requests);
+}
+
+void SpeculativeDecoder::OnVerified(Request& r, int32_t tree_size, absl::Span<const int32_t> accepted_depths,
+                                    bool missed) {
+  SpeculationState& s = r.spec;
+  constexpr double kDecay = 0.9;  // about the last ten steps
+  s.accepted *= kDecay;
+  s.trials *= kDecay;
+  if (tree_size == 0) {
+    // Lookahead guessed without drafting (budget 0): whether its first guess would have been
+    // accepted keeps the estimate honest for free. Other modes drift back to the prior, so
+    // they are tried again now and then.
+    if (s.mode == SpeculationMode::kLookahead && !s.tree.empty() && !accepted_depths.empty()) {
+      s.accepted += 1;
+      s.trials += 1;
+    } else if (s.mode == SpeculationMode::kLookahead && !s.tree.empty() && missed) {
+      s.trials += 1;
+    }
+    return;
+  }
+  const int32_t accepted = int32_t(accepted_depths.size());
+  s.accepted += accepted;
+  s.trials += accepted + (missed ? 1 : 0);
+  ++stats_.num_drafts;
+  stats_.num_draft_tokens += tree_size;
+  stats_.num_accepted_tokens += accepted;
+  for (int32_t depth : accepted_depths) {
+    if (stats_.accepted_per_pos.size() < size_t(depth)) stats_.accepted_per_pos.resize(size_t(depth), 0);
+    ++stats_.accepted_per_pos[size_t(depth - 1)];
+  }
+}
+
+}  // namespace duet

@@ -1,0 +1,148 @@
+// Speculative decoding, per engine step:
+//   1. budget   each decoding request gets a draft budget: per request from its recent
+//               acceptance, per step from the measured cost of a step of T tokens, so the
+//               expected tokens per second of the whole step is highest (zero when drafts do
+//               not pay, e.g. a large batch that is no longer memory-bound);
+//   2. draft    lookahead (n-gram trees), a draft model or self-speculation propose tokens;
+//   3. verify   one target forward over [last token, draft tree] with tree attention;
+//               at each node the target's token is drawn exactly as without speculation and the
+//               walk descends into the child holding it (VerifyDraftTree), so greedy output is
+//               identical and sampled output has the target's distribution;
+//   4. compact  the accepted path's K/V move to the sequence's next slots; unused blocks go.
+// LlmEngine drives these; this file holds the policy, drafting and bookkeeping.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "engine/block_manager.h"
+#include "engine/draft_model.h"
+#include "engine/lookahead_cache.h"
+#include "engine/model_executor.h"
+#include "engine/request.h"
+#include "engine/tokenizer.h"
+
+namespace duet {
+
+struct SpeculationConfig {
+  SpeculationMode default_mode = SpeculationMode::kNone;  // for requests that do not choose
+  std::string draft_model_dir;   // enables mode draft
+  int32_t self_spec_layers = 0;  // layers of the target that draft in mode self; 0: half of them
+  int32_t max_draft_tokens = 8;  // per request and step
+  // Off: every request drafts max_draft_tokens every step (tests exercise verification).
+  bool adaptive = true;
+  LookaheadOptions lookahead;
+};
+
+// vLLM's spec-decode counters (cumulative).
+struct SpecDecodeStats {
+  int64_t num_drafts = 0;           // verified proposals (one per request and step)
+  int64_t num_draft_tokens = 0;
+  int64_t num_accepted_tokens = 0;
+  std::vector<int64_t> accepted_per_pos;  // [depth - 1]: accepted draft tokens at that depth
+};
+
+// The walk over a verified draft tree. `tokens`/`parents` are the verification chunk (token 0 is
+// the root, parents[0] = -1). From the root, `draw(node)` gives the target's token after `node`
+// (sampled from that node's logits, as without speculation); `emit(token)` appends it and
+// returns false when the request has finished. The walk descends into the child holding the
+// drawn token and stops when none does. Returns the accepted nodes, root excluded; every drawn
+// token was emitted.
+std::vector<int32_t> VerifyDraftTree(absl::Span<const int32_t> tokens, absl::Span<const int32_t> parents,
+                                     const std::function<int32_t(int32_t node)>& draw,
+                                     const std::function<bool(int32_t token)>& emit);
+
+// Seconds of one forward step of T tokens, measured once per bucket of T when first needed and
+// refined by the real steps' timings.
+class StepCostModel {
+ public:
+  // Runs a representative forward of `num_tokens` tokens and returns its seconds; nullopt when
+  // it cannot run now (no free KV blocks).
+  using Measure = std::function<std::optional<double>(int64_t num_tokens)>;
+  explicit StepCostModel(Measure measure) : measure_(std::move(measure)) {}
+
+  double Seconds(int64_t num_tokens);
+  void Observe(int64_t num_tokens, double seconds);
+
+ private:
+  static int64_t BucketAtOrAbove(int64_t num_tokens);
+  static int64_t BucketBelow(int64_t num_tokens);
+  double BucketSeconds(int64_t bucket);
+
+  Measure measure_;
+  std::map<int64_t, double> seconds_;  // bucket -> seconds
+};
+
+// One decoding request as the budget planner sees it.
+struct BudgetRequest {
+  SpeculationMode mode = SpeculationMode::kNone;
+  double acceptance = 0.0;  // estimated probability that each further draft token is accepted
+  int32_t cap = 0;          // most draft tokens it may take
+};
+
+// Draft tokens per request maximizing expected tokens per second of the step:
+//   (base_samples + sum_r sum_{d <= k_r} acceptance_r^d) / (target(base_tokens + sum_r k_r)
+//                                                          + drafting rounds of modes draft/self)
+// by coordinate ascent over the requests (a step's cost is not convex in T on every backend).
+using CostFn = std::function<double(int64_t num_tokens)>;
+std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, int64_t base_tokens,
+                                      int64_t base_samples, const CostFn& target_cost, const CostFn& draft_cost,
+                                      const CostFn& self_cost);
+
+class SpeculativeDecoder {
+ public:
+  // `executor`, `blocks` and `cache` are the engine's; they must outlive this object.
+  static absl::StatusOr<std::unique_ptr<SpeculativeDecoder>> Create(const SpeculationConfig& config,
+                                                                   ModelExecutor& executor, BlockManager& blocks,
+                                                                   KvCache& cache, const Tokenizer& tokenizer);
+
+  // The mode `requested` runs in: kNone when the executor cannot verify trees; InvalidArgument
+  // for a mode this engine was not started with.
+  absl::StatusOr<SpeculationMode> Resolve(std::optional<SpeculationMode> requested) const;
+
+  // Before scheduling: proposes lookahead trees and sets every decoding request's
+  // spec.lookahead_slots (the scheduler reserves that much room, or none under pressure).
+  // `decoding` are the running requests whose next chunk is their last token.
+  void Plan(absl::Span<Request* const> decoding, int64_t max_model_len);
+  // After scheduling: fills spec.tree for the requests that got slots (spec.lookahead_slots > 0).
+  absl::Status Draft(absl::Span<Request* const> scheduled);
+  // After verification: `accepted` draft tokens of a `tree_size`-token tree; `missed` when the
+  // walk stopped at a node that had drafted children (a wrong guess, not a short tree).
+  void OnVerified(Request& r, int32_t tree_size, absl::Span<const int32_t> accepted_depths, bool missed);
+  // Every token appended to a request (keeps its n-gram trie current).
+  void OnToken(Request& r);
+  void OnFinished(Request& r);
+  // A step's forward of `num_tokens` tokens took `seconds` (refines the cost model).
+  void ObserveStep(int64_t num_tokens, double seconds) { target_cost_.Observe(num_tokens, seconds); }
+
+  const SpecDecodeStats& stats() const { return stats_; }
+
+ private:
+  SpeculativeDecoder(const SpeculationConfig& config, ModelExecutor& executor, BlockManager& blocks,
+                     KvCache& cache, std::unique_ptr<ModelDrafter> draft, std::unique_ptr<ModelDrafter> self);
+  // Seconds of `executor` running `num_tokens` one-token chunks on scratch sequences of `blocks`.
+  static std::optional<double> MeasureForward(ModelExecutor& executor, BlockManager& blocks, KvCache& cache,
+                                              int64_t num_tokens);
+  void EnsureLocalTrie(Request& r);
+
+  SpeculationConfig config_;
+  ModelExecutor& executor_;
+  BlockManager& blocks_;
+  KvCache& cache_;
+  LookaheadCache lookahead_;
+  std::unique_ptr<ModelDrafter> draft_;  // mode draft (null without a draft model)
+  std::unique_ptr<ModelDrafter> self_;   // mode self
+  StepCostModel target_cost_;
+  std::optional<StepCostModel> draft_cost_;
+  std::optional<StepCostModel> self_cost_;
+  SpecDecodeStats stats_;
+};
+
+}  // namespace duet
