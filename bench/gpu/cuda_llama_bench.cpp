@@ -123,9 +123,11 @@ int Run(int argc, char** argv) {
   }
   LlamaCuda& model = **loaded;
   const ModelConfig& c = model.config();
+  // Decode sequences own `context + steps` tokens each; the prefill sequence reuses the first ones.
   const int block_size = 16;
-  const int blocks_per_seq = int((options.max_model_len + block_size - 1) / block_size);
-  const int64_t num_blocks = int64_t(std::max(max_batch, 1)) * blocks_per_seq;
+  const int blocks_per_seq = (context + steps + 16 + block_size - 1) / block_size;
+  const int prefill_blocks = (max_prefill + block_size - 1) / block_size;
+  const int64_t num_blocks = std::max<int64_t>(int64_t(max_batch) * blocks_per_seq, prefill_blocks);
   std::unique_ptr<KvCache> cache = model.CreateKvCache(num_blocks, block_size);
 
   const double copy_bw = MeasureCopyBandwidth();
@@ -137,11 +139,13 @@ int Run(int argc, char** argv) {
   std::printf("device copy %.0f GB/s (read+write), cuBLAS bf16 matmul %.0f TFLOP/s\n", copy_bw / 1e9,
               matmul_peak / 1e12);
 
-  std::vector<std::vector<int32_t>> tables(size_t(max_batch));
+  std::vector<std::vector<int32_t>> tables(static_cast<size_t>(max_batch));
   for (int s = 0; s < max_batch; ++s) {
     tables[size_t(s)].resize(size_t(blocks_per_seq));
     std::iota(tables[size_t(s)].begin(), tables[size_t(s)].end(), s * blocks_per_seq);
   }
+  std::vector<int32_t> prefill_table(static_cast<size_t>(prefill_blocks));
+  std::iota(prefill_table.begin(), prefill_table.end(), 0);
   auto tokens_of = [&](int n, int seed) {
     std::vector<int32_t> t(static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) t[size_t(i)] = int32_t((uint64_t(i + 1) * 2654435761u + uint64_t(seed) * 97) % uint64_t(c.vocab_size));
@@ -155,7 +159,7 @@ int Run(int argc, char** argv) {
     std::vector<double> secs;
     std::vector<float> logits;
     for (int rep = 0; rep < 6; ++rep) {
-      SequenceChunk chunk{prompt, 0, tables[0], 1, 1};
+      SequenceChunk chunk{prompt, 0, prefill_table, 1, 1};
       const auto t0 = Clock::now();
       if (absl::Status s = model.Forward({chunk}, *cache, logits); !s.ok()) {
         std::fprintf(stderr, "prefill: %s\n", std::string(s.message()).c_str());
@@ -192,7 +196,7 @@ int Run(int argc, char** argv) {
       }
     }
     std::vector<int32_t> next(size_t(batch), 1);
-    std::vector<DeviceSamplingRow> rows(size_t(batch));
+    std::vector<DeviceSamplingRow> rows(static_cast<size_t>(batch));
     std::vector<DeviceSample> samples;
     std::vector<double> secs;
     for (int step = 0; step < steps; ++step) {

@@ -567,6 +567,9 @@ absl::Status LlamaCuda::LaunchGraph(const StepPlan& plan, cuda::DeviceKvCache& c
   const auto key = std::make_pair(plan.graph_batch, sample);
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
+    // One eager run first: kernels that configure themselves on first use (shared-memory
+    // limits) and cuBLAS's heuristics do so outside the capture.
+    Enqueue(plan, cache, sample, {}, nullptr);
     cudaGraph_t graph = nullptr;
     if (absl::Status s = cuda::CudaStatus(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "begin capture");
         !s.ok()) {

@@ -19,6 +19,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 echo "== kernel tests"
 kernels_tests 2>&1 > "$OUT/kernels_tests.log"; echo "kernels_tests exit $?"
 grep -E "^\[  (PASSED|FAILED) |FAILED  \]" "$OUT/kernels_tests.log" | head -20
+echo "== kernel benchmarks"
+attention_bench > "$OUT/attention_bench.log" 2>&1; tail -25 "$OUT/attention_bench.log"
+elementwise_bench > "$OUT/elementwise_bench.log" 2>&1; tail -20 "$OUT/elementwise_bench.log"
 echo "== CUDA backend tests (tiny-code-llama)"
 llama_cuda_tests 2>&1 > "$OUT/llama_cuda_tests.log"; echo "llama_cuda_tests exit $?"
 grep -E "relative error|CUDA greedy|diverges|^\[  (PASSED|FAILED) |FAILED  \]|Failure|error:" "$OUT/llama_cuda_tests.log" | head -30
@@ -26,7 +29,7 @@ grep -E "relative error|CUDA greedy|diverges|^\[  (PASSED|FAILED) |FAILED  \]|Fa
 echo "== transformers: checkpoint + float32 reference ${timings}"
 PYTHONUNBUFFERED=1 python3 scripts/gpu/hf_reference.py --out /tmp/llama8b $timings 2>&1 | grep -v Warning | tee "$OUT/hf.log" | tail -5
 echo "== CUDA logits vs transformers float32 (Llama-3-8B shape, random weights)"
-cuda_logits_check --model /tmp/llama8b --tokens /tmp/llama8b/tokens.json --logits /tmp/llama8b/logits.f32 2>&1 | tee "$OUT/logits_check.log"
+cuda_logits_check --model /tmp/llama8b --tokens /tmp/llama8b/tokens.json --logits /tmp/llama8b/logits.f32 --baseline-logits /tmp/llama8b/logits_bf16.f32 2>&1 | tee "$OUT/logits_check.log"
 echo "== Duet CUDA benchmark"
 cuda_llama_bench --model /tmp/llama8b 2>&1 | tee "$OUT/bench.log"
 [[ -f /tmp/llama8b/timings.json ]] && cp /tmp/llama8b/timings.json "$OUT/" && cat /tmp/llama8b/timings.json

@@ -41,6 +41,8 @@ def reference_logits(model, out_dir, num_seqs, length):
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (num_seqs, length), generator=gen)
     set_attention(model, "eager")
+    # transformers' own bf16 forward: the error a bf16 implementation is expected to have.
+    model(ids.cuda()).logits.float().cpu().contiguous().numpy().tofile(os.path.join(out_dir, "logits_bf16.f32"))
     model.float()
     logits = model(ids.cuda()).logits.float().cpu().contiguous()
     model.to(torch.bfloat16)
