@@ -100,7 +100,10 @@ grpc::Status FakeDecodeWorker::Decode(grpc::ServerContext* context, const v1::De
       message.mutable_usage()->set_prompt_tokens(request->prompt_token_ids_size());
       message.mutable_usage()->set_completion_tokens(max_tokens);
     }
-    if (!writer->Write(message)) break;
+    if (!writer->Write(message)) {  // the cancellation landed during the write
+      ++num_cancelled;
+      break;
+    }
     ++num_tokens_sent;
   }
   in_decode = false;

@@ -58,7 +58,7 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
   std::atomic<int> num_reserved{0};
   std::atomic<int> num_decodes{0};
   std::atomic<int> num_tokens_sent{0};
-  std::atomic<int> num_cancelled{0};          // Decode calls that saw their cancellation
+  std::atomic<int> num_cancelled{0};          // Decode calls that saw their cancellation (or a failed write)
   std::atomic<bool> in_decode{false};
 
   std::vector<std::string> aborted() const;

@@ -55,6 +55,7 @@ class RouterImpl : public Router {
     }
     service_options.max_concurrent_requests = options.max_concurrent_requests;
     service_options.kv_lease_ms = options.kv_lease_ms;
+    service_options.max_prefill_tokens_per_worker = options.max_prefill_tokens_per_worker;
     service_options.metrics_registry = &metrics_registry_;
 
     if (options.prefill_addresses.empty() || options.decode_addresses.empty()) {

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <functional>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
@@ -28,6 +30,11 @@ class RouterService::ActiveCall {
     if (aborted_ || client_gone_) context->TryCancel();
     downstream_ = std::move(context);
   }
+  // Runs on each interruption, on the interrupting thread (for a request waiting on no call).
+  void SetOnInterrupt(std::function<void()> on_interrupt) {
+    absl::MutexLock lock(&mu_);
+    on_interrupt_ = std::move(on_interrupt);
+  }
   void Abort() { Interrupt(&aborted_); }
   void ClientGone() { Interrupt(&client_gone_); }
   bool aborted() const {
@@ -42,17 +49,21 @@ class RouterService::ActiveCall {
  private:
   void Interrupt(bool* flag) {
     std::shared_ptr<grpc::ClientContext> downstream;
+    std::function<void()> on_interrupt;
     {
       absl::MutexLock lock(&mu_);
       *flag = true;
       downstream = downstream_;
+      on_interrupt = on_interrupt_;
     }
     // Outside the lock: the cancelled call's callbacks may run on this thread.
     if (downstream != nullptr) downstream->TryCancel();
+    if (on_interrupt) on_interrupt();
   }
 
   mutable absl::Mutex mu_;
   std::shared_ptr<grpc::ClientContext> downstream_ ABSL_GUARDED_BY(mu_);
+  std::function<void()> on_interrupt_ ABSL_GUARDED_BY(mu_);
   bool aborted_ ABSL_GUARDED_BY(mu_) = false;
   bool client_gone_ ABSL_GUARDED_BY(mu_) = false;
 };
@@ -164,6 +175,9 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   // Validates, admits and starts the request, or finishes the call with why not.
   void Start(const v1::GenerateRequest& request);
 
+  // The prefill gate let the request through: place it on workers.
+  void PassGate();
+
   void OnWriteDone(bool ok) override;
   void OnCancel() override { active_->ClientGone(); }
   void OnDone() override {
@@ -206,6 +220,8 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   void EndInterrupted();
   // Best effort, in the background: tells a worker to drop the request (its KV, its queue slot).
   void AbortOnWorker(Worker* worker);
+  // Gives the request's place in the prefill gate to the next one (its prefill is over).
+  void LeaveGate();
   // Releases what the request holds in the router and finishes the client's call.
   void End(const grpc::Status& status);
   void EndWithAbortMessage();
@@ -220,6 +236,7 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   Prepared prepared_;
   Stage stage_ = Stage::kNotAdmitted;
   bool registered_ = false;  // in service_->active_
+  bool in_gate_ = false;     // holds a place in service_->prefill_gate_
 
   // Placement. `info_` points into `prepared_`.
   RequestInfo info_;
@@ -288,6 +305,86 @@ class RouterService::GenerateCall::DecodeStream final
   grpc::ByteBuffer bytes_;
 };
 
+// Bounds the prompt tokens of the requests that are reserving KV or prefilling to `per_worker` ×
+// the prefill workers that are up (a request alone always fits). The others wait here, in arrival
+// order, holding nothing on the workers.
+class RouterService::PrefillGate {
+ public:
+  PrefillGate(int64_t per_worker, const WorkerRegistry* registry)
+      : per_worker_(std::max<int64_t>(1, per_worker)), registry_(registry) {}
+
+  // True: `call` (with `tokens` prompt tokens) is let through now. False: it waits, and gets
+  // PassGate() when there is room.
+  bool Enter(const std::shared_ptr<GenerateCall>& call, int64_t tokens) {
+    absl::MutexLock lock(&mu_);
+    if (waiting_.empty() && Fits(tokens)) {
+      inside_tokens_ += tokens;
+      ++inside_;
+      return true;
+    }
+    waiting_.push_back({call, tokens});
+    return false;
+  }
+  // A call let through with `tokens` is done prefilling (or ended): lets the next ones through.
+  void Leave(int64_t tokens) {
+    std::vector<std::shared_ptr<GenerateCall>> admitted;
+    {
+      absl::MutexLock lock(&mu_);
+      inside_tokens_ -= tokens;
+      --inside_;
+      while (!waiting_.empty() && Fits(waiting_.front().tokens)) {
+        inside_tokens_ += waiting_.front().tokens;
+        ++inside_;
+        admitted.push_back(std::move(waiting_.front().call));
+        waiting_.pop_front();
+      }
+    }
+    Admit(std::move(admitted));
+  }
+  // Takes a waiting call out of the line; false when it is not waiting (any more).
+  bool Withdraw(const GenerateCall* call) {
+    absl::MutexLock lock(&mu_);
+    auto it = std::find_if(waiting_.begin(), waiting_.end(), [call](const Waiting& w) { return w.call.get() == call; });
+    if (it == waiting_.end()) return false;
+    waiting_.erase(it);
+    return true;
+  }
+
+ private:
+  struct Waiting {
+    std::shared_ptr<GenerateCall> call;
+    int64_t tokens;
+  };
+
+  bool Fits(int64_t tokens) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t budget = per_worker_ * std::max(1, registry_->NumUp(WorkerRole::kPrefill));
+    return inside_ == 0 || inside_tokens_ + tokens <= budget;
+  }
+
+  // A call let through may end at once and leave, letting the next one through: that one joins
+  // this thread's outer loop instead of nesting (a long line would otherwise nest as deep).
+  static void Admit(std::vector<std::shared_ptr<GenerateCall>> calls) {
+    thread_local std::vector<std::shared_ptr<GenerateCall>>* outer = nullptr;
+    if (outer != nullptr) {
+      for (auto& call : calls) outer->push_back(std::move(call));
+      return;
+    }
+    outer = &calls;
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const std::shared_ptr<GenerateCall> call = calls[i];  // `calls` may grow meanwhile
+      call->PassGate();
+    }
+    outer = nullptr;
+  }
+
+  const int64_t per_worker_;
+  const WorkerRegistry* const registry_;
+  absl::Mutex mu_;
+  int64_t inside_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  int inside_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<Waiting> waiting_ ABSL_GUARDED_BY(mu_);
+};
+
 std::shared_ptr<grpc::ClientContext> RouterService::GenerateCall::Downstream(absl::Duration timeout) {
   std::shared_ptr<grpc::ClientContext> downstream = grpc::ClientContext::FromCallbackServerContext(*context_);
   if (timeout != absl::InfiniteDuration()) {
@@ -324,7 +421,24 @@ void RouterService::GenerateCall::Start(const v1::GenerateRequest& request) {
   info_.request_id = prepared_.request_id;
   info_.prompt_token_ids = prepared_.prompt_token_ids;
   info_.max_tokens = prepared_.params.max_tokens;
+  // Interrupted while waiting at the gate (no call to cancel): leave the line and end here.
+  active_->SetOnInterrupt([weak = weak_from_this(), gate = service_->prefill_gate_.get()] {
+    std::shared_ptr<GenerateCall> self = weak.lock();
+    if (self != nullptr && gate->Withdraw(self.get())) self->EndInterrupted();
+  });
+  if (service_->prefill_gate_->Enter(shared_from_this(), int64_t(prepared_.prompt_token_ids.size()))) PassGate();
+}
+
+void RouterService::GenerateCall::PassGate() {
+  in_gate_ = true;
+  service_->metrics_->request_queue_time_seconds.Observe(Seconds(std::chrono::steady_clock::now() - active_->arrival));
   BeginReserve();
+}
+
+void RouterService::GenerateCall::LeaveGate() {
+  if (!in_gate_) return;
+  in_gate_ = false;
+  service_->prefill_gate_->Leave(int64_t(prepared_.prompt_token_ids.size()));
 }
 
 void RouterService::GenerateCall::BeginReserve() {
@@ -490,6 +604,7 @@ void RouterService::GenerateCall::OnPrefillUnavailable(const std::string& what) 
 }
 
 void RouterService::GenerateCall::StartDecode() {
+  LeaveGate();
   v1::DecodeRequest request;
   request.set_request_id(prepared_.request_id);
   request.set_transfer_id(transfer_id_);
@@ -649,6 +764,7 @@ void RouterService::GenerateCall::End(const grpc::Status& status) {
 }
 
 void RouterService::GenerateCall::Release() {
+  LeaveGate();
   decode_in_flight_.Reset();
   prefill_in_flight_.Reset();
   if (registered_) {
@@ -676,6 +792,7 @@ RouterService::RouterService(RouterServiceOptions options, const Tokenizer* toke
   }
   metrics_ = std::make_unique<metrics::DuetMetrics>(*metrics_registry_, options_.model_name, metrics::Role::kRouter,
                                                     std::max<int64_t>(1, options_.max_model_len));
+  prefill_gate_ = std::make_unique<PrefillGate>(options_.max_prefill_tokens_per_worker, registry_);
   absl::BitGen gen;
   next_transfer_id_.store(absl::Uniform<uint64_t>(gen) | 1);
 }

@@ -7,6 +7,7 @@
 // chain of callbacks, never a waiting thread, so thousands of open streams cost memory only.
 //
 // One request:
+//   (wait in the router while max_prefill_tokens_per_worker × prefill workers up are prefilling)
 //   decode.ReserveKv (next decode worker on RESOURCE_EXHAUSTED / UNAVAILABLE)
 //   prefill.Prefill  (on UNAVAILABLE: the worker is marked down, the reservation released, and
 //                     the request placed once more on another prefill worker with a fresh one)
@@ -47,6 +48,11 @@ struct RouterServiceOptions {
   absl::Duration reserve_timeout = absl::Seconds(10);   // ReserveKv
   absl::Duration prefill_timeout = absl::Seconds(600);  // Prefill (liveness comes from keepalive)
   absl::Duration abort_timeout = absl::Seconds(1);      // worker Abort during clean-up
+  // Prompt tokens of the requests between their KV reservation and the end of their prefill, per
+  // prefill worker up (a request alone may exceed it). The others wait in the router, in arrival
+  // order, before reserving: a reservation is not held, nor its lease spent, while a long queue at
+  // the prefill worker drains. 4× the workers' default max_num_batched_tokens keeps their batches full.
+  int64_t max_prefill_tokens_per_worker = 8192;
   // Where the router's metrics (role "router") are registered; null: a registry of its own.
   metrics::Registry* metrics_registry = nullptr;
 };
@@ -86,6 +92,7 @@ class RouterService final : public v1::Duet::CallbackService {
 
  private:
   class GenerateCall;  // the reactor of one Generate and its downstream calls
+  class PrefillGate;   // the bound on requests reserving and prefilling at once
 
   std::string NewRequestId() const;
   uint64_t NewTransferId();
@@ -106,6 +113,7 @@ class RouterService final : public v1::Duet::CallbackService {
   std::unique_ptr<metrics::Registry> own_metrics_registry_;  // when the options give none
   metrics::Registry* metrics_registry_;
   std::unique_ptr<metrics::DuetMetrics> metrics_;
+  std::unique_ptr<PrefillGate> prefill_gate_;
 
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<ActiveCall>> active_ ABSL_GUARDED_BY(mu_);

@@ -77,16 +77,28 @@ class RouterServiceTest : public ::testing::Test {
     std::vector<std::string> prefill_addresses, decode_addresses;
     for (const auto& s : prefill_servers_) prefill_addresses.push_back(s->address());
     for (const auto& s : decode_servers_) decode_addresses.push_back(s->address());
-    StartWith(prefill_addresses, decode_addresses, options);
+    StartWith(prefill_addresses, decode_addresses, options, /*wait_until_up=*/true);
   }
 
+  // `wait_until_up`: polls until every worker is up (the first poll may time out on a busy machine).
   void StartWith(const std::vector<std::string>& prefill_addresses,
-                 const std::vector<std::string>& decode_addresses, RouterServiceOptions options) {
+                 const std::vector<std::string>& decode_addresses, RouterServiceOptions options,
+                 bool wait_until_up = false) {
     RegistryOptions registry_options;
     registry_options.poll_interval = absl::Seconds(30);  // states change only through MarkDown here
     registry_options.log_state_changes = false;
     registry_ = std::make_unique<WorkerRegistry>(prefill_addresses, decode_addresses, registry_options);
     registry_->Start();
+    if (wait_until_up) {
+      ASSERT_TRUE(WaitFor([&] {
+        if (registry_->NumUp(WorkerRole::kPrefill) == int(prefill_addresses.size()) &&
+            registry_->NumUp(WorkerRole::kDecode) == int(decode_addresses.size())) {
+          return true;
+        }
+        registry_->PollOnce();
+        return false;
+      }, 10000));
+    }
     policy_ = MakeLeastLoadedPolicy(registry_.get());
     options.model_name = "tiny";
     options.vocab_size = 8192;
@@ -355,7 +367,7 @@ TEST_F(RouterServiceTest, MalformedDecodeMessageEndsTheRequestPromptly) {
   prefill_servers_.push_back(std::make_unique<FakeServer>(prefill_.back().get()));
   malformed_decode_ = std::make_unique<MalformedDecodeWorker>();
   decode_servers_.push_back(std::make_unique<FakeServer>(malformed_decode_.get()));
-  StartWith({prefill_servers_[0]->address()}, {decode_servers_[0]->address()}, {});
+  StartWith({prefill_servers_[0]->address()}, {decode_servers_[0]->address()}, {}, /*wait_until_up=*/true);
   using Fault = MalformedDecodeWorker::Fault;
   const struct {
     Fault fault;
@@ -414,6 +426,78 @@ TEST_F(RouterServiceTest, NumRequestsWaitingCountsAdmittedRequestsNotYetStreamin
   EXPECT_EQ(Generate(TokenRequest({1}, 4)).status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(m.num_requests_waiting.Value(), 0);
   EXPECT_EQ(m.num_requests_running.Value(), 0);
+}
+
+// With a prefill budget of 1 token per worker, requests reserve KV and prefill one at a time; the
+// others wait in the router (duet:num_requests_waiting) holding nothing on the workers, and a
+// waiting request can be cancelled or aborted there.
+TEST_F(RouterServiceTest, PrefillGateHoldsRequestsInTheRouterUntilAPrefillEnds) {
+  RouterServiceOptions options;
+  options.max_prefill_tokens_per_worker = 1;
+  Start(1, 1, options);
+  prefill_[0]->prefill_delay_ms = 1000;
+  const metrics::DuetMetrics& m = service_->metrics();
+  Result first, second;
+  std::thread a([&] { first = Generate(TokenRequest({1}, 3, "g1")); });
+  ASSERT_TRUE(WaitFor([&] { return prefill_[0]->num_prefills == 1; }));
+  std::thread b([&] { second = Generate(TokenRequest({2}, 3, "g2")); });
+  ASSERT_TRUE(WaitFor([&] { return m.num_requests_waiting.Value() == 2; }));
+  EXPECT_EQ(decode_[0]->num_reserved, 1);  // the second holds no reservation while it waits
+
+  // A third, cancelled by its client while waiting, and a fourth, aborted while waiting.
+  grpc::ClientContext cancelled_context;
+  auto cancelled = stub_->Generate(&cancelled_context, TokenRequest({3}, 3, "g3"));
+  ASSERT_TRUE(WaitFor([&] { return m.num_requests_waiting.Value() == 3; }));
+  Result aborted;
+  std::thread d([&] { aborted = Generate(TokenRequest({4, 5}, 3, "g4")); });
+  ASSERT_TRUE(WaitFor([&] { return m.num_requests_waiting.Value() == 4; }));
+  cancelled_context.TryCancel();
+  v1::GenerateResponse message;
+  EXPECT_FALSE(cancelled->Read(&message));
+  EXPECT_EQ(cancelled->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  grpc::ClientContext abort_context;
+  v1::AbortRequest abort;
+  abort.set_request_id("g4");
+  v1::AbortResponse abort_response;
+  ASSERT_TRUE(stub_->Abort(&abort_context, abort, &abort_response).ok());
+  EXPECT_TRUE(abort_response.found());
+  d.join();
+  ASSERT_TRUE(aborted.status.ok()) << aborted.status.error_message();
+  ASSERT_EQ(aborted.messages.size(), 1u);
+  EXPECT_EQ(aborted.messages[0].finish_reason(), "abort");
+  EXPECT_EQ(aborted.messages[0].prompt_token_ids_size(), 2);
+
+  a.join();
+  b.join();
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+  EXPECT_EQ(prefill_[0]->num_prefills, 2);  // the cancelled and the aborted never got there
+  EXPECT_EQ(decode_[0]->num_reserved, 2);
+  EXPECT_EQ(service_->num_in_flight(), 0);
+  EXPECT_EQ(m.num_requests_waiting.Value(), 0);
+  EXPECT_EQ(m.request_queue_time_seconds.Collect().count, 2u);  // observed when let through
+}
+
+// The gate counts prompt tokens: with 5 per worker, 3 + 2 prefill together and 1 more waits.
+TEST_F(RouterServiceTest, PrefillGateCountsPromptTokens) {
+  RouterServiceOptions options;
+  options.max_prefill_tokens_per_worker = 5;
+  Start(1, 1, options);
+  prefill_[0]->prefill_delay_ms = 1000;
+  Result a, b, c;
+  std::thread ta([&] { a = Generate(TokenRequest({1, 2, 3}, 2)); });
+  ASSERT_TRUE(WaitFor([&] { return prefill_[0]->num_prefills == 1; }));
+  std::thread tb([&] { b = Generate(TokenRequest({4, 5}, 2)); });
+  ASSERT_TRUE(WaitFor([&] { return prefill_[0]->num_prefills == 2; }));
+  std::thread tc([&] { c = Generate(TokenRequest({6}, 2)); });
+  ASSERT_TRUE(WaitFor([&] { return service_->metrics().num_requests_waiting.Value() == 3; }));
+  EXPECT_EQ(prefill_[0]->num_prefills, 2);
+  EXPECT_EQ(decode_[0]->num_reserved, 2);
+  ta.join();
+  tb.join();
+  tc.join();
+  EXPECT_TRUE(a.status.ok() && b.status.ok() && c.status.ok());
+  EXPECT_EQ(prefill_[0]->num_prefills, 3);
 }
 
 TEST_F(RouterServiceTest, ClientCancelReachesDecodeWorker) {
