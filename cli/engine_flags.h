@@ -10,6 +10,7 @@ namespace duet {
 struct EngineFlags {
   duet::EngineConfig* config;
   double kv_cache_gib = 1.0;
+  std::string speculation = "none";
 
   void Add(CLI::App* app, bool model_required = true) {
     auto* model = app->add_option("--model", config->model_dir, "Hugging Face model directory");
@@ -29,8 +30,23 @@ struct EngineFlags {
     app->add_option("--max-model-len", config->scheduler.max_model_len, "Context limit (default: the model's)")
         ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
     config->scheduler.max_model_len = 0;
+    app->add_option("--speculation", speculation,
+                    "Default speculative decoding for requests that do not choose (the request field "
+                    "'speculation' overrides it)")
+        ->check(CLI::IsMember({"none", "lookahead", "draft", "self"}));
+    app->add_option("--draft-model", config->speculation.draft_model_dir,
+                    "Draft model directory (same tokenizer) for speculation 'draft'");
+    app->add_option("--self-spec-layers", config->speculation.self_spec_layers,
+                    "Target layers that draft for speculation 'self' (default: half)")
+        ->check(CLI::Range(1, 1024));
+    app->add_option("--max-draft-tokens", config->speculation.max_draft_tokens,
+                    "Most draft tokens per request and step (the adaptive budget decides below it)")
+        ->check(CLI::Range(0, 64));
   }
-  void Finish() { config->kv_cache_bytes = static_cast<int64_t>(kv_cache_gib * double(1ull << 30)); }
+  void Finish() {
+    config->kv_cache_bytes = static_cast<int64_t>(kv_cache_gib * double(1ull << 30));
+    config->speculation.default_mode = *duet::ParseSpeculationMode(speculation);  // checked by IsMember
+  }
 };
 
 

@@ -36,6 +36,11 @@ std::vector<std::string> EngineFlags(const ServeOptions& o) {
   if (o.engine.scheduler.max_model_len > 0) {
     flags.insert(flags.end(), {"--max-model-len", std::to_string(o.engine.scheduler.max_model_len)});
   }
+  const duet::SpeculationConfig& spec = o.engine.speculation;
+  flags.insert(flags.end(), {"--speculation", duet::SpeculationModeName(spec.default_mode), "--max-draft-tokens",
+                             std::to_string(spec.max_draft_tokens)});
+  if (!spec.draft_model_dir.empty()) flags.insert(flags.end(), {"--draft-model", spec.draft_model_dir});
+  if (spec.self_spec_layers > 0) flags.insert(flags.end(), {"--self-spec-layers", std::to_string(spec.self_spec_layers)});
   return flags;
 }
 

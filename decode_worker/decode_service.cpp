@@ -467,6 +467,16 @@ void DecodeService::RefreshMetrics() {
   const EngineStats stats = loop_->Stats();
   absl::MutexLock lock(&metrics_mu_);
   rpc::RecordEngineStats(stats, *metrics_, &preemptions_seen_);
+  // Speculative decoding: the engine's cumulative counters, exported as increments.
+  const SpecDecodeStats& spec = stats.spec_decode;
+  metrics_->spec_decode_num_drafts.Inc(double(spec.num_drafts - spec_seen_.num_drafts));
+  metrics_->spec_decode_num_draft_tokens.Inc(double(spec.num_draft_tokens - spec_seen_.num_draft_tokens));
+  metrics_->spec_decode_num_accepted_tokens.Inc(double(spec.num_accepted_tokens - spec_seen_.num_accepted_tokens));
+  for (size_t pos = 0; pos < spec.accepted_per_pos.size(); ++pos) {
+    const int64_t seen = pos < spec_seen_.accepted_per_pos.size() ? spec_seen_.accepted_per_pos[pos] : 0;
+    metrics_->spec_decode_num_accepted_tokens_per_pos(int(pos)).Inc(double(spec.accepted_per_pos[pos] - seen));
+  }
+  spec_seen_ = spec;
 }
 
 std::string DecodeService::RenderMetrics() {

@@ -109,6 +109,7 @@ class DecodeService final : public v1::DecodeWorker::Service {
   std::unique_ptr<metrics::DuetMetrics> metrics_;
   absl::Mutex metrics_mu_;
   int64_t preemptions_seen_ ABSL_GUARDED_BY(metrics_mu_) = 0;
+  SpecDecodeStats spec_seen_ ABSL_GUARDED_BY(metrics_mu_);  // spec-decode counters already exported
 
   std::unique_ptr<EngineLoop> loop_;
 

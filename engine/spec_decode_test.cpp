@@ -222,15 +222,17 @@ SamplingParams Greedy(std::optional<SpeculationMode> mode, int32_t max_tokens = 
 }
 
 // Runs every reference case, request i in modes[i % modes.size()], and checks the tokens.
-void ExpectReference(const EngineOptions& options, const std::vector<SpeculationMode>& modes) {
+void ExpectReference(const EngineOptions& options, const std::vector<SpeculationMode>& modes,
+                     int32_t max_tokens = 128) {
   std::unique_ptr<LlmEngine> e = NewEngine(options);
   const auto& cases = ReferenceCases();
   for (size_t i = 0; i < cases.size(); ++i) {
-    ASSERT_TRUE(e->AddRequest("c" + std::to_string(i), cases[i].prompt, Greedy(modes[i % modes.size()])).ok());
+    ASSERT_TRUE(e->AddRequest("c" + std::to_string(i), cases[i].prompt, Greedy(modes[i % modes.size()], max_tokens)).ok());
   }
   RunToCompletion(*e);
   for (size_t i = 0; i < cases.size(); ++i) {
-    EXPECT_EQ(e->Find("c" + std::to_string(i))->output, cases[i].greedy)
+    const std::vector<int32_t> want(cases[i].greedy.begin(), cases[i].greedy.begin() + max_tokens);
+    EXPECT_EQ(e->Find("c" + std::to_string(i))->output, want)
         << "case " << i << " mode " << SpeculationModeName(modes[i % modes.size()]);
   }
   const EngineStats stats = e->Stats();
@@ -243,15 +245,11 @@ void ExpectReference(const EngineOptions& options, const std::vector<Speculation
   }
 }
 
-TEST(SpeculativeEngineTest, LookaheadIsLosslessAlone) {
-  ExpectReference({.max_num_seqs = 1}, {SpeculationMode::kLookahead});
-}
-TEST(SpeculativeEngineTest, DraftModelIsLosslessAlone) {
-  ExpectReference({.max_num_seqs = 1}, {SpeculationMode::kDraft});
-}
-TEST(SpeculativeEngineTest, SelfSpeculationIsLosslessAlone) {
-  ExpectReference({.max_num_seqs = 1}, {SpeculationMode::kSelf});
-}
+// Each mode alone: every case in that mode (batched, so the suite stays quick).
+TEST(SpeculativeEngineTest, LookaheadIsLossless) { ExpectReference({}, {SpeculationMode::kLookahead}); }
+TEST(SpeculativeEngineTest, DraftModelIsLossless) { ExpectReference({}, {SpeculationMode::kDraft}); }
+TEST(SpeculativeEngineTest, SelfSpeculationIsLossless) { ExpectReference({}, {SpeculationMode::kSelf}); }
+// Some requests speculating, some not, different modes together.
 TEST(SpeculativeEngineTest, MixedModesInOneBatchAreLossless) {
   ExpectReference({}, {SpeculationMode::kNone, SpeculationMode::kLookahead, SpeculationMode::kDraft,
                        SpeculationMode::kSelf});
@@ -259,10 +257,10 @@ TEST(SpeculativeEngineTest, MixedModesInOneBatchAreLossless) {
 // Small cache and token budget: chunked prefill, preemption, and drafts squeezed out.
 TEST(SpeculativeEngineTest, MixedModesUnderKvPressureAreLossless) {
   ExpectReference({.num_blocks = 100, .block_size = 8, .max_batched_tokens = 96},
-                  {SpeculationMode::kLookahead, SpeculationMode::kDraft, SpeculationMode::kSelf});
+                  {SpeculationMode::kLookahead, SpeculationMode::kDraft, SpeculationMode::kSelf}, 64);
 }
 TEST(SpeculativeEngineTest, AdaptiveBudgetIsLossless) {
-  ExpectReference({.default_mode = SpeculationMode::kLookahead, .adaptive = true}, {SpeculationMode::kLookahead});
+  ExpectReference({.default_mode = SpeculationMode::kLookahead, .adaptive = true}, {SpeculationMode::kLookahead}, 64);
 }
 
 std::vector<int32_t> Prompt(const LlmEngine& e) {
@@ -409,12 +407,14 @@ TEST(SpeculativeEngineTest, RejectsAnUnavailableModeAndAMismatchedDraftModel) {
   std::ifstream in(std::string(kDraftModel) + "/tokenizer.json");
   nlohmann::json tok = nlohmann::json::parse(in);
   auto& vocab = tok["model"]["vocab"];
-  std::string victim;
+  // Swap the pieces of ids 300 and 301.
+  std::string a, b;
   for (auto it = vocab.begin(); it != vocab.end(); ++it) {
-    if (it.value() == 300) victim = it.key();
+    if (it.value() == 300) a = it.key();
+    if (it.value() == 301) b = it.key();
   }
-  vocab.erase(victim);
-  vocab["zzz_not_a_token"] = 300;
+  vocab[a] = 301;
+  vocab[b] = 300;
   std::ofstream(dir + "/tokenizer.json") << tok.dump();
   config.speculation.draft_model_dir = dir;
   absl::StatusOr<std::unique_ptr<LlmEngine>> bad = LlmEngine::Create(config);

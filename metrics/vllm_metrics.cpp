@@ -37,6 +37,9 @@ DuetMetrics::DuetMetrics(Registry& registry, std::string_view model_name, Role r
       DUET_COUNTER(generation_tokens, "Number of generation tokens processed."),
       DUET_COUNTER(kv_transfer_failures,
                    "Number of KV-cache transfers between prefill and decode workers that failed."),
+      DUET_COUNTER(spec_decode_num_drafts, "Number of spec decoding drafts."),
+      DUET_COUNTER(spec_decode_num_draft_tokens, "Number of draft tokens."),
+      DUET_COUNTER(spec_decode_num_accepted_tokens, "Number of accepted tokens."),
       DUET_HISTOGRAM(request_prompt_tokens, "Number of prefill tokens processed.",
                      Build125Buckets(max_model_len)),
       DUET_HISTOGRAM(request_generation_tokens, "Number of generation tokens processed.",
@@ -66,7 +69,11 @@ DuetMetrics::DuetMetrics(Registry& registry, std::string_view model_name, Role r
       DUET_HISTOGRAM(kv_transfer_seconds,
                      "Histogram of KV-cache transfer time per request between prefill and decode "
                      "workers, in seconds.",
-                     KvTransferSecondsBuckets()) {
+                     KvTransferSecondsBuckets()),
+      accepted_per_pos_(&registry.AddCounter("duet:spec_decode_num_accepted_tokens_per_pos_total",
+                                             "Accepted tokens per draft position.",
+                                             {"model_name", "role", "position"})),
+      labels_(Values(model_name, role)) {
   auto& success = registry.AddCounter("duet:request_success_total",
                                       "Count of successfully processed requests.",
                                       {"model_name", "role", "finished_reason"});
@@ -76,6 +83,10 @@ DuetMetrics::DuetMetrics(Registry& registry, std::string_view model_name, Role r
         {std::string(model_name), std::string(RoleName(role)),
          std::string(FinishedReasonName(reason))});
   }
+}
+
+Counter& DuetMetrics::spec_decode_num_accepted_tokens_per_pos(int position) {
+  return accepted_per_pos_->WithLabels({labels_[0], labels_[1], std::to_string(position)});
 }
 
 #undef DUET_GAUGE

@@ -57,6 +57,12 @@ class DuetMetrics {
   Counter& prompt_tokens;       // prefill tokens processed
   Counter& generation_tokens;   // generation tokens processed
   Counter& kv_transfer_failures;
+  // Speculative decoding (vLLM's spec_decode_* counters).
+  Counter& spec_decode_num_drafts;            // verified proposals, one per request and step
+  Counter& spec_decode_num_draft_tokens;
+  Counter& spec_decode_num_accepted_tokens;
+  // Accepted draft tokens at draft position `position` (0 = the first draft token).
+  Counter& spec_decode_num_accepted_tokens_per_pos(int position);
   Counter& request_success(FinishedReason reason) { return *request_success_[static_cast<int>(reason)]; }
   const Counter& request_success(FinishedReason reason) const {
     return *request_success_[static_cast<int>(reason)];
@@ -79,6 +85,8 @@ class DuetMetrics {
 
  private:
   Counter* request_success_[3];
+  Family<Counter>* accepted_per_pos_;
+  std::vector<std::string> labels_;  // model_name, role
 };
 
 }  // namespace duet::metrics

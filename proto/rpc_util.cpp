@@ -29,6 +29,11 @@ absl::StatusOr<SamplingParams> ToSamplingParams(const v1::SamplingOptions& o) {
   p.stop_token_ids.assign(o.stop_token_ids().begin(), o.stop_token_ids().end());
   p.ignore_eos = o.ignore_eos();
   if (o.has_logprobs()) p.logprobs = o.logprobs();
+  if (o.has_speculation()) {
+    absl::StatusOr<SpeculationMode> mode = ParseSpeculationMode(o.speculation());
+    if (!mode.ok()) return mode.status();
+    p.speculation = *mode;
+  }
   if (absl::Status s = p.Validate(); !s.ok()) return s;
   return p;
 }
@@ -48,6 +53,7 @@ v1::SamplingOptions ToSamplingOptions(const SamplingParams& p) {
   for (int32_t id : p.stop_token_ids) o.add_stop_token_ids(id);
   o.set_ignore_eos(p.ignore_eos);
   if (p.logprobs >= 0) o.set_logprobs(p.logprobs);
+  if (p.speculation) o.set_speculation(SpeculationModeName(*p.speculation));
   return o;
 }
 
