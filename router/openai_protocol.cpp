@@ -164,6 +164,10 @@ std::optional<ApiError> ParseCommon(const Json& j, const ProtocolContext& contex
   bool ignore_eos = false;
   RETURN_IF_ERROR(GetBool(j, "ignore_eos", &ignore_eos));
   s.set_ignore_eos(ignore_eos);
+  if (auto it = j.find("speculation"); it != j.end() && !it->is_null()) {  // vLLM-style extra field
+    if (!it->is_string()) return WrongType("speculation", "one of \"none\", \"lookahead\", \"draft\", \"self\"", *it);
+    s.set_speculation(it->get<std::string>());
+  }
 
   if (auto it = j.find("stop"); it != j.end() && !it->is_null()) {
     if (it->is_string()) {
