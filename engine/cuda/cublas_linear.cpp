@@ -4,6 +4,7 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/gemv.h"
 
 namespace duet::cuda {
 namespace {
@@ -37,7 +38,7 @@ absl::StatusOr<CublasLinear> CublasLinear::Create(cudaStream_t stream, void* wor
   CheckCublas(cublasSetStream(handle, stream), "cublasSetStream");
   CheckCublas(cublasSetWorkspace(handle, workspace, workspace_bytes), "cublasSetWorkspace");
   CheckCublas(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
-  return CublasLinear(handle);
+  return CublasLinear(handle, stream);
 }
 
 CublasLinear::~CublasLinear() {
@@ -46,11 +47,19 @@ CublasLinear::~CublasLinear() {
 
 void CublasLinear::Forward(const __nv_bfloat16* x, const __nv_bfloat16* weight, __nv_bfloat16* y, int rows,
                            int in, int out) const {
+  if (rows >= 1 && rows <= kernels::kGemvPreferredMaxRows && in % 8 == 0) {
+    kernels::Gemv({x, weight, y, rows, in, out, false}, stream_);
+    return;
+  }
   Gemm(handle_, x, weight, y, CUDA_R_16BF, rows, in, out);
 }
 
 void CublasLinear::ForwardF32(const __nv_bfloat16* x, const __nv_bfloat16* weight, float* y, int rows, int in,
                               int out) const {
+  if (rows >= 1 && rows <= kernels::kGemvPreferredMaxRows && in % 8 == 0) {
+    kernels::Gemv({x, weight, y, rows, in, out, true}, stream_);
+    return;
+  }
   Gemm(handle_, x, weight, y, CUDA_R_32F, rows, in, out);
 }
 

@@ -1,4 +1,5 @@
-// Dense projections through cuBLAS: y[rows, out] = x[rows, in] · W[out, in]^T with bf16 inputs,
+// Dense projections (cuBLAS, and Duet's skinny GEMM for decode batches of at most
+// kernels::kGemvPreferredMaxRows rows, where a pure weight stream beats cuBLAS): y[rows, out] = x[rows, in] · W[out, in]^T with bf16 inputs,
 // fp32 accumulation and a bf16 or fp32 output — HF's row-major nn.Linear layout, no transposes
 // materialized (cuBLAS sees the column-major transpose of each operand).
 #pragma once
@@ -18,7 +19,7 @@ class CublasLinear {
   // `workspace` (device memory, may be shared by nothing else running concurrently) lets cuBLAS
   // run inside CUDA-graph capture without allocating.
   static absl::StatusOr<CublasLinear> Create(cudaStream_t stream, void* workspace, size_t workspace_bytes);
-  CublasLinear(CublasLinear&& o) noexcept : handle_(o.handle_) { o.handle_ = nullptr; }
+  CublasLinear(CublasLinear&& o) noexcept : handle_(o.handle_), stream_(o.stream_) { o.handle_ = nullptr; }
   CublasLinear& operator=(CublasLinear&&) = delete;
   ~CublasLinear();
 
@@ -29,8 +30,9 @@ class CublasLinear {
   void ForwardF32(const __nv_bfloat16* x, const __nv_bfloat16* weight, float* y, int rows, int in, int out) const;
 
  private:
-  explicit CublasLinear(cublasHandle_t handle) : handle_(handle) {}
+  CublasLinear(cublasHandle_t handle, cudaStream_t stream) : handle_(handle), stream_(stream) {}
   cublasHandle_t handle_ = nullptr;
+  cudaStream_t stream_ = nullptr;
 };
 
 }  // namespace duet::cuda
