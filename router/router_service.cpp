@@ -426,7 +426,11 @@ void RouterService::GenerateCall::Start(const v1::GenerateRequest& request) {
     std::shared_ptr<GenerateCall> self = weak.lock();
     if (self != nullptr && gate->Withdraw(self.get())) self->EndInterrupted();
   });
-  if (service_->prefill_gate_->Enter(shared_from_this(), int64_t(prepared_.prompt_token_ids.size()))) PassGate();
+  if (service_->prefill_gate_->Enter(shared_from_this(), int64_t(prepared_.prompt_token_ids.size()))) {
+    return PassGate();
+  }
+  // Interrupted before it joined the line: the hook found nothing to withdraw.
+  if (Interrupted() && service_->prefill_gate_->Withdraw(this)) EndInterrupted();
 }
 
 void RouterService::GenerateCall::PassGate() {
