@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 build=${BUILD_DIR:-build}
-targets="kernels_tests llama_cuda_tests cuda_llama_bench cuda_logits_check attention_bench elementwise_bench gemv_bench"
+targets=${TARGETS:-"kernels_tests llama_cuda_tests cuda_llama_bench cuda_logits_check attention_bench elementwise_bench gemv_bench"}
 cmake --build "$build" --target $targets -j"$(nproc)"
 stage=$(mktemp -d)/devbundle
 bash ../shared/device/bundle.sh "$stage" $(for t in $targets; do echo "$build/bin/$t"; done) >/dev/null
