@@ -14,14 +14,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-// Launcher argument checks: a violated one is a caller bug, so report where and abort.
-#define DUET_ATTN_CHECK(cond)                                                          \
-  do {                                                                                 \
-    if (!(cond)) {                                                                     \
-      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond);   \
-      std::abort();                                                                    \
-    }                                                                                  \
-  } while (0)
+#include "kernels/cuda_check.h"
+
 
 namespace duet::kernels::attention_detail {
 
@@ -147,7 +141,7 @@ struct PagedKvTileLoader {
 inline int Log2OfPowerOfTwo(int x) {
   int log2 = 0;
   while ((1 << log2) < x) ++log2;
-  DUET_ATTN_CHECK((1 << log2) == x);
+  DUET_KERNEL_CHECK((1 << log2) == x);
   return log2;
 }
 

@@ -29,10 +29,7 @@ __global__ void AddBiasKernel(__nv_bfloat16* x, const __nv_bfloat16* bias, int64
 
 void AddBias(__nv_bfloat16* x, const __nv_bfloat16* bias, int rows, int cols, cudaStream_t stream) {
   if (rows <= 0) return;
-  if (cols % 8 != 0) {
-    std::fprintf(stderr, "AddBias: cols (%d) must be a multiple of 8\n", cols);
-    std::abort();
-  }
+  DUET_KERNEL_CHECK(cols % 8 == 0);
   const int64_t n = int64_t(rows) * (cols / 8);
   const int threads = 256;
   AddBiasKernel<<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(x, bias, rows, cols);

@@ -10,14 +10,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-// Launcher argument checks: a violated one is a caller bug, so report where and abort.
-#define DUET_KERNEL_CHECK(cond)                                                        \
-  do {                                                                                 \
-    if (!(cond)) {                                                                     \
-      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond);   \
-      std::abort();                                                                    \
-    }                                                                                  \
-  } while (0)
+#include "kernels/cuda_check.h"
+
 
 namespace duet::kernels::elementwise_detail {
 

@@ -1,8 +1,6 @@
 #include "kernels/gemv.h"
 
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 
 #include "kernels/cuda_check.h"
 
@@ -84,10 +82,7 @@ void Launch(const GemvParams& p, cudaStream_t stream) {
 }  // namespace
 
 void Gemv(const GemvParams& p, cudaStream_t stream) {
-  if (p.rows < 1 || p.rows > kGemvMaxRows || p.in % 8 != 0) {
-    std::fprintf(stderr, "Gemv: rows %d (1..%d) and in %d (multiple of 8) out of range\n", p.rows, kGemvMaxRows, p.in);
-    std::abort();
-  }
+  DUET_KERNEL_CHECK(p.rows >= 1 && p.rows <= kGemvMaxRows && p.in % 8 == 0);
   switch (p.rows) {
     case 1: Launch<1>(p, stream); break;
     case 2: Launch<2>(p, stream); break;

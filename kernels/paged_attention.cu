@@ -298,8 +298,8 @@ size_t WorkspaceBytes(int num_seqs, int num_q_heads, int head_dim, int num_split
 
 PagedDecodeAttentionPlan PlanPagedDecodeAttention(int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
                                                   int max_context_len, int num_sms) {
-  DUET_ATTN_CHECK(num_seqs > 0 && num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && num_sms > 0);
-  DUET_ATTN_CHECK(head_dim == 64 || head_dim == 128);
+  DUET_KERNEL_CHECK(num_seqs > 0 && num_kv_heads > 0 && num_q_heads % num_kv_heads == 0 && num_sms > 0);
+  DUET_KERNEL_CHECK(head_dim == 64 || head_dim == 128);
   const int max_tiles = std::max(1, (max_context_len + kTileTokens - 1) / kTileTokens);
   const int head_chunks = (num_q_heads / num_kv_heads + kHeadsPerCta - 1) / kHeadsPerCta;
   const int ctas = num_seqs * num_kv_heads * head_chunks;
@@ -319,16 +319,16 @@ PagedDecodeAttentionPlan PlanPagedDecodeAttention(int num_seqs, int num_q_heads,
 
 void PagedDecodeAttention(const PagedDecodeAttentionParams& p, const PagedDecodeAttentionPlan& plan,
                           cudaStream_t stream) {
-  DUET_ATTN_CHECK(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0);
-  DUET_ATTN_CHECK(p.block_size >= 1 && p.max_blocks_per_seq >= 1);
-  DUET_ATTN_CHECK(plan.num_splits >= 1 && plan.tokens_per_split > 0 && plan.tokens_per_split % kTileTokens == 0);
-  DUET_ATTN_CHECK(plan.num_splits == 1 || p.workspace != nullptr);
-  DUET_ATTN_CHECK(plan.workspace_bytes >= WorkspaceBytes(p.num_seqs, p.num_q_heads, p.head_dim, plan.num_splits));
+  DUET_KERNEL_CHECK(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0);
+  DUET_KERNEL_CHECK(p.block_size >= 1 && p.max_blocks_per_seq >= 1);
+  DUET_KERNEL_CHECK(plan.num_splits >= 1 && plan.tokens_per_split > 0 && plan.tokens_per_split % kTileTokens == 0);
+  DUET_KERNEL_CHECK(plan.num_splits == 1 || p.workspace != nullptr);
+  DUET_KERNEL_CHECK(plan.workspace_bytes >= WorkspaceBytes(p.num_seqs, p.num_q_heads, p.head_dim, plan.num_splits));
   if (p.num_seqs == 0) return;
   switch (p.head_dim) {
     case 64: Launch<64>(p, plan, stream); break;
     case 128: Launch<128>(p, plan, stream); break;
-    default: DUET_ATTN_CHECK(p.head_dim == 64 || p.head_dim == 128);
+    default: DUET_KERNEL_CHECK(p.head_dim == 64 || p.head_dim == 128);
   }
 }
 

@@ -266,10 +266,10 @@ void PrefillAttention(const PrefillAttentionParams& p, cudaStream_t stream) {
 
 namespace internal {
 void PrefillAttentionWithKeyTile(const PrefillAttentionParams& p, int key_tile, cudaStream_t stream) {
-  DUET_ATTN_CHECK(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0);
-  DUET_ATTN_CHECK(p.block_size >= 1 && p.max_blocks_per_seq >= 1);
-  DUET_ATTN_CHECK(p.head_dim == 64 || p.head_dim == 128);
-  DUET_ATTN_CHECK(key_tile == 32 || key_tile == 64);
+  DUET_KERNEL_CHECK(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0);
+  DUET_KERNEL_CHECK(p.block_size >= 1 && p.max_blocks_per_seq >= 1);
+  DUET_KERNEL_CHECK(p.head_dim == 64 || p.head_dim == 128);
+  DUET_KERNEL_CHECK(key_tile == 32 || key_tile == 64);
   if (p.num_seqs == 0 || p.max_q_len == 0) return;
   if (p.head_dim == 64) {
     key_tile == 32 ? Launch<64, 32>(p, stream) : Launch<64, 64>(p, stream);

@@ -528,17 +528,22 @@ void LlamaCuda::Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool s
                              stream_);
     linear_->ForwardF32(final_normed_.as<__nv_bfloat16>(), lm_head_, logits_.as<float>(), plan.num_logit_rows, hidden,
                         int(c.vocab_size));
-    if (sample) {
-      kernels::SampleTokens(
-          {logits_.as<float>(), plan.num_logit_rows, int(c.vocab_size),
-           reinterpret_cast<const float*>(meta + layout.temperature), meta + layout.top_k,
-           reinterpret_cast<const float*>(meta + layout.top_p), reinterpret_cast<const float*>(meta + layout.min_p),
-           reinterpret_cast<const uint64_t*>(meta + layout.seeds), reinterpret_cast<const uint64_t*>(meta + layout.offsets),
-           metadata_.as<int32_t>() + layout.sampled_tokens,
-           reinterpret_cast<float*>(metadata_.as<int32_t>() + layout.sampled_logprobs)},
-          stream_);
-    }
+    if (sample) EnqueueSampling(plan.num_logit_rows);
   }
+}
+
+void LlamaCuda::EnqueueSampling(int rows) {
+  const MetadataLayout layout(options_.max_num_batched_tokens, options_.max_num_seqs, max_logit_rows_,
+                              max_blocks_per_seq_);
+  int32_t* meta = metadata_.as<int32_t>();
+  kernels::SampleTokens({logits_.as<float>(), rows, int(config_.vocab_size),
+                         reinterpret_cast<const float*>(meta + layout.temperature), meta + layout.top_k,
+                         reinterpret_cast<const float*>(meta + layout.top_p),
+                         reinterpret_cast<const float*>(meta + layout.min_p),
+                         reinterpret_cast<const uint64_t*>(meta + layout.seeds),
+                         reinterpret_cast<const uint64_t*>(meta + layout.offsets), meta + layout.sampled_tokens,
+                         reinterpret_cast<float*>(meta + layout.sampled_logprobs)},
+                        stream_);
 }
 
 void LlamaCuda::PadForGraph(StepPlan& plan) const {
@@ -601,13 +606,7 @@ absl::Status LlamaCuda::EagerHead(const StepPlan& plan, bool sample, std::vector
                         int(vocab));
     if (sample) {
       DUET_CHECK(begin == 0);  // ForwardSample checks the rows fit one pass
-      kernels::SampleTokens(
-          {logits_.as<float>(), rows, int(vocab), reinterpret_cast<const float*>(meta + layout.temperature),
-           meta + layout.top_k, reinterpret_cast<const float*>(meta + layout.top_p),
-           reinterpret_cast<const float*>(meta + layout.min_p), reinterpret_cast<const uint64_t*>(meta + layout.seeds),
-           reinterpret_cast<const uint64_t*>(meta + layout.offsets), metadata_.as<int32_t>() + layout.sampled_tokens,
-           reinterpret_cast<float*>(metadata_.as<int32_t>() + layout.sampled_logprobs)},
-          stream_);
+      EnqueueSampling(rows);
       continue;
     }
     const size_t bytes = size_t(rows) * size_t(vocab) * sizeof(float);

@@ -80,6 +80,8 @@ class LlamaCuda : public ModelExecutor {
   void Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool sample,
                absl::Span<const SequenceChunk> chunks, const LayerDoneCallback& on_layer_done);
   absl::Status LaunchGraph(const StepPlan& plan, cuda::DeviceKvCache& cache, bool sample);
+  // Samples the first `rows` logits rows with the uploaded per-row parameters.
+  void EnqueueSampling(int rows);
   // The logits head for eager steps, in passes of at most max_logit_rows_ rows.
   absl::Status EagerHead(const StepPlan& plan, bool sample, std::vector<float>* logits, std::vector<DeviceSample>* samples);
 
