@@ -33,15 +33,17 @@ int GraphBatchSize(int num_seqs) {
   return (num_seqs + 7) / 8 * 8;
 }
 
+}  // namespace
+
 // Offsets (in int32 units) of the step-metadata arrays, fixed for the executor's lifetime so
 // captured graphs keep pointing at the right places.
-struct MetadataLayout {
+struct StepMetadataLayout {
   size_t tokens, positions, slots, q_start, context_lens, logit_rows, block_tables;
   size_t temperature, top_k, top_p, min_p, seeds, offsets;  // seeds/offsets: uint64 (2 units)
   size_t sampled_tokens, sampled_logprobs;
   size_t total;
 
-  MetadataLayout(int max_tokens, int max_seqs, int max_rows, int max_blocks_per_seq) {
+  StepMetadataLayout(int max_tokens, int max_seqs, int max_rows, int max_blocks_per_seq) {
     size_t at = 0;
     auto take = [&](size_t n) {
       at = (at + 3) / 4 * 4;  // 16-byte aligned arrays
@@ -67,8 +69,6 @@ struct MetadataLayout {
     total = take(0);
   }
 };
-
-}  // namespace
 
 struct LlamaCuda::StepPlan {
   int num_tokens = 0;        // rows of the step (padded to the graph batch in graph mode)
@@ -308,8 +308,9 @@ std::unique_ptr<KvCache> LlamaCuda::CreateKvCache(int64_t num_blocks, int64_t bl
   DUET_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0);
   block_size_ = int(block_size);
   max_blocks_per_seq_ = int((options_.max_model_len + block_size - 1) / block_size);
-  const MetadataLayout layout(options_.max_num_batched_tokens, options_.max_num_seqs, max_logit_rows_,
-                              max_blocks_per_seq_);
+  layout_ = std::make_unique<const StepMetadataLayout>(options_.max_num_batched_tokens, options_.max_num_seqs,
+                                                       max_logit_rows_, max_blocks_per_seq_);
+  const StepMetadataLayout& layout = *layout_;
   absl::StatusOr<cuda::DeviceAllocation> meta = arena_.Allocate(layout.total * 4, "step metadata");
   DUET_CHECK_MSG(meta.ok(), std::string(meta.status().message()).c_str());
   metadata_ = std::move(*meta);
@@ -333,8 +334,7 @@ absl::StatusOr<LlamaCuda::StepPlan> LlamaCuda::PlanStep(absl::Span<const Sequenc
     return absl::InvalidArgumentError(absl::StrCat("step has ", chunks.size(), " sequences; max_num_seqs is ",
                                                    options_.max_num_seqs));
   }
-  const MetadataLayout layout(options_.max_num_batched_tokens, options_.max_num_seqs, max_logit_rows_,
-                              max_blocks_per_seq_);
+  const StepMetadataLayout& layout = *layout_;
   int32_t* meta = metadata_host_.as<int32_t>();
   int32_t* tokens = meta + layout.tokens;
   int32_t* positions = meta + layout.positions;
@@ -387,8 +387,7 @@ absl::StatusOr<LlamaCuda::StepPlan> LlamaCuda::PlanStep(absl::Span<const Sequenc
 }
 
 void LlamaCuda::Upload(const StepPlan& plan, absl::Span<const DeviceSamplingRow> sampling) {
-  const MetadataLayout layout(options_.max_num_batched_tokens, options_.max_num_seqs, max_logit_rows_,
-                              max_blocks_per_seq_);
+  const StepMetadataLayout& layout = *layout_;
   int32_t* host = metadata_host_.as<int32_t>();
   int32_t* dev = metadata_.as<int32_t>();
   auto copy = [&](size_t offset, size_t count) {
@@ -431,8 +430,7 @@ void LlamaCuda::Upload(const StepPlan& plan, absl::Span<const DeviceSamplingRow>
 void LlamaCuda::Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool sample,
                         absl::Span<const SequenceChunk> chunks, const LayerDoneCallback& on_layer_done) {
   const ModelConfig& c = config_;
-  const MetadataLayout layout(options_.max_num_batched_tokens, options_.max_num_seqs, max_logit_rows_,
-                              max_blocks_per_seq_);
+  const StepMetadataLayout& layout = *layout_;
   const int32_t* meta = metadata_.as<int32_t>();
   const int t = plan.num_tokens;
   const int hidden = int(c.hidden_size), inter = int(c.intermediate_size), hd = int(c.head_dim);
@@ -533,8 +531,7 @@ void LlamaCuda::Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool s
 }
 
 void LlamaCuda::EnqueueSampling(int rows) {
-  const MetadataLayout layout(options_.max_num_batched_tokens, options_.max_num_seqs, max_logit_rows_,
-                              max_blocks_per_seq_);
+  const StepMetadataLayout& layout = *layout_;
   int32_t* meta = metadata_.as<int32_t>();
   kernels::SampleTokens({logits_.as<float>(), rows, int(config_.vocab_size),
                          reinterpret_cast<const float*>(meta + layout.temperature), meta + layout.top_k,
@@ -547,8 +544,7 @@ void LlamaCuda::EnqueueSampling(int rows) {
 }
 
 void LlamaCuda::PadForGraph(StepPlan& plan) const {
-  const MetadataLayout layout(options_.max_num_batched_tokens, options_.max_num_seqs, max_logit_rows_,
-                              max_blocks_per_seq_);
+  const StepMetadataLayout& layout = *layout_;
   int32_t* meta = metadata_host_.as<int32_t>();
   const int batch = GraphBatchSize(plan.num_seqs);
   for (int i = plan.num_seqs; i < batch; ++i) {
@@ -593,8 +589,7 @@ absl::Status LlamaCuda::LaunchGraph(const StepPlan& plan, cuda::DeviceKvCache& c
 
 absl::Status LlamaCuda::EagerHead(const StepPlan& plan, bool sample, std::vector<float>* logits,
                                   std::vector<DeviceSample>* samples) {
-  const MetadataLayout layout(options_.max_num_batched_tokens, options_.max_num_seqs, max_logit_rows_,
-                              max_blocks_per_seq_);
+  const StepMetadataLayout& layout = *layout_;
   const int32_t* meta = metadata_.as<int32_t>();
   const int64_t vocab = config_.vocab_size;
   for (int begin = 0; begin < plan.num_logit_rows; begin += max_logit_rows_) {
@@ -654,8 +649,7 @@ absl::Status LlamaCuda::Run(absl::Span<const SequenceChunk> chunks, KvCache& kv_
     if (absl::Status s = EagerHead(*plan, sample, logits, samples); !s.ok()) return s;
   }
   if (sample) {
-    const MetadataLayout layout(options_.max_num_batched_tokens, options_.max_num_seqs, max_logit_rows_,
-                                max_blocks_per_seq_);
+    const StepMetadataLayout& layout = *layout_;
     // Tokens and logprobs are adjacent: one copy brings both back.
     int32_t* host = results_host_.as<int32_t>();
     DUET_CUDA_CHECK(cudaMemcpyAsync(host, metadata_.as<int32_t>() + layout.sampled_tokens,

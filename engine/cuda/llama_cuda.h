@@ -22,6 +22,8 @@
 
 namespace duet {
 
+struct StepMetadataLayout;
+
 struct LlamaCudaOptions {
   int device = 0;
   int max_num_seqs = 256;               // sequences in one step
@@ -118,6 +120,7 @@ class LlamaCuda : public ModelExecutor {
   cuda::DeviceAllocation metadata_;
   cuda::PinnedBuffer metadata_host_;
   cuda::PinnedBuffer results_host_;
+  std::unique_ptr<const StepMetadataLayout> layout_;  // fixed once the KV cache (block size) is known
   int block_size_ = 0;
   int max_blocks_per_seq_ = 0;
   int max_logit_rows_ = 0;
