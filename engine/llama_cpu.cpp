@@ -7,16 +7,18 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
+#include "engine/cpu_gemv.h"
 #include "engine/kv_cache.h"
 
 namespace duet {
 namespace {
 
 // y[rows, n] = x[rows, k] · w[n, k]ᵀ  (w in Hugging Face [out_features, in_features] layout).
+// A decode or verification step has few rows and is bound by reading the weights: the batched
+// GEMV streams them once. Prefill-sized products go to sgemm, which packs the weights for reuse.
 void MatMulTransposed(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k) {
-  if (rows == 1) {  // decode at batch 1: GEMV streams the weights once, without packing them
-    cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(n), static_cast<int>(k), 1.0f, w,
-                static_cast<int>(k), x, 1, 0.0f, y, 1);
+  if (rows <= kBatchedGemvMaxRows) {
+    BatchedGemv(x, w, y, rows, n, k);
     return;
   }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows), static_cast<int>(n),
