@@ -29,6 +29,9 @@ RoleCommands::RoleCommands(CLI::App& app) {
   prefill_cmd_->add_option("--port", prefill_.port, "gRPC port (0: any free port)")->check(CLI::Range(0, 65535));
   prefill_cmd_->add_option("--metrics-port", prefill_.metrics_port,
                            "Prometheus /metrics port (-1: off, 0: any free port)")->check(CLI::Range(-1, 65535));
+  prefill_cmd_->add_option("--kv-staging-tokens", prefill_.service.kv_pools.staging_tokens,
+                           "cuda: pinned host staging for outgoing KV, in tokens (default: twice the longest "
+                           "prompt a step can finish)")->check(CLI::Range(int64_t{1}, int64_t{1} << 26));
 
   decode_cmd_ = app.add_subcommand("decode-worker", "Run a decode worker");
   decode_flags_.Add(decode_cmd_);
@@ -36,6 +39,9 @@ RoleCommands::RoleCommands(CLI::App& app) {
   decode_cmd_->add_option("--port", decode_.port, "gRPC port (0: any free port)")->check(CLI::Range(0, 65535));
   decode_cmd_->add_option("--metrics-port", decode_.metrics_port,
                           "Prometheus /metrics port (-1: off, 0: any free port)")->check(CLI::Range(-1, 65535));
+  decode_cmd_->add_option("--kv-staging-tokens", decode_.service.kv_pools.staging_tokens,
+                          "cuda: pinned host staging for incoming KV, in tokens (default: twice "
+                          "max(max-model-len, max-num-batched-tokens))")->check(CLI::Range(int64_t{1}, int64_t{1} << 26));
 }
 
 std::optional<int> RoleCommands::RunParsed() {

@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <vector>
@@ -30,6 +31,11 @@ std::vector<std::string> EngineFlags(const ServeOptions& o) {
                                     "--max-num-seqs", std::to_string(o.engine.scheduler.max_num_seqs),
                                     "--max-num-batched-tokens", std::to_string(o.engine.scheduler.max_num_batched_tokens),
                                     "--kv-cache-gib", std::to_string(double(o.engine.kv_cache_bytes) / double(1ull << 30))};
+  if (o.engine.backend != "cpu") {
+    // One GPU shared by every worker process: each gets an equal part of the fraction.
+    const double share = o.engine.gpu_memory_utilization / double(std::max(1, o.num_prefill_workers + o.num_decode_workers));
+    flags.insert(flags.end(), {"--backend", o.engine.backend, "--gpu-memory-utilization", std::to_string(share)});
+  }
   if (o.engine.num_kv_blocks > 0) {
     flags.insert(flags.end(), {"--num-kv-blocks", std::to_string(o.engine.num_kv_blocks)});
   }

@@ -20,26 +20,6 @@ grpc::Status Error(grpc::StatusCode code, std::string message) {
   return grpc::Status(code, std::move(message));
 }
 
-kvtransfer::KvPoolMemory PoolsOf(LlmEngine& engine) {
-  KvCache& cache = engine.kv_cache();
-  const KvCacheShape& shape = cache.shape();
-  kvtransfer::KvPoolMemory pools;
-  pools.layout.num_layers = uint32_t(shape.num_layers);
-  pools.layout.block_size = uint32_t(shape.block_size);
-  pools.layout.num_kv_heads = uint32_t(shape.num_kv_heads);
-  pools.layout.head_dim = uint32_t(shape.head_dim);
-  pools.layout.dtype = shape.dtype == KvDtype::kFloat32 ? kvtransfer::KvDtype::kFloat32
-                                                        : kvtransfer::KvDtype::kBFloat16;
-  pools.num_blocks = uint32_t(shape.num_blocks);
-  pools.memory_kind = cache.memory_space() == MemorySpace::kHost ? kvtransfer::MemoryKind::kHost
-                                                                 : kvtransfer::MemoryKind::kDevice;
-  for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
-    pools.key_pools.push_back(cache.key_pool(layer));
-    pools.value_pools.push_back(cache.value_pool(layer));
-  }
-  return pools;
-}
-
 void ToResponse(const RequestOutput& out, const SamplingParams& params, v1::GenerateResponse* r) {
   r->set_request_id(out.id);
   for (int32_t id : out.new_token_ids) r->add_token_ids(id);
@@ -86,11 +66,19 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
 
 absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(std::unique_ptr<LlmEngine> engine,
                                                                      DecodeServiceOptions options) {
-  kvtransfer::KvPoolMemory pools = PoolsOf(*engine);
+  if (options.kv_pools.staging_tokens <= 0) {
+    const SchedulerConfig& scheduler = engine->config().scheduler;
+    options.kv_pools.staging_tokens = 2 * std::max<int64_t>(scheduler.max_model_len, scheduler.max_num_batched_tokens);
+  }
+  absl::StatusOr<WorkerKvPools> pools = MakeWorkerKvPools(engine->kv_cache(), options.kv_pools);
+  if (!pools.ok()) {
+    return absl::Status(pools.status().code(),
+                        absl::StrCat("cannot set up the KV staging: ", pools.status().message()));
+  }
   std::unique_ptr<DecodeService> service(new DecodeService(std::move(engine), options));
   DecodeService* self = service.get();
-  service->kv_token_bytes_ =
-      int64_t(pools.layout.num_kv_heads) * int64_t(pools.layout.TokenHeadBytes()) * 2 * int64_t(pools.layout.num_layers);
+  service->kv_token_bytes_ = KvTokenBytes(pools->memory.layout);
+  service->staging_ = std::move(pools->staging);
   kvtransfer::ReceiverCallbacks callbacks;
   callbacks.on_layer_received = [self](uint64_t transfer_id, uint32_t) { self->OnLayerReceived(transfer_id); };
   callbacks.on_request_done = [self](uint64_t transfer_id, const absl::Status& status) {
@@ -101,7 +89,7 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(std::unique
                            absl::StrCat("its KV lease ended (", std::string(kvtransfer::LeaseEndName(lease.reason)), ")"));
   };
   absl::StatusOr<std::unique_ptr<kvtransfer::KvReceiver>> receiver =
-      kvtransfer::CreateUcxKvReceiver(std::move(pools), std::move(callbacks));
+      kvtransfer::CreateUcxKvReceiver(pools->memory, std::move(callbacks));
   if (!receiver.ok()) {
     return absl::Status(receiver.status().code(),
                         absl::StrCat("cannot start the KV receiver: ", receiver.status().message()));
@@ -141,6 +129,10 @@ void DecodeService::EndLocked(Reservation& r, absl::Status why) {
   if (r.state == ReservationState::kClaimed || r.state == ReservationState::kEnded) return;
   r.state = ReservationState::kEnded;
   r.failure = std::move(why);
+  if (!r.staging_blocks.empty()) {
+    staging_->Free(r.staging_blocks);
+    r.staging_blocks.clear();
+  }
   if (r.owns_blocks) {
     r.owns_blocks = false;
     const SequenceId seq = r.seq;
@@ -162,11 +154,33 @@ void DecodeService::OnLayerReceived(uint64_t transfer_id) {
 void DecodeService::OnRequestDone(uint64_t transfer_id, const absl::Status& status) {
   // Our own cancellations (Abort, a Decode call that gave up) are not transfer failures.
   if (!status.ok() && status.code() != absl::StatusCode::kCancelled) metrics_->kv_transfer_failures.Inc();
+  absl::Status unstaged = absl::OkStatus();
+  if (status.ok() && staging_ != nullptr) {
+    // The blocks arrived in staging: copy them into the reserved cache blocks. Nothing else ends a
+    // reservation whose lease the receiver has committed while it is still kTransferring.
+    std::vector<int32_t> staged, cache_blocks;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = by_transfer_.find(transfer_id);
+      if (it == by_transfer_.end() || it->second->state != ReservationState::kTransferring) return;
+      staged = std::move(it->second->staging_blocks);
+      it->second->staging_blocks.clear();
+      cache_blocks = it->second->cache_blocks;
+    }
+    unstaged = staging_->Unstage(staged, cache_blocks);
+    staging_->Free(staged);
+  }
   absl::MutexLock lock(&mu_);
   auto it = by_transfer_.find(transfer_id);
   if (it == by_transfer_.end()) return;
   Reservation& r = *it->second;
   if (r.state != ReservationState::kTransferring) return;
+  if (!unstaged.ok()) {
+    metrics_->kv_transfer_failures.Inc();
+    EndLocked(r, absl::InternalError(absl::StrCat("copying the KV of request '", r.request_id,
+                                                  "' from staging into the cache failed: ", unstaged.message())));
+    return;
+  }
   if (status.ok()) {
     metrics_->kv_transfer_bytes.Observe(double(r.num_tokens) * double(kv_token_bytes_));
     if (r.first_layer_time != absl::InfinitePast()) {
@@ -260,6 +274,21 @@ grpc::Status DecodeService::ReserveKv(grpc::ServerContext*, const v1::ReserveKvR
     return rpc::ToGrpc(reserved.status());
   }
   const SequenceId seq = reserved->first;
+  const size_t num_blocks = (size_t(num_tokens) + size_t(block_size_) - 1) / size_t(block_size_);
+  DUET_CHECK(reserved->second.size() >= num_blocks);
+  std::vector<int32_t> landing(reserved->second.begin(), reserved->second.begin() + num_blocks);
+  std::vector<int32_t> staging_blocks;
+  if (staging_ != nullptr) {
+    absl::StatusOr<std::vector<int32_t>> staged = staging_->Allocate(int64_t(num_blocks));
+    if (!staged.ok()) {
+      loop_->Post([seq](LlmEngine& engine) { engine.ReleaseKv(seq); });
+      return Error(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                   absl::StrCat("decode worker has no free KV staging blocks for ", num_tokens,
+                                " prompt tokens: ", staged.status().message()));
+    }
+    staging_blocks = *std::move(staged);
+    landing = staging_blocks;
+  }
 
   auto r = std::make_shared<Reservation>();
   r->request_id = request->request_id();
@@ -267,10 +296,13 @@ grpc::Status DecodeService::ReserveKv(grpc::ServerContext*, const v1::ReserveKvR
   r->seq = seq;
   r->num_tokens = num_tokens;
   r->lease = lease;
+  r->cache_blocks.assign(reserved->second.begin(), reserved->second.begin() + num_blocks);
+  r->staging_blocks = staging_blocks;
   {
     absl::MutexLock lock(&mu_);
     if (by_transfer_.count(transfer_id)) {
       loop_->Post([seq](LlmEngine& engine) { engine.ReleaseKv(seq); });
+      if (!staging_blocks.empty()) staging_->Free(staging_blocks);
       return Error(grpc::StatusCode::ALREADY_EXISTS,
                    absl::StrCat("transfer id ", transfer_id, " already has a KV reservation"));
     }
@@ -281,7 +313,7 @@ grpc::Status DecodeService::ReserveKv(grpc::ServerContext*, const v1::ReserveKvR
   kvtransfer::ExpectedRequest expected;
   expected.request_id = transfer_id;
   expected.num_tokens = uint32_t(num_tokens);
-  expected.dst_block_ids.assign(reserved->second.begin(), reserved->second.end());
+  expected.dst_block_ids.assign(landing.begin(), landing.end());
   expected.lease_ttl = lease;
   if (absl::Status s = receiver_->Expect(std::move(expected)); !s.ok()) {
     absl::MutexLock lock(&mu_);
@@ -293,7 +325,7 @@ grpc::Status DecodeService::ReserveKv(grpc::ServerContext*, const v1::ReserveKvR
   v1::KvTarget* target = response->mutable_target();
   target->set_receiver_descriptor(receiver_->descriptor());
   target->set_transfer_id(transfer_id);
-  for (int32_t b : reserved->second) target->add_block_ids(uint32_t(b));
+  for (int32_t b : landing) target->add_block_ids(uint32_t(b));
   return grpc::Status::OK;
 }
 

@@ -23,6 +23,7 @@
 #include "engine/engine_loop.h"
 #include "engine/llm_engine.h"
 #include "kvtransfer/kv_transport.h"
+#include "kvtransfer/worker_kv_pools.h"
 #include "metrics/registry.h"
 #include "metrics/vllm_metrics.h"
 
@@ -36,6 +37,9 @@ struct DecodeServiceOptions {
   absl::Duration poll_period = absl::Milliseconds(50);
   // The model_name label of this worker's metrics; empty: the model directory's base name.
   std::string model_name;
+  // Host staging of a device KV cache: transfers land there and are copied into the reserved
+  // cache blocks when complete (staging_tokens 0: twice max(max_model_len, max_num_batched_tokens)).
+  WorkerKvPoolOptions kv_pools;
 };
 
 class DecodeService final : public v1::DecodeWorker::Service {
@@ -82,6 +86,8 @@ class DecodeService final : public v1::DecodeWorker::Service {
     absl::Time claim_deadline = absl::InfiniteFuture();  // once kReceived
     bool owns_blocks = true;  // the reservation (not a request) still holds its engine blocks
     absl::Time first_layer_time = absl::InfinitePast();  // when the first layer arrived
+    std::vector<int32_t> cache_blocks;    // the engine blocks reserved for the prompt
+    std::vector<int32_t> staging_blocks;  // with staging: where the transfer lands
   };
 
   DecodeService(std::unique_ptr<LlmEngine> engine, DecodeServiceOptions options);
@@ -120,7 +126,8 @@ class DecodeService final : public v1::DecodeWorker::Service {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread reaper_;
 
-  // Last: destroyed first, while the engine (its pools) and the maps above still exist.
+  std::unique_ptr<KvHostStaging> staging_;  // null when transfers land in the cache's own pools
+  // Last: destroyed first, while the engine (its pools), the staging and the maps above exist.
   std::unique_ptr<kvtransfer::KvReceiver> receiver_;
 };
 

@@ -1,6 +1,10 @@
 #include "engine/kv_cache.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <new>
+
+#include "absl/strings/str_cat.h"
 
 namespace duet {
 namespace {
@@ -10,7 +14,32 @@ KvCacheShape WithFloat32(KvCacheShape shape) {
   return shape;
 }
 
+// The layers [first, first + count) exist and every block id is inside its pool.
+absl::Status CheckBlockCopies(const KvCacheShape& shape, int64_t first_layer, int64_t num_layers,
+                              absl::Span<const BlockCopy> copies, const HostKvBlocks& host, bool src_in_cache) {
+  if (first_layer < 0 || num_layers < 0 || first_layer + num_layers > shape.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layers [", first_layer, ", ", first_layer + num_layers,
+                                                   ") are outside the cache's ", shape.num_layers));
+  }
+  if (int64_t(host.keys.size()) != shape.num_layers || int64_t(host.values.size()) != shape.num_layers) {
+    return absl::InvalidArgumentError("the host blocks need a K and a V pool for every layer");
+  }
+  for (const BlockCopy& c : copies) {
+    const int32_t cache_block = src_in_cache ? c.src : c.dst;
+    if (cache_block < 0 || cache_block >= shape.num_blocks || (src_in_cache ? c.dst : c.src) < 0) {
+      return absl::OutOfRangeError(absl::StrCat("block copy ", c.src, " -> ", c.dst, " is outside the pools"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::StatusOr<HostMemory> KvCache::AllocateHostStaging(size_t bytes) {
+  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (p == nullptr) return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " host bytes"));
+  return HostMemory(p, [](void* q) { std::free(q); });
+}
 
 HostKvCache::HostKvCache(KvCacheShape shape) : KvCache(WithFloat32(shape)) {
   const size_t layer_elems = static_cast<size_t>(shape.num_blocks * shape.block_elems());
@@ -26,6 +55,32 @@ void HostKvCache::CopyBlocks(const std::vector<BlockCopy>& copies) {
       std::copy_n(values_[layer].data() + c.src * n, n, values_[layer].data() + c.dst * n);
     }
   }
+}
+
+absl::Status HostKvCache::CopyBlocksToHost(int64_t first_layer, int64_t num_layers,
+                                           absl::Span<const BlockCopy> copies, const HostKvBlocks& host) {
+  if (absl::Status s = CheckBlockCopies(shape(), first_layer, num_layers, copies, host, true); !s.ok()) return s;
+  const int64_t n = shape().block_elems();
+  for (int64_t layer = first_layer; layer < first_layer + num_layers; ++layer) {
+    for (const BlockCopy& c : copies) {
+      std::copy_n(keys(layer) + c.src * n, n, static_cast<float*>(host.keys[layer]) + c.dst * n);
+      std::copy_n(values(layer) + c.src * n, n, static_cast<float*>(host.values[layer]) + c.dst * n);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HostKvCache::CopyBlocksFromHost(int64_t first_layer, int64_t num_layers,
+                                             absl::Span<const BlockCopy> copies, const HostKvBlocks& host) {
+  if (absl::Status s = CheckBlockCopies(shape(), first_layer, num_layers, copies, host, false); !s.ok()) return s;
+  const int64_t n = shape().block_elems();
+  for (int64_t layer = first_layer; layer < first_layer + num_layers; ++layer) {
+    for (const BlockCopy& c : copies) {
+      std::copy_n(static_cast<const float*>(host.keys[layer]) + c.src * n, n, keys(layer) + c.dst * n);
+      std::copy_n(static_cast<const float*>(host.values[layer]) + c.src * n, n, values(layer) + c.dst * n);
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace duet

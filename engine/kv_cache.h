@@ -9,8 +9,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "engine/block_manager.h"
 
 namespace duet {
@@ -33,6 +37,16 @@ struct KvCacheShape {
   int64_t bytes_per_block() const { return 2 * num_layers * block_elems() * KvDtypeBytes(dtype); }
 };
 
+// Host memory with its own release function (page-locked memory for device caches).
+using HostMemory = std::unique_ptr<void, void (*)(void*)>;
+
+// Host-resident pools with a cache's block layout and dtype, for staging some of its blocks:
+// per layer a K and a V pool [num_blocks, num_kv_heads, block_size, head_dim].
+struct HostKvBlocks {
+  std::vector<void*> keys;    // [num_layers]
+  std::vector<void*> values;  // [num_layers]
+};
+
 class KvCache {
  public:
   virtual ~KvCache() = default;
@@ -45,6 +59,17 @@ class KvCache {
   virtual void* value_pool(int64_t layer) = 0;
   // Copies whole blocks in every layer (copy-on-write).
   virtual void CopyBlocks(const std::vector<BlockCopy>& copies) = 0;
+
+  // Host memory this cache copies to and from fastest (page-locked for a device cache).
+  virtual absl::StatusOr<HostMemory> AllocateHostStaging(size_t bytes);
+  // Copies whole blocks of layers [first_layer, first_layer + num_layers) between this cache and
+  // `host`: ToHost reads cache block copies[i].src into host block copies[i].dst, FromHost the
+  // reverse (host .src into cache .dst). Returns once the bytes are in place; the caller keeps
+  // the steps that use those blocks out of the way.
+  virtual absl::Status CopyBlocksToHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                                        const HostKvBlocks& host) = 0;
+  virtual absl::Status CopyBlocksFromHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                                          const HostKvBlocks& host) = 0;
 
   // Element offset of (block, head, slot) within a layer's K or V pool.
   int64_t Offset(int64_t block, int64_t head, int64_t slot) const {
@@ -67,6 +92,10 @@ class HostKvCache : public KvCache {
   void* key_pool(int64_t layer) override { return keys(layer); }
   void* value_pool(int64_t layer) override { return values(layer); }
   void CopyBlocks(const std::vector<BlockCopy>& copies) override;
+  absl::Status CopyBlocksToHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                                const HostKvBlocks& host) override;
+  absl::Status CopyBlocksFromHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                                  const HostKvBlocks& host) override;
 
   float* keys(int64_t layer) { return keys_[layer].data(); }
   float* values(int64_t layer) { return values_[layer].data(); }

@@ -18,26 +18,6 @@ grpc::Status Error(grpc::StatusCode code, std::string message) {
   return grpc::Status(code, std::move(message));
 }
 
-kvtransfer::KvPoolMemory PoolsOf(LlmEngine& engine) {
-  KvCache& cache = engine.kv_cache();
-  const KvCacheShape& shape = cache.shape();
-  kvtransfer::KvPoolMemory pools;
-  pools.layout.num_layers = uint32_t(shape.num_layers);
-  pools.layout.block_size = uint32_t(shape.block_size);
-  pools.layout.num_kv_heads = uint32_t(shape.num_kv_heads);
-  pools.layout.head_dim = uint32_t(shape.head_dim);
-  pools.layout.dtype = shape.dtype == KvDtype::kFloat32 ? kvtransfer::KvDtype::kFloat32
-                                                        : kvtransfer::KvDtype::kBFloat16;
-  pools.num_blocks = uint32_t(shape.num_blocks);
-  pools.memory_kind = cache.memory_space() == MemorySpace::kHost ? kvtransfer::MemoryKind::kHost
-                                                                 : kvtransfer::MemoryKind::kDevice;
-  for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
-    pools.key_pools.push_back(cache.key_pool(layer));
-    pools.value_pools.push_back(cache.value_pool(layer));
-  }
-  return pools;
-}
-
 // A peer failure (as opposed to a bad request): the connection should be made again.
 bool IsPeerFailure(const absl::Status& s) {
   return s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kDeadlineExceeded ||
@@ -63,28 +43,38 @@ double Seconds(std::chrono::steady_clock::duration d) { return std::chrono::dura
 
 absl::StatusOr<std::unique_ptr<PrefillService>> PrefillService::Create(std::unique_ptr<LlmEngine> engine,
                                                                        PrefillServiceOptions options) {
-  kvtransfer::KvPoolMemory pools = PoolsOf(*engine);
-  const int64_t kv_token_bytes =
-      int64_t(pools.layout.num_kv_heads) * int64_t(pools.layout.TokenHeadBytes()) * 2 * int64_t(pools.layout.num_layers);
+  if (options.kv_pools.staging_tokens <= 0) {
+    const SchedulerConfig& scheduler = engine->config().scheduler;
+    options.kv_pools.staging_tokens = 2 * std::max<int64_t>(scheduler.max_model_len, scheduler.max_num_batched_tokens);
+  }
+  absl::StatusOr<WorkerKvPools> pools = MakeWorkerKvPools(engine->kv_cache(), options.kv_pools);
+  if (!pools.ok()) {
+    return absl::Status(pools.status().code(),
+                        absl::StrCat("cannot set up the KV staging: ", pools.status().message()));
+  }
+  const int64_t kv_token_bytes = KvTokenBytes(pools->memory.layout);
   absl::StatusOr<std::unique_ptr<kvtransfer::KvSender>> sender =
-      kvtransfer::CreateUcxKvSender(std::move(pools), options.sender);
+      kvtransfer::CreateUcxKvSender(pools->memory, options.sender);
   if (!sender.ok()) {
     return absl::Status(sender.status().code(),
                         absl::StrCat("cannot start the KV sender: ", sender.status().message()));
   }
-  std::unique_ptr<PrefillService> service(new PrefillService(std::move(engine), std::move(*sender), options));
+  std::unique_ptr<PrefillService> service(
+      new PrefillService(std::move(engine), std::move(*sender), std::move(pools->staging), options));
   service->kv_token_bytes_ = kv_token_bytes;  // read on the loop thread, after a Prefill call posts
   return service;
 }
 
 PrefillService::PrefillService(std::unique_ptr<LlmEngine> engine,
-                               std::unique_ptr<kvtransfer::KvSender> sender, PrefillServiceOptions options)
+                               std::unique_ptr<kvtransfer::KvSender> sender, std::unique_ptr<KvHostStaging> staging,
+                               PrefillServiceOptions options)
     : options_(std::move(options)),
       block_size_(engine->config().block_size),
       num_layers_(engine->model_config().num_layers),
       metrics_(std::make_unique<metrics::DuetMetrics>(metrics_registry_, ModelName(options_, engine->config()),
                                                       metrics::Role::kPrefill,
                                                       engine->config().scheduler.max_model_len)),
+      staging_(std::move(staging)),
       sender_(std::move(sender)) {
   loop_ = std::make_unique<EngineLoop>(
       std::move(engine),
@@ -100,6 +90,26 @@ PrefillService::~PrefillService() {
   });
   sender_.reset();
   loop_.reset();
+  staging_.reset();
+}
+
+void PrefillService::FreeStaging(Transfer& t) {
+  if (staging_ != nullptr && !t.staging_block_ids.empty()) staging_->Free(t.staging_block_ids);
+  t.staging_block_ids.clear();
+}
+
+void PrefillService::FailTransfer(Transfer& t, absl::Status why) {
+  t.done = true;
+  t.status = std::move(why);
+  metrics_->kv_transfer_failures.Inc();
+  if (!t.sending || t.staging_block_ids.empty()) {
+    (void)sender_->Abort(t.peer, t.transfer_id);
+    return;
+  }
+  // Layers already sent may still be reading the staging blocks: Finish resolves after them.
+  sender_->Finish(t.peer, t.transfer_id).wait();
+  (void)sender_->Abort(t.peer, t.transfer_id);
+  FreeStaging(t);
 }
 
 void PrefillService::OnLayerDone(int64_t layer, absl::Span<const SequenceChunk> chunks) {
@@ -119,13 +129,30 @@ void PrefillService::OnLayerDone(int64_t layer, absl::Span<const SequenceChunk> 
       t.num_tokens = uint32_t(chunk.start_position + int64_t(chunk.tokens.size()));
       const size_t num_blocks = (t.num_tokens + uint32_t(block_size_) - 1) / uint32_t(block_size_);
       if (chunk.block_table.size() < num_blocks) {
-        t.done = true;
-        t.status = absl::InternalError("the prefill sequence's block table does not cover its prompt");
-        metrics_->kv_transfer_failures.Inc();
+        FailTransfer(t, absl::InternalError("the prefill sequence's block table does not cover its prompt"));
         continue;
       }
       t.send_start = std::chrono::steady_clock::now();
-      t.src_block_ids.assign(chunk.block_table.begin(), chunk.block_table.begin() + num_blocks);
+      if (staging_ == nullptr) {
+        t.src_block_ids.assign(chunk.block_table.begin(), chunk.block_table.begin() + num_blocks);
+      } else {
+        absl::StatusOr<std::vector<int32_t>> staged = staging_->Allocate(int64_t(num_blocks));
+        if (!staged.ok()) {
+          FailTransfer(t, absl::UnavailableError(absl::StrCat("no room to stage the prompt's KV: ",
+                                                              staged.status().message())));
+          continue;
+        }
+        t.staging_block_ids = *std::move(staged);
+        t.cache_block_ids.assign(chunk.block_table.begin(), chunk.block_table.begin() + num_blocks);
+        t.src_block_ids.assign(t.staging_block_ids.begin(), t.staging_block_ids.end());
+      }
+    }
+    if (staging_ != nullptr) {
+      // The layer's K/V are complete in the cache (the executor's stream reached this layer).
+      if (absl::Status s = staging_->StageLayer(layer, t.cache_block_ids, t.staging_block_ids); !s.ok()) {
+        FailTransfer(t, s);
+        continue;
+      }
     }
     kvtransfer::LayerSend send;
     send.request_id = t.transfer_id;
@@ -141,6 +168,7 @@ void PrefillService::OnLayerDone(int64_t layer, absl::Span<const SequenceChunk> 
   for (auto& [t, done] : finishing) {
     t->status = done.get();
     t->done = true;
+    FreeStaging(*t);
     if (t->status.ok()) {
       metrics_->kv_transfer_bytes.Observe(double(t->num_tokens) * double(kv_token_bytes_));
       metrics_->kv_transfer_seconds.Observe(Seconds(std::chrono::steady_clock::now() - t->send_start));

@@ -20,6 +20,7 @@
 #include "engine/llm_engine.h"
 #include "kvtransfer/kv_transport.h"
 #include "kvtransfer/ucx_transport.h"
+#include "kvtransfer/worker_kv_pools.h"
 #include "metrics/registry.h"
 #include "metrics/vllm_metrics.h"
 
@@ -31,6 +32,9 @@ struct PrefillServiceOptions {
   absl::Duration poll_period = absl::Milliseconds(50);
   // The model_name label of this worker's metrics; empty: the model directory's base name.
   std::string model_name;
+  // Host staging of a device KV cache (staging_tokens 0: twice the longest prompt a step can
+  // finish, max(max_model_len, max_num_batched_tokens)).
+  WorkerKvPoolOptions kv_pools;
 };
 
 class PrefillService final : public v1::PrefillWorker::Service {
@@ -64,13 +68,19 @@ class PrefillService final : public v1::PrefillWorker::Service {
     bool sending = false;   // the prompt's final chunk is being computed and shipped
     bool done = false;      // Finish resolved: `status` is the outcome
     uint32_t num_tokens = 0;
-    std::vector<uint32_t> src_block_ids;
+    std::vector<uint32_t> src_block_ids;   // what SendLayer reads: cache blocks, or staging blocks
+    std::vector<int32_t> cache_block_ids;  // with staging: the cache blocks staged each layer
+    std::vector<int32_t> staging_block_ids;
     absl::Status status = absl::OkStatus();
     std::chrono::steady_clock::time_point send_start{};  // the first SendLayer
   };
 
   PrefillService(std::unique_ptr<LlmEngine> engine, std::unique_ptr<kvtransfer::KvSender> sender,
-                 PrefillServiceOptions options);
+                 std::unique_ptr<KvHostStaging> staging, PrefillServiceOptions options);
+
+  // Ends a transfer whose Finish will not be called: tells the decode worker to drop it.
+  void FailTransfer(Transfer& t, absl::Status why);
+  void FreeStaging(Transfer& t);
 
   // The engine's per-layer hook (loop thread, inside the forward pass).
   void OnLayerDone(int64_t layer, absl::Span<const SequenceChunk> chunks);
@@ -96,8 +106,9 @@ class PrefillService final : public v1::PrefillWorker::Service {
   std::map<SequenceId, std::shared_ptr<Transfer>> transfers_;
   bool stopping_ = false;  // loop thread only
 
-  // The sender reads the engine's pools: created before and destroyed after the loop's thread
-  // has stopped using it (see the destructor); the engine itself lives in loop_.
+  // The sender reads the engine's pools (or the staging): created before and destroyed after the
+  // loop's thread has stopped using it (see the destructor); the engine itself lives in loop_.
+  std::unique_ptr<KvHostStaging> staging_;  // null when the cache's own pools are sent
   std::unique_ptr<kvtransfer::KvSender> sender_;
   std::unique_ptr<EngineLoop> loop_;
 };

@@ -56,6 +56,7 @@ class WorkerServicesTest : public ::testing::Test {
     // transport re-blocks).
     DecodeServiceOptions decode_options;
     decode_options.poll_period = absl::Milliseconds(10);
+    decode_options.kv_pools = decode_staging_;
     absl::StatusOr<std::unique_ptr<DecodeService>> decode =
         DecodeService::Create(NewEngine(8, kDecodeBlocks), decode_options);
     ASSERT_TRUE(decode.ok()) << decode.status();
@@ -63,6 +64,7 @@ class WorkerServicesTest : public ::testing::Test {
     PrefillServiceOptions prefill_options;
     prefill_options.sender.operation_timeout = absl::Seconds(3);
     prefill_options.poll_period = absl::Milliseconds(10);
+    prefill_options.kv_pools = prefill_staging_;
     absl::StatusOr<std::unique_ptr<PrefillService>> prefill =
         PrefillService::Create(NewEngine(16, 128, /*max_batched_tokens=*/8), prefill_options);
     ASSERT_TRUE(prefill.ok()) << prefill.status();
@@ -186,6 +188,8 @@ class WorkerServicesTest : public ::testing::Test {
     return r;
   }
 
+  // Default: the caches' own pools are registered with UCX (host caches).
+  WorkerKvPoolOptions decode_staging_, prefill_staging_;
   std::unique_ptr<DecodeService> decode_;
   std::unique_ptr<PrefillService> prefill_;
   std::unique_ptr<grpc::Server> decode_server_, prefill_server_;
@@ -426,6 +430,79 @@ TEST_F(WorkerServicesTest, PrefillWithWrongBlockCountFailsAndReleasesTheLease) {
   grpc::Status s = Prefill("short", v1::SamplingOptions(), target, &pre);
   EXPECT_FALSE(s.ok());
   EXPECT_TRUE(DecodeBecomesIdle());
+}
+
+// The path a device KV cache takes (CUDA backend: UCX cannot reach device memory), forced on the
+// CPU backend: KV travels through host staging blocks on both sides.
+class StagedWorkerServicesTest : public WorkerServicesTest {
+ protected:
+  StagedWorkerServicesTest() {
+    decode_staging_.force_staging = true;
+    prefill_staging_.force_staging = true;
+    // Room for two prompts at the decode worker (block size 8), one at the prefill worker (16).
+    decode_staging_.staging_tokens = 2 * 8 * kPromptBlocksAt8;
+    prefill_staging_.staging_tokens = 16 * kPromptBlocksAt16;
+  }
+  void SetUp() override {
+    WorkerServicesTest::SetUp();
+    ASSERT_EQ((prompt_.size() + 7) / 8, size_t(kPromptBlocksAt8));
+    ASSERT_EQ((prompt_.size() + 15) / 16, size_t(kPromptBlocksAt16));
+  }
+  static constexpr int32_t kPromptBlocksAt8 = 2;
+  static constexpr int32_t kPromptBlocksAt16 = 1;
+};
+
+TEST_F(StagedWorkerServicesTest, OutputMatchesLocalGenerationAndStagingIsReused) {
+  // Six requests in turn through staging that holds two: blocks must come back each time.
+  for (int i = 0; i < 6; ++i) {
+    SamplingParams p;
+    p.temperature = i % 2 == 0 ? 0.0f : 0.9f;
+    p.seed = 7 + i;
+    p.max_tokens = 12;
+    const std::string id = absl::StrCat("staged", i);
+    FlowResult r = RunFlow(id, 200 + i, rpc::ToSamplingOptions(p));
+    ASSERT_TRUE(r.reserve.ok() && r.prefill.ok() && r.decode.ok())
+        << r.reserve.error_message() << r.prefill.error_message() << r.decode.error_message();
+    EXPECT_EQ(r.tokens, LocalOutput(prompt_, p)) << id;
+  }
+  EXPECT_TRUE(DecodeBecomesIdle());
+}
+
+TEST_F(StagedWorkerServicesTest, ReserveKvBeyondTheStagingIsResourceExhaustedUntilOneEnds) {
+  v1::KvTarget a, b, c;
+  ASSERT_TRUE(Reserve("a", 300, 10000, &a).ok());
+  ASSERT_TRUE(Reserve("b", 301, 10000, &b).ok());
+  // The cache has room; the staging does not.
+  grpc::Status s = Reserve("c", 302, 10000, &c);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_NE(s.error_message().find("staging"), std::string::npos) << s.error_message();
+  grpc::ClientContext ctx;
+  v1::WorkerAbortRequest req;
+  req.set_request_id("a");
+  v1::WorkerAbortResponse resp;
+  ASSERT_TRUE(decode_stub_->Abort(&ctx, req, &resp).ok());
+  ASSERT_TRUE(Reserve("c", 302, 10000, &c).ok());
+  // The landing blocks named to the sender are staging blocks, not cache blocks.
+  for (uint32_t id : c.block_ids()) EXPECT_LT(id, uint32_t(2 * kPromptBlocksAt8));
+  for (const char* id : {"b", "c"}) {
+    grpc::ClientContext abort_ctx;
+    req.set_request_id(id);
+    ASSERT_TRUE(decode_stub_->Abort(&abort_ctx, req, &resp).ok());
+  }
+  EXPECT_TRUE(DecodeBecomesIdle());
+}
+
+TEST_F(StagedWorkerServicesTest, AFailedTransferGivesItsStagingBack) {
+  for (int i = 0; i < 3; ++i) {
+    v1::KvTarget target;
+    ASSERT_TRUE(Reserve(absl::StrCat("short", i), 400 + i, 10000, &target).ok());
+    target.mutable_block_ids()->RemoveLast();
+    v1::PrefillResponse pre;
+    EXPECT_FALSE(Prefill(absl::StrCat("short", i), v1::SamplingOptions(), target, &pre).ok());
+    EXPECT_TRUE(DecodeBecomesIdle());
+  }
+  FlowResult r = RunFlow("after-failures", 410, rpc::ToSamplingOptions(SamplingParams{}));
+  EXPECT_TRUE(r.decode.ok()) << r.reserve.error_message() << r.prefill.error_message() << r.decode.error_message();
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "engine/cuda/device_kv_cache.h"
 
+#include "absl/strings/str_cat.h"
 #include "kernels/cuda_check.h"
 
 namespace duet::cuda {
@@ -14,11 +15,23 @@ absl::StatusOr<std::unique_ptr<DeviceKvCache>> DeviceKvCache::Create(KvCacheShap
   if (absl::Status s = CudaStatus(cudaMemsetAsync(pool->get(), 0, bytes, stream), "KV cache memset"); !s.ok()) {
     return s;
   }
-  return std::unique_ptr<DeviceKvCache>(new DeviceKvCache(shape, std::move(*pool), stream));
+  cudaStream_t copy_stream = nullptr;
+  if (absl::Status s = CudaStatus(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking), "KV copy stream");
+      !s.ok()) {
+    return s;
+  }
+  return std::unique_ptr<DeviceKvCache>(new DeviceKvCache(shape, std::move(*pool), stream, copy_stream));
 }
 
-DeviceKvCache::DeviceKvCache(const KvCacheShape& shape, DeviceAllocation pool, cudaStream_t stream)
-    : KvCache(shape), pool_(std::move(pool)), layer_elems_(shape.num_blocks * shape.block_elems()), stream_(stream) {}
+DeviceKvCache::DeviceKvCache(const KvCacheShape& shape, DeviceAllocation pool, cudaStream_t stream,
+                             cudaStream_t copy_stream)
+    : KvCache(shape),
+      pool_(std::move(pool)),
+      layer_elems_(shape.num_blocks * shape.block_elems()),
+      stream_(stream),
+      copy_stream_(copy_stream) {}
+
+DeviceKvCache::~DeviceKvCache() { cudaStreamDestroy(copy_stream_); }
 
 void DeviceKvCache::CopyBlocks(const std::vector<BlockCopy>& copies) {
   const size_t block_bytes = size_t(shape().block_elems()) * sizeof(__nv_bfloat16);
@@ -31,6 +44,91 @@ void DeviceKvCache::CopyBlocks(const std::vector<BlockCopy>& copies) {
                                       cudaMemcpyDeviceToDevice, stream_));
     }
   }
+}
+
+absl::StatusOr<HostMemory> DeviceKvCache::AllocateHostStaging(size_t bytes) {
+  void* p = nullptr;
+  if (absl::Status s = CudaStatus(cudaHostAlloc(&p, bytes, cudaHostAllocPortable), "pinned KV staging");
+      !s.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot pin ", bytes, " host bytes for KV staging: ", s.message()));
+  }
+  return HostMemory(p, [](void* q) { cudaFreeHost(q); });
+}
+
+absl::Status DeviceKvCache::CopyBlocksToHost(int64_t first_layer, int64_t num_layers,
+                                             absl::Span<const BlockCopy> copies, const HostKvBlocks& host) {
+  return CopyWithHost(first_layer, num_layers, copies, host, /*to_host=*/true);
+}
+
+absl::Status DeviceKvCache::CopyBlocksFromHost(int64_t first_layer, int64_t num_layers,
+                                               absl::Span<const BlockCopy> copies, const HostKvBlocks& host) {
+  return CopyWithHost(first_layer, num_layers, copies, host, /*to_host=*/false);
+}
+
+absl::Status DeviceKvCache::CopyWithHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                                         const HostKvBlocks& host, bool to_host) {
+  const KvCacheShape& s = shape();
+  if (first_layer < 0 || num_layers < 0 || first_layer + num_layers > s.num_layers ||
+      int64_t(host.keys.size()) != s.num_layers || int64_t(host.values.size()) != s.num_layers) {
+    return absl::InvalidArgumentError("staging copy: bad layer range or host pools");
+  }
+  for (const BlockCopy& c : copies) {
+    const int32_t cache_block = to_host ? c.src : c.dst;
+    if (cache_block < 0 || cache_block >= s.num_blocks || (to_host ? c.dst : c.src) < 0) {
+      return absl::OutOfRangeError(absl::StrCat("staging copy ", c.src, " -> ", c.dst, " is outside the pools"));
+    }
+  }
+  const size_t block_bytes = size_t(s.block_elems()) * sizeof(__nv_bfloat16);
+  // Runs where both sides' block ids advance together are one contiguous copy.
+  struct Run {
+    int32_t src, dst, length;
+  };
+  std::vector<Run> runs;
+  for (const BlockCopy& c : copies) {
+    if (!runs.empty() && runs.back().src + runs.back().length == c.src && runs.back().dst + runs.back().length == c.dst) {
+      ++runs.back().length;
+    } else {
+      runs.push_back({c.src, c.dst, 1});
+    }
+  }
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+  const size_t count = runs.size() * size_t(num_layers) * 2;
+  dsts.reserve(count);
+  srcs.reserve(count);
+  sizes.reserve(count);
+  for (int64_t layer = first_layer; layer < first_layer + num_layers; ++layer) {
+    for (int kv = 0; kv < 2; ++kv) {
+      char* device = reinterpret_cast<char*>(kv == 0 ? keys(layer) : values(layer));
+      char* staged = static_cast<char*>(kv == 0 ? host.keys[layer] : host.values[layer]);
+      for (const Run& r : runs) {
+        char* src = (to_host ? device : staged) + size_t(r.src) * block_bytes;
+        char* dst = (to_host ? staged : device) + size_t(r.dst) * block_bytes;
+        dsts.push_back(dst);
+        srcs.push_back(src);
+        sizes.push_back(size_t(r.length) * block_bytes);
+      }
+    }
+  }
+  if (count == 0) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(copy_mu_);
+  cudaMemcpyAttributes attrs{};
+  attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attrs.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t attrs_index = 0;
+  cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), count, &attrs, &attrs_index, 1,
+                                         copy_stream_);
+  if (err != cudaSuccess) {
+    // Older drivers lack batched copies: one call per run.
+    cudaGetLastError();
+    for (size_t i = 0; i < count; ++i) {
+      err = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, copy_stream_);
+      if (err != cudaSuccess) break;
+    }
+  }
+  if (err == cudaSuccess) err = cudaStreamSynchronize(copy_stream_);
+  return CudaStatus(err, to_host ? "KV staging copy to host" : "KV staging copy from host");
 }
 
 }  // namespace duet::cuda
