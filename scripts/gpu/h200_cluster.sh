@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the whole cluster (router + prefill worker + decode worker as
+# separate processes sharing the one GPU, KV through UCX and pinned host staging) on a
+# random-weight Llama-3-8B-shaped bf16 checkpoint, checked against `duet generate --backend cuda`,
+# then measured with duet-bench. Logs and result JSON go to $OUT.
+#
+#   here:   scripts/gpu/make_cluster_bundle.sh; mv models /tmp/duet-models-hold
+#   device: bash scripts/gpu/h200_cluster.sh          (carry .devcluster)
+#   here:   mv /tmp/duet-models-hold models
+set -uo pipefail
+OUT=${OUT:-/tmp/duet-cluster-out}
+mkdir -p "$OUT"
+tar -xJf .devcluster/bundle.tar.xz -C /tmp || exit 1
+source /tmp/devbundle/env.sh
+MODEL=/tmp/llama8b
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+echo "== checkpoint (transformers, random weights)"
+python3 -c "
+import sys; sys.path.insert(0, 'scripts/gpu')
+from hf_reference import make_checkpoint
+make_checkpoint('$MODEL', 32)" 2>&1 | grep -v Warning | tail -2
+cp /tmp/devbundle/tokenizer.json /tmp/devbundle/tokenizer_config.json "$MODEL/"
+
+PROMPTS=("def fibonacci(n):" "The capital of France is" "import numpy as np
+x = np.")
+echo "== duet generate --backend cuda (the reference for the cluster's output)"
+: > /tmp/gen_in.jsonl
+for i in "${!PROMPTS[@]}"; do
+  python3 -c "import json,sys; print(json.dumps({'id': 'p$i', 'prompt': sys.argv[1], 'max_tokens': 32, 'temperature': 0}))" \
+    "${PROMPTS[$i]}" >> /tmp/gen_in.jsonl
+done
+duet generate --model "$MODEL" --backend cuda --input /tmp/gen_in.jsonl --output "$OUT/generate.jsonl" \
+  > "$OUT/generate.log" 2>&1; echo "generate exit $?"
+
+echo "== duet serve --backend cuda (1 prefill + 1 decode worker on one GPU)"
+duet serve --model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --prefill-workers 1 --decode-workers 1 \
+  --max-model-len 4096 --max-num-seqs 128 --max-num-batched-tokens 8192 --grpc-port 0 --http-port -1 \
+  --max-concurrent-requests 1024 > "$OUT/serve.out" 2> "$OUT/serve.log" &
+serve_pid=$!
+port=""
+for _ in $(seq 1 240); do
+  port=$(sed -n 's/^DUET_READY grpc_port=//p' "$OUT/serve.out")
+  [[ -n $port ]] && break
+  kill -0 $serve_pid 2>/dev/null || break
+  sleep 1
+done
+if [[ -z $port ]]; then echo "serve did not start"; tail -20 "$OUT/serve.log"; kill $serve_pid; exit 1; fi
+echo "router on port $port"
+
+echo "== cluster vs duet generate (greedy, 32 tokens)"
+same=0
+for i in "${!PROMPTS[@]}"; do
+  duet complete --address 127.0.0.1:$port --prompt "${PROMPTS[$i]}" --max-tokens 32 --temperature 0 \
+    > /tmp/complete_$i.txt 2>> "$OUT/complete.log"
+  python3 - "$i" "$OUT/generate.jsonl" /tmp/complete_$i.txt <<'PY' && same=$((same + 1))
+import json, sys
+i, gen, got = sys.argv[1], sys.argv[2], open(sys.argv[3]).read()
+want = {json.loads(l)["id"]: json.loads(l)["text"] for l in open(gen)}["p" + i]
+print(f"prompt {i}: {'same' if got == want else 'DIFFERENT'} ({len(want)} chars)")
+sys.exit(0 if got == want else 1)
+PY
+done
+echo "cluster output equals duet generate for $same of ${#PROMPTS[@]} prompts"
+
+echo "== duet-bench (random 512 in / 128 out, ignore_eos)"
+bench() {  # name, extra flags...
+  local name=$1; shift
+  duet-bench --backend duet-grpc --base-url 127.0.0.1:$port --dataset random --tokenizer "$MODEL" \
+    --input-len 512 --output-len 128 --ignore-eos --seed 1 --result-json "$OUT/$name.json" "$@" \
+    > "$OUT/$name.log" 2>&1 || echo "$name: duet-bench exit $?"
+}
+bench warmup --num-prompts 8 --max-concurrency 8
+for c in 1 8 32 64; do bench conc$c --num-prompts $((c < 8 ? 16 : 4 * c)) --max-concurrency $c; done
+for r in 4 16 64; do bench rate$r --num-prompts 256 --request-rate $r; done
+bench rateinf --num-prompts 256 --request-rate inf
+
+kill -INT $serve_pid; wait $serve_pid; echo "serve exit $?"
+python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+print(f"{'run':>8} {'done':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'TTFT med':>8} {'TTFT p99':>8} "
+      f"{'TPOT med':>8} {'TPOT p99':>8} {'ITL p99':>7} {'E2EL med':>8}")
+for name in ["conc1", "conc8", "conc32", "conc64", "rate4", "rate16", "rate64", "rateinf"]:
+    p = os.path.join(out, name + ".json")
+    if not os.path.exists(p):
+        print(f"{name:>8} (no result)"); continue
+    j = json.load(open(p))
+    print(f"{name:>8} {j['completed']:>5} {j['failed']:>4} {j['request_throughput']:>7.2f} {j['output_throughput']:>9.0f} "
+          f"{j['median_ttft_ms']:>8.1f} {j['p99_ttft_ms']:>8.1f} {j['median_tpot_ms']:>8.2f} {j['p99_tpot_ms']:>8.2f} "
+          f"{j['p99_itl_ms']:>7.2f} {j['median_e2el_ms']:>8.0f}")
+PY
