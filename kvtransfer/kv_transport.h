@@ -44,8 +44,8 @@
 
 namespace duet::kvtransfer {
 
-// Where pool memory lives. Device memory would be staged through registered pinned host buffers
-// when UCX is not CUDA-aware (Debian's UCX is not); only host memory is implemented.
+// Where pool memory lives. Only host memory is implemented: Debian's UCX is not CUDA-aware, so a
+// worker with a device cache registers pinned host staging pools (worker_kv_pools.h) instead.
 enum class MemoryKind : uint8_t { kHost = 1, kDevice = 2 };
 
 // One side's KV pools: per layer a K and a V pool of num_blocks * layout.BlockBytes() bytes.
