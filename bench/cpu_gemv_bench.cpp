@@ -1,7 +1,8 @@
 // The few-row matrix products of a CPU decode/verification step: OpenBLAS (sgemv for one row,
 // sgemm otherwise) against BatchedGemv (engine/cpu_gemv.h), for the projection shapes of a model
 // (default: tiny-code-llama's). Prints the best-of-N milliseconds per product and per layer+head
-// "step" (qkv, o, gate_up, down of every layer plus the LM head), by row count.
+// "step" (qkv, o, gate_up, down of every layer plus the LM head), by row count; for the batched
+// GEMV (single-threaded) also the best thread CPU time, the figure a loaded machine moves least.
 //
 //   build/bin/cpu_gemv_bench [--hidden 512] [--intermediate 1408] [--q-rows 512] [--kv-rows 256]
 //                            [--vocab 8192] [--layers 6] [--rows 1,2,4,8,9,12,16,24,32] [--repeat 20]
@@ -9,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cstdio>
 #include <random>
 #include <vector>
@@ -30,6 +32,12 @@ void OpenBlas(const float* x, const float* w, float* y, int64_t rows, int64_t n,
   }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(n), int(k), 1.0f, x, int(k), w, int(k), 0.0f, y,
               int(n));
+}
+
+double ThreadCpuMs() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return double(t.tv_sec) * 1e3 + double(t.tv_nsec) * 1e-6;
 }
 
 }  // namespace
@@ -72,29 +80,35 @@ int main(int argc, char** argv) {
 
   std::printf("BatchedGemv kernel: %s; ms, best of %d; 'step' = every layer's 4 products + LM head\n",
               duet::BatchedGemvUsesAvx2() ? "AVX2/FMA" : "portable", repeat);
-  std::printf("%5s %-8s %12s %12s %9s\n", "rows", "product", "openblas", "batched", "ratio");
+  std::printf("%5s %-8s %12s %12s %12s %9s\n", "rows", "product", "openblas", "batched", "batched cpu", "ratio");
   for (int64_t rows : row_counts) {
-    double step_blas = 0, step_gemv = 0;
+    double step_blas = 0, step_gemv = 0, step_gemv_cpu = 0;
     for (size_t s = 0; s < shapes.size(); ++s) {
-      auto time = [&](auto&& fn) {
+      // Best of `repeat` wall-clock times; for the single-threaded kernel also its thread's CPU
+      // time, which a loaded machine disturbs less (other processes take turns on the core).
+      auto time = [&](auto&& fn, double* best_cpu) {
         double best = 1e30;
         for (int i = 0; i < repeat; ++i) {
           const auto start = std::chrono::steady_clock::now();
+          const double cpu_start = ThreadCpuMs();
           for (const std::vector<float>& w : weights[s]) fn(x.data(), w.data(), y.data(), rows, shapes[s].n, shapes[s].k);
           best = std::min(best, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+          if (best_cpu != nullptr) *best_cpu = std::min(*best_cpu, ThreadCpuMs() - cpu_start);
         }
         return best;
       };
-      const double blas = time(OpenBlas);
-      const double gemv = time(duet::BatchedGemv);
+      double gemv_cpu = 1e30;
+      const double blas = time(OpenBlas, nullptr);
+      const double gemv = time(duet::BatchedGemv, &gemv_cpu);
       step_blas += blas;
       step_gemv += gemv;
+      step_gemv_cpu += gemv_cpu;
       const int64_t copies = int64_t(weights[s].size());
-      std::printf("%5lld %-8s %12.3f %12.3f %8.2fx\n", static_cast<long long>(rows), shapes[s].name, blas / copies,
-                  gemv / copies, blas / gemv);
+      std::printf("%5lld %-8s %12.3f %12.3f %12.3f %8.2fx\n", static_cast<long long>(rows), shapes[s].name,
+                  blas / copies, gemv / copies, gemv_cpu / copies, blas / gemv);
     }
-    std::printf("%5lld %-8s %12.3f %12.3f %8.2fx\n", static_cast<long long>(rows), "step", step_blas, step_gemv,
-                step_blas / step_gemv);
+    std::printf("%5lld %-8s %12.3f %12.3f %12.3f %8.2fx\n", static_cast<long long>(rows), "step", step_blas, step_gemv,
+                step_gemv_cpu, step_blas / step_gemv);
     std::fflush(stdout);
   }
   return 0;

@@ -4,10 +4,11 @@
 // engine/tokenizer_unicode_data_gen.py; never the reference files). Prints mean accepted draft
 // tokens per verified proposal, generated tokens per target forward, target forwards per
 // generated token, decode tokens per second and the speed-up over no speculation measured in
-// the same run. Every mode's output is checked against mode none (lossless).
+// the same run (median of --repeat interleaved runs, with the spread of the run-by-run ratios).
+// Every mode's output is checked against mode none (lossless).
 //
 //   build/bin/spec_decode_bench [--batch 1,8,32,64] [--modes none,lookahead,draft,self]
-//                               [--prompt-len 192] [--gen-len 128] [--max-draft-tokens 8]
+//                               [--prompt-len 192] [--gen-len 128] [--max-draft-tokens 8] [--repeat 3]
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -54,7 +55,7 @@ int main(int argc, char** argv) {
   std::string source_root = DUET_SOURCE_DIR;
   std::vector<int> batches = {1, 8, 32, 64};
   std::vector<std::string> modes = {"none", "lookahead", "draft", "self"};
-  int prompt_len = 192, gen_len = 128, max_draft = 8, self_layers = 0;
+  int prompt_len = 192, gen_len = 128, max_draft = 8, self_layers = 0, repeat = 1;
   app.add_option("--model", model_dir);
   app.add_option("--draft-model", draft_dir);
   app.add_option("--source-root", source_root, "Repository whose Python files make the prompts");
@@ -64,6 +65,8 @@ int main(int argc, char** argv) {
   app.add_option("--gen-len", gen_len)->check(CLI::Range(2, 4000));
   app.add_option("--max-draft-tokens", max_draft)->check(CLI::Range(0, 64));
   app.add_option("--self-spec-layers", self_layers)->check(CLI::Range(0, 1024));
+  app.add_option("--repeat", repeat, "Runs per batch and mode (interleaved); figures are medians")
+      ->check(CLI::Range(1, 100));
   CLI11_PARSE(app, argc, argv);
   if (modes.empty() || modes[0] != "none") modes.insert(modes.begin(), "none");  // the baseline
 
@@ -111,11 +114,15 @@ int main(int argc, char** argv) {
     duet::SamplingParams p;
     p.temperature = 0.0f;
     p.ignore_eos = true;
-    // Warm-up (not timed): two other prompts, so one-time costs (the step-cost calibration,
-    // first touches of memory) are paid by every mode before the clock starts.
-    p.max_tokens = 24;
-    for (int i = 0; i < 2; ++i) {
-      if (absl::Status s = e.AddRequest("warm" + std::to_string(i), prompt_at(max_batch + i), p); !s.ok()) return s;
+    // Warm-up (not timed), at the measured batch size: one-time costs (the step-cost table's
+    // scratch measurements for the step sizes this batch size plans with, first touches of
+    // memory) are paid before the clock starts, as a long-running server pays them once. The
+    // prompts are the first tokens of two windows past every measured prompt, alternating.
+    p.max_tokens = 16;
+    for (int i = 0; i < batch; ++i) {
+      std::vector<int32_t> warm = prompt_at(max_batch + i % 2);
+      warm.resize(std::min<size_t>(warm.size(), 48));
+      if (absl::Status s = e.AddRequest("warm" + std::to_string(i), warm, p); !s.ok()) return s;
     }
     while (e.HasUnfinished()) {
       if (absl::StatusOr<std::vector<duet::RequestOutput>> o = e.Step(); !o.ok()) return o.status();
@@ -147,28 +154,57 @@ int main(int argc, char** argv) {
   };
 
   std::printf("model %s, draft %s; prompts: %d tokens cut from %zu Python files (%zu tokens); %d generated "
-              "per request (greedy); max %d draft tokens per request and step, adaptive budget\n",
+              "per request (greedy); max %d draft tokens per request and step, adaptive budget; %d run(s) per "
+              "row, modes interleaved: tok/s is the median, speedup its ratio to none's median, spread the "
+              "lowest and highest run-by-run ratio\n",
               model_dir.c_str(), draft_dir.c_str(), prompt_len, SourceFiles(source_root).size(), corpus.size(),
-              gen_len, max_draft);
-  std::printf("%6s %-10s %10s %14s %14s %12s %12s %9s %8s\n", "batch", "mode", "drafts", "acc/draft",
-              "tok/forward", "fwd/token", "tok/s", "speedup", "lossless");
+              gen_len, max_draft, repeat);
+  std::printf("%6s %-10s %10s %14s %14s %12s %12s %9s %15s %8s\n", "batch", "mode", "drafts", "acc/draft",
+              "tok/forward", "fwd/token", "tok/s", "speedup", "spread", "lossless");
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 == 1 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  };
   for (int batch : batches) {
-    RunResult baseline;
-    for (const std::string& mode : modes) {
-      absl::StatusOr<RunResult> r = run(mode, batch);
-      if (!r.ok()) {
-        std::fprintf(stderr, "batch %d mode %s: %s\n", batch, mode.c_str(), std::string(r.status().message()).c_str());
-        return 1;
+    // runs[mode][rep]; repetitions interleave the modes so load changes hit every mode alike.
+    std::map<std::string, std::vector<RunResult>> runs;
+    for (int rep = 0; rep < repeat; ++rep) {
+      for (const std::string& mode : modes) {
+        absl::StatusOr<RunResult> r = run(mode, batch);
+        if (!r.ok()) {
+          std::fprintf(stderr, "batch %d mode %s: %s\n", batch, mode.c_str(), std::string(r.status().message()).c_str());
+          return 1;
+        }
+        runs[mode].push_back(std::move(*r));
       }
-      if (mode == "none") baseline = *r;
-      const double tps = double(r->generated) / r->decode_seconds;
-      const double base_tps = double(baseline.generated) / baseline.decode_seconds;
-      const double acc = r->spec.num_drafts > 0 ? double(r->spec.num_accepted_tokens) / double(r->spec.num_drafts) : 0;
-      std::printf("%6d %-10s %10lld %14.2f %14.2f %12.3f %12.1f %8.2fx %8s\n", batch, mode.c_str(),
-                  static_cast<long long>(r->spec.num_drafts), acc,
-                  double(r->generated) / double(r->request_forwards),
-                  double(r->request_forwards) / double(r->generated), tps, tps / base_tps,
-                  r->outputs == baseline.outputs ? "yes" : "NO");
+    }
+    auto tps = [](const RunResult& r) { return double(r.generated) / r.decode_seconds; };
+    std::vector<double> base_tps;
+    for (const RunResult& r : runs["none"]) base_tps.push_back(tps(r));
+    const double base = median(base_tps);
+    for (const std::string& mode : modes) {
+      const std::vector<RunResult>& rs = runs[mode];
+      std::vector<double> mode_tps;
+      double lo = 1e30, hi = 0;
+      bool lossless = true;
+      int64_t drafts = 0, accepted = 0, generated = 0, forwards = 0;
+      for (size_t i = 0; i < rs.size(); ++i) {
+        mode_tps.push_back(tps(rs[i]));
+        lo = std::min(lo, tps(rs[i]) / base_tps[i]);
+        hi = std::max(hi, tps(rs[i]) / base_tps[i]);
+        lossless &= rs[i].outputs == runs["none"][0].outputs;
+        drafts += rs[i].spec.num_drafts;
+        accepted += rs[i].spec.num_accepted_tokens;
+        generated += rs[i].generated;
+        forwards += rs[i].request_forwards;
+      }
+      const double n = double(rs.size());
+      char spread[32];
+      std::snprintf(spread, sizeof(spread), "%.2f-%.2fx", lo, hi);
+      std::printf("%6d %-10s %10.0f %14.2f %14.2f %12.3f %12.1f %8.2fx %15s %8s\n", batch, mode.c_str(),
+                  double(drafts) / n, drafts > 0 ? double(accepted) / double(drafts) : 0.0,
+                  double(generated) / double(forwards), double(forwards) / double(generated), median(mode_tps),
+                  median(mode_tps) / base, spread, lossless ? "yes" : "NO");
       std::fflush(stdout);
     }
   }

@@ -1,6 +1,7 @@
 #include "engine/draft_model.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
@@ -70,7 +71,7 @@ void ModelDrafter::Release(SequenceId seq) {
   cached_tokens_.erase(seq);
 }
 
-absl::Status ModelDrafter::Propose(absl::Span<Job> jobs, KvCache& target_cache) {
+absl::Status ModelDrafter::Propose(absl::Span<Job> jobs, KvCache& target_cache, const ForwardObserver& on_forward) {
   KvCache& cache = self_speculation() ? target_cache : *own_cache_;
   // A job still drafting: `feed` runs next at positions [start, start + feed.size()).
   struct Active {
@@ -109,8 +110,16 @@ absl::Status ModelDrafter::Propose(absl::Span<Job> jobs, KvCache& target_cache) 
   const int64_t vocab = executor_->config().vocab_size;
   while (!active.empty()) {
     chunks.clear();
-    for (const Active& a : active) chunks.push_back(SequenceChunk{a.feed, a.start, a.block_table, a.job->seq, 1});
+    int64_t num_tokens = 0;
+    for (const Active& a : active) {
+      chunks.push_back(SequenceChunk{a.feed, a.start, a.block_table, a.job->seq, 1});
+      num_tokens += int64_t(a.feed.size());
+    }
+    const auto start = std::chrono::steady_clock::now();
     if (absl::Status s = executor_->Forward(chunks, cache, logits_); !s.ok()) return s;
+    if (on_forward) {
+      on_forward(num_tokens, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
     std::vector<Active> still;
     for (size_t i = 0; i < active.size(); ++i) {
       Active& a = active[i];

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -46,7 +47,9 @@ class ModelDrafter {
   };
   // Drafts for every job, batched: round r runs one forward over all jobs that want more than r
   // tokens. `target_cache` is the target's (self-speculation writes its draft slots there).
-  absl::Status Propose(absl::Span<Job> jobs, KvCache& target_cache);
+  // `on_forward` (optional) hears each round's token count and seconds.
+  using ForwardObserver = std::function<void(int64_t num_tokens, double seconds)>;
+  absl::Status Propose(absl::Span<Job> jobs, KvCache& target_cache, const ForwardObserver& on_forward = nullptr);
   // Forgets a sequence (finished or aborted); its draft-cache blocks are freed.
   void Release(SequenceId seq);
 

@@ -48,9 +48,9 @@ int64_t StepCostModel::BucketBelow(int64_t num_tokens) {
   return b;
 }
 
-double StepCostModel::BucketSeconds(int64_t bucket) {
-  auto it = seconds_.find(bucket);
-  if (it != seconds_.end()) return it->second;
+StepCostModel::Bucket* StepCostModel::Find(int64_t bucket) {
+  auto it = buckets_.find(bucket);
+  if (it != buckets_.end()) return &it->second;
   // Best of three runs: the step's own cost, not a neighbour's interference.
   std::optional<double> best;
   for (int i = 0; i < 3; ++i) {
@@ -58,15 +58,22 @@ double StepCostModel::BucketSeconds(int64_t bucket) {
     if (!s) break;
     best = best ? std::min(*best, *s) : *s;
   }
-  if (!best) {
-    // Cannot measure now: scale the nearest measured bucket linearly (pessimistic for larger T).
-    if (seconds_.empty()) return double(bucket);
-    auto near = seconds_.lower_bound(bucket);
-    if (near == seconds_.end()) --near;
-    return near->second * double(bucket) / double(near->first);
+  if (!best) return nullptr;
+  Bucket& b = buckets_[bucket];
+  b.measured = *best;
+  return &b;
+}
+
+double StepCostModel::BucketSeconds(int64_t bucket) {
+  if (const Bucket* b = Find(bucket)) {
+    return b->has_observed ? b->observed : b->measured * std::exp(log_real_over_measured_);
   }
-  seconds_[bucket] = *best;
-  return *best;
+  // Cannot measure now: scale the nearest known bucket linearly (pessimistic for larger T).
+  if (buckets_.empty()) return double(bucket);
+  auto near = buckets_.lower_bound(bucket);
+  if (near == buckets_.end()) --near;
+  const Bucket& b = near->second;
+  return (b.has_observed ? b.observed : b.measured) * double(bucket) / double(near->first);
 }
 
 double StepCostModel::Seconds(int64_t num_tokens) {
@@ -79,34 +86,47 @@ double StepCostModel::Seconds(int64_t num_tokens) {
 }
 
 void StepCostModel::Observe(int64_t num_tokens, double seconds) {
-  // Nudge the buckets around T towards what the real step took (context length, cache state
-  // and the machine's load are in it; the scratch measurement has none of them).
-  const int64_t hi = BucketAtOrAbove(std::max<int64_t>(num_tokens, 1));
-  auto it = seconds_.find(hi);
-  if (it == seconds_.end()) return;
-  const double predicted = Seconds(num_tokens);
-  if (!(predicted > 0) || !(seconds > 0)) return;
-  const double ratio = std::pow(seconds / predicted, 0.1);
-  it->second *= ratio;
-  if (hi != num_tokens) {
-    auto lo = seconds_.find(BucketBelow(num_tokens));
-    if (lo != seconds_.end()) lo->second *= ratio;
+  num_tokens = std::max<int64_t>(num_tokens, 1);
+  if (!(seconds > 0)) return;
+  // Only steps whose buckets were measured (the planner asked for them): never a measurement here.
+  const int64_t hi = BucketAtOrAbove(num_tokens), lo = hi == num_tokens ? hi : BucketBelow(num_tokens);
+  auto hi_it = buckets_.find(hi), lo_it = buckets_.find(lo);
+  if (hi_it == buckets_.end() || lo_it == buckets_.end()) return;
+  const double f = hi == lo ? 1.0 : double(num_tokens - lo) / double(hi - lo);
+  const double measured = (1 - f) * lo_it->second.measured + f * hi_it->second.measured;
+  const double log_ratio = std::log(seconds / measured);
+  // About the last ten real steps (a step's time moves with the load on a shared machine).
+  constexpr double kWeight = 0.2;
+  log_real_over_measured_ += kWeight * (log_ratio - log_real_over_measured_);
+  for (auto [it, share] : {std::pair{lo_it, 1 - f}, std::pair{hi_it, f}}) {
+    if (share <= 0) continue;
+    Bucket& b = it->second;
+    const double real = b.measured * std::exp(log_ratio);  // this step, scaled to the bucket's T
+    if (!b.has_observed) {
+      b.observed = real;
+      b.has_observed = true;
+    } else {
+      b.observed *= std::exp(kWeight * share * (std::log(real) - std::log(b.observed)));
+    }
   }
 }
 
 std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, int64_t base_tokens,
                                       int64_t base_samples, const CostFn& target_cost, const CostFn& draft_cost,
-                                      const CostFn& self_cost) {
+                                      const CostFn& self_cost, double min_gain) {
   const size_t n = requests.size();
   std::vector<int32_t> k(n, 0);
   int32_t max_cap = 0;
   for (const BudgetRequest& r : requests) max_cap = std::max(max_cap, r.cap);
   if (max_cap == 0) return k;
 
-  // Expected accepted tokens of request i with k drafts: sum_{d=1..k} a^d.
+  // Expected accepted tokens of request i with k drafts: sum_{d=1..depth} a^d, where a chain of
+  // k tokens is k deep and a tree of k tokens as deep as its first k tokens reach.
   auto gain = [&](size_t i, int32_t drafts) {
+    const BudgetRequest& r = requests[i];
+    const int32_t depth = drafts == 0 || r.depth_of_first.empty() ? drafts : r.depth_of_first[size_t(drafts - 1)];
     double g = 0, p = 1;
-    for (int32_t d = 0; d < drafts; ++d) g += (p *= requests[i].acceptance);
+    for (int32_t d = 0; d < depth; ++d) g += (p *= r.acceptance);
     return g;
   };
   std::vector<double> gains(n, 0.0);
@@ -152,7 +172,12 @@ std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, 
       gains[i] = gain(i, best_k);
     }
   }
-  return k;
+  const double planned = throughput();
+  const std::vector<int32_t> plan = k;
+  std::fill(k.begin(), k.end(), 0);
+  std::fill(gains.begin(), gains.end(), 0.0);
+  if (planned < min_gain * throughput()) return k;  // not worth the risk: no drafts
+  return plan;
 }
 
 absl::StatusOr<std::unique_ptr<SpeculativeDecoder>> SpeculativeDecoder::Create(const SpeculationConfig& config,
@@ -281,7 +306,15 @@ void SpeculativeDecoder::Plan(absl::Span<Request* const> decoding, int64_t max_m
       cap = s.tree.size();
     }
     if (s.mode == SpeculationMode::kNone) cap = 0;
-    budget.push_back({s.mode, s.acceptance(), cap});
+    BudgetRequest& b = budget.emplace_back(BudgetRequest{s.mode, s.acceptance(), cap, {}});
+    if (s.mode == SpeculationMode::kLookahead) {
+      std::vector<int32_t> depth(static_cast<size_t>(cap));
+      for (int32_t j = 0; j < cap; ++j) {
+        const int32_t parent = s.tree.parents[size_t(j)];
+        depth[size_t(j)] = parent < 0 ? 1 : depth[size_t(parent)] + 1;
+        b.depth_of_first.push_back(std::max(depth[size_t(j)], j > 0 ? b.depth_of_first.back() : 0));
+      }
+    }
   }
   std::vector<int32_t> k;
   if (config_.adaptive) {
@@ -322,16 +355,18 @@ absl::Status SpeculativeDecoder::Draft(absl::Span<Request* const> scheduled) {
       self_requests.push_back(r);
     }
   }
-  auto run = [&](ModelDrafter* drafter, std::vector<ModelDrafter::Job>& jobs, std::vector<Request*>& requests) {
+  auto run = [&](ModelDrafter* drafter, std::vector<ModelDrafter::Job>& jobs, std::vector<Request*>& requests,
+                 std::optional<StepCostModel>& cost) {
     if (jobs.empty()) return absl::OkStatus();
-    if (absl::Status st = drafter->Propose(absl::MakeSpan(jobs), cache_); !st.ok()) return st;
+    auto observe = [&cost](int64_t num_tokens, double seconds) { cost->Observe(num_tokens, seconds); };
+    if (absl::Status st = drafter->Propose(absl::MakeSpan(jobs), cache_, observe); !st.ok()) return st;
     for (size_t i = 0; i < jobs.size(); ++i) {
       for (int32_t token : jobs[i].draft) requests[i]->spec.tree.Add(token, requests[i]->spec.tree.size() - 1);
     }
     return absl::OkStatus();
   };
-  if (absl::Status st = run(draft_.get(), draft_jobs, draft_requests); !st.ok()) return st;
-  return run(self_.get(), self_jobs, self_requests);
+  if (absl::Status st = run(draft_.get(), draft_jobs, draft_requests, draft_cost_); !st.ok()) return st;
+  return run(self_.get(), self_jobs, self_requests, self_cost_);
 }
 
 void SpeculativeDecoder::OnVerified(Request& r, int32_t tree_size, absl::Span<const int32_t> accepted_depths,

@@ -59,8 +59,12 @@ std::vector<int32_t> VerifyDraftTree(absl::Span<const int32_t> tokens, absl::Spa
                                      const std::function<int32_t(int32_t node)>& draw,
                                      const std::function<bool(int32_t token)>& emit);
 
-// Seconds of one forward step of T tokens, measured once per bucket of T when first needed and
-// refined by the real steps' timings.
+// Seconds of one forward step of T tokens. Each bucket of T is measured once when first needed
+// (a scratch forward of one-token chunks, best of three) and then follows the real steps: a
+// real step of T tokens moves the buckets around T towards what it took (a running geometric
+// mean), and buckets no real step has reached yet are scaled by how far real steps have been
+// from the scratch measurements so far (context length, cache state and the machine's load are
+// in the real steps; the scratch measurement has none of them).
 class StepCostModel {
  public:
   // Runs a representative forward of `num_tokens` tokens and returns its seconds; nullopt when
@@ -72,12 +76,20 @@ class StepCostModel {
   void Observe(int64_t num_tokens, double seconds);
 
  private:
+  struct Bucket {
+    double measured = 0;  // scratch forward
+    double observed = 0;  // running geometric mean of real steps, scaled to the bucket's T
+    bool has_observed = false;
+  };
   static int64_t BucketAtOrAbove(int64_t num_tokens);
   static int64_t BucketBelow(int64_t num_tokens);
+  // The bucket's entry, measured now if it was not yet; null when it cannot be measured now.
+  Bucket* Find(int64_t bucket);
   double BucketSeconds(int64_t bucket);
 
   Measure measure_;
-  std::map<int64_t, double> seconds_;  // bucket -> seconds
+  std::map<int64_t, Bucket> buckets_;
+  double log_real_over_measured_ = 0;  // running mean of log(real step / scratch measurement)
 };
 
 // One decoding request as the budget planner sees it.
@@ -85,16 +97,22 @@ struct BudgetRequest {
   SpeculationMode mode = SpeculationMode::kNone;
   double acceptance = 0.0;  // estimated probability that each further draft token is accepted
   int32_t cap = 0;          // most draft tokens it may take
+  // Lookahead trees: depth of the tree cut to its first c + 1 tokens (best first), [cap].
+  // Empty for a chain (c + 1 tokens reach depth c + 1).
+  std::vector<int32_t> depth_of_first;
 };
 
 // Draft tokens per request maximizing expected tokens per second of the step:
-//   (base_samples + sum_r sum_{d <= k_r} acceptance_r^d) / (target(base_tokens + sum_r k_r)
-//                                                          + drafting rounds of modes draft/self)
+//   (base_samples + sum_r sum_{d <= depth_r(k_r)} acceptance_r^d)
+//     / (target(base_tokens + sum_r k_r) + drafting rounds of modes draft/self)
 // by coordinate ascent over the requests (a step's cost is not convex in T on every backend).
+// A plan with drafts must beat no drafts by `min_gain` (estimates are noisy; a wrong guess costs
+// the whole batch), otherwise every budget is zero.
 using CostFn = std::function<double(int64_t num_tokens)>;
+inline constexpr double kDefaultMinGain = 1.04;
 std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, int64_t base_tokens,
                                       int64_t base_samples, const CostFn& target_cost, const CostFn& draft_cost,
-                                      const CostFn& self_cost);
+                                      const CostFn& self_cost, double min_gain = kDefaultMinGain);
 
 class SpeculativeDecoder {
  public:

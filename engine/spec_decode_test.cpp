@@ -115,6 +115,55 @@ TEST(PlanDraftBudgetsTest, DraftsWhenStepsAreMemoryBoundAndNotWhenComputeBound) 
   EXPECT_LE(64 + total, 90);
 }
 
+TEST(PlanDraftBudgetsTest, NoDraftsUnlessThePlanBeatsNoDraftsByTheMargin) {
+  // One request, T = 1 + k costs 1 + 0.1 k: at acceptance 0.05 no draft earns its 10 % more
+  // time, so nothing; at 0.9 they do.
+  auto linear = [](int64_t t) { return 1.0 + 0.1 * double(t - 1); };
+  auto none = [](int64_t) { return 0.0; };
+  EXPECT_EQ(PlanDraftBudgets({{SpeculationMode::kLookahead, 0.05, 4, {}}}, 1, 1, linear, none, none)[0], 0);
+  EXPECT_GT(PlanDraftBudgets({{SpeculationMode::kLookahead, 0.9, 4, {}}}, 1, 1, linear, none, none)[0], 0);
+  // A plan only just better than none (one draft at acceptance 0.12 for 10 % more time:
+  // +1.8 %) is below the default margin; without a margin it drafts.
+  auto flat = [](int64_t t) { return t == 1 ? 1.0 : 1.1; };
+  const std::vector<BudgetRequest> marginal = {{SpeculationMode::kLookahead, 0.12, 1, {}}};
+  EXPECT_EQ(PlanDraftBudgets(marginal, 1, 1, flat, none, none)[0], 0);
+  EXPECT_EQ(PlanDraftBudgets(marginal, 1, 1, flat, none, none, 1.0)[0], 1);
+  const std::vector<BudgetRequest> good = {{SpeculationMode::kLookahead, 0.2, 1, {}}};
+  EXPECT_EQ(PlanDraftBudgets(good, 1, 1, flat, none, none, 1.0)[0], 1);
+  EXPECT_EQ(PlanDraftBudgets(good, 1, 1, flat, none, none)[0], 1);
+}
+
+TEST(PlanDraftBudgetsTest, TreeGainCountsDepthNotTokens) {
+  // Four tokens as a chain reach depth 4; as four siblings they reach depth 1 only, so the tree
+  // gains one level's worth and a cost that a chain would pay for does not pay for it.
+  auto cost = [](int64_t t) { return 1.0 + 0.15 * double(t - 1); };
+  auto none = [](int64_t) { return 0.0; };
+  BudgetRequest chain{SpeculationMode::kLookahead, 0.8, 4, {1, 2, 3, 4}};
+  BudgetRequest bush{SpeculationMode::kLookahead, 0.8, 4, {1, 1, 1, 1}};
+  EXPECT_EQ(PlanDraftBudgets({chain}, 1, 1, cost, none, none)[0], 4);
+  EXPECT_LE(PlanDraftBudgets({bush}, 1, 1, cost, none, none)[0], 1);
+}
+
+TEST(StepCostModelTest, RealStepsCorrectTheScratchTable) {
+  // Scratch forwards say 1 + 0.1 T ms; real steps take twice that (a loaded machine, longer
+  // contexts). Buckets follow the real steps; buckets no real step reached scale with them.
+  int measured = 0;
+  StepCostModel model([&](int64_t t) -> std::optional<double> {
+    ++measured;
+    return 1.0 + 0.1 * double(t);
+  });
+  EXPECT_DOUBLE_EQ(model.Seconds(8), 1.8);
+  EXPECT_DOUBLE_EQ(model.Seconds(4), 1.4);
+  EXPECT_EQ(measured, 6);  // best of three, per bucket
+  for (int i = 0; i < 40; ++i) model.Observe(8, 3.6);
+  EXPECT_NEAR(model.Seconds(8), 3.6, 1e-9);
+  EXPECT_NEAR(model.Seconds(4), 2.8, 0.01);   // measured, never observed: scaled by 2
+  EXPECT_NEAR(model.Seconds(40), 10.0, 0.1);  // measured now, scaled by 2
+  // An odd real step does not move a bucket far.
+  model.Observe(8, 36.0);
+  EXPECT_LT(model.Seconds(8), 6.0);
+}
+
 // ---- Tree attention in the CPU executor ---------------------------------------------------
 
 // Each tree token's logits equal those of the same path run as a plain sequence.
