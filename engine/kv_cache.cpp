@@ -1,8 +1,6 @@
 #include "engine/kv_cache.h"
 
 #include <algorithm>
-#include <cstdlib>
-#include <new>
 
 #include "absl/strings/str_cat.h"
 
@@ -34,12 +32,6 @@ absl::Status CheckBlockCopies(const KvCacheShape& shape, int64_t first_layer, in
 }
 
 }  // namespace
-
-absl::StatusOr<HostMemory> KvCache::AllocateHostStaging(size_t bytes) {
-  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-  if (p == nullptr) return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " host bytes"));
-  return HostMemory(p, [](void* q) { std::free(q); });
-}
 
 HostKvCache::HostKvCache(KvCacheShape shape) : KvCache(WithFloat32(shape)) {
   const size_t layer_elems = static_cast<size_t>(shape.num_blocks * shape.block_elems());

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -61,7 +62,12 @@ class KvCache {
   virtual void CopyBlocks(const std::vector<BlockCopy>& copies) = 0;
 
   // Host memory this cache copies to and from fastest (page-locked for a device cache).
-  virtual absl::StatusOr<HostMemory> AllocateHostStaging(size_t bytes);
+  // Inline, like every virtual here, so the CUDA backend's library needs nothing from this one's.
+  virtual absl::StatusOr<HostMemory> AllocateHostStaging(size_t bytes) {
+    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (p == nullptr) return absl::ResourceExhaustedError("cannot allocate host memory for KV staging");
+    return HostMemory(p, [](void* q) { std::free(q); });
+  }
   // Copies whole blocks of layers [first_layer, first_layer + num_layers) between this cache and
   // `host`: ToHost reads cache block copies[i].src into host block copies[i].dst, FromHost the
   // reverse (host .src into cache .dst). Returns once the bytes are in place; the caller keeps

@@ -15,6 +15,10 @@ source /tmp/devbundle/env.sh
 MODEL=/tmp/llama8b
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
+echo "== device KV cache <-> pinned staging copies"
+device_kv_cache_tests > "$OUT/device_kv_cache_tests.log" 2>&1; echo "device_kv_cache_tests exit $?"
+grep -E "^\[  (PASSED|FAILED) |Failure" "$OUT/device_kv_cache_tests.log" | head
+
 echo "== checkpoint (transformers, random weights)"
 python3 -c "
 import sys; sys.path.insert(0, 'scripts/gpu')
@@ -24,14 +28,14 @@ cp /tmp/devbundle/tokenizer.json /tmp/devbundle/tokenizer_config.json "$MODEL/"
 
 PROMPTS=("def fibonacci(n):" "The capital of France is" "import numpy as np
 x = np.")
-echo "== duet generate --backend cuda (the reference for the cluster's output)"
-: > /tmp/gen_in.jsonl
+echo "== duet generate --backend cuda, one prompt at a time (the cluster decodes each at batch 1 too)"
 for i in "${!PROMPTS[@]}"; do
   python3 -c "import json,sys; print(json.dumps({'id': 'p$i', 'prompt': sys.argv[1], 'max_tokens': 32, 'temperature': 0}))" \
-    "${PROMPTS[$i]}" >> /tmp/gen_in.jsonl
+    "${PROMPTS[$i]}" > /tmp/gen_in_$i.jsonl
+  duet generate --model "$MODEL" --backend cuda --input /tmp/gen_in_$i.jsonl --output /tmp/gen_out_$i.jsonl \
+    >> "$OUT/generate.log" 2>&1 || echo "generate $i exit $?"
 done
-duet generate --model "$MODEL" --backend cuda --input /tmp/gen_in.jsonl --output "$OUT/generate.jsonl" \
-  > "$OUT/generate.log" 2>&1; echo "generate exit $?"
+cat /tmp/gen_out_*.jsonl > "$OUT/generate.jsonl"
 
 echo "== duet serve --backend cuda (1 prefill + 1 decode worker on one GPU)"
 duet serve --model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --prefill-workers 1 --decode-workers 1 \
@@ -57,7 +61,9 @@ for i in "${!PROMPTS[@]}"; do
 import json, sys
 i, gen, got = sys.argv[1], sys.argv[2], open(sys.argv[3]).read()
 want = {json.loads(l)["id"]: json.loads(l)["text"] for l in open(gen)}["p" + i]
-print(f"prompt {i}: {'same' if got == want else 'DIFFERENT'} ({len(want)} chars)")
+first = next((k for k in range(min(len(got), len(want))) if got[k] != want[k]), min(len(got), len(want)))
+print(f"prompt {i}: {'same' if got == want else f'DIFFERENT from char {first}'} ({len(want)} chars)")
+print("  generate:", repr(want[:70])); print("  cluster: ", repr(got[:70]))
 sys.exit(0 if got == want else 1)
 PY
 done
@@ -76,6 +82,7 @@ for r in 4 16 64; do bench rate$r --num-prompts 256 --request-rate $r; done
 bench rateinf --num-prompts 256 --request-rate inf
 
 kill -INT $serve_pid; wait $serve_pid; echo "serve exit $?"
+grep -i -E "error|fail|warn" "$OUT/serve.log" | head -5
 python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]
@@ -90,3 +97,5 @@ for name in ["conc1", "conc8", "conc32", "conc64", "rate4", "rate16", "rate64", 
           f"{j['median_ttft_ms']:>8.1f} {j['p99_ttft_ms']:>8.1f} {j['median_tpot_ms']:>8.2f} {j['p99_tpot_ms']:>8.2f} "
           f"{j['p99_itl_ms']:>7.2f} {j['median_e2el_ms']:>8.0f}")
 PY
+# At most 8 files come back: keep the table's inputs and logs in one archive.
+(cd "$OUT" && tar -czf /tmp/cluster_logs.tgz ./* && rm -f ./* && mv /tmp/cluster_logs.tgz .)
