@@ -5,6 +5,7 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/elementwise_common.cuh"
+#include "kernels/launch.cuh"
 
 namespace duet::kernels {
 namespace {
@@ -17,6 +18,7 @@ constexpr int kThreads = 256;
 // one 16-byte store.
 __global__ void __launch_bounds__(kThreads)
     SiluAndMulKernel(const __nv_bfloat16* __restrict__ in, __nv_bfloat16* __restrict__ out, int inter, int64_t chunks) {
+  launch_detail::EnterDependentKernel();
   const int chunks_per_row = inter / 8;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < chunks; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = i / chunks_per_row;
@@ -40,7 +42,7 @@ void SiluAndMul(const __nv_bfloat16* in, __nv_bfloat16* out, int rows, int inter
   if (chunks == 0) return;
   // Enough CTAs to fill the GPU many times over; the grid-stride loop covers the rest.
   const int64_t blocks = std::min<int64_t>((chunks + kThreads - 1) / kThreads, 1 << 16);
-  SiluAndMulKernel<<<int(blocks), kThreads, 0, stream>>>(in, out, inter, chunks);
+  launch_detail::LaunchKernel(SiluAndMulKernel, dim3(unsigned(blocks)), dim3(kThreads), 0, stream, in, out, inter, chunks);
   DUET_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,7 +1,9 @@
 // Attention kernel figures on the current GPU:
 //   - device-to-device copy bandwidth (the decode kernel's ceiling), measured in this run;
 //   - paged decode attention (Llama-3-8B shape: 32 q heads, 8 KV heads, head_dim 128, block 16)
-//     at batch 1/8/32/128 x context 1k/4k/32k: time, KV bytes read per second, % of copy;
+//     at batch 1/8/32/128 x context 1k/4k/32k: time, KV bytes read per second, % of copy; planned
+//     for that context, and at batch <= 8 also planned for 8k (as a CUDA graph plans for its
+//     maximum context);
 //   - prefill attention (same shape, one causal sequence of 1k/4k/8k tokens): TFLOP/s with the
 //     causal FLOPs counted as half of full (4 * L^2 * head_dim * heads / 2), for both K/V tiles.
 // Each figure is the median of many CUDA-event-timed launches after warm-up; L2 is flushed
@@ -108,39 +110,51 @@ void BenchDecode(double copy_gbs, int num_sms) {
 
   std::printf("\npaged decode attention, %d q heads / %d kv heads, head_dim %d, block %d, bf16 (L2 flushed)\n",
               kQHeads, kKvHeads, kHeadDim, kBlockSize);
-  std::printf("%6s %8s %7s %10s %12s %10s %8s\n", "batch", "context", "splits", "time_us", "KV_MB", "GB/s",
-              "%copy");
+  std::printf("%6s %8s %8s %7s %10s %12s %10s %8s\n", "batch", "context", "planned", "splits", "time_us", "KV_MB",
+              "GB/s", "%copy");
+  constexpr int kGraphPlanContext = 8192;
   for (int batch : batches) {
     for (int context : contexts) {
-      const std::vector<int32_t> host_lens(batch, context);
-      DUET_CUDA_CHECK(cudaMemcpy(lens, host_lens.data(), batch * sizeof(int32_t), cudaMemcpyHostToDevice));
-      const PagedDecodeAttentionPlan plan =
-          PlanPagedDecodeAttention(batch, kQHeads, kKvHeads, kHeadDim, context, num_sms);
-      float* workspace = nullptr;
-      if (plan.workspace_bytes > 0) DUET_CUDA_CHECK(cudaMalloc(&workspace, plan.workspace_bytes));
-      PagedDecodeAttentionParams p{};
-      p.q = q;
-      p.k_cache = k;
-      p.v_cache = v;
-      p.block_tables = tables;
-      p.context_lens = lens;
-      p.out = out;
-      p.num_seqs = batch;
-      p.num_q_heads = kQHeads;
-      p.num_kv_heads = kKvHeads;
-      p.head_dim = kHeadDim;
-      p.block_size = kBlockSize;
-      p.max_blocks_per_seq = blocks_per_seq;
-      p.scale = 1.f / std::sqrt(float(kHeadDim));
-      p.workspace = workspace;
-      const float ms = MedianMs(
-          3, 30, [&] { PagedDecodeAttention(p, plan, nullptr); },
-          [&] { DUET_CUDA_CHECK(cudaMemsetAsync(flush, batch, flush_bytes)); });
-      const double kv_bytes = 2.0 * batch * context * kKvHeads * kHeadDim * sizeof(__nv_bfloat16);
-      const double gbs = kv_bytes / (ms * 1e-3) / 1e9;
-      std::printf("%6d %8d %7d %10.1f %12.1f %10.0f %7.1f%%\n", batch, context, plan.num_splits, ms * 1e3,
-                  kv_bytes / 1e6, gbs, 100.0 * gbs / copy_gbs);
-      if (workspace) DUET_CUDA_CHECK(cudaFree(workspace));
+      std::vector<int> planned_contexts = {context};
+      if (batch <= 8 && context < kGraphPlanContext) planned_contexts.push_back(kGraphPlanContext);
+      for (int planned : planned_contexts) {
+        const std::vector<int32_t> host_lens(batch, context);
+        DUET_CUDA_CHECK(cudaMemcpy(lens, host_lens.data(), batch * sizeof(int32_t), cudaMemcpyHostToDevice));
+        const PagedDecodeAttentionPlan plan =
+            PlanPagedDecodeAttention(batch, kQHeads, kKvHeads, kHeadDim, planned, num_sms);
+        float* workspace = nullptr;
+        int32_t* split_counters = nullptr;
+        if (plan.workspace_bytes > 0) DUET_CUDA_CHECK(cudaMalloc(&workspace, plan.workspace_bytes));
+        if (plan.num_split_counters > 0) {
+          DUET_CUDA_CHECK(cudaMalloc(&split_counters, plan.num_split_counters * sizeof(int32_t)));
+          DUET_CUDA_CHECK(cudaMemset(split_counters, 0, plan.num_split_counters * sizeof(int32_t)));
+        }
+        PagedDecodeAttentionParams p{};
+        p.q = q;
+        p.k_cache = k;
+        p.v_cache = v;
+        p.block_tables = tables;
+        p.context_lens = lens;
+        p.out = out;
+        p.num_seqs = batch;
+        p.num_q_heads = kQHeads;
+        p.num_kv_heads = kKvHeads;
+        p.head_dim = kHeadDim;
+        p.block_size = kBlockSize;
+        p.max_blocks_per_seq = blocks_per_seq;
+        p.scale = 1.f / std::sqrt(float(kHeadDim));
+        p.workspace = workspace;
+        p.split_counters = split_counters;
+        const float ms = MedianMs(
+            3, 30, [&] { PagedDecodeAttention(p, plan, nullptr); },
+            [&] { DUET_CUDA_CHECK(cudaMemsetAsync(flush, batch, flush_bytes)); });
+        const double kv_bytes = 2.0 * batch * context * kKvHeads * kHeadDim * sizeof(__nv_bfloat16);
+        const double gbs = kv_bytes / (ms * 1e-3) / 1e9;
+        std::printf("%6d %8d %8d %7d %10.1f %12.1f %10.0f %7.1f%%\n", batch, context, planned, plan.num_splits,
+                    ms * 1e3, kv_bytes / 1e6, gbs, 100.0 * gbs / copy_gbs);
+        if (workspace) DUET_CUDA_CHECK(cudaFree(workspace));
+        if (split_counters) DUET_CUDA_CHECK(cudaFree(split_counters));
+      }
     }
   }
   for (void* ptr : {(void*)k, (void*)v, (void*)q, (void*)out, (void*)tables, (void*)lens, flush}) {

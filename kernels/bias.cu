@@ -3,12 +3,14 @@
 #include <cstdint>
 
 #include "kernels/cuda_check.h"
+#include "kernels/launch.cuh"
 
 namespace duet::kernels {
 namespace {
 
 // One thread per 8 contiguous elements (one 16-byte load of x and of bias).
 __global__ void AddBiasKernel(__nv_bfloat16* x, const __nv_bfloat16* bias, int64_t rows, int cols) {
+  launch_detail::EnterDependentKernel();
   const int64_t vec_per_row = cols / 8;
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * vec_per_row) return;
@@ -32,7 +34,7 @@ void AddBias(__nv_bfloat16* x, const __nv_bfloat16* bias, int rows, int cols, cu
   DUET_KERNEL_CHECK(cols % 8 == 0);
   const int64_t n = int64_t(rows) * (cols / 8);
   const int threads = 256;
-  AddBiasKernel<<<unsigned((n + threads - 1) / threads), threads, 0, stream>>>(x, bias, rows, cols);
+  launch_detail::LaunchKernel(AddBiasKernel, dim3(unsigned((n + threads - 1) / threads)), dim3(threads), 0, stream, x, bias, int64_t(rows), cols);
   DUET_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -4,6 +4,7 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/elementwise_common.cuh"
+#include "kernels/launch.cuh"
 
 namespace duet::kernels {
 namespace {
@@ -16,6 +17,7 @@ constexpr int kThreads = 256;
 __global__ void __launch_bounds__(kThreads)
     EmbeddingGatherKernel(const int32_t* __restrict__ tokens, const __nv_bfloat16* __restrict__ table,
                           float* __restrict__ residual, int dim, int64_t chunks) {
+  launch_detail::EnterDependentKernel();
   const int chunks_per_row = dim / 8;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < chunks; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = i / chunks_per_row;
@@ -38,7 +40,7 @@ void EmbeddingGather(const int32_t* tokens, const __nv_bfloat16* table, float* r
   const int64_t chunks = int64_t(rows) * (dim / 8);
   if (chunks == 0) return;
   const int64_t blocks = std::min<int64_t>((chunks + kThreads - 1) / kThreads, 1 << 16);
-  EmbeddingGatherKernel<<<int(blocks), kThreads, 0, stream>>>(tokens, table, residual, dim, chunks);
+  launch_detail::LaunchKernel(EmbeddingGatherKernel, dim3(unsigned(blocks)), dim3(kThreads), 0, stream, tokens, table, residual, dim, chunks);
   DUET_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -2,11 +2,13 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/elementwise_common.cuh"
+#include "kernels/launch.cuh"
 
 namespace duet::kernels {
 namespace {
 
 using namespace elementwise_detail;
+using launch_detail::LaunchKernel;
 
 constexpr int kMaxThreads = 512;
 
@@ -15,6 +17,7 @@ constexpr int kMaxThreads = 512;
 template <int kChunksPerThread>
 __global__ void __launch_bounds__(kMaxThreads) FusedAddRmsNormKernel(RmsNormParams p) {
   __shared__ float scratch[kWarpSize + 1];
+  launch_detail::EnterDependentKernel();
   const int row = blockIdx.x;
   const int src_row = p.row_index != nullptr ? p.row_index[row] : row;
   const int chunks = p.dim / 8;
@@ -71,13 +74,13 @@ void FusedAddRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
   const int threads = RoundUp(chunks < kMaxThreads ? chunks : kMaxThreads, kWarpSize);
   const int per_thread = (chunks + threads - 1) / threads;
   if (per_thread == 1) {
-    FusedAddRmsNormKernel<1><<<p.rows, threads, 0, stream>>>(p);
+    LaunchKernel(FusedAddRmsNormKernel<1>, dim3(p.rows), dim3(threads), 0, stream, p);
   } else if (per_thread == 2) {
-    FusedAddRmsNormKernel<2><<<p.rows, threads, 0, stream>>>(p);
+    LaunchKernel(FusedAddRmsNormKernel<2>, dim3(p.rows), dim3(threads), 0, stream, p);
   } else if (per_thread <= 4) {
-    FusedAddRmsNormKernel<4><<<p.rows, threads, 0, stream>>>(p);
+    LaunchKernel(FusedAddRmsNormKernel<4>, dim3(p.rows), dim3(threads), 0, stream, p);
   } else {
-    FusedAddRmsNormKernel<8><<<p.rows, threads, 0, stream>>>(p);
+    LaunchKernel(FusedAddRmsNormKernel<8>, dim3(p.rows), dim3(threads), 0, stream, p);
   }
   DUET_CUDA_CHECK(cudaGetLastError());
 }

@@ -5,11 +5,15 @@
 
 #include "kernels/attention_common.cuh"
 #include "kernels/cuda_check.h"
+#include "kernels/launch.cuh"
 
 namespace duet::kernels {
 namespace {
 
 using namespace attention_detail;
+using launch_detail::LaunchKernel;
+using launch_detail::LetDependentsLaunch;
+using launch_detail::WaitForPriorKernels;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
@@ -17,6 +21,14 @@ constexpr int kTileTokens = 64;                      // tokens per pipeline stag
 constexpr int kStages = 3;                           // cp.async pipeline depth
 constexpr int kHeadsPerCta = 16;                     // query heads in one MMA row tile
 constexpr int kMinTilesPerSplit = 2;                 // below this a split's merge costs more than it hides
+
+// Tokens per split of a sequence of `context_len` tokens under a plan of `num_splits` splits:
+// the context spread evenly over the splits, in whole tiles, so a short context in a plan made
+// for a long one (a CUDA graph's) still uses as many CTAs as it can.
+__device__ __forceinline__ int SplitTokens(int context_len, int num_splits) {
+  const int per_split = (context_len + num_splits - 1) / num_splits;
+  return max(kTileTokens, (per_split + kTileTokens - 1) / kTileTokens * kTileTokens);
+}
 
 template <int kHeadDim>
 constexpr int SmemBytes() {
@@ -31,9 +43,14 @@ constexpr int CtasPerSm() {
 // z = split. Warp w of the CTA takes tokens [16w, 16w + 16) of every 64-token tile of its split,
 // keeps its own online softmax state, and the 4 warps merge through shared memory at the end.
 // MMA rows are query heads (rows past the group get zero queries and are never written).
+// With splits, each CTA writes its normalized partial output and log-sum-exp to the workspace;
+// the last CTA of a (sequence, x) to finish (counted in split_counters) merges them into out.
+// Launched with programmatic dependent launch: the K/V of every token but the newest (which the
+// kernel before this one writes) are older than the step, so a CTA whose first tiles hold only
+// such tokens starts loading them before it waits for that kernel.
 template <int kHeadDim>
 __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const PagedDecodeAttentionParams p, int num_splits,
-                                                              int tokens_per_split, int head_chunks,
+                                                              int max_tokens_per_split, int head_chunks,
                                                               int block_size_log2, float scale_log2) {
   constexpr int kChunksPerRow = kHeadDim / 8;
   constexpr int kKSteps = kHeadDim / 16;  // MMA k-steps over head_dim for Q.K
@@ -52,13 +69,16 @@ __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const PagedDecodeA
   const int first_head = kv_head * heads_per_kv + first_head_in_group;
   const int seq = int(blockIdx.y);
   const int split = int(blockIdx.z);
-  const int context_len = p.context_lens[seq];
-  if (context_len > num_splits * tokens_per_split || context_len > p.max_blocks_per_seq << block_size_log2) {
+  const int context_len = p.context_lens[seq];  // step metadata: copied in before the step
+  if (context_len > num_splits * max_tokens_per_split || context_len > p.max_blocks_per_seq << block_size_log2) {
     __trap();  // the plan (or the block table) does not cover this context
   }
+  const int tokens_per_split = SplitTokens(context_len, num_splits);
   const int split_begin = split * tokens_per_split;
   if (split_begin >= context_len) {
-    if (split == 0 && num_splits == 1) {  // empty sequence: zeros (the merge handles split plans)
+    WaitForPriorKernels();
+    LetDependentsLaunch();
+    if (split == 0 && (num_splits == 1 || context_len == 0)) {  // empty sequence: zeros
       for (int i = int(threadIdx.x); i < num_rows * kHeadDim; i += kThreads) {
         p.out[(size_t(seq) * p.num_q_heads + first_head + i / kHeadDim) * kHeadDim + i % kHeadDim] =
             __float2bfloat16(0.f);
@@ -78,6 +98,13 @@ __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const PagedDecodeA
     const uint32_t stage = smem_base + uint32_t(tile % kStages) * 2 * kTileBytes;
     loader.Issue(stage, stage + kTileBytes, tile_first_token(tile));
   };
+  // The newest token's K/V (position context_len - 1) comes from the previous kernel; the
+  // prologue reads tokens [split_begin, min(split_end, split_begin + (kStages - 1) * kTileTokens)).
+  const bool prologue_before_wait = context_len - 1 >= min(split_end, split_begin + (kStages - 1) * kTileTokens);
+  if (!prologue_before_wait) {
+    WaitForPriorKernels();
+    LetDependentsLaunch();
+  }
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     loader.Prefetch(tile_first_token(s));
@@ -85,6 +112,10 @@ __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const PagedDecodeA
     CpAsyncCommit();
   }
   loader.Prefetch(tile_first_token(kStages - 1));
+  if (prologue_before_wait) {
+    WaitForPriorKernels();  // q and the tiles issued in the loop below
+    LetDependentsLaunch();
+  }
 
   // Query A-fragments straight from global memory (rows = heads; rows past the group are 0).
   uint32_t q_frag[kKSteps][4];
@@ -207,6 +238,7 @@ __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const PagedDecodeA
   __syncthreads();
 
   const bool split_plan = num_splits > 1;
+  float* lse_all = p.workspace + size_t(p.num_seqs) * p.num_q_heads * num_splits * kHeadDim;  // [seq, head, split]
   for (int i = int(threadIdx.x); i < num_rows * kHeadDim; i += kThreads) {
     const int row = i / kHeadDim, d = i % kHeadDim;
     float max_all = -INFINITY;
@@ -227,47 +259,48 @@ __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const PagedDecodeA
       p.out[seq_head * kHeadDim + d] = __float2bfloat16(normalized);
     } else {
       p.workspace[(seq_head * num_splits + split) * kHeadDim + d] = normalized;
-      if (d == 0) {
-        float* lse = p.workspace + size_t(p.num_seqs) * p.num_q_heads * num_splits * kHeadDim;
-        lse[seq_head * num_splits + split] = sum > 0.f ? max_all + log2f(sum) : -INFINITY;
-      }
+      if (d == 0) lse_all[seq_head * num_splits + split] = sum > 0.f ? max_all + log2f(sum) : -INFINITY;
     }
   }
-}
+  if (!split_plan) return;
 
-// One warp per (sequence, query head): weights each split's normalized partial output by
-// 2^(lse_split - lse_max) over the splits the sequence actually has.
-template <int kHeadDim>
-__global__ void __launch_bounds__(128) MergeSplitsKernel(const PagedDecodeAttentionParams p, int num_splits,
-                                                         int tokens_per_split) {
-  constexpr int kPerLane = kHeadDim / 32;
-  const int seq_head = int(blockIdx.x) * 4 + int(threadIdx.x) / 32;
-  const int lane = int(threadIdx.x) % 32;
-  if (seq_head >= p.num_seqs * p.num_q_heads) return;
-  const int seq = seq_head / p.num_q_heads;
-  const int used_splits = min(num_splits, (p.context_lens[seq] + tokens_per_split - 1) / tokens_per_split);
-  const float* partial = p.workspace + size_t(seq_head) * num_splits * kHeadDim;
-  const float* lse = p.workspace + size_t(p.num_seqs) * p.num_q_heads * num_splits * kHeadDim +
-                     size_t(seq_head) * num_splits;
-
-  float lse_max = -INFINITY;
-  for (int s = lane; s < used_splits; s += 32) lse_max = fmaxf(lse_max, lse[s]);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, offset));
-
-  float value[kPerLane] = {};
-  float weight_sum = 0.f;
-  if (lse_max != -INFINITY) {
+  // Count this CTA's partials in; the last of the sequence's splits to finish merges them all,
+  // weighting split s by 2^(lse_s - lse_max).
+  __shared__ bool merges;
+  const int used_splits = (context_len + tokens_per_split - 1) / tokens_per_split;
+  __threadfence();  // this thread's partials are visible before the count says so
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t* counter = p.split_counters + size_t(seq) * gridDim.x + blockIdx.x;
+    merges = atomicAdd(counter, 1) == used_splits - 1;
+    if (merges) atomicExch(counter, 0);  // every split has counted: ready for the next launch
+  }
+  __syncthreads();
+  if (!merges) return;
+  __threadfence();
+  float* split_weight = merge_acc;  // [num_rows][used_splits]; the CTA's own merge is done with it
+  for (int row = int(threadIdx.x); row < num_rows; row += kThreads) {
+    const float* lse = lse_all + (size_t(seq) * p.num_q_heads + first_head + row) * num_splits;
+    float lse_max = -INFINITY;
+    for (int s = 0; s < used_splits; ++s) lse_max = fmaxf(lse_max, __ldcg(lse + s));
+    float weight_sum = 0.f;
     for (int s = 0; s < used_splits; ++s) {
-      const float weight = Exp2(lse[s] - lse_max);
+      const float weight = lse_max == -INFINITY ? 0.f : Exp2(__ldcg(lse + s) - lse_max);
+      split_weight[row * used_splits + s] = weight;
       weight_sum += weight;
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) value[i] += weight * partial[s * kHeadDim + lane * kPerLane + i];
     }
+    const float inv_sum = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
+    for (int s = 0; s < used_splits; ++s) split_weight[row * used_splits + s] *= inv_sum;
   }
-  __nv_bfloat16* out = p.out + size_t(seq_head) * kHeadDim + lane * kPerLane;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) out[i] = __float2bfloat16(weight_sum > 0.f ? value[i] / weight_sum : 0.f);
+  __syncthreads();
+  for (int i = int(threadIdx.x); i < num_rows * kHeadDim; i += kThreads) {
+    const int row = i / kHeadDim, d = i % kHeadDim;
+    const size_t seq_head = size_t(seq) * p.num_q_heads + first_head + row;
+    const float* partial = p.workspace + seq_head * num_splits * kHeadDim + d;
+    float value = 0.f;
+    for (int s = 0; s < used_splits; ++s) value += split_weight[row * used_splits + s] * __ldcg(partial + s * kHeadDim);
+    p.out[seq_head * kHeadDim + d] = __float2bfloat16(value);
+  }
 }
 
 template <int kHeadDim>
@@ -279,14 +312,8 @@ void Launch(const PagedDecodeAttentionParams& p, const PagedDecodeAttentionPlan&
   static_assert(smem >= (kWarps * kHeadsPerCta * (kHeadDim + 2)) * int(sizeof(float)), "merge buffer must fit");
   DUET_CUDA_CHECK(cudaFuncSetAttribute(PagedDecodeKernel<kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(p.num_kv_heads * head_chunks, p.num_seqs, plan.num_splits);
-  PagedDecodeKernel<kHeadDim><<<grid, kThreads, smem, stream>>>(p, plan.num_splits, plan.tokens_per_split, head_chunks,
-                                                                block_size_log2, p.scale * kLog2e);
-  DUET_CUDA_CHECK(cudaGetLastError());
-  if (plan.num_splits > 1) {
-    const int seq_heads = p.num_seqs * p.num_q_heads;
-    MergeSplitsKernel<kHeadDim><<<(seq_heads + 3) / 4, 128, 0, stream>>>(p, plan.num_splits, plan.tokens_per_split);
-    DUET_CUDA_CHECK(cudaGetLastError());
-  }
+  LaunchKernel(PagedDecodeKernel<kHeadDim>, grid, dim3(kThreads), smem, stream, p, plan.num_splits,
+               plan.tokens_per_split, head_chunks, block_size_log2, p.scale * kLog2e);
 }
 
 size_t WorkspaceBytes(int num_seqs, int num_q_heads, int head_dim, int num_splits) {
@@ -314,6 +341,7 @@ PagedDecodeAttentionPlan PlanPagedDecodeAttention(int num_seqs, int num_q_heads,
   plan.num_splits = splits;
   plan.tokens_per_split = tiles_per_split * kTileTokens;
   plan.workspace_bytes = WorkspaceBytes(num_seqs, num_q_heads, head_dim, splits);
+  plan.num_split_counters = splits > 1 ? ctas : 0;
   return plan;
 }
 
@@ -322,7 +350,9 @@ void PagedDecodeAttention(const PagedDecodeAttentionParams& p, const PagedDecode
   DUET_KERNEL_CHECK(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0);
   DUET_KERNEL_CHECK(p.block_size >= 1 && p.max_blocks_per_seq >= 1);
   DUET_KERNEL_CHECK(plan.num_splits >= 1 && plan.tokens_per_split > 0 && plan.tokens_per_split % kTileTokens == 0);
-  DUET_KERNEL_CHECK(plan.num_splits == 1 || p.workspace != nullptr);
+  DUET_KERNEL_CHECK(plan.num_splits == 1 || (p.workspace != nullptr && p.split_counters != nullptr));
+  // The merging CTA keeps one weight per (query head, split) in its shared memory.
+  DUET_KERNEL_CHECK(size_t(kHeadsPerCta) * plan.num_splits * sizeof(float) <= size_t(SmemBytes<64>()));
   DUET_KERNEL_CHECK(plan.workspace_bytes >= WorkspaceBytes(p.num_seqs, p.num_q_heads, p.head_dim, plan.num_splits));
   if (p.num_seqs == 0) return;
   switch (p.head_dim) {

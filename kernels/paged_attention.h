@@ -3,7 +3,10 @@
 // GQA-aware (each CTA serves up to 16 query heads of one KV head, so every KV block is read once
 // for all of them), split-KV ("flash-decoding") with a log-sum-exp merge for long contexts and
 // small batches, cp.async triple-buffered 64-token tiles, bf16 tensor-core math, fp32 softmax and
-// accumulation. head_dim 64 or 128; block_size any power of two.
+// accumulation. head_dim 64 or 128; block_size any power of two. One kernel: the last split of a
+// sequence to finish merges the others' partial outputs. Launched with programmatic dependent
+// launch (kernels/launch.cuh); K/V of all but each sequence's newest token may be read before the
+// previous kernel (which writes the newest token's K/V) has finished.
 #pragma once
 
 #include <cstddef>
@@ -24,16 +27,19 @@ struct PagedDecodeAttentionParams {
   int num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks_per_seq;
   float scale;                   // usually 1/sqrt(head_dim)
   float* workspace;              // split-KV partial outputs + log-sum-exp; size from the plan
+  int32_t* split_counters;       // split plans: plan.num_split_counters zeros (each launch leaves them zero)
 };
 
 // How a decode launch splits each sequence's context. Valid for every batch of at most the
 // planned num_seqs whose context_lens are all <= the planned max_context_len (so the launch can
-// be captured once in a CUDA graph): splits past a sequence's end exit at once and the merge
-// reads only the splits a sequence has. A sequence with context_len 0 gets zeros.
+// be captured once in a CUDA graph): each sequence's context is spread evenly over the splits in
+// whole 64-token tiles (a short context in a long plan still uses many CTAs), splits past its end
+// exit at once and the merge reads only the splits it has. A sequence with context_len 0 gets zeros.
 struct PagedDecodeAttentionPlan {
   int num_splits;          // CTAs along each sequence's context (1: no workspace, no merge)
-  int tokens_per_split;    // a multiple of the 64-token tile
+  int tokens_per_split;    // the most tokens a split takes: a multiple of the 64-token tile
   size_t workspace_bytes;  // float partials [num_seqs, num_q_heads, num_splits, head_dim] + LSE
+  int num_split_counters;  // int32 counters [num_seqs, CTAs per sequence] the split merge needs (0 without splits)
 };
 
 PagedDecodeAttentionPlan PlanPagedDecodeAttention(int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,

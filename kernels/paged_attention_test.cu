@@ -45,6 +45,7 @@ PagedDecodeAttentionPlan RunAndCompare(const DecodeCase& c, uint64_t seed) {
                                                                  c.planned_max_context, c.num_sms);
   DeviceBuffer<float> workspace(plan.workspace_bytes / sizeof(float) + 1);
   workspace.Poison();
+  DeviceBuffer<int32_t> split_counters(std::vector<int32_t>(size_t(plan.num_split_counters) + 1, 0));
 
   PagedDecodeAttentionParams params{};
   params.q = d_q.get();
@@ -61,20 +62,25 @@ PagedDecodeAttentionPlan RunAndCompare(const DecodeCase& c, uint64_t seed) {
   params.max_blocks_per_seq = cache.max_blocks_per_seq;
   params.scale = scale;
   params.workspace = plan.num_splits > 1 ? workspace.get() : nullptr;
-  PagedDecodeAttention(params, plan, nullptr);
-  DUET_CUDA_CHECK(cudaDeviceSynchronize());
-
-  const std::vector<float> out = testing::ToFloat(d_out.Download());
+  params.split_counters = plan.num_splits > 1 ? split_counters.get() : nullptr;
   const std::vector<float> ref = reference::PagedDecodeAttention(
       q, cache.View(), std::vector<int32_t>(c.context_lens.begin(), c.context_lens.end()), c.num_q_heads, scale);
-  EXPECT_LE(testing::RelativeError(out, ref), kBf16Tolerance)
-      << "splits " << plan.num_splits << " tokens/split " << plan.tokens_per_split;
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (!std::isfinite(out[i])) {
-      ADD_FAILURE() << "non-finite output at " << i;
-      break;
+  // Twice: the split merge's counters must be back at zero for the second launch.
+  for (int launch = 0; launch < 2; ++launch) {
+    d_out.Poison();
+    PagedDecodeAttention(params, plan, nullptr);
+    DUET_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> out = testing::ToFloat(d_out.Download());
+    EXPECT_LE(testing::RelativeError(out, ref), kBf16Tolerance)
+        << "launch " << launch << " splits " << plan.num_splits << " tokens/split " << plan.tokens_per_split;
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (!std::isfinite(out[i])) {
+        ADD_FAILURE() << "launch " << launch << ": non-finite output at " << i;
+        break;
+      }
     }
   }
+  EXPECT_EQ(split_counters.Download(), std::vector<int32_t>(size_t(plan.num_split_counters) + 1, 0));
   return plan;
 }
 

@@ -4,11 +4,13 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/elementwise_common.cuh"
+#include "kernels/launch.cuh"
 
 namespace duet::kernels {
 namespace {
 
 using namespace elementwise_detail;
+using launch_detail::LaunchKernel;
 
 constexpr int kMaxThreads = 256;
 
@@ -54,6 +56,7 @@ __device__ __forceinline__ int64_t CacheOffset(int slot, int kv_head, const Rope
 // the v copies (one per (kv head, 8 elements)); k and v items exist only when the token has a slot.
 template <int kVec>
 __global__ void __launch_bounds__(kMaxThreads) RopeKvWriteKernel(RopeKvWriteParams p) {
+  launch_detail::EnterDependentKernel();
   const int token = blockIdx.x;
   const int head_dim = p.head_dim, half = head_dim / 2;
   const int slot = p.slot_mapping[token];
@@ -118,9 +121,9 @@ void RopeAndWriteKv(const RopeKvWriteParams& p, cudaStream_t stream) {
   const int max_items = (p.num_q_heads + p.num_kv_heads) * (half / vec) + p.num_kv_heads * (p.head_dim / 8);
   const int threads = RoundUp(max_items < kMaxThreads ? max_items : kMaxThreads, kWarpSize);
   if (vec == 8) {
-    RopeKvWriteKernel<8><<<p.num_tokens, threads, 0, stream>>>(p);
+    LaunchKernel(RopeKvWriteKernel<8>, dim3(p.num_tokens), dim3(threads), 0, stream, p);
   } else {
-    RopeKvWriteKernel<4><<<p.num_tokens, threads, 0, stream>>>(p);
+    LaunchKernel(RopeKvWriteKernel<4>, dim3(p.num_tokens), dim3(threads), 0, stream, p);
   }
   DUET_CUDA_CHECK(cudaGetLastError());
 }

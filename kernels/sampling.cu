@@ -24,6 +24,7 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/elementwise_common.cuh"
+#include "kernels/launch.cuh"
 
 namespace duet::kernels {
 namespace {
@@ -177,6 +178,7 @@ __global__ void __launch_bounds__(kThreads, 1) SampleKernel(SamplingParams p) {
   __shared__ float uniform;
   __shared__ int cut_bucket, num_candidates;
 
+  launch_detail::EnterDependentKernel();
   const int r = blockIdx.x, tid = threadIdx.x;
   const int vocab = p.vocab;
   const float* row = p.logits + int64_t(r) * vocab;
@@ -432,7 +434,7 @@ void AllowLargeSharedMemory() {
 template <int kVec>
 void Launch(const SamplingParams& p, cudaStream_t stream) {
   AllowLargeSharedMemory<kVec>();
-  SampleKernel<kVec><<<p.rows, kThreads, kDynamicSmemBytes, stream>>>(p);
+  launch_detail::LaunchKernel(SampleKernel<kVec>, dim3(p.rows), dim3(kThreads), kDynamicSmemBytes, stream, p);
   DUET_CUDA_CHECK(cudaGetLastError());
 }
 

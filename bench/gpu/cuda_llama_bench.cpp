@@ -2,7 +2,8 @@
 // the same run: device copy bandwidth (the decode floor: weight bytes + KV bytes read per step)
 // and cuBLAS bf16 matmul throughput (the prefill ceiling).
 //
-//   cuda_llama_bench --model DIR [--batch 1,8,32,128] [--context 1024] [--prefill 1024,8192]
+//   cuda_llama_bench --model DIR [--batch 1,8,32,128] [--context 1024] [--prefill 1024,8192 | --prefill none]
+//                    [--no-pdl] [--no-fusion] [--no-cuda-graphs]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -85,6 +86,7 @@ double MeasureMatmulPeak() {
 
 std::vector<int> ParseList(const std::string& text) {
   std::vector<int> out;
+  if (text == "none") return out;
   size_t at = 0;
   while (at < text.size()) {
     size_t comma = text.find(',', at);
@@ -99,23 +101,31 @@ int Run(int argc, char** argv) {
   CLI::App app{"CUDA backend decode/prefill benchmark"};
   std::string model_dir, batches = "1,8,32,128", prefills = "1024,8192";
   int context = 1024, steps = 64;
-  bool graphs = true;
+  bool graphs = true, pdl = true, fusion = true;
   app.add_option("--model", model_dir, "checkpoint directory")->required();
   app.add_option("--batch", batches, "decode batch sizes");
   app.add_option("--context", context, "tokens already in each sequence's KV cache when decode starts");
   app.add_option("--steps", steps, "decode steps timed per batch size");
   app.add_option("--prefill", prefills, "single-sequence prefill lengths");
   app.add_flag("!--no-cuda-graphs", graphs, "run decode steps eagerly");
+  app.add_flag("!--no-pdl", pdl, "launch kernels without programmatic dependent launch");
+  app.add_flag("!--no-fusion", fusion, "RoPE/KV write and SiLU·mul as separate kernels at batch <= 2");
   CLI11_PARSE(app, argc, argv);
 
   const std::vector<int> batch_sizes = ParseList(batches), prefill_lens = ParseList(prefills);
+  if (batch_sizes.empty()) {
+    std::fprintf(stderr, "--batch needs at least one batch size\n");
+    return 1;
+  }
   const int max_batch = *std::max_element(batch_sizes.begin(), batch_sizes.end());
-  const int max_prefill = *std::max_element(prefill_lens.begin(), prefill_lens.end());
+  const int max_prefill = prefill_lens.empty() ? 0 : *std::max_element(prefill_lens.begin(), prefill_lens.end());
   LlamaCudaOptions options;
   options.max_num_seqs = max_batch;
   options.max_num_batched_tokens = std::max(max_prefill, 8192);
   options.max_model_len = std::max<int64_t>(max_prefill, context + steps + 16);
   options.cuda_graphs = graphs;
+  options.programmatic_launch = pdl;
+  options.fused_decode_epilogues = fusion;
   auto loaded = LlamaCuda::Load(model_dir, options);
   if (!loaded.ok()) {
     std::fprintf(stderr, "load: %s\n", std::string(loaded.status().message()).c_str());
@@ -153,6 +163,8 @@ int Run(int argc, char** argv) {
   };
 
   // Prefill: one sequence, logits for its last token, synchronous (the time a prompt takes).
+  std::printf("programmatic dependent launch %s, fused decode epilogues %s, CUDA graphs %s\n", pdl ? "on" : "off",
+              fusion ? "on" : "off", graphs ? "on" : "off");
   std::printf("\n%-10s %10s %10s %12s\n", "prefill", "ms", "TFLOP/s", "of matmul");
   for (int n : prefill_lens) {
     const std::vector<int32_t> prompt = tokens_of(n, 1);

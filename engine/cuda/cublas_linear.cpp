@@ -4,6 +4,7 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/activation.h"
 #include "kernels/gemv.h"
 
 namespace duet::cuda {
@@ -61,6 +62,16 @@ void CublasLinear::ForwardF32(const __nv_bfloat16* x, const __nv_bfloat16* weigh
     return;
   }
   Gemm(handle_, x, weight, y, CUDA_R_32F, rows, in, out);
+}
+
+void CublasLinear::ForwardSiluMul(const __nv_bfloat16* x, const __nv_bfloat16* gate_up_weight,
+                                  __nv_bfloat16* gate_up, __nv_bfloat16* act, int rows, int in, int inter) const {
+  if (rows >= 1 && rows <= kernels::kGemvPreferredMaxRows && in % 8 == 0 && inter % 4 == 0) {
+    kernels::Gemv({x, gate_up_weight, act, rows, in, 2 * inter, false, kernels::GemvEpilogue::kSiluMul}, stream_);
+    return;
+  }
+  Forward(x, gate_up_weight, gate_up, rows, in, 2 * inter);
+  kernels::SiluAndMul(gate_up, act, rows, inter, stream_);
 }
 
 }  // namespace duet::cuda

@@ -28,6 +28,11 @@ class CublasLinear {
                int out) const;
   // Same with an fp32 output (logits).
   void ForwardF32(const __nv_bfloat16* x, const __nv_bfloat16* weight, float* y, int rows, int in, int out) const;
+  // Llama's MLP input: gate_up_weight: [2 * inter, in] (gate rows, then up rows), act: [rows,
+  // inter] bf16 = silu(gate) * up. Skinny batches compute it in the projection's epilogue;
+  // others go through gate_up ([rows, 2 * inter] bf16 scratch) and a SiLU·mul kernel.
+  void ForwardSiluMul(const __nv_bfloat16* x, const __nv_bfloat16* gate_up_weight, __nv_bfloat16* gate_up,
+                      __nv_bfloat16* act, int rows, int in, int inter) const;
 
  private:
   CublasLinear(cublasHandle_t handle, cudaStream_t stream) : handle_(handle), stream_(stream) {}

@@ -11,6 +11,8 @@
 #include "kernels/bias.h"
 #include "kernels/cuda_check.h"
 #include "kernels/embedding.h"
+#include "kernels/gemv.h"
+#include "kernels/launch.h"
 #include "kernels/norm.h"
 #include "kernels/paged_attention.h"
 #include "kernels/prefill_attention.h"
@@ -125,6 +127,7 @@ absl::Status LlamaCuda::Init(const WeightStore& weights) {
   }
   if (prop.major < 8) return absl::FailedPreconditionError("the CUDA backend needs compute capability 8.0 or newer");
   num_sms_ = prop.multiProcessorCount;
+  kernels::SetProgrammaticLaunch(options_.programmatic_launch && prop.major >= 9);
   if (absl::Status s = cuda::CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream");
       !s.ok()) {
     return s;
@@ -272,6 +275,7 @@ absl::Status LlamaCuda::AllocateActivations() {
     const kernels::PagedDecodeAttentionPlan plan = kernels::PlanPagedDecodeAttention(
         b, int(c.num_heads), int(c.num_kv_heads), int(c.head_dim), int(options_.max_model_len), num_sms_);
     decode_workspace_bytes_ = std::max(decode_workspace_bytes_, plan.workspace_bytes);
+    decode_split_counters_count_ = std::max(decode_split_counters_count_, plan.num_split_counters);
   }
   const std::vector<Want> wants = {
       {&residual_, t * c.hidden_size * 4, "residual"},
@@ -285,11 +289,19 @@ absl::Status LlamaCuda::AllocateActivations() {
       {&final_normed_, r * c.hidden_size * 2, "final norm"},
       {&logits_, r * c.vocab_size * 4, "logits"},
       {&decode_workspace_, int64_t(decode_workspace_bytes_), "decode attention workspace"},
+      {&decode_split_counters_, int64_t(decode_split_counters_count_) * 4, "decode attention split counters"},
   };
   for (const Want& w : wants) {
     absl::StatusOr<cuda::DeviceAllocation> a = arena_.Allocate(size_t(w.bytes), w.what);
     if (!a.ok()) return a.status();
     *w.into = std::move(*a);
+  }
+  if (decode_split_counters_count_ > 0) {
+    if (absl::Status s = cuda::CudaStatus(
+            cudaMemset(decode_split_counters_.get(), 0, size_t(decode_split_counters_count_) * 4), "split counters");
+        !s.ok()) {
+      return s;
+    }
   }
   return results_host_.Resize(size_t(r) * size_t(c.vocab_size) * 4);
 }
@@ -463,11 +475,20 @@ void LlamaCuda::Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool s
     kernels::FusedAddRmsNorm({residual, li == 0 ? nullptr : delta, l.input_norm, nullptr, normed, t, hidden,
                               float(c.rms_norm_eps)},
                              stream_);
-    linear_->Forward(normed, l.qkv, qkv, t, hidden, qkv_width);
-    if (l.qkv_bias != nullptr) kernels::AddBias(qkv, l.qkv_bias, t, qkv_width, stream_);
-    kernels::RopeAndWriteKv({qkv, meta + layout.positions, meta + layout.slots, rope_table_.as<float2>(), q,
-                             cache.keys(int64_t(li)), cache.values(int64_t(li)), t, nh, nkv, hd, block_size_},
-                            stream_);
+    const bool fused_epilogues = options_.fused_decode_epilogues && t <= kernels::kGemvPreferredMaxRows;
+    if (fused_epilogues && l.qkv_bias == nullptr) {
+      // Skinny batches: RoPE and the KV write in the projection's epilogue (no qkv round trip).
+      kernels::GemvParams g{normed, l.qkv, nullptr, t, hidden, qkv_width, false, kernels::GemvEpilogue::kRopeKvWrite};
+      g.rope = {meta + layout.positions, meta + layout.slots, rope_table_.as<float2>(), q, cache.keys(int64_t(li)),
+                cache.values(int64_t(li)), nh, nkv, hd, block_size_};
+      kernels::Gemv(g, stream_);
+    } else {
+      linear_->Forward(normed, l.qkv, qkv, t, hidden, qkv_width);
+      if (l.qkv_bias != nullptr) kernels::AddBias(qkv, l.qkv_bias, t, qkv_width, stream_);
+      kernels::RopeAndWriteKv({qkv, meta + layout.positions, meta + layout.slots, rope_table_.as<float2>(), q,
+                               cache.keys(int64_t(li)), cache.values(int64_t(li)), t, nh, nkv, hd, block_size_},
+                              stream_);
+    }
     if (plan.decode_only) {
       kernels::PagedDecodeAttentionParams p{};
       p.q = q;
@@ -484,6 +505,7 @@ void LlamaCuda::Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool s
       p.max_blocks_per_seq = max_blocks_per_seq_;
       p.scale = scale;
       p.workspace = decode_workspace_.as<float>();
+      p.split_counters = decode_split_counters_.as<int32_t>();
       kernels::PagedDecodeAttention(p, decode_plan, stream_);
     } else {
       kernels::PrefillAttentionParams p{};
@@ -508,8 +530,12 @@ void LlamaCuda::Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool s
     linear_->Forward(attn, l.o, delta, t, q_width, hidden);
     if (l.o_bias != nullptr) kernels::AddBias(delta, l.o_bias, t, hidden, stream_);
     kernels::FusedAddRmsNorm({residual, delta, l.post_norm, nullptr, normed, t, hidden, float(c.rms_norm_eps)}, stream_);
-    linear_->Forward(normed, l.gate_up, gate_up, t, hidden, 2 * inter);
-    kernels::SiluAndMul(gate_up, act, t, inter, stream_);
+    if (fused_epilogues) {
+      linear_->ForwardSiluMul(normed, l.gate_up, gate_up, act, t, hidden, inter);
+    } else {
+      linear_->Forward(normed, l.gate_up, gate_up, t, hidden, 2 * inter);
+      kernels::SiluAndMul(gate_up, act, t, inter, stream_);
+    }
     linear_->Forward(act, l.down, delta, t, inter, hidden);
     if (on_layer_done) {
       // The layer's K/V are in the cache once the stream reaches here.
@@ -517,16 +543,20 @@ void LlamaCuda::Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool s
       on_layer_done(int64_t(li), chunks);
     }
   }
-  // The last MLP output joins the residual stream (the normalized copy is unused).
-  kernels::FusedAddRmsNorm({residual, delta, final_norm_, nullptr, normed, t, hidden, float(c.rms_norm_eps)}, stream_);
   if (plan.graph_batch > 0) {
-    // Decode: every row gives logits, and they all fit one head pass.
-    kernels::FusedAddRmsNorm({residual, nullptr, final_norm_, meta + layout.logit_rows,
-                              final_normed_.as<__nv_bfloat16>(), plan.num_logit_rows, hidden, float(c.rms_norm_eps)},
+    // Decode: row i gives logits row i, and they all fit one head pass, so the last MLP output
+    // joins the residual stream and the final norm writes the head's input in one kernel.
+    DUET_CHECK(plan.num_logit_rows == t && t <= max_logit_rows_);
+    kernels::FusedAddRmsNorm({residual, delta, final_norm_, nullptr, final_normed_.as<__nv_bfloat16>(), t, hidden,
+                              float(c.rms_norm_eps)},
                              stream_);
     linear_->ForwardF32(final_normed_.as<__nv_bfloat16>(), lm_head_, logits_.as<float>(), plan.num_logit_rows, hidden,
                         int(c.vocab_size));
     if (sample) EnqueueSampling(plan.num_logit_rows);
+  } else {
+    // The last MLP output joins the residual stream (the normalized copy is unused); EagerHead
+    // normalizes the rows that give logits.
+    kernels::FusedAddRmsNorm({residual, delta, final_norm_, nullptr, normed, t, hidden, float(c.rms_norm_eps)}, stream_);
   }
 }
 

@@ -30,6 +30,12 @@ struct LlamaCudaOptions {
   int max_num_batched_tokens = 8192;    // tokens in one step (activation buffers are sized by it)
   int64_t max_model_len = 0;            // 0: the model's max_position_embeddings
   bool cuda_graphs = true;              // replay decode steps from graphs
+  // Launch Duet's kernels with programmatic dependent launch (kernels/launch.h; a process-wide
+  // setting, applied when the executor loads): each kernel's start overlaps the previous one's tail.
+  bool programmatic_launch = true;
+  // Skinny decode batches compute RoPE + the KV write and SiLU·mul in the projections' epilogues
+  // (kernels/gemv.h); off: as separate kernels (for comparison).
+  bool fused_decode_epilogues = true;
 };
 
 class LlamaCuda : public ModelExecutor {
@@ -116,6 +122,8 @@ class LlamaCuda : public ModelExecutor {
   cuda::DeviceAllocation logits_;       // [R, vocab] fp32
   cuda::DeviceAllocation decode_workspace_;
   size_t decode_workspace_bytes_ = 0;
+  cuda::DeviceAllocation decode_split_counters_;  // int32, zero between launches (the kernel resets them)
+  int decode_split_counters_count_ = 0;
   // Step metadata (device) and its pinned host staging.
   cuda::DeviceAllocation metadata_;
   cuda::PinnedBuffer metadata_host_;

@@ -4,33 +4,58 @@
 # transformers' float32 forward, then Duet's decode/prefill benchmark and (with --timings)
 # transformers' own figures in the same run. Logs go to $OUT.
 #
-#   scripts/gpu/make_bundle.sh                     # here: builds and packs .devbundle/
-#   device run: bash scripts/gpu/h200_run.sh [--timings]   (carry .devbundle)
+#   scripts/gpu/make_bundle.sh                     # here: builds and packs $BUNDLE_DIR (default .devbundle)
+#   device run: [BUNDLE_DIR=.devbundle] bash scripts/gpu/h200_run.sh [--timings] [--compare]
+#
+#   --timings  also time transformers (eager, sdpa) in the same run
+#   --compare  run Duet's benchmark four times: as built, without programmatic dependent launch,
+#              without the fused decode epilogues, and as built again (the spread of the two
+#              as-built runs is the noise), with a decode table of all four
 set -uo pipefail
 OUT=${OUT:-/tmp/duet-gpu-out}
+BUNDLE_DIR=${BUNDLE_DIR:-.devbundle}
 mkdir -p "$OUT"
-timings=""
-[[ ${1:-} == --timings ]] && timings="--timings"
-tar -xJf .devbundle/bundle.tar.xz -C /tmp || exit 1
+timings="" compare=0
+for arg in "$@"; do
+  case $arg in
+    --timings) timings="--timings" ;;
+    --compare) compare=1 ;;
+    *) echo "unknown option $arg" >&2; exit 2 ;;
+  esac
+done
+tar -xJf "$BUNDLE_DIR/bundle.tar.xz" -C /tmp || exit 1
 source /tmp/devbundle/env.sh
 export DUET_MODELS_DIR=$PWD/models
+section() { echo "== [${SECONDS}s] $*"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
-echo "== kernel tests"
+section "kernel tests"
 kernels_tests 2>&1 > "$OUT/kernels_tests.log"; echo "kernels_tests exit $?"
 grep -E "^\[  (PASSED|FAILED) |FAILED  \]" "$OUT/kernels_tests.log" | head -20
-echo "== kernel benchmarks"
+section "kernel benchmarks"
 for b in attention_bench elementwise_bench gemv_bench; do
   command -v $b >/dev/null && { $b > "$OUT/$b.log" 2>&1; grep -v SampleTokens "$OUT/$b.log" | tail -25; }
 done
-echo "== CUDA backend tests (tiny-code-llama)"
+section "CUDA backend tests (tiny-code-llama)"
 llama_cuda_tests 2>&1 > "$OUT/llama_cuda_tests.log"; echo "llama_cuda_tests exit $?"
 grep -E "relative error|CUDA greedy|diverges|^\[  (PASSED|FAILED) |FAILED  \]|Failure|error:" "$OUT/llama_cuda_tests.log" | head -30
 
-echo "== transformers: checkpoint + float32 reference ${timings}"
+section "transformers: checkpoint + float32 reference ${timings}"
 PYTHONUNBUFFERED=1 python3 scripts/gpu/hf_reference.py --out /tmp/llama8b $timings 2>&1 | grep -v Warning | tee "$OUT/hf.log" | tail -5
-echo "== CUDA logits vs transformers float32 (Llama-3-8B shape, random weights)"
+section "CUDA logits vs transformers float32 (Llama-3-8B shape, random weights)"
 cuda_logits_check --model /tmp/llama8b --tokens /tmp/llama8b/tokens.json --logits /tmp/llama8b/logits.f32 --baseline-logits /tmp/llama8b/logits_bf16.f32 2>&1 | tee "$OUT/logits_check.log"
-echo "== Duet CUDA benchmark"
-cuda_llama_bench --model /tmp/llama8b 2>&1 | tee "$OUT/bench.log"
+section "Duet CUDA benchmark"
+if (( compare )); then
+  cuda_llama_bench --model /tmp/llama8b 2>&1 | tee "$OUT/bench.log"
+  cuda_llama_bench --model /tmp/llama8b --prefill 1024 --no-pdl 2>&1 | tee "$OUT/bench_no_pdl.log"
+  cuda_llama_bench --model /tmp/llama8b --prefill 1024 --no-fusion 2>&1 | tee "$OUT/bench_no_fusion.log"
+  cuda_llama_bench --model /tmp/llama8b --prefill 1024 2>&1 | tee "$OUT/bench_again.log"
+  section "decode ms/step by batch size"
+  for log in bench bench_no_pdl bench_no_fusion bench_again; do
+    printf "%-16s " "$log"
+    awk '/^batch/ {on = 1; next} on && NF == 6 {printf "b%s=%s ", $1, $2} END {print ""}' "$OUT/$log.log"
+  done
+else
+  cuda_llama_bench --model /tmp/llama8b 2>&1 | tee "$OUT/bench.log"
+fi
 [[ -f /tmp/llama8b/timings.json ]] && cp /tmp/llama8b/timings.json "$OUT/" && cat /tmp/llama8b/timings.json
