@@ -117,7 +117,11 @@ std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, 
   const size_t n = requests.size();
   std::vector<int32_t> k(n, 0);
   int32_t max_cap = 0;
-  for (const BudgetRequest& r : requests) max_cap = std::max(max_cap, r.cap);
+  int64_t total_cap = 0;
+  for (const BudgetRequest& r : requests) {
+    max_cap = std::max(max_cap, r.cap);
+    total_cap += std::max(r.cap, 0);
+  }
   if (max_cap == 0) return k;
 
   // Expected accepted tokens of request i with k drafts: sum_{d=1..depth} a^d, where a chain of
@@ -129,55 +133,73 @@ std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, 
     for (int32_t d = 0; d < depth; ++d) g += (p *= r.acceptance);
     return g;
   };
+  // Costs are asked for many times per plan (every request × every candidate): each T once.
+  auto memo = [](const CostFn& fn, size_t size) {
+    return [&fn, cache = std::vector<double>(size, -1.0)](int64_t t) mutable {
+      double& c = cache[size_t(t)];
+      if (c < 0) c = fn(t);
+      return c;
+    };
+  };
+  auto target = memo(target_cost, size_t(base_tokens + total_cap + 1));
+  auto draft = memo(draft_cost, 2 * n + 1);
+  auto self = memo(self_cost, n + 1);
+
+  // The plan's totals, kept up to date as one request's budget changes.
+  int64_t tokens = base_tokens;
+  double expected = double(base_samples);
+  std::vector<int64_t> draft_rounds(size_t(max_cap), 0), self_rounds(size_t(max_cap), 0);  // requests per round
   std::vector<double> gains(n, 0.0);
-  auto throughput = [&]() {
-    int64_t tokens = base_tokens;
-    double expected = double(base_samples);
-    std::vector<int64_t> draft_rounds(size_t(max_cap), 0), self_rounds(size_t(max_cap), 0);
-    for (size_t i = 0; i < n; ++i) {
-      tokens += k[i];
-      expected += gains[i];
-      std::vector<int64_t>* rounds = requests[i].mode == SpeculationMode::kDraft  ? &draft_rounds
-                                     : requests[i].mode == SpeculationMode::kSelf ? &self_rounds
-                                                                                   : nullptr;
-      if (rounds != nullptr) for (int32_t d = 0; d < k[i]; ++d) ++(*rounds)[size_t(d)];
+  auto set = [&](size_t i, int32_t drafts) {
+    std::vector<int64_t>* rounds = requests[i].mode == SpeculationMode::kDraft  ? &draft_rounds
+                                   : requests[i].mode == SpeculationMode::kSelf ? &self_rounds
+                                                                                 : nullptr;
+    if (rounds != nullptr) {
+      for (int32_t d = drafts; d < k[i]; ++d) --(*rounds)[size_t(d)];
+      for (int32_t d = k[i]; d < drafts; ++d) ++(*rounds)[size_t(d)];
     }
-    double seconds = target_cost(tokens);
+    tokens += drafts - k[i];
+    const double g = gain(i, drafts);
+    expected += g - gains[i];
+    gains[i] = g;
+    k[i] = drafts;
+  };
+  auto throughput = [&]() {
+    double seconds = target(tokens);
     for (int32_t d = 0; d < max_cap; ++d) {
       // The first draft round also catches the draft model up on the last step's tokens.
-      if (draft_rounds[size_t(d)] > 0) seconds += draft_cost(draft_rounds[size_t(d)] * (d == 0 ? 2 : 1));
-      if (self_rounds[size_t(d)] > 0) seconds += self_cost(self_rounds[size_t(d)]);
+      if (draft_rounds[size_t(d)] > 0) seconds += draft(draft_rounds[size_t(d)] * (d == 0 ? 2 : 1));
+      if (self_rounds[size_t(d)] > 0) seconds += self(self_rounds[size_t(d)]);
     }
     return expected / seconds;
   };
 
+  const double without_drafts = throughput();
   std::vector<size_t> order(n);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return requests[a].acceptance > requests[b].acceptance; });
   for (int pass = 0; pass < 2; ++pass) {
+    bool changed = false;
     for (size_t i : order) {
-      int32_t best_k = k[i];
+      const int32_t before = k[i];
+      int32_t best_k = 0;
       double best = -1;
       for (int32_t c = 0; c <= requests[i].cap; ++c) {
-        k[i] = c;
-        gains[i] = gain(i, c);
+        set(i, c);
         const double t = throughput();
         if (t > best * 1.0001) {  // ties keep fewer drafts
           best = t;
           best_k = c;
         }
       }
-      k[i] = best_k;
-      gains[i] = gain(i, best_k);
+      set(i, best_k);
+      changed |= best_k != before;
     }
+    if (!changed) break;  // e.g. nobody's drafts pay: one pass decides
   }
-  const double planned = throughput();
-  const std::vector<int32_t> plan = k;
-  std::fill(k.begin(), k.end(), 0);
-  std::fill(gains.begin(), gains.end(), 0.0);
-  if (planned < min_gain * throughput()) return k;  // not worth the risk: no drafts
-  return plan;
+  if (throughput() < min_gain * without_drafts) std::fill(k.begin(), k.end(), 0);  // not worth the risk
+  return k;
 }
 
 absl::StatusOr<std::unique_ptr<SpeculativeDecoder>> SpeculativeDecoder::Create(const SpeculationConfig& config,
