@@ -9,6 +9,12 @@
 #include "common/check.h"
 
 namespace duet {
+namespace {
+
+// Throughputs within this factor are a tie, which the plan with fewer drafts wins.
+constexpr double kPlanTie = 1.0001;
+
+}  // namespace
 
 std::vector<int32_t> VerifyDraftTree(absl::Span<const int32_t> tokens, absl::Span<const int32_t> parents,
                                      const std::function<int32_t(int32_t node)>& draw,
@@ -188,7 +194,7 @@ std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, 
       for (int32_t c = 0; c <= requests[i].cap; ++c) {
         set(i, c);
         const double t = throughput();
-        if (t > best * 1.0001) {  // ties keep fewer drafts
+        if (t > best * kPlanTie) {  // ties keep fewer drafts
           best = t;
           best_k = c;
         }
@@ -308,13 +314,27 @@ void SpeculativeDecoder::OnFinished(Request& r) {
   if (draft_) draft_->Release(r.seq_id);
 }
 
+bool SpeculativeDecoder::DraftsCanPay(int64_t num_decoding) {
+  // One request whose every draft is accepted, the others drafting nothing: this is the best any
+  // request can do in the planner's first pass, so if it does not pay, nobody's drafts do.
+  const double without = double(num_decoding) / target_cost_.Seconds(num_decoding);
+  for (int32_t c = 1; c <= config_.max_draft_tokens; ++c) {
+    if (double(num_decoding + c) / target_cost_.Seconds(num_decoding + c) > kPlanTie * without) return true;
+  }
+  return false;
+}
+
 void SpeculativeDecoder::Plan(absl::Span<Request* const> decoding, int64_t max_model_len) {
+  for (Request* r : decoding) {
+    r->spec.tree.Clear();
+    r->spec.lookahead_slots = 0;
+  }
+  // A step too compute-bound for any draft to pay (a large batch on the CPU): skip proposing.
+  if (config_.adaptive && !DraftsCanPay(int64_t(decoding.size()))) return;
   std::vector<BudgetRequest> budget;
   std::vector<int32_t> context;
   for (Request* r : decoding) {
     SpeculationState& s = r->spec;
-    s.tree.Clear();
-    s.lookahead_slots = 0;
     // Never draft past max_tokens or the context limit (the bonus token takes one more).
     const int64_t room = std::min<int64_t>(int64_t(r->params.max_tokens) - int64_t(r->output.size()),
                                            max_model_len - r->num_tokens()) - 1;

@@ -149,6 +149,8 @@ class SpeculativeDecoder {
   static std::optional<double> MeasureForward(ModelExecutor& executor, BlockManager& blocks, KvCache& cache,
                                               int64_t num_tokens);
   void EnsureLocalTrie(Request& r);
+  // Whether any draft could pay in a step of `num_decoding` decoding requests.
+  bool DraftsCanPay(int64_t num_decoding);
 
   SpeculationConfig config_;
   ModelExecutor& executor_;
