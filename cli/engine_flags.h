@@ -15,7 +15,10 @@ struct EngineFlags {
   void Add(CLI::App* app, bool model_required = true) {
     auto* model = app->add_option("--model", config->model_dir, "Hugging Face model directory");
     if (model_required) model->required();
-    app->add_option("--backend", config->backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+    // The commands default to the GPU when there is one (EngineConfig's own default is cpu).
+    config->backend = "auto";
+    app->add_option("--backend", config->backend, "auto (cuda when a GPU is visible, else cpu), cpu or cuda")
+        ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
     app->add_option("--block-size", config->block_size, "Tokens per KV-cache block")->check(CLI::Range(1, 1024));
     app->add_option("--num-kv-blocks", config->num_kv_blocks, "KV-cache blocks (default: from --kv-cache-gib)")
         ->check(CLI::Range(1, 1 << 28));

@@ -38,10 +38,20 @@ EngineConfig Resolve(EngineConfig config, const ModelExecutor& model) {
   return config;
 }
 
-absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadExecutor(const EngineConfig& config) {
-  if (config.backend == "cpu") return LlamaCpu::Load(config.model_dir);
+// "auto" picks the GPU when this build has CUDA and a device is visible.
+std::string ResolveBackend(const std::string& backend) {
+  if (backend != "auto") return backend;
 #ifdef DUET_HAVE_CUDA
-  if (config.backend == "cuda") {
+  if (cuda::CudaDeviceAvailable()) return "cuda";
+#endif
+  return "cpu";
+}
+
+absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadExecutor(const EngineConfig& config) {
+  const std::string backend = ResolveBackend(config.backend);
+  if (backend == "cpu") return LlamaCpu::Load(config.model_dir);
+#ifdef DUET_HAVE_CUDA
+  if (backend == "cuda") {
     LlamaCudaOptions options;
     options.max_num_seqs = config.scheduler.max_num_seqs;
     options.max_num_batched_tokens = config.scheduler.max_num_batched_tokens;

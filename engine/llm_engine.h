@@ -22,6 +22,7 @@ namespace duet {
 
 struct EngineConfig {
   std::string model_dir;
+  // "cpu", "cuda", or "auto": cuda when this build has it and a GPU is visible, else cpu.
   std::string backend = "cpu";
   int32_t block_size = 16;
   // KV-cache size: explicit block count, else from a byte budget.

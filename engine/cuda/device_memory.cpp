@@ -6,6 +6,13 @@
 
 namespace duet::cuda {
 
+bool CudaDeviceAvailable() {
+  int count = 0;
+  const bool available = cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+  cudaGetLastError();  // a missing driver leaves a sticky error otherwise
+  return available;
+}
+
 absl::Status CudaStatus(int cuda_error, const char* what) {
   if (cuda_error == cudaSuccess) return absl::OkStatus();
   const auto e = static_cast<cudaError_t>(cuda_error);

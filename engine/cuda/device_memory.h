@@ -58,6 +58,9 @@ class PinnedBuffer {
   size_t bytes_ = 0;
 };
 
+// Whether a CUDA device is visible to this process (false without a driver or device).
+bool CudaDeviceAvailable();
+
 // absl::Status from a CUDA runtime error code (OK for cudaSuccess).
 absl::Status CudaStatus(int cuda_error, const char* what);
 

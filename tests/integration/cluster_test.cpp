@@ -146,7 +146,7 @@ TEST(ClusterTest, SampledRequestsEqualDuetGenerate) {
   }
   const std::string dir = testing::MakeTempDir("cluster-vs-generate");
   testing::WriteJsonlFile(dir + "/in.jsonl", rows);
-  ASSERT_EQ(testing::RunCommand(testing::DuetBinary() + " generate --model " DUET_MODELS_DIR
+  ASSERT_EQ(testing::RunCommand(testing::DuetBinary() + " generate --backend cpu --model " DUET_MODELS_DIR
                                 "/tiny-code-llama --input " + dir + "/in.jsonl --output " + dir + "/out.jsonl",
                                 dir + "/log.txt"), 0) << testing::ReadText(dir + "/log.txt");
   const std::vector<json> expected = testing::ReadJsonlFile(dir + "/out.jsonl");

@@ -30,7 +30,7 @@ class GenerateReferenceTest : public ::testing::Test {
   // Runs duet generate with `flags` and checks every case's tokens against the reference.
   void ExpectReference(const std::string& flags) {
     const std::string out = dir_ + "/out.jsonl", log = dir_ + "/log.txt";
-    const std::string cmd = testing::DuetBinary() + " generate --model " DUET_MODELS_DIR
+    const std::string cmd = testing::DuetBinary() + " generate --backend cpu --model " DUET_MODELS_DIR
                             "/tiny-code-llama --input " + dir_ + "/in.jsonl --output " + out + " " + flags;
     ASSERT_EQ(testing::RunCommand(cmd, log), 0) << testing::ReadText(log);
     std::vector<json> rows = testing::ReadJsonlFile(out);

@@ -36,9 +36,9 @@ start() {
 }
 if "$DUET" router --help 2>&1 | grep -q -- --http-port; then ROUTER="$DUET router"; else ROUTER=$ROUTER_BIN; fi
 
-start decode "DUET_READY port=" "$DUET" decode-worker --model "$MODEL" --port 0 --max-num-seqs 1024
+start decode "DUET_READY port=" "$DUET" decode-worker --model "$MODEL" --backend cpu --port 0 --max-num-seqs 1024
 DECODE_PORT=$PORT
-start prefill "DUET_READY port=" "$DUET" prefill-worker --model "$MODEL" --port 0
+start prefill "DUET_READY port=" "$DUET" prefill-worker --model "$MODEL" --backend cpu --port 0
 PREFILL_PORT=$PORT
 # shellcheck disable=SC2086
 start router "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --http-port 0 \

@@ -64,9 +64,9 @@ router_cmd() {
   fi
 }
 
-start decode "DUET_READY port=" "$DUET" decode-worker --model "$MODEL" --port 0
+start decode "DUET_READY port=" "$DUET" decode-worker --model "$MODEL" --backend cpu --port 0
 DECODE_PORT=$PORT
-start prefill "DUET_READY port=" "$DUET" prefill-worker --model "$MODEL" --port 0
+start prefill "DUET_READY port=" "$DUET" prefill-worker --model "$MODEL" --backend cpu --port 0
 PREFILL_PORT=$PORT
 ROUTER=$(router_cmd)
 # shellcheck disable=SC2086
@@ -165,7 +165,7 @@ with open(sys.argv[1], "w") as f:
         ids = json.load(urllib.request.urlopen(r))["tokens"]
         f.write(json.dumps({"id": str(i), "prompt_token_ids": ids, "max_tokens": 12, "temperature": 0}) + "\n")
 PY
-"$DUET" generate --model "$MODEL" --input "$TMP/in.jsonl" --output "$TMP/out.jsonl" >/dev/null 2>"$TMP/generate.err"
+"$DUET" generate --backend cpu --model "$MODEL" --input "$TMP/in.jsonl" --output "$TMP/out.jsonl" >/dev/null 2>"$TMP/generate.err"
 python3 - "$TMP/in.jsonl" "$TMP/out.jsonl" "$BASE" "$MODEL_NAME" <<'PY'
 import json, sys, urllib.request
 inputs = [json.loads(l) for l in open(sys.argv[1])]
