@@ -1,5 +1,6 @@
 #include "kernels/gemv.h"
 
+#include <atomic>
 #include <cstdint>
 
 #include "kernels/cuda_check.h"
@@ -33,6 +34,8 @@ __device__ __forceinline__ void LoadGroup(const uint4* w, int c, uint4 (&group)[
 
 constexpr int kPairsPerBlock = kWarpsPerBlock / 2;
 
+std::atomic<int> early_groups{2};
+
 // The two features of pair `pair` (0..3) of CTA `block` for the paired epilogues: kSiluMul pairs
 // gate feature j with up feature out/2 + j; kRopeKvWrite pairs feature i of a head with feature
 // i + head_dim/2 of the same head.
@@ -57,12 +60,14 @@ __device__ __forceinline__ int64_t CacheOffset(int slot, int kv_head, const Gemv
 
 // One warp per output feature `o`; lanes stride over `in` in 16-byte chunks. kNone: CTA b
 // computes features [8b, 8b + 8). Paired epilogues: warps 0-3 compute the first feature of
-// pairs 0-3 (PairFeatures), warps 4-7 the second, and 4 * kRows threads write the results.
-template <int kRows, bool kFp32Out, GemvEpilogue kEpilogue>
+// pairs 0-3 (PairFeatures), warps 4-7 the second, and 4 * kRows threads write the results. Each warp keeps two weight groups in flight; kEarlyGroups of them are issued before the
+// wait for the previous kernel.
+template <int kRows, bool kFp32Out, GemvEpilogue kEpilogue, int kEarlyGroups>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) GemvKernel(const __nv_bfloat16* __restrict__ x,
                                                                  const __nv_bfloat16* __restrict__ weight,
                                                                  void* __restrict__ y, int in, int out,
                                                                  const GemvRopeKvWrite rope) {
+  static_assert(kEarlyGroups == 1 || kEarlyGroups == 2);
   constexpr int kGroupStride = 32 * kUnroll;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int o;
@@ -80,20 +85,20 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) GemvKernel(const __nv_bfl
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r] = 0.0f;
 
-  // The first weight group does not depend on the previous kernel: it is in flight while that
+  // The early weight groups do not depend on the previous kernel: they are in flight while that
   // kernel finishes (x is read only after the wait).
   int c = lane;
   bool have_group = active && c + 32 * (kUnroll - 1) < chunks;
-  uint4 group[kUnroll];
+  bool have_next = have_group && c + kGroupStride + 32 * (kUnroll - 1) < chunks;
+  uint4 group[kUnroll], next[kUnroll];
   if (have_group) LoadGroup(w, c, group);
+  if (kEarlyGroups == 2 && have_next) LoadGroup(w, c + kGroupStride, next);
   WaitForPriorKernels();
   LetDependentsLaunch();
+  if (kEarlyGroups == 1 && have_next) LoadGroup(w, c + kGroupStride, next);
 
+  // Invariant at the top: `group` holds chunks from c, `next` (when have_next) from c + stride.
   while (have_group) {
-    const int next_c = c + kGroupStride;
-    const bool have_next = next_c + 32 * (kUnroll - 1) < chunks;
-    uint4 next[kUnroll];
-    if (have_next) LoadGroup(w, next_c, next);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
@@ -101,8 +106,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) GemvKernel(const __nv_bfl
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) group[u] = next[u];
-    c = next_c;
+    c += kGroupStride;
     have_group = have_next;
+    have_next = have_group && c + kGroupStride + 32 * (kUnroll - 1) < chunks;
+    if (have_next) LoadGroup(w, c + kGroupStride, next);
   }
   if (active) {
     for (; c < chunks; c += 32) {
@@ -170,27 +177,32 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) GemvKernel(const __nv_bfl
   }
 }
 
+template <int kRows, int kEarlyGroups>
+void LaunchWith(const GemvParams& p, cudaStream_t stream) {
+  const dim3 block(kWarpsPerBlock * 32), grid((p.out + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  auto launch = [&](auto kernel) { LaunchKernel(kernel, grid, block, 0, stream, p.x, p.weight, p.y, p.in, p.out, p.rope); };
+  switch (p.epilogue) {
+    case GemvEpilogue::kSiluMul: launch(GemvKernel<kRows, false, GemvEpilogue::kSiluMul, kEarlyGroups>); return;
+    case GemvEpilogue::kRopeKvWrite: launch(GemvKernel<kRows, false, GemvEpilogue::kRopeKvWrite, kEarlyGroups>); return;
+    case GemvEpilogue::kNone: break;
+  }
+  if (p.y_fp32) {
+    launch(GemvKernel<kRows, true, GemvEpilogue::kNone, kEarlyGroups>);
+  } else {
+    launch(GemvKernel<kRows, false, GemvEpilogue::kNone, kEarlyGroups>);
+  }
+}
+
+// The one-group variant exists for the rows the engine uses the kernel for (comparison only).
 template <int kRows>
 void Launch(const GemvParams& p, cudaStream_t stream) {
-  const dim3 block(kWarpsPerBlock * 32);
-  if (p.epilogue == GemvEpilogue::kSiluMul) {
-    LaunchKernel(GemvKernel<kRows, false, GemvEpilogue::kSiluMul>, dim3(p.out / kWarpsPerBlock), block, 0, stream, p.x,
-                 p.weight, p.y, p.in, p.out, p.rope);
-    return;
+  if constexpr (kRows <= kGemvPreferredMaxRows) {
+    if (early_groups.load(std::memory_order_relaxed) == 1) {
+      LaunchWith<kRows, 1>(p, stream);
+      return;
+    }
   }
-  if (p.epilogue == GemvEpilogue::kRopeKvWrite) {
-    LaunchKernel(GemvKernel<kRows, false, GemvEpilogue::kRopeKvWrite>, dim3(p.out / kWarpsPerBlock), block, 0, stream,
-                 p.x, p.weight, p.y, p.in, p.out, p.rope);
-    return;
-  }
-  const dim3 grid((p.out + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  if (p.y_fp32) {
-    LaunchKernel(GemvKernel<kRows, true, GemvEpilogue::kNone>, grid, block, 0, stream, p.x, p.weight, p.y, p.in, p.out,
-                 p.rope);
-  } else {
-    LaunchKernel(GemvKernel<kRows, false, GemvEpilogue::kNone>, grid, block, 0, stream, p.x, p.weight, p.y, p.in,
-                 p.out, p.rope);
-  }
+  LaunchWith<kRows, 2>(p, stream);
 }
 
 }  // namespace
@@ -216,6 +228,11 @@ void Gemv(const GemvParams& p, cudaStream_t stream) {
     default: Launch<8>(p, stream); break;
   }
   DUET_CUDA_CHECK(cudaGetLastError());
+}
+
+void SetGemvEarlyGroups(int groups) {
+  DUET_KERNEL_CHECK(groups == 1 || groups == 2);
+  early_groups.store(groups, std::memory_order_relaxed);
 }
 
 }  // namespace duet::kernels

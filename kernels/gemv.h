@@ -3,8 +3,8 @@
 // the kernel is built to keep as many 16-byte weight loads in flight as possible: one warp per
 // output feature, each lane reading 16 bytes of W per load, the next group of loads issued before
 // the current one is used (x comes from L1/L2). Launched with programmatic dependent launch
-// (kernels/launch.cuh): each warp's first weight loads are issued before it waits for the kernel
-// that produces x, so the weight stream starts during that kernel's tail.
+// (kernels/launch.cuh): each warp's first two weight groups are issued before it waits for the
+// kernel that produces x, so the weight stream starts during that kernel's tail.
 #pragma once
 
 #include <cstdint>
@@ -53,6 +53,11 @@ struct GemvParams {
   GemvEpilogue epilogue = GemvEpilogue::kNone;
   GemvRopeKvWrite rope = {};  // kRopeKvWrite only
 };
+
+// How many weight groups each warp issues before it waits for the previous kernel at 1-2 rows (1
+// or 2; 2 by default, 1 as before, for comparison). Process-wide; applies to later launches and
+// graph captures.
+void SetGemvEarlyGroups(int groups);
 
 void Gemv(const GemvParams& params, cudaStream_t stream);
 

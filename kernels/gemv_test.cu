@@ -118,6 +118,14 @@ TEST(Gemv, RopeKvWriteEpilogue) {
   CheckGemvRope(2, 512, 8, 2, 64, 90);                                      // tiny model
 }
 
+TEST(Gemv, OneEarlyGroupMatchesTwo) {
+  DUET_SKIP_WITHOUT_GPU();
+  SetGemvEarlyGroups(1);
+  for (int rows : {1, 2}) CheckGemv(rows, 4096, 6144, false, 130 + rows);
+  CheckGemv(1, 1416, 77, false, 133);
+  SetGemvEarlyGroups(2);
+}
+
 TEST(Gemv, Bf16Llama8bShapes) {
   DUET_SKIP_WITHOUT_GPU();
   for (int rows : {1, 3, 8}) {

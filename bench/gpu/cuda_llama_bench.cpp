@@ -3,7 +3,7 @@
 // and cuBLAS bf16 matmul throughput (the prefill ceiling).
 //
 //   cuda_llama_bench --model DIR [--batch 1,8,32,128] [--context 1024] [--prefill 1024,8192 | --prefill none]
-//                    [--no-pdl] [--no-fusion] [--no-cuda-graphs]
+//                    [--no-pdl] [--no-fusion] [--early-groups 1|2] [--no-cuda-graphs]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include "engine/cuda/llama_cuda.h"
+#include "kernels/gemv.h"
 
 namespace duet {
 namespace {
@@ -102,6 +103,7 @@ int Run(int argc, char** argv) {
   std::string model_dir, batches = "1,8,32,128", prefills = "1024,8192";
   int context = 1024, steps = 64;
   bool graphs = true, pdl = true, fusion = true;
+  int early_groups = 2;
   app.add_option("--model", model_dir, "checkpoint directory")->required();
   app.add_option("--batch", batches, "decode batch sizes");
   app.add_option("--context", context, "tokens already in each sequence's KV cache when decode starts");
@@ -110,7 +112,10 @@ int Run(int argc, char** argv) {
   app.add_flag("!--no-cuda-graphs", graphs, "run decode steps eagerly");
   app.add_flag("!--no-pdl", pdl, "launch kernels without programmatic dependent launch");
   app.add_flag("!--no-fusion", fusion, "RoPE/KV write and SiLU·mul as separate kernels at batch <= 2");
+  app.add_option("--early-groups", early_groups, "weight groups the skinny GEMM issues before it waits (1 or 2)")
+      ->check(CLI::IsMember({1, 2}));
   CLI11_PARSE(app, argc, argv);
+  kernels::SetGemvEarlyGroups(early_groups);
 
   const std::vector<int> batch_sizes = ParseList(batches), prefill_lens = ParseList(prefills);
   if (batch_sizes.empty()) {
@@ -163,8 +168,9 @@ int Run(int argc, char** argv) {
   };
 
   // Prefill: one sequence, logits for its last token, synchronous (the time a prompt takes).
-  std::printf("programmatic dependent launch %s, fused decode epilogues %s, CUDA graphs %s\n", pdl ? "on" : "off",
-              fusion ? "on" : "off", graphs ? "on" : "off");
+  std::printf("programmatic dependent launch %s, fused decode epilogues %s, GEMV early groups %d, "
+              "CUDA graphs %s\n",
+              pdl ? "on" : "off", fusion ? "on" : "off", early_groups, graphs ? "on" : "off");
   std::printf("\n%-10s %10s %10s %12s\n", "prefill", "ms", "TFLOP/s", "of matmul");
   for (int n : prefill_lens) {
     const std::vector<int32_t> prompt = tokens_of(n, 1);

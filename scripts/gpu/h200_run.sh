@@ -8,9 +8,9 @@
 #   device run: [BUNDLE_DIR=.devbundle] bash scripts/gpu/h200_run.sh [--timings] [--compare]
 #
 #   --timings  also time transformers (eager, sdpa) in the same run
-#   --compare  run Duet's benchmark four times: as built, without programmatic dependent launch,
-#              without the fused decode epilogues, and as built again (the spread of the two
-#              as-built runs is the noise), with a decode table of all four
+#   --compare  decode only (no prefill figures), Duet's benchmark four times: as built and with
+#              one early GEMV group (--early-groups 1, as before) at every batch size, then both
+#              again at batch 1 (the spread of the repeats is the noise); a decode table of all four
 set -uo pipefail
 OUT=${OUT:-/tmp/duet-gpu-out}
 BUNDLE_DIR=${BUNDLE_DIR:-.devbundle}
@@ -29,6 +29,11 @@ export DUET_MODELS_DIR=$PWD/models
 section() { echo "== [${SECONDS}s] $*"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
+# The checkpoint is made on the GPU while the tests run.
+section "transformers: checkpoint + float32 reference ${timings} (background)"
+(PYTHONUNBUFFERED=1 python3 scripts/gpu/hf_reference.py --out /tmp/llama8b $timings 2>&1 | grep -v Warning > "$OUT/hf.log") &
+hf_pid=$!
+
 section "kernel tests"
 kernels_tests 2>&1 > "$OUT/kernels_tests.log"; echo "kernels_tests exit $?"
 grep -E "^\[  (PASSED|FAILED) |FAILED  \]" "$OUT/kernels_tests.log" | head -20
@@ -40,19 +45,22 @@ section "CUDA backend tests (tiny-code-llama)"
 llama_cuda_tests 2>&1 > "$OUT/llama_cuda_tests.log"; echo "llama_cuda_tests exit $?"
 grep -E "relative error|CUDA greedy|diverges|^\[  (PASSED|FAILED) |FAILED  \]|Failure|error:" "$OUT/llama_cuda_tests.log" | head -30
 
-section "transformers: checkpoint + float32 reference ${timings}"
-PYTHONUNBUFFERED=1 python3 scripts/gpu/hf_reference.py --out /tmp/llama8b $timings 2>&1 | grep -v Warning | tee "$OUT/hf.log" | tail -5
+section "waiting for the checkpoint"
+wait $hf_pid
+tail -5 "$OUT/hf.log"
 section "CUDA logits vs transformers float32 (Llama-3-8B shape, random weights)"
 cuda_logits_check --model /tmp/llama8b --tokens /tmp/llama8b/tokens.json --logits /tmp/llama8b/logits.f32 --baseline-logits /tmp/llama8b/logits_bf16.f32 2>&1 | tee "$OUT/logits_check.log"
 section "Duet CUDA benchmark"
 if (( compare )); then
-  cuda_llama_bench --model /tmp/llama8b 2>&1 | tee "$OUT/bench.log"
-  cuda_llama_bench --model /tmp/llama8b --prefill 1024 --no-pdl 2>&1 | tee "$OUT/bench_no_pdl.log"
-  cuda_llama_bench --model /tmp/llama8b --prefill 1024 --no-fusion 2>&1 | tee "$OUT/bench_no_fusion.log"
-  cuda_llama_bench --model /tmp/llama8b --prefill 1024 2>&1 | tee "$OUT/bench_again.log"
+  before="--early-groups 1"
+  bench() { local log=$1; shift; cuda_llama_bench --model /tmp/llama8b --prefill none "$@" 2>&1 | tee "$OUT/$log.log"; }
+  bench bench
+  bench bench_before $before
+  bench bench_again --batch 1
+  bench bench_before_again --batch 1 $before
   section "decode ms/step by batch size"
-  for log in bench bench_no_pdl bench_no_fusion bench_again; do
-    printf "%-16s " "$log"
+  for log in bench bench_before bench_again bench_before_again; do
+    printf "%-20s " "$log"
     awk '/^batch/ {on = 1; next} on && NF == 6 {printf "b%s=%s ", $1, $2} END {print ""}' "$OUT/$log.log"
   done
 else
