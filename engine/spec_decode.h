@@ -109,7 +109,7 @@ struct BudgetRequest {
 // A plan with drafts must beat no drafts by `min_gain` (estimates are noisy; a wrong guess costs
 // the whole batch), otherwise every budget is zero.
 using CostFn = std::function<double(int64_t num_tokens)>;
-inline constexpr double kDefaultMinGain = 1.04;
+inline constexpr double kDefaultMinGain = 1.10;
 std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, int64_t base_tokens,
                                       int64_t base_samples, const CostFn& target_cost, const CostFn& draft_cost,
                                       const CostFn& self_cost, double min_gain = kDefaultMinGain);

@@ -128,7 +128,7 @@ TEST(PlanDraftBudgetsTest, NoDraftsUnlessThePlanBeatsNoDraftsByTheMargin) {
   const std::vector<BudgetRequest> marginal = {{SpeculationMode::kLookahead, 0.12, 1, {}}};
   EXPECT_EQ(PlanDraftBudgets(marginal, 1, 1, flat, none, none)[0], 0);
   EXPECT_EQ(PlanDraftBudgets(marginal, 1, 1, flat, none, none, 1.0)[0], 1);
-  const std::vector<BudgetRequest> good = {{SpeculationMode::kLookahead, 0.2, 1, {}}};
+  const std::vector<BudgetRequest> good = {{SpeculationMode::kLookahead, 0.3, 1, {}}};
   EXPECT_EQ(PlanDraftBudgets(good, 1, 1, flat, none, none, 1.0)[0], 1);
   EXPECT_EQ(PlanDraftBudgets(good, 1, 1, flat, none, none)[0], 1);
 }
