@@ -7,7 +7,9 @@
 #   here:   scripts/gpu/make_cluster_bundle.sh; mv models /tmp/duet-models-hold
 #   device: bash scripts/gpu/h200_cluster.sh          (carry .devcluster)
 #   here:   mv /tmp/duet-models-hold models
+#   QUICK=1: no generate comparison, only the closed-loop 1 and 64 runs (a short call).
 set -uo pipefail
+QUICK=${QUICK:-0}
 OUT=${OUT:-/tmp/duet-cluster-out}
 mkdir -p "$OUT"
 tar -xJf .devcluster/bundle.tar.xz -C /tmp || exit 1
@@ -15,9 +17,11 @@ source /tmp/devbundle/env.sh
 MODEL=/tmp/llama8b
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
+[[ $QUICK == 1 ]] || {
 echo "== device KV cache <-> pinned staging copies"
 device_kv_cache_tests > "$OUT/device_kv_cache_tests.log" 2>&1; echo "device_kv_cache_tests exit $?"
 grep -E "^\[  (PASSED|FAILED) |Failure" "$OUT/device_kv_cache_tests.log" | head
+}
 
 echo "== checkpoint (transformers, random weights)"
 python3 -c "
@@ -29,6 +33,7 @@ cp /tmp/devbundle/tokenizer.json /tmp/devbundle/tokenizer_config.json "$MODEL/"
 PROMPTS=("def fibonacci(n):" "The capital of France is" "import numpy as np
 x = np.")
 echo "== duet generate --backend cuda, one prompt at a time (the cluster decodes each at batch 1 too)"
+[[ $QUICK == 1 ]] && PROMPTS=()
 for i in "${!PROMPTS[@]}"; do
   python3 -c "import json,sys; print(json.dumps({'id': 'p$i', 'prompt': sys.argv[1], 'max_tokens': 32, 'temperature': 0}))" \
     "${PROMPTS[$i]}" > /tmp/gen_in_$i.jsonl
@@ -77,9 +82,13 @@ bench() {  # name, extra flags...
     > "$OUT/$name.log" 2>&1 || echo "$name: duet-bench exit $?"
 }
 bench warmup --num-prompts 8 --max-concurrency 8
-for c in 1 8 32 64; do bench conc$c --num-prompts $((c < 8 ? 16 : 4 * c)) --max-concurrency $c; done
-for r in 4 16 64; do bench rate$r --num-prompts 256 --request-rate $r; done
-bench rateinf --num-prompts 256 --request-rate inf
+if [[ $QUICK == 1 ]]; then
+  for c in 1 64; do bench conc$c --num-prompts $((c < 8 ? 16 : 4 * c)) --max-concurrency $c; done
+else
+  for c in 1 8 32 64; do bench conc$c --num-prompts $((c < 8 ? 16 : 4 * c)) --max-concurrency $c; done
+  for r in 4 16 64; do bench rate$r --num-prompts 256 --request-rate $r; done
+  bench rateinf --num-prompts 256 --request-rate inf
+fi
 
 kill -INT $serve_pid; wait $serve_pid; echo "serve exit $?"
 grep -i -E "error|fail|warn" "$OUT/serve.log" | head -5
