@@ -109,8 +109,10 @@ class InFlightGuard {
 
 struct RegistryOptions {
   absl::Duration poll_interval = absl::Milliseconds(200);
-  absl::Duration poll_timeout = absl::Milliseconds(500);
-  int timeouts_to_mark_down = 2;
+  // Generous: a worker on a CPU-starved machine answers late but is not dead (a refused
+  // connection still marks it down at once).
+  absl::Duration poll_timeout = absl::Seconds(1);
+  int timeouts_to_mark_down = 3;
   absl::Duration keepalive_time = absl::Milliseconds(1000);
   absl::Duration keepalive_timeout = absl::Milliseconds(1000);
   // Reconnect backoff cap, so a restarted worker is found again quickly.
