@@ -19,6 +19,10 @@ RoleCommands::RoleCommands(CLI::App& app) {
       ->check(CLI::Range(100, 3600000));
   router_cmd_->add_option("--http-port", router_.http_port, "OpenAI-compatible HTTP port (-1: none, 0: any free port)")
       ->check(CLI::Range(-1, 65535));
+  router_cmd_->add_option("--max-prefill-tokens-per-worker", router_.max_prefill_tokens_per_worker,
+                          "Prompt tokens in prefill at once per prefill worker; more wait in the router "
+                          "(before their decode KV is reserved)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   router_cmd_->add_option("--api-key", router_.api_key, "Bearer token required on /v1/* and gRPC Generate");
   router_cmd_->add_option("--metrics-port", router_.metrics_port,
                           "Prometheus /metrics port (-1: off, 0: any free port)")->check(CLI::Range(-1, 65535));
