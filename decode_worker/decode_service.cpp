@@ -66,11 +66,8 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
 
 absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(std::unique_ptr<LlmEngine> engine,
                                                                      DecodeServiceOptions options) {
-  if (options.kv_pools.staging_tokens <= 0) {
-    const SchedulerConfig& scheduler = engine->config().scheduler;
-    options.kv_pools.staging_tokens = 2 * std::max<int64_t>(scheduler.max_model_len, scheduler.max_num_batched_tokens);
-  }
-  absl::StatusOr<WorkerKvPools> pools = MakeWorkerKvPools(engine->kv_cache(), options.kv_pools);
+  absl::StatusOr<WorkerKvPools> pools =
+      MakeWorkerKvPools(engine->kv_cache(), engine->config().scheduler, options.kv_pools);
   if (!pools.ok()) {
     return absl::Status(pools.status().code(),
                         absl::StrCat("cannot set up the KV staging: ", pools.status().message()));

@@ -38,7 +38,7 @@ struct DecodeServiceOptions {
   // The model_name label of this worker's metrics; empty: the model directory's base name.
   std::string model_name;
   // Host staging of a device KV cache: transfers land there and are copied into the reserved
-  // cache blocks when complete (staging_tokens 0: twice max(max_model_len, max_num_batched_tokens)).
+  // cache blocks when complete (worker_kv_pools.h).
   WorkerKvPoolOptions kv_pools;
 };
 

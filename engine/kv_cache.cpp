@@ -51,25 +51,29 @@ void HostKvCache::CopyBlocks(const std::vector<BlockCopy>& copies) {
 
 absl::Status HostKvCache::CopyBlocksToHost(int64_t first_layer, int64_t num_layers,
                                            absl::Span<const BlockCopy> copies, const HostKvBlocks& host) {
-  if (absl::Status s = CheckBlockCopies(shape(), first_layer, num_layers, copies, host, true); !s.ok()) return s;
-  const int64_t n = shape().block_elems();
-  for (int64_t layer = first_layer; layer < first_layer + num_layers; ++layer) {
-    for (const BlockCopy& c : copies) {
-      std::copy_n(keys(layer) + c.src * n, n, static_cast<float*>(host.keys[layer]) + c.dst * n);
-      std::copy_n(values(layer) + c.src * n, n, static_cast<float*>(host.values[layer]) + c.dst * n);
-    }
-  }
-  return absl::OkStatus();
+  return CopyWithHost(first_layer, num_layers, copies, host, /*to_host=*/true);
 }
 
 absl::Status HostKvCache::CopyBlocksFromHost(int64_t first_layer, int64_t num_layers,
                                              absl::Span<const BlockCopy> copies, const HostKvBlocks& host) {
-  if (absl::Status s = CheckBlockCopies(shape(), first_layer, num_layers, copies, host, false); !s.ok()) return s;
+  return CopyWithHost(first_layer, num_layers, copies, host, /*to_host=*/false);
+}
+
+absl::Status HostKvCache::CopyWithHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                                       const HostKvBlocks& host, bool to_host) {
+  if (absl::Status s = CheckBlockCopies(shape(), first_layer, num_layers, copies, host, to_host); !s.ok()) return s;
   const int64_t n = shape().block_elems();
   for (int64_t layer = first_layer; layer < first_layer + num_layers; ++layer) {
-    for (const BlockCopy& c : copies) {
-      std::copy_n(static_cast<const float*>(host.keys[layer]) + c.src * n, n, keys(layer) + c.dst * n);
-      std::copy_n(static_cast<const float*>(host.values[layer]) + c.src * n, n, values(layer) + c.dst * n);
+    for (int kv = 0; kv < 2; ++kv) {
+      float* cache = kv == 0 ? keys(layer) : values(layer);
+      float* staged = static_cast<float*>(kv == 0 ? host.keys[layer] : host.values[layer]);
+      for (const BlockCopy& c : copies) {
+        if (to_host) {
+          std::copy_n(cache + c.src * n, n, staged + c.dst * n);
+        } else {
+          std::copy_n(staged + c.src * n, n, cache + c.dst * n);
+        }
+      }
     }
   }
   return absl::OkStatus();

@@ -107,6 +107,9 @@ class HostKvCache : public KvCache {
   float* values(int64_t layer) { return values_[layer].data(); }
 
  private:
+  absl::Status CopyWithHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                            const HostKvBlocks& host, bool to_host);
+
   std::vector<std::vector<float>> keys_;    // [num_layers][num_blocks * block_elems]
   std::vector<std::vector<float>> values_;  // same
 };

@@ -4,7 +4,8 @@
 
 namespace duet {
 
-absl::StatusOr<WorkerKvPools> MakeWorkerKvPools(KvCache& cache, const WorkerKvPoolOptions& options) {
+absl::StatusOr<WorkerKvPools> MakeWorkerKvPools(KvCache& cache, const SchedulerConfig& scheduler,
+                                                const WorkerKvPoolOptions& options) {
   const KvCacheShape& shape = cache.shape();
   WorkerKvPools pools;
   kvtransfer::KvPoolMemory& memory = pools.memory;
@@ -23,7 +24,10 @@ absl::StatusOr<WorkerKvPools> MakeWorkerKvPools(KvCache& cache, const WorkerKvPo
     }
     return pools;
   }
-  const int64_t wanted = (std::max<int64_t>(options.staging_tokens, 1) + shape.block_size - 1) / shape.block_size;
+  const int64_t tokens = options.staging_tokens > 0
+                             ? options.staging_tokens
+                             : 2 * std::max<int64_t>(scheduler.max_model_len, scheduler.max_num_batched_tokens);
+  const int64_t wanted = (tokens + shape.block_size - 1) / shape.block_size;
   absl::StatusOr<std::unique_ptr<KvHostStaging>> staging =
       KvHostStaging::Create(cache, std::min(wanted, shape.num_blocks));
   if (!staging.ok()) return staging.status();

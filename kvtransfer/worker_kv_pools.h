@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "engine/kv_cache.h"
 #include "engine/kv_host_staging.h"
+#include "engine/scheduler.h"
 #include "kvtransfer/kv_transport.h"
 
 namespace duet {
@@ -22,11 +23,13 @@ struct WorkerKvPools {
 struct WorkerKvPoolOptions {
   // Stage even a host cache (tests exercise the device path's staging this way).
   bool force_staging = false;
-  // Staging capacity in tokens, rounded up to whole blocks and capped at the cache's size.
+  // Staging capacity in tokens, rounded up to whole blocks and capped at the cache's size;
+  // 0: twice the longest prompt one step can finish, max(max_model_len, max_num_batched_tokens).
   int64_t staging_tokens = 0;
 };
 
-absl::StatusOr<WorkerKvPools> MakeWorkerKvPools(KvCache& cache, const WorkerKvPoolOptions& options);
+absl::StatusOr<WorkerKvPools> MakeWorkerKvPools(KvCache& cache, const SchedulerConfig& scheduler,
+                                                const WorkerKvPoolOptions& options);
 
 // K and V bytes of one token over all layers.
 int64_t KvTokenBytes(const kvtransfer::KvLayout& layout);

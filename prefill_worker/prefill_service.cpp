@@ -43,11 +43,8 @@ double Seconds(std::chrono::steady_clock::duration d) { return std::chrono::dura
 
 absl::StatusOr<std::unique_ptr<PrefillService>> PrefillService::Create(std::unique_ptr<LlmEngine> engine,
                                                                        PrefillServiceOptions options) {
-  if (options.kv_pools.staging_tokens <= 0) {
-    const SchedulerConfig& scheduler = engine->config().scheduler;
-    options.kv_pools.staging_tokens = 2 * std::max<int64_t>(scheduler.max_model_len, scheduler.max_num_batched_tokens);
-  }
-  absl::StatusOr<WorkerKvPools> pools = MakeWorkerKvPools(engine->kv_cache(), options.kv_pools);
+  absl::StatusOr<WorkerKvPools> pools =
+      MakeWorkerKvPools(engine->kv_cache(), engine->config().scheduler, options.kv_pools);
   if (!pools.ok()) {
     return absl::Status(pools.status().code(),
                         absl::StrCat("cannot set up the KV staging: ", pools.status().message()));

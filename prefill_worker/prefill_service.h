@@ -32,8 +32,7 @@ struct PrefillServiceOptions {
   absl::Duration poll_period = absl::Milliseconds(50);
   // The model_name label of this worker's metrics; empty: the model directory's base name.
   std::string model_name;
-  // Host staging of a device KV cache (staging_tokens 0: twice the longest prompt a step can
-  // finish, max(max_model_len, max_num_batched_tokens)).
+  // Host staging of a device KV cache (worker_kv_pools.h).
   WorkerKvPoolOptions kv_pools;
 };
 
