@@ -241,8 +241,20 @@ TEST(ClusterTest, KilledDecodeWorkerFailsItsStreamsPromptlyAndSurvivorsServe) {
       return Ended{result, std::chrono::steady_clock::now()};
     }));
   }
-  // Let every stream start on one of the two decode workers, then kill the first.
-  std::this_thread::sleep_for(std::chrono::seconds(4));
+  // Let every stream start decoding on one of the two decode workers (prefill can take seconds on
+  // a loaded machine), then kill the first.
+  const auto start_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (;;) {
+    const std::vector<v1::WorkerStats> stats = cluster.DecodeStats();
+    int running = 0;
+    for (const v1::WorkerStats& s : stats) running += s.num_requests_running();
+    if (stats.size() == 2 && running == 8 && stats[0].num_requests_running() > 0) break;
+    if (std::chrono::steady_clock::now() > start_deadline) {
+      ADD_FAILURE() << "the streams did not all start decoding: " << running << " running";
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
   const auto killed_at = std::chrono::steady_clock::now();
   cluster.decode_process(0).Signal(SIGKILL);
   int unavailable = 0;
