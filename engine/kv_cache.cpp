@@ -2,7 +2,6 @@
 
 #include <algorithm>
 
-#include "absl/strings/str_cat.h"
 
 namespace duet {
 namespace {
@@ -10,25 +9,6 @@ namespace {
 KvCacheShape WithFloat32(KvCacheShape shape) {
   shape.dtype = KvDtype::kFloat32;
   return shape;
-}
-
-// The layers [first, first + count) exist and every block id is inside its pool.
-absl::Status CheckBlockCopies(const KvCacheShape& shape, int64_t first_layer, int64_t num_layers,
-                              absl::Span<const BlockCopy> copies, const HostKvBlocks& host, bool src_in_cache) {
-  if (first_layer < 0 || num_layers < 0 || first_layer + num_layers > shape.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("layers [", first_layer, ", ", first_layer + num_layers,
-                                                   ") are outside the cache's ", shape.num_layers));
-  }
-  if (int64_t(host.keys.size()) != shape.num_layers || int64_t(host.values.size()) != shape.num_layers) {
-    return absl::InvalidArgumentError("the host blocks need a K and a V pool for every layer");
-  }
-  for (const BlockCopy& c : copies) {
-    const int32_t cache_block = src_in_cache ? c.src : c.dst;
-    if (cache_block < 0 || cache_block >= shape.num_blocks || (src_in_cache ? c.dst : c.src) < 0) {
-      return absl::OutOfRangeError(absl::StrCat("block copy ", c.src, " -> ", c.dst, " is outside the pools"));
-    }
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -61,7 +41,7 @@ absl::Status HostKvCache::CopyBlocksFromHost(int64_t first_layer, int64_t num_la
 
 absl::Status HostKvCache::CopyWithHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
                                        const HostKvBlocks& host, bool to_host) {
-  if (absl::Status s = CheckBlockCopies(shape(), first_layer, num_layers, copies, host, to_host); !s.ok()) return s;
+  if (absl::Status s = CheckHostCopies(first_layer, num_layers, copies, host, to_host); !s.ok()) return s;
   const int64_t n = shape().block_elems();
   for (int64_t layer = first_layer; layer < first_layer + num_layers; ++layer) {
     for (int kv = 0; kv < 2; ++kv) {

@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "engine/block_manager.h"
 
@@ -84,6 +85,27 @@ class KvCache {
 
  protected:
   explicit KvCache(const KvCacheShape& shape) : shape_(shape) {}
+
+  // For the host copies: the layers exist, `host` has pools for every layer, and every block id
+  // is inside its pool (the cache's side is bounded by num_blocks; the host side by the caller).
+  // Inline: the CUDA backend's library uses it too.
+  absl::Status CheckHostCopies(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                               const HostKvBlocks& host, bool to_host) const {
+    if (first_layer < 0 || num_layers < 0 || first_layer + num_layers > shape_.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("layers [", first_layer, ", ", first_layer + num_layers,
+                                                     ") are outside the cache's ", shape_.num_layers));
+    }
+    if (int64_t(host.keys.size()) != shape_.num_layers || int64_t(host.values.size()) != shape_.num_layers) {
+      return absl::InvalidArgumentError("the host blocks need a K and a V pool for every layer");
+    }
+    for (const BlockCopy& c : copies) {
+      const int32_t cache_block = to_host ? c.src : c.dst;
+      if (cache_block < 0 || cache_block >= shape_.num_blocks || (to_host ? c.dst : c.src) < 0) {
+        return absl::OutOfRangeError(absl::StrCat("block copy ", c.src, " -> ", c.dst, " is outside the pools"));
+      }
+    }
+    return absl::OkStatus();
+  }
 
  private:
   KvCacheShape shape_;

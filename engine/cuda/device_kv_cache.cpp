@@ -67,17 +67,8 @@ absl::Status DeviceKvCache::CopyBlocksFromHost(int64_t first_layer, int64_t num_
 
 absl::Status DeviceKvCache::CopyWithHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
                                          const HostKvBlocks& host, bool to_host) {
+  if (absl::Status st = CheckHostCopies(first_layer, num_layers, copies, host, to_host); !st.ok()) return st;
   const KvCacheShape& s = shape();
-  if (first_layer < 0 || num_layers < 0 || first_layer + num_layers > s.num_layers ||
-      int64_t(host.keys.size()) != s.num_layers || int64_t(host.values.size()) != s.num_layers) {
-    return absl::InvalidArgumentError("staging copy: bad layer range or host pools");
-  }
-  for (const BlockCopy& c : copies) {
-    const int32_t cache_block = to_host ? c.src : c.dst;
-    if (cache_block < 0 || cache_block >= s.num_blocks || (to_host ? c.dst : c.src) < 0) {
-      return absl::OutOfRangeError(absl::StrCat("staging copy ", c.src, " -> ", c.dst, " is outside the pools"));
-    }
-  }
   const size_t block_bytes = size_t(s.block_elems()) * sizeof(__nv_bfloat16);
   // Runs where both sides' block ids advance together are one contiguous copy.
   struct Run {

@@ -8,21 +8,15 @@
 
 #include "engine/kv_host_staging.h"
 #include "gtest/gtest.h"
+#include "kernels/kernel_test_util.h"
 
 namespace duet::cuda {
 namespace {
 
-bool HasGpu() {
-  int n = 0;
-  const bool ok = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-  cudaGetLastError();
-  return ok;
-}
-
 class DeviceKvCacheTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!HasGpu()) GTEST_SKIP() << "no CUDA device";
+    DUET_SKIP_WITHOUT_GPU();
     ASSERT_EQ(cudaStreamCreate(&stream_), cudaSuccess);
     // [num_blocks=40, heads=4, block_size=16, head_dim=64] bf16 per layer and K/V, 3 layers.
     auto cache = DeviceKvCache::Create(KvCacheShape{3, 40, 4, 16, 64, KvDtype::kBFloat16}, arena_, stream_);
