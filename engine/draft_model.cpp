@@ -5,7 +5,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
-#include "engine/llama_cpu.h"
 #include "engine/sampler.h"
 
 namespace duet {
@@ -41,10 +40,11 @@ ModelDrafter::ModelDrafter(std::unique_ptr<ModelExecutor> executor, std::unique_
     : executor_(std::move(executor)), blocks_(std::move(blocks)), own_cache_(std::move(cache)) {}
 
 absl::StatusOr<std::unique_ptr<ModelDrafter>> ModelDrafter::LoadDraftModel(const std::string& model_dir,
+                                                                           const ExecutorLoader& load,
                                                                            const ModelConfig& target_config,
                                                                            const Tokenizer& target_tokenizer,
                                                                            int32_t num_blocks, int32_t block_size) {
-  absl::StatusOr<std::unique_ptr<LlamaCpu>> model = LlamaCpu::Load(model_dir);
+  absl::StatusOr<std::unique_ptr<ModelExecutor>> model = load(model_dir);
   if (!model.ok()) return model.status();
   absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(model_dir);
   if (!tokenizer.ok()) return tokenizer.status();
@@ -116,14 +116,24 @@ absl::Status ModelDrafter::Propose(absl::Span<Job> jobs, KvCache& target_cache, 
       num_tokens += int64_t(a.feed.size());
     }
     const auto start = std::chrono::steady_clock::now();
-    if (absl::Status s = executor_->Forward(chunks, cache, logits_); !s.ok()) return s;
-    if (on_forward) {
+    const int64_t setups_before = executor_->num_one_time_setups();
+    // Greedy drafts: argmax on the device where the executor samples there (only ids cross).
+    const bool on_device = executor_->CanSampleOnDevice();
+    if (on_device) {
+      greedy_rows_.assign(chunks.size(), DeviceSamplingRow{});
+      if (absl::Status s = executor_->ForwardSample(chunks, cache, greedy_rows_, samples_); !s.ok()) return s;
+    } else if (absl::Status s = executor_->Forward(chunks, cache, logits_); !s.ok()) {
+      return s;
+    }
+    if (on_forward && executor_->num_one_time_setups() == setups_before) {  // not a graph capture's round
       on_forward(num_tokens, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
     std::vector<Active> still;
     for (size_t i = 0; i < active.size(); ++i) {
       Active& a = active[i];
-      const int32_t token = Sampler::Argmax(absl::MakeConstSpan(logits_.data() + int64_t(i) * vocab, size_t(vocab)));
+      const int32_t token =
+          on_device ? samples_[i].token
+                    : Sampler::Argmax(absl::MakeConstSpan(logits_.data() + int64_t(i) * vocab, size_t(vocab)));
       a.job->draft.push_back(token);
       if (!self_speculation()) {
         std::vector<int32_t>& cached = cached_tokens_[a.job->seq];

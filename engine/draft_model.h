@@ -25,10 +25,13 @@ namespace duet {
 
 class ModelDrafter {
  public:
-  // Loads the draft model in `model_dir`. FailedPrecondition when its tokenizer or vocabulary
-  // differs from the target's (drafts would be other tokens). Its KV cache holds
+  // Loads a model directory on the target's backend.
+  using ExecutorLoader = std::function<absl::StatusOr<std::unique_ptr<ModelExecutor>>(const std::string& model_dir)>;
+  // Loads the draft model in `model_dir` with `load`. FailedPrecondition when its tokenizer or
+  // vocabulary differs from the target's (drafts would be other tokens). Its KV cache holds
   // `num_blocks` blocks of `block_size` tokens.
   static absl::StatusOr<std::unique_ptr<ModelDrafter>> LoadDraftModel(const std::string& model_dir,
+                                                                      const ExecutorLoader& load,
                                                                       const ModelConfig& target_config,
                                                                       const Tokenizer& target_tokenizer,
                                                                       int32_t num_blocks, int32_t block_size);
@@ -69,6 +72,8 @@ class ModelDrafter {
   std::unique_ptr<KvCache> own_cache_;
   std::unordered_map<SequenceId, std::vector<int32_t>> cached_tokens_;
   std::vector<float> logits_;
+  std::vector<DeviceSamplingRow> greedy_rows_;
+  std::vector<DeviceSample> samples_;
 };
 
 }  // namespace duet

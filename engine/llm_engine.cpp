@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -26,14 +27,36 @@ const char* FinishReasonName(FinishReason reason) {
 
 namespace {
 
+// Device memory a draft model's weights and buffers take beside its KV cache: its checkpoint's
+// size plus room for its runtime (cuBLAS workspace, activations).
+int64_t DraftModelReserveBytes(const std::string& dir) {
+  int64_t bytes = int64_t(512) << 20;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (entry.path().extension() == ".safetensors") bytes += int64_t(entry.file_size(ec));
+  }
+  return bytes;
+}
+
 EngineConfig Resolve(EngineConfig config, const ModelExecutor& model) {
   const ModelConfig& m = model.config();
   if (config.scheduler.max_model_len <= 0) config.scheduler.max_model_len = m.max_position_embeddings;
   if (config.num_kv_blocks <= 0) {
-    KvCacheShape shape{m.num_layers, 1, m.num_kv_heads, config.block_size, m.head_dim, model.kv_dtype()};
-    const int64_t budget =
-        model.DeviceKvBudgetBytes(config.gpu_memory_utilization).value_or(config.kv_cache_bytes);
-    config.num_kv_blocks = static_cast<int32_t>(std::max<int64_t>(1, budget / shape.bytes_per_block()));
+    int64_t bytes_per_block =
+        KvCacheShape{m.num_layers, 1, m.num_kv_heads, config.block_size, m.head_dim, model.kv_dtype()}.bytes_per_block();
+    std::optional<int64_t> budget = model.DeviceKvBudgetBytes(config.gpu_memory_utilization);
+    // A draft model on the device loads after this cache and keeps as many blocks: share.
+    const std::string& draft_dir = config.speculation.draft_model_dir;
+    if (budget && !draft_dir.empty()) {
+      if (absl::StatusOr<ModelConfig> d = LoadModelConfig(draft_dir); d.ok()) {
+        bytes_per_block +=
+            KvCacheShape{d->num_layers, 1, d->num_kv_heads, config.block_size, d->head_dim, model.kv_dtype()}
+                .bytes_per_block();
+        *budget -= DraftModelReserveBytes(draft_dir);
+      }
+    }
+    config.num_kv_blocks =
+        static_cast<int32_t>(std::max<int64_t>(1, budget.value_or(config.kv_cache_bytes) / bytes_per_block));
   }
   return config;
 }
@@ -56,6 +79,13 @@ absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadExecutor(const EngineConfig& 
     options.max_num_seqs = config.scheduler.max_num_seqs;
     options.max_num_batched_tokens = config.scheduler.max_num_batched_tokens;
     options.max_model_len = config.scheduler.max_model_len;
+    // Verification steps give a logits row per token: room for every sequence's draft tree in
+    // one head pass, within 1 GiB of logits.
+    if (absl::StatusOr<ModelConfig> m = LoadModelConfig(config.model_dir); m.ok()) {
+      const int64_t rows = int64_t(options.max_num_seqs) * (1 + std::max(config.speculation.max_draft_tokens, 0));
+      const int64_t cap = std::max<int64_t>(options.max_num_seqs, (int64_t(1) << 30) / (4 * m->vocab_size));
+      options.max_logit_rows = int(std::min({rows, cap, int64_t(options.max_num_batched_tokens)}));
+    }
     return LlamaCuda::Load(config.model_dir, options);
   }
 #endif
@@ -81,9 +111,17 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineConfig&
   if (!tokenizer.ok()) return tokenizer.status();
   auto engine = std::make_unique<LlmEngine>(std::move(*model), std::move(*tokenizer), config);
   absl::StatusOr<std::unique_ptr<SpeculativeDecoder>> spec = SpeculativeDecoder::Create(
-      engine->config_.speculation, *engine->model_, engine->blocks_, *engine->cache_, *engine->tokenizer_);
+      engine->config_.speculation, *engine->model_, engine->blocks_, *engine->cache_, *engine->tokenizer_,
+      [&config](const std::string& dir) {
+        EngineConfig draft = config;
+        draft.model_dir = dir;
+        return LoadExecutor(draft);
+      });
   if (!spec.ok()) return spec.status();
   engine->spec_ = std::move(*spec);
+  if (config.speculation.default_mode != SpeculationMode::kNone) {
+    engine->spec_->WarmUpCosts(engine->config_.scheduler.max_num_seqs);
+  }
   return engine;
 }
 
@@ -193,7 +231,7 @@ void LlmEngine::Release(const std::string& id) {
 EngineStats LlmEngine::Stats() const {
   return EngineStats{int32_t(scheduler_.num_running()), int32_t(scheduler_.num_waiting()),
                      blocks_.num_blocks(), blocks_.num_free_blocks(), num_preemptions_,
-                     spec_ ? spec_->stats() : SpecDecodeStats{}};
+                     spec_ ? spec_->stats() : SpecDecodeStats{}, model_->num_one_time_setups()};
 }
 
 void LlmEngine::FinishRequest(Request& r, FinishReason reason) {
@@ -276,20 +314,18 @@ void LlmEngine::PlanSpeculation() {
 }
 
 void LlmEngine::VerifyDraft(Request& r, const std::vector<int32_t>& tokens, const std::vector<int32_t>& parents,
-                            const float* first_row, RequestOutput& out) {
-  const int64_t vocab = model_->config().vocab_size;
+                            const std::function<SampledToken(int32_t node)>& draw, RequestOutput& out) {
   const int64_t start = r.num_computed_tokens - 1;  // the root's slot (the scheduler counted it)
   SampledToken last;
-  auto draw = [&](int32_t node) {
-    absl::Span<float> row(const_cast<float*>(first_row) + node * vocab, size_t(vocab));
-    last = Sampler::Sample(row, r.params, r.prompt, r.output, r.rng);
+  auto draw_token = [&](int32_t node) {
+    last = draw(node);
     return last.token;
   };
   auto emit = [&](int32_t) {
     AppendToken(r, last, out);
     return !r.finished();
   };
-  const std::vector<int32_t> accepted = VerifyDraftTree(tokens, parents, draw, emit);
+  const std::vector<int32_t> accepted = VerifyDraftTree(tokens, parents, draw_token, emit);
   const int32_t end_node = accepted.empty() ? 0 : accepted.back();
   const bool missed = !r.finished() && std::find(parents.begin(), parents.end(), end_node) != parents.end();
   std::vector<int32_t> depths(accepted.size());
@@ -315,7 +351,11 @@ void LlmEngine::VerifyDraft(Request& r, const std::vector<int32_t>& tokens, cons
 
 absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallback& on_layer_done) {
   std::vector<RequestOutput> outputs;
-  if (spec_) PlanSpeculation();
+  const int64_t setups_before = model_->num_one_time_setups();
+  if (spec_) {
+    spec_->BeginStep();
+    PlanSpeculation();
+  }
   SchedulerOutput plan = scheduler_.Schedule();
   num_preemptions_ += plan.num_preempted;
   if (plan.empty()) return outputs;
@@ -353,15 +393,13 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
     num_step_tokens += int64_t(chunk_tokens[i].size());
   }
   // Sample on the executor's device when it can and no request needs host-side processing
-  // (penalties, top-N logprobs): then only token ids cross back, not [rows, vocab] logits.
+  // (penalties, top-N logprobs): then only token ids cross back, not [rows, vocab] logits. A
+  // draft tree samples every node's row, each node keyed by the output index it would fill.
   bool device_sampling = model_->CanSampleOnDevice();
   std::vector<DeviceSamplingRow> sampling_rows;
+  std::vector<int32_t> depths;
   for (size_t i = 0; i < plan.chunks.size() && device_sampling; ++i) {
     const ScheduledChunk& sc = plan.chunks[i];
-    if (!chunk_parents[i].empty()) {  // draft trees are verified on the host
-      device_sampling = false;
-      break;
-    }
     if (!sc.samples) continue;
     Request& r = *sc.request;
     const SamplingParams& p = r.params;
@@ -372,18 +410,25 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
     // Each draw is keyed by a number from the request's own generator (seeded when the request
     // has a seed) and the token index, so seeded requests repeat exactly.
     const auto key = static_cast<uint64_t>(r.rng.Uniform() * 9007199254740992.0);
-    sampling_rows.push_back(DeviceSamplingRow{p.greedy() ? 0.0f : p.temperature, p.top_k, p.top_p, p.min_p, key,
-                                              uint64_t(r.output.size())});
+    const DeviceSamplingRow row{p.greedy() ? 0.0f : p.temperature, p.top_k, p.top_p, p.min_p, key,
+                                uint64_t(r.output.size())};
+    const std::vector<int32_t>& parents = chunk_parents[i];
+    if (parents.empty()) {
+      sampling_rows.push_back(row);
+      continue;
+    }
+    depths.assign(parents.size(), 0);
+    for (size_t j = 0; j < parents.size(); ++j) {
+      if (j > 0) depths[j] = depths[size_t(parents[j])] + 1;
+      sampling_rows.push_back(row);
+      sampling_rows.back().offset += uint64_t(depths[j]);
+    }
   }
   absl::Status forward;
-  const Clock::time_point forward_start = Clock::now();
   if (device_sampling) {
     forward = model_->ForwardSample(chunks, *cache_, sampling_rows, device_samples_, on_layer_done);
   } else {
     forward = model_->Forward(chunks, *cache_, logits_, on_layer_done);
-  }
-  if (spec_ && forward.ok()) {
-    spec_->ObserveStep(num_step_tokens, std::chrono::duration<double>(Clock::now() - forward_start).count());
   }
   scheduler_.OnStepDone(plan);
   const int64_t vocab = model_->config().vocab_size;
@@ -403,7 +448,16 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
     if (!sc.samples) continue;
     RequestOutput out{r.id};
     if (!chunk_parents[i].empty()) {
-      VerifyDraft(r, chunk_tokens[i], chunk_parents[i], logits_.data() + logit_row * vocab, out);
+      const int64_t first_row = logit_row;
+      auto draw = [&](int32_t node) {
+        if (device_sampling) {
+          const DeviceSample& d = device_samples_[size_t(first_row + node)];
+          return SampledToken{d.token, d.logprob, {}};
+        }
+        absl::Span<float> row(logits_.data() + (first_row + node) * vocab, size_t(vocab));
+        return Sampler::Sample(row, r.params, r.prompt, r.output, r.rng);
+      };
+      VerifyDraft(r, chunk_tokens[i], chunk_parents[i], draw, out);
       logit_row += int64_t(chunk_tokens[i].size());
       outputs.push_back(std::move(out));
       continue;
@@ -428,6 +482,12 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
     }
     AppendToken(r, token, out);
     outputs.push_back(std::move(out));
+  }
+  // What the step cost teaches the planner, unless it paid a one-time setup (a graph capture).
+  if (spec_ && forward.ok() && model_->num_one_time_setups() == setups_before) {
+    const bool verification = std::any_of(chunk_parents.begin(), chunk_parents.end(),
+                                          [](const std::vector<int32_t>& p) { return !p.empty(); });
+    spec_->EndStep(num_step_tokens, verification);
   }
   return outputs;
 }

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -57,6 +58,7 @@ struct EngineStats {
   int32_t num_free_kv_blocks = 0;
   int64_t num_preemptions = 0;
   SpecDecodeStats spec_decode;
+  int64_t num_one_time_setups = 0;  // the executor's (e.g. CUDA graph captures)
 };
 
 class LlmEngine {
@@ -102,10 +104,12 @@ class LlmEngine {
   void FinishRequest(Request& r, FinishReason reason);
   // Sets the draft budget of every decoding request before the scheduler reserves its room.
   void PlanSpeculation();
-  // Verifies request r's draft tree from its logits rows: appends the accepted tokens and the
-  // target's next one, then compacts the accepted K/V and frees the unused slots.
+  // Verifies request r's draft tree: `draw(node)` gives the target's token after tree node
+  // `node` (sampled from that node's logits row, on the host or the device). Appends the
+  // accepted tokens and the target's next one, then compacts the accepted K/V and frees the
+  // unused slots.
   void VerifyDraft(Request& r, const std::vector<int32_t>& tokens, const std::vector<int32_t>& parents,
-                   const float* first_row, RequestOutput& out);
+                   const std::function<SampledToken(int32_t node)>& draw, RequestOutput& out);
   absl::StatusOr<std::unique_ptr<Request>> NewRequest(const std::string& id, std::vector<int32_t> prompt,
                                                       SamplingParams params, SequenceId seq_id);
 

@@ -40,28 +40,38 @@ DraftTree LookaheadCache::Propose(const NgramTrie& local, absl::Span<const int32
       int32_t local_node = NgramTrie::kNoNode, global_node = NgramTrie::kNoNode;
     };
     std::vector<std::pair<int32_t, Next>> next;
-    auto find = [&](int32_t token) -> Next& {
-      for (auto& [t, n] : next) if (t == token) return n;
-      return next.emplace_back(token, Next{}).second;
-    };
     if (local_node != NgramTrie::kNoNode && local.ChildCount(local_node) > 0) {
       for (int32_t child : local.Children(local_node)) {
-        Next& n = find(local.Token(child));
+        Next& n = next.emplace_back(local.Token(child), Next{}).second;
         n.p_local = double(local.Count(child)) / double(local.ChildCount(local_node));
         n.local_node = child;
       }
     }
+    const size_t num_local = next.size();  // a node's children hold distinct tokens
     if (global_node != NgramTrie::kNoNode && global_.ChildCount(global_node) > 0) {
       for (int32_t child : global_.Children(global_node)) {
-        Next& n = find(global_.Token(child));
+        const int32_t token = global_.Token(child);
+        auto it = std::find_if(next.begin(), next.begin() + std::ptrdiff_t(num_local),
+                               [token](const auto& e) { return e.first == token; });
+        Next& n = it != next.begin() + std::ptrdiff_t(num_local) ? it->second : next.emplace_back(token, Next{}).second;
         n.p_global = double(global_.Count(child)) / double(global_.ChildCount(global_node));
         n.global_node = child;
       }
     }
     const bool both = local_node != NgramTrie::kNoNode && global_node != NgramTrie::kNoNode;
-    for (const auto& [token, n] : next) {
+    auto probability = [both](const Next& n) {
       // The request's own history predicts it best; earlier outputs fill in.
-      const double p = both ? 0.7 * n.p_local + 0.3 * n.p_global : n.p_local + n.p_global;
+      return both ? 0.7 * n.p_local + 0.3 * n.p_global : n.p_local + n.p_global;
+    };
+    // The tree takes at most `budget` nodes: more continuations of one node cannot be used.
+    if (next.size() > size_t(budget)) {
+      std::nth_element(next.begin(), next.begin() + budget, next.end(), [&](const auto& a, const auto& b) {
+        return probability(a.second) > probability(b.second);
+      });
+      next.resize(size_t(budget));
+    }
+    for (const auto& [token, n] : next) {
+      const double p = probability(n);
       if (p > 0) frontier.push({score * p, token, parent, n.local_node, n.global_node});
     }
   };

@@ -99,6 +99,12 @@ class ModelExecutor {
                                    absl::Span<const KvSlotMove> moves) {
     return absl::UnimplementedError("this executor cannot move KV slots");
   }
+  // Prepares for verification steps of up to `max_draft_tokens` drafts per sequence (e.g. captures
+  // their CUDA graphs), so serving does not pay for it on first use.
+  virtual absl::Status WarmUpVerification(KvCache& cache, int32_t max_draft_tokens) { return absl::OkStatus(); }
+  // How many one-time setups (e.g. CUDA graph captures) steps have paid so far: a step during
+  // which it grew says nothing about what such a step costs.
+  virtual int64_t num_one_time_setups() const { return 0; }
   // Self-speculation: an executor that runs only the first `num_layers` layers, then the final
   // norm and LM head. It shares this executor's weights and KV cache (reading and writing only
   // those layers' K/V) and must not outlive it.

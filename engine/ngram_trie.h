@@ -24,6 +24,9 @@ class NgramTrie {
   // Counts the n-grams (n <= max_ngram) that end at the last token of `tokens`. Called once per
   // appended token, this counts every n-gram of the sequence exactly once.
   void AddLastToken(absl::Span<const int32_t> tokens);
+  // AddLastToken for the last call's tokens plus `token`, without them: false (nothing counted)
+  // when the trie no longer has that call's state (e.g. after an eviction).
+  bool AppendToken(int32_t token);
   // Counts every n-gram of `tokens`.
   void AddSequence(absl::Span<const int32_t> tokens);
 
@@ -57,6 +60,11 @@ class NgramTrie {
   int64_t max_nodes_;
   std::vector<Node> nodes_;                        // nodes_[0] is the root (the empty n-gram)
   std::unordered_map<uint64_t, int32_t> edges_;   // (node, token) -> child
+  // The last AddLastToken call: its last max_ngram tokens and the nodes of its suffixes
+  // (tail_nodes_[k]: the last k tokens; [0] the root).
+  std::vector<int32_t> tail_tokens_;
+  std::vector<int32_t> tail_nodes_;
+  std::vector<int32_t> scratch_nodes_;
 };
 
 }  // namespace duet

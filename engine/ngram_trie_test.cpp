@@ -35,6 +35,24 @@ TEST(NgramTrieTest, IncrementalEqualsWhole) {
   }
 }
 
+// Appending token by token (the decode path) counts what a walk from the root per n-gram does,
+// for every n-gram length up to max_ngram.
+TEST(NgramTrieTest, AppendTokenEqualsAddLastToken) {
+  const std::vector<int32_t> seq = {5, 6, 5, 6, 5, 7, 5, 6, 8, 5, 6, 5, 7, 7, 7};
+  NgramTrie walked(4, 1000), appended(4, 1000);
+  EXPECT_FALSE(appended.AppendToken(5));  // no earlier call to continue
+  for (size_t n = 1; n <= seq.size(); ++n) walked.AddLastToken(absl::MakeConstSpan(seq.data(), n));
+  appended.AddSequence(absl::MakeConstSpan(seq.data(), 3));
+  for (size_t i = 3; i < seq.size(); ++i) EXPECT_TRUE(appended.AppendToken(seq[i]));
+  EXPECT_EQ(walked.num_nodes(), appended.num_nodes());
+  for (size_t len = 1; len <= 4; ++len) {
+    for (size_t i = 0; i + len <= seq.size(); ++i) {
+      absl::Span<const int32_t> gram(seq.data() + i, len);
+      EXPECT_EQ(walked.Count(walked.Find(gram)), appended.Count(appended.Find(gram))) << "n-gram at " << i << " of " << len;
+    }
+  }
+}
+
 TEST(NgramTrieTest, EvictionBoundsMemoryAndKeepsFrequentNgrams) {
   NgramTrie trie(4, 200);
   std::vector<int32_t> seq;

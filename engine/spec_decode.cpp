@@ -57,6 +57,11 @@ int64_t StepCostModel::BucketBelow(int64_t num_tokens) {
 StepCostModel::Bucket* StepCostModel::Find(int64_t bucket) {
   auto it = buckets_.find(bucket);
   if (it != buckets_.end()) return &it->second;
+  // A bucket that could not be measured (no free blocks, more sequences than the executor
+  // takes) is tried again only after kRetryAfter more asks: planning asks every step.
+  constexpr int kRetryAfter = 256;
+  auto failed = unmeasurable_.find(bucket);
+  if (failed != unmeasurable_.end() && --failed->second > 0) return nullptr;
   // Best of three runs: the step's own cost, not a neighbour's interference.
   std::optional<double> best;
   for (int i = 0; i < 3; ++i) {
@@ -64,7 +69,11 @@ StepCostModel::Bucket* StepCostModel::Find(int64_t bucket) {
     if (!s) break;
     best = best ? std::min(*best, *s) : *s;
   }
-  if (!best) return nullptr;
+  if (!best) {
+    unmeasurable_[bucket] = kRetryAfter;
+    return nullptr;
+  }
+  unmeasurable_.erase(bucket);
   Bucket& b = buckets_[bucket];
   b.measured = *best;
   return &b;
@@ -89,6 +98,14 @@ double StepCostModel::Seconds(int64_t num_tokens) {
   const int64_t lo = BucketBelow(num_tokens);
   const double f = double(num_tokens - lo) / double(hi - lo);
   return (1 - f) * BucketSeconds(lo) + f * BucketSeconds(hi);
+}
+
+void StepCostModel::MeasureUpTo(int64_t max_tokens, double budget_seconds) {
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t b = 1; b <= BucketAtOrAbove(max_tokens); b = BucketAtOrAbove(b + 1)) {
+    Find(b);
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > budget_seconds) break;
+  }
 }
 
 void StepCostModel::Observe(int64_t num_tokens, double seconds) {
@@ -118,8 +135,9 @@ void StepCostModel::Observe(int64_t num_tokens, double seconds) {
 }
 
 std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, int64_t base_tokens,
-                                      int64_t base_samples, const CostFn& target_cost, const CostFn& draft_cost,
-                                      const CostFn& self_cost, double min_gain) {
+                                      int64_t base_samples, const CostFn& plain_cost, const CostFn& verify_cost,
+                                      const CostFn& draft_cost,
+                                      const CostFn& self_cost, double min_gain, double overhead_seconds) {
   const size_t n = requests.size();
   std::vector<int32_t> k(n, 0);
   int32_t max_cap = 0;
@@ -147,7 +165,7 @@ std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, 
       return c;
     };
   };
-  auto target = memo(target_cost, size_t(base_tokens + total_cap + 1));
+  auto verify = memo(verify_cost, size_t(base_tokens + total_cap + 1));
   auto draft = memo(draft_cost, 2 * n + 1);
   auto self = memo(self_cost, n + 1);
 
@@ -170,54 +188,78 @@ std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, 
     gains[i] = g;
     k[i] = drafts;
   };
-  auto throughput = [&]() {
-    double seconds = target(tokens);
-    for (int32_t d = 0; d < max_cap; ++d) {
+  const bool any_model_drafts = std::any_of(requests.begin(), requests.end(), [](const BudgetRequest& r) {
+    return r.mode == SpeculationMode::kDraft || r.mode == SpeculationMode::kSelf;
+  });
+  const double plain_seconds = plain_cost(base_tokens);
+  auto step_seconds = [&]() {
+    double seconds = tokens == base_tokens ? plain_seconds : verify(tokens);
+    for (int32_t d = 0; any_model_drafts && d < max_cap; ++d) {
       // The first draft round also catches the draft model up on the last step's tokens.
       if (draft_rounds[size_t(d)] > 0) seconds += draft(draft_rounds[size_t(d)] * (d == 0 ? 2 : 1));
       if (self_rounds[size_t(d)] > 0) seconds += self(self_rounds[size_t(d)]);
     }
-    return expected / seconds;
+    return seconds;
   };
+  auto throughput = [&]() { return expected / step_seconds(); };
 
   const double without_drafts = throughput();
   std::vector<size_t> order(n);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return requests[a].acceptance > requests[b].acceptance; });
-  for (int pass = 0; pass < 2; ++pass) {
-    bool changed = false;
-    for (size_t i : order) {
-      const int32_t before = k[i];
-      int32_t best_k = 0;
-      double best = -1;
-      for (int32_t c = 0; c <= requests[i].cap; ++c) {
-        set(i, c);
-        const double t = throughput();
-        if (t > best * kPlanTie) {  // ties keep fewer drafts
-          best = t;
-          best_k = c;
+  auto ascend = [&]() {
+    for (int pass = 0; pass < 2; ++pass) {
+      bool changed = false;
+      for (size_t i : order) {
+        const int32_t before = k[i];
+        int32_t best_k = 0;
+        double best = -1;
+        for (int32_t c = 0; c <= requests[i].cap; ++c) {
+          set(i, c);
+          const double t = throughput();
+          if (t > best * kPlanTie) {  // ties keep fewer drafts
+            best = t;
+            best_k = c;
+          }
         }
+        set(i, best_k);
+        changed |= best_k != before;
       }
-      set(i, best_k);
-      changed |= best_k != before;
+      if (!changed) break;  // e.g. nobody's drafts pay: one pass decides
     }
-    if (!changed) break;  // e.g. nobody's drafts pay: one pass decides
+    return throughput();
+  };
+  // From no drafts, then from every request drafting all it may: when the first draft of a step
+  // costs a jump (a verification step is dearer than a plain one, as on the GPU), no single
+  // request's drafts pay for it and the ascent from none stops there.
+  double best = ascend();
+  std::vector<int32_t> best_plan = k;
+  for (size_t i = 0; i < n; ++i) set(i, requests[i].cap);
+  if (const double from_all = ascend(); from_all > best * kPlanTie) {
+    best = from_all;
+    best_plan = k;
   }
-  if (throughput() < min_gain * without_drafts) std::fill(k.begin(), k.end(), 0);  // not worth the risk
-  return k;
+  // Worth it only when it beats no drafts by the margin after paying the overhead too (which the
+  // choice above leaves out: this step has paid it already).
+  for (size_t i = 0; i < n; ++i) set(i, best_plan[i]);
+  if (expected / (step_seconds() + overhead_seconds) < min_gain * without_drafts) {
+    std::fill(best_plan.begin(), best_plan.end(), 0);
+  }
+  return best_plan;
 }
 
 absl::StatusOr<std::unique_ptr<SpeculativeDecoder>> SpeculativeDecoder::Create(const SpeculationConfig& config,
                                                                               ModelExecutor& executor,
                                                                               BlockManager& blocks, KvCache& cache,
-                                                                              const Tokenizer& tokenizer) {
+                                                                              const Tokenizer& tokenizer,
+                                                                              const ModelDrafter::ExecutorLoader& load_draft) {
   if (config.max_draft_tokens < 0) return absl::InvalidArgumentError("max_draft_tokens must be >= 0");
   std::unique_ptr<ModelDrafter> draft, self;
   if (executor.SupportsTreeAttention()) {
     if (!config.draft_model_dir.empty()) {
       absl::StatusOr<std::unique_ptr<ModelDrafter>> d = ModelDrafter::LoadDraftModel(
-          config.draft_model_dir, executor.config(), tokenizer, blocks.num_blocks(), blocks.block_size());
+          config.draft_model_dir, load_draft, executor.config(), tokenizer, blocks.num_blocks(), blocks.block_size());
       if (!d.ok()) return d.status();
       draft = std::move(*d);
     }
@@ -233,6 +275,17 @@ absl::StatusOr<std::unique_ptr<SpeculativeDecoder>> SpeculativeDecoder::Create(c
   if (config.default_mode == SpeculationMode::kDraft && draft == nullptr && executor.SupportsTreeAttention()) {
     return absl::InvalidArgumentError("speculation 'draft' needs a draft model (--draft-model)");
   }
+  // A server that speculates by default verifies from its first steps: prepare the target (and
+  // the default mode's drafter, which decodes without drafts of its own) now.
+  if (config.default_mode != SpeculationMode::kNone && executor.SupportsTreeAttention()) {
+    if (absl::Status s = executor.WarmUpVerification(cache, config.max_draft_tokens); !s.ok()) return s;
+    if (config.default_mode == SpeculationMode::kDraft && draft != nullptr) {
+      if (absl::Status s = draft->executor().WarmUpVerification(*draft->own_cache(), 0); !s.ok()) return s;
+    }
+    if (config.default_mode == SpeculationMode::kSelf && self != nullptr) {
+      if (absl::Status s = self->executor().WarmUpVerification(cache, 0); !s.ok()) return s;
+    }
+  }
   return std::unique_ptr<SpeculativeDecoder>(
       new SpeculativeDecoder(config, executor, blocks, cache, std::move(draft), std::move(self)));
 }
@@ -247,33 +300,70 @@ SpeculativeDecoder::SpeculativeDecoder(const SpeculationConfig& config, ModelExe
       lookahead_(config.lookahead),
       draft_(std::move(draft)),
       self_(std::move(self)),
-      target_cost_([this](int64_t t) { return MeasureForward(executor_, blocks_, cache_, t); }) {
+      target_cost_([this](int64_t t) { return Excluded([&] { return MeasureForward(executor_, blocks_, cache_, t, 1); }); }),
+      verify_cost_([this](int64_t t) {
+        return Excluded([&] {
+          return MeasureForward(executor_, blocks_, cache_, t, std::min<int64_t>(t, 1 + config_.max_draft_tokens));
+        });
+      }) {
   if (draft_) {
     draft_cost_.emplace([this](int64_t t) {
-      return MeasureForward(draft_->executor(), *draft_->own_blocks(), *draft_->own_cache(), t);
+      return Excluded([&] { return MeasureForward(draft_->executor(), *draft_->own_blocks(), *draft_->own_cache(), t, 1); });
     });
   }
-  if (self_) self_cost_.emplace([this](int64_t t) { return MeasureForward(self_->executor(), blocks_, cache_, t); });
+  if (self_) {
+    self_cost_.emplace([this](int64_t t) {
+      return Excluded([&] { return MeasureForward(self_->executor(), blocks_, cache_, t, 1); });
+    });
+  }
+}
+
+void SpeculativeDecoder::WarmUpCosts(int64_t max_decoding) {
+  constexpr double kBudgetSeconds = 0.25;  // per cost model
+  target_cost_.MeasureUpTo(max_decoding, kBudgetSeconds);
+  verify_cost_.MeasureUpTo(max_decoding * (1 + config_.max_draft_tokens), kBudgetSeconds);
+  if (draft_cost_) draft_cost_->MeasureUpTo(2 * max_decoding, kBudgetSeconds);
+  if (self_cost_) self_cost_->MeasureUpTo(max_decoding, kBudgetSeconds);
+}
+
+void SpeculativeDecoder::BeginStep() {
+  step_start_ = std::chrono::steady_clock::now();
+  step_excluded_seconds_ = 0;
+}
+
+void SpeculativeDecoder::EndStep(int64_t num_tokens, bool verification) {
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start_).count() - step_excluded_seconds_;
+  (verification ? verify_cost_ : target_cost_).Observe(num_tokens, seconds);
 }
 
 std::optional<double> SpeculativeDecoder::MeasureForward(ModelExecutor& executor, BlockManager& blocks,
-                                                         KvCache& cache, int64_t num_tokens) {
-  // One-token chunks on scratch sequences (ids no request uses), like a decode batch.
+                                                         KvCache& cache, int64_t num_tokens, int64_t chunk_tokens) {
+  // Chunks after a one-token context on scratch sequences (ids no request uses): one token each
+  // like a decode batch, or chains verified as draft trees.
   constexpr SequenceId kScratchBase = ~SequenceId{0} - (SequenceId{1} << 20);
-  const int32_t tokens_per_seq = blocks.block_size();
-  const int64_t num_seqs = (num_tokens + tokens_per_seq - 1) / tokens_per_seq;
-  if (num_seqs > blocks.num_free_blocks()) return std::nullopt;
+  const int64_t num_seqs = (num_tokens + chunk_tokens - 1) / chunk_tokens;
+  const int64_t blocks_per_seq = (chunk_tokens + 1 + blocks.block_size() - 1) / blocks.block_size();
+  if (num_seqs * blocks_per_seq > blocks.num_free_blocks()) return std::nullopt;
   std::vector<int32_t> ids(size_t(num_tokens), 0);
+  std::vector<int32_t> chain(static_cast<size_t>(chunk_tokens));
+  for (int64_t j = 0; j < chunk_tokens; ++j) chain[size_t(j)] = int32_t(j) - 1;
   std::vector<SequenceChunk> chunks;
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    const SequenceId seq = kScratchBase + SequenceId(t / tokens_per_seq);
-    if (t % tokens_per_seq == 0) DUET_CHECK(blocks.Reserve(seq, tokens_per_seq, 0, nullptr).ok());
-    chunks.push_back(SequenceChunk{absl::MakeConstSpan(&ids[size_t(t)], 1), t % tokens_per_seq,
-                                   blocks.BlockTable(seq), seq, 1});
+  for (int64_t t = 0; t < num_tokens; t += chunk_tokens) {
+    const SequenceId seq = kScratchBase + SequenceId(chunks.size());
+    DUET_CHECK(blocks.Reserve(seq, chunk_tokens + 1, 0, nullptr).ok());
+    const int64_t n = std::min(chunk_tokens, num_tokens - t);
+    SequenceChunk& c = chunks.emplace_back(SequenceChunk{absl::MakeConstSpan(&ids[size_t(t)], size_t(n)), 1,
+                                                         blocks.BlockTable(seq), seq, int32_t(n)});
+    if (n > 1) c.tree_parents = absl::MakeConstSpan(chain.data(), size_t(n));
   }
+  // As real steps run: sampling on the device where the executor can (the same graphs).
   std::vector<float> logits;
+  std::vector<DeviceSample> samples;
+  const std::vector<DeviceSamplingRow> greedy(static_cast<size_t>(num_tokens));
   const auto start = std::chrono::steady_clock::now();
-  const absl::Status s = executor.Forward(chunks, cache, logits);
+  const absl::Status s = executor.CanSampleOnDevice() ? executor.ForwardSample(chunks, cache, greedy, samples)
+                                                      : executor.Forward(chunks, cache, logits);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   for (int64_t i = 0; i < num_seqs; ++i) blocks.Free(kScratchBase + SequenceId(i));
   if (!s.ok()) return std::nullopt;
@@ -300,8 +390,21 @@ void SpeculativeDecoder::EnsureLocalTrie(Request& r) {
   r.spec.local_ngrams->AddSequence(all);
 }
 
+std::vector<int32_t> SpeculativeDecoder::LookaheadContext(const Request& r) const {
+  std::vector<int32_t> context;
+  const int64_t n = r.num_tokens();
+  for (int64_t i = std::max<int64_t>(0, n - config_.lookahead.max_match); i < n; ++i) context.push_back(r.TokenAt(i));
+  return context;
+}
+
 void SpeculativeDecoder::OnToken(Request& r) {
-  if (!r.spec.local_ngrams) return;
+  if (!r.spec.local_ngrams) {
+    // The trie of the prompt is built with the first token (in the prefill step), not in the
+    // first decode step.
+    if (r.spec.mode == SpeculationMode::kLookahead && r.output.size() == 1) EnsureLocalTrie(r);
+    return;
+  }
+  if (r.spec.local_ngrams->AppendToken(r.TokenAt(r.num_tokens() - 1))) return;
   const int64_t n = r.num_tokens();
   const int64_t window = std::min<int64_t>(n, r.spec.local_ngrams->max_ngram());
   std::vector<int32_t> last;
@@ -314,25 +417,82 @@ void SpeculativeDecoder::OnFinished(Request& r) {
   if (draft_) draft_->Release(r.seq_id);
 }
 
-bool SpeculativeDecoder::DraftsCanPay(int64_t num_decoding) {
-  // One request whose every draft is accepted, the others drafting nothing: this is the best any
-  // request can do in the planner's first pass, so if it does not pay, nobody's drafts do.
-  const double without = double(num_decoding) / target_cost_.Seconds(num_decoding);
-  for (int32_t c = 1; c <= config_.max_draft_tokens; ++c) {
-    if (double(num_decoding + c) / target_cost_.Seconds(num_decoding + c) > kPlanTie * without) return true;
+bool SpeculativeDecoder::DraftsCanPay(absl::Span<Request* const> decoding) {
+  // About the best the planner could find: the r most promising requests draft a chain of c
+  // tokens each (drafting itself free), the step also paying for the planning that a step
+  // without speculation skips. If no such plan beats no drafts by the planner's margin, no
+  // real plan does.
+  std::vector<double> acceptance;
+  for (const Request* r : decoding) {
+    if (r->spec.mode != SpeculationMode::kNone) acceptance.push_back(r->spec.acceptance());
   }
-  return false;
+  std::sort(acceptance.begin(), acceptance.end(), std::greater<double>());
+  const int64_t n = int64_t(decoding.size()), speculating = int64_t(acceptance.size());
+  if (speculating == 0) return false;
+  const double without = double(n) / target_cost_.Seconds(n);
+  const double overhead = plan_seconds_per_request_ * double(n);
+  for (int64_t r = 1;; r = std::min(speculating, 2 * r)) {
+    for (int32_t c = 1; c <= config_.max_draft_tokens; ++c) {
+      double expected = 0;  // accepted tokens of the r best requests' c-token chains
+      for (int64_t i = 0; i < r; ++i) {
+        double p = 1;
+        for (int32_t d = 0; d < c; ++d) expected += (p *= acceptance[size_t(i)]);
+      }
+      if (double(n) + expected > kDefaultMinGain * without * (verify_cost_.Seconds(n + r * c) + overhead)) return true;
+    }
+    if (r == speculating) return false;
+  }
 }
 
 void SpeculativeDecoder::Plan(absl::Span<Request* const> decoding, int64_t max_model_len) {
+  // Planning (proposing trees, the budget search) is work that only speculation does: it stays
+  // out of the steps' observed costs and is charged to plans with drafts instead, per request.
+  const auto start = std::chrono::steady_clock::now();
+  const bool planned = PlanRequests(decoding, max_model_len);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  step_excluded_seconds_ += seconds;
+  if (planned && !decoding.empty()) {
+    constexpr double kWeight = 0.2;
+    plan_seconds_per_request_ += kWeight * (seconds / double(decoding.size()) - plan_seconds_per_request_);
+  }
+}
+
+bool SpeculativeDecoder::PlanRequests(absl::Span<Request* const> decoding, int64_t max_model_len) {
   for (Request* r : decoding) {
     r->spec.tree.Clear();
     r->spec.lookahead_slots = 0;
   }
-  // A step too compute-bound for any draft to pay (a large batch on the CPU): skip proposing.
-  if (config_.adaptive && !DraftsCanPay(int64_t(decoding.size()))) return;
+  // A step where no draft can pay (a large batch on the CPU, guesses that keep missing): skip
+  // proposing, but probe now and then (lookahead's guesses keep its acceptance estimates current
+  // even when nothing is drafted).
+  // Once nothing paid, the next steps of the same batch size skip even that check.
+  bool can_pay = true;
+  if (config_.adaptive) {
+    const int64_t n = int64_t(decoding.size());
+    if (skip_steps_left_ > 0 && n == skip_batch_size_) {
+      // Every 4th skipped step, lookahead requests still guess one token (no draft): whether
+      // the guess comes true keeps their acceptance estimates current, so drafting resumes when
+      // their guesses get good.
+      if (--skip_steps_left_ % 4 == 0) {
+        for (Request* r : decoding) {
+          if (r->spec.mode == SpeculationMode::kLookahead && r->spec.local_ngrams) {
+            r->spec.tree = lookahead_.Propose(*r->spec.local_ngrams, LookaheadContext(*r), 1);
+          }
+        }
+      }
+      return false;
+    }
+    can_pay = DraftsCanPay(decoding);
+    if (!can_pay) {
+      SkipAfterFruitlessPlan(n);
+      const bool any_lookahead = std::any_of(decoding.begin(), decoding.end(), [](const Request* r) {
+        return r->spec.mode == SpeculationMode::kLookahead;
+      });
+      if (!any_lookahead) return false;
+      // A probe: lookahead proposes (its guesses are scored without drafting) but drafts nothing.
+    }
+  }
   std::vector<BudgetRequest> budget;
-  std::vector<int32_t> context;
   for (Request* r : decoding) {
     SpeculationState& s = r->spec;
     // Never draft past max_tokens or the context limit (the bonus token takes one more).
@@ -341,10 +501,7 @@ void SpeculativeDecoder::Plan(absl::Span<Request* const> decoding, int64_t max_m
     int32_t cap = int32_t(std::clamp<int64_t>(room, 0, config_.max_draft_tokens));
     if (s.mode == SpeculationMode::kLookahead && cap > 0) {
       EnsureLocalTrie(*r);
-      context.clear();
-      const int64_t n = r->num_tokens();
-      for (int64_t i = std::max<int64_t>(0, n - config_.lookahead.max_match); i < n; ++i) context.push_back(r->TokenAt(i));
-      s.tree = lookahead_.Propose(*s.local_ngrams, context, cap);
+      s.tree = lookahead_.Propose(*s.local_ngrams, LookaheadContext(*r), cap);
       cap = s.tree.size();
     }
     if (s.mode == SpeculationMode::kNone) cap = 0;
@@ -359,18 +516,41 @@ void SpeculativeDecoder::Plan(absl::Span<Request* const> decoding, int64_t max_m
     }
   }
   std::vector<int32_t> k;
-  if (config_.adaptive) {
-    auto target = [this](int64_t t) { return target_cost_.Seconds(t); };
+  if (!can_pay) {
+    k.assign(decoding.size(), 0);
+  } else if (config_.adaptive) {
+    auto plain = [this](int64_t t) { return target_cost_.Seconds(t); };
+    auto verify = [this](int64_t t) { return verify_cost_.Seconds(t); };
     auto draft = [this](int64_t t) { return draft_cost_ ? draft_cost_->Seconds(t) : 0.0; };
     auto self = [this](int64_t t) { return self_cost_ ? self_cost_->Seconds(t) : 0.0; };
-    k = PlanDraftBudgets(budget, int64_t(decoding.size()), int64_t(decoding.size()), target, draft, self);
+    k = PlanDraftBudgets(budget, int64_t(decoding.size()), int64_t(decoding.size()), plain, verify, draft, self,
+                         kDefaultMinGain, plan_seconds_per_request_ * double(decoding.size()));
   } else {
     for (const BudgetRequest& b : budget) k.push_back(b.cap);
   }
   for (size_t i = 0; i < decoding.size(); ++i) decoding[i]->spec.lookahead_slots = k[i];
+  if (can_pay && config_.adaptive) {
+    if (std::all_of(k.begin(), k.end(), [](int32_t x) { return x == 0; })) {
+      SkipAfterFruitlessPlan(int64_t(decoding.size()));  // the planner found nothing that pays
+    } else {
+      fruitless_plans_ = 0;
+    }
+  }
+  return true;
+}
+
+void SpeculativeDecoder::SkipAfterFruitlessPlan(int64_t batch_size) {
+  // Backing off: 0, 1, 3, 7, then 15 steps skipped after consecutive fruitless plans.
+  ++fruitless_plans_;
+  skip_steps_left_ = std::min(kRecheckEvery, 1 << std::min(fruitless_plans_ - 1, 4)) - 1;
+  skip_batch_size_ = batch_size;
 }
 
 absl::Status SpeculativeDecoder::Draft(absl::Span<Request* const> scheduled) {
+  return Excluded([&] { return DraftRequests(scheduled); });
+}
+
+absl::Status SpeculativeDecoder::DraftRequests(absl::Span<Request* const> scheduled) {
   std::vector<ModelDrafter::Job> draft_jobs, self_jobs;
   std::vector<Request*> draft_requests, self_requests;
   std::vector<std::vector<int32_t>> all_tokens;

@@ -12,6 +12,7 @@
 // LlmEngine drives these; this file holds the policy, drafting and bookkeeping.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -74,6 +75,8 @@ class StepCostModel {
 
   double Seconds(int64_t num_tokens);
   void Observe(int64_t num_tokens, double seconds);
+  // Measures the buckets up to `max_tokens`, smallest first, until `budget_seconds` are spent.
+  void MeasureUpTo(int64_t max_tokens, double budget_seconds);
 
  private:
   struct Bucket {
@@ -89,6 +92,7 @@ class StepCostModel {
 
   Measure measure_;
   std::map<int64_t, Bucket> buckets_;
+  std::map<int64_t, int> unmeasurable_;  // bucket -> asks left before measuring it again
   double log_real_over_measured_ = 0;  // running mean of log(real step / scratch measurement)
 };
 
@@ -104,22 +108,30 @@ struct BudgetRequest {
 
 // Draft tokens per request maximizing expected tokens per second of the step:
 //   (base_samples + sum_r sum_{d <= depth_r(k_r)} acceptance_r^d)
-//     / (target(base_tokens + sum_r k_r) + drafting rounds of modes draft/self)
+//     / (verify(base_tokens + sum_r k_r) + drafting rounds of modes draft/self)
+// against plain(base_tokens) without drafts (a verification step may cost more than a plain
+// step of as many tokens: on the GPU it takes the prefill attention path). The plan must beat no
+// drafts after also paying `overhead_seconds` (planning, which a step that does not speculate
+// skips); the choice of budgets leaves it out (the step has paid it already).
 // by coordinate ascent over the requests (a step's cost is not convex in T on every backend).
 // A plan with drafts must beat no drafts by `min_gain` (estimates are noisy; a wrong guess costs
 // the whole batch), otherwise every budget is zero.
 using CostFn = std::function<double(int64_t num_tokens)>;
 inline constexpr double kDefaultMinGain = 1.10;
 std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, int64_t base_tokens,
-                                      int64_t base_samples, const CostFn& target_cost, const CostFn& draft_cost,
-                                      const CostFn& self_cost, double min_gain = kDefaultMinGain);
+                                      int64_t base_samples, const CostFn& plain_cost, const CostFn& verify_cost,
+                                      const CostFn& draft_cost,
+                                      const CostFn& self_cost, double min_gain = kDefaultMinGain,
+                                      double overhead_seconds = 0);
 
 class SpeculativeDecoder {
  public:
   // `executor`, `blocks` and `cache` are the engine's; they must outlive this object.
+  // `load_draft` loads the draft model (config.draft_model_dir) on the engine's backend.
   static absl::StatusOr<std::unique_ptr<SpeculativeDecoder>> Create(const SpeculationConfig& config,
                                                                    ModelExecutor& executor, BlockManager& blocks,
-                                                                   KvCache& cache, const Tokenizer& tokenizer);
+                                                                   KvCache& cache, const Tokenizer& tokenizer,
+                                                                   const ModelDrafter::ExecutorLoader& load_draft);
 
   // The mode `requested` runs in: kNone when the executor cannot verify trees; InvalidArgument
   // for a mode this engine was not started with.
@@ -137,20 +149,40 @@ class SpeculativeDecoder {
   // Every token appended to a request (keeps its n-gram trie current).
   void OnToken(Request& r);
   void OnFinished(Request& r);
-  // A step's forward of `num_tokens` tokens took `seconds` (refines the cost model).
-  void ObserveStep(int64_t num_tokens, double seconds) { target_cost_.Observe(num_tokens, seconds); }
+  // Measures step costs up front (within about a second) for steps of up to `max_decoding`
+  // decoding requests, so serving does not pay for the measurements as it first meets them.
+  void WarmUpCosts(int64_t max_decoding);
+  // An engine step's bounds. The step's wall time, less the drafting and the cost model's own
+  // scratch measurements, refines the cost model of its kind (`verification`: it held draft
+  // trees) for its `num_tokens` tokens: what a step really costs, host work included.
+  void BeginStep();
+  void EndStep(int64_t num_tokens, bool verification);
 
   const SpecDecodeStats& stats() const { return stats_; }
 
  private:
   SpeculativeDecoder(const SpeculationConfig& config, ModelExecutor& executor, BlockManager& blocks,
                      KvCache& cache, std::unique_ptr<ModelDrafter> draft, std::unique_ptr<ModelDrafter> self);
-  // Seconds of `executor` running `num_tokens` one-token chunks on scratch sequences of `blocks`.
+  // Seconds of `executor` running `num_tokens` tokens on scratch sequences of `blocks`, in chunks
+  // of `chunk_tokens` (above 1: chains verified as draft trees).
   static std::optional<double> MeasureForward(ModelExecutor& executor, BlockManager& blocks, KvCache& cache,
-                                              int64_t num_tokens);
+                                              int64_t num_tokens, int64_t chunk_tokens);
+  absl::Status DraftRequests(absl::Span<Request* const> scheduled);
+  // Runs `fn`, leaving its time out of the step's observed cost.
+  template <typename Fn>
+  auto Excluded(Fn fn) {
+    const auto start = std::chrono::steady_clock::now();
+    auto result = fn();
+    step_excluded_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return result;
+  }
   void EnsureLocalTrie(Request& r);
-  // Whether any draft could pay in a step of `num_decoding` decoding requests.
-  bool DraftsCanPay(int64_t num_decoding);
+  // The last tokens of `r` that lookahead matches against its tries.
+  std::vector<int32_t> LookaheadContext(const Request& r) const;
+  // Plan's work; false when it skipped proposing (nothing can pay).
+  bool PlanRequests(absl::Span<Request* const> decoding, int64_t max_model_len);
+  // Whether any draft could pay in a step of these decoding requests.
+  bool DraftsCanPay(absl::Span<Request* const> decoding);
 
   SpeculationConfig config_;
   ModelExecutor& executor_;
@@ -159,10 +191,20 @@ class SpeculativeDecoder {
   LookaheadCache lookahead_;
   std::unique_ptr<ModelDrafter> draft_;  // mode draft (null without a draft model)
   std::unique_ptr<ModelDrafter> self_;   // mode self
-  StepCostModel target_cost_;
+  StepCostModel target_cost_;  // plain steps (one token per decoding request)
+  StepCostModel verify_cost_;  // steps that verify draft trees
   std::optional<StepCostModel> draft_cost_;
   std::optional<StepCostModel> self_cost_;
   SpecDecodeStats stats_;
+  // After a step where nothing could pay: steps of the same batch size that skip planning.
+  static constexpr int kRecheckEvery = 16;
+  void SkipAfterFruitlessPlan(int64_t batch_size);
+  int fruitless_plans_ = 0;  // in a row
+  int skip_steps_left_ = 0;
+  int64_t skip_batch_size_ = 0;
+  double plan_seconds_per_request_ = 0;  // running mean of Plan's time per decoding request
+  std::chrono::steady_clock::time_point step_start_;
+  double step_excluded_seconds_ = 0;  // drafting and scratch measurements during the step
 };
 
 }  // namespace duet

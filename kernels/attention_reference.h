@@ -23,9 +23,11 @@ std::vector<float> PagedDecodeAttention(const std::vector<float>& q, const Paged
                                         const std::vector<int32_t>& context_lens, int num_q_heads, float scale);
 
 // q: [num_q_tokens, num_q_heads, head_dim], packed by q_start ([num_seqs + 1]); query i of
-// sequence s sits at position context_lens[s] - q_len + i and sees positions [0, that position].
+// sequence s sits at position context_lens[s] - q_len + i and sees positions [0, that position]
+// (with `tree_masks`, [num_q_tokens] or empty, as PrefillAttentionParams::tree_masks says).
 // Returns [num_q_tokens, num_q_heads, head_dim].
 std::vector<float> PrefillAttention(const std::vector<float>& q, const PagedKv& kv, const std::vector<int32_t>& q_start,
-                                    const std::vector<int32_t>& context_lens, int num_q_heads, float scale);
+                                    const std::vector<int32_t>& context_lens, int num_q_heads, float scale,
+                                    const std::vector<uint64_t>& tree_masks = {});
 
 }  // namespace duet::kernels::reference

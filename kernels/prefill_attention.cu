@@ -101,6 +101,18 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(const PrefillAttent
   const int warp_first_pos = pos_offset + warp_row0;
   const int warp_last_pos = pos_offset + min(warp_row0 + kMTiles * 16, q_len) - 1;
 
+  // Tree attention: each of the thread's four rows' masks of this step's first 64 keys.
+  uint64_t row_mask[kMTiles][2];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + mt * 16 + group + half * 8;
+      row_mask[mt][half] = p.tree_masks != nullptr && row < q_len ? p.tree_masks[q_begin + row] : ~uint64_t{0};
+    }
+  // Tiles holding this step's keys need the mask on every row, not only past the warp's first.
+  const int mask_from = p.tree_masks != nullptr ? pos_offset : warp_first_pos + 1;
+
   float acc[kMTiles][kDTiles][4];
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
@@ -151,8 +163,9 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(const PrefillAttent
         }
       }
 
-      // Causal mask (only tiles that reach past the warp's first position) and online softmax.
-      const bool needs_mask = tile_start + kBlockN - 1 > warp_first_pos;
+      // Causal and tree masks (only tiles that reach past the warp's first position, or into this
+      // step's keys with trees) and online softmax.
+      const bool needs_mask = tile_start + kBlockN - 1 >= mask_from;
       float rescale[kMTiles][2];
       bool any_rescale = false;
 #pragma unroll
@@ -166,7 +179,11 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(const PrefillAttent
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               float& x = s[mt][n][half * 2 + e];
-              if (needs_mask && tile_start + n * 8 + quad * 2 + e > pos) x = -INFINITY;
+              const int key = tile_start + n * 8 + quad * 2 + e;
+              const unsigned step_key = unsigned(key - pos_offset);  // this step's key index (wraps below 0)
+              if (needs_mask && (key > pos || (step_key < 64u && !((row_mask[mt][half] >> step_key) & 1u)))) {
+                x = -INFINITY;
+              }
               tile_max = fmaxf(tile_max, x);
             }
           }

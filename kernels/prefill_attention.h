@@ -19,13 +19,19 @@ struct PrefillAttentionParams {
   const int32_t* block_tables;   // [num_seqs, max_blocks_per_seq]
   const int32_t* q_start;        // [num_seqs + 1] prefix sums of query tokens per sequence
   const int32_t* context_lens;   // [num_seqs] tokens in cache incl. this step's
+  // Optional tree attention (speculative verification), [num_q_tokens]: bit j of row i's mask
+  // says whether query i of its sequence may see that sequence's query j (this step's key at
+  // cache position context_len - q_len + j). Null: plain causal. Only the first 64 queries of
+  // a sequence are masked; a causal row uses ~0.
+  const uint64_t* tree_masks;
   __nv_bfloat16* out;            // [num_q_tokens, num_q_heads, head_dim]
   int num_seqs, num_q_tokens, max_q_len, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks_per_seq;
   float scale;
 };
 
 // Query i of sequence s (q_len = q_start[s+1] - q_start[s]) sits at position
-// context_lens[s] - q_len + i and attends to cache positions [0, that position].
+// context_lens[s] - q_len + i and attends to cache positions [0, that position] (with tree
+// masks: minus this step's keys j < 64 whose bit in the row's mask is clear).
 // max_q_len must bound every sequence's q_len (it sizes the grid).
 void PrefillAttention(const PrefillAttentionParams& params, cudaStream_t stream);
 

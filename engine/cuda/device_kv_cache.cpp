@@ -29,11 +29,32 @@ DeviceKvCache::DeviceKvCache(const KvCacheShape& shape, DeviceAllocation pool, c
       pool_(std::move(pool)),
       layer_elems_(shape.num_blocks * shape.block_elems()),
       stream_(stream),
-      copy_stream_(copy_stream) {}
+      copy_stream_(copy_stream) {
+  pending_moves_.pools = keys(0);
+  pending_moves_.pool_elems = layer_elems_;  // pools alternate K, V per layer
+  pending_moves_.num_pools = int(2 * shape.num_layers);
+  pending_moves_.num_kv_heads = int(shape.num_kv_heads);
+  pending_moves_.block_size = int(shape.block_size);
+  pending_moves_.head_dim = int(shape.head_dim);
+}
+
+void DeviceKvCache::QueueSlotMove(int32_t from, int32_t to) {
+  if (pending_moves_.num_moves == kernels::kMaxKvSlotMoves) FlushSlotMoves();
+  pending_moves_.from[pending_moves_.num_moves] = from;
+  pending_moves_.to[pending_moves_.num_moves] = to;
+  ++pending_moves_.num_moves;
+}
+
+void DeviceKvCache::FlushSlotMoves() {
+  if (pending_moves_.num_moves == 0) return;
+  kernels::MoveKvSlots(pending_moves_, stream_);
+  pending_moves_.num_moves = 0;
+}
 
 DeviceKvCache::~DeviceKvCache() { cudaStreamDestroy(copy_stream_); }
 
 void DeviceKvCache::CopyBlocks(const std::vector<BlockCopy>& copies) {
+  FlushSlotMoves();
   const size_t block_bytes = size_t(shape().block_elems()) * sizeof(__nv_bfloat16);
   const int64_t n = shape().block_elems();
   for (int64_t layer = 0; layer < shape().num_layers; ++layer) {
@@ -68,6 +89,10 @@ absl::Status DeviceKvCache::CopyBlocksFromHost(int64_t first_layer, int64_t num_
 absl::Status DeviceKvCache::CopyWithHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
                                          const HostKvBlocks& host, bool to_host) {
   if (absl::Status st = CheckHostCopies(first_layer, num_layers, copies, host, to_host); !st.ok()) return st;
+  if (pending_moves_.num_moves > 0) {  // the copy stream must see them
+    FlushSlotMoves();
+    if (absl::Status st = CudaStatus(cudaStreamSynchronize(stream_), "KV slot moves"); !st.ok()) return st;
+  }
   const KvCacheShape& s = shape();
   const size_t block_bytes = size_t(s.block_elems()) * sizeof(__nv_bfloat16);
   // Runs where both sides' block ids advance together are one contiguous copy.

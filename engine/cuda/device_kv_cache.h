@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "engine/cuda/device_memory.h"
 #include "engine/kv_cache.h"
+#include "kernels/kv_slot_move.h"
 
 namespace duet::cuda {
 
@@ -36,6 +37,14 @@ class DeviceKvCache : public KvCache {
   absl::Status CopyBlocksFromHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
                                   const HostKvBlocks& host) override;
 
+  // Speculative decoding: one token's K/V moves from slot `from` to slot `to` (block id *
+  // block_size + offset) in every layer. Moves are queued and applied in order on the
+  // executor's stream, up to kernels::kMaxKvSlotMoves per launch, before anything else uses the
+  // cache: FlushSlotMoves (the executor calls it before each step), a block copy or a staging
+  // copy. Callers order moves so that none reads a slot an earlier one wrote.
+  void QueueSlotMove(int32_t from, int32_t to);
+  void FlushSlotMoves();
+
   __nv_bfloat16* keys(int64_t layer) { return pool_.as<__nv_bfloat16>() + (2 * layer) * layer_elems_; }
   __nv_bfloat16* values(int64_t layer) { return pool_.as<__nv_bfloat16>() + (2 * layer + 1) * layer_elems_; }
 
@@ -49,6 +58,7 @@ class DeviceKvCache : public KvCache {
   cudaStream_t stream_;
   std::mutex copy_mu_;       // one staging copy at a time on copy_stream_
   cudaStream_t copy_stream_;  // owned
+  kernels::KvSlotMoveParams pending_moves_{};  // num_moves queued, not yet launched
 };
 
 }  // namespace duet::cuda

@@ -35,16 +35,32 @@ int GraphBatchSize(int num_seqs) {
   return (num_seqs + 7) / 8 * 8;
 }
 
+// Verification graphs are captured for these padded token counts: multiples of 8 up to 16, then
+// four buckets per power of two.
+int TreeGraphTokens(int num_tokens) {
+  if (num_tokens <= 16) return (num_tokens + 7) / 8 * 8;
+  int octave = 16;
+  while (octave * 2 < num_tokens) octave *= 2;
+  const int step = octave / 4;
+  return (num_tokens + step - 1) / step * step;
+}
+
+// Most tokens of one sequence in a verification graph (one query block of the prefill attention).
+constexpr int kTreeGraphMaxChunkTokens = 64;
+
 }  // namespace
 
 // Offsets (in int32 units) of the step-metadata arrays, fixed for the executor's lifetime so
 // captured graphs keep pointing at the right places.
 struct StepMetadataLayout {
   size_t tokens, positions, slots, q_start, context_lens, logit_rows, block_tables;
+  size_t tree_masks;  // uint64 (2 units) per token
   size_t temperature, top_k, top_p, min_p, seeds, offsets;  // seeds/offsets: uint64 (2 units)
+  size_t sampling_pitch;
   size_t sampled_tokens, sampled_logprobs;
   size_t total;
 
+  // max_rows: sampled rows (a step of draft trees samples every token's row).
   StepMetadataLayout(int max_tokens, int max_seqs, int max_rows, int max_blocks_per_seq) {
     size_t at = 0;
     auto take = [&](size_t n) {
@@ -60,12 +76,16 @@ struct StepMetadataLayout {
     context_lens = take(max_seqs);
     logit_rows = take(max_tokens);
     block_tables = take(size_t(max_seqs) * max_blocks_per_seq);
-    temperature = take(max_rows);
-    top_k = take(max_rows);
-    top_p = take(max_rows);
-    min_p = take(max_rows);
-    seeds = take(2 * size_t(max_rows));
-    offsets = take(2 * size_t(max_rows));
+    tree_masks = take(2 * size_t(max_tokens));
+    // The six per-row sampling arrays sit sampling_pitch units apart (room for 8-byte rows),
+    // so one 2-D copy uploads the used rows of all of them.
+    sampling_pitch = (2 * size_t(max_rows) + 3) / 4 * 4;
+    temperature = take(sampling_pitch);
+    top_k = take(sampling_pitch);
+    top_p = take(sampling_pitch);
+    min_p = take(sampling_pitch);
+    seeds = take(sampling_pitch);
+    offsets = take(sampling_pitch);
     sampled_tokens = take(max_rows);
     sampled_logprobs = take(max_rows);
     total = take(0);
@@ -79,7 +99,9 @@ struct LlamaCuda::StepPlan {
   int max_q_len = 0;
   int max_context_len = 0;
   bool decode_only = false;  // one token per sequence: paged decode attention
-  int graph_batch = 0;       // > 0: replay the decode graph of this padded batch size
+  bool has_trees = false;    // some chunk is a draft tree: attention uses the tree masks
+  int graph_batch = 0;       // > 0: replay the graph of this padded batch size
+  int graph_tokens = 0;      // > 0: the graph verifies draft trees in this many (padded) rows
 };
 
 LlamaCuda::LlamaCuda(const ModelConfig& config, const LlamaCudaOptions& options)
@@ -261,7 +283,7 @@ absl::Status LlamaCuda::LoadWeights(const WeightStore& weights) {
 absl::Status LlamaCuda::AllocateActivations() {
   const ModelConfig& c = config_;
   const int64_t t = options_.max_num_batched_tokens;
-  max_logit_rows_ = options_.max_num_seqs;
+  max_logit_rows_ = std::max(options_.max_num_seqs, std::min(options_.max_logit_rows, options_.max_num_batched_tokens));
   const int64_t r = max_logit_rows_;
   const int64_t qkv_width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
   const int64_t q_width = c.num_heads * c.head_dim;
@@ -296,6 +318,12 @@ absl::Status LlamaCuda::AllocateActivations() {
     if (!a.ok()) return a.status();
     *w.into = std::move(*a);
   }
+  // Padding rows of verification graphs keep whatever attention output a row last had: finite
+  // from the start.
+  if (absl::Status s = cuda::CudaStatus(cudaMemset(attn_.get(), 0, attn_.bytes()), "attention output memset");
+      !s.ok()) {
+    return s;
+  }
   if (decode_split_counters_count_ > 0) {
     if (absl::Status s = cuda::CudaStatus(
             cudaMemset(decode_split_counters_.get(), 0, size_t(decode_split_counters_count_) * 4), "split counters");
@@ -303,7 +331,26 @@ absl::Status LlamaCuda::AllocateActivations() {
       return s;
     }
   }
-  return results_host_.Resize(size_t(r) * size_t(c.vocab_size) * 4);
+  // Logits of one head pass, or every row's sampled token and logprob (up to t rows each).
+  // Host logits travel through it in passes of max_num_seqs rows; sampled tokens and logprobs
+  // (up to t rows each) in one.
+  return results_host_.Resize(std::max(size_t(options_.max_num_seqs) * size_t(c.vocab_size), 2 * size_t(t) + 8) * 4);
+}
+
+absl::Status LlamaCuda::CopyLogitsToHost(int rows, float* dst) {
+  const size_t vocab = size_t(config_.vocab_size);
+  for (int begin = 0; begin < rows; begin += options_.max_num_seqs) {
+    const size_t bytes = size_t(std::min(options_.max_num_seqs, rows - begin)) * vocab * sizeof(float);
+    if (absl::Status s = cuda::CudaStatus(cudaMemcpyAsync(results_host_.as<float>(), logits_.as<float>() + begin * vocab,
+                                                          bytes, cudaMemcpyDeviceToHost, stream_),
+                                          "logits copy");
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = cuda::CudaStatus(cudaStreamSynchronize(stream_), "step"); !s.ok()) return s;
+    std::memcpy(dst + begin * vocab, results_host_.as<float>(), bytes);
+  }
+  return absl::OkStatus();
 }
 
 std::optional<int64_t> LlamaCuda::DeviceKvBudgetBytes(double memory_fraction) const {
@@ -321,7 +368,7 @@ std::unique_ptr<KvCache> LlamaCuda::CreateKvCache(int64_t num_blocks, int64_t bl
   block_size_ = int(block_size);
   max_blocks_per_seq_ = int((options_.max_model_len + block_size - 1) / block_size);
   layout_ = std::make_unique<const StepMetadataLayout>(options_.max_num_batched_tokens, options_.max_num_seqs,
-                                                       max_logit_rows_, max_blocks_per_seq_);
+                                                       options_.max_num_batched_tokens, max_blocks_per_seq_);
   const StepMetadataLayout& layout = *layout_;
   absl::StatusOr<cuda::DeviceAllocation> meta = arena_.Allocate(layout.total * 4, "step metadata");
   DUET_CHECK_MSG(meta.ok(), std::string(meta.status().message()).c_str());
@@ -355,8 +402,10 @@ absl::StatusOr<LlamaCuda::StepPlan> LlamaCuda::PlanStep(absl::Span<const Sequenc
   int32_t* context_lens = meta + layout.context_lens;
   int32_t* block_tables = meta + layout.block_tables;
   int32_t* logit_rows = meta + layout.logit_rows;
+  auto* tree_masks = reinterpret_cast<uint64_t*>(meta + layout.tree_masks);
 
   plan.decode_only = true;
+  std::vector<int32_t> depths;
   int row = 0, logit_row = 0;
   q_start[0] = 0;
   for (size_t s = 0; s < chunks.size(); ++s) {
@@ -375,13 +424,36 @@ absl::StatusOr<LlamaCuda::StepPlan> LlamaCuda::PlanStep(absl::Span<const Sequenc
                                                      options_.max_num_batched_tokens, ") tokens"));
     }
     if (n != 1 || chunk.num_logits != 1) plan.decode_only = false;
+    // A draft tree: token j takes position start + depth(j) but slot start + j, and sees the
+    // context plus its ancestors (its mask: itself and its parent's mask).
+    const bool tree = !chunk.tree_parents.empty();
+    if (tree) {
+      if (chunk.tree_parents.size() != size_t(n) || chunk.tree_parents[0] != -1) {
+        return absl::InternalError("a draft tree needs one parent per token and token 0 as its root");
+      }
+      if (n > 64) return absl::InvalidArgumentError("a draft tree has at most 64 tokens on the CUDA backend");
+      depths.assign(size_t(n), 0);
+      plan.has_trees = true;
+    }
     for (int j = 0; j < n; ++j) {
       const int32_t id = chunk.tokens[size_t(j)];
       if (id < 0 || id >= config_.vocab_size) return absl::InvalidArgumentError(absl::StrCat("token id ", id, " out of range"));
-      const int64_t pos = chunk.start_position + j;
+      const int64_t slot = chunk.start_position + j;
+      int64_t pos = slot;
+      uint64_t mask = ~uint64_t{0};
+      if (tree && j > 0) {
+        const int32_t parent = chunk.tree_parents[size_t(j)];
+        if (parent < 0 || parent >= j) return absl::InternalError("a draft tree token's parent must come before it");
+        depths[size_t(j)] = depths[size_t(parent)] + 1;
+        pos = chunk.start_position + depths[size_t(j)];
+        mask = (uint64_t{1} << j) | tree_masks[row + parent];
+      } else if (tree) {
+        mask = 1;
+      }
       tokens[row + j] = id;
       positions[row + j] = int32_t(pos);
-      slots[row + j] = chunk.block_table[size_t(pos / block_size)] * block_size + int32_t(pos % block_size);
+      slots[row + j] = chunk.block_table[size_t(slot / block_size)] * block_size + int32_t(slot % block_size);
+      tree_masks[row + j] = mask;
     }
     for (int j = n - chunk.num_logits; j < n; ++j) logit_rows[logit_row++] = row + j;
     const int num_blocks = int((end + block_size - 1) / block_size);
@@ -408,6 +480,7 @@ void LlamaCuda::Upload(const StepPlan& plan, absl::Span<const DeviceSamplingRow>
   };
   // tokens, positions, slots, q_start, context_lens and logit_rows are laid out back to back.
   copy(layout.tokens, layout.block_tables - layout.tokens);
+  if (plan.has_trees) copy(layout.tree_masks, 2 * size_t(plan.num_tokens));
   // Only each row's used prefix of the block table travels.
   const size_t pitch = size_t(max_blocks_per_seq_) * 4;
   const size_t used = size_t((plan.max_context_len + block_size_ - 1) / block_size_) * 4;
@@ -416,7 +489,7 @@ void LlamaCuda::Upload(const StepPlan& plan, absl::Span<const DeviceSamplingRow>
                                       size_t(plan.num_seqs), cudaMemcpyHostToDevice, stream_));
   }
   if (!sampling.empty()) {
-    const int rows = std::min(plan.num_logit_rows, max_logit_rows_);
+    const int rows = plan.num_logit_rows;
     auto* temperature = reinterpret_cast<float*>(host + layout.temperature);
     int32_t* top_k = host + layout.top_k;
     auto* top_p = reinterpret_cast<float*>(host + layout.top_p);
@@ -435,12 +508,15 @@ void LlamaCuda::Upload(const StepPlan& plan, absl::Span<const DeviceSamplingRow>
       seeds[i] = sampling[i].seed;
       offsets[i] = sampling[i].offset;
     }
-    copy(layout.temperature, layout.sampled_tokens - layout.temperature);
+    const size_t pitch = layout.sampling_pitch * 4;
+    DUET_CUDA_CHECK(cudaMemcpy2DAsync(dev + layout.temperature, pitch, host + layout.temperature, pitch,
+                                      size_t(rows) * 8, 6, cudaMemcpyHostToDevice, stream_));
   }
 }
 
 void LlamaCuda::Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool sample,
-                        absl::Span<const SequenceChunk> chunks, const LayerDoneCallback& on_layer_done) {
+                        absl::Span<const SequenceChunk> chunks, const LayerDoneCallback& on_layer_done,
+                        int num_layers) {
   const ModelConfig& c = config_;
   const StepMetadataLayout& layout = *layout_;
   const int32_t* meta = metadata_.as<int32_t>();
@@ -470,7 +546,7 @@ void LlamaCuda::Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool s
   }
 
   kernels::EmbeddingGather(meta + layout.tokens, embed_, residual, t, hidden, stream_);
-  for (size_t li = 0; li < layers_.size(); ++li) {
+  for (size_t li = 0; li < size_t(num_layers); ++li) {
     const Layer& l = layers_[li];
     kernels::FusedAddRmsNorm({residual, li == 0 ? nullptr : delta, l.input_norm, nullptr, normed, t, hidden,
                               float(c.rms_norm_eps)},
@@ -515,6 +591,7 @@ void LlamaCuda::Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool s
       p.block_tables = meta + layout.block_tables;
       p.q_start = meta + layout.q_start;
       p.context_lens = meta + layout.context_lens;
+      p.tree_masks = plan.has_trees ? reinterpret_cast<const uint64_t*>(meta + layout.tree_masks) : nullptr;
       p.out = attn;
       p.num_seqs = plan.num_seqs;
       p.num_q_tokens = t;
@@ -552,7 +629,7 @@ void LlamaCuda::Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool s
                              stream_);
     linear_->ForwardF32(final_normed_.as<__nv_bfloat16>(), lm_head_, logits_.as<float>(), plan.num_logit_rows, hidden,
                         int(c.vocab_size));
-    if (sample) EnqueueSampling(plan.num_logit_rows);
+    if (sample) EnqueueSampling(0, plan.num_logit_rows);
   } else {
     // The last MLP output joins the residual stream (the normalized copy is unused); EagerHead
     // normalizes the rows that give logits.
@@ -560,23 +637,23 @@ void LlamaCuda::Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool s
   }
 }
 
-void LlamaCuda::EnqueueSampling(int rows) {
+void LlamaCuda::EnqueueSampling(int first_row, int rows) {
   const StepMetadataLayout& layout = *layout_;
   int32_t* meta = metadata_.as<int32_t>();
+  const int r = first_row;
   kernels::SampleTokens({logits_.as<float>(), rows, int(config_.vocab_size),
-                         reinterpret_cast<const float*>(meta + layout.temperature), meta + layout.top_k,
-                         reinterpret_cast<const float*>(meta + layout.top_p),
-                         reinterpret_cast<const float*>(meta + layout.min_p),
-                         reinterpret_cast<const uint64_t*>(meta + layout.seeds),
-                         reinterpret_cast<const uint64_t*>(meta + layout.offsets), meta + layout.sampled_tokens,
-                         reinterpret_cast<float*>(meta + layout.sampled_logprobs)},
+                         reinterpret_cast<const float*>(meta + layout.temperature) + r, meta + layout.top_k + r,
+                         reinterpret_cast<const float*>(meta + layout.top_p) + r,
+                         reinterpret_cast<const float*>(meta + layout.min_p) + r,
+                         reinterpret_cast<const uint64_t*>(meta + layout.seeds) + r,
+                         reinterpret_cast<const uint64_t*>(meta + layout.offsets) + r, meta + layout.sampled_tokens + r,
+                         reinterpret_cast<float*>(meta + layout.sampled_logprobs) + r},
                         stream_);
 }
 
-void LlamaCuda::PadForGraph(StepPlan& plan) const {
+void LlamaCuda::PadForGraph(StepPlan& plan, int batch) const {
   const StepMetadataLayout& layout = *layout_;
   int32_t* meta = metadata_host_.as<int32_t>();
-  const int batch = GraphBatchSize(plan.num_seqs);
   for (int i = plan.num_seqs; i < batch; ++i) {
     meta[layout.tokens + i] = 0;
     meta[layout.positions + i] = 0;
@@ -589,30 +666,55 @@ void LlamaCuda::PadForGraph(StepPlan& plan) const {
   plan.graph_batch = batch;
 }
 
-absl::Status LlamaCuda::LaunchGraph(const StepPlan& plan, cuda::DeviceKvCache& cache, bool sample) {
+void LlamaCuda::PadTreeStepForGraph(StepPlan& plan, int batch, int tokens) const {
+  const StepMetadataLayout& layout = *layout_;
+  int32_t* meta = metadata_host_.as<int32_t>();
+  auto* tree_masks = reinterpret_cast<uint64_t*>(meta + layout.tree_masks);
+  // Padding rows follow the real ones and belong to no sequence: they write no K/V, no query
+  // attends to them, and their logits go unused.
+  for (int i = plan.num_tokens; i < tokens; ++i) {
+    meta[layout.tokens + i] = 0;
+    meta[layout.positions + i] = 0;
+    meta[layout.slots + i] = -1;
+    meta[layout.logit_rows + i] = i;
+    tree_masks[i] = 1;
+  }
+  for (int s = plan.num_seqs; s < batch; ++s) {
+    meta[layout.context_lens + s] = 0;
+    meta[layout.q_start + s + 1] = plan.num_tokens;  // no queries
+  }
+  plan.num_tokens = plan.num_logit_rows = tokens;
+  plan.num_seqs = batch;
+  plan.max_q_len = kTreeGraphMaxChunkTokens;
+  plan.graph_batch = batch;
+  plan.graph_tokens = tokens;
+}
+
+absl::Status LlamaCuda::LaunchGraph(const StepPlan& plan, cuda::DeviceKvCache& cache, bool sample, int num_layers) {
   if (graph_cache_ != &cache) {
     for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
     graphs_.clear();
     graph_cache_ = &cache;
   }
-  const auto key = std::make_pair(plan.graph_batch, sample);
+  const auto key = std::make_tuple(plan.graph_batch, plan.graph_tokens, sample, num_layers);
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
     // One eager run first: kernels that configure themselves on first use (shared-memory
     // limits) and cuBLAS's heuristics do so outside the capture.
-    Enqueue(plan, cache, sample, {}, nullptr);
+    Enqueue(plan, cache, sample, {}, nullptr, num_layers);
     cudaGraph_t graph = nullptr;
     if (absl::Status s = cuda::CudaStatus(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "begin capture");
         !s.ok()) {
       return s;
     }
-    Enqueue(plan, cache, sample, {}, nullptr);
+    Enqueue(plan, cache, sample, {}, nullptr, num_layers);
     if (absl::Status s = cuda::CudaStatus(cudaStreamEndCapture(stream_, &graph), "end capture"); !s.ok()) return s;
     cudaGraphExec_t exec = nullptr;
     const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
     cudaGraphDestroy(graph);
     if (absl::Status s = cuda::CudaStatus(err, "graph instantiate"); !s.ok()) return s;
     it = graphs_.emplace(key, exec).first;
+    ++num_graph_captures_;
   }
   return cuda::CudaStatus(cudaGraphLaunch(it->second, stream_), "graph launch");
 }
@@ -630,62 +732,64 @@ absl::Status LlamaCuda::EagerHead(const StepPlan& plan, bool sample, std::vector
     linear_->ForwardF32(final_normed_.as<__nv_bfloat16>(), lm_head_, logits_.as<float>(), rows, int(config_.hidden_size),
                         int(vocab));
     if (sample) {
-      DUET_CHECK(begin == 0);  // ForwardSample checks the rows fit one pass
-      EnqueueSampling(rows);
+      EnqueueSampling(begin, rows);
       continue;
     }
-    const size_t bytes = size_t(rows) * size_t(vocab) * sizeof(float);
-    if (absl::Status s = cuda::CudaStatus(
-            cudaMemcpyAsync(results_host_.as<float>(), logits_.get(), bytes, cudaMemcpyDeviceToHost, stream_), "logits copy");
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = cuda::CudaStatus(cudaStreamSynchronize(stream_), "step"); !s.ok()) return s;
-    std::memcpy(logits->data() + size_t(begin) * size_t(vocab), results_host_.as<float>(), bytes);
+    if (absl::Status s = CopyLogitsToHost(rows, logits->data() + size_t(begin) * size_t(vocab)); !s.ok()) return s;
   }
   return absl::OkStatus();
 }
 
-absl::Status LlamaCuda::Run(absl::Span<const SequenceChunk> chunks, KvCache& kv_cache,
-                            absl::Span<const DeviceSamplingRow> sampling, const LayerDoneCallback& on_layer_done,
-                            std::vector<float>* logits, std::vector<DeviceSample>* samples) {
+absl::Status LlamaCuda::RunLayers(absl::Span<const SequenceChunk> chunks, KvCache& kv_cache,
+                                  absl::Span<const DeviceSamplingRow> sampling, const LayerDoneCallback& on_layer_done,
+                                  std::vector<float>* logits, std::vector<DeviceSample>* samples, int num_layers) {
+  DUET_CHECK(num_layers >= 1 && num_layers <= int(layers_.size()));
   auto* cache = dynamic_cast<cuda::DeviceKvCache*>(&kv_cache);
   if (cache == nullptr) return absl::InvalidArgumentError("the CUDA backend needs its own device KV cache");
   absl::StatusOr<StepPlan> plan = PlanStep(chunks, int(cache->shape().block_size));
   if (!plan.ok()) return plan.status();
   const bool sample = samples != nullptr;
   const int real_rows = plan->num_logit_rows;
-  if (sample && (size_t(real_rows) != sampling.size() || real_rows > max_logit_rows_)) {
+  if (sample && size_t(real_rows) != sampling.size()) {
     return absl::InvalidArgumentError(absl::StrCat("device sampling needs one row per logits row (", real_rows,
-                                                   " rows, ", sampling.size(), " given, at most ", max_logit_rows_, ")"));
+                                                   " rows, ", sampling.size(), " given)"));
   }
-  const bool use_graph = plan->decode_only && options_.cuda_graphs && !on_layer_done &&
-                         GraphBatchSize(plan->num_seqs) <= std::min(options_.max_num_seqs, options_.max_num_batched_tokens);
-  if (use_graph) PadForGraph(*plan);
+  const bool graphs = options_.cuda_graphs && !on_layer_done && GraphBatchSize(plan->num_seqs) <= options_.max_num_seqs;
+  const bool decode_graph =
+      graphs && plan->decode_only && GraphBatchSize(plan->num_seqs) <= options_.max_num_batched_tokens;
+  // A verification step (draft trees beside one-token chunks, every row giving logits) whose
+  // padded rows fit one logits pass.
+  const bool tree_graph = graphs && plan->has_trees && plan->num_logit_rows == plan->num_tokens &&
+                          plan->max_q_len <= kTreeGraphMaxChunkTokens &&
+                          TreeGraphTokens(plan->num_tokens) <= std::min(max_logit_rows_, options_.max_num_batched_tokens);
+  const bool use_graph = decode_graph || tree_graph;
+  if (decode_graph) PadForGraph(*plan, GraphBatchSize(plan->num_seqs));
+  if (tree_graph) PadTreeStepForGraph(*plan, GraphBatchSize(plan->num_seqs), TreeGraphTokens(plan->num_tokens));
+  cache->FlushSlotMoves();
   Upload(*plan, sampling);
 
   const int64_t vocab = config_.vocab_size;
   if (!sample) logits->resize(size_t(real_rows) * size_t(vocab));
   if (use_graph) {
-    if (absl::Status s = LaunchGraph(*plan, *cache, sample); !s.ok()) return s;
+    if (absl::Status s = LaunchGraph(*plan, *cache, sample, num_layers); !s.ok()) return s;
     if (!sample) {
-      const size_t bytes = size_t(real_rows) * size_t(vocab) * sizeof(float);
-      DUET_CUDA_CHECK(cudaMemcpyAsync(results_host_.as<float>(), logits_.get(), bytes, cudaMemcpyDeviceToHost, stream_));
-      if (absl::Status s = cuda::CudaStatus(cudaStreamSynchronize(stream_), "step"); !s.ok()) return s;
-      std::memcpy(logits->data(), results_host_.as<float>(), bytes);
+      if (absl::Status s = CopyLogitsToHost(real_rows, logits->data()); !s.ok()) return s;
     }
   } else {
-    Enqueue(*plan, *cache, sample, chunks, on_layer_done);
+    Enqueue(*plan, *cache, sample, chunks, on_layer_done, num_layers);
     if (absl::Status s = EagerHead(*plan, sample, logits, samples); !s.ok()) return s;
   }
   if (sample) {
     const StepMetadataLayout& layout = *layout_;
-    // Tokens and logprobs are adjacent: one copy brings both back.
+    // The used rows of the tokens and of the logprobs, to the same offsets in results_host_.
     int32_t* host = results_host_.as<int32_t>();
-    DUET_CUDA_CHECK(cudaMemcpyAsync(host, metadata_.as<int32_t>() + layout.sampled_tokens,
-                                    (layout.total - layout.sampled_tokens) * 4, cudaMemcpyDeviceToHost, stream_));
+    const size_t logprobs_at = layout.sampled_logprobs - layout.sampled_tokens;
+    DUET_CUDA_CHECK(cudaMemcpyAsync(host, metadata_.as<int32_t>() + layout.sampled_tokens, size_t(real_rows) * 4,
+                                    cudaMemcpyDeviceToHost, stream_));
+    DUET_CUDA_CHECK(cudaMemcpyAsync(host + logprobs_at, metadata_.as<int32_t>() + layout.sampled_logprobs,
+                                    size_t(real_rows) * 4, cudaMemcpyDeviceToHost, stream_));
     if (absl::Status s = cuda::CudaStatus(cudaStreamSynchronize(stream_), "step"); !s.ok()) return s;
-    const auto* logprobs = reinterpret_cast<const float*>(host + (layout.sampled_logprobs - layout.sampled_tokens));
+    const auto* logprobs = reinterpret_cast<const float*>(host + logprobs_at);
     samples->resize(size_t(real_rows));
     for (int i = 0; i < real_rows; ++i) (*samples)[size_t(i)] = DeviceSample{host[i], logprobs[i]};
   }
@@ -694,13 +798,116 @@ absl::Status LlamaCuda::Run(absl::Span<const SequenceChunk> chunks, KvCache& kv_
 
 absl::Status LlamaCuda::Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache, std::vector<float>& logits,
                                 const LayerDoneCallback& on_layer_done) {
-  return Run(chunks, cache, {}, on_layer_done, &logits, nullptr);
+  return RunLayers(chunks, cache, {}, on_layer_done, &logits, nullptr, int(layers_.size()));
 }
 
 absl::Status LlamaCuda::ForwardSample(absl::Span<const SequenceChunk> chunks, KvCache& cache,
                                       absl::Span<const DeviceSamplingRow> rows, std::vector<DeviceSample>& samples,
                                       const LayerDoneCallback& on_layer_done) {
-  return Run(chunks, cache, rows, on_layer_done, nullptr, &samples);
+  return RunLayers(chunks, cache, rows, on_layer_done, nullptr, &samples, int(layers_.size()));
+}
+
+absl::Status LlamaCuda::MoveKvSlots(KvCache& kv_cache, absl::Span<const int32_t> block_table,
+                                   absl::Span<const KvSlotMove> moves) {
+  auto* cache = dynamic_cast<cuda::DeviceKvCache*>(&kv_cache);
+  if (cache == nullptr) return absl::InvalidArgumentError("the CUDA backend needs its own device KV cache");
+  const int64_t bs = cache->shape().block_size;
+  const int64_t capacity = int64_t(block_table.size()) * bs;
+  for (const KvSlotMove& m : moves) {
+    if (m.from < 0 || m.to < 0 || m.from >= capacity || m.to >= capacity) {
+      return absl::InternalError("KV slot move outside the sequence's blocks");
+    }
+  }
+  // Queued on the cache: a step's moves of all requests go in one launch before the next step.
+  for (const KvSlotMove& m : moves) {
+    cache->QueueSlotMove(int32_t(block_table[size_t(m.from / bs)] * bs + m.from % bs),
+                         int32_t(block_table[size_t(m.to / bs)] * bs + m.to % bs));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LlamaCuda::WarmUpGraphs(KvCache& kv_cache, int32_t max_draft_tokens, int num_layers) {
+  auto* cache = dynamic_cast<cuda::DeviceKvCache*>(&kv_cache);
+  if (cache == nullptr) return absl::InvalidArgumentError("the CUDA backend needs its own device KV cache");
+  if (!options_.cuda_graphs) return absl::OkStatus();
+  const int max_tokens = std::min(max_logit_rows_, options_.max_num_batched_tokens);
+  const int max_decode_batch = std::min(options_.max_num_seqs, options_.max_num_batched_tokens);
+  for (int batch = 1; batch <= options_.max_num_seqs; batch = GraphBatchSize(batch + 1)) {
+    // Speculation changes how many sequences a step decodes (requests finish at different
+    // steps): every decode bucket's graph, every row padding.
+    if (batch <= max_decode_batch) {
+      StepPlan plan;
+      plan.decode_only = true;
+      metadata_host_.as<int32_t>()[layout_->q_start] = 0;
+      PadForGraph(plan, batch);
+      Upload(plan, {});
+      if (absl::Status s = LaunchGraph(plan, *cache, /*sample=*/true, num_layers); !s.ok()) return s;
+    }
+    if (max_draft_tokens <= 0) continue;
+    int fewest_seqs = batch;  // the fewest sequences a step of this bucket holds
+    while (fewest_seqs > 1 && GraphBatchSize(fewest_seqs - 1) == batch) --fewest_seqs;
+    const int most_tokens = batch * (1 + max_draft_tokens);
+    for (int tokens = TreeGraphTokens(fewest_seqs + 1); tokens <= max_tokens; tokens = TreeGraphTokens(tokens + 1)) {
+      // Every row and sequence is padding: the warm-up and capture runs write and read nothing.
+      StepPlan plan;
+      plan.has_trees = true;
+      metadata_host_.as<int32_t>()[layout_->q_start] = 0;
+      PadTreeStepForGraph(plan, batch, tokens);
+      Upload(plan, {});
+      if (absl::Status s = LaunchGraph(plan, *cache, /*sample=*/true, num_layers); !s.ok()) return s;
+      if (tokens >= most_tokens) break;
+    }
+  }
+  return cuda::CudaStatus(cudaStreamSynchronize(stream_), "graph warm-up");
+}
+
+namespace {
+
+// The first layers of a LlamaCuda as a draft model, sharing its weights, buffers, stream and
+// KV cache (it runs between the target's steps, never beside them).
+class LlamaCudaLayerPrefix : public ModelExecutor {
+ public:
+  LlamaCudaLayerPrefix(LlamaCuda& model, int num_layers) : model_(model), num_layers_(num_layers) {}
+
+  const ModelConfig& config() const override { return model_.config(); }
+  KvDtype kv_dtype() const override { return model_.kv_dtype(); }
+  std::unique_ptr<KvCache> CreateKvCache(int64_t num_blocks, int64_t block_size) override {
+    return model_.CreateKvCache(num_blocks, block_size);
+  }
+  absl::Status Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache, std::vector<float>& logits,
+                       const LayerDoneCallback& on_layer_done = nullptr) override {
+    return model_.RunLayers(chunks, cache, {}, on_layer_done, &logits, nullptr, num_layers_);
+  }
+  bool CanSampleOnDevice() const override { return true; }
+  absl::Status ForwardSample(absl::Span<const SequenceChunk> chunks, KvCache& cache,
+                             absl::Span<const DeviceSamplingRow> rows, std::vector<DeviceSample>& samples,
+                             const LayerDoneCallback& on_layer_done = nullptr) override {
+    return model_.RunLayers(chunks, cache, rows, on_layer_done, nullptr, &samples, num_layers_);
+  }
+  bool SupportsTreeAttention() const override { return true; }
+  absl::Status MoveKvSlots(KvCache& cache, absl::Span<const int32_t> block_table,
+                           absl::Span<const KvSlotMove> moves) override {
+    return model_.MoveKvSlots(cache, block_table, moves);
+  }
+  absl::Status WarmUpVerification(KvCache& cache, int32_t max_draft_tokens) override {
+    return model_.WarmUpGraphs(cache, max_draft_tokens, num_layers_);
+  }
+  int64_t num_one_time_setups() const override { return model_.num_one_time_setups(); }
+
+ private:
+  LlamaCuda& model_;
+  int num_layers_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModelExecutor>> LlamaCuda::LayerPrefix(int64_t num_layers) {
+  if (num_layers < 1 || num_layers >= config_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("self-speculation needs 1 to ", config_.num_layers - 1,
+                                                   " layers of this ", config_.num_layers, "-layer model, got ",
+                                                   num_layers));
+  }
+  return std::make_unique<LlamaCudaLayerPrefix>(*this, int(num_layers));
 }
 
 }  // namespace duet

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <map>
+#include <tuple>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,6 +37,10 @@ struct LlamaCudaOptions {
   // Skinny decode batches compute RoPE + the KV write and SiLU·mul in the projections' epilogues
   // (kernels/gemv.h); off: as separate kernels (for comparison).
   bool fused_decode_epilogues = true;
+  // Logits rows one head pass computes (at least max_num_seqs): a step verifying draft trees
+  // gives a row per token and replays a graph only when its rows fit one pass. Device memory:
+  // rows * vocab * 4 bytes.
+  int max_logit_rows = 0;
 };
 
 class LlamaCuda : public ModelExecutor {
@@ -54,6 +59,28 @@ class LlamaCuda : public ModelExecutor {
   absl::Status ForwardSample(absl::Span<const SequenceChunk> chunks, KvCache& cache,
                              absl::Span<const DeviceSamplingRow> rows, std::vector<DeviceSample>& samples,
                              const LayerDoneCallback& on_layer_done = nullptr) override;
+
+  // Speculative verification: draft trees attend through per-token ancestor masks (at most 64
+  // tokens per tree); the accepted path's K/V move on the device, stream-ordered.
+  bool SupportsTreeAttention() const override { return true; }
+  absl::Status MoveKvSlots(KvCache& cache, absl::Span<const int32_t> block_table,
+                           absl::Span<const KvSlotMove> moves) override;
+  absl::StatusOr<std::unique_ptr<ModelExecutor>> LayerPrefix(int64_t num_layers) override;
+  // Captures the sampling decode graph of every batch bucket and the verification graph of
+  // every batch and token bucket a step of up to max_num_seqs sequences with up to
+  // `max_draft_tokens` drafts each can take.
+  absl::Status WarmUpVerification(KvCache& cache, int32_t max_draft_tokens) override {
+    return WarmUpGraphs(cache, max_draft_tokens, int(layers_.size()));
+  }
+  // The same for the first `num_layers` layers (a self-speculation draft).
+  absl::Status WarmUpGraphs(KvCache& cache, int32_t max_draft_tokens, int num_layers);
+  int64_t num_one_time_setups() const override { return num_graph_captures_; }
+
+  // Run with only the first `num_layers` layers, then the final norm and LM head (what
+  // LayerPrefix's executor calls). Either logits or samples is null.
+  absl::Status RunLayers(absl::Span<const SequenceChunk> chunks, KvCache& cache,
+                         absl::Span<const DeviceSamplingRow> sampling, const LayerDoneCallback& on_layer_done,
+                         std::vector<float>* logits, std::vector<DeviceSample>* samples, int num_layers);
 
   cudaStream_t stream() const { return stream_; }
   int64_t weight_bytes() const { return weight_bytes_; }
@@ -77,19 +104,22 @@ class LlamaCuda : public ModelExecutor {
   absl::Status LoadWeights(const WeightStore& weights);
   absl::Status AllocateActivations();
 
-  // Runs the step; with `sampling` empty copies logits to `logits`, else samples into `samples`.
-  absl::Status Run(absl::Span<const SequenceChunk> chunks, KvCache& cache, absl::Span<const DeviceSamplingRow> sampling,
-                   const LayerDoneCallback& on_layer_done, std::vector<float>* logits, std::vector<DeviceSample>* samples);
   absl::StatusOr<StepPlan> PlanStep(absl::Span<const SequenceChunk> chunks, int block_size) const;
   void Upload(const StepPlan& plan, absl::Span<const DeviceSamplingRow> sampling);
-  // Pads a decode step to its graph batch size with rows that write nothing.
-  void PadForGraph(StepPlan& plan) const;
-  // Enqueues the whole step (embedding → logits → optional sampling) on stream_.
+  // Pads a decode step to `batch` sequences (its graph's bucket) with rows that write nothing.
+  void PadForGraph(StepPlan& plan, int batch) const;
+  // Pads a verification step to `batch` sequences and `tokens` rows (its graph's buckets).
+  void PadTreeStepForGraph(StepPlan& plan, int batch, int tokens) const;
+  // Enqueues the whole step (embedding → the first num_layers layers → logits → optional
+  // sampling) on stream_.
   void Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool sample,
-               absl::Span<const SequenceChunk> chunks, const LayerDoneCallback& on_layer_done);
-  absl::Status LaunchGraph(const StepPlan& plan, cuda::DeviceKvCache& cache, bool sample);
-  // Samples the first `rows` logits rows with the uploaded per-row parameters.
-  void EnqueueSampling(int rows);
+               absl::Span<const SequenceChunk> chunks, const LayerDoneCallback& on_layer_done, int num_layers);
+  absl::Status LaunchGraph(const StepPlan& plan, cuda::DeviceKvCache& cache, bool sample, int num_layers);
+  // Samples logits rows [first_row, first_row + rows) (in logits_ from its row 0) with the
+  // uploaded per-row parameters.
+  void EnqueueSampling(int first_row, int rows);
+  // Copies logits rows [0, rows) of the last head pass to `dst` (through the pinned buffer).
+  absl::Status CopyLogitsToHost(int rows, float* dst);
   // The logits head for eager steps, in passes of at most max_logit_rows_ rows.
   absl::Status EagerHead(const StepPlan& plan, bool sample, std::vector<float>* logits, std::vector<DeviceSample>* samples);
 
@@ -132,9 +162,10 @@ class LlamaCuda : public ModelExecutor {
   int block_size_ = 0;
   int max_blocks_per_seq_ = 0;
   int max_logit_rows_ = 0;
+  int64_t num_graph_captures_ = 0;
 
   // Decode graphs by (padded batch size, samples on device).
-  std::map<std::pair<int, bool>, cudaGraphExec_t> graphs_;
+  std::map<std::tuple<int, int, bool, int>, cudaGraphExec_t> graphs_;  // (batch, tree tokens, sample, layers)
   const KvCache* graph_cache_ = nullptr;  // the cache the graphs were captured with
 };
 

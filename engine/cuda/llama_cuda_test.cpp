@@ -67,6 +67,12 @@ class BackendPair {
     if (gpu_logits != nullptr) *gpu_logits = cuda_logits;
     return RelativeError(cuda_logits, cpu_logits);
   }
+  // Applies the same KV slot moves to both caches.
+  void Move(absl::Span<const int32_t> block_table, absl::Span<const KvSlotMove> moves) {
+    EXPECT_TRUE(cpu_->MoveKvSlots(*cpu_cache_, block_table, moves).ok());
+    absl::Status s = gpu_->MoveKvSlots(*gpu_cache_, block_table, moves);
+    EXPECT_TRUE(s.ok()) << s;
+  }
   LlamaCuda& gpu() { return *gpu_; }
   KvCache& gpu_cache() { return *gpu_cache_; }
 
@@ -133,6 +139,44 @@ TEST(LlamaCuda, Bf16ChunkedPrefillMixedWithDecodeMatchesCpu) {
   EXPECT_LT(pair.Step({rest, b_decode}), 1e-2);
 }
 
+// Speculative verification: a draft tree beside a plain decode step, tree attention against the
+// CPU backend's, then the accepted path's K/V moved and decoding continued from it. With graphs
+// the verification step replays a padded verification graph; without, it runs eagerly.
+void ExpectDraftTreeVerificationMatchesCpu(bool cuda_graphs) {
+  LlamaCudaOptions options;
+  options.cuda_graphs = cuda_graphs;
+  BackendPair pair(options);
+  std::vector<int32_t> table_a = {9, 4, 30, 31, 32}, table_b = {60, 61, 62};
+  std::vector<int32_t> prompt_a = Range(100, 40), prompt_b = Range(700, 20);
+  EXPECT_LT(pair.Step({SequenceChunk{prompt_a, 0, table_a, 1, 1}, SequenceChunk{prompt_b, 0, table_b, 2, 1}}), 1e-2);
+  // Root 5 at position 40 with two branches: 6 -> 7 -> 8 and 9 -> 10, plus 11 under the root.
+  std::vector<int32_t> tree = {5, 6, 7, 8, 9, 10, 11}, parents = {-1, 0, 1, 2, 0, 4, 0};
+  SequenceChunk verify{tree, 40, table_a, 1, int32_t(tree.size())};
+  verify.tree_parents = parents;
+  std::vector<int32_t> next_b = {3};
+  std::vector<float> logits;
+  const double tree_error = pair.Step({verify, SequenceChunk{next_b, 20, table_b, 2, 1}}, &logits);
+  std::printf("tree verification logits relative error %.2e\n", tree_error);
+  EXPECT_LT(tree_error, 1e-2);
+  // Accept the branch 9 -> 10: slots 44, 45 move to 41, 42; then decode one token after it.
+  const KvSlotMove moves[] = {{44, 41}, {45, 42}};
+  pair.Move(table_a, moves);
+  std::vector<int32_t> next_a = {12};
+  const double after_error = pair.Step({SequenceChunk{next_a, 43, table_a, 1, 1}});
+  std::printf("decode after the KV moves: logits relative error %.2e\n", after_error);
+  EXPECT_LT(after_error, 1e-2);
+}
+
+TEST(LlamaCuda, Bf16DraftTreeVerificationAndKvMovesMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  ExpectDraftTreeVerificationMatchesCpu(/*cuda_graphs=*/true);
+}
+
+TEST(LlamaCuda, Bf16DraftTreeVerificationEagerMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  ExpectDraftTreeVerificationMatchesCpu(/*cuda_graphs=*/false);
+}
+
 TEST(LlamaCuda, Bf16DeviceSamplingGreedyIsArgmaxAndSeededDrawsRepeat) {
   SKIP_WITHOUT_GPU();
   BackendPair pair;
@@ -158,8 +202,7 @@ TEST(LlamaCuda, Bf16DeviceSamplingGreedyIsArgmaxAndSeededDrawsRepeat) {
 
 // Every reference case through the engine on the CUDA backend, all in one continuous batch.
 // bf16 compute may flip a token only where the float32 reference's top-2 margin is tiny.
-TEST(LlamaCuda, Bf16GreedyMatchesHuggingFaceReference) {
-  SKIP_WITHOUT_GPU();
+void ExpectGreedyMatchesReference(const std::string& speculation) {
   std::ifstream in(ModelDir() + "/reference_greedy.json");
   ASSERT_TRUE(in.good());
   const nlohmann::json reference = nlohmann::json::parse(in);
@@ -167,6 +210,9 @@ TEST(LlamaCuda, Bf16GreedyMatchesHuggingFaceReference) {
   config.model_dir = ModelDir();
   config.backend = "cuda";
   config.gpu_memory_utilization = 0.2;
+  config.speculation.default_mode = *ParseSpeculationMode(speculation);
+  config.speculation.adaptive = false;  // every request drafts every step: verification is exercised
+  if (speculation == "draft") config.speculation.draft_model_dir = ModelDir() + "-draft";
   auto engine = LlmEngine::Create(config);
   ASSERT_TRUE(engine.ok()) << engine.status();
   const auto& cases = reference["cases"];
@@ -203,8 +249,35 @@ TEST(LlamaCuda, Bf16GreedyMatchesHuggingFaceReference) {
     std::printf("case %zu diverges at token %zu (reference top-2 margin %.4f)\n", i, first_diff, margins[first_diff]);
     EXPECT_LT(margins[first_diff], 0.05) << "case " << i << " diverged where the reference was not close";
   }
-  std::printf("CUDA greedy vs HF float32 reference: %d/%zu cases exact, %d/%d tokens before any divergence\n", exact,
-              cases.size(), agreeing_tokens, total_tokens);
+  std::printf("CUDA greedy (speculation %s) vs HF float32 reference: %d/%zu cases exact, %d/%d tokens before any "
+              "divergence\n", speculation.c_str(), exact, cases.size(), agreeing_tokens, total_tokens);
+  if (speculation != "none") {
+    const SpecDecodeStats stats = (*engine)->Stats().spec_decode;
+    std::printf("  %lld drafts, %lld draft tokens, %lld accepted\n", (long long)stats.num_drafts,
+                (long long)stats.num_draft_tokens, (long long)stats.num_accepted_tokens);
+    EXPECT_GT(stats.num_drafts, 0);
+  }
+}
+
+TEST(LlamaCuda, Bf16GreedyMatchesHuggingFaceReference) {
+  SKIP_WITHOUT_GPU();
+  ExpectGreedyMatchesReference("none");
+}
+
+// Lossless speculation on the device: the same criterion with every mode verifying drafts.
+TEST(LlamaCuda, Bf16GreedyWithLookaheadMatchesHuggingFaceReference) {
+  SKIP_WITHOUT_GPU();
+  ExpectGreedyMatchesReference("lookahead");
+}
+
+TEST(LlamaCuda, Bf16GreedyWithDraftModelMatchesHuggingFaceReference) {
+  SKIP_WITHOUT_GPU();
+  ExpectGreedyMatchesReference("draft");
+}
+
+TEST(LlamaCuda, Bf16GreedyWithSelfSpeculationMatchesHuggingFaceReference) {
+  SKIP_WITHOUT_GPU();
+  ExpectGreedyMatchesReference("self");
 }
 
 }  // namespace
