@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "engine/block_manager.h"
 #include "engine/kv_cache.h"
@@ -64,6 +65,13 @@ struct DeviceSample {
   int32_t token = 0;
   float logprob = 0.0f;  // log-softmax of the raw logits at `token`
 };
+
+// A self-speculation draft runs at least one layer and leaves at least one out.
+inline absl::Status CheckLayerPrefix(const ModelConfig& config, int64_t num_layers) {
+  if (num_layers >= 1 && num_layers < config.num_layers) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("self-speculation needs 1 to ", config.num_layers - 1, " layers of this ",
+                                                 config.num_layers, "-layer model, got ", num_layers));
+}
 
 class ModelExecutor {
  public:

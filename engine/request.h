@@ -36,7 +36,9 @@ struct SpeculationState {
   // Decayed counts behind the acceptance estimate: accepted draft tokens, and those plus misses.
   double accepted = 0.0;
   double trials = 0.0;
-  double acceptance() const { return (accepted + 0.5) / (trials + 1.0); }
+  // Optimistic without evidence (0.8), so a new request's drafts get tried; a few verified
+  // drafts outweigh it.
+  double acceptance() const { return (accepted + 0.8) / (trials + 1.0); }
 };
 
 struct Request {

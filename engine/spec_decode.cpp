@@ -448,8 +448,10 @@ void SpeculativeDecoder::Plan(absl::Span<Request* const> decoding, int64_t max_m
   // Planning (proposing trees, the budget search) is work that only speculation does: it stays
   // out of the steps' observed costs and is charged to plans with drafts instead, per request.
   const auto start = std::chrono::steady_clock::now();
+  const double excluded_before = step_excluded_seconds_;  // the cost table's scratch measurements
   const bool planned = PlanRequests(decoding, max_model_len);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() -
+                         (step_excluded_seconds_ - excluded_before);
   step_excluded_seconds_ += seconds;
   if (planned && !decoding.empty()) {
     constexpr double kWeight = 0.2;
@@ -530,9 +532,11 @@ bool SpeculativeDecoder::PlanRequests(absl::Span<Request* const> decoding, int64
   }
   for (size_t i = 0; i < decoding.size(); ++i) decoding[i]->spec.lookahead_slots = k[i];
   if (can_pay && config_.adaptive) {
-    if (std::all_of(k.begin(), k.end(), [](int32_t x) { return x == 0; })) {
-      SkipAfterFruitlessPlan(int64_t(decoding.size()));  // the planner found nothing that pays
-    } else {
+    // Fruitless: there were candidates (not only guess-less lookahead requests) and none paid.
+    const bool candidates = std::any_of(budget.begin(), budget.end(), [](const BudgetRequest& b) { return b.cap > 0; });
+    if (candidates && std::all_of(k.begin(), k.end(), [](int32_t x) { return x == 0; })) {
+      SkipAfterFruitlessPlan(int64_t(decoding.size()));
+    } else if (candidates) {
       fruitless_plans_ = 0;
     }
   }

@@ -902,11 +902,7 @@ class LlamaCudaLayerPrefix : public ModelExecutor {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ModelExecutor>> LlamaCuda::LayerPrefix(int64_t num_layers) {
-  if (num_layers < 1 || num_layers >= config_.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("self-speculation needs 1 to ", config_.num_layers - 1,
-                                                   " layers of this ", config_.num_layers, "-layer model, got ",
-                                                   num_layers));
-  }
+  if (absl::Status s = CheckLayerPrefix(config_, num_layers); !s.ok()) return s;
   return std::make_unique<LlamaCudaLayerPrefix>(*this, int(num_layers));
 }
 
