@@ -78,7 +78,7 @@ int main(int argc, char** argv) {
   app.add_option("--modes", modes)->delimiter(',');
   app.add_option("--prompt-len", prompt_len)->check(CLI::Range(8, 4000));
   app.add_option("--gen-len", gen_len)->check(CLI::Range(2, 4000));
-  app.add_option("--max-draft-tokens", max_draft)->check(CLI::Range(0, 64));
+  app.add_option("--max-draft-tokens", max_draft)->check(CLI::Range(0, 63));
   app.add_option("--self-spec-layers", self_layers)->check(CLI::Range(0, 1024));
   app.add_option("--repeat", repeat, "Runs per batch and mode (interleaved); figures are medians")
       ->check(CLI::Range(1, 100));

@@ -44,7 +44,7 @@ struct EngineFlags {
         ->check(CLI::Range(1, 1024));
     app->add_option("--max-draft-tokens", config->speculation.max_draft_tokens,
                     "Most draft tokens per request and step (the adaptive budget decides below it)")
-        ->check(CLI::Range(0, 64));
+        ->check(CLI::Range(0, 63));
   }
   void Finish() {
     config->kv_cache_bytes = static_cast<int64_t>(kv_cache_gib * double(1ull << 30));

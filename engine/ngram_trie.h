@@ -7,9 +7,9 @@
 #pragma once
 
 #include <cstdint>
-#include <unordered_map>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/types/span.h"
 
 namespace duet {
@@ -59,7 +59,7 @@ class NgramTrie {
   int32_t max_ngram_;
   int64_t max_nodes_;
   std::vector<Node> nodes_;                        // nodes_[0] is the root (the empty n-gram)
-  std::unordered_map<uint64_t, int32_t> edges_;   // (node, token) -> child
+  absl::flat_hash_map<uint64_t, int32_t> edges_;  // (node, token) -> child (open addressing: the lookups are the cost)
   // The last AddLastToken call: its last max_ngram tokens and the nodes of its suffixes
   // (tail_nodes_[k]: the last k tokens; [0] the root).
   std::vector<int32_t> tail_tokens_;

@@ -254,7 +254,10 @@ absl::StatusOr<std::unique_ptr<SpeculativeDecoder>> SpeculativeDecoder::Create(c
                                                                               BlockManager& blocks, KvCache& cache,
                                                                               const Tokenizer& tokenizer,
                                                                               const ModelDrafter::ExecutorLoader& load_draft) {
-  if (config.max_draft_tokens < 0) return absl::InvalidArgumentError("max_draft_tokens must be >= 0");
+  // A verified tree (root + drafts) is at most 64 tokens: the CUDA backend's ancestor masks.
+  if (config.max_draft_tokens < 0 || config.max_draft_tokens > 63) {
+    return absl::InvalidArgumentError("max_draft_tokens must be in [0, 63]");
+  }
   std::unique_ptr<ModelDrafter> draft, self;
   if (executor.SupportsTreeAttention()) {
     if (!config.draft_model_dir.empty()) {
