@@ -39,30 +39,30 @@ void NgramTrie::AddLastToken(absl::Span<const int32_t> tokens) {
   const size_t n = std::min(end, size_t(max_ngram_));  // the n-grams ending here: lengths 1..n
   const int32_t token = tokens[end - 1];
   // When `tokens` continue the last call's tokens, the n-grams ending here are one step from
-  // that call's suffix nodes (max_ngram lookups instead of a walk from the root per length).
+  // that call's suffix nodes: AppendToken (max_ngram lookups instead of a walk per length).
   bool continues = tail_nodes_.size() >= n && tail_tokens_.size() + 1 >= n && tail_tokens_.size() <= end - 1;
   for (size_t i = 0; continues && i < tail_tokens_.size(); ++i) {
     continues = tail_tokens_[tail_tokens_.size() - 1 - i] == tokens[end - 2 - i];
   }
+  if (continues && AppendToken(token)) return;
   std::vector<int32_t>& nodes = scratch_nodes_;  // nodes[k]: the n-gram of the last k tokens
   nodes.assign(n + 1, kRoot);
   for (size_t k = 1; k <= n; ++k) {
-    if (continues) {
-      nodes[k] = ChildOrNew(tail_nodes_[k - 1], token);
-    } else {
-      int32_t node = kRoot;
-      for (size_t i = end - k; i < end; ++i) node = ChildOrNew(node, tokens[i]);
-      nodes[k] = node;
-    }
+    int32_t node = kRoot;
+    for (size_t i = end - k; i < end; ++i) node = ChildOrNew(node, tokens[i]);
+    nodes[k] = node;
     Increment(nodes[k], 1);
   }
   tail_nodes_.swap(nodes);
-  tail_tokens_.assign(tokens.end() - std::ptrdiff_t(std::min(end, size_t(max_ngram_))), tokens.end());
-  if (num_nodes() > max_nodes_) {
-    Evict();
-    tail_nodes_.clear();  // node ids changed
-    tail_tokens_.clear();
-  }
+  tail_tokens_.assign(tokens.end() - std::ptrdiff_t(n), tokens.end());
+  EvictIfFull();
+}
+
+void NgramTrie::EvictIfFull() {
+  if (num_nodes() <= max_nodes_) return;
+  Evict();
+  tail_nodes_.clear();  // node ids changed
+  tail_tokens_.clear();
 }
 
 bool NgramTrie::AppendToken(int32_t token) {
@@ -78,11 +78,7 @@ bool NgramTrie::AppendToken(int32_t token) {
   tail_nodes_.swap(nodes);
   tail_tokens_.push_back(token);
   if (tail_tokens_.size() > size_t(max_ngram_)) tail_tokens_.erase(tail_tokens_.begin());
-  if (num_nodes() > max_nodes_) {
-    Evict();
-    tail_nodes_.clear();
-    tail_tokens_.clear();
-  }
+  EvictIfFull();
   return true;
 }
 

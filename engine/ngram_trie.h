@@ -55,6 +55,8 @@ class NgramTrie {
   void Increment(int32_t node, int64_t by);
   // Halves counts and drops zero-count n-grams until at most 3/4 of max_nodes remain.
   void Evict();
+  // Evicts past max_nodes; the last call's suffix nodes are forgotten (their ids change).
+  void EvictIfFull();
 
   int32_t max_ngram_;
   int64_t max_nodes_;

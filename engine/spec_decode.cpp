@@ -434,17 +434,22 @@ bool SpeculativeDecoder::DraftsCanPay(absl::Span<Request* const> decoding) {
   if (speculating == 0) return false;
   const double without = double(n) / target_cost_.Seconds(n);
   const double overhead = plan_seconds_per_request_ * double(n);
-  for (int64_t r = 1;; r = std::min(speculating, 2 * r)) {
-    for (int32_t c = 1; c <= config_.max_draft_tokens; ++c) {
-      double expected = 0;  // accepted tokens of the r best requests' c-token chains
-      for (int64_t i = 0; i < r; ++i) {
-        double p = 1;
-        for (int32_t d = 0; d < c; ++d) expected += (p *= acceptance[size_t(i)]);
-      }
-      if (double(n) + expected > kDefaultMinGain * without * (verify_cost_.Seconds(n + r * c) + overhead)) return true;
+  // gain[i]: request i's expected accepted tokens from a c-token chain, for the c at hand;
+  // best[r]: the sum over the r most promising requests.
+  std::vector<double> gain(size_t(speculating), 0.0), power(size_t(speculating), 1.0), best(size_t(speculating) + 1);
+  for (int32_t c = 1; c <= config_.max_draft_tokens; ++c) {
+    for (size_t i = 0; i < gain.size(); ++i) {
+      gain[i] += (power[i] *= acceptance[i]);
+      best[i + 1] = best[i] + gain[i];
     }
-    if (r == speculating) return false;
+    for (int64_t r = 1;; r = std::min(speculating, 2 * r)) {
+      if (double(n) + best[size_t(r)] > kDefaultMinGain * without * (verify_cost_.Seconds(n + r * c) + overhead)) {
+        return true;
+      }
+      if (r == speculating) break;
+    }
   }
+  return false;
 }
 
 void SpeculativeDecoder::Plan(absl::Span<Request* const> decoding, int64_t max_model_len) {
