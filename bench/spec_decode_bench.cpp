@@ -1,7 +1,10 @@
 // Speculative decoding on the CPU or CUDA backend: for each mode (none, lookahead, draft model, self)
-// and batch size, greedy code completion of prompts cut from Python sources the model was not
-// trained on (this repository's scripts/**/*.py, tests/**/*.py and
-// engine/tokenizer_unicode_data_gen.py; never the reference files). Prints mean accepted draft
+// and batch size, greedy code completion of prompts cut from sources the model was not trained on
+// (this repository's own: the Python of scripts/, tests/ and engine/tokenizer_unicode_data_gen.py,
+// then the C++ of engine/, router/, common/, kvtransfer/ and the workers; never the reference
+// files). Batch B is B requests decoding at once: B slots serve --requests-per-slot × B requests,
+// a finished request's slot taking the next one (a server under load; 1: one fixed batch that
+// drains, where the slowest request sets the time). Prints mean accepted draft
 // tokens per verified proposal, generated tokens per target forward, target forwards per
 // generated token, decode tokens per second and the speed-up over no speculation measured in
 // the same run (median of --repeat interleaved runs, with the spread of the run-by-run ratios),
@@ -11,6 +14,7 @@
 //
 //   build/bin/spec_decode_bench [--backend cpu|cuda] [--batch 1,8,32,64] [--modes none,lookahead,draft,self]
 //                               [--prompt-len 192] [--gen-len 128] [--max-draft-tokens 8] [--repeat 3]
+//                               [--requests-per-slot 4]
 #include <sys/resource.h>
 
 #include <chrono>
@@ -27,18 +31,27 @@ namespace {
 
 std::vector<std::string> SourceFiles(const std::string& root) {
   namespace fs = std::filesystem;
-  std::vector<std::string> files = {root + "/engine/tokenizer_unicode_data_gen.py"};
-  for (const char* dir : {"scripts", "tests"}) {
-    if (!fs::exists(root + "/" + dir)) continue;
-    for (const auto& entry : fs::recursive_directory_iterator(root + "/" + dir)) {
-      const std::string path = entry.path().string();
-      if (entry.is_regular_file() && entry.path().extension() == ".py" &&
-          path.find("node_modules") == std::string::npos) {
-        files.push_back(path);
+  auto collect = [&](std::vector<std::string> dirs, std::vector<std::string> extensions) {
+    std::vector<std::string> files;
+    for (const std::string& dir : dirs) {
+      if (!fs::exists(root + "/" + dir)) continue;
+      for (const auto& entry : fs::recursive_directory_iterator(root + "/" + dir)) {
+        const std::string path = entry.path().string();
+        if (entry.is_regular_file() && path.find("node_modules") == std::string::npos &&
+            std::find(extensions.begin(), extensions.end(), entry.path().extension().string()) != extensions.end()) {
+          files.push_back(path);
+        }
       }
     }
+    std::sort(files.begin(), files.end());
+    return files;
+  };
+  std::vector<std::string> files = {root + "/engine/tokenizer_unicode_data_gen.py"};
+  for (const std::string& f : collect({"scripts", "tests"}, {".py"})) files.push_back(f);
+  for (const std::string& f :
+       collect({"engine", "router", "common", "kvtransfer", "decode_worker", "prefill_worker"}, {".cpp", ".h"})) {
+    files.push_back(f);
   }
-  std::sort(files.begin(), files.end());
   return files;
 }
 
@@ -69,7 +82,7 @@ int main(int argc, char** argv) {
   std::string source_root = DUET_SOURCE_DIR;
   std::vector<int> batches = {1, 8, 32, 64};
   std::vector<std::string> modes = {"none", "lookahead", "draft", "self"};
-  int prompt_len = 192, gen_len = 128, max_draft = 8, self_layers = 0, repeat = 1;
+  int prompt_len = 192, gen_len = 128, max_draft = 8, self_layers = 0, repeat = 1, requests_per_slot = 4;
   app.add_option("--backend", backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--model", model_dir);
   app.add_option("--draft-model", draft_dir);
@@ -80,6 +93,8 @@ int main(int argc, char** argv) {
   app.add_option("--gen-len", gen_len)->check(CLI::Range(2, 4000));
   app.add_option("--max-draft-tokens", max_draft)->check(CLI::Range(0, 63));
   app.add_option("--self-spec-layers", self_layers)->check(CLI::Range(0, 1024));
+  app.add_option("--requests-per-slot", requests_per_slot, "Requests served per batch slot (1: a fixed batch)")
+      ->check(CLI::Range(1, 64));
   app.add_option("--repeat", repeat, "Runs per batch and mode (interleaved); figures are medians")
       ->check(CLI::Range(1, 100));
   CLI11_PARSE(app, argc, argv);
@@ -101,11 +116,12 @@ int main(int argc, char** argv) {
     corpus.insert(corpus.end(), ids.begin(), ids.end());
   }
   const int max_batch = *std::max_element(batches.begin(), batches.end());
+  const int max_requests = max_batch * requests_per_slot;
   if (int64_t(corpus.size()) < prompt_len + 2) {
     std::fprintf(stderr, "the sources have only %zu tokens\n", corpus.size());
     return 1;
   }
-  const int64_t stride = std::max<int64_t>(1, (int64_t(corpus.size()) - prompt_len) / (max_batch + 2));
+  const int64_t stride = std::max<int64_t>(1, (int64_t(corpus.size()) - prompt_len) / (max_requests + 2));
   auto prompt_at = [&](int i) {
     const int64_t off = (int64_t(i) * stride) % (int64_t(corpus.size()) - prompt_len);
     return std::vector<int32_t>(corpus.begin() + off, corpus.begin() + off + prompt_len);
@@ -136,7 +152,7 @@ int main(int argc, char** argv) {
     // prompts are the first tokens of two windows past every measured prompt, alternating.
     p.max_tokens = 16;
     for (int i = 0; i < batch; ++i) {
-      std::vector<int32_t> warm = prompt_at(max_batch + i % 2);
+      std::vector<int32_t> warm = prompt_at(max_requests + i % 2);
       warm.resize(std::min<size_t>(warm.size(), 48));
       if (absl::Status s = e.AddRequest("warm" + std::to_string(i), warm, p); !s.ok()) return s;
     }
@@ -146,10 +162,11 @@ int main(int argc, char** argv) {
     const duet::SpecDecodeStats before = e.Stats().spec_decode;
     const int64_t setups_before = e.Stats().num_one_time_setups;
     p.max_tokens = gen_len;
-    for (int i = 0; i < batch; ++i) {
+    const int num_requests = batch * requests_per_slot;
+    for (int i = 0; i < num_requests; ++i) {
       if (absl::Status s = e.AddRequest("r" + std::to_string(i), prompt_at(i), p); !s.ok()) return s;
     }
-    // Prefill (one step with this token budget) is the same for every mode: time decoding only.
+    // The first slots' prefill (one step) is the same for every mode: the clock starts after it.
     RunResult result;
     if (absl::StatusOr<std::vector<duet::RequestOutput>> o = e.Step(); !o.ok()) return o.status();
     const auto start = std::chrono::steady_clock::now();
@@ -169,17 +186,20 @@ int main(int argc, char** argv) {
     result.spec.num_drafts = after.num_drafts - before.num_drafts;
     result.spec.num_draft_tokens = after.num_draft_tokens - before.num_draft_tokens;
     result.spec.num_accepted_tokens = after.num_accepted_tokens - before.num_accepted_tokens;
-    for (int i = 0; i < batch; ++i) result.outputs["r" + std::to_string(i)] = e.Find("r" + std::to_string(i))->output;
+    for (int i = 0; i < num_requests; ++i) {
+      result.outputs["r" + std::to_string(i)] = e.Find("r" + std::to_string(i))->output;
+    }
     return result;
   };
 
-  std::printf("backend %s; model %s, draft %s; prompts: %d tokens cut from %zu Python files (%zu tokens); %d generated "
+  std::printf("backend %s; model %s, draft %s; prompts: %d tokens cut from %zu source files (%zu tokens); batch B: B "
+              "slots serving %d x B requests; %d generated "
               "per request (greedy); max %d draft tokens per request and step, adaptive budget; %d run(s) per "
               "row, modes interleaved (each first in turn): tok/s is the median, speedup its ratio to none's "
               "median, spread the lowest and highest run-by-run ratio; cpu speedup: the same with the process's "
               "CPU seconds instead of wall-clock\n",
               backend.c_str(), model_dir.c_str(), draft_dir.c_str(), prompt_len, SourceFiles(source_root).size(), corpus.size(),
-              gen_len, max_draft, repeat);
+              requests_per_slot, gen_len, max_draft, repeat);
   std::printf("%6s %-10s %10s %14s %14s %12s %12s %9s %15s %12s %10s %7s\n", "batch", "mode", "drafts", "acc/draft",
               "tok/forward", "fwd/token", "tok/s", "speedup", "spread", "cpu speedup", "same/none", "setups");
   auto median = [](std::vector<double> v) {
@@ -214,7 +234,8 @@ int main(int argc, char** argv) {
       double lo = 1e30, hi = 0;
       // Requests whose output equals mode none's (the fewest over the runs). On the CPU every one
       // must; on the GPU, bf16 rounding differs between step shapes, so near-ties may flip.
-      int64_t same = int64_t(batch);
+      const int num_requests = batch * requests_per_slot;
+      int64_t same = int64_t(num_requests);
       int64_t drafts = 0, accepted = 0, generated = 0, forwards = 0, setups = 0;
       for (size_t i = 0; i < rs.size(); ++i) {
         mode_tps.push_back(tps(rs[i]));
@@ -234,7 +255,7 @@ int main(int argc, char** argv) {
       char spread[32];
       std::snprintf(spread, sizeof(spread), "%.2f-%.2fx", lo, hi);
       char same_text[32];
-      std::snprintf(same_text, sizeof(same_text), "%lld/%d", (long long)same, batch);
+      std::snprintf(same_text, sizeof(same_text), "%lld/%d", (long long)same, num_requests);
       std::printf("%6d %-10s %10.0f %14.2f %14.2f %12.3f %12.1f %8.2fx %15s %11.2fx %10s %7.1f\n", batch, mode.c_str(),
                   double(drafts) / n, drafts > 0 ? double(accepted) / double(drafts) : 0.0,
                   double(generated) / double(forwards), double(forwards) / double(generated), median(mode_tps),

@@ -65,12 +65,20 @@ void EngineLoop::Run() {
     std::vector<std::function<void(LlmEngine&)>> work;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !pending_.empty() || engine_->HasUnfinished(); });
+      auto ready = [&] { return stopping_ || !pending_.empty() || engine_->HasUnfinished(); };
+      // Idle: the engine's deferred work runs in slices until it is done or work arrives.
+      while (!ready() && idle_work_left_) {
+        lock.unlock();
+        idle_work_left_ = engine_->RunIdleWork();
+        lock.lock();
+      }
+      cv_.wait(lock, ready);
       if (stopping_) return;
       work.swap(pending_);
     }
     for (auto& fn : work) fn(*engine_);
     if (engine_->HasUnfinished()) {
+      idle_work_left_ = true;  // a step may leave work for the next idle time
       absl::StatusOr<std::vector<RequestOutput>> outputs = engine_->Step(on_layer_done_);
       if (!outputs.ok()) {
         std::fprintf(stderr, "engine step failed: %s\n", std::string(outputs.status().message()).c_str());

@@ -73,6 +73,7 @@ class EngineLoop {
   std::vector<std::function<void(LlmEngine&)>> pending_;  // guarded by mu_
   bool stopping_ = false;                                 // guarded by mu_
   EngineStats stats_;                                     // guarded by mu_
+  bool idle_work_left_ = false;  // the engine may have idle work (loop thread only)
   std::map<std::string, OutputCallback> subscribers_;     // loop thread only
   std::thread thread_;
 };

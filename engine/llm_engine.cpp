@@ -234,6 +234,11 @@ EngineStats LlmEngine::Stats() const {
                      spec_ ? spec_->stats() : SpecDecodeStats{}, model_->num_one_time_setups()};
 }
 
+bool LlmEngine::RunIdleWork() {
+  constexpr int64_t kIndexedPerSlice = 4096;  // tokens: tens of microseconds
+  return spec_ != nullptr && spec_->IndexQueuedOutputs(kIndexedPerSlice);
+}
+
 void LlmEngine::FinishRequest(Request& r, FinishReason reason) {
   scheduler_.Remove(&r);
   if (spec_) spec_->OnFinished(r);
@@ -253,7 +258,6 @@ void LlmEngine::AppendToken(Request& r, const SampledToken& token, RequestOutput
   }
   out.num_prompt_tokens = int32_t(r.prompt.size());
   out.num_output_tokens = int32_t(r.output.size());
-  if (spec_) spec_->OnToken(r);
   if (r.first_token_time == Clock::time_point{}) r.first_token_time = Clock::now();
 
   FinishReason reason = FinishReason::kNone;
@@ -310,7 +314,9 @@ void LlmEngine::PlanSpeculation() {
       decoding.push_back(r.get());
     }
   }
-  if (!decoding.empty()) spec_->Plan(decoding, config_.scheduler.max_model_len);
+  if (decoding.empty()) return;
+  spec_->WarmUpCosts(config_.scheduler.max_num_seqs);  // once
+  spec_->Plan(decoding, config_.scheduler.max_model_len);
 }
 
 void LlmEngine::VerifyDraft(Request& r, const std::vector<int32_t>& tokens, const std::vector<int32_t>& parents,

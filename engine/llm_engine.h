@@ -88,6 +88,9 @@ class LlmEngine {
                                                     const SampledToken& first_token);
   KvCache& kv_cache() { return *cache_; }
   bool HasUnfinished() const { return scheduler_.HasWork(); }
+  // Work that waits for the engine to idle (indexing finished outputs for lookahead), done in
+  // slices short enough not to delay an arriving request; returns whether more remains.
+  bool RunIdleWork();
 
   // A finished request stays readable until Release (timings, logprobs).
   const Request* Find(const std::string& id) const;

@@ -1,13 +1,15 @@
-// Training-free drafting: matches a request's last tokens against n-gram tries (its own prompt
-// and output so far, and the outputs of every earlier request) and proposes a multi-branch
-// draft TREE of likely continuations, best first by frequency, within a token budget.
+// Training-free drafting: matches a request's last tokens against its own prompt and output so
+// far and against the recent outputs of every request (n-gram indexes, ngram_index.h), and
+// proposes a multi-branch draft TREE of likely continuations, best first by frequency, within a
+// token budget.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <vector>
 
 #include "absl/types/span.h"
-#include "engine/ngram_trie.h"
+#include "engine/ngram_index.h"
 
 namespace duet {
 
@@ -30,34 +32,42 @@ struct DraftTree {
 };
 
 struct LookaheadOptions {
-  int32_t max_ngram = 12;           // trie depth: match length + draft depth
-  int32_t max_match = 4;            // longest suffix of the sequence matched against a trie
-  int64_t local_max_nodes = 1 << 16;   // per request
-  int64_t global_max_nodes = 1 << 19;  // per engine
+  int32_t max_match = 4;                    // longest suffix of the sequence matched
+  int32_t max_occurrences = 32;             // newest occurrences of a match followed
+  int64_t local_max_scan = 1 << 14;         // a request's own tokens searched, newest first
+  int64_t global_max_tokens = 1 << 19;      // the engine-wide ring of recent outputs
+  int64_t max_queued_tokens = 1 << 16;      // finished outputs waiting to be indexed
 };
 
+// The lookahead cache: a request's own prompt and output, plus the recent outputs of every
+// request (engine-wide), matched against the request's last tokens.
 class LookaheadCache {
  public:
   explicit LookaheadCache(const LookaheadOptions& options);
 
-  // A fresh per-request trie (of the prompt and output so far; the caller feeds it tokens).
-  NgramTrie NewLocalTrie() const { return NgramTrie(options_.max_ngram, options_.local_max_nodes); }
-  // Adds a finished request's output to the engine-wide trie.
-  void AddOutput(absl::Span<const int32_t> output) { global_.AddSequence(output); }
+  // Queues a finished request's output for the engine-wide index (IndexQueued adds it), so a
+  // step that finishes many requests does not pay for indexing them all.
+  void AddOutput(absl::Span<const int32_t> output);
+  // Indexes up to `max_tokens` queued tokens, oldest outputs first; returns whether any remain.
+  bool IndexQueued(int64_t max_tokens);
+  bool has_queued() const { return !queued_.empty(); }
 
-  // Up to `budget` draft tokens continuing `context`, as a tree: each branch is a continuation
-  // seen after the longest matching suffix of `context`, expanded best first by its estimated
-  // probability (frequency, mixing the local and global tries where both match).
-  DraftTree Propose(const NgramTrie& local, absl::Span<const int32_t> context, int32_t budget) const;
+  // Up to `budget` draft tokens continuing `text`, as a tree: each branch is a continuation
+  // seen after the longest matching suffix of `text`, expanded best first by its estimated
+  // probability (its frequency among the occurrences, mixing the request's own text and the
+  // other outputs where both match).
+  DraftTree Propose(const TokenText& text, int32_t budget);
 
-  const NgramTrie& global_trie() const { return global_; }
+  const OutputNgramIndex& global_index() const { return global_; }
 
  private:
-  // The node of the longest suffix of `context` (up to max_match tokens) that has continuations.
-  int32_t LongestMatch(const NgramTrie& trie, absl::Span<const int32_t> context) const;
-
   LookaheadOptions options_;
-  NgramTrie global_;
+  OutputNgramIndex global_;
+  std::deque<std::vector<int32_t>> queued_;
+  int64_t queued_tokens_ = 0;  // in queued_, less the front's indexed part
+  size_t front_indexed_ = 0;    // tokens of queued_.front() already in global_
+  // Propose's scratch (reused: it runs per request and step).
+  std::vector<int64_t> local_positions_, global_positions_;
 };
 
 }  // namespace duet

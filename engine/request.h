@@ -9,7 +9,6 @@
 
 #include "engine/block_manager.h"
 #include "engine/lookahead_cache.h"
-#include "engine/ngram_trie.h"
 #include "engine/sampler.h"
 #include "engine/sampling_params.h"
 #include "engine/tokenizer.h"
@@ -30,7 +29,6 @@ using Clock = std::chrono::steady_clock;
 // A request's speculative-decoding state (see spec_decode.h).
 struct SpeculationState {
   SpeculationMode mode = SpeculationMode::kNone;  // resolved from params and server default
-  std::unique_ptr<NgramTrie> local_ngrams;        // lookahead: its prompt and output so far
   DraftTree tree;                 // this step's draft (lookahead: proposed before planning)
   int32_t lookahead_slots = 0;    // draft tokens the scheduler reserves KV room for this step
   // Decayed counts behind the acceptance estimate: accepted draft tokens, and those plus misses.

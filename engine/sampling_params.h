@@ -14,7 +14,7 @@ namespace duet {
 // How a request guesses tokens ahead for the target to verify (lossless in every mode).
 enum class SpeculationMode {
   kNone,       // one token per step
-  kLookahead,  // n-gram tries of the request's own tokens and of earlier outputs
+  kLookahead,  // n-gram matches in the request's own tokens and in recent outputs
   kDraft,      // a separate small model with the same tokenizer
   kSelf,       // the target's first layers (plus final norm and LM head)
 };

@@ -54,77 +54,85 @@ int64_t StepCostModel::BucketBelow(int64_t num_tokens) {
   return b;
 }
 
-StepCostModel::Bucket* StepCostModel::Find(int64_t bucket) {
-  auto it = buckets_.find(bucket);
-  if (it != buckets_.end()) return &it->second;
-  // A bucket that could not be measured (no free blocks, more sequences than the executor
-  // takes) is tried again only after kRetryAfter more asks: planning asks every step.
-  constexpr int kRetryAfter = 256;
-  auto failed = unmeasurable_.find(bucket);
-  if (failed != unmeasurable_.end() && --failed->second > 0) return nullptr;
-  // Best of three runs: the step's own cost, not a neighbour's interference.
-  std::optional<double> best;
-  for (int i = 0; i < 3; ++i) {
-    std::optional<double> s = measure_(bucket);
-    if (!s) break;
-    best = best ? std::min(*best, *s) : *s;
-  }
-  if (!best) {
-    unmeasurable_[bucket] = kRetryAfter;
-    return nullptr;
-  }
-  unmeasurable_.erase(bucket);
-  Bucket& b = buckets_[bucket];
-  b.measured = *best;
-  return &b;
+double StepCostModel::BucketSeconds(const Bucket& b) const {
+  return b.has_observed ? b.observed : b.measured * std::exp(log_real_over_measured_);
 }
 
-double StepCostModel::BucketSeconds(int64_t bucket) {
-  if (const Bucket* b = Find(bucket)) {
-    return b->has_observed ? b->observed : b->measured * std::exp(log_real_over_measured_);
-  }
-  // Cannot measure now: scale the nearest known bucket linearly (pessimistic for larger T).
-  if (buckets_.empty()) return double(bucket);
-  auto near = buckets_.lower_bound(bucket);
-  if (near == buckets_.end()) --near;
-  const Bucket& b = near->second;
-  return (b.has_observed ? b.observed : b.measured) * double(bucket) / double(near->first);
-}
-
-double StepCostModel::Seconds(int64_t num_tokens) {
+double StepCostModel::Seconds(int64_t num_tokens) const {
   num_tokens = std::max<int64_t>(num_tokens, 1);
-  const int64_t hi = BucketAtOrAbove(num_tokens);
-  if (hi == num_tokens) return BucketSeconds(hi);
-  const int64_t lo = BucketBelow(num_tokens);
-  const double f = double(num_tokens - lo) / double(hi - lo);
-  return (1 - f) * BucketSeconds(lo) + f * BucketSeconds(hi);
+  // Nothing known: a second per token (no plan pays for that).
+  if (buckets_.empty()) return double(num_tokens);
+  auto hi = buckets_.lower_bound(num_tokens);
+  if (hi != buckets_.end() && (hi->first == num_tokens || hi == buckets_.begin())) return BucketSeconds(hi->second);
+  auto lo = std::prev(hi);
+  const double lo_seconds = BucketSeconds(lo->second);
+  if (hi == buckets_.end()) return lo_seconds * double(num_tokens) / double(lo->first);
+  const double f = double(num_tokens - lo->first) / double(hi->first - lo->first);
+  return (1 - f) * lo_seconds + f * BucketSeconds(hi->second);
+}
+
+bool StepCostModel::Observed(int64_t num_tokens) const {
+  num_tokens = std::max<int64_t>(num_tokens, 1);
+  const int64_t hi = BucketAtOrAbove(num_tokens), lo = hi == num_tokens ? hi : BucketBelow(num_tokens);
+  for (int64_t bucket : {lo, hi}) {
+    auto it = buckets_.find(bucket);
+    if (it == buckets_.end() || !it->second.has_observed) return false;
+  }
+  return true;
 }
 
 void StepCostModel::MeasureUpTo(int64_t max_tokens, double budget_seconds) {
   const auto start = std::chrono::steady_clock::now();
-  for (int64_t b = 1; b <= BucketAtOrAbove(max_tokens); b = BucketAtOrAbove(b + 1)) {
-    Find(b);
-    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > budget_seconds) break;
+  auto spent = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+  if (!measure_(1)) return;  // a first forward pays for cold caches and threads starting
+  const int64_t last = BucketAtOrAbove(max_tokens);
+  // Doubling sizes first (the whole range, coarsely, where the budget is short), then the buckets
+  // between them, smallest first.
+  std::vector<int64_t> order;
+  for (int64_t t = 1; t < last; t *= 2) order.push_back(BucketAtOrAbove(t));
+  order.push_back(last);
+  for (int64_t b = 1; b <= last; b = BucketAtOrAbove(b + 1)) {
+    if (std::find(order.begin(), order.end(), b) == order.end()) order.push_back(b);
+  }
+  int64_t cannot_run = last + 1;  // the smallest size that could not run (larger ones cannot either)
+  for (int64_t b : order) {
+    if (spent() > budget_seconds) return;
+    if (b >= cannot_run || (buckets_.count(b) && buckets_[b].measured > 0)) continue;
+    // Best of three runs: the step's own cost, not a neighbour's interference.
+    std::optional<double> best;
+    for (int i = 0; i < 3; ++i) {
+      std::optional<double> s = measure_(b);
+      if (!s) break;
+      best = best ? std::min(*best, *s) : *s;
+    }
+    if (best) {
+      buckets_[b].measured = *best;
+    } else {
+      cannot_run = b;
+    }
   }
 }
 
 void StepCostModel::Observe(int64_t num_tokens, double seconds) {
   num_tokens = std::max<int64_t>(num_tokens, 1);
   if (!(seconds > 0)) return;
-  // Only steps whose buckets were measured (the planner asked for them): never a measurement here.
   const int64_t hi = BucketAtOrAbove(num_tokens), lo = hi == num_tokens ? hi : BucketBelow(num_tokens);
-  auto hi_it = buckets_.find(hi), lo_it = buckets_.find(lo);
-  if (hi_it == buckets_.end() || lo_it == buckets_.end()) return;
   const double f = hi == lo ? 1.0 : double(num_tokens - lo) / double(hi - lo);
-  const double measured = (1 - f) * lo_it->second.measured + f * hi_it->second.measured;
-  const double log_ratio = std::log(seconds / measured);
   // About the last ten real steps (a step's time moves with the load on a shared machine).
   constexpr double kWeight = 0.2;
-  log_real_over_measured_ += kWeight * (log_ratio - log_real_over_measured_);
-  for (auto [it, share] : {std::pair{lo_it, 1 - f}, std::pair{hi_it, f}}) {
+  // Where the scratch table covers T, the step teaches how far real steps are from it, and it
+  // scales to the neighbouring buckets as their measurements do; elsewhere in proportion to T.
+  const Bucket* lo_b = buckets_.count(lo) ? &buckets_[lo] : nullptr;
+  const Bucket* hi_b = buckets_.count(hi) ? &buckets_[hi] : nullptr;
+  double measured = 0;
+  if (lo_b != nullptr && hi_b != nullptr && lo_b->measured > 0 && hi_b->measured > 0) {
+    measured = (1 - f) * lo_b->measured + f * hi_b->measured;
+    log_real_over_measured_ += kWeight * (std::log(seconds / measured) - log_real_over_measured_);
+  }
+  for (auto [bucket, share] : {std::pair{lo, 1 - f}, std::pair{hi, f}}) {
     if (share <= 0) continue;
-    Bucket& b = it->second;
-    const double real = b.measured * std::exp(log_ratio);  // this step, scaled to the bucket's T
+    Bucket& b = buckets_[bucket];
+    const double real = measured > 0 ? b.measured * seconds / measured : seconds * double(bucket) / double(num_tokens);
     if (!b.has_observed) {
       b.observed = real;
       b.has_observed = true;
@@ -303,26 +311,30 @@ SpeculativeDecoder::SpeculativeDecoder(const SpeculationConfig& config, ModelExe
       lookahead_(config.lookahead),
       draft_(std::move(draft)),
       self_(std::move(self)),
-      target_cost_([this](int64_t t) { return Excluded([&] { return MeasureForward(executor_, blocks_, cache_, t, 1); }); }),
+      target_cost_([this](int64_t t) { return MeasureForward(executor_, blocks_, cache_, t, 1); }),
       verify_cost_([this](int64_t t) {
-        return Excluded([&] {
-          return MeasureForward(executor_, blocks_, cache_, t, std::min<int64_t>(t, 1 + config_.max_draft_tokens));
-        });
+        return MeasureForward(executor_, blocks_, cache_, t, std::min<int64_t>(t, 1 + config_.max_draft_tokens));
       }) {
   if (draft_) {
-    draft_cost_.emplace([this](int64_t t) {
-      return Excluded([&] { return MeasureForward(draft_->executor(), *draft_->own_blocks(), *draft_->own_cache(), t, 1); });
-    });
+    draft_cost_.emplace(
+        [this](int64_t t) { return MeasureForward(draft_->executor(), *draft_->own_blocks(), *draft_->own_cache(), t, 1); });
   }
   if (self_) {
-    self_cost_.emplace([this](int64_t t) {
-      return Excluded([&] { return MeasureForward(self_->executor(), blocks_, cache_, t, 1); });
-    });
+    self_cost_.emplace([this](int64_t t) { return MeasureForward(self_->executor(), blocks_, cache_, t, 1); });
   }
 }
 
 void SpeculativeDecoder::WarmUpCosts(int64_t max_decoding) {
-  constexpr double kBudgetSeconds = 0.25;  // per cost model
+  if (costs_measured_) return;
+  costs_measured_ = true;
+  Excluded([&] {
+    MeasureCosts(max_decoding);
+    return 0;
+  });
+}
+
+void SpeculativeDecoder::MeasureCosts(int64_t max_decoding) {
+  constexpr double kBudgetSeconds = 0.5;  // per cost model
   target_cost_.MeasureUpTo(max_decoding, kBudgetSeconds);
   verify_cost_.MeasureUpTo(max_decoding * (1 + config_.max_draft_tokens), kBudgetSeconds);
   if (draft_cost_) draft_cost_->MeasureUpTo(2 * max_decoding, kBudgetSeconds);
@@ -385,39 +397,16 @@ absl::StatusOr<SpeculationMode> SpeculativeDecoder::Resolve(std::optional<Specul
   return mode;
 }
 
-void SpeculativeDecoder::EnsureLocalTrie(Request& r) {
-  if (r.spec.local_ngrams) return;
-  r.spec.local_ngrams = std::make_unique<NgramTrie>(lookahead_.NewLocalTrie());
-  std::vector<int32_t> all(r.prompt);
-  all.insert(all.end(), r.output.begin(), r.output.end());
-  r.spec.local_ngrams->AddSequence(all);
-}
-
-std::vector<int32_t> SpeculativeDecoder::LookaheadContext(const Request& r) const {
-  std::vector<int32_t> context;
-  const int64_t n = r.num_tokens();
-  for (int64_t i = std::max<int64_t>(0, n - config_.lookahead.max_match); i < n; ++i) context.push_back(r.TokenAt(i));
-  return context;
-}
-
-void SpeculativeDecoder::OnToken(Request& r) {
-  if (!r.spec.local_ngrams) {
-    // The trie of the prompt is built with the first token (in the prefill step), not in the
-    // first decode step.
-    if (r.spec.mode == SpeculationMode::kLookahead && r.output.size() == 1) EnsureLocalTrie(r);
-    return;
-  }
-  if (r.spec.local_ngrams->AppendToken(r.TokenAt(r.num_tokens() - 1))) return;
-  const int64_t n = r.num_tokens();
-  const int64_t window = std::min<int64_t>(n, r.spec.local_ngrams->max_ngram());
-  std::vector<int32_t> last;
-  for (int64_t i = n - window; i < n; ++i) last.push_back(r.TokenAt(i));
-  r.spec.local_ngrams->AddLastToken(last);
-}
+bool SpeculativeDecoder::IndexQueuedOutputs(int64_t max_tokens) { return lookahead_.IndexQueued(max_tokens); }
 
 void SpeculativeDecoder::OnFinished(Request& r) {
   if (r.spec.mode == SpeculationMode::kLookahead) lookahead_.AddOutput(r.output);
   if (draft_) draft_->Release(r.seq_id);
+}
+
+double SpeculativeDecoder::VerifySeconds(int64_t num_tokens) const {
+  constexpr double kUnseenFactor = 1.2;
+  return verify_cost_.Seconds(num_tokens) * (verify_cost_.Observed(num_tokens) ? 1.0 : kUnseenFactor);
 }
 
 bool SpeculativeDecoder::DraftsCanPay(absl::Span<Request* const> decoding) {
@@ -443,7 +432,7 @@ bool SpeculativeDecoder::DraftsCanPay(absl::Span<Request* const> decoding) {
       best[i + 1] = best[i] + gain[i];
     }
     for (int64_t r = 1;; r = std::min(speculating, 2 * r)) {
-      if (double(n) + best[size_t(r)] > kDefaultMinGain * without * (verify_cost_.Seconds(n + r * c) + overhead)) {
+      if (double(n) + best[size_t(r)] > kDefaultMinGain * without * (VerifySeconds(n + r * c) + overhead)) {
         return true;
       }
       if (r == speculating) break;
@@ -456,10 +445,8 @@ void SpeculativeDecoder::Plan(absl::Span<Request* const> decoding, int64_t max_m
   // Planning (proposing trees, the budget search) is work that only speculation does: it stays
   // out of the steps' observed costs and is charged to plans with drafts instead, per request.
   const auto start = std::chrono::steady_clock::now();
-  const double excluded_before = step_excluded_seconds_;  // the cost table's scratch measurements
   const bool planned = PlanRequests(decoding, max_model_len);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() -
-                         (step_excluded_seconds_ - excluded_before);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   step_excluded_seconds_ += seconds;
   if (planned && !decoding.empty()) {
     constexpr double kWeight = 0.2;
@@ -468,6 +455,9 @@ void SpeculativeDecoder::Plan(absl::Span<Request* const> decoding, int64_t max_m
 }
 
 bool SpeculativeDecoder::PlanRequests(absl::Span<Request* const> decoding, int64_t max_model_len) {
+  // Finished outputs join the engine-wide index a slice per step (faster than lookahead requests
+  // produce tokens), the rest when the engine idles (IndexQueuedOutputs).
+  lookahead_.IndexQueued(std::max<int64_t>(kIndexedPerStep, 2 * int64_t(decoding.size())));
   for (Request* r : decoding) {
     r->spec.tree.Clear();
     r->spec.lookahead_slots = 0;
@@ -485,9 +475,7 @@ bool SpeculativeDecoder::PlanRequests(absl::Span<Request* const> decoding, int64
       // their guesses get good.
       if (--skip_steps_left_ % 4 == 0) {
         for (Request* r : decoding) {
-          if (r->spec.mode == SpeculationMode::kLookahead && r->spec.local_ngrams) {
-            r->spec.tree = lookahead_.Propose(*r->spec.local_ngrams, LookaheadContext(*r), 1);
-          }
+          if (r->spec.mode == SpeculationMode::kLookahead) r->spec.tree = lookahead_.Propose({r->prompt, r->output}, 1);
         }
       }
       return false;
@@ -510,8 +498,7 @@ bool SpeculativeDecoder::PlanRequests(absl::Span<Request* const> decoding, int64
                                            max_model_len - r->num_tokens()) - 1;
     int32_t cap = int32_t(std::clamp<int64_t>(room, 0, config_.max_draft_tokens));
     if (s.mode == SpeculationMode::kLookahead && cap > 0) {
-      EnsureLocalTrie(*r);
-      s.tree = lookahead_.Propose(*s.local_ngrams, LookaheadContext(*r), cap);
+      s.tree = lookahead_.Propose({r->prompt, r->output}, cap);
       cap = s.tree.size();
     }
     if (s.mode == SpeculationMode::kNone) cap = 0;
@@ -530,7 +517,7 @@ bool SpeculativeDecoder::PlanRequests(absl::Span<Request* const> decoding, int64
     k.assign(decoding.size(), 0);
   } else if (config_.adaptive) {
     auto plain = [this](int64_t t) { return target_cost_.Seconds(t); };
-    auto verify = [this](int64_t t) { return verify_cost_.Seconds(t); };
+    auto verify = [this](int64_t t) { return VerifySeconds(t); };
     auto draft = [this](int64_t t) { return draft_cost_ ? draft_cost_->Seconds(t) : 0.0; };
     auto self = [this](int64_t t) { return self_cost_ ? self_cost_->Seconds(t) : 0.0; };
     k = PlanDraftBudgets(budget, int64_t(decoding.size()), int64_t(decoding.size()), plain, verify, draft, self,

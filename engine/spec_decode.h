@@ -60,12 +60,15 @@ std::vector<int32_t> VerifyDraftTree(absl::Span<const int32_t> tokens, absl::Spa
                                      const std::function<int32_t(int32_t node)>& draw,
                                      const std::function<bool(int32_t token)>& emit);
 
-// Seconds of one forward step of T tokens. Each bucket of T is measured once when first needed
-// (a scratch forward of one-token chunks, best of three) and then follows the real steps: a
-// real step of T tokens moves the buckets around T towards what it took (a running geometric
-// mean), and buckets no real step has reached yet are scaled by how far real steps have been
-// from the scratch measurements so far (context length, cache state and the machine's load are
-// in the real steps; the scratch measurement has none of them).
+// Seconds of one forward step of T tokens, in buckets of T (every T up to 16, then steps of
+// about 1/8). Buckets are measured up front (MeasureUpTo: a scratch forward of one-token chunks,
+// best of three; never while serving, where a measurement would stall the whole batch) and then
+// follow the real steps: a real step of T tokens moves the buckets around T towards what it
+// took (a running geometric mean); measured buckets no real step has reached yet are scaled by
+// how far real steps have been from their measurements so far (context length, cache state and
+// the machine's load are in the real steps; the scratch measurement has none of them). Between
+// known buckets the cost is interpolated; past the largest it grows in proportion to T, which
+// errs high (a step's cost per token falls as T grows).
 class StepCostModel {
  public:
   // Runs a representative forward of `num_tokens` tokens and returns its seconds; nullopt when
@@ -73,26 +76,26 @@ class StepCostModel {
   using Measure = std::function<std::optional<double>(int64_t num_tokens)>;
   explicit StepCostModel(Measure measure) : measure_(std::move(measure)) {}
 
-  double Seconds(int64_t num_tokens);
+  double Seconds(int64_t num_tokens) const;
+  // Whether real steps of about `num_tokens` tokens were seen (Seconds is then their own cost).
+  bool Observed(int64_t num_tokens) const;
   void Observe(int64_t num_tokens, double seconds);
-  // Measures the buckets up to `max_tokens`, smallest first, until `budget_seconds` are spent.
+  // Measures the buckets up to `max_tokens`, smallest first, until `budget_seconds` are spent
+  // or a measurement cannot run.
   void MeasureUpTo(int64_t max_tokens, double budget_seconds);
 
  private:
   struct Bucket {
-    double measured = 0;  // scratch forward
+    double measured = 0;  // scratch forward (0: none)
     double observed = 0;  // running geometric mean of real steps, scaled to the bucket's T
     bool has_observed = false;
   };
   static int64_t BucketAtOrAbove(int64_t num_tokens);
   static int64_t BucketBelow(int64_t num_tokens);
-  // The bucket's entry, measured now if it was not yet; null when it cannot be measured now.
-  Bucket* Find(int64_t bucket);
-  double BucketSeconds(int64_t bucket);
+  double BucketSeconds(const Bucket& b) const;
 
   Measure measure_;
   std::map<int64_t, Bucket> buckets_;
-  std::map<int64_t, int> unmeasurable_;  // bucket -> asks left before measuring it again
   double log_real_over_measured_ = 0;  // running mean of log(real step / scratch measurement)
 };
 
@@ -146,14 +149,16 @@ class SpeculativeDecoder {
   // After verification: `accepted` draft tokens of a `tree_size`-token tree; `missed` when the
   // walk stopped at a node that had drafted children (a wrong guess, not a short tree).
   void OnVerified(Request& r, int32_t tree_size, absl::Span<const int32_t> accepted_depths, bool missed);
-  // Every token appended to a request (keeps its n-gram trie current).
-  void OnToken(Request& r);
   void OnFinished(Request& r);
-  // Measures step costs up front (within about a second) for steps of up to `max_decoding`
-  // decoding requests, so serving does not pay for the measurements as it first meets them.
+  // Idle-time work: indexes up to `max_tokens` tokens of finished outputs for lookahead;
+  // returns whether more remain.
+  bool IndexQueuedOutputs(int64_t max_tokens);
+  // Measures step costs once (within about two seconds) for steps of up to `max_decoding`
+  // decoding requests: at start when the server speculates by default, else before the first
+  // speculating step. Serving only refines them (it never stops the batch to measure).
   void WarmUpCosts(int64_t max_decoding);
-  // An engine step's bounds. The step's wall time, less the drafting and the cost model's own
-  // scratch measurements, refines the cost model of its kind (`verification`: it held draft
+  // An engine step's bounds. The step's wall time, less the drafting and planning (speculation's
+  // own work, charged to plans with drafts instead), refines the cost model of its kind (`verification`: it held draft
   // trees) for its `num_tokens` tokens: what a step really costs, host work included.
   void BeginStep();
   void EndStep(int64_t num_tokens, bool verification);
@@ -168,6 +173,7 @@ class SpeculativeDecoder {
   static std::optional<double> MeasureForward(ModelExecutor& executor, BlockManager& blocks, KvCache& cache,
                                               int64_t num_tokens, int64_t chunk_tokens);
   absl::Status DraftRequests(absl::Span<Request* const> scheduled);
+  void MeasureCosts(int64_t max_decoding);
   // Runs `fn`, leaving its time out of the step's observed cost.
   template <typename Fn>
   auto Excluded(Fn fn) {
@@ -176,11 +182,11 @@ class SpeculativeDecoder {
     step_excluded_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return result;
   }
-  void EnsureLocalTrie(Request& r);
-  // The last tokens of `r` that lookahead matches against its tries.
-  std::vector<int32_t> LookaheadContext(const Request& r) const;
   // Plan's work; false when it skipped proposing (nothing can pay).
   bool PlanRequests(absl::Span<Request* const> decoding, int64_t max_model_len);
+  // A verification step's cost as plans see it: dearer while no real step of its size was seen
+  // (scratch forwards miss the real contexts, and a plan that guesses wrong costs the batch).
+  double VerifySeconds(int64_t num_tokens) const;
   // Whether any draft could pay in a step of these decoding requests.
   bool DraftsCanPay(absl::Span<Request* const> decoding);
 
@@ -196,6 +202,7 @@ class SpeculativeDecoder {
   std::optional<StepCostModel> draft_cost_;
   std::optional<StepCostModel> self_cost_;
   SpecDecodeStats stats_;
+  static constexpr int64_t kIndexedPerStep = 64;  // finished outputs' tokens indexed per step, at least
   // After a step where nothing could pay: steps of the same batch size that skip planning.
   static constexpr int kRecheckEvery = 16;
   void SkipAfterFruitlessPlan(int64_t batch_size);
@@ -203,8 +210,9 @@ class SpeculativeDecoder {
   int skip_steps_left_ = 0;
   int64_t skip_batch_size_ = 0;
   double plan_seconds_per_request_ = 0;  // running mean of Plan's time per decoding request
+  bool costs_measured_ = false;
   std::chrono::steady_clock::time_point step_start_;
-  double step_excluded_seconds_ = 0;  // drafting and scratch measurements during the step
+  double step_excluded_seconds_ = 0;  // drafting and planning during the step
 };
 
 }  // namespace duet

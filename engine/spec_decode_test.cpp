@@ -178,39 +178,54 @@ TEST(PlanDraftBudgetsTest, PlanningOverheadCanMakeDraftsNotWorthIt) {
   EXPECT_EQ(PlanDraftBudgets(one, 1, 1, cost, cost, none, none, 1.1, 0.5)[0], 0);
 }
 
-TEST(StepCostModelTest, AnUnmeasurableBucketIsNotRetriedEveryStep) {
-  // Buckets above 8 cannot run (say the executor takes at most 8 sequences): the planner asks
-  // every step, and every ask must not cost a failed scratch forward.
+TEST(StepCostModelTest, MeasuresOnlyUpFront) {
+  // Buckets above 8 cannot run (say the executor takes at most 8 sequences).
   int attempts = 0;
   StepCostModel model([&](int64_t t) -> std::optional<double> {
     ++attempts;
     if (t > 8) return std::nullopt;
     return 1e-3 * double(t);
   });
+  EXPECT_GT(model.Seconds(1), 0.5);  // nothing known: too dear for any plan
+  EXPECT_EQ(attempts, 0);
+  model.MeasureUpTo(64, 10.0);
+  // A warm-up run, best of three per bucket, one try of 16 (doubling sizes come first) and one
+  // of 9 (the smallest between): no larger size is tried after a size failed.
+  EXPECT_EQ(attempts, 1 + 8 * 3 + 2);
   EXPECT_NEAR(model.Seconds(8), 8e-3, 1e-12);
-  const int after_known = attempts;
-  for (int step = 0; step < 100; ++step) EXPECT_GT(model.Seconds(10), 0.0);  // scaled from bucket 8
-  EXPECT_EQ(attempts - after_known, 1);
+  EXPECT_NEAR(model.Seconds(5), 5e-3, 1e-12);
+  for (int step = 0; step < 100; ++step) EXPECT_NEAR(model.Seconds(16), 16e-3, 1e-12);  // in proportion
+  EXPECT_EQ(attempts, 1 + 8 * 3 + 2);
+  EXPECT_FALSE(model.Observed(8));
 }
 
 TEST(StepCostModelTest, RealStepsCorrectTheScratchTable) {
   // Scratch forwards say 1 + 0.1 T ms; real steps take twice that (a loaded machine, longer
   // contexts). Buckets follow the real steps; buckets no real step reached scale with them.
-  int measured = 0;
-  StepCostModel model([&](int64_t t) -> std::optional<double> {
-    ++measured;
-    return 1.0 + 0.1 * double(t);
-  });
+  StepCostModel model([](int64_t t) -> std::optional<double> { return 1.0 + 0.1 * double(t); });
+  model.MeasureUpTo(40, 10.0);
   EXPECT_DOUBLE_EQ(model.Seconds(8), 1.8);
   EXPECT_DOUBLE_EQ(model.Seconds(4), 1.4);
-  EXPECT_EQ(measured, 6);  // best of three, per bucket
   for (int i = 0; i < 40; ++i) model.Observe(8, 3.6);
+  EXPECT_TRUE(model.Observed(8));
+  EXPECT_FALSE(model.Observed(4));
   EXPECT_NEAR(model.Seconds(8), 3.6, 1e-9);
   EXPECT_NEAR(model.Seconds(4), 2.8, 0.01);   // measured, never observed: scaled by 2
-  EXPECT_NEAR(model.Seconds(40), 10.0, 0.1);  // measured now, scaled by 2
+  EXPECT_NEAR(model.Seconds(40), 10.0, 0.1);
   // An odd real step does not move a bucket far.
   model.Observe(8, 36.0);
   EXPECT_LT(model.Seconds(8), 6.0);
+}
+
+TEST(StepCostModelTest, RealStepsTeachSizesNeverMeasured) {
+  StepCostModel model([](int64_t t) -> std::optional<double> { return t <= 4 ? std::optional<double>(1.0) : std::nullopt; });
+  model.MeasureUpTo(100, 10.0);
+  EXPECT_DOUBLE_EQ(model.Seconds(40), 10.0);  // past the table: in proportion to T
+  for (int i = 0; i < 40; ++i) model.Observe(40, 2.0);
+  EXPECT_TRUE(model.Observed(40));
+  EXPECT_NEAR(model.Seconds(40), 2.0, 0.05);
+  EXPECT_GT(model.Seconds(20), 1.0);  // between the table and the real steps: interpolated
+  EXPECT_LT(model.Seconds(20), 2.0);
 }
 
 // ---- Tree attention in the CPU executor ---------------------------------------------------
