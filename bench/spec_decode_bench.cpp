@@ -132,7 +132,7 @@ int main(int argc, char** argv) {
     config.model_dir = model_dir;
     config.backend = backend;
     config.num_kv_blocks = (max_batch + 4) * ((prompt_len + gen_len + 64) / 16 + 2);
-    config.scheduler.max_num_seqs = std::max(batch, 2);
+    config.scheduler.max_num_seqs = batch;  // the slots
     config.scheduler.max_num_batched_tokens = std::max(2048, (batch + 2) * prompt_len);
     absl::StatusOr<duet::SpeculationMode> m = duet::ParseSpeculationMode(mode);
     if (!m.ok()) return m.status();
