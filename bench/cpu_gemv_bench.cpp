@@ -2,7 +2,8 @@
 // sgemm otherwise) against BatchedGemv (engine/cpu_gemv.h), for the projection shapes of a model
 // (default: tiny-code-llama's). Prints the best-of-N milliseconds per product and per layer+head
 // "step" (qkv, o, gate_up, down of every layer plus the LM head), by row count; for the batched
-// GEMV (single-threaded) also the best thread CPU time, the figure a loaded machine moves least.
+// GEMV on one thread also the best thread CPU time, the figure a loaded machine moves least, and
+// on the shared pool (ParallelFor::Shared(), one thread per core), as LlamaCpu runs it.
 //
 //   build/bin/cpu_gemv_bench [--hidden 512] [--intermediate 1408] [--q-rows 512] [--kv-rows 256]
 //                            [--vocab 8192] [--layers 6] [--rows 1,2,4,8,9,12,16,24,32] [--repeat 20]
@@ -78,11 +79,13 @@ int main(int argc, char** argv) {
   for (float& v : x) v = dist(rng);
   std::vector<float> y(size_t(max_rows * std::max({vocab, 2 * inter, q_rows + 2 * kv_rows})));
 
-  std::printf("BatchedGemv kernel: %s; ms, best of %d; 'step' = every layer's 4 products + LM head\n",
-              duet::BatchedGemvUsesAvx2() ? "AVX2/FMA" : "portable", repeat);
-  std::printf("%5s %-8s %12s %12s %12s %9s\n", "rows", "product", "openblas", "batched", "batched cpu", "ratio");
+  std::printf("BatchedGemv kernel: %s; pool of %d threads; ms, best of %d; 'step' = every layer's 4 products + LM "
+              "head; ratio = openblas / pooled\n",
+              duet::BatchedGemvUsesAvx2() ? "AVX2/FMA" : "portable", duet::ParallelFor::Shared().num_threads(), repeat);
+  std::printf("%5s %-8s %12s %12s %12s %12s %9s\n", "rows", "product", "openblas", "batched", "batched cpu",
+              "pooled", "ratio");
   for (int64_t rows : row_counts) {
-    double step_blas = 0, step_gemv = 0, step_gemv_cpu = 0;
+    double step_blas = 0, step_gemv = 0, step_gemv_cpu = 0, step_pooled = 0;
     for (size_t s = 0; s < shapes.size(); ++s) {
       // Best of `repeat` wall-clock times; for the single-threaded kernel also its thread's CPU
       // time, which a loaded machine disturbs less (other processes take turns on the core).
@@ -99,16 +102,26 @@ int main(int argc, char** argv) {
       };
       double gemv_cpu = 1e30;
       const double blas = time(OpenBlas, nullptr);
-      const double gemv = time(duet::BatchedGemv, &gemv_cpu);
+      const double gemv = time(
+          [](const float* x, const float* w, float* y, int64_t r, int64_t n, int64_t k) {
+            duet::BatchedGemv(x, w, y, r, n, k);
+          },
+          &gemv_cpu);
+      const double pooled = time(
+          [](const float* x, const float* w, float* y, int64_t r, int64_t n, int64_t k) {
+            duet::BatchedGemv(x, w, y, r, n, k, &duet::ParallelFor::Shared());
+          },
+          nullptr);
       step_blas += blas;
       step_gemv += gemv;
       step_gemv_cpu += gemv_cpu;
+      step_pooled += pooled;
       const int64_t copies = int64_t(weights[s].size());
-      std::printf("%5lld %-8s %12.3f %12.3f %12.3f %8.2fx\n", static_cast<long long>(rows), shapes[s].name,
-                  blas / copies, gemv / copies, gemv_cpu / copies, blas / gemv);
+      std::printf("%5lld %-8s %12.3f %12.3f %12.3f %12.3f %8.2fx\n", static_cast<long long>(rows), shapes[s].name,
+                  blas / copies, gemv / copies, gemv_cpu / copies, pooled / copies, blas / pooled);
     }
-    std::printf("%5lld %-8s %12.3f %12.3f %12.3f %8.2fx\n", static_cast<long long>(rows), "step", step_blas, step_gemv,
-                step_gemv_cpu, step_blas / step_gemv);
+    std::printf("%5lld %-8s %12.3f %12.3f %12.3f %12.3f %8.2fx\n", static_cast<long long>(rows), "step", step_blas,
+                step_gemv, step_gemv_cpu, step_pooled, step_blas / step_pooled);
     std::fflush(stdout);
   }
   return 0;

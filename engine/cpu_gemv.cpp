@@ -4,6 +4,8 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
+
 #include "common/check.h"
 
 namespace duet {
@@ -55,25 +57,25 @@ __attribute__((target("avx2,fma"), always_inline)) inline void DotBlock(const fl
 
 // Weight rows in blocks of kW; for each block, the activation rows kX at a time (then the
 // rest). The block's kW weight rows (kW·k floats) come from memory once and stay in L1/L2 for
-// the other activation rows.
+// the other activation rows. y's rows are `ldy` apart.
 template <int kW, int kX>
 __attribute__((target("avx2,fma"))) void BatchedGemvAvx2(const float* x, const float* w, float* y, int64_t rows,
-                                                         int64_t n, int64_t k) {
+                                                         int64_t n, int64_t k, int64_t ldy) {
   int64_t j = 0;
   for (; j + kW <= n; j += kW) {
     const float* wj = w + j * k;
     int64_t r = 0;
-    for (; r + kX <= rows; r += kX) DotBlock<kW, kX>(x + r * k, wj, y + r * n + j, n, k);
+    for (; r + kX <= rows; r += kX) DotBlock<kW, kX>(x + r * k, wj, y + r * ldy + j, ldy, k);
     if constexpr (kX > 2) {
       if (r + 2 <= rows) {
-        DotBlock<kW, 2>(x + r * k, wj, y + r * n + j, n, k);
+        DotBlock<kW, 2>(x + r * k, wj, y + r * ldy + j, ldy, k);
         r += 2;
       }
     }
-    if (r < rows) DotBlock<kW, 1>(x + r * k, wj, y + r * n + j, n, k);
+    if (r < rows) DotBlock<kW, 1>(x + r * k, wj, y + r * ldy + j, ldy, k);
   }
   for (; j < n; ++j) {  // fewer than kW weight rows left
-    for (int64_t r = 0; r < rows; ++r) DotBlock<1, 1>(x + r * k, w + j * k, y + r * n + j, n, k);
+    for (int64_t r = 0; r < rows; ++r) DotBlock<1, 1>(x + r * k, w + j * k, y + r * ldy + j, ldy, k);
   }
 }
 
@@ -83,6 +85,30 @@ bool CpuHasAvx2Fma() {
 }
 
 #endif  // __x86_64__
+
+}  // namespace
+
+namespace {
+
+// Output columns [begin, end) of y[rows, n].
+void BatchedGemvColumns(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k, int64_t begin,
+                        int64_t end) {
+#if defined(__x86_64__)
+  if (CpuHasAvx2Fma()) {
+    BatchedGemvAvx2<4, 3>(x, w + begin * k, y + begin, rows, end - begin, k, n);
+    return;
+  }
+#endif
+  for (int64_t j = begin; j < end; ++j) {
+    const float* wr = w + j * k;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * k;
+      float sum = 0.0f;
+      for (int64_t c = 0; c < k; ++c) sum += wr[c] * xr[c];
+      y[r * n + j] = sum;
+    }
+  }
+}
 
 }  // namespace
 
@@ -106,15 +132,23 @@ bool BatchedGemvUsesAvx2() {
 #endif
 }
 
-void BatchedGemv(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k) {
+void BatchedGemv(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k, ParallelFor* pool) {
   DUET_CHECK(rows >= 0 && n >= 1 && k >= 1);
-#if defined(__x86_64__)
-  if (CpuHasAvx2Fma()) {
-    BatchedGemvAvx2<4, 3>(x, w, y, rows, n, k);
+  // Below this many multiply-adds a call is over before workers could help.
+  constexpr int64_t kMinParallelWork = int64_t(1) << 18;
+  if (pool == nullptr || pool->num_threads() == 1 || rows * n * k < kMinParallelWork) {
+    BatchedGemvColumns(x, w, y, rows, n, k, 0, n);
     return;
   }
-#endif
-  BatchedGemvPortable(x, w, y, rows, n, k);
+  // Each thread streams its own slice of the weight rows (whole register blocks of 4); every
+  // y[r, j] is still one thread's sum in the same order.
+  const int64_t parts = pool->num_threads();
+  const int64_t per_part = (n / parts + 3) / 4 * 4;
+  pool->Run([&](int part) {
+    const int64_t begin = std::min(n, int64_t(part) * per_part);
+    const int64_t end = part + 1 == parts ? n : std::min(n, begin + per_part);
+    if (begin < end) BatchedGemvColumns(x, w, y, rows, n, k, begin, end);
+  });
 }
 
 }  // namespace duet

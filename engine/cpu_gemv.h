@@ -12,14 +12,19 @@
 
 #include <cstdint>
 
+#include "common/parallel_for.h"
+
 namespace duet {
 
 // Up to this many rows the batched GEMV beats sgemm on the CPUs we measured (see cpu_gemv_bench).
 inline constexpr int64_t kBatchedGemvMaxRows = 16;
 
 // y[rows, n] = x[rows, k] · w[n, k]ᵀ. AVX2/FMA when the CPU has them, portable code otherwise.
-// Single-threaded; any rows >= 0 is correct, rows <= kBatchedGemvMaxRows is where it pays.
-void BatchedGemv(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k);
+// With `pool`, a product big enough splits its weight rows across the pool's threads (the
+// result is bitwise the same). Any rows >= 0 is correct; rows <= kBatchedGemvMaxRows is where it
+// pays.
+void BatchedGemv(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k,
+                 ParallelFor* pool = nullptr);
 
 // The portable kernel alone (the reference the AVX2 one is tested against, and the fallback).
 void BatchedGemvPortable(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k);

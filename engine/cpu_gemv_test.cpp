@@ -79,5 +79,20 @@ TEST(BatchedGemvTest, EachRowIsTheSameWhateverTheRowCount) {
   }
 }
 
+TEST(BatchedGemvTest, ThreadsGiveTheSameBitsAsOne) {
+  // Split across a pool (every shape, some below the size that splits), bitwise the single
+  // thread's result: each y[r, j] is one thread's sum in the same order.
+  std::mt19937 rng(7);
+  ParallelFor pool(3);
+  for (const Shape& s : std::vector<Shape>{{1, 8192, 512}, {9, 1408, 512}, {16, 515, 257}, {2, 5, 9}, {3, 13, 4096}}) {
+    SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n " << s.n << " k " << s.k);
+    const std::vector<float> x = Random(s.rows * s.k, rng), w = Random(s.n * s.k, rng);
+    std::vector<float> one(size_t(s.rows * s.n)), split(size_t(s.rows * s.n), NAN);
+    BatchedGemv(x.data(), w.data(), one.data(), s.rows, s.n, s.k);
+    BatchedGemv(x.data(), w.data(), split.data(), s.rows, s.n, s.k, &pool);
+    for (size_t i = 0; i < one.size(); ++i) ASSERT_EQ(split[i], one[i]) << "i " << i;
+  }
+}
+
 }  // namespace
 }  // namespace duet

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
+#include "common/parallel_for.h"
 #include "engine/cpu_gemv.h"
 #include "engine/kv_cache.h"
 
@@ -16,14 +17,32 @@ namespace {
 // y[rows, n] = x[rows, k] · w[n, k]ᵀ  (w in Hugging Face [out_features, in_features] layout).
 // A decode or verification step has few rows and is bound by reading the weights: the batched
 // GEMV streams them once. Prefill-sized products go to sgemm, which packs the weights for reuse.
+// Both split the weight rows (y's columns) across the shared pool's threads; OpenBLAS itself
+// runs single-threaded (UseOneBlasThread), so the pool's are the only compute threads and no
+// BLAS thread spins on a core the pool needs.
 void MatMulTransposed(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k) {
+  ParallelFor& pool = ParallelFor::Shared();
   if (rows <= kBatchedGemvMaxRows) {
-    BatchedGemv(x, w, y, rows, n, k);
+    BatchedGemv(x, w, y, rows, n, k, &pool);
     return;
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows), static_cast<int>(n),
-              static_cast<int>(k), 1.0f, x, static_cast<int>(k), w, static_cast<int>(k), 0.0f, y,
-              static_cast<int>(n));
+  const int64_t parts = pool.num_threads();
+  const int64_t per_part = (n + parts - 1) / parts;
+  pool.Run([&](int part) {
+    const int64_t begin = std::min(n, int64_t(part) * per_part), end = std::min(n, begin + per_part);
+    if (begin == end) return;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows), static_cast<int>(end - begin),
+                static_cast<int>(k), 1.0f, x, static_cast<int>(k), w + begin * k, static_cast<int>(k), 0.0f, y + begin,
+                static_cast<int>(n));
+  });
+}
+
+void UseOneBlasThread() {
+  static const bool once = [] {
+    openblas_set_num_threads(1);
+    return true;
+  }();
+  (void)once;
 }
 
 // Hugging Face LlamaRMSNorm in float32: x / sqrt(mean(x²) + eps) · weight.
@@ -54,6 +73,7 @@ absl::StatusOr<std::unique_ptr<LlamaCpu>> LlamaCpu::Load(const std::string& mode
 
 absl::StatusOr<std::unique_ptr<LlamaCpu>> LlamaCpu::FromWeights(const ModelConfig& config,
                                                                 const WeightStore& weights) {
+  UseOneBlasThread();
   std::unique_ptr<LlamaCpu> model(new LlamaCpu(config));
   if (absl::Status s = model->LoadWeights(weights); !s.ok()) return s;
   model->inv_freq_ = config.rope.InverseFrequencies(static_cast<int>(config.head_dim));
@@ -143,14 +163,15 @@ void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, 
     }
   }
 
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  std::vector<float> scores;
-  std::vector<int64_t> slots;      // the slots this row attends to, in position order
+  // The slots each row attends to, in position order.
+  std::vector<std::vector<int64_t>> row_slots;
+  std::vector<const SequenceChunk*> row_chunk;
   std::vector<int64_t> ancestors;  // tree rows: the path from the token up to the root
-  row = 0;
+  int64_t total_context = 0;
   for (const SequenceChunk& chunk : chunks) {
-    for (size_t j = 0; j < chunk.tokens.size(); ++j, ++row) {
-      slots.clear();
+    for (size_t j = 0; j < chunk.tokens.size(); ++j) {
+      std::vector<int64_t>& slots = row_slots.emplace_back();
+      row_chunk.push_back(&chunk);
       if (chunk.tree_parents.empty()) {  // causal: positions [0, start + j]
         for (int64_t t = 0; t <= chunk.start_position + int64_t(j); ++t) slots.push_back(t);
       } else {
@@ -159,39 +180,59 @@ void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, 
         for (int64_t a = int64_t(j); a >= 0; a = chunk.tree_parents[size_t(a)]) ancestors.push_back(a);
         for (auto a = ancestors.rbegin(); a != ancestors.rend(); ++a) slots.push_back(chunk.start_position + *a);
       }
-      const int64_t context = int64_t(slots.size());
-      scores.resize(size_t(context));
-      for (int64_t h = 0; h < nh; ++h) {
-        const int64_t g = h / group;
-        const float* q = qkv + row * qkv_stride + h * hd;
-        float max_score = -INFINITY;
-        for (int64_t i = 0; i < context; ++i) {
-          const int64_t t = slots[size_t(i)];
-          const float* k = kpool + cache.Offset(chunk.block_table[t / bs], g, t % bs);
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < hd; ++d) dot += q[d] * k[d];
-          scores[i] = dot * scale;
-          max_score = std::max(max_score, scores[i]);
-        }
-        float denom = 0.0f;
-        for (int64_t i = 0; i < context; ++i) {
-          scores[i] = std::exp(scores[i] - max_score);
-          denom += scores[i];
-        }
-        float* o = out + row * nh * hd + h * hd;
-        std::fill_n(o, hd, 0.0f);
-        const float inv_denom = 1.0f / denom;
-        for (int64_t i = 0; i < context; ++i) {
-          const int64_t t = slots[size_t(i)];
-          const float* v = vpool + cache.Offset(chunk.block_table[t / bs], g, t % bs);
-          const float p = scores[i] * inv_denom;
-#pragma omp simd
-          for (int64_t d = 0; d < hd; ++d) o[d] += p * v[d];
-        }
-      }
+      total_context += int64_t(slots.size());
     }
   }
+
+  // Every (row, head) is independent and one thread's work: the same sums in the same order
+  // however the pairs are split.
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  auto attend = [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / nh, h = item % nh, g = h / group;
+      const std::vector<int64_t>& slots = row_slots[size_t(row)];
+      const absl::Span<const int32_t> block_table = row_chunk[size_t(row)]->block_table;
+      const int64_t context = int64_t(slots.size());
+      scores.resize(size_t(context));
+      const float* q = qkv + row * qkv_stride + h * hd;
+      float max_score = -INFINITY;
+      for (int64_t i = 0; i < context; ++i) {
+        const int64_t t = slots[size_t(i)];
+        const float* k = kpool + cache.Offset(block_table[t / bs], g, t % bs);
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < hd; ++d) dot += q[d] * k[d];
+        scores[i] = dot * scale;
+        max_score = std::max(max_score, scores[i]);
+      }
+      float denom = 0.0f;
+      for (int64_t i = 0; i < context; ++i) {
+        scores[i] = std::exp(scores[i] - max_score);
+        denom += scores[i];
+      }
+      float* o = out + row * nh * hd + h * hd;
+      std::fill_n(o, hd, 0.0f);
+      const float inv_denom = 1.0f / denom;
+      for (int64_t i = 0; i < context; ++i) {
+        const int64_t t = slots[size_t(i)];
+        const float* v = vpool + cache.Offset(block_table[t / bs], g, t % bs);
+        const float p = scores[i] * inv_denom;
+#pragma omp simd
+        for (int64_t d = 0; d < hd; ++d) o[d] += p * v[d];
+      }
+    }
+  };
+  const int64_t items = int64_t(row_slots.size()) * nh;
+  // Below this many multiply-adds the workers' wake-up costs more than they save.
+  constexpr int64_t kMinParallelWork = int64_t(1) << 16;
+  ParallelFor& pool = ParallelFor::Shared();
+  if (total_context * nh * hd < kMinParallelWork || pool.num_threads() == 1) {
+    attend(0, items);
+    return;
+  }
+  const int64_t parts = pool.num_threads();
+  pool.Run([&](int part) { attend(items * part / parts, items * (part + 1) / parts); });
 }
 
 std::unique_ptr<KvCache> LlamaCpu::CreateKvCache(int64_t num_blocks, int64_t block_size) {

@@ -58,8 +58,21 @@ double StepCostModel::BucketSeconds(const Bucket& b) const {
   return b.has_observed ? b.observed : b.measured * std::exp(log_real_over_measured_);
 }
 
+std::optional<double> StepCostModel::FromRealSteps(int64_t num_tokens) const {
+  auto hi = observed_.lower_bound(num_tokens);
+  if (hi == observed_.end()) return std::nullopt;
+  if (hi->first == num_tokens) return hi->second;
+  if (hi == observed_.begin()) return std::nullopt;
+  auto lo = std::prev(hi);
+  // Real steps on both sides, near enough that the cost between them is about linear.
+  if (hi->first > 2 * lo->first + 2) return std::nullopt;
+  const double f = double(num_tokens - lo->first) / double(hi->first - lo->first);
+  return (1 - f) * lo->second + f * hi->second;
+}
+
 double StepCostModel::Seconds(int64_t num_tokens) const {
   num_tokens = std::max<int64_t>(num_tokens, 1);
+  if (std::optional<double> real = FromRealSteps(num_tokens)) return *real;
   // Nothing known: a second per token (no plan pays for that).
   if (buckets_.empty()) return double(num_tokens);
   auto hi = buckets_.lower_bound(num_tokens);
@@ -72,13 +85,7 @@ double StepCostModel::Seconds(int64_t num_tokens) const {
 }
 
 bool StepCostModel::Observed(int64_t num_tokens) const {
-  num_tokens = std::max<int64_t>(num_tokens, 1);
-  const int64_t hi = BucketAtOrAbove(num_tokens), lo = hi == num_tokens ? hi : BucketBelow(num_tokens);
-  for (int64_t bucket : {lo, hi}) {
-    auto it = buckets_.find(bucket);
-    if (it == buckets_.end() || !it->second.has_observed) return false;
-  }
-  return true;
+  return FromRealSteps(std::max<int64_t>(num_tokens, 1)).has_value();
 }
 
 void StepCostModel::MeasureUpTo(int64_t max_tokens, double budget_seconds) {
@@ -139,6 +146,7 @@ void StepCostModel::Observe(int64_t num_tokens, double seconds) {
     } else {
       b.observed *= std::exp(kWeight * share * (std::log(real) - std::log(b.observed)));
     }
+    observed_[bucket] = b.observed;
   }
 }
 

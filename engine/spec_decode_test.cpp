@@ -228,6 +228,20 @@ TEST(StepCostModelTest, RealStepsTeachSizesNeverMeasured) {
   EXPECT_LT(model.Seconds(20), 2.0);
 }
 
+TEST(StepCostModelTest, SizesBetweenRealStepsFollowThem) {
+  // The scratch table says verification is dear (2 + T); real steps of 4 and 9 tokens cost 1 and
+  // 2. Sizes between them follow the real steps, not the table; sizes far from any do not.
+  StepCostModel model([](int64_t t) -> std::optional<double> { return 2.0 + double(t); });
+  model.MeasureUpTo(64, 10.0);
+  for (int i = 0; i < 20; ++i) {
+    model.Observe(4, 1.0);
+    model.Observe(9, 2.0);
+  }
+  EXPECT_TRUE(model.Observed(6));
+  EXPECT_NEAR(model.Seconds(6), 1.4, 1e-9);
+  EXPECT_FALSE(model.Observed(30));
+}
+
 // ---- Tree attention in the CPU executor ---------------------------------------------------
 
 // Each tree token's logits equal those of the same path run as a plain sequence.
