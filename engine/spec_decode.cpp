@@ -54,38 +54,52 @@ int64_t StepCostModel::BucketBelow(int64_t num_tokens) {
   return b;
 }
 
-double StepCostModel::BucketSeconds(const Bucket& b) const {
-  return b.has_observed ? b.observed : b.measured * std::exp(log_real_over_measured_);
-}
-
-std::optional<double> StepCostModel::FromRealSteps(int64_t num_tokens) const {
-  auto hi = observed_.lower_bound(num_tokens);
-  if (hi == observed_.end()) return std::nullopt;
-  if (hi->first == num_tokens) return hi->second;
-  if (hi == observed_.begin()) return std::nullopt;
-  auto lo = std::prev(hi);
-  // Real steps on both sides, near enough that the cost between them is about linear.
-  if (hi->first > 2 * lo->first + 2) return std::nullopt;
-  const double f = double(num_tokens - lo->first) / double(hi->first - lo->first);
-  return (1 - f) * lo->second + f * hi->second;
+double StepCostModel::BucketSeconds(int64_t bucket, const Bucket& b) const {
+  if (b.has_observed) return b.observed;
+  // The scratch table gives the shape; real steps give the scale: the ratio of real to measured
+  // of the nearest observed buckets around this one (interpolated in log space), else the
+  // running ratio of all real steps.
+  double log_ratio = log_real_over_measured_;
+  auto hi = observed_.lower_bound(bucket);
+  const bool has_hi = hi != observed_.end(), has_lo = hi != observed_.begin();
+  auto log_ratio_at = [this](std::map<int64_t, double>::const_iterator it) {
+    return std::log(it->second / buckets_.at(it->first).measured);
+  };
+  if (has_lo && has_hi) {
+    auto lo = std::prev(hi);
+    const double f = double(bucket - lo->first) / double(hi->first - lo->first);
+    log_ratio = (1 - f) * log_ratio_at(lo) + f * log_ratio_at(hi);
+  } else if (has_lo) {
+    log_ratio = log_ratio_at(std::prev(hi));
+  } else if (has_hi) {
+    log_ratio = log_ratio_at(hi);
+  }
+  return b.measured * std::exp(log_ratio);
 }
 
 double StepCostModel::Seconds(int64_t num_tokens) const {
   num_tokens = std::max<int64_t>(num_tokens, 1);
-  if (std::optional<double> real = FromRealSteps(num_tokens)) return *real;
   // Nothing known: a second per token (no plan pays for that).
   if (buckets_.empty()) return double(num_tokens);
   auto hi = buckets_.lower_bound(num_tokens);
-  if (hi != buckets_.end() && (hi->first == num_tokens || hi == buckets_.begin())) return BucketSeconds(hi->second);
+  if (hi != buckets_.end() && (hi->first == num_tokens || hi == buckets_.begin())) {
+    return BucketSeconds(hi->first, hi->second);
+  }
   auto lo = std::prev(hi);
-  const double lo_seconds = BucketSeconds(lo->second);
+  const double lo_seconds = BucketSeconds(lo->first, lo->second);
   if (hi == buckets_.end()) return lo_seconds * double(num_tokens) / double(lo->first);
   const double f = double(num_tokens - lo->first) / double(hi->first - lo->first);
-  return (1 - f) * lo_seconds + f * BucketSeconds(hi->second);
+  return (1 - f) * lo_seconds + f * BucketSeconds(hi->first, hi->second);
 }
 
 bool StepCostModel::Observed(int64_t num_tokens) const {
-  return FromRealSteps(std::max<int64_t>(num_tokens, 1)).has_value();
+  num_tokens = std::max<int64_t>(num_tokens, 1);
+  const int64_t hi = BucketAtOrAbove(num_tokens), lo = hi == num_tokens ? hi : BucketBelow(num_tokens);
+  for (int64_t bucket : {lo, hi}) {
+    auto it = buckets_.find(bucket);
+    if (it == buckets_.end() || !it->second.has_observed) return false;
+  }
+  return true;
 }
 
 void StepCostModel::MeasureUpTo(int64_t max_tokens, double budget_seconds) {
@@ -146,7 +160,7 @@ void StepCostModel::Observe(int64_t num_tokens, double seconds) {
     } else {
       b.observed *= std::exp(kWeight * share * (std::log(real) - std::log(b.observed)));
     }
-    observed_[bucket] = b.observed;
+    if (b.measured > 0) observed_[bucket] = b.observed;
   }
 }
 

@@ -64,10 +64,11 @@ std::vector<int32_t> VerifyDraftTree(absl::Span<const int32_t> tokens, absl::Spa
 // about 1/8). Buckets are measured up front (MeasureUpTo: a scratch forward of one-token chunks,
 // best of three; never while serving, where a measurement would stall the whole batch) and then
 // follow the real steps: a real step of T tokens moves the buckets around T towards what it
-// took (a running geometric mean). Between buckets real steps have reached (near each other) the
-// cost is interpolated from them; elsewhere measured buckets are scaled by how far real steps
-// have been from their measurements so far (context length, cache state and the machine's load
-// are in the real steps; the scratch measurement has none of them) and interpolated; past the largest it grows in proportion to T, which
+// took (a running geometric mean). A measured bucket no real step has reached yet is scaled by
+// how far real steps were from their measurements at the nearest buckets they reached (context
+// length, cache state and the machine's load are in the real steps; the scratch measurement has
+// none of them): the table gives the shape, real steps the scale. Between buckets the cost is
+// interpolated; past the largest it grows in proportion to T, which
 // errs high (a step's cost per token falls as T grows).
 class StepCostModel {
  public:
@@ -77,7 +78,7 @@ class StepCostModel {
   explicit StepCostModel(Measure measure) : measure_(std::move(measure)) {}
 
   double Seconds(int64_t num_tokens) const;
-  // Whether Seconds comes from real steps: of this size, or of sizes near it on both sides.
+  // Whether real steps of about `num_tokens` tokens were seen (Seconds is then their own cost).
   bool Observed(int64_t num_tokens) const;
   void Observe(int64_t num_tokens, double seconds);
   // Measures the buckets up to `max_tokens`, smallest first, until `budget_seconds` are spent
@@ -92,14 +93,11 @@ class StepCostModel {
   };
   static int64_t BucketAtOrAbove(int64_t num_tokens);
   static int64_t BucketBelow(int64_t num_tokens);
-  double BucketSeconds(const Bucket& b) const;
-  // From the buckets real steps have reached: the bucket at T, or between the nearest ones
-  // around T when they are close; nullopt otherwise.
-  std::optional<double> FromRealSteps(int64_t num_tokens) const;
+  double BucketSeconds(int64_t bucket, const Bucket& b) const;
 
   Measure measure_;
   std::map<int64_t, Bucket> buckets_;
-  std::map<int64_t, double> observed_;  // the buckets real steps reached: bucket -> observed
+  std::map<int64_t, double> observed_;  // measured buckets real steps reached: bucket -> observed
   double log_real_over_measured_ = 0;  // running mean of log(real step / scratch measurement)
 };
 

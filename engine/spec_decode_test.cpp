@@ -228,18 +228,20 @@ TEST(StepCostModelTest, RealStepsTeachSizesNeverMeasured) {
   EXPECT_LT(model.Seconds(20), 2.0);
 }
 
-TEST(StepCostModelTest, SizesBetweenRealStepsFollowThem) {
-  // The scratch table says verification is dear (2 + T); real steps of 4 and 9 tokens cost 1 and
-  // 2. Sizes between them follow the real steps, not the table; sizes far from any do not.
+TEST(StepCostModelTest, SizesNoRealStepReachedTakeTheScaleOfTheNearestThatDid) {
+  // The scratch table says 2 + T; real steps of 4 and 9 tokens cost a sixth and 2/11 of that.
+  // Sizes between them keep the table's shape at the real steps' scale (log-interpolated).
   StepCostModel model([](int64_t t) -> std::optional<double> { return 2.0 + double(t); });
   model.MeasureUpTo(64, 10.0);
   for (int i = 0; i < 20; ++i) {
     model.Observe(4, 1.0);
     model.Observe(9, 2.0);
   }
-  EXPECT_TRUE(model.Observed(6));
-  EXPECT_NEAR(model.Seconds(6), 1.4, 1e-9);
-  EXPECT_FALSE(model.Observed(30));
+  EXPECT_FALSE(model.Observed(6));
+  const double ratio6 = std::exp(0.6 * std::log(1.0 / 6.0) + 0.4 * std::log(2.0 / 11.0));
+  EXPECT_NEAR(model.Seconds(6), 8.0 * ratio6, 1e-9);
+  EXPECT_NEAR(model.Seconds(33), 35.0 * 2.0 / 11.0, 1e-9);  // above: the nearest below's scale
+  EXPECT_NEAR(model.Seconds(2), 4.0 / 6.0, 1e-9);           // below: the nearest above's
 }
 
 // ---- Tree attention in the CPU executor ---------------------------------------------------
