@@ -34,9 +34,9 @@ struct SpeculationState {
   // Decayed counts behind the acceptance estimate: accepted draft tokens, and those plus misses.
   double accepted = 0.0;
   double trials = 0.0;
-  // Optimistic without evidence (0.8), so a new request's drafts get tried; a few verified
-  // drafts outweigh it.
-  double acceptance() const { return (accepted + 0.8) / (trials + 1.0); }
+  // `prior`: the engine's recent acceptance for this mode (optimistic while it has none), worth
+  // one trial, so a few verified drafts of the request's own outweigh it.
+  double acceptance(double prior) const { return (accepted + prior) / (trials + 1.0); }
 };
 
 struct Request {

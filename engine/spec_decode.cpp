@@ -419,6 +419,12 @@ absl::StatusOr<SpeculationMode> SpeculativeDecoder::Resolve(std::optional<Specul
   return mode;
 }
 
+double SpeculativeDecoder::AcceptancePrior(SpeculationMode mode) const {
+  // Optimistic (0.8) while the engine has no outcomes of the mode, so its first drafts get tried.
+  const AcceptanceCounts& c = mode_acceptance_[size_t(mode)];
+  return (c.accepted + 0.8) / (c.trials + 1.0);
+}
+
 bool SpeculativeDecoder::IndexQueuedOutputs(int64_t max_tokens) { return lookahead_.IndexQueued(max_tokens); }
 
 void SpeculativeDecoder::OnFinished(Request& r) {
@@ -438,7 +444,7 @@ bool SpeculativeDecoder::DraftsCanPay(absl::Span<Request* const> decoding) {
   // real plan does.
   std::vector<double> acceptance;
   for (const Request* r : decoding) {
-    if (r->spec.mode != SpeculationMode::kNone) acceptance.push_back(r->spec.acceptance());
+    if (r->spec.mode != SpeculationMode::kNone) acceptance.push_back(r->spec.acceptance(AcceptancePrior(r->spec.mode)));
   }
   std::sort(acceptance.begin(), acceptance.end(), std::greater<double>());
   const int64_t n = int64_t(decoding.size()), speculating = int64_t(acceptance.size());
@@ -524,7 +530,7 @@ bool SpeculativeDecoder::PlanRequests(absl::Span<Request* const> decoding, int64
       cap = s.tree.size();
     }
     if (s.mode == SpeculationMode::kNone) cap = 0;
-    BudgetRequest& b = budget.emplace_back(BudgetRequest{s.mode, s.acceptance(), cap, {}});
+    BudgetRequest& b = budget.emplace_back(BudgetRequest{s.mode, s.acceptance(AcceptancePrior(s.mode)), cap, {}});
     if (s.mode == SpeculationMode::kLookahead) {
       std::vector<int32_t> depth(static_cast<size_t>(cap));
       for (int32_t j = 0; j < cap; ++j) {
@@ -618,21 +624,28 @@ void SpeculativeDecoder::OnVerified(Request& r, int32_t tree_size, absl::Span<co
   constexpr double kDecay = 0.9;  // about the last ten steps
   s.accepted *= kDecay;
   s.trials *= kDecay;
+  // The mode's engine-wide counts (about the last hundred outcomes): a new request's prior.
+  constexpr double kModeDecay = 0.99;
+  AcceptanceCounts& mode = mode_acceptance_[size_t(s.mode)];
+  auto count = [&](double accepted, double trials) {
+    s.accepted += accepted;
+    s.trials += trials;
+    mode.accepted = kModeDecay * mode.accepted + accepted;
+    mode.trials = kModeDecay * mode.trials + trials;
+  };
   if (tree_size == 0) {
     // Lookahead guessed without drafting (budget 0): whether its first guess would have been
     // accepted keeps the estimate honest for free. Other modes drift back to the prior, so
     // they are tried again now and then.
     if (s.mode == SpeculationMode::kLookahead && !s.tree.empty() && !accepted_depths.empty()) {
-      s.accepted += 1;
-      s.trials += 1;
+      count(1, 1);
     } else if (s.mode == SpeculationMode::kLookahead && !s.tree.empty() && missed) {
-      s.trials += 1;
+      count(0, 1);
     }
     return;
   }
   const int32_t accepted = int32_t(accepted_depths.size());
-  s.accepted += accepted;
-  s.trials += accepted + (missed ? 1 : 0);
+  count(accepted, accepted + (missed ? 1 : 0));
   ++stats_.num_drafts;
   stats_.num_draft_tokens += tree_size;
   stats_.num_accepted_tokens += accepted;

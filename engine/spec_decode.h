@@ -12,6 +12,7 @@
 // LlmEngine drives these; this file holds the policy, drafting and bookkeeping.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -189,6 +190,8 @@ class SpeculativeDecoder {
   // A verification step's cost as plans see it: dearer while no real step of its size was seen
   // (scratch forwards miss the real contexts, and a plan that guesses wrong costs the batch).
   double VerifySeconds(int64_t num_tokens) const;
+  // A new request's acceptance estimate in `mode`: the engine's recent outcomes of the mode.
+  double AcceptancePrior(SpeculationMode mode) const;
   // Whether any draft could pay in a step of these decoding requests.
   bool DraftsCanPay(absl::Span<Request* const> decoding);
 
@@ -204,6 +207,11 @@ class SpeculativeDecoder {
   std::optional<StepCostModel> draft_cost_;
   std::optional<StepCostModel> self_cost_;
   SpecDecodeStats stats_;
+  struct AcceptanceCounts {
+    double accepted = 0;  // decayed accepted draft tokens
+    double trials = 0;    // decayed accepted tokens plus misses
+  };
+  std::array<AcceptanceCounts, 4> mode_acceptance_;  // by SpeculationMode
   static constexpr int64_t kIndexedPerStep = 64;  // finished outputs' tokens indexed per step, at least
   // After a step where nothing could pay: steps of the same batch size that skip planning.
   static constexpr int kRecheckEvery = 16;
