@@ -86,19 +86,9 @@ bool CpuHasAvx2Fma() {
 
 #endif  // __x86_64__
 
-}  // namespace
-
-namespace {
-
-// Output columns [begin, end) of y[rows, n].
-void BatchedGemvColumns(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k, int64_t begin,
-                        int64_t end) {
-#if defined(__x86_64__)
-  if (CpuHasAvx2Fma()) {
-    BatchedGemvAvx2<4, 3>(x, w + begin * k, y + begin, rows, end - begin, k, n);
-    return;
-  }
-#endif
+// Output columns [begin, end) of y[rows, n], portable code.
+void PortableColumns(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k, int64_t begin,
+                     int64_t end) {
   for (int64_t j = begin; j < end; ++j) {
     const float* wr = w + j * k;
     for (int64_t r = 0; r < rows; ++r) {
@@ -110,18 +100,22 @@ void BatchedGemvColumns(const float* x, const float* w, float* y, int64_t rows, 
   }
 }
 
+// Output columns [begin, end) of y[rows, n].
+void BatchedGemvColumns(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k, int64_t begin,
+                        int64_t end) {
+#if defined(__x86_64__)
+  if (CpuHasAvx2Fma()) {
+    BatchedGemvAvx2<4, 3>(x, w + begin * k, y + begin, rows, end - begin, k, n);
+    return;
+  }
+#endif
+  PortableColumns(x, w, y, rows, n, k, begin, end);
+}
+
 }  // namespace
 
 void BatchedGemvPortable(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k) {
-  for (int64_t j = 0; j < n; ++j) {
-    const float* wr = w + j * k;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* xr = x + r * k;
-      float sum = 0.0f;
-      for (int64_t c = 0; c < k; ++c) sum += wr[c] * xr[c];
-      y[r * n + j] = sum;
-    }
-  }
+  PortableColumns(x, w, y, rows, n, k, 0, n);
 }
 
 bool BatchedGemvUsesAvx2() {
