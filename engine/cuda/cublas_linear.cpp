@@ -21,6 +21,7 @@ void CheckCublas(cublasStatus_t status, const char* what) {
 void Gemm(cublasHandle_t handle, const __nv_bfloat16* x, const __nv_bfloat16* weight, void* y,
           cudaDataType_t y_type, int rows, int in, int out) {
   if (rows == 0) return;
+  rows = int(CublasRowCapacity(rows));  // the padding rows compute garbage nobody reads
   const float alpha = 1.0f, beta = 0.0f;
   // Column-major view: y^T[out, rows] = W^T^T ... i.e. op(A) = W (stored [in, out] col-major, so
   // transposed), op(B) = x^T (stored [in, rows] col-major, as is).

@@ -14,6 +14,16 @@
 
 namespace duet::cuda {
 
+// cuBLAS sees row counts above the skinny-GEMM range rounded up to a multiple of this. It picks
+// its algorithm per shape, and the lookup for a shape it has not seen costs up to a millisecond
+// per projection: a step of a token count first met paid 5-25 ms (speculation and mixed prefill
+// steps meet many counts). Rounded, a server meets a few hundred shapes. Callers' x and y must
+// have room for the rounded rows; what lands there is ignored.
+inline constexpr int kCublasRowQuantum = 64;
+inline int64_t CublasRowCapacity(int64_t rows) {
+  return (rows + kCublasRowQuantum - 1) / kCublasRowQuantum * kCublasRowQuantum;
+}
+
 class CublasLinear {
  public:
   // `workspace` (device memory, may be shared by nothing else running concurrently) lets cuBLAS

@@ -282,9 +282,10 @@ absl::Status LlamaCuda::LoadWeights(const WeightStore& weights) {
 
 absl::Status LlamaCuda::AllocateActivations() {
   const ModelConfig& c = config_;
-  const int64_t t = options_.max_num_batched_tokens;
   max_logit_rows_ = std::max(options_.max_num_seqs, std::min(options_.max_logit_rows, options_.max_num_batched_tokens));
-  const int64_t r = max_logit_rows_;
+  // Rows of the buffers cuBLAS reads and writes: room for its rounded row counts.
+  const int64_t t = cuda::CublasRowCapacity(options_.max_num_batched_tokens);
+  const int64_t r = cuda::CublasRowCapacity(max_logit_rows_);
   const int64_t qkv_width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
   const int64_t q_width = c.num_heads * c.head_dim;
   struct Want {
