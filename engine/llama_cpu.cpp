@@ -163,24 +163,31 @@ void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, 
     }
   }
 
-  // The slots each row attends to, in position order.
-  std::vector<std::vector<int64_t>> row_slots;
-  std::vector<const SequenceChunk*> row_chunk;
-  std::vector<int64_t> ancestors;  // tree rows: the path from the token up to the root
+  // What each row attends to, in position order: slots [0, direct), then `tree_tail` (a tree
+  // token's ancestors after the context, itself last). Causal rows are all direct.
+  struct RowContext {
+    absl::Span<const int32_t> block_table;
+    int64_t direct = 0;
+    std::vector<int64_t> tree_tail;
+    int64_t size() const { return direct + int64_t(tree_tail.size()); }
+    int64_t Slot(int64_t i) const { return i < direct ? i : tree_tail[size_t(i - direct)]; }
+  };
+  std::vector<RowContext> rows;
   int64_t total_context = 0;
   for (const SequenceChunk& chunk : chunks) {
     for (size_t j = 0; j < chunk.tokens.size(); ++j) {
-      std::vector<int64_t>& slots = row_slots.emplace_back();
-      row_chunk.push_back(&chunk);
+      RowContext& r = rows.emplace_back();
+      r.block_table = chunk.block_table;
       if (chunk.tree_parents.empty()) {  // causal: positions [0, start + j]
-        for (int64_t t = 0; t <= chunk.start_position + int64_t(j); ++t) slots.push_back(t);
+        r.direct = chunk.start_position + int64_t(j) + 1;
       } else {
-        for (int64_t t = 0; t < chunk.start_position; ++t) slots.push_back(t);
-        ancestors.clear();
-        for (int64_t a = int64_t(j); a >= 0; a = chunk.tree_parents[size_t(a)]) ancestors.push_back(a);
-        for (auto a = ancestors.rbegin(); a != ancestors.rend(); ++a) slots.push_back(chunk.start_position + *a);
+        r.direct = chunk.start_position;
+        for (int64_t a = int64_t(j); a >= 0; a = chunk.tree_parents[size_t(a)]) {
+          r.tree_tail.push_back(chunk.start_position + a);
+        }
+        std::reverse(r.tree_tail.begin(), r.tree_tail.end());
       }
-      total_context += int64_t(slots.size());
+      total_context += r.size();
     }
   }
 
@@ -191,14 +198,14 @@ void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, 
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / nh, h = item % nh, g = h / group;
-      const std::vector<int64_t>& slots = row_slots[size_t(row)];
-      const absl::Span<const int32_t> block_table = row_chunk[size_t(row)]->block_table;
-      const int64_t context = int64_t(slots.size());
+      const RowContext& r = rows[size_t(row)];
+      const absl::Span<const int32_t> block_table = r.block_table;
+      const int64_t context = r.size();
       scores.resize(size_t(context));
       const float* q = qkv + row * qkv_stride + h * hd;
       float max_score = -INFINITY;
       for (int64_t i = 0; i < context; ++i) {
-        const int64_t t = slots[size_t(i)];
+        const int64_t t = r.Slot(i);
         const float* k = kpool + cache.Offset(block_table[t / bs], g, t % bs);
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -215,7 +222,7 @@ void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, 
       std::fill_n(o, hd, 0.0f);
       const float inv_denom = 1.0f / denom;
       for (int64_t i = 0; i < context; ++i) {
-        const int64_t t = slots[size_t(i)];
+        const int64_t t = r.Slot(i);
         const float* v = vpool + cache.Offset(block_table[t / bs], g, t % bs);
         const float p = scores[i] * inv_denom;
 #pragma omp simd
@@ -223,7 +230,7 @@ void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, 
       }
     }
   };
-  const int64_t items = int64_t(row_slots.size()) * nh;
+  const int64_t items = int64_t(rows.size()) * nh;
   // Below this many multiply-adds the workers' wake-up costs more than they save.
   constexpr int64_t kMinParallelWork = int64_t(1) << 16;
   ParallelFor& pool = ParallelFor::Shared();
