@@ -43,7 +43,7 @@ void HttpFrontend::Stop(int grace_ms) {
   if (api_ != nullptr && grace_ms > 0) api_->WaitIdle(std::chrono::milliseconds(grace_ms));
   if (server_ != nullptr) server_->Stop();  // cancels the calls of connections still open
   if (api_ != nullptr && !api_->WaitIdle(std::chrono::seconds(10))) {
-    std::fprintf(stderr, "router: warning: %d HTTP calls still in flight at shutdown\n", api_->num_active_calls());
+    std::fprintf(stderr, "router: warning: %d HTTP requests still in flight at shutdown\n", api_->num_active_jobs());
   }
   api_.reset();
   server_.reset();

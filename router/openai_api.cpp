@@ -30,7 +30,8 @@ void SendJson(HttpResponder& responder, const Json& json) {
 class Job : public std::enable_shared_from_this<Job> {
  public:
   Job(OpenAiApi* api, openai::ParsedRequest request, std::shared_ptr<HttpResponder> responder)
-      : api_(api),
+      : live_(api),
+        api_(api),
         request_(std::move(request)),
         responder_(std::move(responder)),
         id_(openai::NewId(request_.chat ? "chatcmpl-" : "cmpl-")) {}
@@ -57,12 +58,25 @@ class Job : public std::enable_shared_from_this<Job> {
     size_t text_offset = 0;  // completions logprobs
   };
   void Finish();  // under mu_
+
+  // Counts the job as alive for OpenAiApi::WaitIdle (declared first: destroyed last, after the
+  // client contexts). The last job may end on a gRPC callback thread; if a context there held the
+  // channel's last reference, the channel's release would join that very thread.
+  class Live {
+   public:
+    explicit Live(OpenAiApi* api) : api_(api) { api_->JobCreated(); }
+    ~Live() { api_->JobDestroyed(); }
+
+   private:
+    OpenAiApi* const api_;
+  };
   void StartStreamLocked() {
     if (stream_started_) return;
     stream_started_ = true;
     responder_->StartStream(200, "text/event-stream; charset=utf-8");
   }
 
+  Live live_;
   OpenAiApi* const api_;
   const openai::ParsedRequest request_;
   const std::shared_ptr<HttpResponder> responder_;
@@ -148,10 +162,7 @@ void Job::Start() {
   responder_->SetCancelHandler([weak] {
     if (auto job = weak.lock()) job->Cancel();
   });
-  for (auto& [reactor, context] : calls) {
-    api_->CallStarted();
-    reactor->Start(api_->stub(), context);
-  }
+  for (auto& [reactor, context] : calls) reactor->Start(api_->stub(), context);
 }
 
 void Job::OnMessage(int index, const v1::GenerateResponse& message) {
@@ -232,7 +243,6 @@ void Job::OnDone(int index, const grpc::Status& status) {
     if (--remaining_ == 0) Finish();
   }
   for (grpc::ClientContext* c : to_cancel) c->TryCancel();
-  api_->CallDone();
 }
 
 void Job::Finish() {
@@ -287,16 +297,15 @@ OpenAiApi::OpenAiApi(OpenAiApiOptions options, const Tokenizer* tokenizer, const
 
 OpenAiApi::~OpenAiApi() { WaitIdle(std::chrono::seconds(5)); }
 
-void OpenAiApi::CallDone() {
-  if (active_calls_.fetch_sub(1) == 1) {
-    std::lock_guard<std::mutex> lock(idle_mu_);
-    idle_cv_.notify_all();
-  }
+void OpenAiApi::JobDestroyed() {
+  // Under the lock: WaitIdle cannot see zero (and the API be destroyed) before this has notified.
+  std::lock_guard<std::mutex> lock(idle_mu_);
+  if (active_jobs_.fetch_sub(1) == 1) idle_cv_.notify_all();
 }
 
 bool OpenAiApi::WaitIdle(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(idle_mu_);
-  return idle_cv_.wait_for(lock, timeout, [this] { return active_calls_.load() == 0; });
+  return idle_cv_.wait_for(lock, timeout, [this] { return active_jobs_.load() == 0; });
 }
 
 void OpenAiApi::Handle(HttpRequest request, std::shared_ptr<HttpResponder> responder) {

@@ -41,13 +41,14 @@ class OpenAiApi {
   // The HttpHandler.
   void Handle(HttpRequest request, std::shared_ptr<HttpResponder> responder);
 
-  int num_active_calls() const { return active_calls_.load(); }
-  // Waits until no gRPC call is in flight (after the HTTP server and the gRPC server stopped).
+  int num_active_jobs() const { return active_jobs_.load(); }
+  // Waits until no generation job is left: their gRPC calls have ended and their client contexts
+  // (each holds a reference to the channel) are destroyed, so the channel can go.
   bool WaitIdle(std::chrono::milliseconds timeout);
 
-  // For the generation jobs.
-  void CallStarted() { active_calls_.fetch_add(1); }
-  void CallDone();
+  // For the generation jobs: from a job's construction to the end of its destruction.
+  void JobCreated() { active_jobs_.fetch_add(1); }
+  void JobDestroyed();
   const OpenAiApiOptions& options() const { return options_; }
   const Tokenizer* tokenizer() const { return tokenizer_; }
   v1::Duet::Stub* stub() { return stub_.get(); }
@@ -61,7 +62,7 @@ class OpenAiApi {
   openai::ProtocolContext context_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Duet::Stub> stub_;
-  std::atomic<int> active_calls_{0};
+  std::atomic<int> active_jobs_{0};
   std::mutex idle_mu_;
   std::condition_variable idle_cv_;
 };

@@ -125,6 +125,11 @@ bool Parse(grpc::ByteBuffer* bytes, Message* message) {
 
 // Calls a worker's unary `method`. `done` gets the call's status and, when it is OK, the reply
 // (nullptr when the reply is not a valid Response).
+//
+// A completion callback drops its client context before what keeps the service alive: a context
+// holds a reference to its channel, and if the service's teardown went first, the context would
+// release the channel's last reference on a gRPC callback thread, whose shutdown joins that very
+// thread (gRPC 1.51 then runs on a freed completion queue and aborts).
 template <typename Response, typename Request>
 void CallWorker(const Worker& worker, const std::string& method, std::shared_ptr<grpc::ClientContext> context,
                 Request request, std::function<void(const grpc::Status&, const Response*)> done) {
@@ -136,10 +141,11 @@ void CallWorker(const Worker& worker, const std::string& method, std::shared_ptr
   auto pending = std::make_shared<Pending>(Pending{std::move(context), std::move(request), {}});
   grpc::TemplatedGenericStub<Request, grpc::ByteBuffer> stub(worker.channel());
   stub.UnaryCall(pending->context.get(), method, grpc::StubOptions(), &pending->request, &pending->reply,
-                 [pending, done = std::move(done)](grpc::Status status) {
+                 [pending, done = std::move(done)](grpc::Status status) mutable {
                    Response response;
                    const bool parsed = status.ok() && Parse(&pending->reply, &response);
                    done(status, parsed ? &response : nullptr);
+                   pending.reset();  // the context before what `done` keeps alive
                  });
 }
 
@@ -738,8 +744,8 @@ void RouterService::GenerateCall::AbortOnWorker(Worker* worker) {
   auto pending = std::make_shared<Pending>();
   pending->context.set_deadline(absl::ToChronoTime(absl::Now() + service_->options_.abort_timeout));
   pending->request.set_request_id(prepared_.request_id);
-  // Holds the call (and so the service) until the worker has answered.
-  auto done = [pending, self = shared_from_this()](grpc::Status) {};
+  // Holds the call (and so the service) until the worker has answered; the context goes first.
+  auto done = [pending, self = shared_from_this()](grpc::Status) mutable { pending.reset(); };
   if (worker->prefill() != nullptr) {
     worker->prefill()->async()->Abort(&pending->context, &pending->request, &pending->response, std::move(done));
   } else {

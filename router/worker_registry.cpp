@@ -177,7 +177,8 @@ void WorkerRegistry::ConfirmDown(Worker* worker, std::string reason, std::functi
   };
   auto probe = std::make_shared<Probe>();
   probe->context.set_deadline(absl::ToChronoTime(absl::Now() + options_.poll_timeout));
-  auto on_answer = [this, worker, probe, reason = std::move(reason), done = std::move(done)](grpc::Status status) {
+  auto on_answer = [this, worker, probe, reason = std::move(reason),
+                    done = std::move(done)](grpc::Status status) mutable {
     if (status.ok()) {
       absl::MutexLock lock(&worker->mu_);
       worker->stats_ = probe->stats;
@@ -185,6 +186,7 @@ void WorkerRegistry::ConfirmDown(Worker* worker, std::string reason, std::functi
       SetUp(worker, false, absl::StrCat(reason, "; GetStats: ", status.error_message()));
     }
     if (done) done(!status.ok());
+    probe.reset();  // the context before what `done` keeps alive (see CallWorker in router_service.cpp)
   };
   if (worker->prefill() != nullptr) {
     worker->prefill()->async()->GetStats(&probe->context, &probe->request, &probe->stats, std::move(on_answer));
