@@ -24,9 +24,14 @@ __attribute__((target("avx2,fma"))) inline float HorizontalSum(__m256 v) {
 // apart): kW × kX dot products sharing each weight and activation load. Every dot product runs
 // 8 lanes over k in steps of 8, sums the lanes, then adds the tail in order: the same order
 // whatever kW and kX are.
+//
+// `prefetch` (may be null) is kW rows of k floats to bring towards L2 meanwhile: the next block of
+// weight rows, so its DRAM reads overlap this block's arithmetic (a block of few weight rows
+// and many activation rows is otherwise read, then computed on with the memory idle).
 template <int kW, int kX>
 __attribute__((target("avx2,fma"), always_inline)) inline void DotBlock(const float* x, const float* w, float* y,
-                                                                        int64_t n, int64_t k) {
+                                                                        int64_t n, int64_t k,
+                                                                        const float* prefetch) {
   // The fixed-trip loops must unroll (at -O2 too) so the accumulators live in registers.
   __m256 acc[kW][kX];
 #pragma GCC unroll 8
@@ -36,6 +41,10 @@ __attribute__((target("avx2,fma"), always_inline)) inline void DotBlock(const fl
   }
   const int64_t k8 = k & ~int64_t{7};
   for (int64_t c = 0; c < k8; c += 8) {
+    if (prefetch != nullptr && (c & 15) == 0) {  // one cache line of each row per 16 floats
+#pragma GCC unroll 8
+      for (int i = 0; i < kW; ++i) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * k + c), _MM_HINT_T1);
+    }
     __m256 xv[kX];
 #pragma GCC unroll 4
     for (int r = 0; r < kX; ++r) xv[r] = _mm256_loadu_ps(x + r * k + c);
@@ -64,18 +73,23 @@ __attribute__((target("avx2,fma"))) void BatchedGemvAvx2(const float* x, const f
   int64_t j = 0;
   for (; j + kW <= n; j += kW) {
     const float* wj = w + j * k;
+    // With several passes over this block (more activation rows than one pass takes), the next
+    // block's rows are fetched during the first pass; the later passes read this block from
+    // cache. A single pass streams like a GEMV, which the hardware prefetcher follows alone.
+    const float* next = rows > kX && j + 2 * kW <= n ? wj + kW * k : nullptr;
     int64_t r = 0;
-    for (; r + kX <= rows; r += kX) DotBlock<kW, kX>(x + r * k, wj, y + r * ldy + j, ldy, k);
+    for (; r + kX <= rows; r += kX, next = nullptr) DotBlock<kW, kX>(x + r * k, wj, y + r * ldy + j, ldy, k, next);
     if constexpr (kX > 2) {
       if (r + 2 <= rows) {
-        DotBlock<kW, 2>(x + r * k, wj, y + r * ldy + j, ldy, k);
+        DotBlock<kW, 2>(x + r * k, wj, y + r * ldy + j, ldy, k, next);
         r += 2;
+        next = nullptr;
       }
     }
-    if (r < rows) DotBlock<kW, 1>(x + r * k, wj, y + r * ldy + j, ldy, k);
+    if (r < rows) DotBlock<kW, 1>(x + r * k, wj, y + r * ldy + j, ldy, k, next);
   }
   for (; j < n; ++j) {  // fewer than kW weight rows left
-    for (int64_t r = 0; r < rows; ++r) DotBlock<1, 1>(x + r * k, w + j * k, y + r * ldy + j, ldy, k);
+    for (int64_t r = 0; r < rows; ++r) DotBlock<1, 1>(x + r * k, w + j * k, y + r * ldy + j, ldy, k, nullptr);
   }
 }
 
