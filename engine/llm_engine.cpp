@@ -316,7 +316,7 @@ void LlmEngine::PlanSpeculation() {
   }
   if (decoding.empty()) return;
   spec_->WarmUpCosts(config_.scheduler.max_num_seqs);  // once
-  spec_->Plan(decoding, config_.scheduler.max_model_len);
+  spec_->Plan(decoding, config_.scheduler.max_model_len, scheduler_.num_waiting() > 0);
 }
 
 void LlmEngine::VerifyDraft(Request& r, const std::vector<int32_t>& tokens, const std::vector<int32_t>& parents,

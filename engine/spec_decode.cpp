@@ -167,7 +167,8 @@ void StepCostModel::Observe(int64_t num_tokens, double seconds) {
 std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, int64_t base_tokens,
                                       int64_t base_samples, const CostFn& plain_cost, const CostFn& verify_cost,
                                       const CostFn& draft_cost,
-                                      const CostFn& self_cost, double min_gain, double overhead_seconds) {
+                                      const CostFn& self_cost, double min_gain, double overhead_seconds,
+                                      PlanObjective objective) {
   const size_t n = requests.size();
   std::vector<int32_t> k(n, 0);
   int32_t max_cap = 0;
@@ -204,6 +205,7 @@ std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, 
   double expected = double(base_samples);
   std::vector<int64_t> draft_rounds(size_t(max_cap), 0), self_rounds(size_t(max_cap), 0);  // requests per round
   std::vector<double> gains(n, 0.0);
+  double seconds_per_token_sum = double(n);  // sum_r 1 / (1 + gains[r]), times the step's seconds
   auto set = [&](size_t i, int32_t drafts) {
     std::vector<int64_t>* rounds = requests[i].mode == SpeculationMode::kDraft  ? &draft_rounds
                                    : requests[i].mode == SpeculationMode::kSelf ? &self_rounds
@@ -215,6 +217,7 @@ std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, 
     tokens += drafts - k[i];
     const double g = gain(i, drafts);
     expected += g - gains[i];
+    seconds_per_token_sum += 1.0 / (1.0 + g) - 1.0 / (1.0 + gains[i]);
     gains[i] = g;
     k[i] = drafts;
   };
@@ -231,9 +234,14 @@ std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, 
     }
     return seconds;
   };
-  auto throughput = [&]() { return expected / step_seconds(); };
+  // The plan's score (higher is better) with `extra` seconds added to the step.
+  auto score = [&](double extra = 0) {
+    const double seconds = step_seconds() + extra;
+    return objective == PlanObjective::kThroughput ? expected / seconds
+                                                   : double(n) / (seconds * seconds_per_token_sum);
+  };
 
-  const double without_drafts = throughput();
+  const double without_drafts = score();
   std::vector<size_t> order(n);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
@@ -247,7 +255,7 @@ std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, 
         double best = -1;
         for (int32_t c = 0; c <= requests[i].cap; ++c) {
           set(i, c);
-          const double t = throughput();
+          const double t = score();
           if (t > best * kPlanTie) {  // ties keep fewer drafts
             best = t;
             best_k = c;
@@ -258,7 +266,7 @@ std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, 
       }
       if (!changed) break;  // e.g. nobody's drafts pay: one pass decides
     }
-    return throughput();
+    return score();
   };
   // From no drafts, then from every request drafting all it may: when the first draft of a step
   // costs a jump (a verification step is dearer than a plain one, as on the GPU), no single
@@ -273,7 +281,7 @@ std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, 
   // Worth it only when it beats no drafts by the margin after paying the overhead too (which the
   // choice above leaves out: this step has paid it already).
   for (size_t i = 0; i < n; ++i) set(i, best_plan[i]);
-  if (expected / (step_seconds() + overhead_seconds) < min_gain * without_drafts) {
+  if (score(overhead_seconds) < min_gain * without_drafts) {
     std::fill(best_plan.begin(), best_plan.end(), 0);
   }
   return best_plan;
@@ -469,11 +477,12 @@ bool SpeculativeDecoder::DraftsCanPay(absl::Span<Request* const> decoding) {
   return false;
 }
 
-void SpeculativeDecoder::Plan(absl::Span<Request* const> decoding, int64_t max_model_len) {
+void SpeculativeDecoder::Plan(absl::Span<Request* const> decoding, int64_t max_model_len, bool requests_waiting) {
   // Planning (proposing trees, the budget search) is work that only speculation does: it stays
   // out of the steps' observed costs and is charged to plans with drafts instead, per request.
   const auto start = std::chrono::steady_clock::now();
-  const bool planned = PlanRequests(decoding, max_model_len);
+  const bool planned = PlanRequests(decoding, max_model_len,
+                                    requests_waiting ? PlanObjective::kThroughput : PlanObjective::kLatency);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   step_excluded_seconds_ += seconds;
   if (planned && !decoding.empty()) {
@@ -482,7 +491,8 @@ void SpeculativeDecoder::Plan(absl::Span<Request* const> decoding, int64_t max_m
   }
 }
 
-bool SpeculativeDecoder::PlanRequests(absl::Span<Request* const> decoding, int64_t max_model_len) {
+bool SpeculativeDecoder::PlanRequests(absl::Span<Request* const> decoding, int64_t max_model_len,
+                                      PlanObjective objective) {
   // Finished outputs join the engine-wide index a slice per step (faster than lookahead requests
   // produce tokens), the rest when the engine idles (IndexQueuedOutputs).
   lookahead_.IndexQueued(std::max<int64_t>(kIndexedPerStep, 2 * int64_t(decoding.size())));
@@ -549,7 +559,7 @@ bool SpeculativeDecoder::PlanRequests(absl::Span<Request* const> decoding, int64
     auto draft = [this](int64_t t) { return draft_cost_ ? draft_cost_->Seconds(t) : 0.0; };
     auto self = [this](int64_t t) { return self_cost_ ? self_cost_->Seconds(t) : 0.0; };
     k = PlanDraftBudgets(budget, int64_t(decoding.size()), int64_t(decoding.size()), plain, verify, draft, self,
-                         kDefaultMinGain, plan_seconds_per_request_ * double(decoding.size()));
+                         kDefaultMinGain, plan_seconds_per_request_ * double(decoding.size()), objective);
   } else {
     for (const BudgetRequest& b : budget) k.push_back(b.cap);
   }

@@ -112,7 +112,15 @@ struct BudgetRequest {
   std::vector<int32_t> depth_of_first;
 };
 
-// Draft tokens per request maximizing expected tokens per second of the step:
+// What a plan maximizes. With requests waiting for a batch slot, the step's throughput: every
+// extra token served brings a waiting request's turn closer. With none waiting, the running
+// requests are all there is to serve, and each one's time per token is what its user sees: the
+// plan minimizes their mean (a step made dearer by others' drafts slows a request whose own
+// guesses miss; throughput would take that whenever the others gain more tokens than it loses,
+// which on a fixed batch makes its slowest requests, and so the batch, finish later).
+enum class PlanObjective { kThroughput, kLatency };
+
+// Draft tokens per request maximizing expected tokens per second of the step (kThroughput):
 //   (base_samples + sum_r sum_{d <= depth_r(k_r)} acceptance_r^d)
 //     / (verify(base_tokens + sum_r k_r) + drafting rounds of modes draft/self)
 // against plain(base_tokens) without drafts (a verification step may cost more than a plain
@@ -120,6 +128,8 @@ struct BudgetRequest {
 // drafts after also paying `overhead_seconds` (planning, which a step that does not speculate
 // skips); the choice of budgets leaves it out (the step has paid it already).
 // by coordinate ascent over the requests (a step's cost is not convex in T on every backend).
+// kLatency maximizes instead requests / (step seconds · sum_r 1 / (1 + expected_r)): the inverse
+// of the requests' mean seconds per token.
 // A plan with drafts must beat no drafts by `min_gain` (estimates are noisy; a wrong guess costs
 // the whole batch), otherwise every budget is zero.
 using CostFn = std::function<double(int64_t num_tokens)>;
@@ -128,7 +138,8 @@ std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, 
                                       int64_t base_samples, const CostFn& plain_cost, const CostFn& verify_cost,
                                       const CostFn& draft_cost,
                                       const CostFn& self_cost, double min_gain = kDefaultMinGain,
-                                      double overhead_seconds = 0);
+                                      double overhead_seconds = 0,
+                                      PlanObjective objective = PlanObjective::kThroughput);
 
 class SpeculativeDecoder {
  public:
@@ -145,8 +156,9 @@ class SpeculativeDecoder {
 
   // Before scheduling: proposes lookahead trees and sets every decoding request's
   // spec.lookahead_slots (the scheduler reserves that much room, or none under pressure).
-  // `decoding` are the running requests whose next chunk is their last token.
-  void Plan(absl::Span<Request* const> decoding, int64_t max_model_len);
+  // `decoding` are the running requests whose next chunk is their last token; `requests_waiting`:
+  // whether any request waits for a batch slot (see PlanObjective).
+  void Plan(absl::Span<Request* const> decoding, int64_t max_model_len, bool requests_waiting);
   // After scheduling: fills spec.tree for the requests that got slots (spec.lookahead_slots > 0).
   absl::Status Draft(absl::Span<Request* const> scheduled);
   // After verification: `accepted` draft tokens of a `tree_size`-token tree; `missed` when the
@@ -186,7 +198,7 @@ class SpeculativeDecoder {
     return result;
   }
   // Plan's work; false when it skipped proposing (nothing can pay).
-  bool PlanRequests(absl::Span<Request* const> decoding, int64_t max_model_len);
+  bool PlanRequests(absl::Span<Request* const> decoding, int64_t max_model_len, PlanObjective objective);
   // A verification step's cost as plans see it: dearer while no real step of its size was seen
   // (scratch forwards miss the real contexts, and a plan that guesses wrong costs the batch).
   double VerifySeconds(int64_t num_tokens) const;

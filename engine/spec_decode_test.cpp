@@ -178,6 +178,31 @@ TEST(PlanDraftBudgetsTest, PlanningOverheadCanMakeDraftsNotWorthIt) {
   EXPECT_EQ(PlanDraftBudgets(one, 1, 1, cost, cost, none, none, 1.1, 0.5)[0], 0);
 }
 
+TEST(PlanDraftBudgetsTest, LatencyObjectiveDoesNotSlowUnpredictableRequestsForOthers) {
+  // Two requests, one that guesses well (0.9) and one with nothing to draft; each token in the
+  // step adds 20 %. Four drafts give the step 5.1 tokens for 1.8x the time: more throughput, but
+  // the second request waits 1.8x as long for each of its tokens, and the mean time per token
+  // of the two gets worse (1.8 (1/4.1 + 1) / 2 = 1.12 steps). Both guessing well, both gain.
+  auto cost = [](int64_t t) { return 1.0 + 0.2 * double(t - 2); };
+  auto none = [](int64_t) { return 0.0; };
+  const std::vector<BudgetRequest> mixed = {{SpeculationMode::kLookahead, 0.9, 4, {}},
+                                            {SpeculationMode::kLookahead, 0.0, 0, {}}};
+  auto plan = [&](const std::vector<BudgetRequest>& requests, PlanObjective objective) {
+    return PlanDraftBudgets(requests, 2, 2, cost, cost, none, none, kDefaultMinGain, 0.0, objective);
+  };
+  EXPECT_GT(plan(mixed, PlanObjective::kThroughput)[0], 0);
+  EXPECT_EQ(plan(mixed, PlanObjective::kLatency)[0], 0);
+  const std::vector<BudgetRequest> both(2, {SpeculationMode::kLookahead, 0.9, 4, {}});
+  const std::vector<int32_t> k = plan(both, PlanObjective::kLatency);
+  EXPECT_GT(k[0], 0);
+  EXPECT_GT(k[1], 0);
+  // One request alone: the two objectives are the same.
+  const std::vector<BudgetRequest> one = {{SpeculationMode::kLookahead, 0.8, 8, {}}};
+  auto single = [](int64_t t) { return 1.0 + 0.05 * double(t - 1); };
+  EXPECT_EQ(PlanDraftBudgets(one, 1, 1, single, single, none, none, kDefaultMinGain, 0.0, PlanObjective::kLatency),
+            PlanDraftBudgets(one, 1, 1, single, single, none, none));
+}
+
 TEST(StepCostModelTest, MeasuresOnlyUpFront) {
   // Buckets above 8 cannot run (say the executor takes at most 8 sequences).
   int attempts = 0;
