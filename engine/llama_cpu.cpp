@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
 #include "common/parallel_for.h"
+#include "engine/cpu_attention.h"
 #include "engine/cpu_gemv.h"
 #include "engine/kv_cache.h"
 
@@ -170,7 +171,6 @@ void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, 
     int64_t direct = 0;
     std::vector<int64_t> tree_tail;
     int64_t size() const { return direct + int64_t(tree_tail.size()); }
-    int64_t Slot(int64_t i) const { return i < direct ? i : tree_tail[size_t(i - direct)]; }
   };
   std::vector<RowContext> rows;
   int64_t total_context = 0;
@@ -192,42 +192,25 @@ void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, 
   }
 
   // Every (row, head) is independent and one thread's work: the same sums in the same order
-  // however the pairs are split.
+  // however the pairs are split (AttendHead).
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   auto attend = [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<KvRun> runs;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / nh, h = item % nh, g = h / group;
       const RowContext& r = rows[size_t(row)];
-      const absl::Span<const int32_t> block_table = r.block_table;
-      const int64_t context = r.size();
-      scores.resize(size_t(context));
-      const float* q = qkv + row * qkv_stride + h * hd;
-      float max_score = -INFINITY;
-      for (int64_t i = 0; i < context; ++i) {
-        const int64_t t = r.Slot(i);
-        const float* k = kpool + cache.Offset(block_table[t / bs], g, t % bs);
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < hd; ++d) dot += q[d] * k[d];
-        scores[i] = dot * scale;
-        max_score = std::max(max_score, scores[i]);
+      runs.clear();
+      for (int64_t first = 0; first < r.direct; first += bs) {  // a block's slots are consecutive
+        const int64_t offset = cache.Offset(r.block_table[first / bs], g, 0);
+        runs.push_back({kpool + offset, vpool + offset, std::min(bs, r.direct - first)});
       }
-      float denom = 0.0f;
-      for (int64_t i = 0; i < context; ++i) {
-        scores[i] = std::exp(scores[i] - max_score);
-        denom += scores[i];
+      for (int64_t t : r.tree_tail) {
+        const int64_t offset = cache.Offset(r.block_table[t / bs], g, t % bs);
+        runs.push_back({kpool + offset, vpool + offset, 1});
       }
-      float* o = out + row * nh * hd + h * hd;
-      std::fill_n(o, hd, 0.0f);
-      const float inv_denom = 1.0f / denom;
-      for (int64_t i = 0; i < context; ++i) {
-        const int64_t t = r.Slot(i);
-        const float* v = vpool + cache.Offset(block_table[t / bs], g, t % bs);
-        const float p = scores[i] * inv_denom;
-#pragma omp simd
-        for (int64_t d = 0; d < hd; ++d) o[d] += p * v[d];
-      }
+      scores.resize(size_t(r.size()));
+      AttendHead(qkv + row * qkv_stride + h * hd, runs, hd, scale, scores.data(), out + row * nh * hd + h * hd);
     }
   };
   const int64_t items = int64_t(rows.size()) * nh;
