@@ -1,13 +1,10 @@
 #include "engine/cpu_attention.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 
 #include "common/check.h"
+#include "engine/cpu_simd.h"
 
 namespace duet {
 namespace {
@@ -27,18 +24,7 @@ void Softmax(float* scores, int64_t n) {
 
 #if defined(__x86_64__)
 
-bool CpuHasAvx2Fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
-
-__attribute__((target("avx2,fma"))) inline float HorizontalSum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
-
-// scores[j] = scale · q·k_j for kKeys keys `stride` floats apart: each key's 8 lanes accumulate
+// scores[j] = scale · q·k_j for kKeys keys head_dim floats apart: each key's 8 lanes accumulate
 // over head_dim in order, then sum. A key's score is the same in a group of 4 or alone.
 template <int kKeys>
 __attribute__((target("avx2,fma"), always_inline)) inline void DotKeys(const float* q, const float* k,

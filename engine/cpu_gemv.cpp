@@ -1,24 +1,14 @@
 #include "engine/cpu_gemv.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 
 #include "common/check.h"
+#include "engine/cpu_simd.h"
 
 namespace duet {
 namespace {
 
 #if defined(__x86_64__)
-
-// Sum of the 8 lanes.
-__attribute__((target("avx2,fma"))) inline float HorizontalSum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
 
 // y[r, i] for i < kW weight rows w[i·k ..] and r < kX activation rows x[r·k ..] (y rows n
 // apart): kW × kX dot products sharing each weight and activation load. Every dot product runs
@@ -91,11 +81,6 @@ __attribute__((target("avx2,fma"))) void BatchedGemvAvx2(const float* x, const f
   for (; j < n; ++j) {  // fewer than kW weight rows left
     for (int64_t r = 0; r < rows; ++r) DotBlock<1, 1>(x + r * k, w + j * k, y + r * ldy + j, ldy, k, nullptr);
   }
-}
-
-bool CpuHasAvx2Fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
 }
 
 #endif  // __x86_64__

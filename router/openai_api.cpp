@@ -58,6 +58,11 @@ class Job : public std::enable_shared_from_this<Job> {
     size_t text_offset = 0;  // completions logprobs
   };
   void Finish();  // under mu_
+  void StartStreamLocked() {
+    if (stream_started_) return;
+    stream_started_ = true;
+    responder_->StartStream(200, "text/event-stream; charset=utf-8");
+  }
 
   // Counts the job as alive for OpenAiApi::WaitIdle (declared first: destroyed last, after the
   // client contexts). The last job may end on a gRPC callback thread; if a context there held the
@@ -70,12 +75,6 @@ class Job : public std::enable_shared_from_this<Job> {
    private:
     OpenAiApi* const api_;
   };
-  void StartStreamLocked() {
-    if (stream_started_) return;
-    stream_started_ = true;
-    responder_->StartStream(200, "text/event-stream; charset=utf-8");
-  }
-
   Live live_;
   OpenAiApi* const api_;
   const openai::ParsedRequest request_;
