@@ -9,6 +9,7 @@
 #include <random>
 
 #include "CLI/CLI.hpp"
+#include "backends/executor_factory.h"
 #include "engine/llm_engine.h"
 #include "tests/integration/local_cluster.h"
 
@@ -31,7 +32,7 @@ int main(int argc, char** argv) {
 
   duet::EngineConfig config;
   config.model_dir = DUET_MODELS_DIR "/tiny-code-llama";
-  auto engine = duet::LlmEngine::Create(config);
+  auto engine = duet::CreateEngine(config);
   if (!engine.ok()) return 1;
   duet::testing::LocalCluster cluster({1, 1});
   if (!cluster.ok()) {

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "CLI/CLI.hpp"
+#include "backends/executor_factory.h"
 #include "engine/llm_engine.h"
 
 int main(int argc, char** argv) {
@@ -24,7 +25,7 @@ int main(int argc, char** argv) {
 
   duet::EngineConfig config;
   config.model_dir = model_dir;
-  absl::StatusOr<std::unique_ptr<duet::LlmEngine>> engine = duet::LlmEngine::Create(config);
+  absl::StatusOr<std::unique_ptr<duet::LlmEngine>> engine = duet::CreateEngine(config);
   if (!engine.ok()) {
     std::fprintf(stderr, "%s\n", std::string(engine.status().message()).c_str());
     return 1;

@@ -1,7 +1,8 @@
 // Speculative decoding on the CPU or CUDA backend: for each mode (none, lookahead, draft model, self)
 // and batch size, greedy code completion of prompts cut from sources the model was not trained on
-// (this repository's own: the Python of scripts/, tests/ and engine/tokenizer_unicode_data_gen.py,
-// then the C++ of engine/, router/, common/, kvtransfer/ and the workers; never the reference
+// (this repository's own: the Python of scripts/, tests/ and frontend/tokenizer/tokenizer_unicode_data_gen.py,
+// then the C++ of the engine, its front end, model and backends, router/, common/, kvtransfer/
+// and the workers; never the reference
 // files). Batch B is B requests decoding at once: B slots serve --requests-per-slot × B requests,
 // a finished request's slot taking the next one (a server under load; 1: one fixed batch that
 // drains, where the slowest request sets the time). Prints mean accepted draft
@@ -25,6 +26,7 @@
 #include <sstream>
 
 #include "CLI/CLI.hpp"
+#include "backends/executor_factory.h"
 #include "engine/llm_engine.h"
 
 namespace {
@@ -46,10 +48,12 @@ std::vector<std::string> SourceFiles(const std::string& root) {
     std::sort(files.begin(), files.end());
     return files;
   };
-  std::vector<std::string> files = {root + "/engine/tokenizer_unicode_data_gen.py"};
+  std::vector<std::string> files = {root + "/frontend/tokenizer/tokenizer_unicode_data_gen.py"};
   for (const std::string& f : collect({"scripts", "tests"}, {".py"})) files.push_back(f);
   for (const std::string& f :
-       collect({"engine", "router", "common", "kvtransfer", "decode_worker", "prefill_worker"}, {".cpp", ".h"})) {
+       collect({"frontend", "model", "engine", "backends", "router", "common", "kvtransfer", "worker", "decode_worker",
+                "prefill_worker"},
+               {".cpp", ".h"})) {
     files.push_back(f);
   }
   return files;
@@ -140,7 +144,7 @@ int main(int argc, char** argv) {
     if (*m == duet::SpeculationMode::kDraft) config.speculation.draft_model_dir = draft_dir;
     config.speculation.self_spec_layers = self_layers;
     config.speculation.max_draft_tokens = max_draft;
-    absl::StatusOr<std::unique_ptr<duet::LlmEngine>> engine = duet::LlmEngine::Create(config);
+    absl::StatusOr<std::unique_ptr<duet::LlmEngine>> engine = duet::CreateEngine(config);
     if (!engine.ok()) return engine.status();
     duet::LlmEngine& e = **engine;
     duet::SamplingParams p;

@@ -5,6 +5,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "backends/executor_factory.h"
 #include "cli/commands.h"
 #include "cli/generate_request.h"
 #include "cli/jsonl.h"
@@ -61,7 +62,7 @@ int RunGenerate(const GenerateOptions& options) {
     requests.push_back(std::move(*req));
   }
 
-  absl::StatusOr<std::unique_ptr<LlmEngine>> engine = LlmEngine::Create(options.engine);
+  absl::StatusOr<std::unique_ptr<LlmEngine>> engine = CreateEngine(options.engine);
   if (!engine.ok()) {
     std::fprintf(stderr, "duet generate: %s\n", std::string(engine.status().message()).c_str());
     return 1;

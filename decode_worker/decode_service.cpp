@@ -11,7 +11,7 @@
 #include "common/blocking_queue.h"
 #include "common/check.h"
 #include "kvtransfer/ucx_transport.h"
-#include "proto/rpc_util.h"
+#include "rpc/rpc_util.h"
 
 namespace duet {
 namespace {

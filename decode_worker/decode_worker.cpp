@@ -2,7 +2,8 @@
 
 #include <memory>
 
-#include "proto/serve_until_signal.h"
+#include "backends/executor_factory.h"
+#include "rpc/serve_until_signal.h"
 
 namespace duet {
 
@@ -11,7 +12,7 @@ int RunDecodeWorker(const DecodeWorkerOptions& options) {
   return rpc::ServeUntilSignal(
       {"decode worker", options.host, options.port, options.metrics_port},
       [&]() -> absl::StatusOr<rpc::ServedService> {
-        absl::StatusOr<std::unique_ptr<LlmEngine>> engine = LlmEngine::Create(options.engine);
+        absl::StatusOr<std::unique_ptr<LlmEngine>> engine = CreateEngine(options.engine);
         if (!engine.ok()) return engine.status();
         absl::StatusOr<std::unique_ptr<DecodeService>> created = DecodeService::Create(std::move(*engine), options.service);
         if (!created.ok()) return created.status();

@@ -7,10 +7,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
-#include "engine/llama_cpu.h"
-#ifdef DUET_HAVE_CUDA
-#include "engine/cuda/llama_cuda.h"
-#endif
 
 namespace duet {
 
@@ -61,61 +57,25 @@ EngineConfig Resolve(EngineConfig config, const ModelExecutor& model) {
   return config;
 }
 
-// "auto" picks the GPU when this build has CUDA and a device is visible.
-std::string ResolveBackend(const std::string& backend) {
-  if (backend != "auto") return backend;
-#ifdef DUET_HAVE_CUDA
-  if (cuda::CudaDeviceAvailable()) return "cuda";
-#endif
-  return "cpu";
-}
-
-absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadExecutor(const EngineConfig& config) {
-  const std::string backend = ResolveBackend(config.backend);
-  if (backend == "cpu") return LlamaCpu::Load(config.model_dir);
-#ifdef DUET_HAVE_CUDA
-  if (backend == "cuda") {
-    LlamaCudaOptions options;
-    options.max_num_seqs = config.scheduler.max_num_seqs;
-    options.max_num_batched_tokens = config.scheduler.max_num_batched_tokens;
-    options.max_model_len = config.scheduler.max_model_len;
-    // Verification steps give a logits row per token: room for every sequence's draft tree in
-    // one head pass, within 1 GiB of logits.
-    if (absl::StatusOr<ModelConfig> m = LoadModelConfig(config.model_dir); m.ok()) {
-      const int64_t rows = int64_t(options.max_num_seqs) * (1 + std::max(config.speculation.max_draft_tokens, 0));
-      const int64_t cap = std::max<int64_t>(options.max_num_seqs, (int64_t(1) << 30) / (4 * m->vocab_size));
-      options.max_logit_rows = int(std::min({rows, cap, int64_t(options.max_num_batched_tokens)}));
-    }
-    return LlamaCuda::Load(config.model_dir, options);
-  }
-#endif
-#ifdef DUET_HAVE_CUDA
-  constexpr const char* kAvailable = "cpu or cuda";
-#else
-  constexpr const char* kAvailable = "cpu (this build has no CUDA)";
-#endif
-  return absl::UnimplementedError(
-      absl::StrCat("backend '", config.backend, "' is not available; use ", kAvailable));
-}
-
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineConfig& config) {
+absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineConfig& config,
+                                                             const ExecutorLoader& load_executor) {
   if (config.block_size <= 0) return absl::InvalidArgumentError("block_size must be positive");
   if (!(config.gpu_memory_utilization > 0 && config.gpu_memory_utilization <= 1)) {
     return absl::InvalidArgumentError("gpu_memory_utilization must be in (0, 1]");
   }
-  absl::StatusOr<std::unique_ptr<ModelExecutor>> model = LoadExecutor(config);
+  absl::StatusOr<std::unique_ptr<ModelExecutor>> model = load_executor(config);
   if (!model.ok()) return model.status();
   absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(config.model_dir);
   if (!tokenizer.ok()) return tokenizer.status();
   auto engine = std::make_unique<LlmEngine>(std::move(*model), std::move(*tokenizer), config);
   absl::StatusOr<std::unique_ptr<SpeculativeDecoder>> spec = SpeculativeDecoder::Create(
       engine->config_.speculation, *engine->model_, engine->blocks_, *engine->cache_, *engine->tokenizer_,
-      [&config](const std::string& dir) {
+      [&config, &load_executor](const std::string& dir) {
         EngineConfig draft = config;
         draft.model_dir = dir;
-        return LoadExecutor(draft);
+        return load_executor(draft);
       });
   if (!spec.ok()) return spec.status();
   engine->spec_ = std::move(*spec);

@@ -11,13 +11,13 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/block_manager.h"
-#include "engine/kv_cache.h"
+#include "engine/kv/block_manager.h"
+#include "engine/kv/kv_cache.h"
 #include "engine/model_executor.h"
 #include "engine/request.h"
-#include "engine/scheduler.h"
-#include "engine/spec_decode.h"
-#include "engine/tokenizer.h"
+#include "engine/scheduler/scheduler.h"
+#include "engine/speculation/spec_decode.h"
+#include "frontend/tokenizer/tokenizer.h"
 
 namespace duet {
 
@@ -61,9 +61,15 @@ struct EngineStats {
   int64_t num_one_time_setups = 0;  // the executor's (e.g. CUDA graph captures)
 };
 
+// Makes the executor for a model directory (`config.model_dir`, on `config.backend`); the
+// engine calls it for the target model and for a draft model (backends/executor_factory.h).
+using ExecutorLoader =
+    std::function<absl::StatusOr<std::unique_ptr<ModelExecutor>>(const EngineConfig& config)>;
+
 class LlmEngine {
  public:
-  static absl::StatusOr<std::unique_ptr<LlmEngine>> Create(const EngineConfig& config);
+  static absl::StatusOr<std::unique_ptr<LlmEngine>> Create(const EngineConfig& config,
+                                                           const ExecutorLoader& load_executor);
   LlmEngine(std::unique_ptr<ModelExecutor> model, std::unique_ptr<Tokenizer> tokenizer,
             const EngineConfig& config);
 

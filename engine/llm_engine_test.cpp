@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "backends/executor_factory.h"
 #include "gtest/gtest.h"
 
 namespace duet {
@@ -14,7 +15,7 @@ std::unique_ptr<LlmEngine> NewEngine(int32_t num_blocks = 256, int32_t max_num_s
   config.model_dir = kModel;
   config.num_kv_blocks = num_blocks;
   config.scheduler.max_num_seqs = max_num_seqs;
-  absl::StatusOr<std::unique_ptr<LlmEngine>> e = LlmEngine::Create(config);
+  absl::StatusOr<std::unique_ptr<LlmEngine>> e = CreateEngine(config);
   EXPECT_TRUE(e.ok()) << e.status();
   return std::move(*e);
 }

@@ -12,9 +12,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
-#include "engine/block_manager.h"
-#include "engine/kv_cache.h"
-#include "engine/model_config.h"
+#include "engine/kv/block_manager.h"
+#include "engine/kv/kv_cache.h"
+#include "model/model_config.h"
 
 namespace duet {
 

@@ -7,11 +7,11 @@
 #include <string>
 #include <vector>
 
-#include "engine/block_manager.h"
-#include "engine/lookahead_cache.h"
+#include "engine/kv/block_manager.h"
 #include "engine/sampler.h"
 #include "engine/sampling_params.h"
-#include "engine/tokenizer.h"
+#include "engine/speculation/lookahead_cache.h"
+#include "frontend/tokenizer/tokenizer.h"
 
 namespace duet {
 

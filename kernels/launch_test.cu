@@ -7,11 +7,11 @@
 
 #include <gtest/gtest.h>
 
-#include "kernels/gemv.h"
+#include "kernels/elementwise/norm.h"
+#include "kernels/gemm/gemv.h"
 #include "kernels/graph_test_util.h"
 #include "kernels/kernel_test_util.h"
 #include "kernels/launch.h"
-#include "kernels/norm.h"
 
 namespace duet::kernels {
 namespace {

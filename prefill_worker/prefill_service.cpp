@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/blocking_queue.h"
-#include "proto/rpc_util.h"
+#include "rpc/rpc_util.h"
 
 namespace duet {
 namespace {

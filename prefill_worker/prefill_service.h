@@ -20,9 +20,9 @@
 #include "engine/llm_engine.h"
 #include "kvtransfer/kv_transport.h"
 #include "kvtransfer/ucx_transport.h"
-#include "kvtransfer/worker_kv_pools.h"
 #include "metrics/registry.h"
 #include "metrics/vllm_metrics.h"
+#include "worker/worker_kv_pools.h"
 
 namespace duet {
 

@@ -8,11 +8,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "backends/executor_factory.h"
 #include "decode_worker/decode_service.h"
-#include "gtest/gtest.h"
 #include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
 #include "prefill_worker/prefill_service.h"
-#include "proto/rpc_util.h"
+#include "rpc/rpc_util.h"
 
 namespace duet {
 namespace {
@@ -25,7 +26,7 @@ std::unique_ptr<LlmEngine> NewEngine(int32_t block_size, int32_t num_blocks, int
   config.block_size = block_size;
   config.num_kv_blocks = num_blocks;
   config.scheduler.max_num_batched_tokens = max_batched_tokens;
-  absl::StatusOr<std::unique_ptr<LlmEngine>> e = LlmEngine::Create(config);
+  absl::StatusOr<std::unique_ptr<LlmEngine>> e = CreateEngine(config);
   EXPECT_TRUE(e.ok()) << e.status();
   return std::move(*e);
 }

@@ -4,8 +4,8 @@
 #include <thread>
 
 #include "common/check.h"
-#include "proto/rpc_util.h"
 #include "router/worker_registry.h"
+#include "rpc/rpc_util.h"
 
 namespace duet::router::testing {
 

@@ -7,8 +7,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "engine/chat_template.h"
-#include "engine/tokenizer.h"
+#include "frontend/chat_template/chat_template.h"
+#include "frontend/tokenizer/tokenizer.h"
 #include "grpcpp/channel.h"
 #include "router/http_server.h"
 #include "router/openai_api.h"

@@ -15,8 +15,8 @@
 #include <string>
 
 #include "duet/v1/duet.grpc.pb.h"
-#include "engine/chat_template.h"
-#include "engine/tokenizer.h"
+#include "frontend/chat_template/chat_template.h"
+#include "frontend/tokenizer/tokenizer.h"
 #include "router/http_server.h"
 #include "router/openai_protocol.h"
 

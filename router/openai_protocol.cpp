@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "proto/rpc_util.h"
+#include "rpc/rpc_util.h"
 
 namespace duet::router::openai {
 namespace {

@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "duet/v1/duet.pb.h"
-#include "engine/chat_template.h"
-#include "engine/tokenizer.h"
+#include "frontend/chat_template/chat_template.h"
+#include "frontend/tokenizer/tokenizer.h"
 #include "grpcpp/support/status.h"
 #include "nlohmann/json.hpp"
 

@@ -2,8 +2,8 @@
 
 #include <gtest/gtest.h>
 
-#include "engine/chat_template.h"
-#include "engine/tokenizer.h"
+#include "frontend/chat_template/chat_template.h"
+#include "frontend/tokenizer/tokenizer.h"
 
 namespace duet::router::openai {
 namespace {

@@ -8,16 +8,16 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
-#include "engine/model_config.h"
-#include "engine/tokenizer.h"
+#include "frontend/tokenizer/tokenizer.h"
 #include "metrics/http_exporter.h"
 #include "metrics/registry.h"
-#include "proto/rpc_util.h"
+#include "model/model_config.h"
 #include "router/assignment_policy.h"
 #include "router/http_frontend.h"
 #include "router/openai_api_key.h"
 #include "router/router_service.h"
 #include "router/worker_registry.h"
+#include "rpc/rpc_util.h"
 
 namespace duet::router {
 namespace {

@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "grpcpp/generic/generic_stub.h"
-#include "proto/rpc_util.h"
+#include "rpc/rpc_util.h"
 
 namespace duet::router {
 

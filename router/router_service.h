@@ -31,7 +31,7 @@
 #include "absl/time/time.h"
 #include "duet/v1/duet.grpc.pb.h"
 #include "engine/sampling_params.h"
-#include "engine/tokenizer.h"
+#include "frontend/tokenizer/tokenizer.h"
 #include "metrics/registry.h"
 #include "metrics/vllm_metrics.h"
 #include "router/assignment_policy.h"

@@ -4,13 +4,13 @@
 #include <functional>
 #include <thread>
 
-#include "engine/model_config.h"
 #include "gmock/gmock.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "gtest/gtest.h"
-#include "proto/rpc_util.h"
+#include "model/model_config.h"
 #include "router/fake_workers.h"
 #include "router/router.h"
+#include "rpc/rpc_util.h"
 
 namespace duet::router {
 namespace {

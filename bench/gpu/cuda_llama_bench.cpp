@@ -15,8 +15,8 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
-#include "engine/cuda/llama_cuda.h"
-#include "kernels/gemv.h"
+#include "backends/cuda/llama_cuda.h"
+#include "kernels/gemm/gemv.h"
 
 namespace duet {
 namespace {

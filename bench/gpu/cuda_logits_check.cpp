@@ -22,7 +22,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "engine/cuda/llama_cuda.h"
+#include "backends/cuda/llama_cuda.h"
 
 int main(int argc, char** argv) {
   using namespace duet;

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/tokenizer.h"
+#include "frontend/tokenizer/tokenizer.h"
 
 namespace duet::bench {
 

@@ -23,7 +23,7 @@
 #include "bench/serving/metrics.h"
 #include "bench/serving/progress.h"
 #include "bench/serving/report.h"
-#include "engine/tokenizer.h"
+#include "frontend/tokenizer/tokenizer.h"
 
 namespace duet::bench {
 namespace {

@@ -16,8 +16,8 @@
 
 #include "absl/types/span.h"
 #include "common/check.h"
-#include "engine/model_config.h"
-#include "engine/safetensors.h"
+#include "model/model_config.h"
+#include "model/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
 

@@ -11,8 +11,8 @@
 
 #include "absl/types/span.h"
 #include "common/check.h"
-#include "engine/model_config.h"
-#include "engine/safetensors.h"
+#include "model/model_config.h"
+#include "model/safetensors.h"
 
 namespace duet {
 namespace {

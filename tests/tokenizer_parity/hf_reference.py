@@ -5,7 +5,7 @@ Usage: hf_reference.py <tokenizer-dir-or-tokenizer.json> <corpus.jsonl> <out.jso
 
 Each corpus line is {"text": ...}; each output line is {"ids": [...]}, the ids of
 Tokenizer.from_file(path).encode(text, add_special_tokens=False). Save the output as
-expected/<name>.hf.jsonl to make it the reference of engine/tokenizer_parity_test.cpp.
+expected/<name>.hf.jsonl to make it the reference of frontend/tokenizer/tokenizer_parity_test.cpp.
 """
 import json
 import os

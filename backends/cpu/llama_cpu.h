@@ -1,0 +1,66 @@
+// The Llama-family transformer (Llama 2/3/3.1, Mistral, Qwen2/2.5) on the CPU, float32 compute
+// from bf16/fp16/fp32 weights; few-row products (decode, verification) through a batched GEMV,
+// larger ones through OpenBLAS sgemm. The numerical reference for every other backend: greedy
+// output matches Hugging Face transformers' float32 forward.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/model_executor.h"
+#include "model/safetensors.h"
+
+namespace duet {
+
+class LlamaCpu : public ModelExecutor {
+ public:
+  static absl::StatusOr<std::unique_ptr<LlamaCpu>> Load(const std::string& model_dir);
+  static absl::StatusOr<std::unique_ptr<LlamaCpu>> FromWeights(const ModelConfig& config,
+                                                               const WeightStore& weights);
+
+  const ModelConfig& config() const override { return config_; }
+  KvDtype kv_dtype() const override { return KvDtype::kFloat32; }
+  std::unique_ptr<KvCache> CreateKvCache(int64_t num_blocks, int64_t block_size) override;
+  absl::Status Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache,
+                       std::vector<float>& logits,
+                       const LayerDoneCallback& on_layer_done = nullptr) override;
+  bool SupportsTreeAttention() const override { return true; }
+  absl::Status MoveKvSlots(KvCache& cache, absl::Span<const int32_t> block_table,
+                           absl::Span<const KvSlotMove> moves) override;
+  absl::StatusOr<std::unique_ptr<ModelExecutor>> LayerPrefix(int64_t num_layers) override;
+
+  // Forward through the first `num_layers` layers only, then the final norm and LM head.
+  absl::Status ForwardLayers(absl::Span<const SequenceChunk> chunks, KvCache& cache, std::vector<float>& logits,
+                             int64_t num_layers, const LayerDoneCallback& on_layer_done = nullptr);
+
+ private:
+  struct Layer {
+    std::vector<float> input_norm;      // [hidden]
+    std::vector<float> qkv;             // [(heads + 2 * kv_heads) * head_dim, hidden]
+    std::vector<float> qkv_bias;        // [(heads + 2 * kv_heads) * head_dim] or empty
+    std::vector<float> o;               // [hidden, heads * head_dim]
+    std::vector<float> o_bias;          // [hidden] or empty
+    std::vector<float> post_norm;       // [hidden]
+    std::vector<float> gate_up;         // [2 * intermediate, hidden]: gate rows then up rows
+    std::vector<float> down;            // [hidden, intermediate]
+  };
+
+  explicit LlamaCpu(const ModelConfig& config) : config_(config) {}
+  absl::Status LoadWeights(const WeightStore& weights);
+  // Writes this step's K/V (already rotated) into the cache, then attends: causally, or within
+  // a draft tree to the context and the token's ancestors (SequenceChunk::tree_parents).
+  void Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, const float* qkv,
+                 HostKvCache& cache, float* out) const;
+  void ApplyRope(float* vec, int64_t num_heads, int64_t position) const;
+
+  ModelConfig config_;
+  std::vector<float> embed_;       // [vocab, hidden]
+  std::vector<float> final_norm_;  // [hidden]
+  std::vector<float> lm_head_;     // [vocab, hidden]; empty when tied to embed_
+  std::vector<Layer> layers_;
+  std::vector<float> inv_freq_;    // [head_dim / 2]
+};
+
+}  // namespace duet

@@ -1,0 +1,78 @@
+#include "backends/cuda/cublas_linear.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/elementwise/activation.h"
+#include "kernels/gemm/gemv.h"
+
+namespace duet::cuda {
+namespace {
+
+// cuBLAS failing on valid shapes and pointers is a bug or a dead device.
+void CheckCublas(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "cuBLAS %s failed: %s\n", what, cublasGetStatusString(status));
+    std::abort();
+  }
+}
+
+void Gemm(cublasHandle_t handle, const __nv_bfloat16* x, const __nv_bfloat16* weight, void* y,
+          cudaDataType_t y_type, int rows, int in, int out) {
+  if (rows == 0) return;
+  rows = int(CublasRowCapacity(rows));  // the padding rows compute garbage nobody reads
+  const float alpha = 1.0f, beta = 0.0f;
+  // Column-major view: y^T[out, rows] = W^T^T ... i.e. op(A) = W (stored [in, out] col-major, so
+  // transposed), op(B) = x^T (stored [in, rows] col-major, as is).
+  CheckCublas(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, &alpha, weight, CUDA_R_16BF, in, x,
+                           CUDA_R_16BF, in, &beta, y, y_type, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+              "cublasGemmEx");
+}
+
+}  // namespace
+
+absl::StatusOr<CublasLinear> CublasLinear::Create(cudaStream_t stream, void* workspace, size_t workspace_bytes) {
+  cublasHandle_t handle = nullptr;
+  if (cublasStatus_t s = cublasCreate(&handle); s != CUBLAS_STATUS_SUCCESS) {
+    return absl::InternalError(absl::StrCat("cublasCreate: ", cublasGetStatusString(s)));
+  }
+  CheckCublas(cublasSetStream(handle, stream), "cublasSetStream");
+  CheckCublas(cublasSetWorkspace(handle, workspace, workspace_bytes), "cublasSetWorkspace");
+  CheckCublas(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+  return CublasLinear(handle, stream);
+}
+
+CublasLinear::~CublasLinear() {
+  if (handle_ != nullptr) cublasDestroy(handle_);
+}
+
+void CublasLinear::Forward(const __nv_bfloat16* x, const __nv_bfloat16* weight, __nv_bfloat16* y, int rows,
+                           int in, int out) const {
+  if (rows >= 1 && rows <= kernels::kGemvPreferredMaxRows && in % 8 == 0) {
+    kernels::Gemv({x, weight, y, rows, in, out, false}, stream_);
+    return;
+  }
+  Gemm(handle_, x, weight, y, CUDA_R_16BF, rows, in, out);
+}
+
+void CublasLinear::ForwardF32(const __nv_bfloat16* x, const __nv_bfloat16* weight, float* y, int rows, int in,
+                              int out) const {
+  if (rows >= 1 && rows <= kernels::kGemvPreferredMaxRows && in % 8 == 0) {
+    kernels::Gemv({x, weight, y, rows, in, out, true}, stream_);
+    return;
+  }
+  Gemm(handle_, x, weight, y, CUDA_R_32F, rows, in, out);
+}
+
+void CublasLinear::ForwardSiluMul(const __nv_bfloat16* x, const __nv_bfloat16* gate_up_weight,
+                                  __nv_bfloat16* gate_up, __nv_bfloat16* act, int rows, int in, int inter) const {
+  if (rows >= 1 && rows <= kernels::kGemvPreferredMaxRows && in % 8 == 0 && inter % 4 == 0) {
+    kernels::Gemv({x, gate_up_weight, act, rows, in, 2 * inter, false, kernels::GemvEpilogue::kSiluMul}, stream_);
+    return;
+  }
+  Forward(x, gate_up_weight, gate_up, rows, in, 2 * inter);
+  kernels::SiluAndMul(gate_up, act, rows, inter, stream_);
+}
+
+}  // namespace duet::cuda

@@ -1,0 +1,150 @@
+#include "backends/cuda/device_kv_cache.h"
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda_check.h"
+
+namespace duet::cuda {
+
+absl::StatusOr<std::unique_ptr<DeviceKvCache>> DeviceKvCache::Create(KvCacheShape shape, DeviceArena& arena,
+                                                                     cudaStream_t stream) {
+  shape.dtype = KvDtype::kBFloat16;
+  const size_t bytes = size_t(shape.num_blocks) * size_t(shape.bytes_per_block());
+  absl::StatusOr<DeviceAllocation> pool = arena.Allocate(bytes, "KV cache");
+  if (!pool.ok()) return pool.status();
+  // Zeroed so a block never read before being written holds finite values.
+  if (absl::Status s = CudaStatus(cudaMemsetAsync(pool->get(), 0, bytes, stream), "KV cache memset"); !s.ok()) {
+    return s;
+  }
+  cudaStream_t copy_stream = nullptr;
+  if (absl::Status s = CudaStatus(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking), "KV copy stream");
+      !s.ok()) {
+    return s;
+  }
+  return std::unique_ptr<DeviceKvCache>(new DeviceKvCache(shape, std::move(*pool), stream, copy_stream));
+}
+
+DeviceKvCache::DeviceKvCache(const KvCacheShape& shape, DeviceAllocation pool, cudaStream_t stream,
+                             cudaStream_t copy_stream)
+    : KvCache(shape),
+      pool_(std::move(pool)),
+      layer_elems_(shape.num_blocks * shape.block_elems()),
+      stream_(stream),
+      copy_stream_(copy_stream) {
+  pending_moves_.pools = keys(0);
+  pending_moves_.pool_elems = layer_elems_;  // pools alternate K, V per layer
+  pending_moves_.num_pools = int(2 * shape.num_layers);
+  pending_moves_.num_kv_heads = int(shape.num_kv_heads);
+  pending_moves_.block_size = int(shape.block_size);
+  pending_moves_.head_dim = int(shape.head_dim);
+}
+
+void DeviceKvCache::QueueSlotMove(int32_t from, int32_t to) {
+  if (pending_moves_.num_moves == kernels::kMaxKvSlotMoves) FlushSlotMoves();
+  pending_moves_.from[pending_moves_.num_moves] = from;
+  pending_moves_.to[pending_moves_.num_moves] = to;
+  ++pending_moves_.num_moves;
+}
+
+void DeviceKvCache::FlushSlotMoves() {
+  if (pending_moves_.num_moves == 0) return;
+  kernels::MoveKvSlots(pending_moves_, stream_);
+  pending_moves_.num_moves = 0;
+}
+
+DeviceKvCache::~DeviceKvCache() { cudaStreamDestroy(copy_stream_); }
+
+void DeviceKvCache::CopyBlocks(const std::vector<BlockCopy>& copies) {
+  FlushSlotMoves();
+  const size_t block_bytes = size_t(shape().block_elems()) * sizeof(__nv_bfloat16);
+  const int64_t n = shape().block_elems();
+  for (int64_t layer = 0; layer < shape().num_layers; ++layer) {
+    for (const BlockCopy& c : copies) {
+      DUET_CUDA_CHECK(cudaMemcpyAsync(keys(layer) + c.dst * n, keys(layer) + c.src * n, block_bytes,
+                                      cudaMemcpyDeviceToDevice, stream_));
+      DUET_CUDA_CHECK(cudaMemcpyAsync(values(layer) + c.dst * n, values(layer) + c.src * n, block_bytes,
+                                      cudaMemcpyDeviceToDevice, stream_));
+    }
+  }
+}
+
+absl::StatusOr<HostMemory> DeviceKvCache::AllocateHostStaging(size_t bytes) {
+  void* p = nullptr;
+  if (absl::Status s = CudaStatus(cudaHostAlloc(&p, bytes, cudaHostAllocPortable), "pinned KV staging");
+      !s.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot pin ", bytes, " host bytes for KV staging: ", s.message()));
+  }
+  return HostMemory(p, [](void* q) { cudaFreeHost(q); });
+}
+
+absl::Status DeviceKvCache::CopyBlocksToHost(int64_t first_layer, int64_t num_layers,
+                                             absl::Span<const BlockCopy> copies, const HostKvBlocks& host) {
+  return CopyWithHost(first_layer, num_layers, copies, host, /*to_host=*/true);
+}
+
+absl::Status DeviceKvCache::CopyBlocksFromHost(int64_t first_layer, int64_t num_layers,
+                                               absl::Span<const BlockCopy> copies, const HostKvBlocks& host) {
+  return CopyWithHost(first_layer, num_layers, copies, host, /*to_host=*/false);
+}
+
+absl::Status DeviceKvCache::CopyWithHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                                         const HostKvBlocks& host, bool to_host) {
+  if (absl::Status st = CheckHostCopies(first_layer, num_layers, copies, host, to_host); !st.ok()) return st;
+  if (pending_moves_.num_moves > 0) {  // the copy stream must see them
+    FlushSlotMoves();
+    if (absl::Status st = CudaStatus(cudaStreamSynchronize(stream_), "KV slot moves"); !st.ok()) return st;
+  }
+  const KvCacheShape& s = shape();
+  const size_t block_bytes = size_t(s.block_elems()) * sizeof(__nv_bfloat16);
+  // Runs where both sides' block ids advance together are one contiguous copy.
+  struct Run {
+    int32_t src, dst, length;
+  };
+  std::vector<Run> runs;
+  for (const BlockCopy& c : copies) {
+    if (!runs.empty() && runs.back().src + runs.back().length == c.src && runs.back().dst + runs.back().length == c.dst) {
+      ++runs.back().length;
+    } else {
+      runs.push_back({c.src, c.dst, 1});
+    }
+  }
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+  const size_t count = runs.size() * size_t(num_layers) * 2;
+  dsts.reserve(count);
+  srcs.reserve(count);
+  sizes.reserve(count);
+  for (int64_t layer = first_layer; layer < first_layer + num_layers; ++layer) {
+    for (int kv = 0; kv < 2; ++kv) {
+      char* device = reinterpret_cast<char*>(kv == 0 ? keys(layer) : values(layer));
+      char* staged = static_cast<char*>(kv == 0 ? host.keys[layer] : host.values[layer]);
+      for (const Run& r : runs) {
+        char* src = (to_host ? device : staged) + size_t(r.src) * block_bytes;
+        char* dst = (to_host ? staged : device) + size_t(r.dst) * block_bytes;
+        dsts.push_back(dst);
+        srcs.push_back(src);
+        sizes.push_back(size_t(r.length) * block_bytes);
+      }
+    }
+  }
+  if (count == 0) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(copy_mu_);
+  cudaMemcpyAttributes attrs{};
+  attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attrs.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t attrs_index = 0;
+  cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), count, &attrs, &attrs_index, 1,
+                                         copy_stream_);
+  if (err != cudaSuccess) {
+    // Older drivers lack batched copies: one call per run.
+    cudaGetLastError();
+    for (size_t i = 0; i < count; ++i) {
+      err = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, copy_stream_);
+      if (err != cudaSuccess) break;
+    }
+  }
+  if (err == cudaSuccess) err = cudaStreamSynchronize(copy_stream_);
+  return CudaStatus(err, to_host ? "KV staging copy to host" : "KV staging copy from host");
+}
+
+}  // namespace duet::cuda

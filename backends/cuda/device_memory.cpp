@@ -1,0 +1,62 @@
+#include "backends/cuda/device_memory.h"
+
+#include <cuda_runtime.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace duet::cuda {
+
+bool CudaDeviceAvailable() {
+  int count = 0;
+  const bool available = cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+  cudaGetLastError();  // a missing driver leaves a sticky error otherwise
+  return available;
+}
+
+absl::Status CudaStatus(int cuda_error, const char* what) {
+  if (cuda_error == cudaSuccess) return absl::OkStatus();
+  const auto e = static_cast<cudaError_t>(cuda_error);
+  const absl::StatusCode code =
+      e == cudaErrorMemoryAllocation ? absl::StatusCode::kResourceExhausted : absl::StatusCode::kInternal;
+  return absl::Status(code, absl::StrCat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
+}
+
+DeviceAllocation::~DeviceAllocation() {
+  if (ptr_ != nullptr) cudaFree(ptr_);
+}
+
+DeviceAllocation& DeviceAllocation::operator=(DeviceAllocation&& o) noexcept {
+  if (this != &o) {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+    ptr_ = o.ptr_;
+    bytes_ = o.bytes_;
+    o.ptr_ = nullptr;
+    o.bytes_ = 0;
+  }
+  return *this;
+}
+
+absl::StatusOr<DeviceAllocation> DeviceArena::Allocate(size_t bytes, const char* what) {
+  void* ptr = nullptr;
+  if (absl::Status s = CudaStatus(cudaMalloc(&ptr, bytes == 0 ? 1 : bytes), what); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(s.message(), " allocating ", bytes, " bytes"));
+  }
+  allocated_bytes_ += int64_t(bytes);
+  return DeviceAllocation(ptr, bytes);
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (ptr_ != nullptr) cudaFreeHost(ptr_);
+}
+
+absl::Status PinnedBuffer::Resize(size_t bytes) {
+  if (bytes <= bytes_) return absl::OkStatus();
+  if (ptr_ != nullptr) cudaFreeHost(ptr_);
+  ptr_ = nullptr;
+  bytes_ = 0;
+  if (absl::Status s = CudaStatus(cudaMallocHost(&ptr_, bytes), "cudaMallocHost"); !s.ok()) return s;
+  bytes_ = bytes;
+  return absl::OkStatus();
+}
+
+}  // namespace duet::cuda

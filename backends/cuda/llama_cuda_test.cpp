@@ -1,0 +1,285 @@
+// The CUDA backend against the CPU backend (the float32 reference) and against Hugging Face's
+// float32 greedy output on the bundled model. Label gpu: every test skips without a device.
+#include "backends/cuda/llama_cuda.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <numeric>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "backends/cpu/llama_cpu.h"
+#include "backends/executor_factory.h"
+#include "engine/llm_engine.h"
+
+namespace duet {
+namespace {
+
+bool HasGpu() {
+  int n = 0;
+  const bool ok = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+  cudaGetLastError();
+  return ok;
+}
+
+#define SKIP_WITHOUT_GPU() \
+  if (!HasGpu()) GTEST_SKIP() << "no CUDA device"
+
+// The models directory: $DUET_MODELS_DIR (the GPU machine runs this binary from another
+// checkout path), else the one this build was configured with.
+std::string ModelDir() {
+  const char* env = std::getenv("DUET_MODELS_DIR");
+  return std::string(env != nullptr ? env : DUET_MODELS_DIR) + "/tiny-code-llama";
+}
+
+double RelativeError(absl::Span<const float> out, absl::Span<const float> ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = double(out[i]) - double(ref[i]);
+    num += d * d;
+    den += double(ref[i]) * double(ref[i]);
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+
+// Runs the same steps through the CPU and CUDA executors with identical block tables.
+class BackendPair {
+ public:
+  explicit BackendPair(LlamaCudaOptions options = {}) {
+    auto cpu = LlamaCpu::Load(ModelDir());
+    EXPECT_TRUE(cpu.ok()) << cpu.status();
+    cpu_ = std::move(*cpu);
+    auto gpu = LlamaCuda::Load(ModelDir(), options);
+    EXPECT_TRUE(gpu.ok()) << gpu.status();
+    gpu_ = std::move(*gpu);
+    cpu_cache_ = cpu_->CreateKvCache(kBlocks, kBlockSize);
+    gpu_cache_ = gpu_->CreateKvCache(kBlocks, kBlockSize);
+  }
+  // Returns the relative error of the CUDA logits against the CPU logits for the step.
+  double Step(absl::Span<const SequenceChunk> chunks, std::vector<float>* gpu_logits = nullptr) {
+    std::vector<float> cpu_logits, cuda_logits;
+    EXPECT_TRUE(cpu_->Forward(chunks, *cpu_cache_, cpu_logits).ok());
+    absl::Status s = gpu_->Forward(chunks, *gpu_cache_, cuda_logits);
+    EXPECT_TRUE(s.ok()) << s;
+    EXPECT_EQ(cpu_logits.size(), cuda_logits.size());
+    if (gpu_logits != nullptr) *gpu_logits = cuda_logits;
+    return RelativeError(cuda_logits, cpu_logits);
+  }
+  // Applies the same KV slot moves to both caches.
+  void Move(absl::Span<const int32_t> block_table, absl::Span<const KvSlotMove> moves) {
+    EXPECT_TRUE(cpu_->MoveKvSlots(*cpu_cache_, block_table, moves).ok());
+    absl::Status s = gpu_->MoveKvSlots(*gpu_cache_, block_table, moves);
+    EXPECT_TRUE(s.ok()) << s;
+  }
+  LlamaCuda& gpu() { return *gpu_; }
+  KvCache& gpu_cache() { return *gpu_cache_; }
+
+  static constexpr int kBlocks = 512;
+  static constexpr int kBlockSize = 16;
+
+ private:
+  std::unique_ptr<LlamaCpu> cpu_;
+  std::unique_ptr<LlamaCuda> gpu_;
+  std::unique_ptr<KvCache> cpu_cache_, gpu_cache_;
+};
+
+std::vector<int32_t> Range(int32_t begin, int32_t n) {
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  std::iota(v.begin(), v.end(), begin);
+  return v;
+}
+
+int32_t Argmax(absl::Span<const float> row) {
+  return int32_t(std::max_element(row.begin(), row.end()) - row.begin());
+}
+
+TEST(LlamaCuda, Bf16PrefillAndGraphDecodeMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  BackendPair pair;
+  // Two sequences with shuffled, non-contiguous blocks; prompts of 37 and 100 tokens.
+  std::vector<int32_t> table_a = {7, 3, 100, 41, 9, 12, 13, 14, 15};
+  std::vector<int32_t> table_b = {200, 201, 50, 51, 52, 53, 54, 60, 61, 62, 63};
+  std::vector<int32_t> prompt_a = Range(5, 37), prompt_b = Range(300, 100);
+  SequenceChunk a{prompt_a, 0, table_a, 1, 1}, b{prompt_b, 0, table_b, 2, 1};
+  std::vector<float> logits;
+  const double prefill_error = pair.Step({a, b}, &logits);
+  std::printf("prefill logits relative error %.2e\n", prefill_error);
+  EXPECT_LT(prefill_error, 1e-2);
+  // Decode 20 steps (graph replay) feeding back the CUDA argmax.
+  int32_t next_a = Argmax(absl::MakeSpan(logits).subspan(0, 8192));
+  int32_t next_b = Argmax(absl::MakeSpan(logits).subspan(8192, 8192));
+  double worst = 0;
+  for (int step = 0; step < 20; ++step) {
+    std::vector<int32_t> ta = {next_a}, tb = {next_b};
+    SequenceChunk da{ta, int64_t(37 + step), table_a, 1, 1}, db{tb, int64_t(100 + step), table_b, 2, 1};
+    worst = std::max(worst, pair.Step({da, db}, &logits));
+    next_a = Argmax(absl::MakeSpan(logits).subspan(0, 8192));
+    next_b = Argmax(absl::MakeSpan(logits).subspan(8192, 8192));
+  }
+  std::printf("decode logits worst relative error %.2e\n", worst);
+  EXPECT_LT(worst, 1e-2);
+}
+
+TEST(LlamaCuda, Bf16ChunkedPrefillMixedWithDecodeMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  BackendPair pair;
+  std::vector<int32_t> table_a = {1, 2, 3, 4, 5, 6, 7, 8}, table_b = {20, 21, 22, 23};
+  std::vector<int32_t> prompt = Range(10, 90);
+  // The first 50 prompt tokens, no logits.
+  SequenceChunk first{absl::MakeSpan(prompt).subspan(0, 50), 0, table_a, 1, 0};
+  std::vector<int32_t> b_prompt = Range(1000, 30);
+  SequenceChunk b{b_prompt, 0, table_b, 2, 1};
+  EXPECT_LT(pair.Step({first, b}), 1e-2);
+  // The rest of A's prompt (with prompt logits for its last 5 tokens) beside a decode step of B.
+  std::vector<int32_t> b_next = {77};
+  SequenceChunk rest{absl::MakeSpan(prompt).subspan(50), 50, table_a, 1, 5};
+  SequenceChunk b_decode{b_next, 30, table_b, 2, 1};
+  EXPECT_LT(pair.Step({rest, b_decode}), 1e-2);
+}
+
+// Speculative verification: a draft tree beside a plain decode step, tree attention against the
+// CPU backend's, then the accepted path's K/V moved and decoding continued from it. With graphs
+// the verification step replays a padded verification graph; without, it runs eagerly.
+void ExpectDraftTreeVerificationMatchesCpu(bool cuda_graphs) {
+  LlamaCudaOptions options;
+  options.cuda_graphs = cuda_graphs;
+  BackendPair pair(options);
+  std::vector<int32_t> table_a = {9, 4, 30, 31, 32}, table_b = {60, 61, 62};
+  std::vector<int32_t> prompt_a = Range(100, 40), prompt_b = Range(700, 20);
+  EXPECT_LT(pair.Step({SequenceChunk{prompt_a, 0, table_a, 1, 1}, SequenceChunk{prompt_b, 0, table_b, 2, 1}}), 1e-2);
+  // Root 5 at position 40 with two branches: 6 -> 7 -> 8 and 9 -> 10, plus 11 under the root.
+  std::vector<int32_t> tree = {5, 6, 7, 8, 9, 10, 11}, parents = {-1, 0, 1, 2, 0, 4, 0};
+  SequenceChunk verify{tree, 40, table_a, 1, int32_t(tree.size())};
+  verify.tree_parents = parents;
+  std::vector<int32_t> next_b = {3};
+  std::vector<float> logits;
+  const double tree_error = pair.Step({verify, SequenceChunk{next_b, 20, table_b, 2, 1}}, &logits);
+  std::printf("tree verification logits relative error %.2e\n", tree_error);
+  EXPECT_LT(tree_error, 1e-2);
+  // Accept the branch 9 -> 10: slots 44, 45 move to 41, 42; then decode one token after it.
+  const KvSlotMove moves[] = {{44, 41}, {45, 42}};
+  pair.Move(table_a, moves);
+  std::vector<int32_t> next_a = {12};
+  const double after_error = pair.Step({SequenceChunk{next_a, 43, table_a, 1, 1}});
+  std::printf("decode after the KV moves: logits relative error %.2e\n", after_error);
+  EXPECT_LT(after_error, 1e-2);
+}
+
+TEST(LlamaCuda, Bf16DraftTreeVerificationAndKvMovesMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  ExpectDraftTreeVerificationMatchesCpu(/*cuda_graphs=*/true);
+}
+
+TEST(LlamaCuda, Bf16DraftTreeVerificationEagerMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  ExpectDraftTreeVerificationMatchesCpu(/*cuda_graphs=*/false);
+}
+
+TEST(LlamaCuda, Bf16DeviceSamplingGreedyIsArgmaxAndSeededDrawsRepeat) {
+  SKIP_WITHOUT_GPU();
+  BackendPair pair;
+  std::vector<int32_t> table = {4, 5, 6, 7}, prompt = Range(40, 20);
+  SequenceChunk chunk{prompt, 0, table, 1, 1};
+  std::vector<float> logits;
+  pair.Step({chunk}, &logits);
+  std::vector<int32_t> next = {Argmax(logits)};
+  SequenceChunk decode{next, 20, table, 1, 1};
+  std::vector<float> decode_logits;
+  ASSERT_TRUE(pair.gpu().Forward({decode}, pair.gpu_cache(), decode_logits).ok());
+  std::vector<DeviceSample> samples;
+  ASSERT_TRUE(pair.gpu().ForwardSample({decode}, pair.gpu_cache(), {DeviceSamplingRow{}}, samples).ok());
+  ASSERT_EQ(samples.size(), 1u);
+  EXPECT_EQ(samples[0].token, Argmax(decode_logits));
+  const DeviceSamplingRow seeded{0.8f, 50, 0.95f, 0.0f, 1234, 7};
+  std::vector<DeviceSample> first, second;
+  ASSERT_TRUE(pair.gpu().ForwardSample({decode}, pair.gpu_cache(), {seeded}, first).ok());
+  ASSERT_TRUE(pair.gpu().ForwardSample({decode}, pair.gpu_cache(), {seeded}, second).ok());
+  EXPECT_EQ(first[0].token, second[0].token);
+  EXPECT_TRUE(std::isfinite(first[0].logprob) && first[0].logprob <= 0.0f);
+}
+
+// Every reference case through the engine on the CUDA backend, all in one continuous batch.
+// bf16 compute may flip a token only where the float32 reference's top-2 margin is tiny.
+void ExpectGreedyMatchesReference(const std::string& speculation) {
+  std::ifstream in(ModelDir() + "/reference_greedy.json");
+  ASSERT_TRUE(in.good());
+  const nlohmann::json reference = nlohmann::json::parse(in);
+  EngineConfig config;
+  config.model_dir = ModelDir();
+  config.backend = "cuda";
+  config.gpu_memory_utilization = 0.2;
+  config.speculation.default_mode = *ParseSpeculationMode(speculation);
+  config.speculation.adaptive = false;  // every request drafts every step: verification is exercised
+  if (speculation == "draft") config.speculation.draft_model_dir = ModelDir() + "-draft";
+  auto engine = CreateEngine(config);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const auto& cases = reference["cases"];
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SamplingParams params;
+    params.temperature = 0.0f;
+    params.max_tokens = int32_t(cases[i]["greedy_ids"].size());
+    params.ignore_eos = true;
+    ASSERT_TRUE((*engine)->AddRequest(std::to_string(i), cases[i]["prompt_ids"].get<std::vector<int32_t>>(), params).ok());
+  }
+  std::map<std::string, std::vector<int32_t>> outputs;
+  while ((*engine)->HasUnfinished()) {
+    auto step = (*engine)->Step();
+    ASSERT_TRUE(step.ok()) << step.status();
+    for (const RequestOutput& out : *step) {
+      auto& ids = outputs[out.id];
+      ids.insert(ids.end(), out.new_token_ids.begin(), out.new_token_ids.end());
+    }
+  }
+  int exact = 0, total_tokens = 0, agreeing_tokens = 0;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const auto expected = cases[i]["greedy_ids"].get<std::vector<int32_t>>();
+    const auto margins = cases[i]["top2_margins"].get<std::vector<double>>();
+    const auto& got = outputs[std::to_string(i)];
+    ASSERT_EQ(got.size(), expected.size());
+    size_t first_diff = 0;
+    while (first_diff < got.size() && got[first_diff] == expected[first_diff]) ++first_diff;
+    total_tokens += int(expected.size());
+    agreeing_tokens += int(first_diff);
+    if (first_diff == got.size()) {
+      ++exact;
+      continue;
+    }
+    std::printf("case %zu diverges at token %zu (reference top-2 margin %.4f)\n", i, first_diff, margins[first_diff]);
+    EXPECT_LT(margins[first_diff], 0.05) << "case " << i << " diverged where the reference was not close";
+  }
+  std::printf("CUDA greedy (speculation %s) vs HF float32 reference: %d/%zu cases exact, %d/%d tokens before any "
+              "divergence\n", speculation.c_str(), exact, cases.size(), agreeing_tokens, total_tokens);
+  if (speculation != "none") {
+    const SpecDecodeStats stats = (*engine)->Stats().spec_decode;
+    std::printf("  %lld drafts, %lld draft tokens, %lld accepted\n", (long long)stats.num_drafts,
+                (long long)stats.num_draft_tokens, (long long)stats.num_accepted_tokens);
+    EXPECT_GT(stats.num_drafts, 0);
+  }
+}
+
+TEST(LlamaCuda, Bf16GreedyMatchesHuggingFaceReference) {
+  SKIP_WITHOUT_GPU();
+  ExpectGreedyMatchesReference("none");
+}
+
+// Lossless speculation on the device: the same criterion with every mode verifying drafts.
+TEST(LlamaCuda, Bf16GreedyWithLookaheadMatchesHuggingFaceReference) {
+  SKIP_WITHOUT_GPU();
+  ExpectGreedyMatchesReference("lookahead");
+}
+
+TEST(LlamaCuda, Bf16GreedyWithDraftModelMatchesHuggingFaceReference) {
+  SKIP_WITHOUT_GPU();
+  ExpectGreedyMatchesReference("draft");
+}
+
+TEST(LlamaCuda, Bf16GreedyWithSelfSpeculationMatchesHuggingFaceReference) {
+  SKIP_WITHOUT_GPU();
+  ExpectGreedyMatchesReference("self");
+}
+
+}  // namespace
+}  // namespace duet

@@ -1,0 +1,61 @@
+#include "backends/executor_factory.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "backends/cpu/llama_cpu.h"
+#include "model/model_config.h"
+#ifdef DUET_HAVE_CUDA
+#include "backends/cuda/device_memory.h"
+#include "backends/cuda/llama_cuda.h"
+#endif
+
+namespace duet {
+
+#ifdef DUET_HAVE_CUDA
+namespace {
+
+absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadCudaExecutor(const EngineConfig& config) {
+  LlamaCudaOptions options;
+  options.max_num_seqs = config.scheduler.max_num_seqs;
+  options.max_num_batched_tokens = config.scheduler.max_num_batched_tokens;
+  options.max_model_len = config.scheduler.max_model_len;
+  // Verification steps give a logits row per token: room for every sequence's draft tree in
+  // one head pass, within 1 GiB of logits.
+  if (absl::StatusOr<ModelConfig> m = LoadModelConfig(config.model_dir); m.ok()) {
+    const int64_t rows = int64_t(options.max_num_seqs) * (1 + std::max(config.speculation.max_draft_tokens, 0));
+    const int64_t cap = std::max<int64_t>(options.max_num_seqs, (int64_t(1) << 30) / (4 * m->vocab_size));
+    options.max_logit_rows = int(std::min({rows, cap, int64_t(options.max_num_batched_tokens)}));
+  }
+  return LlamaCuda::Load(config.model_dir, options);
+}
+
+}  // namespace
+#endif
+
+std::string ResolveBackend(const std::string& backend) {
+  if (backend != "auto") return backend;
+#ifdef DUET_HAVE_CUDA
+  if (cuda::CudaDeviceAvailable()) return "cuda";
+#endif
+  return "cpu";
+}
+
+absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadExecutor(const EngineConfig& config) {
+  const std::string backend = ResolveBackend(config.backend);
+  if (backend == "cpu") return LlamaCpu::Load(config.model_dir);
+#ifdef DUET_HAVE_CUDA
+  if (backend == "cuda") return LoadCudaExecutor(config);
+  constexpr const char* kAvailable = "cpu or cuda";
+#else
+  constexpr const char* kAvailable = "cpu (this build has no CUDA)";
+#endif
+  return absl::UnimplementedError(
+      absl::StrCat("backend '", config.backend, "' is not available; use ", kAvailable));
+}
+
+absl::StatusOr<std::unique_ptr<LlmEngine>> CreateEngine(const EngineConfig& config) {
+  return LlmEngine::Create(config, LoadExecutor);
+}
+
+}  // namespace duet

@@ -1,0 +1,62 @@
+#include "engine/kv/kv_cache.h"
+
+#include <algorithm>
+
+
+namespace duet {
+namespace {
+
+KvCacheShape WithFloat32(KvCacheShape shape) {
+  shape.dtype = KvDtype::kFloat32;
+  return shape;
+}
+
+}  // namespace
+
+HostKvCache::HostKvCache(KvCacheShape shape) : KvCache(WithFloat32(shape)) {
+  const size_t layer_elems = static_cast<size_t>(shape.num_blocks * shape.block_elems());
+  keys_.assign(shape.num_layers, std::vector<float>(layer_elems, 0.0f));
+  values_.assign(shape.num_layers, std::vector<float>(layer_elems, 0.0f));
+}
+
+void HostKvCache::CopyBlocks(const std::vector<BlockCopy>& copies) {
+  const int64_t n = shape().block_elems();
+  for (int64_t layer = 0; layer < shape().num_layers; ++layer) {
+    for (const BlockCopy& c : copies) {
+      std::copy_n(keys_[layer].data() + c.src * n, n, keys_[layer].data() + c.dst * n);
+      std::copy_n(values_[layer].data() + c.src * n, n, values_[layer].data() + c.dst * n);
+    }
+  }
+}
+
+absl::Status HostKvCache::CopyBlocksToHost(int64_t first_layer, int64_t num_layers,
+                                           absl::Span<const BlockCopy> copies, const HostKvBlocks& host) {
+  return CopyWithHost(first_layer, num_layers, copies, host, /*to_host=*/true);
+}
+
+absl::Status HostKvCache::CopyBlocksFromHost(int64_t first_layer, int64_t num_layers,
+                                             absl::Span<const BlockCopy> copies, const HostKvBlocks& host) {
+  return CopyWithHost(first_layer, num_layers, copies, host, /*to_host=*/false);
+}
+
+absl::Status HostKvCache::CopyWithHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                                       const HostKvBlocks& host, bool to_host) {
+  if (absl::Status s = CheckHostCopies(first_layer, num_layers, copies, host, to_host); !s.ok()) return s;
+  const int64_t n = shape().block_elems();
+  for (int64_t layer = first_layer; layer < first_layer + num_layers; ++layer) {
+    for (int kv = 0; kv < 2; ++kv) {
+      float* cache = kv == 0 ? keys(layer) : values(layer);
+      float* staged = static_cast<float*>(kv == 0 ? host.keys[layer] : host.values[layer]);
+      for (const BlockCopy& c : copies) {
+        if (to_host) {
+          std::copy_n(cache + c.src * n, n, staged + c.dst * n);
+        } else {
+          std::copy_n(staged + c.src * n, n, cache + c.dst * n);
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace duet

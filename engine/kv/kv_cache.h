@@ -1,0 +1,139 @@
+// KV-cache storage. The executor that computes with the cache also allocates it (host memory
+// for the CPU backend, device memory for CUDA); BlockManager decides which blocks a sequence
+// owns, and this class only holds the bytes.
+//
+// Per layer, separate K and V pools, each laid out [num_blocks, num_kv_heads, block_size, head_dim]
+// of `dtype`, so one head's keys in a block are contiguous. Token t of a sequence lives in block
+// table[t / block_size] at slot t % block_size.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
+#include "engine/kv/block_manager.h"
+
+namespace duet {
+
+enum class KvDtype { kFloat32, kBFloat16 };
+enum class MemorySpace { kHost, kDevice };
+
+inline int64_t KvDtypeBytes(KvDtype dtype) { return dtype == KvDtype::kFloat32 ? 4 : 2; }
+
+struct KvCacheShape {
+  int64_t num_layers = 0;
+  int64_t num_blocks = 0;
+  int64_t num_kv_heads = 0;
+  int64_t block_size = 0;
+  int64_t head_dim = 0;
+  KvDtype dtype = KvDtype::kFloat32;
+
+  int64_t block_elems() const { return num_kv_heads * block_size * head_dim; }
+  // Bytes of K plus V for one block across all layers.
+  int64_t bytes_per_block() const { return 2 * num_layers * block_elems() * KvDtypeBytes(dtype); }
+};
+
+// Host memory with its own release function (page-locked memory for device caches).
+using HostMemory = std::unique_ptr<void, void (*)(void*)>;
+
+// Host-resident pools with a cache's block layout and dtype, for staging some of its blocks:
+// per layer a K and a V pool [num_blocks, num_kv_heads, block_size, head_dim].
+struct HostKvBlocks {
+  std::vector<void*> keys;    // [num_layers]
+  std::vector<void*> values;  // [num_layers]
+};
+
+class KvCache {
+ public:
+  virtual ~KvCache() = default;
+
+  const KvCacheShape& shape() const { return shape_; }
+  virtual MemorySpace memory_space() const = 0;
+  // Base address of one layer's K or V pool ([num_blocks, num_kv_heads, block_size, head_dim]
+  // elements of shape().dtype), in memory_space().
+  virtual void* key_pool(int64_t layer) = 0;
+  virtual void* value_pool(int64_t layer) = 0;
+  // Copies whole blocks in every layer (copy-on-write).
+  virtual void CopyBlocks(const std::vector<BlockCopy>& copies) = 0;
+
+  // Host memory this cache copies to and from fastest (page-locked for a device cache).
+  // Inline, like every virtual here, so the CUDA backend's library needs nothing from this one's.
+  virtual absl::StatusOr<HostMemory> AllocateHostStaging(size_t bytes) {
+    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (p == nullptr) return absl::ResourceExhaustedError("cannot allocate host memory for KV staging");
+    return HostMemory(p, [](void* q) { std::free(q); });
+  }
+  // Copies whole blocks of layers [first_layer, first_layer + num_layers) between this cache and
+  // `host`: ToHost reads cache block copies[i].src into host block copies[i].dst, FromHost the
+  // reverse (host .src into cache .dst). Returns once the bytes are in place; the caller keeps
+  // the steps that use those blocks out of the way.
+  virtual absl::Status CopyBlocksToHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                                        const HostKvBlocks& host) = 0;
+  virtual absl::Status CopyBlocksFromHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                                          const HostKvBlocks& host) = 0;
+
+  // Element offset of (block, head, slot) within a layer's K or V pool.
+  int64_t Offset(int64_t block, int64_t head, int64_t slot) const {
+    return ((block * shape_.num_kv_heads + head) * shape_.block_size + slot) * shape_.head_dim;
+  }
+
+ protected:
+  explicit KvCache(const KvCacheShape& shape) : shape_(shape) {}
+
+  // For the host copies: the layers exist, `host` has pools for every layer, and every block id
+  // is inside its pool (the cache's side is bounded by num_blocks; the host side by the caller).
+  // Inline: the CUDA backend's library uses it too.
+  absl::Status CheckHostCopies(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                               const HostKvBlocks& host, bool to_host) const {
+    if (first_layer < 0 || num_layers < 0 || first_layer + num_layers > shape_.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("layers [", first_layer, ", ", first_layer + num_layers,
+                                                     ") are outside the cache's ", shape_.num_layers));
+    }
+    if (int64_t(host.keys.size()) != shape_.num_layers || int64_t(host.values.size()) != shape_.num_layers) {
+      return absl::InvalidArgumentError("the host blocks need a K and a V pool for every layer");
+    }
+    for (const BlockCopy& c : copies) {
+      const int32_t cache_block = to_host ? c.src : c.dst;
+      if (cache_block < 0 || cache_block >= shape_.num_blocks || (to_host ? c.dst : c.src) < 0) {
+        return absl::OutOfRangeError(absl::StrCat("block copy ", c.src, " -> ", c.dst, " is outside the pools"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  KvCacheShape shape_;
+};
+
+// float32 pools in host memory (the CPU backend).
+class HostKvCache : public KvCache {
+ public:
+  explicit HostKvCache(KvCacheShape shape);
+
+  MemorySpace memory_space() const override { return MemorySpace::kHost; }
+  void* key_pool(int64_t layer) override { return keys(layer); }
+  void* value_pool(int64_t layer) override { return values(layer); }
+  void CopyBlocks(const std::vector<BlockCopy>& copies) override;
+  absl::Status CopyBlocksToHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                                const HostKvBlocks& host) override;
+  absl::Status CopyBlocksFromHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                                  const HostKvBlocks& host) override;
+
+  float* keys(int64_t layer) { return keys_[layer].data(); }
+  float* values(int64_t layer) { return values_[layer].data(); }
+
+ private:
+  absl::Status CopyWithHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                            const HostKvBlocks& host, bool to_host);
+
+  std::vector<std::vector<float>> keys_;    // [num_layers][num_blocks * block_elems]
+  std::vector<std::vector<float>> values_;  // same
+};
+
+}  // namespace duet

@@ -1,0 +1,129 @@
+#include "engine/scheduler/scheduler.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/check.h"
+
+namespace duet {
+
+Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks)
+    : config_(config), blocks_(blocks) {
+  DUET_CHECK(config.max_num_seqs > 0 && config.max_num_batched_tokens > 0);
+}
+
+absl::Status Scheduler::Add(Request* request) {
+  const int64_t prompt_len = int64_t(request->prompt.size());
+  if (prompt_len == 0) return absl::InvalidArgumentError("the prompt is empty");
+  const int64_t total = prompt_len + request->params.max_tokens;
+  if (total > config_.max_model_len) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "this model's maximum context length is ", config_.max_model_len, " tokens; the request has ",
+        prompt_len, " prompt tokens and max_tokens ", request->params.max_tokens, " (", total,
+        " in all)"));
+  }
+  const int32_t blocks_needed = blocks_.BlocksForTokens(total);
+  if (blocks_needed > blocks_.num_blocks()) {
+    return absl::InvalidArgumentError(absl::StrCat("the request needs ", blocks_needed,
+                                                   " KV-cache blocks and the cache has only ",
+                                                   blocks_.num_blocks()));
+  }
+  request->state = RequestState::kWaiting;
+  waiting_.push_back(request);
+  return absl::OkStatus();
+}
+
+void Scheduler::Preempt(Request* request) {
+  blocks_.Free(request->seq_id);
+  request->num_computed_tokens = 0;
+  request->state = RequestState::kWaiting;
+  ++request->num_preemptions;
+  waiting_.push_front(request);
+}
+
+SchedulerOutput Scheduler::Schedule() {
+  SchedulerOutput out;
+  int64_t token_budget = config_.max_num_batched_tokens;
+
+  // Capacity phase: running requests, oldest first; the youngest are preempted to make room.
+  std::vector<Request*> kept;
+  kept.reserve(running_.size());
+  for (size_t i = 0; i < running_.size(); ++i) {
+    Request* r = running_[i];
+    if (token_budget == 0) {  // no room this step; stays running with its blocks
+      kept.push_back(r);
+      continue;
+    }
+    const int64_t remaining = r->num_tokens() - r->num_computed_tokens;
+    const int64_t n = std::min(remaining, token_budget);
+    // A decoding request's draft slots come only from spare blocks and budget: speculation
+    // never preempts anyone.
+    int32_t draft_slots = 0;
+    if (remaining == 1 && r->spec.lookahead_slots > 0) {
+      draft_slots = int32_t(std::min<int64_t>(r->spec.lookahead_slots, token_budget - n));
+      if (draft_slots > 0 && !blocks_.Reserve(r->seq_id, r->num_computed_tokens + n + draft_slots,
+                                              r->num_computed_tokens, &out.block_copies).ok()) {
+        draft_slots = 0;
+      }
+    }
+    r->spec.lookahead_slots = draft_slots;
+    bool placed = false;
+    while (!placed) {
+      absl::Status s = blocks_.Reserve(r->seq_id, r->num_computed_tokens + n, r->num_computed_tokens,
+                                       &out.block_copies);
+      if (s.ok()) {
+        placed = true;
+      } else if (running_.size() > i + 1) {
+        Request* victim = running_.back();  // youngest not yet considered
+        running_.pop_back();
+        Preempt(victim);
+        ++out.num_preempted;
+      } else {
+        break;
+      }
+    }
+    if (!placed) {  // nothing younger to evict: this request yields its own blocks
+      Preempt(r);
+      ++out.num_preempted;
+      continue;
+    }
+    kept.push_back(r);
+    out.chunks.push_back({r, n, r->num_computed_tokens + n == r->num_tokens(), draft_slots});
+    token_budget -= n + draft_slots;
+  }
+  running_ = std::move(kept);
+
+  // Micro-batch phase: admit waiting requests oldest first, but not right after preempting
+  // (the freed blocks belong to the requests that stayed).
+  while (out.num_preempted == 0 && !waiting_.empty() && token_budget > 0 &&
+         int32_t(running_.size()) < config_.max_num_seqs) {
+    Request* r = waiting_.front();
+    const int64_t remaining = r->num_tokens() - r->num_computed_tokens;
+    const int64_t n = std::min(remaining, token_budget);
+    if (!blocks_.Reserve(r->seq_id, r->num_computed_tokens + n, r->num_computed_tokens,
+                         &out.block_copies).ok()) {
+      break;  // first come, first served: no overtaking by smaller requests
+    }
+    waiting_.pop_front();
+    r->spec.lookahead_slots = 0;
+    r->state = RequestState::kRunning;
+    if (r->first_scheduled_time == Clock::time_point{}) r->first_scheduled_time = Clock::now();
+    running_.push_back(r);
+    out.chunks.push_back({r, n, r->num_computed_tokens + n == r->num_tokens()});
+    token_budget -= n;
+  }
+  return out;
+}
+
+void Scheduler::OnStepDone(const SchedulerOutput& output) {
+  for (const ScheduledChunk& c : output.chunks) c.request->num_computed_tokens += c.num_new_tokens;
+}
+
+void Scheduler::Remove(Request* request) {
+  blocks_.Free(request->seq_id);
+  running_.erase(std::remove(running_.begin(), running_.end(), request), running_.end());
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), request), waiting_.end());
+  request->state = RequestState::kFinished;
+}
+
+}  // namespace duet

@@ -1,0 +1,71 @@
+// Continuous batching at iteration level: every step, running requests keep their place,
+// finished ones leave, waiting ones join while KV blocks, the batch-size limit and the token
+// budget allow. Two phases, as in TensorRT-LLM:
+//   capacity: every running request gets KV room for its next tokens; when blocks run out the
+//             most recently admitted running request is preempted (blocks freed, recomputed
+//             later from its prompt and output so far);
+//   micro-batch: waiting requests are admitted oldest first within max_num_seqs and the token
+//             budget; a long prompt is split into chunks across steps (chunked prefill).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "engine/kv/block_manager.h"
+#include "engine/request.h"
+
+namespace duet {
+
+struct SchedulerConfig {
+  int32_t max_num_seqs = 256;             // requests in the running batch
+  int32_t max_num_batched_tokens = 2048;  // tokens processed per step
+  int64_t max_model_len = 4096;           // prompt + output limit per request
+};
+
+struct ScheduledChunk {
+  Request* request = nullptr;
+  int64_t num_new_tokens = 0;  // tokens [num_computed_tokens, + num_new_tokens) run this step
+  bool samples = false;        // the chunk reaches the end of the request's tokens
+  // Draft tokens this decode chunk verifies (request->spec.lookahead_slots that got KV room;
+  // they sit in slots after the chunk's token and count against the token budget).
+  int32_t num_draft_slots = 0;
+};
+
+struct SchedulerOutput {
+  std::vector<ScheduledChunk> chunks;
+  std::vector<BlockCopy> block_copies;  // copy-on-write, before the step runs
+  int32_t num_preempted = 0;
+  bool empty() const { return chunks.empty(); }
+};
+
+class Scheduler {
+ public:
+  Scheduler(const SchedulerConfig& config, BlockManager& blocks);
+
+  // Queues a request. InvalidArgument if it can never run: prompt + max_tokens beyond
+  // max_model_len, or more KV blocks than the whole cache holds.
+  absl::Status Add(Request* request);
+  SchedulerOutput Schedule();
+  // Called after the step: advances num_computed_tokens of every scheduled chunk (by its
+  // num_new_tokens; the engine adds accepted draft tokens itself).
+  void OnStepDone(const SchedulerOutput& output);
+  // Removes a request (finished or aborted) and frees its blocks.
+  void Remove(Request* request);
+
+  bool HasWork() const { return !running_.empty() || !waiting_.empty(); }
+  size_t num_running() const { return running_.size(); }
+  size_t num_waiting() const { return waiting_.size(); }
+  const SchedulerConfig& config() const { return config_; }
+
+ private:
+  void Preempt(Request* request);
+
+  SchedulerConfig config_;
+  BlockManager& blocks_;
+  std::vector<Request*> running_;  // admission order
+  std::deque<Request*> waiting_;   // preempted requests go to the front
+};
+
+}  // namespace duet

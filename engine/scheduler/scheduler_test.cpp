@@ -1,0 +1,141 @@
+#include "engine/scheduler/scheduler.h"
+
+#include <memory>
+
+#include "gtest/gtest.h"
+
+namespace duet {
+namespace {
+
+class SchedulerTest : public ::testing::Test {
+ protected:
+  Request* NewRequest(int prompt_len, int max_tokens) {
+    SamplingParams p;
+    p.max_tokens = max_tokens;
+    requests_.push_back(std::make_unique<Request>("r" + std::to_string(requests_.size()),
+                                                  requests_.size() + 1, std::vector<int32_t>(prompt_len, 5), p));
+    return requests_.back().get();
+  }
+  // Runs the plan as the engine would: advance computed tokens, "sample" a token for chunks
+  // that reach the end, finish requests at max_tokens.
+  void Execute(Scheduler& s, const SchedulerOutput& out) {
+    s.OnStepDone(out);
+    for (const ScheduledChunk& c : out.chunks) {
+      if (!c.samples) continue;
+      c.request->output.push_back(7);
+      if (int(c.request->output.size()) >= c.request->params.max_tokens) s.Remove(c.request);
+    }
+  }
+  std::vector<std::unique_ptr<Request>> requests_;
+};
+
+TEST_F(SchedulerTest, RequestsJoinAndLeaveAtEveryStep) {
+  BlockManager blocks(64, 4);
+  Scheduler s({/*max_num_seqs=*/8, /*max_num_batched_tokens=*/64, /*max_model_len=*/128}, blocks);
+  Request* a = NewRequest(6, 2);
+  ASSERT_TRUE(s.Add(a).ok());
+  SchedulerOutput o = s.Schedule();
+  ASSERT_EQ(o.chunks.size(), 1u);
+  EXPECT_EQ(o.chunks[0].num_new_tokens, 6);
+  EXPECT_TRUE(o.chunks[0].samples);
+  Execute(s, o);
+
+  Request* b = NewRequest(3, 3);  // joins while a decodes
+  ASSERT_TRUE(s.Add(b).ok());
+  o = s.Schedule();
+  ASSERT_EQ(o.chunks.size(), 2u);
+  EXPECT_EQ(o.chunks[0].request, a);
+  EXPECT_EQ(o.chunks[0].num_new_tokens, 1);
+  EXPECT_EQ(o.chunks[1].request, b);
+  EXPECT_EQ(o.chunks[1].num_new_tokens, 3);
+  Execute(s, o);  // a reaches max_tokens and leaves
+  EXPECT_TRUE(a->finished());
+  EXPECT_EQ(s.num_running(), 1u);
+  o = s.Schedule();
+  ASSERT_EQ(o.chunks.size(), 1u);
+  EXPECT_EQ(o.chunks[0].request, b);
+  Execute(s, o);
+  Execute(s, s.Schedule());
+  EXPECT_TRUE(b->finished());
+  EXPECT_FALSE(s.HasWork());
+  EXPECT_EQ(blocks.num_free_blocks(), 64);
+}
+
+TEST_F(SchedulerTest, MaxNumSeqsAndTokenBudgetBoundTheBatch) {
+  BlockManager blocks(64, 4);
+  Scheduler s({2, 10, 128}, blocks);
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(s.Add(NewRequest(4, 4)).ok());
+  SchedulerOutput o = s.Schedule();
+  EXPECT_EQ(o.chunks.size(), 2u);  // max_num_seqs
+  EXPECT_EQ(s.num_waiting(), 2u);
+
+  // A long prompt is prefilled in chunks within the token budget.
+  BlockManager blocks2(64, 4);
+  Scheduler s2({8, 10, 128}, blocks2);
+  Request* r = NewRequest(25, 1);
+  ASSERT_TRUE(s2.Add(r).ok());
+  std::vector<int64_t> chunk_sizes;
+  while (s2.HasWork()) {
+    SchedulerOutput step = s2.Schedule();
+    ASSERT_EQ(step.chunks.size(), 1u);
+    chunk_sizes.push_back(step.chunks[0].num_new_tokens);
+    EXPECT_EQ(step.chunks[0].samples, r->num_computed_tokens + step.chunks[0].num_new_tokens == 25);
+    Execute(s2, step);
+  }
+  EXPECT_EQ(chunk_sizes, (std::vector<int64_t>{10, 10, 5}));
+}
+
+TEST_F(SchedulerTest, RejectsRequestsThatCanNeverFit) {
+  BlockManager blocks(4, 4);  // 16 tokens in all
+  Scheduler s({8, 64, 100}, blocks);
+  absl::Status too_long = s.Add(NewRequest(90, 20));
+  EXPECT_EQ(too_long.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(too_long.message().find("maximum context length"), std::string::npos);
+  absl::Status too_big = s.Add(NewRequest(10, 10));
+  EXPECT_EQ(too_big.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(too_big.message().find("KV-cache blocks"), std::string::npos);
+  EXPECT_EQ(s.Add(NewRequest(0, 1)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(s.Add(NewRequest(8, 8)).ok());
+}
+
+TEST_F(SchedulerTest, PreemptsYoungestWhenBlocksRunOutAndRecomputes) {
+  BlockManager blocks(4, 4);
+  Scheduler s({8, 64, 64}, blocks);
+  Request* old_req = NewRequest(4, 8);    // will need 3 blocks at the end
+  Request* young_req = NewRequest(4, 8);
+  ASSERT_TRUE(s.Add(old_req).ok());
+  ASSERT_TRUE(s.Add(young_req).ok());
+  int preemptions = 0;
+  int steps = 0;
+  while (s.HasWork() && steps < 100) {
+    SchedulerOutput o = s.Schedule();
+    preemptions += o.num_preempted;
+    Execute(s, o);
+    ++steps;
+    EXPECT_LE(blocks.num_used_blocks(), 4);
+  }
+  EXPECT_TRUE(old_req->finished());
+  EXPECT_TRUE(young_req->finished());
+  EXPECT_GE(preemptions, 1);
+  EXPECT_EQ(old_req->num_preemptions, 0);  // the oldest keeps its place
+  EXPECT_GE(young_req->num_preemptions, 1);
+  EXPECT_EQ(young_req->output.size(), 8u);
+  EXPECT_EQ(blocks.num_free_blocks(), 4);
+}
+
+TEST_F(SchedulerTest, RemoveWhileWaitingOrRunningFreesBlocks) {
+  BlockManager blocks(16, 4);
+  Scheduler s({8, 64, 64}, blocks);
+  Request* a = NewRequest(8, 4);
+  Request* b = NewRequest(8, 4);
+  ASSERT_TRUE(s.Add(a).ok());
+  Execute(s, s.Schedule());
+  ASSERT_TRUE(s.Add(b).ok());
+  s.Remove(b);  // still waiting
+  s.Remove(a);  // running
+  EXPECT_FALSE(s.HasWork());
+  EXPECT_EQ(blocks.num_free_blocks(), 16);
+}
+
+}  // namespace
+}  // namespace duet

@@ -1,0 +1,123 @@
+#include "rpc/rpc_util.h"
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+
+namespace duet::rpc {
+
+grpc::Status ToGrpc(const absl::Status& status) {
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+absl::Status FromGrpc(const grpc::Status& status) {
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+absl::StatusOr<SamplingParams> ToSamplingParams(const v1::SamplingOptions& o) {
+  SamplingParams p;
+  if (o.has_temperature()) p.temperature = o.temperature();
+  if (o.has_top_p()) p.top_p = o.top_p();
+  if (o.has_top_k()) p.top_k = o.top_k();
+  if (o.has_min_p()) p.min_p = o.min_p();
+  if (o.has_repetition_penalty()) p.repetition_penalty = o.repetition_penalty();
+  if (o.has_presence_penalty()) p.presence_penalty = o.presence_penalty();
+  if (o.has_frequency_penalty()) p.frequency_penalty = o.frequency_penalty();
+  if (o.has_seed()) p.seed = o.seed();
+  if (o.has_max_tokens()) p.max_tokens = o.max_tokens();
+  p.stop.assign(o.stop().begin(), o.stop().end());
+  p.stop_token_ids.assign(o.stop_token_ids().begin(), o.stop_token_ids().end());
+  p.ignore_eos = o.ignore_eos();
+  if (o.has_logprobs()) p.logprobs = o.logprobs();
+  if (o.has_speculation()) {
+    absl::StatusOr<SpeculationMode> mode = ParseSpeculationMode(o.speculation());
+    if (!mode.ok()) return mode.status();
+    p.speculation = *mode;
+  }
+  if (absl::Status s = p.Validate(); !s.ok()) return s;
+  return p;
+}
+
+v1::SamplingOptions ToSamplingOptions(const SamplingParams& p) {
+  v1::SamplingOptions o;
+  o.set_temperature(p.temperature);
+  o.set_top_p(p.top_p);
+  o.set_top_k(p.top_k);
+  o.set_min_p(p.min_p);
+  o.set_repetition_penalty(p.repetition_penalty);
+  o.set_presence_penalty(p.presence_penalty);
+  o.set_frequency_penalty(p.frequency_penalty);
+  if (p.seed) o.set_seed(*p.seed);
+  o.set_max_tokens(p.max_tokens);
+  for (const std::string& s : p.stop) o.add_stop(s);
+  for (int32_t id : p.stop_token_ids) o.add_stop_token_ids(id);
+  o.set_ignore_eos(p.ignore_eos);
+  if (p.logprobs >= 0) o.set_logprobs(p.logprobs);
+  if (p.speculation) o.set_speculation(SpeculationModeName(*p.speculation));
+  return o;
+}
+
+void ToProto(const SampledToken& token, v1::TokenLogprobs* out) {
+  out->set_logprob(token.logprob);
+  for (const TokenLogprob& t : token.top_logprobs) {
+    v1::TopLogprob* top = out->add_top();
+    top->set_token_id(t.token);
+    top->set_logprob(t.logprob);
+  }
+}
+
+SampledToken FromProto(int32_t token_id, const v1::TokenLogprobs& logprobs) {
+  SampledToken token;
+  token.token = token_id;
+  token.logprob = logprobs.logprob();
+  for (const v1::TopLogprob& t : logprobs.top()) token.top_logprobs.push_back({t.token_id(), t.logprob()});
+  return token;
+}
+
+void FillWorkerStats(const EngineStats& stats, const std::string& role, int32_t block_size,
+                     v1::WorkerStats* out) {
+  out->set_role(role);
+  out->set_num_requests_running(stats.num_running);
+  out->set_num_requests_waiting(stats.num_waiting);
+  out->set_num_kv_blocks(stats.num_kv_blocks);
+  out->set_num_free_kv_blocks(stats.num_free_kv_blocks);
+  out->set_num_preemptions(stats.num_preemptions);
+  out->set_block_size(block_size);
+}
+
+void RecordEngineStats(const EngineStats& stats, metrics::DuetMetrics& metrics, int64_t* preemptions_seen) {
+  metrics.num_requests_running.Set(stats.num_running);
+  metrics.num_requests_waiting.Set(stats.num_waiting);
+  metrics.kv_cache_usage_perc.Set(
+      stats.num_kv_blocks > 0 ? double(stats.num_kv_blocks - stats.num_free_kv_blocks) / stats.num_kv_blocks : 0.0);
+  if (stats.num_preemptions > *preemptions_seen) {
+    metrics.num_preemptions.Inc(double(stats.num_preemptions - *preemptions_seen));
+    *preemptions_seen = stats.num_preemptions;
+  }
+}
+
+std::vector<std::pair<std::string, int>> KeepaliveServerArgs() {
+  return {
+      {GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1},
+      {GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 500},
+      {GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0},
+  };
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& address,
+                                                          const std::vector<grpc::Service*>& services,
+                                                          int* bound_port) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  for (const auto& [name, value] : KeepaliveServerArgs()) builder.AddChannelArgument(name, value);
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), bound_port);
+  for (grpc::Service* service : services) builder.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || *bound_port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+  }
+  return server;
+}
+
+}  // namespace duet::rpc

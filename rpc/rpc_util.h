@@ -1,0 +1,50 @@
+// Shared pieces of Duet's gRPC services: status and sampling conversions, server start-up with
+// health checking and reflection.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "duet/v1/duet.pb.h"
+#include "duet/v1/worker.pb.h"
+#include "engine/llm_engine.h"
+#include "engine/sampler.h"
+#include "engine/sampling_params.h"
+#include "grpcpp/grpcpp.h"
+#include "metrics/vllm_metrics.h"
+
+namespace duet::rpc {
+
+grpc::Status ToGrpc(const absl::Status& status);
+absl::Status FromGrpc(const grpc::Status& status);
+
+// Proto options → engine params (defaults as vLLM's), validated: InvalidArgument names the field.
+absl::StatusOr<SamplingParams> ToSamplingParams(const v1::SamplingOptions& options);
+v1::SamplingOptions ToSamplingOptions(const SamplingParams& params);
+
+void ToProto(const SampledToken& token, v1::TokenLogprobs* out);
+SampledToken FromProto(int32_t token_id, const v1::TokenLogprobs& logprobs);
+
+// A worker's GetStats answer from its engine counters (leases are the caller's to add).
+void FillWorkerStats(const EngineStats& stats, const std::string& role, int32_t block_size,
+                     v1::WorkerStats* out);
+// Brings a worker's scheduler gauges and preemption counter up to `stats`; `preemptions_seen`
+// is the engine total already counted (the caller serializes calls).
+void RecordEngineStats(const EngineStats& stats, metrics::DuetMetrics& metrics, int64_t* preemptions_seen);
+
+// Server-side channel arguments so the router's keepalive pings (every second, also on idle
+// connections, to notice dead workers at once) are accepted rather than answered with GOAWAY
+// "too_many_pings": permit pings without calls, a 500 ms minimum interval, no strikes.
+std::vector<std::pair<std::string, int>> KeepaliveServerArgs();
+
+// Starts a server on `address` ("host:port"; port 0 picks a free one) with the given services,
+// grpc.health.v1 health checking and server reflection. `bound_port` receives the real port.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& address,
+                                                          const std::vector<grpc::Service*>& services,
+                                                          int* bound_port);
+
+}  // namespace duet::rpc

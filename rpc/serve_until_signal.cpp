@@ -1,0 +1,76 @@
+#include "rpc/serve_until_signal.h"
+
+#include <pthread.h>
+#include <signal.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "metrics/http_exporter.h"
+#include "rpc/rpc_util.h"
+
+namespace duet::rpc {
+namespace {
+
+std::string HostPort(const std::string& host, int port) {
+  if (host.find(':') != std::string::npos && host.front() != '[') return absl::StrCat("[", host, "]:", port);
+  return absl::StrCat(host, ":", port);
+}
+
+int Serve(const ServeOptions& options, const std::function<absl::StatusOr<ServedService>()>& create,
+          const sigset_t& signals) {
+  const char* role = options.role.c_str();
+  absl::StatusOr<ServedService> served = create();
+  if (!served.ok()) {
+    std::fprintf(stderr, "%s: %s\n", role, served.status().ToString().c_str());
+    return 1;
+  }
+  std::unique_ptr<metrics::HttpExporter> exporter;
+  if (options.metrics_port >= 0) {
+    metrics::HttpExporter::Options exporter_options;
+    exporter_options.host = options.host;
+    exporter_options.port = uint16_t(options.metrics_port);
+    absl::StatusOr<std::unique_ptr<metrics::HttpExporter>> started =
+        metrics::HttpExporter::Start(served->metrics_body, exporter_options);
+    if (!started.ok()) {
+      std::fprintf(stderr, "%s: cannot serve metrics: %s\n", role, started.status().ToString().c_str());
+      return 1;
+    }
+    exporter = *std::move(started);
+    std::printf("DUET_METRICS_READY port=%d\n", int(exporter->port()));
+    std::fflush(stdout);
+  }
+  int port = 0;
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
+      StartServer(HostPort(options.host, options.port), {served->service}, &port);
+  if (!server.ok()) {
+    std::fprintf(stderr, "%s: %s\n", role, server.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("DUET_READY port=%d\n", port);
+  std::fflush(stdout);
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  std::fprintf(stderr, "%s: signal %d, shutting down\n", role, signal_number);
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  (*server)->Wait();
+  if (exporter != nullptr) exporter->Stop();
+  return 0;
+}
+
+}  // namespace
+
+int ServeUntilSignal(const ServeOptions& options, const std::function<absl::StatusOr<ServedService>()>& create) {
+  sigset_t signals, previous;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, &previous);
+  const int exit_code = Serve(options, create, signals);
+  pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  return exit_code;
+}
+
+}  // namespace duet::rpc
