@@ -1,17 +1,25 @@
 // duet: the command-line entry point. Offline commands (generate, tokenize), the cluster on one
 // machine (serve), its roles as separate processes (router, prefill-worker, decode-worker, for
 // Kubernetes), and a small client (complete).
-#include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "CLI/CLI.hpp"
 #include "cli/commands.h"
 #include "cli/engine_flags.h"
 #include "cli/role_commands.h"
-
+#include "common/logging.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"Duet: disaggregated LLM serving"};
   app.require_subcommand(1);
+  app.fallthrough();  // --log-level also after the subcommand
+  std::string log_level;
+  app.add_option("--log-level", log_level, "debug, info (default), warning or error; also DUET_LOG_LEVEL")
+      ->check([](const std::string& name) {
+        absl::StatusOr<duet::LogLevel> level = duet::ParseLogLevel(name);
+        return level.ok() ? std::string() : std::string(level.status().message());
+      });
 
   duet::GenerateOptions gen;
   duet::EngineFlags gen_flags{&gen.engine};
@@ -48,6 +56,10 @@ int main(int argc, char** argv) {
   duet::RoleCommands roles(app);
 
   CLI11_PARSE(app, argc, argv);
+  if (!log_level.empty()) {
+    duet::SetMinLogLevel(*duet::ParseLogLevel(log_level));
+    setenv("DUET_LOG_LEVEL", log_level.c_str(), 1);  // the processes `duet serve` starts log alike
+  }
   if (generate->parsed()) {
     gen_flags.Finish();
     return duet::RunGenerate(gen);

@@ -1,14 +1,15 @@
 // `duet generate`: offline batch generation through the engine, all requests submitted at once
 // so they share the continuously batched steps.
 #include <chrono>
-#include <cstdio>
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "backends/executor_factory.h"
 #include "cli/commands.h"
 #include "cli/generate_request.h"
 #include "cli/jsonl.h"
+#include "common/logging.h"
 
 namespace duet {
 namespace {
@@ -48,15 +49,14 @@ nlohmann::json OutputRow(const Request& r, const Tokenizer& tokenizer) {
 int RunGenerate(const GenerateOptions& options) {
   absl::StatusOr<std::vector<nlohmann::json>> rows = ReadJsonl(options.input_path);
   if (!rows.ok()) {
-    std::fprintf(stderr, "duet generate: %s\n", std::string(rows.status().message()).c_str());
+    DUET_LOG(ERROR) << rows.status().message();
     return 2;
   }
   std::vector<GenerateRequest> requests;
   for (size_t i = 0; i < rows->size(); ++i) {
     absl::StatusOr<GenerateRequest> req = ParseGenerateRequest((*rows)[i]);
     if (!req.ok()) {
-      std::fprintf(stderr, "duet generate: %s: request %zu: %s\n", options.input_path.c_str(), i + 1,
-                   std::string(req.status().message()).c_str());
+      DUET_LOG(ERROR) << options.input_path << ": request " << i + 1 << ": " << req.status().message();
       return 2;
     }
     requests.push_back(std::move(*req));
@@ -64,7 +64,7 @@ int RunGenerate(const GenerateOptions& options) {
 
   absl::StatusOr<std::unique_ptr<LlmEngine>> engine = CreateEngine(options.engine);
   if (!engine.ok()) {
-    std::fprintf(stderr, "duet generate: %s\n", std::string(engine.status().message()).c_str());
+    DUET_LOG(ERROR) << engine.status().message();
     return 1;
   }
   LlmEngine& e = **engine;
@@ -73,8 +73,7 @@ int RunGenerate(const GenerateOptions& options) {
     std::vector<int32_t> prompt = req.prompt ? e.tokenizer().Encode(*req.prompt, /*add_special_tokens=*/true)
                                              : req.prompt_token_ids;
     if (absl::Status s = e.AddRequest(req.id, std::move(prompt), req.params); !s.ok()) {
-      std::fprintf(stderr, "duet generate: %s: request %zu (id %s): %s\n", options.input_path.c_str(),
-                   i + 1, req.id.c_str(), std::string(s.message()).c_str());
+      DUET_LOG(ERROR) << options.input_path << ": request " << i + 1 << " (id " << req.id << "): " << s.message();
       return 2;
     }
   }
@@ -84,7 +83,7 @@ int RunGenerate(const GenerateOptions& options) {
   while (e.HasUnfinished()) {
     absl::StatusOr<std::vector<RequestOutput>> step = e.Step();
     if (!step.ok()) {
-      std::fprintf(stderr, "duet generate: %s\n", std::string(step.status().message()).c_str());
+      DUET_LOG(ERROR) << step.status().message();
       return 1;
     }
     for (const RequestOutput& out : *step) generated += int64_t(out.new_token_ids.size());
@@ -94,12 +93,13 @@ int RunGenerate(const GenerateOptions& options) {
   std::vector<nlohmann::json> out_rows;
   for (const GenerateRequest& req : requests) out_rows.push_back(OutputRow(*e.Find(req.id), e.tokenizer()));
   if (absl::Status s = WriteJsonl(options.output_path, out_rows); !s.ok()) {
-    std::fprintf(stderr, "duet generate: %s\n", std::string(s.message()).c_str());
+    DUET_LOG(ERROR) << s.message();
     return 1;
   }
-  std::fprintf(stderr, "duet generate: %zu requests, %lld tokens in %.2f s (%.1f tok/s), %lld preemptions\n",
-               requests.size(), static_cast<long long>(generated), elapsed,
-               elapsed > 0 ? generated / elapsed : 0.0, static_cast<long long>(e.Stats().num_preemptions));
+  DUET_LOG(INFO) << absl::StrFormat("%zu requests, %lld tokens in %.2f s (%.1f tok/s), %lld preemptions",
+                                    requests.size(), static_cast<long long>(generated), elapsed,
+                                    elapsed > 0 ? generated / elapsed : 0.0,
+                                    static_cast<long long>(e.Stats().num_preemptions));
   return 0;
 }
 

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cli/commands.h"
+#include "common/logging.h"
 #include "common/subprocess.h"
 
 namespace duet {
@@ -87,7 +88,7 @@ int RunServe(const ServeOptions& options) {
       for (std::string& f : EngineFlags(options)) argv.push_back(std::move(f));
       absl::StatusOr<int> port = StartRole(argv, workers);
       if (!port.ok()) {
-        std::fprintf(stderr, "duet serve: %s\n", std::string(port.status().message()).c_str());
+        DUET_LOG(ERROR) << port.status().message();
         stop_all();
         return 1;
       }
@@ -106,14 +107,14 @@ int RunServe(const ServeOptions& options) {
   }
   absl::StatusOr<int> grpc_port = StartRole(router_argv, router);
   if (!grpc_port.ok()) {
-    std::fprintf(stderr, "duet serve: %s\n", std::string(grpc_port.status().message()).c_str());
+    DUET_LOG(ERROR) << grpc_port.status().message();
     stop_all();
     return 1;
   }
-  std::fprintf(stderr, "duet serve: router on 127.0.0.1:%d (gRPC duet.v1.Duet)%s; prefill %s; decode %s\n",
-               *grpc_port,
-               options.http_port >= 0 ? absl::StrCat(", OpenAI HTTP API on 127.0.0.1:", options.http_port).c_str() : "",
-               absl::StrJoin(prefill_addresses, ",").c_str(), absl::StrJoin(decode_addresses, ",").c_str());
+  DUET_LOG(INFO) << "router on 127.0.0.1:" << *grpc_port << " (gRPC duet.v1.Duet)"
+                 << (options.http_port >= 0 ? absl::StrCat(", OpenAI HTTP API on 127.0.0.1:", options.http_port) : "")
+                 << "; prefill " << absl::StrJoin(prefill_addresses, ",") << "; decode "
+                 << absl::StrJoin(decode_addresses, ",");
   std::printf("DUET_READY grpc_port=%d\n", *grpc_port);
   std::fflush(stdout);
 
@@ -124,21 +125,21 @@ int RunServe(const ServeOptions& options) {
     const int sig = sigtimedwait(&stop_signals, nullptr, &tick);
     if (sig == SIGINT || sig == SIGTERM) break;
     if (!router[0]->Running()) {
-      std::fprintf(stderr, "duet serve: the router exited; stopping\n");
+      DUET_LOG(ERROR) << "the router exited; stopping";
       exit_code = 1;
       break;
     }
     // A dead worker is reported; the router marks it down and routes around it.
     for (size_t i = 0; i < workers.size(); ++i) {
       if (!reported_dead[i] && !workers[i]->Running()) {
-        std::fprintf(stderr, "duet serve: worker pid %d exited with status %d\n", workers[i]->pid(),
-                     workers[i]->Wait(std::chrono::milliseconds(0)));
+        DUET_LOG(ERROR) << "worker pid " << workers[i]->pid() << " exited with status "
+                        << workers[i]->Wait(std::chrono::milliseconds(0));
         reported_dead[i] = true;
       }
     }
   }
   stop_all();
-  std::fprintf(stderr, "duet serve: stopped\n");
+  DUET_LOG(INFO) << "stopped";
   return exit_code;
 }
 

@@ -1,6 +1,6 @@
 #include "engine/engine_loop.h"
 
-#include <cstdio>
+#include "common/logging.h"
 
 namespace duet {
 
@@ -81,7 +81,7 @@ void EngineLoop::Run() {
       idle_work_left_ = true;  // a step may leave work for the next idle time
       absl::StatusOr<std::vector<RequestOutput>> outputs = engine_->Step(on_layer_done_);
       if (!outputs.ok()) {
-        std::fprintf(stderr, "engine step failed: %s\n", std::string(outputs.status().message()).c_str());
+        DUET_LOG(ERROR) << "engine step failed: " << outputs.status().message();
       } else {
         for (const RequestOutput& out : *outputs) Deliver(out);
       }
@@ -92,3 +92,4 @@ void EngineLoop::Run() {
 }
 
 }  // namespace duet
+

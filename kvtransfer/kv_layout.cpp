@@ -2,8 +2,8 @@
 
 #include "absl/strings/str_format.h"
 #include "common/check.h"
+#include "common/status_macros.h"
 #include "kvtransfer/byte_io.h"
-#include "kvtransfer/status_macros.h"
 
 namespace duet::kvtransfer {
 namespace {
@@ -69,14 +69,14 @@ std::string KvLayout::Serialize() const {
 
 absl::StatusOr<KvLayout> KvLayout::Deserialize(std::string_view bytes) {
   ByteReader reader(bytes, "KV layout");
-  KV_ASSIGN_OR_RETURN(uint8_t version, reader.Get<uint8_t>());
+  DUET_ASSIGN_OR_RETURN(uint8_t version, reader.Get<uint8_t>());
   if (version != kLayoutWireVersion) {
     return absl::InvalidArgumentError(
         absl::StrFormat("KV layout wire version %u is not supported (expected %u)", version,
                         kLayoutWireVersion));
   }
-  KV_ASSIGN_OR_RETURN(uint8_t dtype, reader.Get<uint8_t>());
-  KV_ASSIGN_OR_RETURN(uint16_t element_size, reader.Get<uint16_t>());
+  DUET_ASSIGN_OR_RETURN(uint8_t dtype, reader.Get<uint8_t>());
+  DUET_ASSIGN_OR_RETURN(uint16_t element_size, reader.Get<uint16_t>());
   if (!IsKnownDtype(dtype)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "KV layout has unknown dtype code %u (element size %u bytes)", dtype, element_size));
@@ -87,20 +87,20 @@ absl::StatusOr<KvLayout> KvLayout::Deserialize(std::string_view bytes) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "KV layout says dtype %s has %u-byte elements", DtypeName(layout.dtype), element_size));
   }
-  KV_ASSIGN_OR_RETURN(layout.num_layers, reader.Get<uint32_t>());
-  KV_ASSIGN_OR_RETURN(layout.block_size, reader.Get<uint32_t>());
-  KV_ASSIGN_OR_RETURN(layout.num_kv_heads, reader.Get<uint32_t>());
-  KV_ASSIGN_OR_RETURN(layout.head_dim, reader.Get<uint32_t>());
-  KV_ASSIGN_OR_RETURN(uint32_t reserved, reader.Get<uint32_t>());
+  DUET_ASSIGN_OR_RETURN(layout.num_layers, reader.Get<uint32_t>());
+  DUET_ASSIGN_OR_RETURN(layout.block_size, reader.Get<uint32_t>());
+  DUET_ASSIGN_OR_RETURN(layout.num_kv_heads, reader.Get<uint32_t>());
+  DUET_ASSIGN_OR_RETURN(layout.head_dim, reader.Get<uint32_t>());
+  DUET_ASSIGN_OR_RETURN(uint32_t reserved, reader.Get<uint32_t>());
   (void)reserved;
   if (!reader.AtEnd()) return absl::InvalidArgumentError("KV layout blob has trailing bytes");
-  KV_RETURN_IF_ERROR(layout.Validate());
+  DUET_RETURN_IF_ERROR(layout.Validate());
   return layout;
 }
 
 absl::StatusOr<LayoutMatch> CheckCompatible(const KvLayout& sender, const KvLayout& receiver) {
-  KV_RETURN_IF_ERROR(sender.Validate());
-  KV_RETURN_IF_ERROR(receiver.Validate());
+  DUET_RETURN_IF_ERROR(sender.Validate());
+  DUET_RETURN_IF_ERROR(receiver.Validate());
   auto mismatch = [&](std::string_view what) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "incompatible KV layouts: %s differs (sender %s, receiver %s)", what, sender.DebugString(),

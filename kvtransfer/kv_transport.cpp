@@ -1,12 +1,12 @@
 #include "kvtransfer/kv_transport.h"
 
 #include "absl/strings/str_format.h"
-#include "kvtransfer/status_macros.h"
+#include "common/status_macros.h"
 
 namespace duet::kvtransfer {
 
 absl::Status KvPoolMemory::Validate() const {
-  KV_RETURN_IF_ERROR(layout.Validate());
+  DUET_RETURN_IF_ERROR(layout.Validate());
   if (num_blocks == 0) return absl::InvalidArgumentError("KV pool has no blocks");
   if (key_pools.size() != layout.num_layers || value_pools.size() != layout.num_layers) {
     return absl::InvalidArgumentError(absl::StrFormat(

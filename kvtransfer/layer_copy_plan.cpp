@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/check.h"
-#include "kvtransfer/status_macros.h"
+#include "common/status_macros.h"
 
 namespace duet::kvtransfer {
 namespace {
@@ -68,7 +68,7 @@ absl::StatusOr<std::vector<CopyRange>> PlanLayerCopy(const KvLayout& src_layout,
                                                      const KvLayout& dst_layout,
                                                      std::span<const uint32_t> dst_block_ids,
                                                      uint32_t num_tokens) {
-  KV_ASSIGN_OR_RETURN(LayoutMatch match, CheckCompatible(src_layout, dst_layout));
+  DUET_ASSIGN_OR_RETURN(LayoutMatch match, CheckCompatible(src_layout, dst_layout));
   DUET_CHECK(src_block_ids.size() == BlocksFor(num_tokens, src_layout.block_size));
   DUET_CHECK(dst_block_ids.size() == BlocksFor(num_tokens, dst_layout.block_size));
 

@@ -3,8 +3,8 @@
 #include <cstring>
 
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 #include "kvtransfer/byte_io.h"
-#include "kvtransfer/status_macros.h"
 
 namespace duet::kvtransfer {
 namespace {
@@ -33,29 +33,29 @@ std::string ReceiverDescriptor::Serialize() const {
 
 absl::StatusOr<ReceiverDescriptor> ReceiverDescriptor::Parse(std::string_view blob) {
   ByteReader reader(blob, "KV receiver descriptor");
-  KV_ASSIGN_OR_RETURN(uint32_t magic, reader.Get<uint32_t>());
+  DUET_ASSIGN_OR_RETURN(uint32_t magic, reader.Get<uint32_t>());
   if (magic != kDescriptorMagic) {
     return absl::InvalidArgumentError("not a KV receiver descriptor (bad magic)");
   }
-  KV_ASSIGN_OR_RETURN(uint8_t version, reader.Get<uint8_t>());
+  DUET_ASSIGN_OR_RETURN(uint8_t version, reader.Get<uint8_t>());
   if (version != kDescriptorVersion) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "KV receiver descriptor version %u is not supported (expected %u)", version,
         kDescriptorVersion));
   }
   ReceiverDescriptor descriptor;
-  KV_ASSIGN_OR_RETURN(uint8_t kind, reader.Get<uint8_t>());
+  DUET_ASSIGN_OR_RETURN(uint8_t kind, reader.Get<uint8_t>());
   if (kind != static_cast<uint8_t>(MemoryKind::kHost) &&
       kind != static_cast<uint8_t>(MemoryKind::kDevice)) {
     return absl::InvalidArgumentError(absl::StrFormat("unknown memory kind %u", kind));
   }
   descriptor.memory_kind = static_cast<MemoryKind>(kind);
-  KV_ASSIGN_OR_RETURN(std::string_view layout_bytes, reader.GetBytes());
-  KV_ASSIGN_OR_RETURN(descriptor.layout, KvLayout::Deserialize(layout_bytes));
-  KV_ASSIGN_OR_RETURN(descriptor.num_blocks, reader.Get<uint32_t>());
-  KV_ASSIGN_OR_RETURN(std::string_view address, reader.GetBytes());
+  DUET_ASSIGN_OR_RETURN(std::string_view layout_bytes, reader.GetBytes());
+  DUET_ASSIGN_OR_RETURN(descriptor.layout, KvLayout::Deserialize(layout_bytes));
+  DUET_ASSIGN_OR_RETURN(descriptor.num_blocks, reader.Get<uint32_t>());
+  DUET_ASSIGN_OR_RETURN(std::string_view address, reader.GetBytes());
   descriptor.worker_address = std::string(address);
-  KV_ASSIGN_OR_RETURN(uint32_t num_regions, reader.Get<uint32_t>());
+  DUET_ASSIGN_OR_RETURN(uint32_t num_regions, reader.Get<uint32_t>());
   if (num_regions != 2 * size_t{descriptor.layout.num_layers}) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "KV receiver descriptor has %u regions for %u layers (expected K and V per layer)",
@@ -64,9 +64,9 @@ absl::StatusOr<ReceiverDescriptor> ReceiverDescriptor::Parse(std::string_view bl
   const uint64_t pool_bytes = uint64_t{descriptor.num_blocks} * descriptor.layout.BlockBytes();
   for (uint32_t i = 0; i < num_regions; ++i) {
     RemoteRegion region;
-    KV_ASSIGN_OR_RETURN(region.base_address, reader.Get<uint64_t>());
-    KV_ASSIGN_OR_RETURN(region.bytes, reader.Get<uint64_t>());
-    KV_ASSIGN_OR_RETURN(std::string_view rkey, reader.GetBytes());
+    DUET_ASSIGN_OR_RETURN(region.base_address, reader.Get<uint64_t>());
+    DUET_ASSIGN_OR_RETURN(region.bytes, reader.Get<uint64_t>());
+    DUET_ASSIGN_OR_RETURN(std::string_view rkey, reader.GetBytes());
     if (region.bytes != pool_bytes) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "KV receiver descriptor region %u has %u bytes, its layout needs %u", i, region.bytes,

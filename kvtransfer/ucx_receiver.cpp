@@ -4,8 +4,9 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_format.h"
 #include "common/check.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
 #include "kvtransfer/layer_copy_plan.h"
-#include "kvtransfer/status_macros.h"
 #include "kvtransfer/ucx_protocol.h"
 #include "kvtransfer/ucx_transport.h"
 #include "kvtransfer/ucx_worker.h"
@@ -34,7 +35,7 @@ class UcxKvReceiver final : public KvReceiver {
     UcxWorker::Options worker_options;
     worker_options.name = options.name;
     worker_options.tick_period = options.tick_period;
-    KV_ASSIGN_OR_RETURN(worker_, UcxWorker::Create(worker_options));
+    DUET_ASSIGN_OR_RETURN(worker_, UcxWorker::Create(worker_options));
 
     ReceiverDescriptor descriptor;
     descriptor.layout = pools_.layout;
@@ -43,7 +44,7 @@ class UcxKvReceiver final : public KvReceiver {
     descriptor.worker_address = worker_->address();
     for (uint32_t layer = 0; layer < pools_.layout.num_layers; ++layer) {
       for (void* pool : {pools_.key_pools[layer], pools_.value_pools[layer]}) {
-        KV_ASSIGN_OR_RETURN(auto region, UcxMemoryRegion::Register(worker_->context(), pool,
+        DUET_ASSIGN_OR_RETURN(auto region, UcxMemoryRegion::Register(worker_->context(), pool,
                                                                    pools_.PoolBytes()));
         descriptor.regions.push_back({reinterpret_cast<uint64_t>(pool), pools_.PoolBytes(),
                                       region->packed_rkey()});
@@ -72,14 +73,14 @@ class UcxKvReceiver final : public KvReceiver {
   const std::string& descriptor() const override { return descriptor_; }
 
   absl::Status Expect(ExpectedRequest request) override {
-    KV_RETURN_IF_ERROR(ValidateBlockIds(pools_.layout, request.dst_block_ids, request.num_tokens,
+    DUET_RETURN_IF_ERROR(ValidateBlockIds(pools_.layout, request.dst_block_ids, request.num_tokens,
                                         pools_.num_blocks, "destination"));
     absl::MutexLock lock(&mu_);
     if (incoming_.contains(request.request_id)) {
       return absl::AlreadyExistsError(
           absl::StrFormat("request %u is already expected", request.request_id));
     }
-    KV_RETURN_IF_ERROR(
+    DUET_RETURN_IF_ERROR(
         leases_.Grant(request.request_id, request.dst_block_ids, request.lease_ttl));
     Incoming incoming;
     incoming.layer_received.assign(pools_.layout.num_layers, false);
@@ -115,8 +116,7 @@ class UcxKvReceiver final : public KvReceiver {
     absl::StatusOr<Notice> notice = Notice::Parse(header, header_length);
     if (!notice.ok()) {
       // Not attributable to a request: nothing to fail. The lease deadline still bounds it.
-      std::fprintf(stderr, "kvtransfer: dropping malformed notice: %s\n",
-                   notice.status().ToString().c_str());
+      DUET_LOG(WARNING) << "dropping a malformed KV notice: " << notice.status();
       return;
     }
     switch (notice->type) {
@@ -271,7 +271,7 @@ class UcxKvReceiver final : public KvReceiver {
 absl::StatusOr<std::unique_ptr<KvReceiver>> CreateUcxKvReceiver(KvPoolMemory pools,
                                                                 ReceiverCallbacks callbacks,
                                                                 UcxReceiverOptions options) {
-  KV_RETURN_IF_ERROR(pools.Validate());
+  DUET_RETURN_IF_ERROR(pools.Validate());
   if (pools.memory_kind != MemoryKind::kHost) {
     return absl::UnimplementedError(
         "KV receiver pools in device memory need staging through pinned host buffers (this UCX "
@@ -281,7 +281,7 @@ absl::StatusOr<std::unique_ptr<KvReceiver>> CreateUcxKvReceiver(KvPoolMemory poo
     return absl::InvalidArgumentError("KV receiver needs an on_blocks_released callback");
   }
   auto receiver = std::make_unique<UcxKvReceiver>(std::move(pools), std::move(callbacks), options);
-  KV_RETURN_IF_ERROR(receiver->Init(options));
+  DUET_RETURN_IF_ERROR(receiver->Init(options));
   return receiver;
 }
 

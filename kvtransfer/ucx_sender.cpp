@@ -10,8 +10,8 @@
 #include "absl/container/node_hash_map.h"
 #include "absl/strings/str_format.h"
 #include "common/check.h"
+#include "common/status_macros.h"
 #include "kvtransfer/layer_copy_plan.h"
-#include "kvtransfer/status_macros.h"
 #include "kvtransfer/ucx_protocol.h"
 #include "kvtransfer/ucx_transport.h"
 #include "kvtransfer/ucx_worker.h"
@@ -40,10 +40,10 @@ class UcxKvSender final : public KvSender {
     UcxWorker::Options worker_options;
     worker_options.name = options_.name;
     worker_options.tick_period = options_.tick_period;
-    KV_ASSIGN_OR_RETURN(worker_, UcxWorker::Create(worker_options));
+    DUET_ASSIGN_OR_RETURN(worker_, UcxWorker::Create(worker_options));
     for (uint32_t layer = 0; layer < pools_.layout.num_layers; ++layer) {
       for (void* pool : {pools_.key_pools[layer], pools_.value_pools[layer]}) {
-        KV_ASSIGN_OR_RETURN(auto region, UcxMemoryRegion::Register(worker_->context(), pool,
+        DUET_ASSIGN_OR_RETURN(auto region, UcxMemoryRegion::Register(worker_->context(), pool,
                                                                    pools_.PoolBytes()));
         regions_.push_back(std::move(region));
       }
@@ -56,13 +56,13 @@ class UcxKvSender final : public KvSender {
   }
 
   absl::StatusOr<PeerId> Connect(std::string_view receiver_descriptor) override {
-    KV_ASSIGN_OR_RETURN(ReceiverDescriptor remote, ReceiverDescriptor::Parse(receiver_descriptor));
+    DUET_ASSIGN_OR_RETURN(ReceiverDescriptor remote, ReceiverDescriptor::Parse(receiver_descriptor));
     if (remote.memory_kind != MemoryKind::kHost) {
       return absl::UnimplementedError(
           "KV receiver pools are in device memory; staging through pinned host buffers is not "
           "implemented");
     }
-    KV_RETURN_IF_ERROR(CheckCompatible(pools_.layout, remote.layout).status());
+    DUET_RETURN_IF_ERROR(CheckCompatible(pools_.layout, remote.layout).status());
     const PeerId id = next_peer_id_++;
     auto op = NewOp(OpKind::kConnect, id, /*request_id=*/0, NoticeType::kLayerDone);
     std::future<absl::Status> connected = op->done.get_future();
@@ -475,14 +475,14 @@ class UcxKvSender final : public KvSender {
 
 absl::StatusOr<std::unique_ptr<KvSender>> CreateUcxKvSender(KvPoolMemory pools,
                                                             UcxSenderOptions options) {
-  KV_RETURN_IF_ERROR(pools.Validate());
+  DUET_RETURN_IF_ERROR(pools.Validate());
   if (pools.memory_kind != MemoryKind::kHost) {
     return absl::UnimplementedError(
         "KV sender pools in device memory need staging through pinned host buffers (this UCX "
         "build is not CUDA-aware); only host memory is implemented");
   }
   auto sender = std::make_unique<UcxKvSender>(std::move(pools), options);
-  KV_RETURN_IF_ERROR(sender->Init());
+  DUET_RETURN_IF_ERROR(sender->Init());
   return sender;
 }
 

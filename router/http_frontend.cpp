@@ -1,7 +1,8 @@
 #include "router/http_frontend.h"
 
-#include <cstdio>
 #include <thread>
+
+#include "common/logging.h"
 
 namespace duet::router {
 
@@ -13,8 +14,7 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const HttpFron
   if (chat.ok()) {
     frontend->chat_ = std::make_unique<LoadedChatTemplate>(*std::move(chat));
   } else {
-    std::fprintf(stderr, "router: warning: no chat template (chat completions answer 400): %s\n",
-                 std::string(chat.status().message()).c_str());
+    DUET_LOG(WARNING) << "no chat template (chat completions answer 400): " << chat.status().message();
   }
   OpenAiApiOptions api_options;
   api_options.model_name = options.model_name;
@@ -43,10 +43,11 @@ void HttpFrontend::Stop(int grace_ms) {
   if (api_ != nullptr && grace_ms > 0) api_->WaitIdle(std::chrono::milliseconds(grace_ms));
   if (server_ != nullptr) server_->Stop();  // cancels the calls of connections still open
   if (api_ != nullptr && !api_->WaitIdle(std::chrono::seconds(10))) {
-    std::fprintf(stderr, "router: warning: %d HTTP requests still in flight at shutdown\n", api_->num_active_jobs());
+    DUET_LOG(WARNING) << api_->num_active_jobs() << " HTTP requests still in flight at shutdown";
   }
   api_.reset();
   server_.reset();
 }
 
 }  // namespace duet::router
+

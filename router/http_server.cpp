@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cctype>
-#include <cstdio>
 #include <deque>
 #include <mutex>
 #include <optional>
@@ -27,6 +26,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/logging.h"
 
 namespace duet::router {
 namespace {
@@ -171,9 +171,9 @@ class ServerImpl final : public HttpServer {
             ioc_.run();
             return;
           } catch (const std::exception& e) {
-            std::fprintf(stderr, "http: exception on an io thread: %s\n", e.what());
+            DUET_LOG(ERROR) << "exception on an HTTP io thread: " << e.what();
           } catch (...) {
-            std::fprintf(stderr, "http: unknown exception on an io thread\n");
+            DUET_LOG(ERROR) << "unknown exception on an HTTP io thread";
           }
         }
       });
@@ -421,7 +421,7 @@ void Session::Dispatch(HttpRequest request, bool keep_alive) {
   } catch (const std::exception& e) {
     responder->Respond(500, kErrorContentType,
                        R"({"error":{"message":"internal error","type":"server_error","param":null,"code":null}})", {});
-    std::fprintf(stderr, "http: handler threw: %s\n", e.what());
+    DUET_LOG(ERROR) << "HTTP handler threw: " << e.what();
   } catch (...) {
     responder->Respond(500, kErrorContentType,
                        R"({"error":{"message":"internal error","type":"server_error","param":null,"code":null}})", {});

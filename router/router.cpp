@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "frontend/tokenizer/tokenizer.h"
 #include "metrics/http_exporter.h"
 #include "metrics/registry.h"
@@ -59,8 +60,8 @@ class RouterImpl : public Router {
     service_options.metrics_registry = &metrics_registry_;
 
     if (options.prefill_addresses.empty() || options.decode_addresses.empty()) {
-      std::fprintf(stderr, "router: warning: %zu prefill and %zu decode workers configured; requests will fail\n",
-                   options.prefill_addresses.size(), options.decode_addresses.size());
+      DUET_LOG(WARNING) << options.prefill_addresses.size() << " prefill and " << options.decode_addresses.size()
+                        << " decode workers configured; requests will fail";
     }
     registry_ = std::make_unique<WorkerRegistry>(options.prefill_addresses, options.decode_addresses);
     registry_->Start();
@@ -169,7 +170,7 @@ int RunRouter(const RouterOptions& options) {
 
   absl::StatusOr<std::unique_ptr<Router>> router = Router::Start(options);
   if (!router.ok()) {
-    std::fprintf(stderr, "router: %s\n", std::string(router.status().message()).c_str());
+    DUET_LOG(ERROR) << "router: " << router.status().message();
     return 1;
   }
   if ((*router)->metrics_port() >= 0) std::printf("DUET_METRICS_READY port=%d\n", (*router)->metrics_port());
@@ -180,7 +181,7 @@ int RunRouter(const RouterOptions& options) {
   int signal = 0;
   while (sigwait(&signals, &signal) != 0) {
   }
-  std::fprintf(stderr, "router: signal %d, shutting down\n", signal);
+  DUET_LOG(INFO) << "router: signal " << signal << ", shutting down";
   (*router)->Shutdown(2000);
   return 0;
 }

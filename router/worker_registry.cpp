@@ -1,11 +1,11 @@
 #include "router/worker_registry.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
+#include "common/logging.h"
 
 namespace duet::router {
 
@@ -199,10 +199,9 @@ void WorkerRegistry::SetUp(Worker* worker, bool up, std::string_view reason) {
   const bool was = worker->up_.exchange(up, std::memory_order_acq_rel);
   if (was == up || !options_.log_state_changes) return;
   if (up) {
-    std::fprintf(stderr, "router: %s is up\n", worker->name().c_str());
+    DUET_LOG(INFO) << worker->name() << " is up";
   } else {
-    std::fprintf(stderr, "router: %s is down: %.*s\n", worker->name().c_str(), static_cast<int>(reason.size()),
-                 reason.data());
+    DUET_LOG(WARNING) << worker->name() << " is down: " << reason;
   }
 }
 

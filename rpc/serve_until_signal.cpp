@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "metrics/http_exporter.h"
 #include "rpc/rpc_util.h"
 
@@ -24,7 +25,7 @@ int Serve(const ServeOptions& options, const std::function<absl::StatusOr<Served
   const char* role = options.role.c_str();
   absl::StatusOr<ServedService> served = create();
   if (!served.ok()) {
-    std::fprintf(stderr, "%s: %s\n", role, served.status().ToString().c_str());
+    DUET_LOG(ERROR) << role << ": " << served.status();
     return 1;
   }
   std::unique_ptr<metrics::HttpExporter> exporter;
@@ -35,7 +36,7 @@ int Serve(const ServeOptions& options, const std::function<absl::StatusOr<Served
     absl::StatusOr<std::unique_ptr<metrics::HttpExporter>> started =
         metrics::HttpExporter::Start(served->metrics_body, exporter_options);
     if (!started.ok()) {
-      std::fprintf(stderr, "%s: cannot serve metrics: %s\n", role, started.status().ToString().c_str());
+      DUET_LOG(ERROR) << role << ": cannot serve metrics: " << started.status();
       return 1;
     }
     exporter = *std::move(started);
@@ -46,14 +47,14 @@ int Serve(const ServeOptions& options, const std::function<absl::StatusOr<Served
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
       StartServer(HostPort(options.host, options.port), {served->service}, &port);
   if (!server.ok()) {
-    std::fprintf(stderr, "%s: %s\n", role, server.status().ToString().c_str());
+    DUET_LOG(ERROR) << role << ": " << server.status();
     return 1;
   }
   std::printf("DUET_READY port=%d\n", port);
   std::fflush(stdout);
   int signal_number = 0;
   sigwait(&signals, &signal_number);
-  std::fprintf(stderr, "%s: signal %d, shutting down\n", role, signal_number);
+  DUET_LOG(INFO) << role << ": signal " << signal_number << ", shutting down";
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   (*server)->Wait();
   if (exporter != nullptr) exporter->Stop();

@@ -1,9 +1,7 @@
 #include "backends/cuda/cublas_linear.h"
 
-#include <cstdio>
-#include <cstdlib>
-
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "kernels/elementwise/activation.h"
 #include "kernels/gemm/gemv.h"
 
@@ -13,8 +11,7 @@ namespace {
 // cuBLAS failing on valid shapes and pointers is a bug or a dead device.
 void CheckCublas(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS) {
-    std::fprintf(stderr, "cuBLAS %s failed: %s\n", what, cublasGetStatusString(status));
-    std::abort();
+    DUET_LOG(FATAL) << "cuBLAS " << what << " failed: " << cublasGetStatusString(status);
   }
 }
 

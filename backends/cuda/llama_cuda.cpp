@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/check.h"
+#include "common/status_macros.h"
 #include "kernels/attention/paged_attention.h"
 #include "kernels/attention/prefill_attention.h"
 #include "kernels/cuda_check.h"
@@ -214,10 +215,6 @@ absl::Status LlamaCuda::LoadWeights(const WeightStore& weights) {
   absl::StatusOr<__nv_bfloat16*> var##_or = allocate((elems), (what)); \
   if (!var##_or.ok()) return var##_or.status();                       \
   __nv_bfloat16* var = *var##_or;
-#define DUET_RETURN_IF_ERROR(expr)          \
-  do {                                      \
-    if (absl::Status s_ = (expr); !s_.ok()) return s_; \
-  } while (0)
 
   DUET_ALLOC(embed, c.vocab_size * hidden, "embedding");
   DUET_RETURN_IF_ERROR(upload("model.embed_tokens.weight", {c.vocab_size, hidden}, embed));
@@ -276,7 +273,6 @@ absl::Status LlamaCuda::LoadWeights(const WeightStore& weights) {
     l.down = down;
   }
 #undef DUET_ALLOC
-#undef DUET_RETURN_IF_ERROR
   return absl::OkStatus();
 }
 
