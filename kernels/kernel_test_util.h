@@ -74,8 +74,13 @@ class DeviceBuffer {
 
   T* get() const { return ptr_; }
   size_t size() const { return n_; }
+  // Upload and Poison have landed when they return, so a kernel on any stream sees them. (Left
+  // to themselves, cudaMemset and a pageable-memory cudaMemcpy may return before the device
+  // memory changes, ordered only on the legacy default stream — which a cudaStreamNonBlocking
+  // stream, like the one graphs replay on, does not wait for.)
   void Upload(const std::vector<T>& host) {
     DUET_CUDA_CHECK(cudaMemcpy(ptr_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+    DUET_CUDA_CHECK(cudaDeviceSynchronize());
   }
   std::vector<T> Download() const {
     std::vector<T> host(n_);
@@ -83,7 +88,10 @@ class DeviceBuffer {
     return host;
   }
   // Fills every byte with 0xFF: NaN for float and bf16, so an unwritten output fails the test.
-  void Poison() { DUET_CUDA_CHECK(cudaMemset(ptr_, 0xFF, n_ * sizeof(T))); }
+  void Poison() {
+    DUET_CUDA_CHECK(cudaMemset(ptr_, 0xFF, n_ * sizeof(T)));
+    DUET_CUDA_CHECK(cudaDeviceSynchronize());
+  }
 
  private:
   T* ptr_ = nullptr;

@@ -48,7 +48,6 @@ struct Chain {
     normed.Poison();
     act.Poison();
     delta.Poison();
-    DUET_CUDA_CHECK(cudaDeviceSynchronize());  // the chain runs on a non-blocking stream
   }
   // The residual and normalized rows the chain wrote (the buffers' rows past `rows` stay unwritten).
   std::vector<float> Result() const {
