@@ -30,12 +30,9 @@ DeviceKvCache::DeviceKvCache(const KvCacheShape& shape, DeviceAllocation pool, c
       layer_elems_(shape.num_blocks * shape.block_elems()),
       stream_(stream),
       copy_stream_(copy_stream) {
-  pending_moves_.pools = keys(0);
-  pending_moves_.pool_elems = layer_elems_;  // pools alternate K, V per layer
-  pending_moves_.num_pools = int(2 * shape.num_layers);
-  pending_moves_.num_kv_heads = int(shape.num_kv_heads);
-  pending_moves_.block_size = int(shape.block_size);
-  pending_moves_.head_dim = int(shape.head_dim);
+  pending_moves_.first_layer = Layer(0);
+  pending_moves_.layer_stride = 2 * layer_elems_;  // pools alternate K, V per layer
+  pending_moves_.num_layers = int(shape.num_layers);
 }
 
 void DeviceKvCache::QueueSlotMove(int32_t from, int32_t to) {

@@ -12,6 +12,7 @@
 #include "backends/cuda/device_memory.h"
 #include "engine/kv/kv_cache.h"
 #include "kernels/attention/kv_slot_move.h"
+#include "kernels/attention/paged_kv.h"
 
 namespace duet::cuda {
 
@@ -47,6 +48,10 @@ class DeviceKvCache : public KvCache {
 
   __nv_bfloat16* keys(int64_t layer) { return pool_.as<__nv_bfloat16>() + (2 * layer) * layer_elems_; }
   __nv_bfloat16* values(int64_t layer) { return pool_.as<__nv_bfloat16>() + (2 * layer + 1) * layer_elems_; }
+  // The layer's pools as the kernels address them.
+  kernels::PagedKvView Layer(int64_t layer) {
+    return {keys(layer), values(layer), int(shape().num_kv_heads), int(shape().block_size), int(shape().head_dim)};
+  }
 
  private:
   DeviceKvCache(const KvCacheShape& shape, DeviceAllocation pool, cudaStream_t stream, cudaStream_t copy_stream);

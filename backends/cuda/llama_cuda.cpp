@@ -545,6 +545,7 @@ void LlamaCuda::Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool s
   kernels::EmbeddingGather(meta + layout.tokens, embed_, residual, t, hidden, stream_);
   for (size_t li = 0; li < size_t(num_layers); ++li) {
     const Layer& l = layers_[li];
+    const kernels::PagedKvView kv = cache.Layer(int64_t(li));
     kernels::FusedAddRmsNorm({residual, li == 0 ? nullptr : delta, l.input_norm, nullptr, normed, t, hidden,
                               float(c.rms_norm_eps)},
                              stream_);
@@ -552,29 +553,23 @@ void LlamaCuda::Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool s
     if (fused_epilogues && l.qkv_bias == nullptr) {
       // Skinny batches: RoPE and the KV write in the projection's epilogue (no qkv round trip).
       kernels::GemvParams g{normed, l.qkv, nullptr, t, hidden, qkv_width, false, kernels::GemvEpilogue::kRopeKvWrite};
-      g.rope = {meta + layout.positions, meta + layout.slots, rope_table_.as<float2>(), q, cache.keys(int64_t(li)),
-                cache.values(int64_t(li)), nh, nkv, hd, block_size_};
+      g.rope = {meta + layout.positions, meta + layout.slots, rope_table_.as<float2>(), q, kv, nh};
       kernels::Gemv(g, stream_);
     } else {
       linear_->Forward(normed, l.qkv, qkv, t, hidden, qkv_width);
       if (l.qkv_bias != nullptr) kernels::AddBias(qkv, l.qkv_bias, t, qkv_width, stream_);
-      kernels::RopeAndWriteKv({qkv, meta + layout.positions, meta + layout.slots, rope_table_.as<float2>(), q,
-                               cache.keys(int64_t(li)), cache.values(int64_t(li)), t, nh, nkv, hd, block_size_},
+      kernels::RopeAndWriteKv({qkv, meta + layout.positions, meta + layout.slots, rope_table_.as<float2>(), q, kv, t, nh},
                               stream_);
     }
     if (plan.decode_only) {
       kernels::PagedDecodeAttentionParams p{};
       p.q = q;
-      p.k_cache = cache.keys(int64_t(li));
-      p.v_cache = cache.values(int64_t(li));
+      p.kv = kv;
       p.block_tables = meta + layout.block_tables;
       p.context_lens = meta + layout.context_lens;
       p.out = attn;
       p.num_seqs = plan.num_seqs;
       p.num_q_heads = nh;
-      p.num_kv_heads = nkv;
-      p.head_dim = hd;
-      p.block_size = block_size_;
       p.max_blocks_per_seq = max_blocks_per_seq_;
       p.scale = scale;
       p.workspace = decode_workspace_.as<float>();
@@ -583,8 +578,7 @@ void LlamaCuda::Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool s
     } else {
       kernels::PrefillAttentionParams p{};
       p.q = q;
-      p.k_cache = cache.keys(int64_t(li));
-      p.v_cache = cache.values(int64_t(li));
+      p.kv = kv;
       p.block_tables = meta + layout.block_tables;
       p.q_start = meta + layout.q_start;
       p.context_lens = meta + layout.context_lens;
@@ -594,9 +588,6 @@ void LlamaCuda::Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool s
       p.num_q_tokens = t;
       p.max_q_len = plan.max_q_len;
       p.num_q_heads = nh;
-      p.num_kv_heads = nkv;
-      p.head_dim = hd;
-      p.block_size = block_size_;
       p.max_blocks_per_seq = max_blocks_per_seq_;
       p.scale = scale;
       kernels::PrefillAttention(p, stream_);

@@ -131,16 +131,12 @@ void BenchDecode(double copy_gbs, int num_sms) {
         }
         PagedDecodeAttentionParams p{};
         p.q = q;
-        p.k_cache = k;
-        p.v_cache = v;
+        p.kv = {k, v, kKvHeads, kBlockSize, kHeadDim};
         p.block_tables = tables;
         p.context_lens = lens;
         p.out = out;
         p.num_seqs = batch;
         p.num_q_heads = kQHeads;
-        p.num_kv_heads = kKvHeads;
-        p.head_dim = kHeadDim;
-        p.block_size = kBlockSize;
         p.max_blocks_per_seq = blocks_per_seq;
         p.scale = 1.f / std::sqrt(float(kHeadDim));
         p.workspace = workspace;
@@ -191,8 +187,7 @@ void BenchPrefill() {
     DUET_CUDA_CHECK(cudaMemcpy(d_lens, lens.data(), sizeof(int32_t), cudaMemcpyHostToDevice));
     PrefillAttentionParams p{};
     p.q = q;
-    p.k_cache = k;
-    p.v_cache = v;
+    p.kv = {k, v, kKvHeads, kBlockSize, kHeadDim};
     p.block_tables = d_tables;
     p.q_start = d_q_start;
     p.context_lens = d_lens;
@@ -201,9 +196,6 @@ void BenchPrefill() {
     p.num_q_tokens = tokens;
     p.max_q_len = tokens;
     p.num_q_heads = kQHeads;
-    p.num_kv_heads = kKvHeads;
-    p.head_dim = kHeadDim;
-    p.block_size = kBlockSize;
     p.max_blocks_per_seq = blocks;
     p.scale = 1.f / std::sqrt(float(kHeadDim));
     const double flops = 4.0 * double(tokens) * tokens * kHeadDim * kQHeads / 2;

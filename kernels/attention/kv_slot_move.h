@@ -7,18 +7,20 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/attention/paged_kv.h"
+
 namespace duet::kernels {
 
 inline constexpr int kMaxKvSlotMoves = 64;  // per launch (the moves travel in the parameters)
 
 struct KvSlotMoveParams {
-  // num_pools pools of [num_blocks, num_kv_heads, block_size, head_dim] bf16, pool_elems apart
-  // (the cache's per-layer K and V pools).
-  __nv_bfloat16* pools;
-  int64_t pool_elems;
-  int num_pools, num_kv_heads, block_size, head_dim;
+  // Every layer's cache: layer i's is first_layer with both pools advanced by i * layer_stride
+  // elements.
+  PagedKvView first_layer;
+  int64_t layer_stride;
+  int num_layers;
   int num_moves;  // <= kMaxKvSlotMoves
-  // Slots are block_id * block_size + offset in the block.
+  // Slots as in PagedKvView.
   int32_t from[kMaxKvSlotMoves];
   int32_t to[kMaxKvSlotMoves];
 };

@@ -16,7 +16,8 @@ struct Move {
 };
 
 // Applies `moves` in order on the host and on the device (in launches of at most
-// kMaxKvSlotMoves) to random pools and compares every element.
+// kMaxKvSlotMoves) to random pools (an even number: K and V of each layer) and compares every
+// element.
 void RunAndCompare(int num_pools, int num_blocks, int num_kv_heads, int block_size, int head_dim,
                    const std::vector<Move>& moves, uint64_t seed) {
   const int64_t pool_elems = int64_t(num_blocks) * num_kv_heads * block_size * head_dim;
@@ -34,13 +35,11 @@ void RunAndCompare(int num_pools, int num_blocks, int num_kv_heads, int block_si
     }
   }
   for (size_t begin = 0; begin < moves.size(); begin += kMaxKvSlotMoves) {
+    // The pools alternate K and V of each layer, like DeviceKvCache's.
     KvSlotMoveParams params{};
-    params.pools = device.get();
-    params.pool_elems = pool_elems;
-    params.num_pools = num_pools;
-    params.num_kv_heads = num_kv_heads;
-    params.block_size = block_size;
-    params.head_dim = head_dim;
+    params.first_layer = {device.get(), device.get() + pool_elems, num_kv_heads, block_size, head_dim};
+    params.layer_stride = 2 * pool_elems;
+    params.num_layers = num_pools / 2;
     params.num_moves = int(std::min<size_t>(kMaxKvSlotMoves, moves.size() - begin));
     for (int i = 0; i < params.num_moves; ++i) {
       params.from[i] = moves[begin + size_t(i)].from;

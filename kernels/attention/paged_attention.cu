@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const PagedDecodeA
   const int group = lane / 4, quad = lane % 4;
 
   const int kv_head = int(blockIdx.x) / head_chunks;
-  const int heads_per_kv = p.num_q_heads / p.num_kv_heads;
+  const int heads_per_kv = p.num_q_heads / p.kv.num_kv_heads;
   const int first_head_in_group = (int(blockIdx.x) % head_chunks) * kHeadsPerCta;
   const int num_rows = min(kHeadsPerCta, heads_per_kv - first_head_in_group);
   const int first_head = kv_head * heads_per_kv + first_head_in_group;
@@ -91,8 +91,8 @@ __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const PagedDecodeA
   const int32_t* block_table = p.block_tables + size_t(seq) * p.max_blocks_per_seq;
   const uint32_t smem_base = SmemAddress(smem);
 
-  PagedKvTileLoader<kHeadDim, kTileTokens, kThreads> loader{p.k_cache, p.v_cache, block_table, split_end, kv_head,
-                                                            p.num_kv_heads, block_size_log2};
+  PagedKvTileLoader<kHeadDim, kTileTokens, kThreads> loader{p.kv.k, p.kv.v, block_table, split_end, kv_head,
+                                                            p.kv.num_kv_heads, block_size_log2};
   auto tile_first_token = [&](int tile) { return split_begin + tile * kTileTokens; };
   auto issue_tile = [&](int tile) {
     const uint32_t stage = smem_base + uint32_t(tile % kStages) * 2 * kTileBytes;
@@ -305,13 +305,13 @@ __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const PagedDecodeA
 
 template <int kHeadDim>
 void Launch(const PagedDecodeAttentionParams& p, const PagedDecodeAttentionPlan& plan, cudaStream_t stream) {
-  const int heads_per_kv = p.num_q_heads / p.num_kv_heads;
+  const int heads_per_kv = p.num_q_heads / p.kv.num_kv_heads;
   const int head_chunks = (heads_per_kv + kHeadsPerCta - 1) / kHeadsPerCta;
-  const int block_size_log2 = Log2OfPowerOfTwo(p.block_size);
+  const int block_size_log2 = Log2OfPowerOfTwo(p.kv.block_size);
   constexpr int smem = SmemBytes<kHeadDim>();
   static_assert(smem >= (kWarps * kHeadsPerCta * (kHeadDim + 2)) * int(sizeof(float)), "merge buffer must fit");
   DUET_CUDA_CHECK(cudaFuncSetAttribute(PagedDecodeKernel<kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid(p.num_kv_heads * head_chunks, p.num_seqs, plan.num_splits);
+  const dim3 grid(p.kv.num_kv_heads * head_chunks, p.num_seqs, plan.num_splits);
   LaunchKernel(PagedDecodeKernel<kHeadDim>, grid, dim3(kThreads), smem, stream, p, plan.num_splits,
                plan.tokens_per_split, head_chunks, block_size_log2, p.scale * kLog2e);
 }
@@ -347,18 +347,18 @@ PagedDecodeAttentionPlan PlanPagedDecodeAttention(int num_seqs, int num_q_heads,
 
 void PagedDecodeAttention(const PagedDecodeAttentionParams& p, const PagedDecodeAttentionPlan& plan,
                           cudaStream_t stream) {
-  DUET_KERNEL_CHECK(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0);
-  DUET_KERNEL_CHECK(p.block_size >= 1 && p.max_blocks_per_seq >= 1);
+  DUET_KERNEL_CHECK(p.kv.num_kv_heads > 0 && p.num_q_heads % p.kv.num_kv_heads == 0);
+  DUET_KERNEL_CHECK(p.kv.block_size >= 1 && p.max_blocks_per_seq >= 1);
   DUET_KERNEL_CHECK(plan.num_splits >= 1 && plan.tokens_per_split > 0 && plan.tokens_per_split % kTileTokens == 0);
   DUET_KERNEL_CHECK(plan.num_splits == 1 || (p.workspace != nullptr && p.split_counters != nullptr));
   // The merging CTA keeps one weight per (query head, split) in its shared memory.
   DUET_KERNEL_CHECK(size_t(kHeadsPerCta) * plan.num_splits * sizeof(float) <= size_t(SmemBytes<64>()));
-  DUET_KERNEL_CHECK(plan.workspace_bytes >= WorkspaceBytes(p.num_seqs, p.num_q_heads, p.head_dim, plan.num_splits));
+  DUET_KERNEL_CHECK(plan.workspace_bytes >= WorkspaceBytes(p.num_seqs, p.num_q_heads, p.kv.head_dim, plan.num_splits));
   if (p.num_seqs == 0) return;
-  switch (p.head_dim) {
+  switch (p.kv.head_dim) {
     case 64: Launch<64>(p, plan, stream); break;
     case 128: Launch<128>(p, plan, stream); break;
-    default: DUET_KERNEL_CHECK(p.head_dim == 64 || p.head_dim == 128);
+    default: DUET_KERNEL_CHECK(p.kv.head_dim == 64 || p.kv.head_dim == 128);
   }
 }
 

@@ -15,16 +15,17 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/attention/paged_kv.h"
+
 namespace duet::kernels {
 
 struct PagedDecodeAttentionParams {
-  const __nv_bfloat16* q;        // [num_seqs, num_q_heads, head_dim] (one new token per sequence, RoPE applied)
-  const __nv_bfloat16* k_cache;  // [num_blocks, num_kv_heads, block_size, head_dim]
-  const __nv_bfloat16* v_cache;  // same
+  const __nv_bfloat16* q;        // [num_seqs, num_q_heads, kv.head_dim] (one new token per sequence, RoPE applied)
+  PagedKvView kv;                // the layer's cache (read only)
   const int32_t* block_tables;   // [num_seqs, max_blocks_per_seq]
   const int32_t* context_lens;   // [num_seqs] tokens in the cache incl. the new one (its K/V already written)
-  __nv_bfloat16* out;            // [num_seqs, num_q_heads, head_dim]
-  int num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks_per_seq;
+  __nv_bfloat16* out;            // [num_seqs, num_q_heads, kv.head_dim]
+  int num_seqs, num_q_heads, max_blocks_per_seq;
   float scale;                   // usually 1/sqrt(head_dim)
   float* workspace;              // split-KV partial outputs + log-sum-exp; size from the plan
   int32_t* split_counters;       // split plans: plan.num_split_counters zeros (each launch leaves them zero)

@@ -49,16 +49,12 @@ PagedDecodeAttentionPlan RunAndCompare(const DecodeCase& c, uint64_t seed) {
 
   PagedDecodeAttentionParams params{};
   params.q = d_q.get();
-  params.k_cache = d_k.get();
-  params.v_cache = d_v.get();
+  params.kv = {d_k.get(), d_v.get(), c.num_kv_heads, c.block_size, c.head_dim};
   params.block_tables = d_tables.get();
   params.context_lens = d_lens.get();
   params.out = d_out.get();
   params.num_seqs = num_seqs;
   params.num_q_heads = c.num_q_heads;
-  params.num_kv_heads = c.num_kv_heads;
-  params.head_dim = c.head_dim;
-  params.block_size = c.block_size;
   params.max_blocks_per_seq = cache.max_blocks_per_seq;
   params.scale = scale;
   params.workspace = plan.num_splits > 1 ? workspace.get() : nullptr;

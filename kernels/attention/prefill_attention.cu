@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(const PrefillAttent
   if (row0 >= q_len) return;
   const int context_len = p.context_lens[seq];
   const int pos_offset = context_len - q_len;  // cache position of query row 0
-  const int kv_head = head / (p.num_q_heads / p.num_kv_heads);
+  const int kv_head = head / (p.num_q_heads / p.kv.num_kv_heads);
   const int kv_end = pos_offset + min(row0 + kBlockM, q_len);  // keys [0, kv_end) are visible to some row
   const int num_tiles = (kv_end + kBlockN - 1) / kBlockN;
   const int32_t* block_table = p.block_tables + size_t(seq) * p.max_blocks_per_seq;
@@ -73,8 +73,8 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(const PrefillAttent
       CpAsync16(q_smem + SwizzledOffset<kChunksPerRow>(row, chunk), src, valid);
     }
   }
-  PagedKvTileLoader<kHeadDim, kBlockN, kThreads> loader{p.k_cache, p.v_cache, block_table, kv_end, kv_head,
-                                                        p.num_kv_heads, block_size_log2};
+  PagedKvTileLoader<kHeadDim, kBlockN, kThreads> loader{p.kv.k, p.kv.v, block_table, kv_end, kv_head,
+                                                        p.kv.num_kv_heads, block_size_log2};
   constexpr int kStages = KvStages<kHeadDim, kBlockN>();
   auto issue_tile = [&](int tile) {
     const uint32_t stage = kv_smem + uint32_t(tile % kStages) * 2 * kKvTileBytes;
@@ -270,7 +270,7 @@ void Launch(const PrefillAttentionParams& p, cudaStream_t stream) {
       cudaFuncSetAttribute(PrefillKernel<kHeadDim, kBlockN>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int num_m_blocks = (p.max_q_len + kBlockM - 1) / kBlockM;
   const dim3 grid(p.num_q_heads, num_m_blocks, p.num_seqs);
-  PrefillKernel<kHeadDim, kBlockN><<<grid, kThreads, smem, stream>>>(p, Log2OfPowerOfTwo(p.block_size), num_m_blocks,
+  PrefillKernel<kHeadDim, kBlockN><<<grid, kThreads, smem, stream>>>(p, Log2OfPowerOfTwo(p.kv.block_size), num_m_blocks,
                                                             p.scale * kLog2e);
   DUET_CUDA_CHECK(cudaGetLastError());
 }
@@ -283,12 +283,12 @@ void PrefillAttention(const PrefillAttentionParams& p, cudaStream_t stream) {
 
 namespace internal {
 void PrefillAttentionWithKeyTile(const PrefillAttentionParams& p, int key_tile, cudaStream_t stream) {
-  DUET_KERNEL_CHECK(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0);
-  DUET_KERNEL_CHECK(p.block_size >= 1 && p.max_blocks_per_seq >= 1);
-  DUET_KERNEL_CHECK(p.head_dim == 64 || p.head_dim == 128);
+  DUET_KERNEL_CHECK(p.kv.num_kv_heads > 0 && p.num_q_heads % p.kv.num_kv_heads == 0);
+  DUET_KERNEL_CHECK(p.kv.block_size >= 1 && p.max_blocks_per_seq >= 1);
+  DUET_KERNEL_CHECK(p.kv.head_dim == 64 || p.kv.head_dim == 128);
   DUET_KERNEL_CHECK(key_tile == 32 || key_tile == 64);
   if (p.num_seqs == 0 || p.max_q_len == 0) return;
-  if (p.head_dim == 64) {
+  if (p.kv.head_dim == 64) {
     key_tile == 32 ? Launch<64, 32>(p, stream) : Launch<64, 64>(p, stream);
   } else {
     key_tile == 32 ? Launch<128, 32>(p, stream) : Launch<128, 64>(p, stream);

@@ -10,12 +10,13 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/attention/paged_kv.h"
+
 namespace duet::kernels {
 
 struct PrefillAttentionParams {
-  const __nv_bfloat16* q;        // [num_q_tokens, num_q_heads, head_dim] (packed varlen, RoPE applied)
-  const __nv_bfloat16* k_cache;  // [num_blocks, num_kv_heads, block_size, head_dim] (this step's K/V already written)
-  const __nv_bfloat16* v_cache;  // same
+  const __nv_bfloat16* q;        // [num_q_tokens, num_q_heads, kv.head_dim] (packed varlen, RoPE applied)
+  PagedKvView kv;                // the layer's cache, this step's K/V already written (read only)
   const int32_t* block_tables;   // [num_seqs, max_blocks_per_seq]
   const int32_t* q_start;        // [num_seqs + 1] prefix sums of query tokens per sequence
   const int32_t* context_lens;   // [num_seqs] tokens in cache incl. this step's
@@ -24,8 +25,8 @@ struct PrefillAttentionParams {
   // cache position context_len - q_len + j). Null: plain causal. Only the first 64 queries of
   // a sequence are masked; a causal row uses ~0.
   const uint64_t* tree_masks;
-  __nv_bfloat16* out;            // [num_q_tokens, num_q_heads, head_dim]
-  int num_seqs, num_q_tokens, max_q_len, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks_per_seq;
+  __nv_bfloat16* out;            // [num_q_tokens, num_q_heads, kv.head_dim]
+  int num_seqs, num_q_tokens, max_q_len, num_q_heads, max_blocks_per_seq;
   float scale;
 };
 

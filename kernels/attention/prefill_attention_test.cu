@@ -72,8 +72,7 @@ void RunAndCompare(const PrefillCase& c, uint64_t seed) {
 
   PrefillAttentionParams params{};
   params.q = d_q.get();
-  params.k_cache = d_k.get();
-  params.v_cache = d_v.get();
+  params.kv = {d_k.get(), d_v.get(), c.num_kv_heads, c.block_size, c.head_dim};
   params.block_tables = d_tables.get();
   params.q_start = d_q_start.get();
   params.context_lens = d_lens.get();
@@ -83,9 +82,6 @@ void RunAndCompare(const PrefillCase& c, uint64_t seed) {
   params.num_q_tokens = num_q_tokens;
   params.max_q_len = *std::max_element(c.q_lens.begin(), c.q_lens.end());
   params.num_q_heads = c.num_q_heads;
-  params.num_kv_heads = c.num_kv_heads;
-  params.head_dim = c.head_dim;
-  params.block_size = c.block_size;
   params.max_blocks_per_seq = cache.max_blocks_per_seq;
   params.scale = scale;
 

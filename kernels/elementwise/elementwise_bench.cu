@@ -93,8 +93,8 @@ void Run(int iterations) {
   auto* k_cache = DeviceFill<__nv_bfloat16>(size_t(max_rows) * kKvHeads * kHeadDim, 0.f, 0.f, 7);
   auto* v_cache = DeviceFill<__nv_bfloat16>(size_t(max_rows) * kKvHeads * kHeadDim, 0.f, 0.f, 8);
   for (int rows : {1, 32, 256, 4096}) {
-    const RopeKvWriteParams p{qkv,     d_positions, d_slots, table,   q_out,     k_cache,
-                              v_cache, rows,        kQHeads, kKvHeads, kHeadDim, kBlockSize};
+    const RopeKvWriteParams p{qkv,  d_positions, d_slots, table, q_out, {k_cache, v_cache, kKvHeads, kBlockSize, kHeadDim},
+                              rows, kQHeads};
     const double us = TimeMicros([&](cudaStream_t s) { RopeAndWriteKv(p, s); }, stream, iterations);
     // qkv read, q/k/v written, rope table rows read (fp32 pairs).
     Report("RopeAndWriteKv", "32/8 heads, head_dim 128", rows, us,

@@ -46,29 +46,23 @@ __device__ __forceinline__ void StoreBf16(__nv_bfloat16* dst, const float (&in)[
   *reinterpret_cast<typename Bf16Vec<kVec>::Storage*>(dst) = packed;
 }
 
-// Element offset of (slot, kv_head) in a [num_blocks, num_kv_heads, block_size, head_dim] cache.
-__device__ __forceinline__ int64_t CacheOffset(int slot, int kv_head, const RopeKvWriteParams& p) {
-  const int block = slot / p.block_size, in_block = slot % p.block_size;
-  return ((int64_t(block) * p.num_kv_heads + kv_head) * p.block_size + in_block) * p.head_dim;
-}
-
 // One CTA per token. Work items: first the rotations (one per (q or k head, kVec pairs)), then
 // the v copies (one per (kv head, 8 elements)); k and v items exist only when the token has a slot.
 template <int kVec>
 __global__ void __launch_bounds__(kMaxThreads) RopeKvWriteKernel(RopeKvWriteParams p) {
   launch_detail::EnterDependentKernel();
   const int token = blockIdx.x;
-  const int head_dim = p.head_dim, half = head_dim / 2;
+  const int head_dim = p.kv.head_dim, half = head_dim / 2, num_kv_heads = p.kv.num_kv_heads;
   const int slot = p.slot_mapping[token];
   const bool write_kv = slot >= 0;
   const float2* rope = p.rope_table + int64_t(p.positions[token]) * half;  // [half]
-  const __nv_bfloat16* qkv = p.qkv + int64_t(token) * (p.num_q_heads + 2 * p.num_kv_heads) * head_dim;
+  const __nv_bfloat16* qkv = p.qkv + int64_t(token) * (p.num_q_heads + 2 * num_kv_heads) * head_dim;
 
   const int vecs_per_half = half / kVec;
-  const int rotated_heads = p.num_q_heads + (write_kv ? p.num_kv_heads : 0);
+  const int rotated_heads = p.num_q_heads + (write_kv ? num_kv_heads : 0);
   const int rope_items = rotated_heads * vecs_per_half;
   const int v_chunks_per_head = head_dim / 8;
-  const int items = rope_items + (write_kv ? p.num_kv_heads * v_chunks_per_head : 0);
+  const int items = rope_items + (write_kv ? num_kv_heads * v_chunks_per_head : 0);
 
   for (int item = threadIdx.x; item < items; item += blockDim.x) {
     if (item < rope_items) {
@@ -93,15 +87,15 @@ __global__ void __launch_bounds__(kMaxThreads) RopeKvWriteKernel(RopeKvWritePara
       }
       __nv_bfloat16* dst = head < p.num_q_heads
                                ? p.q_out + (int64_t(token) * p.num_q_heads + head) * head_dim
-                               : p.k_cache + CacheOffset(slot, head - p.num_q_heads, p);
+                               : p.kv.k + p.kv.RowOffset(slot, head - p.num_q_heads);
       StoreBf16<kVec>(dst + i0, y1);
       StoreBf16<kVec>(dst + half + i0, y2);
     } else {
       const int v_item = item - rope_items;
       const int kv_head = v_item / v_chunks_per_head;
       const int e0 = (v_item % v_chunks_per_head) * 8;
-      const uint4 v = *reinterpret_cast<const uint4*>(qkv + (p.num_q_heads + p.num_kv_heads + kv_head) * head_dim + e0);
-      *reinterpret_cast<uint4*>(p.v_cache + CacheOffset(slot, kv_head, p) + e0) = v;
+      const uint4 v = *reinterpret_cast<const uint4*>(qkv + (p.num_q_heads + num_kv_heads + kv_head) * head_dim + e0);
+      *reinterpret_cast<uint4*>(p.kv.v + p.kv.RowOffset(slot, kv_head) + e0) = v;
     }
   }
 }
@@ -109,16 +103,17 @@ __global__ void __launch_bounds__(kMaxThreads) RopeKvWriteKernel(RopeKvWritePara
 }  // namespace
 
 void RopeAndWriteKv(const RopeKvWriteParams& p, cudaStream_t stream) {
-  DUET_KERNEL_CHECK(p.num_tokens >= 0 && p.num_q_heads > 0 && p.num_kv_heads > 0 && p.block_size > 0);
-  DUET_KERNEL_CHECK(p.head_dim > 0 && p.head_dim % 8 == 0);
+  const PagedKvView& kv = p.kv;
+  DUET_KERNEL_CHECK(p.num_tokens >= 0 && p.num_q_heads > 0 && kv.num_kv_heads > 0 && kv.block_size > 0);
+  DUET_KERNEL_CHECK(kv.head_dim > 0 && kv.head_dim % 8 == 0);
   DUET_KERNEL_CHECK(p.qkv != nullptr && p.positions != nullptr && p.slot_mapping != nullptr &&
-                    p.rope_table != nullptr && p.q_out != nullptr && p.k_cache != nullptr && p.v_cache != nullptr);
+                    p.rope_table != nullptr && p.q_out != nullptr && kv.k != nullptr && kv.v != nullptr);
   DUET_KERNEL_CHECK(IsAligned(p.qkv, 16) && IsAligned(p.rope_table, 16) && IsAligned(p.q_out, 16) &&
-                    IsAligned(p.k_cache, 16) && IsAligned(p.v_cache, 16));
+                    IsAligned(kv.k, 16) && IsAligned(kv.v, 16));
   if (p.num_tokens == 0) return;
-  const int half = p.head_dim / 2;
+  const int half = kv.head_dim / 2;
   const int vec = half % 8 == 0 ? 8 : 4;  // head_dim % 8 == 0 makes half a multiple of 4
-  const int max_items = (p.num_q_heads + p.num_kv_heads) * (half / vec) + p.num_kv_heads * (p.head_dim / 8);
+  const int max_items = (p.num_q_heads + kv.num_kv_heads) * (half / vec) + kv.num_kv_heads * (kv.head_dim / 8);
   const int threads = RoundUp(max_items < kMaxThreads ? max_items : kMaxThreads, kWarpSize);
   if (vec == 8) {
     LaunchKernel(RopeKvWriteKernel<8>, dim3(p.num_tokens), dim3(threads), 0, stream, p);

@@ -7,6 +7,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/attention/paged_kv.h"
+
 namespace duet::kernels {
 
 // Rotary embedding (HF "rotate_half" layout: pairs (i, i + head_dim/2)) applied to q and k of a
@@ -14,14 +16,14 @@ namespace duet::kernels {
 // the bf16 inputs, rounded once to bf16. head_dim must be a multiple of 8; every position must be
 // below the table's max_positions; pointers 16-byte aligned.
 struct RopeKvWriteParams {
-  const __nv_bfloat16* qkv;      // [num_tokens, (num_q_heads + 2*num_kv_heads) * head_dim]: q heads, then k heads, then v heads
+  // [num_tokens, (num_q_heads + 2 * kv.num_kv_heads) * kv.head_dim]: q heads, then k heads, then v heads
+  const __nv_bfloat16* qkv;
   const int32_t* positions;      // [num_tokens]
-  const int32_t* slot_mapping;   // [num_tokens]: block * block_size + slot; negative = do not write
+  const int32_t* slot_mapping;   // [num_tokens]: the token's slot in kv; negative = do not write
   const float2* rope_table;      // [max_positions, head_dim/2]: (cos, sin) of position * inv_freq[i]
-  __nv_bfloat16* q_out;          // [num_tokens, num_q_heads, head_dim]
-  __nv_bfloat16* k_cache;        // [num_blocks, num_kv_heads, block_size, head_dim]
-  __nv_bfloat16* v_cache;        // same
-  int num_tokens, num_q_heads, num_kv_heads, head_dim, block_size;
+  __nv_bfloat16* q_out;          // [num_tokens, num_q_heads, kv.head_dim]
+  PagedKvView kv;                // the layer's cache (its head_dim and num_kv_heads are the qkv's too)
+  int num_tokens, num_q_heads;
 };
 void RopeAndWriteKv(const RopeKvWriteParams&, cudaStream_t);
 

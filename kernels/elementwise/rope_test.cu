@@ -76,13 +76,9 @@ void CheckRope(const RopeShape& s, uint64_t seed, int skip_every = 4) {
   p.slot_mapping = d_slots.get();
   p.rope_table = d_table.get();
   p.q_out = d_q.get();
-  p.k_cache = d_k.get();
-  p.v_cache = d_v.get();
+  p.kv = {d_k.get(), d_v.get(), s.num_kv_heads, s.block_size, s.head_dim};
   p.num_tokens = s.num_tokens;
   p.num_q_heads = s.num_q_heads;
-  p.num_kv_heads = s.num_kv_heads;
-  p.head_dim = s.head_dim;
-  p.block_size = s.block_size;
   RopeAndWriteKv(p, nullptr);
   DUET_CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -170,8 +166,8 @@ TEST(RopeAndWriteKv, Bf16GraphCaptureMatchesEager) {
   DeviceBuffer<int32_t> d_slots(std::vector<int32_t>{3, 4, -1, 17});
   DeviceBuffer<float2> d_table(BuildRopeTable(InvFreq(d), 64));
   DeviceBuffer<__nv_bfloat16> d_q(size_t(tokens) * hq * d), d_k(size_t(2) * hkv * bs * d), d_v(size_t(2) * hkv * bs * d);
-  RopeKvWriteParams p{d_qkv.get(), d_positions.get(), d_slots.get(), d_table.get(), d_q.get(), d_k.get(), d_v.get(),
-                      tokens, hq, hkv, d, bs};
+  RopeKvWriteParams p{d_qkv.get(), d_positions.get(), d_slots.get(), d_table.get(), d_q.get(),
+                      {d_k.get(), d_v.get(), hkv, bs, d}, tokens, hq};
   auto poison = [&] {
     d_q.Poison();
     d_k.Poison();

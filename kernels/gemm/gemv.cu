@@ -52,12 +52,6 @@ __device__ __forceinline__ int2 PairFeatures(int block, int pair, int out, int h
   }
 }
 
-// Element offset of (slot, kv_head) in a [num_blocks, num_kv_heads, block_size, head_dim] cache.
-__device__ __forceinline__ int64_t CacheOffset(int slot, int kv_head, const GemvRopeKvWrite& r) {
-  const int block = slot / r.block_size, in_block = slot % r.block_size;
-  return ((int64_t(block) * r.num_kv_heads + kv_head) * r.block_size + in_block) * r.head_dim;
-}
-
 // One warp per output feature `o`; lanes stride over `in` in 16-byte chunks. kNone: CTA b
 // computes features [8b, 8b + 8). Paired epilogues: warps 0-3 compute the first feature of
 // pairs 0-3 (PairFeatures), warps 4-7 the second, and 4 * kRows threads write the results. Each warp keeps two weight groups in flight; kEarlyGroups of them are issued before the
@@ -74,7 +68,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) GemvKernel(const __nv_bfl
   if constexpr (kEpilogue == GemvEpilogue::kNone) {
     o = blockIdx.x * kWarpsPerBlock + warp;
   } else {
-    const int2 pair = PairFeatures<kEpilogue>(blockIdx.x, warp % kPairsPerBlock, out, rope.head_dim);
+    const int2 pair = PairFeatures<kEpilogue>(blockIdx.x, warp % kPairsPerBlock, out, rope.kv.head_dim);
     o = warp < kPairsPerBlock ? pair.x : pair.y;
   }
   const bool active = o < out;
@@ -136,21 +130,22 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) GemvKernel(const __nv_bfl
     if (threadIdx.x < kPairsPerBlock * kRows) {
       const int pair = threadIdx.x % kPairsPerBlock, r = threadIdx.x / kPairsPerBlock;
       const float first = z[pair][r], second = z[kPairsPerBlock + pair][r];
-      const int2 features = PairFeatures<kEpilogue>(blockIdx.x, pair, out, rope.head_dim);
+      const int2 features = PairFeatures<kEpilogue>(blockIdx.x, pair, out, rope.kv.head_dim);
       if constexpr (kEpilogue == GemvEpilogue::kSiluMul) {
         static_cast<__nv_bfloat16*>(y)[size_t(r) * (out / 2) + features.x] =
             __float2bfloat16(first / (1.f + __expf(-first)) * second);
       } else {
-        const int head = features.x / rope.head_dim, i = features.x % rope.head_dim, half = rope.head_dim / 2;
+        const PagedKvView& kv = rope.kv;
+        const int head = features.x / kv.head_dim, i = features.x % kv.head_dim, half = kv.head_dim / 2;
         const int slot = rope.slot_mapping[r];
         __nv_bfloat16* dst = nullptr;
         bool rotate = true;
         if (head < rope.num_q_heads) {
-          dst = rope.q_out + (int64_t(r) * rope.num_q_heads + head) * rope.head_dim;
-        } else if (slot >= 0 && head < rope.num_q_heads + rope.num_kv_heads) {
-          dst = rope.k_cache + CacheOffset(slot, head - rope.num_q_heads, rope);
+          dst = rope.q_out + (int64_t(r) * rope.num_q_heads + head) * kv.head_dim;
+        } else if (slot >= 0 && head < rope.num_q_heads + kv.num_kv_heads) {
+          dst = kv.k + kv.RowOffset(slot, head - rope.num_q_heads);
         } else if (slot >= 0) {
-          dst = rope.v_cache + CacheOffset(slot, head - rope.num_q_heads - rope.num_kv_heads, rope);
+          dst = kv.v + kv.RowOffset(slot, head - rope.num_q_heads - kv.num_kv_heads);
           rotate = false;
         }
         if (dst != nullptr) {
@@ -212,10 +207,10 @@ void Gemv(const GemvParams& p, cudaStream_t stream) {
   DUET_KERNEL_CHECK(p.epilogue == GemvEpilogue::kNone || (p.out % kWarpsPerBlock == 0 && !p.y_fp32));
   if (p.epilogue == GemvEpilogue::kRopeKvWrite) {
     const GemvRopeKvWrite& r = p.rope;
-    DUET_KERNEL_CHECK(r.head_dim > 0 && r.head_dim % 8 == 0 && r.num_q_heads > 0 && r.num_kv_heads > 0 &&
-                      r.block_size > 0 && p.out == (r.num_q_heads + 2 * r.num_kv_heads) * r.head_dim);
+    DUET_KERNEL_CHECK(r.kv.head_dim > 0 && r.kv.head_dim % 8 == 0 && r.num_q_heads > 0 && r.kv.num_kv_heads > 0 &&
+                      r.kv.block_size > 0 && p.out == (r.num_q_heads + 2 * r.kv.num_kv_heads) * r.kv.head_dim);
     DUET_KERNEL_CHECK(r.positions != nullptr && r.slot_mapping != nullptr && r.rope_table != nullptr &&
-                      r.q_out != nullptr && r.k_cache != nullptr && r.v_cache != nullptr);
+                      r.q_out != nullptr && r.kv.k != nullptr && r.kv.v != nullptr);
   }
   switch (p.rows) {
     case 1: Launch<1>(p, stream); break;

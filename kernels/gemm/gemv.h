@@ -12,6 +12,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/attention/paged_kv.h"
+
 namespace duet::kernels {
 
 constexpr int kGemvMaxRows = 8;
@@ -38,10 +40,9 @@ struct GemvRopeKvWrite {
   const int32_t* positions;     // [rows]
   const int32_t* slot_mapping;  // [rows]
   const float2* rope_table;     // [max_positions, head_dim / 2]
-  __nv_bfloat16* q_out;         // [rows, num_q_heads, head_dim]
-  __nv_bfloat16* k_cache;       // [num_blocks, num_kv_heads, block_size, head_dim]
-  __nv_bfloat16* v_cache;       // same
-  int num_q_heads, num_kv_heads, head_dim, block_size;
+  __nv_bfloat16* q_out;         // [rows, num_q_heads, kv.head_dim]
+  PagedKvView kv;               // the layer's cache
+  int num_q_heads;
 };
 
 struct GemvParams {

@@ -94,13 +94,13 @@ void CheckGemvRope(int rows, int in, int num_q_heads, int num_kv_heads, int head
     q.Poison();
     if (fused) {
       GemvParams p{dx.get(), dw.get(), nullptr, rows, in, out, false, GemvEpilogue::kRopeKvWrite};
-      p.rope = {d_pos.get(), d_slots.get(), d_table.get(), q.get(), k.get(), v.get(), num_q_heads, num_kv_heads,
-                head_dim, block_size};
+      p.rope = {d_pos.get(), d_slots.get(), d_table.get(), q.get(), {k.get(), v.get(), num_kv_heads, block_size, head_dim},
+                num_q_heads};
       Gemv(p, nullptr);
     } else {
       Gemv({dx.get(), dw.get(), qkv.get(), rows, in, out, false}, nullptr);
-      RopeAndWriteKv({qkv.get(), d_pos.get(), d_slots.get(), d_table.get(), q.get(), k.get(), v.get(), rows,
-                      num_q_heads, num_kv_heads, head_dim, block_size},
+      RopeAndWriteKv({qkv.get(), d_pos.get(), d_slots.get(), d_table.get(), q.get(),
+                      {k.get(), v.get(), num_kv_heads, block_size, head_dim}, rows, num_q_heads},
                      nullptr);
     }
     DUET_CUDA_CHECK(cudaDeviceSynchronize());
