@@ -1,6 +1,7 @@
 #include "backends/cuda/cublas_linear.h"
 
 #include "absl/strings/str_cat.h"
+#include "backends/cuda/device_memory.h"
 #include "common/logging.h"
 #include "kernels/elementwise/activation.h"
 #include "kernels/gemm/gemv.h"
@@ -31,7 +32,9 @@ void Gemm(cublasHandle_t handle, const __nv_bfloat16* x, const __nv_bfloat16* we
 
 absl::StatusOr<CublasLinear> CublasLinear::Create(cudaStream_t stream, void* workspace, size_t workspace_bytes) {
   cublasHandle_t handle = nullptr;
-  if (cublasStatus_t s = cublasCreate(&handle); s != CUBLAS_STATUS_SUCCESS) {
+  if (cublasStatus_t s = cublasCreate(&handle); s == CUBLAS_STATUS_ALLOC_FAILED) {
+    return absl::ResourceExhaustedError(absl::StrCat("out of memory creating the cuBLAS handle: ", DeviceMemoryReport()));
+  } else if (s != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(absl::StrCat("cublasCreate: ", cublasGetStatusString(s)));
   }
   CheckCublas(cublasSetStream(handle, stream), "cublasSetStream");

@@ -1,7 +1,7 @@
 #include "backends/cuda/device_kv_cache.h"
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda_check.h"
+#include "common/status_macros.h"
 
 namespace duet::cuda {
 
@@ -9,18 +9,12 @@ absl::StatusOr<std::unique_ptr<DeviceKvCache>> DeviceKvCache::Create(KvCacheShap
                                                                      cudaStream_t stream) {
   shape.dtype = KvDtype::kBFloat16;
   const size_t bytes = size_t(shape.num_blocks) * size_t(shape.bytes_per_block());
-  absl::StatusOr<DeviceAllocation> pool = arena.Allocate(bytes, "KV cache");
-  if (!pool.ok()) return pool.status();
+  DUET_ASSIGN_OR_RETURN(DeviceAllocation pool, arena.Allocate(bytes, "KV cache"));
   // Zeroed so a block never read before being written holds finite values.
-  if (absl::Status s = CudaStatus(cudaMemsetAsync(pool->get(), 0, bytes, stream), "KV cache memset"); !s.ok()) {
-    return s;
-  }
+  DUET_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(pool.get(), 0, bytes, stream), "KV cache memset"));
   cudaStream_t copy_stream = nullptr;
-  if (absl::Status s = CudaStatus(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking), "KV copy stream");
-      !s.ok()) {
-    return s;
-  }
-  return std::unique_ptr<DeviceKvCache>(new DeviceKvCache(shape, std::move(*pool), stream, copy_stream));
+  DUET_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking), "KV copy stream"));
+  return std::unique_ptr<DeviceKvCache>(new DeviceKvCache(shape, std::move(pool), stream, copy_stream));
 }
 
 DeviceKvCache::DeviceKvCache(const KvCacheShape& shape, DeviceAllocation pool, cudaStream_t stream,
@@ -56,9 +50,9 @@ void DeviceKvCache::CopyBlocks(const std::vector<BlockCopy>& copies) {
   const int64_t n = shape().block_elems();
   for (int64_t layer = 0; layer < shape().num_layers; ++layer) {
     for (const BlockCopy& c : copies) {
-      DUET_CUDA_CHECK(cudaMemcpyAsync(keys(layer) + c.dst * n, keys(layer) + c.src * n, block_bytes,
+      DUET_CHECK_CUDA(cudaMemcpyAsync(keys(layer) + c.dst * n, keys(layer) + c.src * n, block_bytes,
                                       cudaMemcpyDeviceToDevice, stream_));
-      DUET_CUDA_CHECK(cudaMemcpyAsync(values(layer) + c.dst * n, values(layer) + c.src * n, block_bytes,
+      DUET_CHECK_CUDA(cudaMemcpyAsync(values(layer) + c.dst * n, values(layer) + c.src * n, block_bytes,
                                       cudaMemcpyDeviceToDevice, stream_));
     }
   }
@@ -85,10 +79,10 @@ absl::Status DeviceKvCache::CopyBlocksFromHost(int64_t first_layer, int64_t num_
 
 absl::Status DeviceKvCache::CopyWithHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
                                          const HostKvBlocks& host, bool to_host) {
-  if (absl::Status st = CheckHostCopies(first_layer, num_layers, copies, host, to_host); !st.ok()) return st;
+  DUET_RETURN_IF_ERROR(CheckHostCopies(first_layer, num_layers, copies, host, to_host));
   if (pending_moves_.num_moves > 0) {  // the copy stream must see them
     FlushSlotMoves();
-    if (absl::Status st = CudaStatus(cudaStreamSynchronize(stream_), "KV slot moves"); !st.ok()) return st;
+    DUET_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "KV slot moves"));
   }
   const KvCacheShape& s = shape();
   const size_t block_bytes = size_t(s.block_elems()) * sizeof(__nv_bfloat16);

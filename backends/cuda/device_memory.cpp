@@ -36,9 +36,25 @@ DeviceAllocation& DeviceAllocation::operator=(DeviceAllocation&& o) noexcept {
   return *this;
 }
 
+std::string DeviceMemoryReport() {
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+    cudaGetLastError();
+    return "device memory use unknown";
+  }
+  return absl::StrCat(free_bytes, " of ", total_bytes, " bytes free on the device");
+}
+
 absl::StatusOr<DeviceAllocation> DeviceArena::Allocate(size_t bytes, const char* what) {
   void* ptr = nullptr;
-  if (absl::Status s = CudaStatus(cudaMalloc(&ptr, bytes == 0 ? 1 : bytes), what); !s.ok()) {
+  const cudaError_t err = cudaMalloc(&ptr, bytes == 0 ? 1 : bytes);
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();  // not sticky, but leave no error behind for the next check
+    return absl::ResourceExhaustedError(absl::StrCat("out of device memory: ", what, " needs ", bytes, " bytes, ",
+                                                     DeviceMemoryReport(), " (this executor holds ",
+                                                     allocated_bytes_, ")"));
+  }
+  if (absl::Status s = CudaStatus(err, what); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat(s.message(), " allocating ", bytes, " bytes"));
   }
   allocated_bytes_ += int64_t(bytes);
@@ -54,7 +70,9 @@ absl::Status PinnedBuffer::Resize(size_t bytes) {
   if (ptr_ != nullptr) cudaFreeHost(ptr_);
   ptr_ = nullptr;
   bytes_ = 0;
-  if (absl::Status s = CudaStatus(cudaMallocHost(&ptr_, bytes), "cudaMallocHost"); !s.ok()) return s;
+  if (absl::Status s = CudaStatus(cudaMallocHost(&ptr_, bytes), "cudaMallocHost"); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(s.message(), " pinning ", bytes, " host bytes"));
+  }
   bytes_ = bytes;
   return absl::OkStatus();
 }

@@ -5,8 +5,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
+#include "common/logging.h"
 
 namespace duet::cuda {
 
@@ -31,7 +33,8 @@ class DeviceAllocation {
   size_t bytes_ = 0;
 };
 
-// Allocates device memory and keeps a running total of what it handed out.
+// Allocates device memory and keeps a running total of what it handed out. Out of device
+// memory: ResourceExhausted saying what was asked for, what is free and what the arena holds.
 class DeviceArena {
  public:
   absl::StatusOr<DeviceAllocation> Allocate(size_t bytes, const char* what);
@@ -58,10 +61,26 @@ class PinnedBuffer {
   size_t bytes_ = 0;
 };
 
+// "F of T bytes free on the device", for out-of-memory messages.
+std::string DeviceMemoryReport();
+
 // Whether a CUDA device is visible to this process (false without a driver or device).
 bool CudaDeviceAvailable();
 
-// absl::Status from a CUDA runtime error code (OK for cudaSuccess).
+// absl::Status from a CUDA runtime error code (OK for cudaSuccess); an allocation failure is
+// ResourceExhausted.
 absl::Status CudaStatus(int cuda_error, const char* what);
 
 }  // namespace duet::cuda
+
+// A CUDA runtime call that cannot fail on valid arguments and a healthy device (a stream-ordered
+// copy, a synchronization whose step errors surface elsewhere): a failure is a bug or a dead
+// device, logged FATAL with where it happened. The backend's counterpart of the kernels' own
+// std-only DUET_CUDA_CHECK.
+#define DUET_CHECK_CUDA(expr)                                                                        \
+  do {                                                                                               \
+    if (const ::absl::Status duet_cuda_status_ = ::duet::cuda::CudaStatus((expr), #expr);           \
+        !duet_cuda_status_.ok()) {                                                                   \
+      ::duet::LogMessage(::duet::LogLevel::kFatal, __FILE__, __LINE__).stream() << duet_cuda_status_; \
+    }                                                                                                \
+  } while (0)

@@ -5,9 +5,8 @@
 // reading its results (logits or sampled token ids).
 #pragma once
 
-#include <map>
-#include <tuple>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,14 +15,16 @@
 
 #include "absl/status/statusor.h"
 #include "backends/cuda/cublas_linear.h"
+#include "backends/cuda/cuda_weights.h"
 #include "backends/cuda/device_kv_cache.h"
 #include "backends/cuda/device_memory.h"
+#include "backends/cuda/graph_runner.h"
+#include "backends/cuda/step_metadata.h"
 #include "engine/model_executor.h"
+#include "kernels/attention/paged_attention.h"
 #include "model/safetensors.h"
 
 namespace duet {
-
-struct StepMetadataLayout;
 
 struct LlamaCudaOptions {
   int device = 0;
@@ -45,12 +46,19 @@ struct LlamaCudaOptions {
 
 class LlamaCuda : public ModelExecutor {
  public:
+  // Out of device memory (weights, activations, workspaces): ResourceExhausted, saying what was
+  // asked for and what is free.
   static absl::StatusOr<std::unique_ptr<LlamaCuda>> Load(const std::string& model_dir, const LlamaCudaOptions& options);
   ~LlamaCuda() override;
 
   const ModelConfig& config() const override { return config_; }
   KvDtype kv_dtype() const override { return KvDtype::kBFloat16; }
+  // The interface's cache creation, which cannot report an error: a failure of
+  // CreateDeviceKvCache is fatal here.
   std::unique_ptr<KvCache> CreateKvCache(int64_t num_blocks, int64_t block_size) override;
+  // The KV cache and the step metadata sized for its block size; out of device memory:
+  // ResourceExhausted, saying what was asked for and what is free.
+  absl::StatusOr<std::unique_ptr<cuda::DeviceKvCache>> CreateDeviceKvCache(int64_t num_blocks, int64_t block_size);
   std::optional<int64_t> DeviceKvBudgetBytes(double memory_fraction) const override;
 
   absl::Status Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache, std::vector<float>& logits,
@@ -70,11 +78,11 @@ class LlamaCuda : public ModelExecutor {
   // every batch and token bucket a step of up to max_num_seqs sequences with up to
   // `max_draft_tokens` drafts each can take.
   absl::Status WarmUpVerification(KvCache& cache, int32_t max_draft_tokens) override {
-    return WarmUpGraphs(cache, max_draft_tokens, int(layers_.size()));
+    return WarmUpGraphs(cache, max_draft_tokens, int(weights_.num_layers()));
   }
   // The same for the first `num_layers` layers (a self-speculation draft).
   absl::Status WarmUpGraphs(KvCache& cache, int32_t max_draft_tokens, int num_layers);
-  int64_t num_one_time_setups() const override { return num_graph_captures_; }
+  int64_t num_one_time_setups() const override { return graphs_ ? graphs_->num_captures() : 0; }
 
   // Run with only the first `num_layers` layers, then the final norm and LM head (what
   // LayerPrefix's executor calls). Either logits or samples is null.
@@ -83,60 +91,60 @@ class LlamaCuda : public ModelExecutor {
                          std::vector<float>* logits, std::vector<DeviceSample>* samples, int num_layers);
 
   cudaStream_t stream() const { return stream_; }
-  int64_t weight_bytes() const { return weight_bytes_; }
+  int64_t weight_bytes() const { return weights_.bytes(); }
 
  private:
-  struct Layer {
-    const __nv_bfloat16* input_norm;  // [hidden]
-    const __nv_bfloat16* qkv;         // [(heads + 2 * kv_heads) * head_dim, hidden]
-    const __nv_bfloat16* qkv_bias;    // [(heads + 2 * kv_heads) * head_dim] or null
-    const __nv_bfloat16* o;           // [hidden, heads * head_dim]
-    const __nv_bfloat16* o_bias;      // [hidden] or null
-    const __nv_bfloat16* post_norm;   // [hidden]
-    const __nv_bfloat16* gate_up;     // [2 * intermediate, hidden]: gate rows then up rows
-    const __nv_bfloat16* down;        // [hidden, intermediate]
-  };
-  // Host-side description of one step, uploaded before it runs.
-  struct StepPlan;
-
   LlamaCuda(const ModelConfig& config, const LlamaCudaOptions& options);
   absl::Status Init(const WeightStore& weights);
-  absl::Status LoadWeights(const WeightStore& weights);
+  absl::Status InitDevice();
+  absl::Status UploadRopeTable();
   absl::Status AllocateActivations();
 
-  absl::StatusOr<StepPlan> PlanStep(absl::Span<const SequenceChunk> chunks, int block_size) const;
-  void Upload(const StepPlan& plan, absl::Span<const DeviceSamplingRow> sampling);
-  // Pads a decode step to `batch` sequences (its graph's bucket) with rows that write nothing.
-  void PadForGraph(StepPlan& plan, int batch) const;
-  // Pads a verification step to `batch` sequences and `tokens` rows (its graph's buckets).
-  void PadTreeStepForGraph(StepPlan& plan, int batch, int tokens) const;
+  // The cache as this executor's own (created by CreateDeviceKvCache).
+  absl::StatusOr<cuda::DeviceKvCache*> OwnCache(KvCache& cache) const;
+  // Whether the step can replay a graph; if so, pads the plan to the graph's buckets.
+  bool PadForGraphIfEligible(cuda::StepPlan& plan, bool layer_callbacks) const;
+  absl::Status LaunchGraph(const cuda::StepPlan& plan, cuda::DeviceKvCache& cache, bool sample, int num_layers);
   // Enqueues the whole step (embedding → the first num_layers layers → logits → optional
   // sampling) on stream_.
-  void Enqueue(const StepPlan& plan, cuda::DeviceKvCache& cache, bool sample,
+  void Enqueue(const cuda::StepPlan& plan, cuda::DeviceKvCache& cache, bool sample,
                absl::Span<const SequenceChunk> chunks, const LayerDoneCallback& on_layer_done, int num_layers);
-  absl::Status LaunchGraph(const StepPlan& plan, cuda::DeviceKvCache& cache, bool sample, int num_layers);
+  // The decode attention's split of each context: a graph serves any context up to
+  // max_model_len, an eager step plans for its own.
+  kernels::PagedDecodeAttentionPlan PlanDecodeAttention(const cuda::StepPlan& plan) const;
+  // Skinny batches compute RoPE + the KV write and SiLU·mul in the projections' epilogues.
+  bool UseFusedEpilogues(int rows) const;
+  // One layer's attention sublayer: norm (adding the previous sublayer's output), QKV
+  // projection, RoPE and the KV write, attention, output projection into delta_.
+  void EnqueueAttention(const cuda::CudaLayerWeights& l, bool first_layer, const cuda::StepPlan& plan,
+                        const kernels::PagedDecodeAttentionPlan& decode_plan, const kernels::PagedKvView& kv);
+  void EnqueueQkvRopeKvWrite(const cuda::CudaLayerWeights& l, int rows, const kernels::PagedKvView& kv);
+  void EnqueueAttentionKernel(const cuda::StepPlan& plan, const kernels::PagedDecodeAttentionPlan& decode_plan,
+                              const kernels::PagedKvView& kv);
+  // One layer's MLP sublayer: norm (adding the attention output), gate/up with SiLU·mul, down
+  // projection into delta_.
+  void EnqueueMlp(const cuda::CudaLayerWeights& l, int rows);
+  // After the last layer: a graph's step joins the last MLP output, normalizes and computes
+  // every row's logits (and samples); an eager step only joins it (EagerHead does the rest).
+  void EnqueueFinalNorm(const cuda::StepPlan& plan, bool sample);
   // Samples logits rows [first_row, first_row + rows) (in logits_ from its row 0) with the
   // uploaded per-row parameters.
   void EnqueueSampling(int first_row, int rows);
   // Copies logits rows [0, rows) of the last head pass to `dst` (through the pinned buffer).
   absl::Status CopyLogitsToHost(int rows, float* dst);
+  // Waits for the step's sampled tokens and logprobs (rows [0, rows)).
+  absl::Status CopySamplesToHost(int rows, std::vector<DeviceSample>& samples);
   // The logits head for eager steps, in passes of at most max_logit_rows_ rows.
-  absl::Status EagerHead(const StepPlan& plan, bool sample, std::vector<float>* logits, std::vector<DeviceSample>* samples);
+  absl::Status EagerHead(const cuda::StepPlan& plan, bool sample, std::vector<float>* logits);
 
   ModelConfig config_;
   LlamaCudaOptions options_;
   cudaStream_t stream_ = nullptr;
   int num_sms_ = 0;
   cuda::DeviceArena arena_;
-  std::vector<cuda::DeviceAllocation> weight_allocations_;
-  int64_t weight_bytes_ = 0;
   std::unique_ptr<cuda::CublasLinear> linear_;
-
-  const __nv_bfloat16* embed_ = nullptr;       // [vocab, hidden]
-  const __nv_bfloat16* final_norm_ = nullptr;  // [hidden]
-  const __nv_bfloat16* lm_head_ = nullptr;     // [vocab, hidden] (the embedding when tied)
-  std::vector<Layer> layers_;
-  cuda::DeviceAllocation rope_table_;          // [max_model_len, head_dim / 2] float2
+  cuda::CudaWeights weights_;
+  cuda::DeviceAllocation rope_table_;  // [max_model_len, head_dim / 2] float2
 
   // Activations, sized for max_num_batched_tokens (T) and max logits rows (R).
   cuda::DeviceAllocation cublas_workspace_;
@@ -154,19 +162,11 @@ class LlamaCuda : public ModelExecutor {
   size_t decode_workspace_bytes_ = 0;
   cuda::DeviceAllocation decode_split_counters_;  // int32, zero between launches (the kernel resets them)
   int decode_split_counters_count_ = 0;
-  // Step metadata (device) and its pinned host staging.
-  cuda::DeviceAllocation metadata_;
-  cuda::PinnedBuffer metadata_host_;
   cuda::PinnedBuffer results_host_;
-  std::unique_ptr<const StepMetadataLayout> layout_;  // fixed once the KV cache (block size) is known
-  int block_size_ = 0;
-  int max_blocks_per_seq_ = 0;
   int max_logit_rows_ = 0;
-  int64_t num_graph_captures_ = 0;
-
-  // Decode graphs by (padded batch size, samples on device).
-  std::map<std::tuple<int, int, bool, int>, cudaGraphExec_t> graphs_;  // (batch, tree tokens, sample, layers)
-  const KvCache* graph_cache_ = nullptr;  // the cache the graphs were captured with
+  // Fixed once the KV cache (its block size) is known.
+  std::unique_ptr<cuda::StepMetadata> metadata_;
+  std::unique_ptr<cuda::GraphRunner> graphs_;
 };
 
 }  // namespace duet

@@ -201,6 +201,35 @@ TEST(LlamaCuda, Bf16DeviceSamplingGreedyIsArgmaxAndSeededDrawsRepeat) {
   EXPECT_TRUE(std::isfinite(first[0].logprob) && first[0].logprob <= 0.0f);
 }
 
+// Device out-of-memory is an error the caller sees (ResourceExhausted, saying what was asked
+// for), not an abort; the executor stays usable after a cache that did not fit.
+TEST(LlamaCuda, OutOfDeviceMemoryIsResourceExhausted) {
+  SKIP_WITHOUT_GPU();
+  auto has = [](const absl::Status& s, const char* text) { return std::string(s.message()).find(text) != std::string::npos; };
+  LlamaCudaOptions huge;
+  huge.max_num_batched_tokens = 1 << 27;  // a ~275 GB residual stream
+  absl::StatusOr<std::unique_ptr<LlamaCuda>> too_big = LlamaCuda::Load(ModelDir(), huge);
+  ASSERT_FALSE(too_big.ok());
+  EXPECT_EQ(too_big.status().code(), absl::StatusCode::kResourceExhausted) << too_big.status();
+  EXPECT_TRUE(has(too_big.status(), "out of device memory: residual needs")) << too_big.status();
+
+  absl::StatusOr<std::unique_ptr<LlamaCuda>> model = LlamaCuda::Load(ModelDir(), {});
+  ASSERT_TRUE(model.ok()) << model.status();
+  absl::StatusOr<std::unique_ptr<cuda::DeviceKvCache>> cache = (*model)->CreateDeviceKvCache(4'000'000, 16);  // ~393 GB
+  ASSERT_FALSE(cache.ok());
+  EXPECT_EQ(cache.status().code(), absl::StatusCode::kResourceExhausted) << cache.status();
+  EXPECT_TRUE(has(cache.status(), "bytes free on the device")) << cache.status();
+  EXPECT_TRUE((*model)->CreateDeviceKvCache(64, 16).ok());
+
+  EngineConfig config;
+  config.model_dir = ModelDir();
+  config.backend = "cuda";
+  config.scheduler.max_num_batched_tokens = 1 << 27;
+  absl::StatusOr<std::unique_ptr<LlmEngine>> engine = CreateEngine(config);
+  ASSERT_FALSE(engine.ok());
+  EXPECT_EQ(engine.status().code(), absl::StatusCode::kResourceExhausted) << engine.status();
+}
+
 // Every reference case through the engine on the CUDA backend, all in one continuous batch.
 // bf16 compute may flip a token only where the float32 reference's top-2 margin is tiny.
 void ExpectGreedyMatchesReference(const std::string& speculation) {
