@@ -10,8 +10,10 @@ absl::StatusOr<std::unique_ptr<DeviceKvCache>> DeviceKvCache::Create(KvCacheShap
   shape.dtype = KvDtype::kBFloat16;
   const size_t bytes = size_t(shape.num_blocks) * size_t(shape.bytes_per_block());
   DUET_ASSIGN_OR_RETURN(DeviceAllocation pool, arena.Allocate(bytes, "KV cache"));
-  // Zeroed so a block never read before being written holds finite values.
+  // Zeroed so a block never read before being written holds finite values; waited for, since
+  // staging copies run on a stream of their own that does not wait for `stream`.
   DUET_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(pool.get(), 0, bytes, stream), "KV cache memset"));
+  DUET_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "KV cache memset"));
   cudaStream_t copy_stream = nullptr;
   DUET_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking), "KV copy stream"));
   return std::unique_ptr<DeviceKvCache>(new DeviceKvCache(shape, std::move(pool), stream, copy_stream));

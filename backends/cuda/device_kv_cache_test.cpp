@@ -33,6 +33,8 @@ class DeviceKvCacheTest : public ::testing::Test {
       ASSERT_EQ(cudaMemcpy(cache_->keys(layer), Pool(layer, 0), layer_bytes_, cudaMemcpyHostToDevice), cudaSuccess);
       ASSERT_EQ(cudaMemcpy(cache_->values(layer), Pool(layer, 1), layer_bytes_, cudaMemcpyHostToDevice), cudaSuccess);
     }
+    // Landed before the staging copies, which run on the cache's non-blocking copy stream.
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
   void TearDown() override {
     cache_.reset();
