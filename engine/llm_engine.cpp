@@ -10,17 +10,6 @@
 
 namespace duet {
 
-const char* FinishReasonName(FinishReason reason) {
-  switch (reason) {
-    case FinishReason::kNone: return "none";
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kAbort: return "abort";
-    case FinishReason::kError: return "error";
-  }
-  return "none";
-}
-
 namespace {
 
 // Device memory a draft model's weights and buffers take beside its KV cache: its checkpoint's
