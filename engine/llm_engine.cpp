@@ -351,15 +351,16 @@ LlmEngine::StepBatch LlmEngine::BuildBatch(const SchedulerOutput& plan) const {
     std::vector<int32_t>& tokens = batch.tokens[i];
     std::vector<int32_t>& parents = batch.parents[i];
     for (int64_t t = 0; t < sc.num_new_tokens; ++t) tokens.push_back(r.TokenAt(r.num_computed_tokens + t));
-    SequenceChunk& chunk = batch.chunks[i];
-    chunk = SequenceChunk{tokens, r.num_computed_tokens, blocks_.BlockTable(r.seq_id), r.seq_id, sc.samples ? 1 : 0};
     if (sc.num_draft_slots > 0 && !r.spec.tree.empty()) {
       parents.push_back(-1);
       for (int32_t j = 0; j < r.spec.tree.size(); ++j) {
         tokens.push_back(r.spec.tree.tokens[size_t(j)]);
         parents.push_back(r.spec.tree.parents[size_t(j)] + 1);
       }
-      chunk.tokens = tokens;
+    }
+    SequenceChunk& chunk = batch.chunks[i];
+    chunk = SequenceChunk{tokens, r.num_computed_tokens, blocks_.BlockTable(r.seq_id), r.seq_id, sc.samples ? 1 : 0};
+    if (!parents.empty()) {  // a tree: every node's logits
       chunk.tree_parents = parents;
       chunk.num_logits = int32_t(tokens.size());
     }
