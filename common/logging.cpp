@@ -62,8 +62,7 @@ void SetMinLogLevel(LogLevel level) { MinLevel().store(level, std::memory_order_
 LogLevel MinLogLevel() { return MinLevel().load(std::memory_order_relaxed); }
 
 absl::StatusOr<LogLevel> ParseLogLevel(std::string_view name) {
-  std::string lower(name);  // this Abseil's string_view is not std::string_view
-  absl::AsciiStrToLower(&lower);
+  const std::string lower = absl::AsciiStrToLower(std::string(name));
   if (lower == "debug") return LogLevel::kDebug;
   if (lower == "info") return LogLevel::kInfo;
   if (lower == "warning" || lower == "warn") return LogLevel::kWarning;
