@@ -10,17 +10,6 @@
 
 namespace duet {
 
-const char* FinishReasonName(FinishReason reason) {
-  switch (reason) {
-    case FinishReason::kNone: return "none";
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kAbort: return "abort";
-    case FinishReason::kError: return "error";
-  }
-  return "none";
-}
-
 namespace {
 
 // Device memory a draft model's weights and buffers take beside its KV cache: its checkpoint's
@@ -305,10 +294,7 @@ void LlmEngine::VerifyDraft(Request& r, const std::vector<int32_t>& tokens, cons
     if (accepted[i] != int32_t(i) + 1) moves.push_back({start + accepted[i], start + int64_t(i) + 1});
   }
   if (absl::Status s = model_->MoveKvSlots(*cache_, blocks_.BlockTable(r.seq_id), moves); !s.ok()) {
-    FinishRequest(r, FinishReason::kError);
-    out.finished = true;
-    out.finish_reason = FinishReason::kError;
-    out.error = std::string(s.message());
+    FinishWithError(r, s, out);
     return;
   }
   r.num_computed_tokens += int64_t(accepted.size());
@@ -316,7 +302,6 @@ void LlmEngine::VerifyDraft(Request& r, const std::vector<int32_t>& tokens, cons
 }
 
 absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallback& on_layer_done) {
-  std::vector<RequestOutput> outputs;
   const int64_t setups_before = model_->num_one_time_setups();
   if (spec_) {
     spec_->BeginStep();
@@ -324,9 +309,27 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
   }
   SchedulerOutput plan = scheduler_.Schedule();
   num_preemptions_ += plan.num_preempted;
-  if (plan.empty()) return outputs;
+  if (plan.empty()) return std::vector<RequestOutput>();
   cache_->CopyBlocks(plan.block_copies);
+  DraftScheduled(plan);
+  const StepBatch batch = BuildBatch(plan);
+  const std::optional<std::vector<DeviceSamplingRow>> device_rows = DeviceSamplingRows(plan, batch);
+  const absl::Status forward =
+      device_rows ? model_->ForwardSample(batch.chunks, *cache_, *device_rows, device_samples_, on_layer_done)
+                  : model_->Forward(batch.chunks, *cache_, logits_, on_layer_done);
+  scheduler_.OnStepDone(plan);
+  if (!forward.ok()) return FailStep(plan, forward);
+  std::vector<RequestOutput> outputs = ApplySamples(plan, batch, device_rows.has_value());
+  // What the step cost teaches the planner, unless it paid a one-time setup (a graph capture).
+  if (spec_ && model_->num_one_time_setups() == setups_before) {
+    const bool verification = std::any_of(batch.parents.begin(), batch.parents.end(),
+                                          [](const std::vector<int32_t>& p) { return !p.empty(); });
+    spec_->EndStep(batch.num_tokens, verification);
+  }
+  return outputs;
+}
 
+void LlmEngine::DraftScheduled(const SchedulerOutput& plan) {
   // Drafts for the decoding requests that got room for them.
   std::vector<Request*> drafting;
   for (const ScheduledChunk& sc : plan.chunks) {
@@ -335,127 +338,128 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
   if (!drafting.empty() && !spec_->Draft(drafting).ok()) {
     for (Request* r : drafting) r->spec.tree.Clear();  // a failed draft only costs the speed-up
   }
+}
 
-  std::vector<std::vector<int32_t>> chunk_tokens(plan.chunks.size());
-  std::vector<std::vector<int32_t>> chunk_parents(plan.chunks.size());  // draft trees: root + drafts
-  std::vector<SequenceChunk> chunks(plan.chunks.size());
-  int64_t num_step_tokens = 0;
+LlmEngine::StepBatch LlmEngine::BuildBatch(const SchedulerOutput& plan) const {
+  StepBatch batch;
+  batch.tokens.resize(plan.chunks.size());
+  batch.parents.resize(plan.chunks.size());
+  batch.chunks.resize(plan.chunks.size());
   for (size_t i = 0; i < plan.chunks.size(); ++i) {
     const ScheduledChunk& sc = plan.chunks[i];
-    Request& r = *sc.request;
-    for (int64_t t = 0; t < sc.num_new_tokens; ++t) chunk_tokens[i].push_back(r.TokenAt(r.num_computed_tokens + t));
-    chunks[i] = SequenceChunk{chunk_tokens[i], r.num_computed_tokens, blocks_.BlockTable(r.seq_id),
-                              r.seq_id, sc.samples ? 1 : 0};
+    const Request& r = *sc.request;
+    std::vector<int32_t>& tokens = batch.tokens[i];
+    std::vector<int32_t>& parents = batch.parents[i];
+    for (int64_t t = 0; t < sc.num_new_tokens; ++t) tokens.push_back(r.TokenAt(r.num_computed_tokens + t));
     if (sc.num_draft_slots > 0 && !r.spec.tree.empty()) {
-      chunk_parents[i].push_back(-1);
+      parents.push_back(-1);
       for (int32_t j = 0; j < r.spec.tree.size(); ++j) {
-        chunk_tokens[i].push_back(r.spec.tree.tokens[size_t(j)]);
-        chunk_parents[i].push_back(r.spec.tree.parents[size_t(j)] + 1);
+        tokens.push_back(r.spec.tree.tokens[size_t(j)]);
+        parents.push_back(r.spec.tree.parents[size_t(j)] + 1);
       }
-      chunks[i].tokens = chunk_tokens[i];
-      chunks[i].tree_parents = chunk_parents[i];
-      chunks[i].num_logits = int32_t(chunk_tokens[i].size());
     }
-    num_step_tokens += int64_t(chunk_tokens[i].size());
+    SequenceChunk& chunk = batch.chunks[i];
+    chunk = SequenceChunk{tokens, r.num_computed_tokens, blocks_.BlockTable(r.seq_id), r.seq_id, sc.samples ? 1 : 0};
+    if (!parents.empty()) {  // a tree: every node's logits
+      chunk.tree_parents = parents;
+      chunk.num_logits = int32_t(tokens.size());
+    }
+    batch.num_tokens += int64_t(tokens.size());
   }
-  // Sample on the executor's device when it can and no request needs host-side processing
-  // (penalties, top-N logprobs): then only token ids cross back, not [rows, vocab] logits. A
-  // draft tree samples every node's row, each node keyed by the output index it would fill.
-  bool device_sampling = model_->CanSampleOnDevice();
-  std::vector<DeviceSamplingRow> sampling_rows;
+  return batch;
+}
+
+// Sample on the executor's device when it can and no request needs host-side processing
+// (penalties, top-N logprobs): then only token ids cross back, not [rows, vocab] logits. A
+// draft tree samples every node's row, each node keyed by the output index it would fill.
+std::optional<std::vector<DeviceSamplingRow>> LlmEngine::DeviceSamplingRows(const SchedulerOutput& plan,
+                                                                           const StepBatch& batch) {
+  if (!model_->CanSampleOnDevice()) return std::nullopt;
+  std::vector<DeviceSamplingRow> rows;
   std::vector<int32_t> depths;
-  for (size_t i = 0; i < plan.chunks.size() && device_sampling; ++i) {
+  for (size_t i = 0; i < plan.chunks.size(); ++i) {
     const ScheduledChunk& sc = plan.chunks[i];
     if (!sc.samples) continue;
     Request& r = *sc.request;
     const SamplingParams& p = r.params;
     if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f || p.logprobs > 0) {
-      device_sampling = false;
-      break;
+      return std::nullopt;
     }
     // Each draw is keyed by a number from the request's own generator (seeded when the request
     // has a seed) and the token index, so seeded requests repeat exactly.
     const auto key = static_cast<uint64_t>(r.rng.Uniform() * 9007199254740992.0);
     const DeviceSamplingRow row{p.greedy() ? 0.0f : p.temperature, p.top_k, p.top_p, p.min_p, key,
                                 uint64_t(r.output.size())};
-    const std::vector<int32_t>& parents = chunk_parents[i];
+    const std::vector<int32_t>& parents = batch.parents[i];
     if (parents.empty()) {
-      sampling_rows.push_back(row);
+      rows.push_back(row);
       continue;
     }
     depths.assign(parents.size(), 0);
     for (size_t j = 0; j < parents.size(); ++j) {
       if (j > 0) depths[j] = depths[size_t(parents[j])] + 1;
-      sampling_rows.push_back(row);
-      sampling_rows.back().offset += uint64_t(depths[j]);
+      rows.push_back(row);
+      rows.back().offset += uint64_t(depths[j]);
     }
   }
-  absl::Status forward;
-  if (device_sampling) {
-    forward = model_->ForwardSample(chunks, *cache_, sampling_rows, device_samples_, on_layer_done);
-  } else {
-    forward = model_->Forward(chunks, *cache_, logits_, on_layer_done);
+  return rows;
+}
+
+std::vector<RequestOutput> LlmEngine::FailStep(const SchedulerOutput& plan, const absl::Status& error) {
+  std::vector<RequestOutput> outputs;
+  for (const ScheduledChunk& sc : plan.chunks) {
+    RequestOutput& out = outputs.emplace_back(RequestOutput{sc.request->id});
+    FinishWithError(*sc.request, error, out);
   }
-  scheduler_.OnStepDone(plan);
-  const int64_t vocab = model_->config().vocab_size;
+  return outputs;
+}
+
+void LlmEngine::FinishWithError(Request& r, const absl::Status& error, RequestOutput& out) {
+  FinishRequest(r, FinishReason::kError);
+  out.finished = true;
+  out.finish_reason = FinishReason::kError;
+  out.error = std::string(error.message());
+}
+
+std::vector<RequestOutput> LlmEngine::ApplySamples(const SchedulerOutput& plan, const StepBatch& batch,
+                                                   bool on_device) {
+  std::vector<RequestOutput> outputs;
   int64_t logit_row = 0;
   for (size_t i = 0; i < plan.chunks.size(); ++i) {
     const ScheduledChunk& sc = plan.chunks[i];
-    Request& r = *sc.request;
-    if (!forward.ok()) {
-      RequestOutput out{r.id};
-      FinishRequest(r, FinishReason::kError);
-      out.finished = true;
-      out.finish_reason = FinishReason::kError;
-      out.error = std::string(forward.message());
-      outputs.push_back(std::move(out));
-      continue;
-    }
     if (!sc.samples) continue;
-    RequestOutput out{r.id};
-    if (!chunk_parents[i].empty()) {
+    Request& r = *sc.request;
+    RequestOutput& out = outputs.emplace_back(RequestOutput{r.id});
+    if (!batch.parents[i].empty()) {
       const int64_t first_row = logit_row;
-      auto draw = [&](int32_t node) {
-        if (device_sampling) {
-          const DeviceSample& d = device_samples_[size_t(first_row + node)];
-          return SampledToken{d.token, d.logprob, {}};
-        }
-        absl::Span<float> row(logits_.data() + (first_row + node) * vocab, size_t(vocab));
-        return Sampler::Sample(row, r.params, r.prompt, r.output, r.rng);
-      };
-      VerifyDraft(r, chunk_tokens[i], chunk_parents[i], draw, out);
-      logit_row += int64_t(chunk_tokens[i].size());
-      outputs.push_back(std::move(out));
+      auto draw = [&](int32_t node) { return SampleRow(r, first_row + node, on_device); };
+      VerifyDraft(r, batch.tokens[i], batch.parents[i], draw, out);
+      logit_row += int64_t(batch.tokens[i].size());
       continue;
     }
-    SampledToken token;
-    if (device_sampling) {
-      token.token = device_samples_[size_t(logit_row)].token;
-      token.logprob = device_samples_[size_t(logit_row)].logprob;
-    } else {
-      absl::Span<float> row(logits_.data() + logit_row * vocab, size_t(vocab));
-      token = Sampler::Sample(row, r.params, r.prompt, r.output, r.rng);
-    }
-    ++logit_row;
-    const bool decoding = r.spec.mode != SpeculationMode::kNone && !r.output.empty();
-    if (decoding) {
-      // No drafts this step: does the planned guess (lookahead's tree, kept for this) still match?
-      const DraftTree& guess = r.spec.tree;
-      bool hit = false;
-      for (int32_t j = 0; j < guess.size(); ++j) hit |= guess.parents[size_t(j)] == -1 && guess.tokens[size_t(j)] == token.token;
-      const int32_t first_depth[] = {1};
-      spec_->OnVerified(r, 0, hit ? absl::MakeConstSpan(first_depth) : absl::Span<const int32_t>(), !hit);
-    }
+    const SampledToken token = SampleRow(r, logit_row++, on_device);
+    if (r.spec.mode != SpeculationMode::kNone && !r.output.empty()) ScorePlannedGuess(r, token.token);
     AppendToken(r, token, out);
-    outputs.push_back(std::move(out));
-  }
-  // What the step cost teaches the planner, unless it paid a one-time setup (a graph capture).
-  if (spec_ && forward.ok() && model_->num_one_time_setups() == setups_before) {
-    const bool verification = std::any_of(chunk_parents.begin(), chunk_parents.end(),
-                                          [](const std::vector<int32_t>& p) { return !p.empty(); });
-    spec_->EndStep(num_step_tokens, verification);
   }
   return outputs;
+}
+
+SampledToken LlmEngine::SampleRow(Request& r, int64_t row, bool on_device) {
+  if (on_device) {
+    const DeviceSample& d = device_samples_[size_t(row)];
+    return SampledToken{d.token, d.logprob, {}};
+  }
+  const int64_t vocab = model_->config().vocab_size;
+  absl::Span<float> logits(logits_.data() + row * vocab, size_t(vocab));
+  return Sampler::Sample(logits, r.params, r.prompt, r.output, r.rng);
+}
+
+void LlmEngine::ScorePlannedGuess(Request& r, int32_t token) {
+  const DraftTree& guess = r.spec.tree;
+  bool hit = false;
+  for (int32_t j = 0; j < guess.size(); ++j) hit |= guess.parents[size_t(j)] == -1 && guess.tokens[size_t(j)] == token;
+  const int32_t first_depth[] = {1};
+  spec_->OnVerified(r, 0, hit ? absl::MakeConstSpan(first_depth) : absl::Span<const int32_t>(), !hit);
 }
 
 }  // namespace duet

@@ -108,9 +108,36 @@ class LlmEngine {
   EngineStats Stats() const;
 
  private:
+  // One step's batch as the executor runs it: per scheduled chunk its tokens (new tokens, or
+  // the root and drafts of a draft tree it verifies) and the tree's parents (empty: no tree).
+  // `chunks` point into `tokens` and `parents`.
+  struct StepBatch {
+    std::vector<std::vector<int32_t>> tokens;
+    std::vector<std::vector<int32_t>> parents;
+    std::vector<SequenceChunk> chunks;
+    int64_t num_tokens = 0;
+  };
+
+  // The parts of Step, in order: drafts for the scheduled decoding requests that got room for
+  // them, the batch, the device-sampling rows (none: sample on the host from logits_), then,
+  // after the forward, the sampled tokens applied to their requests (or every scheduled
+  // request failed with the forward's error).
+  void DraftScheduled(const SchedulerOutput& plan);
+  StepBatch BuildBatch(const SchedulerOutput& plan) const;
+  std::optional<std::vector<DeviceSamplingRow>> DeviceSamplingRows(const SchedulerOutput& plan,
+                                                                   const StepBatch& batch);
+  std::vector<RequestOutput> ApplySamples(const SchedulerOutput& plan, const StepBatch& batch, bool on_device);
+  std::vector<RequestOutput> FailStep(const SchedulerOutput& plan, const absl::Status& error);
+  // The target's token for logits row `row` of this step.
+  SampledToken SampleRow(Request& r, int64_t row, bool on_device);
+  // A speculating request that verified no drafts this step: tells the decoder whether its
+  // planned guess (lookahead's tree, kept for this) foresaw `token`.
+  void ScorePlannedGuess(Request& r, int32_t token);
+
   // Appends a sampled token; finishes the request on EOS, stop id, stop string or length.
   void AppendToken(Request& r, const SampledToken& token, RequestOutput& out);
   void FinishRequest(Request& r, FinishReason reason);
+  void FinishWithError(Request& r, const absl::Status& error, RequestOutput& out);
   // Sets the draft budget of every decoding request before the scheduler reserves its room.
   void PlanSpeculation();
   // Verifies request r's draft tree: `draw(node)` gives the target's token after tree node

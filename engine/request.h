@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/finish_reason.h"
 #include "engine/kv/block_manager.h"
 #include "engine/sampler.h"
 #include "engine/sampling_params.h"
@@ -20,9 +21,6 @@ enum class RequestState {
   kRunning,   // in the batch, holds KV blocks
   kFinished,  // done; blocks released
 };
-
-enum class FinishReason { kNone, kStop, kLength, kAbort, kError };
-const char* FinishReasonName(FinishReason reason);  // "stop", "length", "abort", "error"
 
 using Clock = std::chrono::steady_clock;
 

@@ -77,12 +77,19 @@ DuetMetrics::DuetMetrics(Registry& registry, std::string_view model_name, Role r
   auto& success = registry.AddCounter("duet:request_success_total",
                                       "Count of successfully processed requests.",
                                       {"model_name", "role", "finished_reason"});
-  for (FinishedReason reason :
-       {FinishedReason::kStop, FinishedReason::kLength, FinishedReason::kAbort}) {
-    request_success_[static_cast<int>(reason)] = &success.WithLabels(
-        {std::string(model_name), std::string(RoleName(role)),
-         std::string(FinishedReasonName(reason))});
+  for (FinishReason reason : {FinishReason::kStop, FinishReason::kLength, FinishReason::kAbort}) {
+    request_success_[static_cast<size_t>(reason)] = &success.WithLabels(
+        {std::string(model_name), std::string(RoleName(role)), FinishReasonName(reason)});
   }
+}
+
+Counter& DuetMetrics::request_success(FinishReason reason) {
+  DUET_CHECK_MSG(CountsAsSuccess(reason), FinishReasonName(reason));
+  return *request_success_[static_cast<size_t>(reason)];
+}
+
+const Counter& DuetMetrics::request_success(FinishReason reason) const {
+  return const_cast<DuetMetrics*>(this)->request_success(reason);
 }
 
 Counter& DuetMetrics::spec_decode_num_accepted_tokens_per_pos(int position) {
@@ -105,16 +112,8 @@ std::string_view RoleName(Role role) {
   return "unknown";
 }
 
-std::string_view FinishedReasonName(FinishedReason reason) {
-  switch (reason) {
-    case FinishedReason::kStop:
-      return "stop";
-    case FinishedReason::kLength:
-      return "length";
-    case FinishedReason::kAbort:
-      return "abort";
-  }
-  return "unknown";
+bool CountsAsSuccess(FinishReason reason) {
+  return reason == FinishReason::kStop || reason == FinishReason::kLength || reason == FinishReason::kAbort;
 }
 
 std::vector<double> TtftBuckets() {

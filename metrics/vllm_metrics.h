@@ -14,10 +14,12 @@
 //   kv_transfer_seconds KvTransferSecondsBuckets(): 1-2-5 steps from 100 us to 50 s
 #pragma once
 
+#include <array>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "common/finish_reason.h"
 #include "metrics/registry.h"
 
 namespace duet::metrics {
@@ -25,9 +27,10 @@ namespace duet::metrics {
 enum class Role { kRouter, kPrefill, kDecode };
 std::string_view RoleName(Role role);  // "router", "prefill", "decode"
 
-// vLLM's FinishReason values, as the finished_reason label shows them.
-enum class FinishedReason { kStop, kLength, kAbort };
-std::string_view FinishedReasonName(FinishedReason reason);  // "stop", "length", "abort"
+// request_success counts vLLM's finish reasons stop, length and abort (the finished_reason
+// label spells them as FinishReasonName does); running and failed requests have no series.
+bool CountsAsSuccess(FinishReason reason);
+using FinishedReason = FinishReason;  // the former name, for callers not yet moved
 
 std::vector<double> TtftBuckets();
 std::vector<double> InterTokenLatencyBuckets();
@@ -63,10 +66,9 @@ class DuetMetrics {
   Counter& spec_decode_num_accepted_tokens;
   // Accepted draft tokens at draft position `position` (0 = the first draft token).
   Counter& spec_decode_num_accepted_tokens_per_pos(int position);
-  Counter& request_success(FinishedReason reason) { return *request_success_[static_cast<int>(reason)]; }
-  const Counter& request_success(FinishedReason reason) const {
-    return *request_success_[static_cast<int>(reason)];
-  }
+  // `reason`: one CountsAsSuccess accepts.
+  Counter& request_success(FinishReason reason);
+  const Counter& request_success(FinishReason reason) const;
 
   // Request histograms.
   Histogram& request_prompt_tokens;
@@ -84,7 +86,7 @@ class DuetMetrics {
   Histogram& kv_transfer_seconds;
 
  private:
-  Counter* request_success_[3];
+  std::array<Counter*, 5> request_success_{};  // by FinishReason; null where it counts none
   Family<Counter>* accepted_per_pos_;
   std::vector<std::string> labels_;  // model_name, role
 };

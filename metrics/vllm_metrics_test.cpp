@@ -27,8 +27,8 @@ void Populate(Registry& registry) {
     m.prompt_tokens.Inc(1234);
     m.generation_tokens.Inc(567);
     m.kv_transfer_failures.Inc(0);
-    m.request_success(FinishedReason::kStop).Inc(7);
-    m.request_success(FinishedReason::kLength).Inc(2);
+    m.request_success(FinishReason::kStop).Inc(7);
+    m.request_success(FinishReason::kLength).Inc(2);
     m.request_prompt_tokens.Observe(17);
     m.request_generation_tokens.Observe(300);
     m.time_to_first_token_seconds.Observe(0.042);
@@ -64,7 +64,7 @@ TEST(VllmMetricsTest, NamesLabelsAndValues) {
   DuetMetrics m(registry, "tiny", Role::kDecode);
   m.prompt_tokens.Inc(5);
   m.kv_cache_usage_perc.Set(0.5);
-  m.request_success(FinishedReason::kLength).Inc();
+  m.request_success(FinishReason::kLength).Inc();
   m.time_to_first_token_seconds.Observe(0.042);
   std::string text = registry.Render();
   for (const char* name :
@@ -97,6 +97,18 @@ TEST(VllmMetricsTest, NamesLabelsAndValues) {
     if (line.empty() || line[0] == '#') continue;
     EXPECT_THAT(line, HasSubstr("{model_name=\"tiny\",role=\"decode\"")) << line;
   }
+}
+
+TEST(VllmMetricsTest, RequestSuccessCountsVllmsFinishReasonsOnly) {
+  EXPECT_TRUE(CountsAsSuccess(FinishReason::kStop));
+  EXPECT_TRUE(CountsAsSuccess(FinishReason::kLength));
+  EXPECT_TRUE(CountsAsSuccess(FinishReason::kAbort));
+  EXPECT_FALSE(CountsAsSuccess(FinishReason::kNone));
+  EXPECT_FALSE(CountsAsSuccess(FinishReason::kError));
+  Registry registry;
+  DuetMetrics m(registry, "tiny", Role::kRouter);
+  m.request_success(FinishReason::kAbort).Inc();
+  EXPECT_NE(registry.Render().find("finished_reason=\"abort\"} 1"), std::string::npos) << registry.Render();
 }
 
 TEST(VllmMetricsTest, RolesShareFamilies) {

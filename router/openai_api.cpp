@@ -22,6 +22,8 @@ void SendError(HttpResponder& responder, const ApiError& error) {
   responder.Respond(error.status, kJson, openai::ErrorBody(error));
 }
 
+void SendError(HttpResponder& responder, const absl::Status& error) { SendError(responder, openai::ToApiError(error)); }
+
 void SendJson(HttpResponder& responder, const Json& json) {
   responder.Respond(200, kJson, json.dump(-1, ' ', false, Json::error_handler_t::replace));
 }
@@ -233,11 +235,7 @@ void Job::OnDone(int index, const grpc::Status& status) {
       // One choice failed: the others are not needed.
       for (auto& c : contexts_) to_cancel.push_back(c.get());
     } else if (status.ok() && choices_[index].result.finish_reason.empty() && !error_) {
-      ApiError e;
-      e.status = 500;
-      e.type = "server_error";
-      e.message = "the generation stream ended without a finish reason";
-      error_ = e;
+      error_ = openai::ToApiError(absl::InternalError("the generation stream ended without a finish reason"));
     }
     if (--remaining_ == 0) Finish();
   }
@@ -370,11 +368,7 @@ void OpenAiApi::Handle(HttpRequest request, std::shared_ptr<HttpResponder> respo
     if (!options_.healthy || options_.healthy()) {
       responder->Respond(200, kJson, "{}");
     } else {
-      ApiError e;
-      e.status = 503;
-      e.type = "service_unavailable";
-      e.message = "no prefill or no decode worker is up";
-      SendError(*responder, e);
+      SendError(*responder, absl::UnavailableError("no prefill or no decode worker is up"));
     }
     return;
   }
@@ -385,12 +379,12 @@ void OpenAiApi::Handle(HttpRequest request, std::shared_ptr<HttpResponder> respo
   }
   if (path == "/tokenize" || path == "/detokenize") {
     if (method != "POST") return method_not_allowed();
-    std::variant<Json, ApiError> result = path == "/tokenize" ? openai::Tokenize(request.body, context_)
-                                                              : openai::Detokenize(request.body, context_);
-    if (auto* error = std::get_if<ApiError>(&result)) {
-      SendError(*responder, *error);
+    absl::StatusOr<Json> result = path == "/tokenize" ? openai::Tokenize(request.body, context_)
+                                                      : openai::Detokenize(request.body, context_);
+    if (result.ok()) {
+      SendJson(*responder, *result);
     } else {
-      SendJson(*responder, std::get<Json>(result));
+      SendError(*responder, result.status());
     }
     return;
   }
@@ -398,13 +392,13 @@ void OpenAiApi::Handle(HttpRequest request, std::shared_ptr<HttpResponder> respo
 }
 
 void OpenAiApi::Generate(bool chat, const HttpRequest& request, const std::shared_ptr<HttpResponder>& responder) {
-  openai::ParseResult parsed = chat ? openai::ParseChatRequest(request.body, context_)
-                                    : openai::ParseCompletionRequest(request.body, context_);
-  if (auto* error = std::get_if<ApiError>(&parsed)) {
-    SendError(*responder, *error);
+  absl::StatusOr<openai::ParsedRequest> parsed = chat ? openai::ParseChatRequest(request.body, context_)
+                                                     : openai::ParseCompletionRequest(request.body, context_);
+  if (!parsed.ok()) {
+    SendError(*responder, parsed.status());
     return;
   }
-  auto job = std::make_shared<Job>(this, std::get<openai::ParsedRequest>(std::move(parsed)), responder);
+  auto job = std::make_shared<Job>(this, *std::move(parsed), responder);
   job->Start();
 }
 

@@ -5,16 +5,21 @@
 #include <limits>
 #include <random>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 #include "rpc/rpc_util.h"
 
 namespace duet::router::openai {
 namespace {
 
 constexpr int kMaxJsonDepth = 128;
+// Status payloads that carry the OpenAI error object's `param` and `code` to ToApiError.
+constexpr char kParamPayload[] = "duet.router.openai/param";
+constexpr char kCodePayload[] = "duet.router.openai/code";
 constexpr int kMaxChoices = 1024;  // prompts × n
 
 // Nesting depth of a JSON text (strings skipped), so a hostile body cannot exhaust the stack.
@@ -42,7 +47,7 @@ bool DepthWithin(std::string_view text, int limit) {
   return true;
 }
 
-std::variant<Json, ApiError> ParseBody(std::string_view body) {
+absl::StatusOr<Json> ParseBody(std::string_view body) {
   if (!DepthWithin(body, kMaxJsonDepth)) {
     return BadRequest(absl::StrCat("JSON nesting deeper than ", kMaxJsonDepth, " levels"));
   }
@@ -52,24 +57,30 @@ std::variant<Json, ApiError> ParseBody(std::string_view body) {
   return json;
 }
 
+absl::Status WithDetails(absl::Status status, std::optional<std::string> param, std::optional<std::string> code) {
+  if (param) status.SetPayload(kParamPayload, absl::Cord(*param));
+  if (code) status.SetPayload(kCodePayload, absl::Cord(*code));
+  return status;
+}
+
 std::string TypeName(const Json& v) { return v.type_name(); }
 
-ApiError WrongType(const std::string& field, const std::string& want, const Json& got) {
+absl::Status WrongType(const std::string& field, const std::string& want, const Json& got) {
   return BadRequest(absl::StrCat("'", field, "' must be ", want, ", got ", TypeName(got)), field);
 }
 
 // Field accessors: absent or null leaves `out` unchanged. An error when the type is wrong.
-std::optional<ApiError> GetBool(const Json& j, const char* field, bool* out) {
+absl::Status GetBool(const Json& j, const char* field, bool* out) {
   auto it = j.find(field);
-  if (it == j.end() || it->is_null()) return std::nullopt;
+  if (it == j.end() || it->is_null()) return absl::OkStatus();
   if (!it->is_boolean()) return WrongType(field, "a boolean", *it);
   *out = it->get<bool>();
-  return std::nullopt;
+  return absl::OkStatus();
 }
 
-std::optional<ApiError> GetInt(const Json& j, const char* field, int64_t min, int64_t max, std::optional<int64_t>* out) {
+absl::Status GetInt(const Json& j, const char* field, int64_t min, int64_t max, std::optional<int64_t>* out) {
   auto it = j.find(field);
-  if (it == j.end() || it->is_null()) return std::nullopt;
+  if (it == j.end() || it->is_null()) return absl::OkStatus();
   int64_t value = 0;
   if (it->is_number_integer()) {
     if (it->is_number_unsigned() && it->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
@@ -87,22 +98,22 @@ std::optional<ApiError> GetInt(const Json& j, const char* field, int64_t min, in
     return BadRequest(absl::StrCat("'", field, "' must be between ", min, " and ", max, ", got ", value), field);
   }
   *out = value;
-  return std::nullopt;
+  return absl::OkStatus();
 }
 
-std::optional<ApiError> GetNumber(const Json& j, const char* field, std::optional<double>* out) {
+absl::Status GetNumber(const Json& j, const char* field, std::optional<double>* out) {
   auto it = j.find(field);
-  if (it == j.end() || it->is_null()) return std::nullopt;
+  if (it == j.end() || it->is_null()) return absl::OkStatus();
   if (!it->is_number()) return WrongType(field, "a number", *it);
   const double d = it->get<double>();
   if (!std::isfinite(d) || std::fabs(d) > 1e30) {
     return BadRequest(absl::StrCat("'", field, "' is out of range"), field);
   }
   *out = d;
-  return std::nullopt;
+  return absl::OkStatus();
 }
 
-std::optional<ApiError> GetTokenIds(const Json& v, const char* field, std::vector<int32_t>* out) {
+absl::Status GetTokenIds(const Json& v, const char* field, std::vector<int32_t>* out) {
   for (const Json& e : v) {
     if (!e.is_number_integer()) return WrongType(field, "a list of integer token ids", v);
     if (e.is_number_unsigned() ? e.get<uint64_t>() > uint64_t{std::numeric_limits<int32_t>::max()}
@@ -112,70 +123,67 @@ std::optional<ApiError> GetTokenIds(const Json& v, const char* field, std::vecto
     }
     out->push_back(static_cast<int32_t>(e.get<int64_t>()));
   }
-  return std::nullopt;
+  return absl::OkStatus();
 }
 
-#define RETURN_IF_ERROR(expr)                                  \
-  do {                                                         \
-    if (std::optional<ApiError> error_ = (expr)) return *error_; \
-  } while (0)
-
-// The fields both endpoints share. `default_max_tokens` when neither max_tokens field is given.
-std::optional<ApiError> ParseCommon(const Json& j, const ProtocolContext& context, ParsedRequest* out) {
-  if (std::optional<ApiError> error = CheckModel(j, context)) return error;
-  out->model = context.model_name;
+// The sampling fields, n and seed, onto out->sampling, out->n and out->seed.
+absl::Status ParseSampling(const Json& j, const ProtocolContext& context, ParsedRequest* out) {
   v1::SamplingOptions& s = out->sampling;
-
   std::optional<int64_t> i;
   std::optional<double> d;
   const int64_t max_int32 = std::numeric_limits<int32_t>::max();
   for (const char* field : {"max_tokens", "max_completion_tokens"}) {
     i.reset();
-    RETURN_IF_ERROR(GetInt(j, field, 1, max_int32, &i));
+    DUET_RETURN_IF_ERROR(GetInt(j, field, 1, max_int32, &i));
     if (i) s.set_max_tokens(static_cast<int32_t>(*i));
   }
   d.reset();
-  RETURN_IF_ERROR(GetNumber(j, "temperature", &d));
+  DUET_RETURN_IF_ERROR(GetNumber(j, "temperature", &d));
   if (d) s.set_temperature(static_cast<float>(*d));
   d.reset();
-  RETURN_IF_ERROR(GetNumber(j, "top_p", &d));
+  DUET_RETURN_IF_ERROR(GetNumber(j, "top_p", &d));
   if (d) s.set_top_p(static_cast<float>(*d));
   i.reset();
-  RETURN_IF_ERROR(GetInt(j, "top_k", -1, max_int32, &i));
+  DUET_RETURN_IF_ERROR(GetInt(j, "top_k", -1, max_int32, &i));
   if (i) s.set_top_k(static_cast<int32_t>(*i));
   d.reset();
-  RETURN_IF_ERROR(GetNumber(j, "min_p", &d));
+  DUET_RETURN_IF_ERROR(GetNumber(j, "min_p", &d));
   if (d) s.set_min_p(static_cast<float>(*d));
   d.reset();
-  RETURN_IF_ERROR(GetNumber(j, "presence_penalty", &d));
+  DUET_RETURN_IF_ERROR(GetNumber(j, "presence_penalty", &d));
   if (d) s.set_presence_penalty(static_cast<float>(*d));
   d.reset();
-  RETURN_IF_ERROR(GetNumber(j, "frequency_penalty", &d));
+  DUET_RETURN_IF_ERROR(GetNumber(j, "frequency_penalty", &d));
   if (d) s.set_frequency_penalty(static_cast<float>(*d));
   d.reset();
-  RETURN_IF_ERROR(GetNumber(j, "repetition_penalty", &d));
+  DUET_RETURN_IF_ERROR(GetNumber(j, "repetition_penalty", &d));
   if (d) s.set_repetition_penalty(static_cast<float>(*d));
   i.reset();
-  RETURN_IF_ERROR(GetInt(j, "seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(), &i));
+  DUET_RETURN_IF_ERROR(
+      GetInt(j, "seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(), &i));
   if (i) out->seed = static_cast<uint64_t>(*i);
   i.reset();
-  RETURN_IF_ERROR(GetInt(j, "n", 1, context.max_n, &i));
+  DUET_RETURN_IF_ERROR(GetInt(j, "n", 1, context.max_n, &i));
   if (i) out->n = static_cast<int>(*i);
   bool ignore_eos = false;
-  RETURN_IF_ERROR(GetBool(j, "ignore_eos", &ignore_eos));
+  DUET_RETURN_IF_ERROR(GetBool(j, "ignore_eos", &ignore_eos));
   s.set_ignore_eos(ignore_eos);
   if (auto it = j.find("speculation"); it != j.end() && !it->is_null()) {  // vLLM-style extra field
     if (!it->is_string()) return WrongType("speculation", "one of \"none\", \"lookahead\", \"draft\", \"self\"", *it);
     s.set_speculation(it->get<std::string>());
   }
+  return absl::OkStatus();
+}
 
+// `stop` (strings) and `stop_token_ids`.
+absl::Status ParseStops(const Json& j, v1::SamplingOptions* s) {
   if (auto it = j.find("stop"); it != j.end() && !it->is_null()) {
     if (it->is_string()) {
-      if (!it->get_ref<const std::string&>().empty()) s.add_stop(it->get<std::string>());
+      if (!it->get_ref<const std::string&>().empty()) s->add_stop(it->get<std::string>());
     } else if (it->is_array()) {
       for (const Json& e : *it) {
         if (!e.is_string()) return WrongType("stop", "a string or a list of strings", *it);
-        if (!e.get_ref<const std::string&>().empty()) s.add_stop(e.get<std::string>());
+        if (!e.get_ref<const std::string&>().empty()) s->add_stop(e.get<std::string>());
       }
     } else {
       return WrongType("stop", "a string or a list of strings", *it);
@@ -184,39 +192,60 @@ std::optional<ApiError> ParseCommon(const Json& j, const ProtocolContext& contex
   if (auto it = j.find("stop_token_ids"); it != j.end() && !it->is_null()) {
     if (!it->is_array()) return WrongType("stop_token_ids", "a list of integers", *it);
     std::vector<int32_t> ids;
-    RETURN_IF_ERROR(GetTokenIds(*it, "stop_token_ids", &ids));
-    for (int32_t id : ids) s.add_stop_token_ids(id);
+    DUET_RETURN_IF_ERROR(GetTokenIds(*it, "stop_token_ids", &ids));
+    for (int32_t id : ids) s->add_stop_token_ids(id);
   }
+  return absl::OkStatus();
+}
+
+// Fields accepted only in the forms that need nothing from Duet: `user` (ignored), an empty
+// `logit_bias`, `best_of` equal to n.
+absl::Status CheckUnsupportedFields(const Json& j, const ProtocolContext& context, int n) {
   if (auto it = j.find("user"); it != j.end() && !it->is_null() && !it->is_string()) {
     return WrongType("user", "a string", *it);
   }
   if (auto it = j.find("logit_bias"); it != j.end() && !it->is_null() && !(it->is_object() && it->empty())) {
     return BadRequest("'logit_bias' is not supported", "logit_bias");
   }
-  i.reset();
-  RETURN_IF_ERROR(GetInt(j, "best_of", 1, context.max_n, &i));
-  if (i && *i != out->n && *i != 1) return BadRequest("'best_of' other than n is not supported", "best_of");
+  std::optional<int64_t> best_of;
+  DUET_RETURN_IF_ERROR(GetInt(j, "best_of", 1, context.max_n, &best_of));
+  if (best_of && *best_of != n && *best_of != 1) return BadRequest("'best_of' other than n is not supported", "best_of");
+  return absl::OkStatus();
+}
 
-  RETURN_IF_ERROR(GetBool(j, "stream", &out->stream));
+// `stream` and `stream_options`.
+absl::Status ParseStreaming(const Json& j, ParsedRequest* out) {
+  DUET_RETURN_IF_ERROR(GetBool(j, "stream", &out->stream));
   if (auto it = j.find("stream_options"); it != j.end() && !it->is_null()) {
     if (!it->is_object()) return WrongType("stream_options", "an object", *it);
     if (!out->stream) {
       return BadRequest("'stream_options' can only be given when 'stream' is true", "stream_options");
     }
-    RETURN_IF_ERROR(GetBool(*it, "include_usage", &out->include_usage));
+    DUET_RETURN_IF_ERROR(GetBool(*it, "include_usage", &out->include_usage));
   }
+  return absl::OkStatus();
+}
+
+// The fields both endpoints share, checked in this order (the first bad one is the error).
+absl::Status ParseCommon(const Json& j, const ProtocolContext& context, ParsedRequest* out) {
+  DUET_RETURN_IF_ERROR(CheckModel(j, context));
+  out->model = context.model_name;
+  DUET_RETURN_IF_ERROR(ParseSampling(j, context, out));
+  DUET_RETURN_IF_ERROR(ParseStops(j, &out->sampling));
+  DUET_RETURN_IF_ERROR(CheckUnsupportedFields(j, context, out->n));
+  DUET_RETURN_IF_ERROR(ParseStreaming(j, out));
   out->created =
       std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
-  return std::nullopt;
+  return absl::OkStatus();
 }
 
 // The sampling fields' ranges (the engine's own rules), as a 400.
-std::optional<ApiError> ValidateSampling(const ParsedRequest& request) {
+absl::Status ValidateSampling(const ParsedRequest& request) {
   v1::SamplingOptions sampling = request.sampling;
   if (request.seed) sampling.set_seed(*request.seed);
   absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(sampling);
   if (!params.ok()) return BadRequest(std::string(params.status().message()));
-  return std::nullopt;
+  return absl::OkStatus();
 }
 
 void ClampLogprob(Json* out, float value) {
@@ -231,20 +260,49 @@ Json Bytes(const std::string& s) {
 
 }  // namespace
 
-ApiError BadRequest(std::string message, std::optional<std::string> param, std::optional<std::string> code) {
-  ApiError e;
-  e.status = 400;
-  e.message = std::move(message);
-  e.param = std::move(param);
-  e.code = std::move(code);
-  return e;
+absl::Status BadRequest(absl::string_view message, std::optional<std::string> param) {
+  return WithDetails(absl::InvalidArgumentError(message), std::move(param), std::nullopt);
 }
 
-ApiError NotFound(std::string message, std::optional<std::string> code) {
+absl::Status NotFound(absl::string_view message, std::optional<std::string> code, std::optional<std::string> param) {
+  return WithDetails(absl::NotFoundError(message), std::move(param), std::move(code));
+}
+
+ApiError ToApiError(const absl::Status& status) {
   ApiError e;
-  e.status = 404;
-  e.message = std::move(message);
-  e.code = std::move(code);
+  e.message = std::string(status.message());
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kAlreadyExists:
+    case absl::StatusCode::kOutOfRange:
+      e.status = 400;
+      break;
+    case absl::StatusCode::kNotFound:
+      e.status = 404;
+      break;
+    case absl::StatusCode::kResourceExhausted:
+      e.status = 429;
+      e.type = "rate_limit_error";
+      e.code = "rate_limit_exceeded";
+      break;
+    case absl::StatusCode::kUnauthenticated:
+    case absl::StatusCode::kPermissionDenied:
+      e.status = 401;
+      e.type = "authentication_error";
+      e.code = "invalid_api_key";
+      break;
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+      e.status = 503;
+      e.type = "service_unavailable";
+      break;
+    default:
+      e.status = 500;
+      e.type = "server_error";
+      break;
+  }
+  if (absl::optional<absl::Cord> param = status.GetPayload(kParamPayload)) e.param = std::string(*param);
+  if (absl::optional<absl::Cord> code = status.GetPayload(kCodePayload)) e.code = std::string(*code);
   return e;
 }
 
@@ -260,61 +318,27 @@ std::string ErrorBody(const ApiError& error) {
 }
 
 ApiError FromGrpc(const grpc::Status& status) {
-  ApiError e;
-  e.message = status.error_message();
-  switch (status.error_code()) {
-    case grpc::StatusCode::INVALID_ARGUMENT:
-    case grpc::StatusCode::ALREADY_EXISTS:
-    case grpc::StatusCode::OUT_OF_RANGE:
-      e.status = 400;
-      if (absl::StrContains(e.message, "maximum context length")) e.code = "context_length_exceeded";
-      break;
-    case grpc::StatusCode::NOT_FOUND:
-      e.status = 404;
-      break;
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      e.status = 429;
-      e.type = "rate_limit_error";
-      e.code = "rate_limit_exceeded";
-      break;
-    case grpc::StatusCode::UNAUTHENTICATED:
-    case grpc::StatusCode::PERMISSION_DENIED:
-      e.status = 401;
-      e.type = "authentication_error";
-      e.code = "invalid_api_key";
-      break;
-    case grpc::StatusCode::UNAVAILABLE:
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      e.status = 503;
-      e.type = "service_unavailable";
-      break;
-    default:
-      e.status = 500;
-      e.type = "server_error";
-      break;
-  }
+  ApiError e = ToApiError(rpc::FromGrpc(status));
+  if (e.status == 400 && absl::StrContains(e.message, "maximum context length")) e.code = "context_length_exceeded";
   if (e.message.empty()) e.message = absl::StrCat("request failed (gRPC code ", status.error_code(), ")");
   return e;
 }
 
-std::optional<ApiError> CheckModel(const Json& j, const ProtocolContext& context) {
+absl::Status CheckModel(const Json& j, const ProtocolContext& context) {
   auto it = j.find("model");
-  if (it == j.end() || it->is_null()) return std::nullopt;  // vLLM: the served model
+  if (it == j.end() || it->is_null()) return absl::OkStatus();  // vLLM: the served model
   if (!it->is_string()) return WrongType("model", "a string", *it);
   if (it->get_ref<const std::string&>() != context.model_name) {
-    ApiError e = NotFound(absl::StrCat("The model `", it->get<std::string>(), "` does not exist."), "model_not_found");
-    e.param = "model";
-    return e;
+    return NotFound(absl::StrCat("The model `", it->get<std::string>(), "` does not exist."), "model_not_found",
+                    "model");
   }
-  return std::nullopt;
+  return absl::OkStatus();
 }
 
-ParseResult ParseCompletionRequest(std::string_view body, const ProtocolContext& context) {
-  std::variant<Json, ApiError> parsed = ParseBody(body);
-  if (auto* error = std::get_if<ApiError>(&parsed)) return *error;
-  const Json& j = std::get<Json>(parsed);
+absl::StatusOr<ParsedRequest> ParseCompletionRequest(std::string_view body, const ProtocolContext& context) {
+  DUET_ASSIGN_OR_RETURN(const Json j, ParseBody(body));
   ParsedRequest out;
-  RETURN_IF_ERROR(ParseCommon(j, context, &out));
+  DUET_RETURN_IF_ERROR(ParseCommon(j, context, &out));
   auto it = j.find("prompt");
   if (it == j.end() || it->is_null()) return BadRequest("'prompt' is required", "prompt");
   const char* kPromptTypes = "a string, a list of strings, a list of token ids or a list of lists of token ids";
@@ -330,14 +354,14 @@ ParseResult ParseCompletionRequest(std::string_view body, const ProtocolContext&
       }
     } else if (first.is_number_integer()) {
       PromptInput p;
-      RETURN_IF_ERROR(GetTokenIds(*it, "prompt", &p.token_ids));
+      DUET_RETURN_IF_ERROR(GetTokenIds(*it, "prompt", &p.token_ids));
       out.prompts.push_back(std::move(p));
     } else if (first.is_array()) {
       for (const Json& e : *it) {
         if (!e.is_array()) return WrongType("prompt", kPromptTypes, *it);
         if (e.empty()) return BadRequest("'prompt' has an empty list of token ids", "prompt");
         PromptInput p;
-        RETURN_IF_ERROR(GetTokenIds(e, "prompt", &p.token_ids));
+        DUET_RETURN_IF_ERROR(GetTokenIds(e, "prompt", &p.token_ids));
         out.prompts.push_back(std::move(p));
       }
     } else {
@@ -346,11 +370,11 @@ ParseResult ParseCompletionRequest(std::string_view body, const ProtocolContext&
   } else {
     return WrongType("prompt", kPromptTypes, *it);
   }
-  RETURN_IF_ERROR(GetBool(j, "echo", &out.echo));
+  DUET_RETURN_IF_ERROR(GetBool(j, "echo", &out.echo));
   if (auto lp = j.find("logprobs"); lp != j.end() && !lp->is_null()) {
     if (lp->is_boolean()) return WrongType("logprobs", "an integer", *lp);
     std::optional<int64_t> n;
-    RETURN_IF_ERROR(GetInt(j, "logprobs", 0, context.max_logprobs, &n));
+    DUET_RETURN_IF_ERROR(GetInt(j, "logprobs", 0, context.max_logprobs, &n));
     out.logprobs = static_cast<int>(*n);
     out.sampling.set_logprobs(out.logprobs.value());
   }
@@ -369,11 +393,11 @@ ParseResult ParseCompletionRequest(std::string_view body, const ProtocolContext&
     return BadRequest(absl::StrCat("too many choices: ", out.prompts.size(), " prompts × n=", out.n, " is over ",
                                    kMaxChoices));
   }
-  RETURN_IF_ERROR(ValidateSampling(out));
+  DUET_RETURN_IF_ERROR(ValidateSampling(out));
   return out;
 }
 
-std::variant<std::string, ApiError> RenderChat(const Json& j, const ProtocolContext& context) {
+absl::StatusOr<std::string> RenderChat(const Json& j, const ProtocolContext& context) {
   if (context.chat == nullptr) return BadRequest("this model has no chat template");
   auto it = j.find("messages");
   if (it == j.end() || it->is_null()) return BadRequest("'messages' is required", "messages");
@@ -419,7 +443,7 @@ std::variant<std::string, ApiError> RenderChat(const Json& j, const ProtocolCont
     messages.push_back(std::move(copy));
   }
   bool add_generation_prompt = true;
-  RETURN_IF_ERROR(GetBool(j, "add_generation_prompt", &add_generation_prompt));
+  DUET_RETURN_IF_ERROR(GetBool(j, "add_generation_prompt", &add_generation_prompt));
   Json variables;
   variables["messages"] = std::move(messages);
   variables["add_generation_prompt"] = add_generation_prompt;
@@ -442,17 +466,15 @@ std::variant<std::string, ApiError> RenderChat(const Json& j, const ProtocolCont
   return *std::move(rendered);
 }
 
-ParseResult ParseChatRequest(std::string_view body, const ProtocolContext& context) {
-  std::variant<Json, ApiError> parsed = ParseBody(body);
-  if (auto* error = std::get_if<ApiError>(&parsed)) return *error;
-  const Json& j = std::get<Json>(parsed);
+absl::StatusOr<ParsedRequest> ParseChatRequest(std::string_view body, const ProtocolContext& context) {
+  DUET_ASSIGN_OR_RETURN(const Json j, ParseBody(body));
   ParsedRequest out;
   out.chat = true;
-  RETURN_IF_ERROR(ParseCommon(j, context, &out));
+  DUET_RETURN_IF_ERROR(ParseCommon(j, context, &out));
   bool logprobs = false;
-  RETURN_IF_ERROR(GetBool(j, "logprobs", &logprobs));
+  DUET_RETURN_IF_ERROR(GetBool(j, "logprobs", &logprobs));
   std::optional<int64_t> top;
-  RETURN_IF_ERROR(GetInt(j, "top_logprobs", 0, context.max_logprobs, &top));
+  DUET_RETURN_IF_ERROR(GetInt(j, "top_logprobs", 0, context.max_logprobs, &top));
   if (top && !logprobs) {
     return BadRequest("'top_logprobs' needs 'logprobs' set to true", "top_logprobs");
   }
@@ -460,11 +482,10 @@ ParseResult ParseChatRequest(std::string_view body, const ProtocolContext& conte
     out.logprobs = static_cast<int>(top.value_or(0));
     out.sampling.set_logprobs(*out.logprobs);
   }
-  std::variant<std::string, ApiError> prompt = RenderChat(j, context);
-  if (auto* error = std::get_if<ApiError>(&prompt)) return *error;
+  DUET_ASSIGN_OR_RETURN(const std::string prompt, RenderChat(j, context));
   if (context.tokenizer == nullptr) return BadRequest("chat needs a tokenizer");
   PromptInput input;
-  input.token_ids = context.tokenizer->Encode(std::get<std::string>(prompt), /*add_special_tokens=*/false);
+  input.token_ids = context.tokenizer->Encode(prompt, /*add_special_tokens=*/false);
   if (input.token_ids.empty()) return BadRequest("the chat prompt has no tokens", "messages");
   if (!out.sampling.has_max_tokens()) {
     // vLLM: what is left of the context.
@@ -472,33 +493,30 @@ ParseResult ParseChatRequest(std::string_view body, const ProtocolContext& conte
     out.sampling.set_max_tokens(static_cast<int32_t>(std::clamp<int64_t>(left, 1, std::numeric_limits<int32_t>::max())));
   }
   out.prompts.push_back(std::move(input));
-  RETURN_IF_ERROR(ValidateSampling(out));
+  DUET_RETURN_IF_ERROR(ValidateSampling(out));
   return out;
 }
 
-std::variant<Json, ApiError> Tokenize(std::string_view body, const ProtocolContext& context) {
-  std::variant<Json, ApiError> parsed = ParseBody(body);
-  if (auto* error = std::get_if<ApiError>(&parsed)) return *error;
-  const Json& j = std::get<Json>(parsed);
-  RETURN_IF_ERROR(CheckModel(j, context));
+absl::StatusOr<Json> Tokenize(std::string_view body, const ProtocolContext& context) {
+  DUET_ASSIGN_OR_RETURN(const Json j, ParseBody(body));
+  DUET_RETURN_IF_ERROR(CheckModel(j, context));
   if (context.tokenizer == nullptr) return BadRequest("no tokenizer");
   std::vector<int32_t> ids;
   if (j.contains("messages")) {
     bool add_special_tokens = false;
-    RETURN_IF_ERROR(GetBool(j, "add_special_tokens", &add_special_tokens));
-    std::variant<std::string, ApiError> prompt = RenderChat(j, context);
-    if (auto* error = std::get_if<ApiError>(&prompt)) return *error;
-    ids = context.tokenizer->Encode(std::get<std::string>(prompt), add_special_tokens);
+    DUET_RETURN_IF_ERROR(GetBool(j, "add_special_tokens", &add_special_tokens));
+    DUET_ASSIGN_OR_RETURN(const std::string prompt, RenderChat(j, context));
+    ids = context.tokenizer->Encode(prompt, add_special_tokens);
   } else {
     auto it = j.find("prompt");
     if (it == j.end() || it->is_null()) return BadRequest("'prompt' or 'messages' is required", "prompt");
     if (!it->is_string()) return WrongType("prompt", "a string", *it);
     bool add_special_tokens = true;
-    RETURN_IF_ERROR(GetBool(j, "add_special_tokens", &add_special_tokens));
+    DUET_RETURN_IF_ERROR(GetBool(j, "add_special_tokens", &add_special_tokens));
     ids = context.tokenizer->Encode(it->get_ref<const std::string&>(), add_special_tokens);
   }
   bool return_token_strs = false;
-  RETURN_IF_ERROR(GetBool(j, "return_token_strs", &return_token_strs));
+  DUET_RETURN_IF_ERROR(GetBool(j, "return_token_strs", &return_token_strs));
   Json out;
   out["count"] = ids.size();
   out["max_model_len"] = context.max_model_len;
@@ -513,17 +531,15 @@ std::variant<Json, ApiError> Tokenize(std::string_view body, const ProtocolConte
   return out;
 }
 
-std::variant<Json, ApiError> Detokenize(std::string_view body, const ProtocolContext& context) {
-  std::variant<Json, ApiError> parsed = ParseBody(body);
-  if (auto* error = std::get_if<ApiError>(&parsed)) return *error;
-  const Json& j = std::get<Json>(parsed);
-  RETURN_IF_ERROR(CheckModel(j, context));
+absl::StatusOr<Json> Detokenize(std::string_view body, const ProtocolContext& context) {
+  DUET_ASSIGN_OR_RETURN(const Json j, ParseBody(body));
+  DUET_RETURN_IF_ERROR(CheckModel(j, context));
   if (context.tokenizer == nullptr) return BadRequest("no tokenizer");
   auto it = j.find("tokens");
   if (it == j.end() || it->is_null()) return BadRequest("'tokens' is required", "tokens");
   if (!it->is_array()) return WrongType("tokens", "a list of integers", *it);
   std::vector<int32_t> ids;
-  RETURN_IF_ERROR(GetTokenIds(*it, "tokens", &ids));
+  DUET_RETURN_IF_ERROR(GetTokenIds(*it, "tokens", &ids));
   for (int32_t id : ids) {
     if (id < 0 || id >= context.tokenizer->vocab_size()) {
       return BadRequest(absl::StrCat("token id ", id, " is out of vocabulary (vocab size ",

@@ -12,9 +12,11 @@
 #include <cstdint>
 #include <optional>
 #include <string>
-#include <variant>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "duet/v1/duet.pb.h"
 #include "frontend/chat_template/chat_template.h"
 #include "frontend/tokenizer/tokenizer.h"
@@ -25,6 +27,7 @@ namespace duet::router::openai {
 
 using Json = nlohmann::ordered_json;
 
+// The OpenAI error object a failed request answers with, and its HTTP status.
 struct ApiError {
   int status = 400;
   std::string message;
@@ -33,14 +36,20 @@ struct ApiError {
   std::optional<std::string> code;
 };
 
-ApiError BadRequest(std::string message, std::optional<std::string> param = std::nullopt,
-                    std::optional<std::string> code = std::nullopt);
-ApiError NotFound(std::string message, std::optional<std::string> code = std::nullopt);
+// Errors are absl::Status until they become a response (ToApiError): the status code picks the
+// HTTP status and type, payloads carry the error object's `param` and `code`.
+absl::Status BadRequest(absl::string_view message, std::optional<std::string> param = std::nullopt);
+absl::Status NotFound(absl::string_view message, std::optional<std::string> code = std::nullopt,
+                      std::optional<std::string> param = std::nullopt);
+// The one place an error becomes a response: InvalidArgument, AlreadyExists, OutOfRange → 400;
+// NotFound → 404; ResourceExhausted → 429; Unauthenticated, PermissionDenied → 401;
+// Unavailable, DeadlineExceeded → 503; anything else → 500 (types and codes as above).
+ApiError ToApiError(const absl::Status& status);
+// A gRPC status from the router's Generate as an API error: ToApiError, with code
+// "context_length_exceeded" for a prompt that does not fit.
+ApiError FromGrpc(const grpc::Status& status);
 // {"error": {...}}
 std::string ErrorBody(const ApiError& error);
-// A gRPC status from the router's Generate as an API error (INVALID_ARGUMENT → 400,
-// RESOURCE_EXHAUSTED → 429, UNAVAILABLE → 503, UNAUTHENTICATED → 401, else 500).
-ApiError FromGrpc(const grpc::Status& status);
 
 // What parsing needs to know about the server.
 struct ProtocolContext {
@@ -75,21 +84,19 @@ struct ParsedRequest {
   int64_t created = 0;
 };
 
-using ParseResult = std::variant<ParsedRequest, ApiError>;
-
-ParseResult ParseCompletionRequest(std::string_view body, const ProtocolContext& context);
-ParseResult ParseChatRequest(std::string_view body, const ProtocolContext& context);
+absl::StatusOr<ParsedRequest> ParseCompletionRequest(std::string_view body, const ProtocolContext& context);
+absl::StatusOr<ParsedRequest> ParseChatRequest(std::string_view body, const ProtocolContext& context);
 
 // The request's `model` check alone (unknown → 404 model_not_found).
-std::optional<ApiError> CheckModel(const Json& request, const ProtocolContext& context);
+absl::Status CheckModel(const Json& request, const ProtocolContext& context);
 
 // The chat prompt: messages rendered with the template (add_generation_prompt defaults true),
 // tokenized without special tokens (the template has them). Exposed for tests and /tokenize.
-std::variant<std::string, ApiError> RenderChat(const Json& request, const ProtocolContext& context);
+absl::StatusOr<std::string> RenderChat(const Json& request, const ProtocolContext& context);
 
 // POST /tokenize and /detokenize bodies → response JSON, or an error.
-std::variant<Json, ApiError> Tokenize(std::string_view body, const ProtocolContext& context);
-std::variant<Json, ApiError> Detokenize(std::string_view body, const ProtocolContext& context);
+absl::StatusOr<Json> Tokenize(std::string_view body, const ProtocolContext& context);
+absl::StatusOr<Json> Detokenize(std::string_view body, const ProtocolContext& context);
 
 // --- responses ---
 

@@ -23,19 +23,19 @@ class ProtocolTest : public ::testing::Test {
     context_.max_model_len = 2048;
   }
   ParsedRequest Completion(const std::string& body) {
-    ParseResult r = ParseCompletionRequest(body, context_);
-    if (auto* e = std::get_if<ApiError>(&r)) ADD_FAILURE() << body << " → " << e->message;
-    return std::holds_alternative<ParsedRequest>(r) ? std::get<ParsedRequest>(r) : ParsedRequest{};
+    absl::StatusOr<ParsedRequest> r = ParseCompletionRequest(body, context_);
+    if (!r.ok()) ADD_FAILURE() << body << " → " << r.status().message();
+    return r.ok() ? *r : ParsedRequest{};
   }
   ApiError CompletionError(const std::string& body) {
-    ParseResult r = ParseCompletionRequest(body, context_);
-    if (!std::holds_alternative<ApiError>(r)) ADD_FAILURE() << body << " was accepted";
-    return std::holds_alternative<ApiError>(r) ? std::get<ApiError>(r) : ApiError{};
+    absl::StatusOr<ParsedRequest> r = ParseCompletionRequest(body, context_);
+    if (r.ok()) ADD_FAILURE() << body << " was accepted";
+    return r.ok() ? ApiError{} : ToApiError(r.status());
   }
   ApiError ChatError(const std::string& body) {
-    ParseResult r = ParseChatRequest(body, context_);
-    if (!std::holds_alternative<ApiError>(r)) ADD_FAILURE() << body << " was accepted";
-    return std::holds_alternative<ApiError>(r) ? std::get<ApiError>(r) : ApiError{};
+    absl::StatusOr<ParsedRequest> r = ParseChatRequest(body, context_);
+    if (r.ok()) ADD_FAILURE() << body << " was accepted";
+    return r.ok() ? ApiError{} : ToApiError(r.status());
   }
 
   std::unique_ptr<Tokenizer> tokenizer_;
@@ -151,9 +151,9 @@ TEST_F(ProtocolTest, CompletionErrors) {
 }
 
 TEST_F(ProtocolTest, ErrorBodyShape) {
-  ApiError e = BadRequest("bad", "n");
+  ApiError e = ToApiError(BadRequest("bad", "n"));
   EXPECT_EQ(ErrorBody(e), R"({"error":{"message":"bad","type":"invalid_request_error","param":"n","code":null}})");
-  ApiError nf = NotFound("The model `x` does not exist.", "model_not_found");
+  ApiError nf = ToApiError(NotFound("The model `x` does not exist.", "model_not_found"));
   EXPECT_EQ(nf.status, 404);
   EXPECT_NE(ErrorBody(nf).find(R"("code":"model_not_found")"), std::string::npos);
 }
@@ -172,13 +172,13 @@ TEST_F(ProtocolTest, GrpcStatusMapping) {
 }
 
 TEST_F(ProtocolTest, ChatTemplateApplied) {
-  ParseResult r = ParseChatRequest(
+  absl::StatusOr<ParsedRequest> r = ParseChatRequest(
       R"({"model":"tiny","messages":[{"role":"system","content":"Be brief."},
          {"role":"user","content":[{"type":"text","text":"Hello"},{"type":"text","text":"there"}]}],
          "logprobs":true,"top_logprobs":2})",
       context_);
-  ASSERT_TRUE(std::holds_alternative<ParsedRequest>(r)) << std::get<ApiError>(r).message;
-  const ParsedRequest& p = std::get<ParsedRequest>(r);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  const ParsedRequest& p = *r;
   const std::string expected =
       "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello\nthere<|im_end|>\n<|im_start|>assistant\n";
   ASSERT_EQ(p.prompts.size(), 1u);
@@ -187,10 +187,11 @@ TEST_F(ProtocolTest, ChatTemplateApplied) {
   EXPECT_EQ(p.logprobs, 2);
   // No max_tokens: what is left of the context.
   EXPECT_EQ(p.sampling.max_tokens(), 2048 - static_cast<int>(p.prompts[0].token_ids.size()));
-  std::variant<std::string, ApiError> rendered =
+  absl::StatusOr<std::string> rendered =
       RenderChat(Json::parse(R"({"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":false})"),
                  context_);
-  EXPECT_EQ(std::get<std::string>(rendered), "<|im_start|>user\nhi<|im_end|>\n");
+  ASSERT_TRUE(rendered.ok()) << rendered.status();
+  EXPECT_EQ(*rendered, "<|im_start|>user\nhi<|im_end|>\n");
 }
 
 TEST_F(ProtocolTest, ChatErrors) {
@@ -209,22 +210,22 @@ TEST_F(ProtocolTest, ChatErrors) {
 
 TEST_F(ProtocolTest, TokenizeDetokenize) {
   auto t = Tokenize(R"({"prompt":"hello world"})", context_);
-  ASSERT_TRUE(std::holds_alternative<Json>(t));
-  const Json& tj = std::get<Json>(t);
+  ASSERT_TRUE(t.ok()) << t.status();
+  const Json& tj = *t;
   EXPECT_EQ(tj["tokens"].get<std::vector<int32_t>>(), tokenizer_->Encode("hello world", true));
   EXPECT_EQ(tj["count"], tj["tokens"].size());
   EXPECT_EQ(tj["max_model_len"], 2048);
   Json body;
   body["tokens"] = tokenizer_->Encode("hello world", false);
   auto d = Detokenize(body.dump(), context_);
-  ASSERT_TRUE(std::holds_alternative<Json>(d));
-  EXPECT_EQ(std::get<Json>(d)["prompt"], "hello world");
-  EXPECT_TRUE(std::holds_alternative<ApiError>(Detokenize(R"({"tokens":[-1]})", context_)));
-  EXPECT_TRUE(std::holds_alternative<ApiError>(Detokenize(R"({"tokens":"x"})", context_)));
-  EXPECT_TRUE(std::holds_alternative<ApiError>(Tokenize(R"({"prompt":3})", context_)));
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ((*d)["prompt"], "hello world");
+  EXPECT_FALSE(Detokenize(R"({"tokens":[-1]})", context_).ok());
+  EXPECT_FALSE(Detokenize(R"({"tokens":"x"})", context_).ok());
+  EXPECT_FALSE(Tokenize(R"({"prompt":3})", context_).ok());
   auto chat = Tokenize(R"({"messages":[{"role":"user","content":"hi"}]})", context_);
-  ASSERT_TRUE(std::holds_alternative<Json>(chat));
-  EXPECT_EQ(std::get<Json>(chat)["tokens"].get<std::vector<int32_t>>(),
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  EXPECT_EQ((*chat)["tokens"].get<std::vector<int32_t>>(),
             tokenizer_->Encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", false));
 }
 

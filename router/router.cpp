@@ -5,7 +5,6 @@
 
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
@@ -13,6 +12,7 @@
 #include "metrics/http_exporter.h"
 #include "metrics/registry.h"
 #include "model/model_config.h"
+#include "model/served_model_name.h"
 #include "router/assignment_policy.h"
 #include "router/http_frontend.h"
 #include "router/openai_api_key.h"
@@ -22,12 +22,6 @@
 
 namespace duet::router {
 namespace {
-
-std::string ModelNameFromDir(const std::string& dir) {
-  std::filesystem::path path(dir);
-  if (!path.has_filename()) path = path.parent_path();  // "models/tiny/" → "tiny"
-  return path.filename().string();
-}
 
 class RouterImpl : public Router {
  public:
@@ -42,8 +36,7 @@ class RouterImpl : public Router {
     tokenizer_ = *std::move(tokenizer);
 
     RouterServiceOptions service_options;
-    service_options.model_name =
-        options.served_model_name.empty() ? ModelNameFromDir(options.model_dir) : options.served_model_name;
+    service_options.model_name = ServedModelName(options.served_model_name, options.model_dir);
     service_options.vocab_size = config->vocab_size;
     service_options.max_model_len = config->max_position_embeddings;
     if (options.max_model_len > 0) {

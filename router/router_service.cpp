@@ -11,6 +11,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/finish_reason.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "rpc/rpc_util.h"
 
@@ -87,10 +88,12 @@ bool IsWorkerFailure(grpc::StatusCode code) {
   }
 }
 
-std::optional<metrics::FinishedReason> FinishedReasonOf(const std::string& reason) {
-  if (reason == "stop") return metrics::FinishedReason::kStop;
-  if (reason == "length") return metrics::FinishedReason::kLength;
-  if (reason == "abort") return metrics::FinishedReason::kAbort;
+// A worker's stream finishes with stop, length or abort (a failure ends it with an error status).
+std::optional<FinishReason> StreamFinishReason(const std::string& name) {
+  const std::optional<FinishReason> reason = ParseFinishReason(name);
+  if (reason == FinishReason::kStop || reason == FinishReason::kLength || reason == FinishReason::kAbort) {
+    return reason;
+  }
   return std::nullopt;
 }
 
@@ -160,7 +163,7 @@ std::string InvalidDecodeMessage(const v1::GenerateResponse& message, int64_t vo
   if (message.logprobs_size() != 0 && message.logprobs_size() != message.token_ids_size()) {
     return absl::StrFormat("%d logprobs for %d token ids", message.logprobs_size(), message.token_ids_size());
   }
-  if (message.finished() && !FinishedReasonOf(message.finish_reason())) {
+  if (message.finished() && !StreamFinishReason(message.finish_reason())) {
     return absl::StrCat("finish reason \"", message.finish_reason(), "\" (not stop, length or abort)");
   }
   return "";
@@ -690,7 +693,7 @@ void RouterService::GenerateCall::OnDecodeDone(const grpc::Status& status) {
     return End(stream_error_);
   }
   if (finished_ && !client_write_failed_) {
-    if (std::optional<metrics::FinishedReason> reason = FinishedReasonOf(finish_reason_)) {
+    if (std::optional<FinishReason> reason = StreamFinishReason(finish_reason_)) {
       service_->metrics_->request_success(*reason).Inc();
     }
     service_->metrics_->request_generation_tokens.Observe(completion_tokens_);
@@ -756,13 +759,13 @@ void RouterService::GenerateCall::AbortOnWorker(Worker* worker) {
 void RouterService::GenerateCall::EndWithAbortMessage() {
   last_.set_request_id(prepared_.request_id);
   last_.set_finished(true);
-  last_.set_finish_reason("abort");
+  last_.set_finish_reason(FinishReasonName(FinishReason::kAbort));
   last_.mutable_usage()->set_prompt_tokens(static_cast<int32_t>(prepared_.prompt_token_ids.size()));
   last_.mutable_usage()->set_completion_tokens(completion_tokens_);
   if (!prompt_sent_) {
     last_.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
   }
-  service_->metrics_->request_success(metrics::FinishedReason::kAbort).Inc();
+  service_->metrics_->request_success(FinishReason::kAbort).Inc();
   service_->metrics_->e2e_request_latency_seconds.Observe(Seconds(std::chrono::steady_clock::now() - active_->arrival));
   Release();
   StartWriteAndFinish(&last_, grpc::WriteOptions(), grpc::Status::OK);

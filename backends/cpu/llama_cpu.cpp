@@ -54,6 +54,37 @@ void RmsNorm(const float* x, const float* weight, float* out, int64_t n, double 
   for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv_rms);
 }
 
+// What an attention row attends to, in position order: slots [0, direct), then `tree_tail` (a
+// tree token's ancestors after the context, itself last). Causal rows are all direct.
+struct RowContext {
+  absl::Span<const int32_t> block_table;
+  int64_t direct = 0;
+  std::vector<int64_t> tree_tail;
+  int64_t size() const { return direct + int64_t(tree_tail.size()); }
+};
+
+// One RowContext per token of the step; `total_context` gets the sum of their sizes.
+std::vector<RowContext> RowContexts(absl::Span<const SequenceChunk> chunks, int64_t* total_context) {
+  std::vector<RowContext> rows;
+  for (const SequenceChunk& chunk : chunks) {
+    for (size_t j = 0; j < chunk.tokens.size(); ++j) {
+      RowContext& r = rows.emplace_back();
+      r.block_table = chunk.block_table;
+      if (chunk.tree_parents.empty()) {  // causal: positions [0, start + j]
+        r.direct = chunk.start_position + int64_t(j) + 1;
+      } else {
+        r.direct = chunk.start_position;
+        for (int64_t a = int64_t(j); a >= 0; a = chunk.tree_parents[size_t(a)]) {
+          r.tree_tail.push_back(chunk.start_position + a);
+        }
+        std::reverse(r.tree_tail.begin(), r.tree_tail.end());
+      }
+      *total_context += r.size();
+    }
+  }
+  return rows;
+}
+
 absl::Status ReadInto(const WeightStore& weights, const std::string& name,
                       std::vector<int64_t> shape, std::vector<float>& out, size_t offset = 0) {
   int64_t numel = 1;
@@ -139,16 +170,13 @@ void LlamaCpu::ApplyRope(float* vec, int64_t num_heads, int64_t position) const 
   }
 }
 
-void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, const float* qkv,
-                         HostKvCache& cache, float* out) const {
+void LlamaCpu::WriteStepKv(absl::Span<const SequenceChunk> chunks, int64_t layer, const float* qkv,
+                           HostKvCache& cache) const {
   const int64_t hd = config_.head_dim, nh = config_.num_heads, nkv = config_.num_kv_heads;
-  const int64_t group = nh / nkv;
   const int64_t qkv_stride = (nh + 2 * nkv) * hd;
   const int64_t bs = cache.shape().block_size;
   float* kpool = cache.keys(layer);
   float* vpool = cache.values(layer);
-
-  // Write this step's keys and values first: a token attends to earlier tokens of its own chunk.
   // Token j of a chunk goes to slot start_position + j (for a tree, not its position).
   int64_t row = 0;
   for (const SequenceChunk& chunk : chunks) {
@@ -163,33 +191,21 @@ void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, 
       }
     }
   }
+}
 
-  // What each row attends to, in position order: slots [0, direct), then `tree_tail` (a tree
-  // token's ancestors after the context, itself last). Causal rows are all direct.
-  struct RowContext {
-    absl::Span<const int32_t> block_table;
-    int64_t direct = 0;
-    std::vector<int64_t> tree_tail;
-    int64_t size() const { return direct + int64_t(tree_tail.size()); }
-  };
-  std::vector<RowContext> rows;
+void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, const float* qkv,
+                         HostKvCache& cache, float* out) const {
+  const int64_t hd = config_.head_dim, nh = config_.num_heads, nkv = config_.num_kv_heads;
+  const int64_t group = nh / nkv;
+  const int64_t qkv_stride = (nh + 2 * nkv) * hd;
+  const int64_t bs = cache.shape().block_size;
+  float* kpool = cache.keys(layer);
+  float* vpool = cache.values(layer);
+
+  // Write this step's keys and values first: a token attends to earlier tokens of its own chunk.
+  WriteStepKv(chunks, layer, qkv, cache);
   int64_t total_context = 0;
-  for (const SequenceChunk& chunk : chunks) {
-    for (size_t j = 0; j < chunk.tokens.size(); ++j) {
-      RowContext& r = rows.emplace_back();
-      r.block_table = chunk.block_table;
-      if (chunk.tree_parents.empty()) {  // causal: positions [0, start + j]
-        r.direct = chunk.start_position + int64_t(j) + 1;
-      } else {
-        r.direct = chunk.start_position;
-        for (int64_t a = int64_t(j); a >= 0; a = chunk.tree_parents[size_t(a)]) {
-          r.tree_tail.push_back(chunk.start_position + a);
-        }
-        std::reverse(r.tree_tail.begin(), r.tree_tail.end());
-      }
-      total_context += r.size();
-    }
-  }
+  const std::vector<RowContext> rows = RowContexts(chunks, &total_context);
 
   // Every (row, head) is independent and one thread's work: the same sums in the same order
   // however the pairs are split (AttendHead).
@@ -244,16 +260,31 @@ absl::Status LlamaCpu::ForwardLayers(absl::Span<const SequenceChunk> chunks, KvC
   auto* host_cache = dynamic_cast<HostKvCache*>(&kv_cache);
   if (host_cache == nullptr) return absl::InvalidArgumentError("the CPU backend needs a host KV cache");
   HostKvCache& cache = *host_cache;
-  const ModelConfig& c = config_;
-  const int64_t hidden = c.hidden_size, inter = c.intermediate_size, hd = c.head_dim;
-  const int64_t nh = c.num_heads, nkv = c.num_kv_heads;
-  const int64_t qkv_width = (nh + 2 * nkv) * hd;
-  const int64_t bs = cache.shape().block_size;
+  if (absl::Status s = CheckChunks(chunks, cache.shape().block_size); !s.ok()) return s;
+  int64_t num_tokens = 0;
+  for (const SequenceChunk& chunk : chunks) num_tokens += int64_t(chunk.tokens.size());
+  if (num_tokens == 0) {
+    logits.clear();
+    return absl::OkStatus();
+  }
 
-  int64_t num_tokens = 0, num_logit_rows = 0;
+  StepBuffers b = Embed(chunks, num_tokens);
+  for (int64_t li = 0; li < num_layers; ++li) {
+    const Layer& l = layers_[li];
+    ProjectQkv(l, b);
+    Attention(chunks, li, b.qkv.data(), cache, b.attn.data());
+    if (on_layer_done) on_layer_done(li, chunks);
+    AddAttentionOutput(l, b);
+    AddMlpOutput(l, b);
+  }
+  ComputeLogits(chunks, b.x, logits);
+  return absl::OkStatus();
+}
+
+absl::Status LlamaCpu::CheckChunks(absl::Span<const SequenceChunk> chunks, int64_t block_size) const {
   for (const SequenceChunk& chunk : chunks) {
     const int64_t end = chunk.start_position + int64_t(chunk.tokens.size());
-    if (end > int64_t(chunk.block_table.size()) * bs) {
+    if (end > int64_t(chunk.block_table.size()) * block_size) {
       return absl::InternalError("block table too short for the chunk");
     }
     if (chunk.num_logits < 0 || chunk.num_logits > int32_t(chunk.tokens.size())) {
@@ -270,79 +301,95 @@ absl::Status LlamaCpu::ForwardLayers(absl::Span<const SequenceChunk> chunks, KvC
       }
     }
     for (int32_t id : chunk.tokens) {
-      if (id < 0 || id >= c.vocab_size) {
+      if (id < 0 || id >= config_.vocab_size) {
         return absl::InvalidArgumentError(
-            absl::StrCat("token id ", id, " outside the vocabulary [0, ", c.vocab_size, ")"));
+            absl::StrCat("token id ", id, " outside the vocabulary [0, ", config_.vocab_size, ")"));
       }
     }
-    num_tokens += int64_t(chunk.tokens.size());
-    num_logit_rows += chunk.num_logits;
   }
-  if (num_tokens == 0) {
-    logits.clear();
-    return absl::OkStatus();
-  }
+  return absl::OkStatus();
+}
 
-  std::vector<float> x(size_t(num_tokens * hidden));       // residual stream [T, hidden]
-  std::vector<float> h(size_t(num_tokens * hidden));       // normed / projected [T, hidden]
-  std::vector<float> qkv(size_t(num_tokens * qkv_width));  // [T, (nh + 2 nkv) hd]
-  std::vector<float> attn(size_t(num_tokens * nh * hd));   // [T, nh hd]
-  std::vector<float> gate_up(size_t(num_tokens * 2 * inter));
-  std::vector<float> act(size_t(num_tokens * inter));
-  std::vector<int64_t> positions;
-  positions.reserve(size_t(num_tokens));
+LlamaCpu::StepBuffers LlamaCpu::Embed(absl::Span<const SequenceChunk> chunks, int64_t num_tokens) const {
+  const ModelConfig& c = config_;
+  const int64_t hidden = c.hidden_size, inter = c.intermediate_size;
+  const int64_t q_width = c.num_heads * c.head_dim;
+  StepBuffers b;
+  b.num_tokens = num_tokens;
+  b.x.resize(size_t(num_tokens * hidden));
+  b.h.resize(size_t(num_tokens * hidden));
+  b.qkv.resize(size_t(num_tokens * (q_width + 2 * c.num_kv_heads * c.head_dim)));
+  b.attn.resize(size_t(num_tokens * q_width));
+  b.gate_up.resize(size_t(num_tokens * 2 * inter));
+  b.act.resize(size_t(num_tokens * inter));
+  b.positions.reserve(size_t(num_tokens));
 
   int64_t row = 0;
   std::vector<int64_t> depths;  // a tree token's position is start + its depth in the tree
   for (const SequenceChunk& chunk : chunks) {
     depths.assign(chunk.tokens.size(), 0);
     for (size_t j = 0; j < chunk.tokens.size(); ++j, ++row) {
-      std::copy_n(embed_.data() + int64_t(chunk.tokens[j]) * hidden, hidden, x.data() + row * hidden);
+      std::copy_n(embed_.data() + int64_t(chunk.tokens[j]) * hidden, hidden, b.x.data() + row * hidden);
       if (!chunk.tree_parents.empty() && j > 0) depths[j] = depths[size_t(chunk.tree_parents[j])] + 1;
-      positions.push_back(chunk.start_position + (chunk.tree_parents.empty() ? int64_t(j) : depths[j]));
+      b.positions.push_back(chunk.start_position + (chunk.tree_parents.empty() ? int64_t(j) : depths[j]));
     }
   }
+  return b;
+}
 
-  for (int64_t li = 0; li < num_layers; ++li) {
-    const Layer& l = layers_[li];
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      RmsNorm(x.data() + t * hidden, l.input_norm.data(), h.data() + t * hidden, hidden, c.rms_norm_eps);
-    }
-    MatMulTransposed(h.data(), l.qkv.data(), qkv.data(), num_tokens, qkv_width, hidden);
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      float* r = qkv.data() + t * qkv_width;
-      if (!l.qkv_bias.empty()) {
-        for (int64_t i = 0; i < qkv_width; ++i) r[i] += l.qkv_bias[i];
-      }
-      ApplyRope(r, nh, positions[t]);            // queries
-      ApplyRope(r + nh * hd, nkv, positions[t]);  // keys
-    }
-    Attention(chunks, li, qkv.data(), cache, attn.data());
-    if (on_layer_done) on_layer_done(li, chunks);
-    MatMulTransposed(attn.data(), l.o.data(), h.data(), num_tokens, hidden, nh * hd);
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      float* xr = x.data() + t * hidden;
-      const float* hr = h.data() + t * hidden;
-      for (int64_t i = 0; i < hidden; ++i) xr[i] += hr[i] + (l.o_bias.empty() ? 0.0f : l.o_bias[i]);
-    }
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      RmsNorm(x.data() + t * hidden, l.post_norm.data(), h.data() + t * hidden, hidden, c.rms_norm_eps);
-    }
-    MatMulTransposed(h.data(), l.gate_up.data(), gate_up.data(), num_tokens, 2 * inter, hidden);
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      const float* g = gate_up.data() + t * 2 * inter;
-      const float* u = g + inter;
-      float* a = act.data() + t * inter;
-      for (int64_t i = 0; i < inter; ++i) a[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
-    }
-    MatMulTransposed(act.data(), l.down.data(), h.data(), num_tokens, hidden, inter);
-    for (int64_t i = 0; i < num_tokens * hidden; ++i) x[size_t(i)] += h[size_t(i)];
+void LlamaCpu::ProjectQkv(const Layer& l, StepBuffers& b) const {
+  const ModelConfig& c = config_;
+  const int64_t hidden = c.hidden_size, nh = c.num_heads, nkv = c.num_kv_heads;
+  const int64_t qkv_width = (nh + 2 * nkv) * c.head_dim;
+  for (int64_t t = 0; t < b.num_tokens; ++t) {
+    RmsNorm(b.x.data() + t * hidden, l.input_norm.data(), b.h.data() + t * hidden, hidden, c.rms_norm_eps);
   }
+  MatMulTransposed(b.h.data(), l.qkv.data(), b.qkv.data(), b.num_tokens, qkv_width, hidden);
+  for (int64_t t = 0; t < b.num_tokens; ++t) {
+    float* r = b.qkv.data() + t * qkv_width;
+    if (!l.qkv_bias.empty()) {
+      for (int64_t i = 0; i < qkv_width; ++i) r[i] += l.qkv_bias[i];
+    }
+    ApplyRope(r, nh, b.positions[t]);                    // queries
+    ApplyRope(r + nh * c.head_dim, nkv, b.positions[t]);  // keys
+  }
+}
 
-  // Final norm and LM head only for the rows that need logits.
+void LlamaCpu::AddAttentionOutput(const Layer& l, StepBuffers& b) const {
+  const int64_t hidden = config_.hidden_size;
+  MatMulTransposed(b.attn.data(), l.o.data(), b.h.data(), b.num_tokens, hidden, config_.num_heads * config_.head_dim);
+  for (int64_t t = 0; t < b.num_tokens; ++t) {
+    float* xr = b.x.data() + t * hidden;
+    const float* hr = b.h.data() + t * hidden;
+    for (int64_t i = 0; i < hidden; ++i) xr[i] += hr[i] + (l.o_bias.empty() ? 0.0f : l.o_bias[i]);
+  }
+}
+
+void LlamaCpu::AddMlpOutput(const Layer& l, StepBuffers& b) const {
+  const ModelConfig& c = config_;
+  const int64_t hidden = c.hidden_size, inter = c.intermediate_size;
+  for (int64_t t = 0; t < b.num_tokens; ++t) {
+    RmsNorm(b.x.data() + t * hidden, l.post_norm.data(), b.h.data() + t * hidden, hidden, c.rms_norm_eps);
+  }
+  MatMulTransposed(b.h.data(), l.gate_up.data(), b.gate_up.data(), b.num_tokens, 2 * inter, hidden);
+  for (int64_t t = 0; t < b.num_tokens; ++t) {  // SiLU(gate) · up
+    const float* g = b.gate_up.data() + t * 2 * inter;
+    const float* u = g + inter;
+    float* a = b.act.data() + t * inter;
+    for (int64_t i = 0; i < inter; ++i) a[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
+  }
+  MatMulTransposed(b.act.data(), l.down.data(), b.h.data(), b.num_tokens, hidden, inter);
+  for (int64_t i = 0; i < b.num_tokens * hidden; ++i) b.x[size_t(i)] += b.h[size_t(i)];
+}
+
+void LlamaCpu::ComputeLogits(absl::Span<const SequenceChunk> chunks, const std::vector<float>& x,
+                             std::vector<float>& logits) const {
+  const ModelConfig& c = config_;
+  const int64_t hidden = c.hidden_size;
+  int64_t num_logit_rows = 0;
+  for (const SequenceChunk& chunk : chunks) num_logit_rows += chunk.num_logits;
   std::vector<float> normed(size_t(num_logit_rows * hidden));
-  row = 0;
-  int64_t out_row = 0;
+  int64_t row = 0, out_row = 0;
   for (const SequenceChunk& chunk : chunks) {
     const int64_t n = int64_t(chunk.tokens.size());
     for (int64_t j = n - chunk.num_logits; j < n; ++j, ++out_row) {
@@ -354,7 +401,6 @@ absl::Status LlamaCpu::ForwardLayers(absl::Span<const SequenceChunk> chunks, KvC
   logits.resize(size_t(num_logit_rows * c.vocab_size));
   const float* head = lm_head_.empty() ? embed_.data() : lm_head_.data();
   MatMulTransposed(normed.data(), head, logits.data(), num_logit_rows, c.vocab_size, hidden);
-  return absl::OkStatus();
 }
 
 absl::Status LlamaCpu::MoveKvSlots(KvCache& kv_cache, absl::Span<const int32_t> block_table,

@@ -47,10 +47,35 @@ class LlamaCpu : public ModelExecutor {
     std::vector<float> down;            // [hidden, intermediate]
   };
 
+  // One forward's activations, [T, width] row-major over the step's T tokens.
+  struct StepBuffers {
+    int64_t num_tokens = 0;
+    std::vector<float> x;          // residual stream [T, hidden]
+    std::vector<float> h;          // normed / projected [T, hidden]
+    std::vector<float> qkv;        // [T, (nh + 2 nkv) hd]
+    std::vector<float> attn;       // [T, nh hd]
+    std::vector<float> gate_up;    // [T, 2 intermediate]
+    std::vector<float> act;        // [T, intermediate]
+    std::vector<int64_t> positions;  // [T]
+  };
+
   explicit LlamaCpu(const ModelConfig& config) : config_(config) {}
   absl::Status LoadWeights(const WeightStore& weights);
+  // The chunks' shape: block tables, logits rows, tree parents, token ids in the vocabulary.
+  absl::Status CheckChunks(absl::Span<const SequenceChunk> chunks, int64_t block_size) const;
+  // The step's buffers with x holding the tokens' embeddings and `positions` theirs.
+  StepBuffers Embed(absl::Span<const SequenceChunk> chunks, int64_t num_tokens) const;
+  // A layer in four parts: qkv = RoPE(QKV(norm(x))); attn = Attention(qkv) (which writes the
+  // layer's K/V); x += O(attn); x += down(SiLU(gate) · up) of norm(x).
+  void ProjectQkv(const Layer& l, StepBuffers& b) const;
+  void AddAttentionOutput(const Layer& l, StepBuffers& b) const;
+  void AddMlpOutput(const Layer& l, StepBuffers& b) const;
+  // The final norm and LM head for the rows that need logits (each chunk's last num_logits).
+  void ComputeLogits(absl::Span<const SequenceChunk> chunks, const std::vector<float>& x,
+                     std::vector<float>& logits) const;
   // Writes this step's K/V (already rotated) into the cache, then attends: causally, or within
   // a draft tree to the context and the token's ancestors (SequenceChunk::tree_parents).
+  void WriteStepKv(absl::Span<const SequenceChunk> chunks, int64_t layer, const float* qkv, HostKvCache& cache) const;
   void Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, const float* qkv,
                  HostKvCache& cache, float* out) const;
   void ApplyRope(float* vec, int64_t num_heads, int64_t position) const;

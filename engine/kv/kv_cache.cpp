@@ -1,7 +1,9 @@
 #include "engine/kv/kv_cache.h"
 
 #include <algorithm>
+#include <cstdlib>
 
+#include "absl/strings/str_cat.h"
 
 namespace duet {
 namespace {
@@ -12,6 +14,30 @@ KvCacheShape WithFloat32(KvCacheShape shape) {
 }
 
 }  // namespace
+
+absl::StatusOr<HostMemory> KvCache::AllocateHostStaging(size_t bytes) {
+  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (p == nullptr) return absl::ResourceExhaustedError("cannot allocate host memory for KV staging");
+  return HostMemory(p, [](void* q) { std::free(q); });
+}
+
+absl::Status KvCache::CheckHostCopies(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                                      const HostKvBlocks& host, bool to_host) const {
+  if (first_layer < 0 || num_layers < 0 || first_layer + num_layers > shape_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layers [", first_layer, ", ", first_layer + num_layers,
+                                                   ") are outside the cache's ", shape_.num_layers));
+  }
+  if (int64_t(host.keys.size()) != shape_.num_layers || int64_t(host.values.size()) != shape_.num_layers) {
+    return absl::InvalidArgumentError("the host blocks need a K and a V pool for every layer");
+  }
+  for (const BlockCopy& c : copies) {
+    const int32_t cache_block = to_host ? c.src : c.dst;
+    if (cache_block < 0 || cache_block >= shape_.num_blocks || (to_host ? c.dst : c.src) < 0) {
+      return absl::OutOfRangeError(absl::StrCat("block copy ", c.src, " -> ", c.dst, " is outside the pools"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 HostKvCache::HostKvCache(KvCacheShape shape) : KvCache(WithFloat32(shape)) {
   const size_t layer_elems = static_cast<size_t>(shape.num_blocks * shape.block_elems());

@@ -62,13 +62,9 @@ class KvCache {
   // Copies whole blocks in every layer (copy-on-write).
   virtual void CopyBlocks(const std::vector<BlockCopy>& copies) = 0;
 
-  // Host memory this cache copies to and from fastest (page-locked for a device cache).
-  // Inline, like every virtual here, so the CUDA backend's library needs nothing from this one's.
-  virtual absl::StatusOr<HostMemory> AllocateHostStaging(size_t bytes) {
-    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (p == nullptr) return absl::ResourceExhaustedError("cannot allocate host memory for KV staging");
-    return HostMemory(p, [](void* q) { std::free(q); });
-  }
+  // Host memory this cache copies to and from fastest (page-locked for a device cache); plain
+  // 64-byte-aligned host memory unless overridden.
+  virtual absl::StatusOr<HostMemory> AllocateHostStaging(size_t bytes);
   // Copies whole blocks of layers [first_layer, first_layer + num_layers) between this cache and
   // `host`: ToHost reads cache block copies[i].src into host block copies[i].dst, FromHost the
   // reverse (host .src into cache .dst). Returns once the bytes are in place; the caller keeps
@@ -88,24 +84,8 @@ class KvCache {
 
   // For the host copies: the layers exist, `host` has pools for every layer, and every block id
   // is inside its pool (the cache's side is bounded by num_blocks; the host side by the caller).
-  // Inline: the CUDA backend's library uses it too.
   absl::Status CheckHostCopies(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
-                               const HostKvBlocks& host, bool to_host) const {
-    if (first_layer < 0 || num_layers < 0 || first_layer + num_layers > shape_.num_layers) {
-      return absl::InvalidArgumentError(absl::StrCat("layers [", first_layer, ", ", first_layer + num_layers,
-                                                     ") are outside the cache's ", shape_.num_layers));
-    }
-    if (int64_t(host.keys.size()) != shape_.num_layers || int64_t(host.values.size()) != shape_.num_layers) {
-      return absl::InvalidArgumentError("the host blocks need a K and a V pool for every layer");
-    }
-    for (const BlockCopy& c : copies) {
-      const int32_t cache_block = to_host ? c.src : c.dst;
-      if (cache_block < 0 || cache_block >= shape_.num_blocks || (to_host ? c.dst : c.src) < 0) {
-        return absl::OutOfRangeError(absl::StrCat("block copy ", c.src, " -> ", c.dst, " is outside the pools"));
-      }
-    }
-    return absl::OkStatus();
-  }
+                               const HostKvBlocks& host, bool to_host) const;
 
  private:
   KvCacheShape shape_;

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
+#include "common/status_macros.h"
 #include "engine/sampler.h"
 
 namespace duet {
@@ -73,80 +74,79 @@ void ModelDrafter::Release(SequenceId seq) {
 
 absl::Status ModelDrafter::Propose(absl::Span<Job> jobs, KvCache& target_cache, const ForwardObserver& on_forward) {
   KvCache& cache = self_speculation() ? target_cache : *own_cache_;
-  // A job still drafting: `feed` runs next at positions [start, start + feed.size()).
-  struct Active {
-    Job* job;
-    int64_t start;
-    std::vector<int32_t> feed;
-    absl::Span<const int32_t> block_table;
-  };
-  std::vector<Active> active;
+  std::vector<ActiveJob> active;
   for (Job& job : jobs) {
     job.draft.clear();
     if (job.num_draft <= 0 || job.tokens.empty()) continue;
-    const int64_t n = int64_t(job.tokens.size());
-    Active a{&job, n - 1, {}, job.target_block_table};
-    if (!self_speculation()) {
-      // Catch up from the longest prefix whose K/V the draft cache already holds (the prompt
-      // the first time; afterwards the tokens accepted since the last step).
-      std::vector<int32_t>& cached = cached_tokens_[job.seq];
-      const size_t limit = std::min(cached.size(), size_t(n - 1));
-      const size_t common = size_t(std::mismatch(cached.begin(), cached.begin() + limit, job.tokens.begin()).first -
-                                   cached.begin());
-      cached.resize(common);
-      // Room for the tokens plus every draft but the last (which is never fed back).
-      if (!blocks_->Reserve(job.seq, n + job.num_draft - 1, int64_t(common), nullptr).ok()) {
-        Release(job.seq);  // no room in the draft cache: this request goes without drafts
-        continue;
-      }
-      a.start = int64_t(common);
-      a.block_table = blocks_->BlockTable(job.seq);
-    }
-    a.feed.assign(job.tokens.begin() + a.start, job.tokens.end());
-    active.push_back(std::move(a));
+    if (std::optional<ActiveJob> a = Start(job)) active.push_back(*std::move(a));
   }
+  while (!active.empty()) DUET_RETURN_IF_ERROR(DraftRound(active, cache, on_forward));
+  return absl::OkStatus();
+}
 
-  std::vector<SequenceChunk> chunks;
-  const int64_t vocab = executor_->config().vocab_size;
-  while (!active.empty()) {
-    chunks.clear();
-    int64_t num_tokens = 0;
-    for (const Active& a : active) {
-      chunks.push_back(SequenceChunk{a.feed, a.start, a.block_table, a.job->seq, 1});
-      num_tokens += int64_t(a.feed.size());
+std::optional<ModelDrafter::ActiveJob> ModelDrafter::Start(Job& job) {
+  const int64_t n = int64_t(job.tokens.size());
+  ActiveJob a{&job, n - 1, {}, job.target_block_table};
+  if (!self_speculation()) {
+    // Catch up from the longest prefix whose K/V the draft cache already holds (the prompt
+    // the first time; afterwards the tokens accepted since the last step).
+    std::vector<int32_t>& cached = cached_tokens_[job.seq];
+    const size_t limit = std::min(cached.size(), size_t(n - 1));
+    const size_t common = size_t(std::mismatch(cached.begin(), cached.begin() + limit, job.tokens.begin()).first -
+                                 cached.begin());
+    cached.resize(common);
+    // Room for the tokens plus every draft but the last (which is never fed back).
+    if (!blocks_->Reserve(job.seq, n + job.num_draft - 1, int64_t(common), nullptr).ok()) {
+      Release(job.seq);  // no room in the draft cache: this request goes without drafts
+      return std::nullopt;
     }
-    const auto start = std::chrono::steady_clock::now();
-    const int64_t setups_before = executor_->num_one_time_setups();
-    // Greedy drafts: argmax on the device where the executor samples there (only ids cross).
-    const bool on_device = executor_->CanSampleOnDevice();
-    if (on_device) {
-      greedy_rows_.assign(chunks.size(), DeviceSamplingRow{});
-      if (absl::Status s = executor_->ForwardSample(chunks, cache, greedy_rows_, samples_); !s.ok()) return s;
-    } else if (absl::Status s = executor_->Forward(chunks, cache, logits_); !s.ok()) {
-      return s;
-    }
-    if (on_forward && executor_->num_one_time_setups() == setups_before) {  // not a graph capture's round
-      on_forward(num_tokens, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    }
-    std::vector<Active> still;
-    for (size_t i = 0; i < active.size(); ++i) {
-      Active& a = active[i];
-      const int32_t token =
-          on_device ? samples_[i].token
-                    : Sampler::Argmax(absl::MakeConstSpan(logits_.data() + int64_t(i) * vocab, size_t(vocab)));
-      a.job->draft.push_back(token);
-      if (!self_speculation()) {
-        std::vector<int32_t>& cached = cached_tokens_[a.job->seq];
-        cached.insert(cached.end(), a.feed.begin(), a.feed.end());
-      }
-      if (int32_t(a.job->draft.size()) < a.job->num_draft) {
-        a.start += int64_t(a.feed.size());
-        a.feed.assign(1, token);
-        still.push_back(std::move(a));
-      }
-    }
-    active = std::move(still);
+    a.start = int64_t(common);
+    a.block_table = blocks_->BlockTable(job.seq);
   }
+  a.feed.assign(job.tokens.begin() + a.start, job.tokens.end());
+  return a;
+}
+
+absl::Status ModelDrafter::DraftRound(std::vector<ActiveJob>& active, KvCache& cache,
+                                      const ForwardObserver& on_forward) {
+  std::vector<SequenceChunk> chunks;
+  int64_t num_tokens = 0;
+  for (const ActiveJob& a : active) {
+    chunks.push_back(SequenceChunk{a.feed, a.start, a.block_table, a.job->seq, 1});
+    num_tokens += int64_t(a.feed.size());
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t setups_before = executor_->num_one_time_setups();
+  // Greedy drafts: argmax on the device where the executor samples there (only ids cross).
+  const bool on_device = executor_->CanSampleOnDevice();
+  if (on_device) {
+    greedy_rows_.assign(chunks.size(), DeviceSamplingRow{});
+    DUET_RETURN_IF_ERROR(executor_->ForwardSample(chunks, cache, greedy_rows_, samples_));
+  } else {
+    DUET_RETURN_IF_ERROR(executor_->Forward(chunks, cache, logits_));
+  }
+  if (on_forward && executor_->num_one_time_setups() == setups_before) {  // not a graph capture's round
+    on_forward(num_tokens, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  const int64_t vocab = executor_->config().vocab_size;
+  std::vector<ActiveJob> still;
+  for (size_t i = 0; i < active.size(); ++i) {
+    ActiveJob& a = active[i];
+    const int32_t token =
+        on_device ? samples_[i].token
+                  : Sampler::Argmax(absl::MakeConstSpan(logits_.data() + int64_t(i) * vocab, size_t(vocab)));
+    a.job->draft.push_back(token);
+    if (!self_speculation()) {
+      std::vector<int32_t>& cached = cached_tokens_[a.job->seq];
+      cached.insert(cached.end(), a.feed.begin(), a.feed.end());
+    }
+    if (int32_t(a.job->draft.size()) < a.job->num_draft) {
+      a.start += int64_t(a.feed.size());
+      a.feed.assign(1, token);
+      still.push_back(std::move(a));
+    }
+  }
+  active = std::move(still);
   return absl::OkStatus();
 }
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -63,8 +64,22 @@ class ModelDrafter {
   KvCache* own_cache() { return own_cache_.get(); }
 
  private:
+  // A job still drafting: `feed` runs next at positions [start, start + feed.size()).
+  struct ActiveJob {
+    Job* job;
+    int64_t start;
+    std::vector<int32_t> feed;
+    absl::Span<const int32_t> block_table;
+  };
+
   ModelDrafter(std::unique_ptr<ModelExecutor> executor, std::unique_ptr<BlockManager> blocks,
                std::unique_ptr<KvCache> cache);
+  // The job's first feed: its last token, or for a draft model of its own everything its cache
+  // lacks (nullopt when that cache has no room: the job goes without drafts).
+  std::optional<ActiveJob> Start(Job& job);
+  // One forward over the active jobs; each gets its next draft token, and those that want
+  // more stay active.
+  absl::Status DraftRound(std::vector<ActiveJob>& active, KvCache& cache, const ForwardObserver& on_forward);
 
   std::unique_ptr<ModelExecutor> executor_;
   // Separate draft model only: its paged cache and, per sequence, the tokens whose K/V it holds.

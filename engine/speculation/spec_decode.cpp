@@ -164,124 +164,188 @@ void StepCostModel::Observe(int64_t num_tokens, double seconds) {
   }
 }
 
+namespace {
+
+// A cost function asked for many times per plan (every request × every candidate) runs once per
+// token count: counts are below `size`.
+class MemoizedCost {
+ public:
+  MemoizedCost(const CostFn& fn, size_t size) : fn_(fn), cache_(size, -1.0) {}
+  double operator()(int64_t num_tokens) {
+    double& c = cache_[size_t(num_tokens)];
+    if (c < 0) c = fn_(num_tokens);
+    return c;
+  }
+
+ private:
+  const CostFn& fn_;
+  std::vector<double> cache_;
+};
+
+// PlanDraftBudgets' search: a plan (draft tokens per request) and its totals, kept up to date as
+// one request's budget changes, scored by the step's cost model.
+class DraftBudgetPlanner {
+ public:
+  DraftBudgetPlanner(absl::Span<const BudgetRequest> requests, int64_t base_tokens, int64_t base_samples,
+                     const CostFn& plain_cost, const CostFn& verify_cost, const CostFn& draft_cost,
+                     const CostFn& self_cost, PlanObjective objective, int32_t max_cap, int64_t total_cap)
+      : requests_(requests),
+        objective_(objective),
+        base_tokens_(base_tokens),
+        max_cap_(max_cap),
+        verify_(verify_cost, size_t(base_tokens + total_cap + 1)),
+        draft_(draft_cost, 2 * requests.size() + 1),
+        self_(self_cost, requests.size() + 1),
+        plain_seconds_(plain_cost(base_tokens)),
+        any_model_drafts_(std::any_of(requests.begin(), requests.end(),
+                                      [](const BudgetRequest& r) {
+                                        return r.mode == SpeculationMode::kDraft || r.mode == SpeculationMode::kSelf;
+                                      })),
+        k_(requests.size(), 0),
+        tokens_(base_tokens),
+        expected_(double(base_samples)),
+        draft_rounds_(size_t(max_cap), 0),
+        self_rounds_(size_t(max_cap), 0),
+        gains_(requests.size(), 0.0),
+        seconds_per_token_sum_(double(requests.size())) {}
+
+  const std::vector<int32_t>& plan() const { return k_; }
+
+  // Gives request i `drafts` draft tokens.
+  void Set(size_t i, int32_t drafts) {
+    std::vector<int64_t>* rounds = requests_[i].mode == SpeculationMode::kDraft  ? &draft_rounds_
+                                   : requests_[i].mode == SpeculationMode::kSelf ? &self_rounds_
+                                                                                  : nullptr;
+    if (rounds != nullptr) {
+      for (int32_t d = drafts; d < k_[i]; ++d) --(*rounds)[size_t(d)];
+      for (int32_t d = k_[i]; d < drafts; ++d) ++(*rounds)[size_t(d)];
+    }
+    tokens_ += drafts - k_[i];
+    const double g = Gain(i, drafts);
+    expected_ += g - gains_[i];
+    seconds_per_token_sum_ += 1.0 / (1.0 + g) - 1.0 / (1.0 + gains_[i]);
+    gains_[i] = g;
+    k_[i] = drafts;
+  }
+
+  void SetAll(const std::vector<int32_t>& plan) {
+    for (size_t i = 0; i < plan.size(); ++i) Set(i, plan[i]);
+  }
+
+  // The plan's score (higher is better) with `extra` seconds added to the step.
+  double Score(double extra = 0) {
+    const double seconds = StepSeconds() + extra;
+    return objective_ == PlanObjective::kThroughput ? expected_ / seconds
+                                                    : double(requests_.size()) / (seconds * seconds_per_token_sum_);
+  }
+
+  // Coordinate ascent from the current plan, requests in `order`: each in turn takes its best
+  // budget given the others'; returns the final score.
+  double Ascend(const std::vector<size_t>& order) {
+    for (int pass = 0; pass < 2; ++pass) {
+      bool changed = false;
+      for (size_t i : order) {
+        const int32_t before = k_[i];
+        const int32_t best_k = BestBudget(i);
+        Set(i, best_k);
+        changed |= best_k != before;
+      }
+      if (!changed) break;  // e.g. nobody's drafts pay: one pass decides
+    }
+    return Score();
+  }
+
+ private:
+  // Expected accepted tokens of request i with `drafts` drafts: sum_{d=1..depth} a^d, where a
+  // chain of k tokens is k deep and a tree of k tokens as deep as its first k tokens reach.
+  double Gain(size_t i, int32_t drafts) const {
+    const BudgetRequest& r = requests_[i];
+    const int32_t depth = drafts == 0 || r.depth_of_first.empty() ? drafts : r.depth_of_first[size_t(drafts - 1)];
+    double g = 0, p = 1;
+    for (int32_t d = 0; d < depth; ++d) g += (p *= r.acceptance);
+    return g;
+  }
+
+  double StepSeconds() {
+    double seconds = tokens_ == base_tokens_ ? plain_seconds_ : verify_(tokens_);
+    for (int32_t d = 0; any_model_drafts_ && d < max_cap_; ++d) {
+      // The first draft round also catches the draft model up on the last step's tokens.
+      if (draft_rounds_[size_t(d)] > 0) seconds += draft_(draft_rounds_[size_t(d)] * (d == 0 ? 2 : 1));
+      if (self_rounds_[size_t(d)] > 0) seconds += self_(self_rounds_[size_t(d)]);
+    }
+    return seconds;
+  }
+
+  // Request i's best budget with the others' as they are (leaves it at its cap).
+  int32_t BestBudget(size_t i) {
+    int32_t best_k = 0;
+    double best = -1;
+    for (int32_t c = 0; c <= requests_[i].cap; ++c) {
+      Set(i, c);
+      const double t = Score();
+      if (t > best * kPlanTie) {  // ties keep fewer drafts
+        best = t;
+        best_k = c;
+      }
+    }
+    return best_k;
+  }
+
+  const absl::Span<const BudgetRequest> requests_;
+  const PlanObjective objective_;
+  const int64_t base_tokens_;
+  const int32_t max_cap_;
+  MemoizedCost verify_, draft_, self_;
+  const double plain_seconds_;
+  const bool any_model_drafts_;
+
+  // The plan and its totals.
+  std::vector<int32_t> k_;
+  int64_t tokens_;
+  double expected_;
+  std::vector<int64_t> draft_rounds_, self_rounds_;  // requests drafting in each round
+  std::vector<double> gains_;
+  double seconds_per_token_sum_;  // sum_r 1 / (1 + gains_[r]), times the step's seconds
+};
+
+}  // namespace
+
 std::vector<int32_t> PlanDraftBudgets(absl::Span<const BudgetRequest> requests, int64_t base_tokens,
                                       int64_t base_samples, const CostFn& plain_cost, const CostFn& verify_cost,
                                       const CostFn& draft_cost,
                                       const CostFn& self_cost, double min_gain, double overhead_seconds,
                                       PlanObjective objective) {
   const size_t n = requests.size();
-  std::vector<int32_t> k(n, 0);
   int32_t max_cap = 0;
   int64_t total_cap = 0;
   for (const BudgetRequest& r : requests) {
     max_cap = std::max(max_cap, r.cap);
     total_cap += std::max(r.cap, 0);
   }
-  if (max_cap == 0) return k;
+  if (max_cap == 0) return std::vector<int32_t>(n, 0);
 
-  // Expected accepted tokens of request i with k drafts: sum_{d=1..depth} a^d, where a chain of
-  // k tokens is k deep and a tree of k tokens as deep as its first k tokens reach.
-  auto gain = [&](size_t i, int32_t drafts) {
-    const BudgetRequest& r = requests[i];
-    const int32_t depth = drafts == 0 || r.depth_of_first.empty() ? drafts : r.depth_of_first[size_t(drafts - 1)];
-    double g = 0, p = 1;
-    for (int32_t d = 0; d < depth; ++d) g += (p *= r.acceptance);
-    return g;
-  };
-  // Costs are asked for many times per plan (every request × every candidate): each T once.
-  auto memo = [](const CostFn& fn, size_t size) {
-    return [&fn, cache = std::vector<double>(size, -1.0)](int64_t t) mutable {
-      double& c = cache[size_t(t)];
-      if (c < 0) c = fn(t);
-      return c;
-    };
-  };
-  auto verify = memo(verify_cost, size_t(base_tokens + total_cap + 1));
-  auto draft = memo(draft_cost, 2 * n + 1);
-  auto self = memo(self_cost, n + 1);
-
-  // The plan's totals, kept up to date as one request's budget changes.
-  int64_t tokens = base_tokens;
-  double expected = double(base_samples);
-  std::vector<int64_t> draft_rounds(size_t(max_cap), 0), self_rounds(size_t(max_cap), 0);  // requests per round
-  std::vector<double> gains(n, 0.0);
-  double seconds_per_token_sum = double(n);  // sum_r 1 / (1 + gains[r]), times the step's seconds
-  auto set = [&](size_t i, int32_t drafts) {
-    std::vector<int64_t>* rounds = requests[i].mode == SpeculationMode::kDraft  ? &draft_rounds
-                                   : requests[i].mode == SpeculationMode::kSelf ? &self_rounds
-                                                                                 : nullptr;
-    if (rounds != nullptr) {
-      for (int32_t d = drafts; d < k[i]; ++d) --(*rounds)[size_t(d)];
-      for (int32_t d = k[i]; d < drafts; ++d) ++(*rounds)[size_t(d)];
-    }
-    tokens += drafts - k[i];
-    const double g = gain(i, drafts);
-    expected += g - gains[i];
-    seconds_per_token_sum += 1.0 / (1.0 + g) - 1.0 / (1.0 + gains[i]);
-    gains[i] = g;
-    k[i] = drafts;
-  };
-  const bool any_model_drafts = std::any_of(requests.begin(), requests.end(), [](const BudgetRequest& r) {
-    return r.mode == SpeculationMode::kDraft || r.mode == SpeculationMode::kSelf;
-  });
-  const double plain_seconds = plain_cost(base_tokens);
-  auto step_seconds = [&]() {
-    double seconds = tokens == base_tokens ? plain_seconds : verify(tokens);
-    for (int32_t d = 0; any_model_drafts && d < max_cap; ++d) {
-      // The first draft round also catches the draft model up on the last step's tokens.
-      if (draft_rounds[size_t(d)] > 0) seconds += draft(draft_rounds[size_t(d)] * (d == 0 ? 2 : 1));
-      if (self_rounds[size_t(d)] > 0) seconds += self(self_rounds[size_t(d)]);
-    }
-    return seconds;
-  };
-  // The plan's score (higher is better) with `extra` seconds added to the step.
-  auto score = [&](double extra = 0) {
-    const double seconds = step_seconds() + extra;
-    return objective == PlanObjective::kThroughput ? expected / seconds
-                                                   : double(n) / (seconds * seconds_per_token_sum);
-  };
-
-  const double without_drafts = score();
+  DraftBudgetPlanner planner(requests, base_tokens, base_samples, plain_cost, verify_cost, draft_cost, self_cost,
+                             objective, max_cap, total_cap);
+  const double without_drafts = planner.Score();
+  // The most promising requests choose first.
   std::vector<size_t> order(n);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return requests[a].acceptance > requests[b].acceptance; });
-  auto ascend = [&]() {
-    for (int pass = 0; pass < 2; ++pass) {
-      bool changed = false;
-      for (size_t i : order) {
-        const int32_t before = k[i];
-        int32_t best_k = 0;
-        double best = -1;
-        for (int32_t c = 0; c <= requests[i].cap; ++c) {
-          set(i, c);
-          const double t = score();
-          if (t > best * kPlanTie) {  // ties keep fewer drafts
-            best = t;
-            best_k = c;
-          }
-        }
-        set(i, best_k);
-        changed |= best_k != before;
-      }
-      if (!changed) break;  // e.g. nobody's drafts pay: one pass decides
-    }
-    return score();
-  };
   // From no drafts, then from every request drafting all it may: when the first draft of a step
   // costs a jump (a verification step is dearer than a plain one, as on the GPU), no single
   // request's drafts pay for it and the ascent from none stops there.
-  double best = ascend();
-  std::vector<int32_t> best_plan = k;
-  for (size_t i = 0; i < n; ++i) set(i, requests[i].cap);
-  if (const double from_all = ascend(); from_all > best * kPlanTie) {
+  double best = planner.Ascend(order);
+  std::vector<int32_t> best_plan = planner.plan();
+  for (size_t i = 0; i < n; ++i) planner.Set(i, requests[i].cap);
+  if (const double from_all = planner.Ascend(order); from_all > best * kPlanTie) {
     best = from_all;
-    best_plan = k;
+    best_plan = planner.plan();
   }
   // Worth it only when it beats no drafts by the margin after paying the overhead too (which the
   // choice above leaves out: this step has paid it already).
-  for (size_t i = 0; i < n; ++i) set(i, best_plan[i]);
-  if (score(overhead_seconds) < min_gain * without_drafts) {
+  planner.SetAll(best_plan);
+  if (planner.Score(overhead_seconds) < min_gain * without_drafts) {
     std::fill(best_plan.begin(), best_plan.end(), 0);
   }
   return best_plan;
