@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
+#include "common/status_macros.h"
 
 namespace duet {
 
@@ -54,11 +55,12 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineConfig&
   if (!(config.gpu_memory_utilization > 0 && config.gpu_memory_utilization <= 1)) {
     return absl::InvalidArgumentError("gpu_memory_utilization must be in (0, 1]");
   }
-  absl::StatusOr<std::unique_ptr<ModelExecutor>> model = load_executor(config);
-  if (!model.ok()) return model.status();
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(config.model_dir);
-  if (!tokenizer.ok()) return tokenizer.status();
-  auto engine = std::make_unique<LlmEngine>(std::move(*model), std::move(*tokenizer), config);
+  DUET_ASSIGN_OR_RETURN(std::unique_ptr<ModelExecutor> model, load_executor(config));
+  DUET_ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tokenizer, Tokenizer::FromModelDir(config.model_dir));
+  const EngineConfig resolved = Resolve(config, *model);
+  DUET_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache,
+                        model->CreateKvCache(resolved.num_kv_blocks, resolved.block_size));
+  auto engine = std::make_unique<LlmEngine>(std::move(model), std::move(tokenizer), std::move(cache), resolved);
   absl::StatusOr<std::unique_ptr<SpeculativeDecoder>> spec = SpeculativeDecoder::Create(
       engine->config_.speculation, *engine->model_, engine->blocks_, *engine->cache_, *engine->tokenizer_,
       [&config, &load_executor](const std::string& dir) {
@@ -75,12 +77,12 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineConfig&
 }
 
 LlmEngine::LlmEngine(std::unique_ptr<ModelExecutor> model, std::unique_ptr<Tokenizer> tokenizer,
-                     const EngineConfig& config)
-    : config_(Resolve(config, *model)),
+                     std::unique_ptr<KvCache> cache, const EngineConfig& config)
+    : config_(config),
       model_(std::move(model)),
       tokenizer_(std::move(tokenizer)),
       blocks_(config_.num_kv_blocks, config_.block_size),
-      cache_(model_->CreateKvCache(config_.num_kv_blocks, config_.block_size)),
+      cache_(std::move(cache)),
       scheduler_(config_.scheduler, blocks_) {
   eos_token_ids_ = model_->config().eos_token_ids;
   if (std::optional<int32_t> eos = tokenizer_->eos_token_id();

@@ -70,8 +70,9 @@ class LlmEngine {
  public:
   static absl::StatusOr<std::unique_ptr<LlmEngine>> Create(const EngineConfig& config,
                                                            const ExecutorLoader& load_executor);
+  // `config` as Create resolved it (block count, max_model_len); `cache` holds its blocks.
   LlmEngine(std::unique_ptr<ModelExecutor> model, std::unique_ptr<Tokenizer> tokenizer,
-            const EngineConfig& config);
+            std::unique_ptr<KvCache> cache, const EngineConfig& config);
 
   // Queues a request. InvalidArgument for bad params, an empty or over-long prompt, an
   // out-of-vocabulary token id, or a duplicate id.

@@ -80,7 +80,8 @@ class ModelExecutor {
 
   // KV-cache storage in the memory and element type this executor computes with.
   virtual KvDtype kv_dtype() const = 0;
-  virtual std::unique_ptr<KvCache> CreateKvCache(int64_t num_blocks, int64_t block_size) = 0;
+  // ResourceExhausted when the memory it lives in cannot hold it.
+  virtual absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(int64_t num_blocks, int64_t block_size) = 0;
   // Bytes the KV cache may take on the executor's device when the process may use
   // `memory_fraction` of it; nullopt for host executors (EngineConfig::kv_cache_bytes applies).
   virtual std::optional<int64_t> DeviceKvBudgetBytes(double memory_fraction) const { return std::nullopt; }

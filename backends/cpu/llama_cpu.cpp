@@ -241,7 +241,7 @@ void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, 
   pool.Run([&](int part) { attend(items * part / parts, items * (part + 1) / parts); });
 }
 
-std::unique_ptr<KvCache> LlamaCpu::CreateKvCache(int64_t num_blocks, int64_t block_size) {
+absl::StatusOr<std::unique_ptr<KvCache>> LlamaCpu::CreateKvCache(int64_t num_blocks, int64_t block_size) {
   return std::make_unique<HostKvCache>(
       KvCacheShape{config_.num_layers, num_blocks, config_.num_kv_heads, block_size, config_.head_dim});
 }
@@ -437,7 +437,7 @@ class LlamaCpuLayerPrefix : public ModelExecutor {
 
   const ModelConfig& config() const override { return model_.config(); }
   KvDtype kv_dtype() const override { return model_.kv_dtype(); }
-  std::unique_ptr<KvCache> CreateKvCache(int64_t num_blocks, int64_t block_size) override {
+  absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(int64_t num_blocks, int64_t block_size) override {
     return model_.CreateKvCache(num_blocks, block_size);
   }
   absl::Status Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache, std::vector<float>& logits,

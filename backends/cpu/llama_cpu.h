@@ -22,7 +22,7 @@ class LlamaCpu : public ModelExecutor {
 
   const ModelConfig& config() const override { return config_; }
   KvDtype kv_dtype() const override { return KvDtype::kFloat32; }
-  std::unique_ptr<KvCache> CreateKvCache(int64_t num_blocks, int64_t block_size) override;
+  absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(int64_t num_blocks, int64_t block_size) override;
   absl::Status Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache,
                        std::vector<float>& logits,
                        const LayerDoneCallback& on_layer_done = nullptr) override;

@@ -169,12 +169,9 @@ absl::StatusOr<std::unique_ptr<cuda::DeviceKvCache>> LlamaCuda::CreateDeviceKvCa
                                      arena_, stream_);
 }
 
-std::unique_ptr<KvCache> LlamaCuda::CreateKvCache(int64_t num_blocks, int64_t block_size) {
-  absl::StatusOr<std::unique_ptr<cuda::DeviceKvCache>> cache = CreateDeviceKvCache(num_blocks, block_size);
-  if (!cache.ok()) {
-    DUET_LOG(FATAL) << "cannot create the device KV cache: " << cache.status();
-  }
-  return std::move(*cache);
+absl::StatusOr<std::unique_ptr<KvCache>> LlamaCuda::CreateKvCache(int64_t num_blocks, int64_t block_size) {
+  DUET_ASSIGN_OR_RETURN(std::unique_ptr<cuda::DeviceKvCache> cache, CreateDeviceKvCache(num_blocks, block_size));
+  return std::unique_ptr<KvCache>(std::move(cache));
 }
 
 absl::StatusOr<cuda::DeviceKvCache*> LlamaCuda::OwnCache(KvCache& kv_cache) const {
@@ -505,7 +502,7 @@ class LlamaCudaLayerPrefix : public ModelExecutor {
 
   const ModelConfig& config() const override { return model_.config(); }
   KvDtype kv_dtype() const override { return model_.kv_dtype(); }
-  std::unique_ptr<KvCache> CreateKvCache(int64_t num_blocks, int64_t block_size) override {
+  absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(int64_t num_blocks, int64_t block_size) override {
     return model_.CreateKvCache(num_blocks, block_size);
   }
   absl::Status Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache, std::vector<float>& logits,

@@ -55,7 +55,7 @@ class LlamaCuda : public ModelExecutor {
   KvDtype kv_dtype() const override { return KvDtype::kBFloat16; }
   // The interface's cache creation, which cannot report an error: a failure of
   // CreateDeviceKvCache is fatal here.
-  std::unique_ptr<KvCache> CreateKvCache(int64_t num_blocks, int64_t block_size) override;
+  absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(int64_t num_blocks, int64_t block_size) override;
   // The KV cache and the step metadata sized for its block size; out of device memory:
   // ResourceExhausted, saying what was asked for and what is free.
   absl::StatusOr<std::unique_ptr<cuda::DeviceKvCache>> CreateDeviceKvCache(int64_t num_blocks, int64_t block_size);

@@ -55,8 +55,8 @@ class BackendPair {
     auto gpu = LlamaCuda::Load(ModelDir(), options);
     EXPECT_TRUE(gpu.ok()) << gpu.status();
     gpu_ = std::move(*gpu);
-    cpu_cache_ = cpu_->CreateKvCache(kBlocks, kBlockSize);
-    gpu_cache_ = gpu_->CreateKvCache(kBlocks, kBlockSize);
+    cpu_cache_ = *cpu_->CreateKvCache(kBlocks, kBlockSize);
+    gpu_cache_ = *gpu_->CreateKvCache(kBlocks, kBlockSize);
   }
   // Returns the relative error of the CUDA logits against the CPU logits for the step.
   double Step(absl::Span<const SequenceChunk> chunks, std::vector<float>* gpu_logits = nullptr) {
@@ -228,6 +228,16 @@ TEST(LlamaCuda, OutOfDeviceMemoryIsResourceExhausted) {
   absl::StatusOr<std::unique_ptr<LlmEngine>> engine = CreateEngine(config);
   ASSERT_FALSE(engine.ok());
   EXPECT_EQ(engine.status().code(), absl::StatusCode::kResourceExhausted) << engine.status();
+
+  // A KV cache larger than the device, asked for through the engine (ModelExecutor::CreateKvCache).
+  EngineConfig big_cache;
+  big_cache.model_dir = ModelDir();
+  big_cache.backend = "cuda";
+  big_cache.num_kv_blocks = 4'000'000;
+  absl::StatusOr<std::unique_ptr<LlmEngine>> no_room = CreateEngine(big_cache);
+  ASSERT_FALSE(no_room.ok());
+  EXPECT_EQ(no_room.status().code(), absl::StatusCode::kResourceExhausted) << no_room.status();
+  EXPECT_TRUE(has(no_room.status(), "bytes free on the device")) << no_room.status();
 }
 
 // Every reference case through the engine on the CUDA backend, all in one continuous batch.

@@ -65,7 +65,12 @@ int main(int argc, char** argv) {
   }
   const int block_size = 16;
   const int blocks = int((len + block_size - 1) / block_size);
-  std::unique_ptr<KvCache> cache = (*model)->CreateKvCache(blocks, block_size);
+  absl::StatusOr<std::unique_ptr<KvCache>> created = (*model)->CreateKvCache(blocks, block_size);
+  if (!created.ok()) {
+    std::fprintf(stderr, "%s\n", created.status().ToString().c_str());
+    return 1;
+  }
+  std::unique_ptr<KvCache> cache = std::move(*created);
   std::vector<int32_t> table(static_cast<size_t>(blocks));
   std::iota(table.begin(), table.end(), 0);
 

@@ -55,8 +55,9 @@ absl::StatusOr<std::unique_ptr<ModelDrafter>> ModelDrafter::LoadDraftModel(const
     return s;
   }
   auto blocks = std::make_unique<BlockManager>(num_blocks, block_size);
-  std::unique_ptr<KvCache> cache = (*model)->CreateKvCache(num_blocks, block_size);
-  return std::unique_ptr<ModelDrafter>(new ModelDrafter(std::move(*model), std::move(blocks), std::move(cache)));
+  absl::StatusOr<std::unique_ptr<KvCache>> cache = (*model)->CreateKvCache(num_blocks, block_size);
+  if (!cache.ok()) return cache.status();
+  return std::unique_ptr<ModelDrafter>(new ModelDrafter(std::move(*model), std::move(blocks), std::move(*cache)));
 }
 
 absl::StatusOr<std::unique_ptr<ModelDrafter>> ModelDrafter::SelfSpeculation(ModelExecutor& target,

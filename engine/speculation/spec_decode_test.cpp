@@ -277,7 +277,7 @@ TEST(TreeAttentionTest, EveryBranchMatchesSequentialDecoding) {
   absl::StatusOr<std::unique_ptr<LlamaCpu>> model = LlamaCpu::Load(kModel);
   ASSERT_TRUE(model.ok()) << model.status();
   const int64_t vocab = (*model)->config().vocab_size;
-  std::unique_ptr<KvCache> cache = (*model)->CreateKvCache(8, 16);
+  std::unique_ptr<KvCache> cache = *(*model)->CreateKvCache(8, 16);
   const std::vector<int32_t> context = {0, 400, 401, 402, 403, 404};
   const std::vector<int32_t> table_a = {0, 1}, table_b = {2, 3};
   std::vector<float> logits;
