@@ -56,7 +56,6 @@ class WorkerServicesTest : public ::testing::Test {
     // Prefill: block size 16, prompts chunked 8 tokens per step. Decode: block size 8 (the
     // transport re-blocks).
     DecodeServiceOptions decode_options;
-    decode_options.poll_period = absl::Milliseconds(10);
     decode_options.kv_pools = decode_staging_;
     absl::StatusOr<std::unique_ptr<DecodeService>> decode =
         DecodeService::Create(NewEngine(8, kDecodeBlocks), decode_options);
@@ -64,7 +63,6 @@ class WorkerServicesTest : public ::testing::Test {
     decode_ = std::move(*decode);
     PrefillServiceOptions prefill_options;
     prefill_options.sender.operation_timeout = absl::Seconds(3);
-    prefill_options.poll_period = absl::Milliseconds(10);
     prefill_options.kv_pools = prefill_staging_;
     absl::StatusOr<std::unique_ptr<PrefillService>> prefill =
         PrefillService::Create(NewEngine(16, 128, /*max_batched_tokens=*/8), prefill_options);
@@ -189,7 +187,8 @@ class WorkerServicesTest : public ::testing::Test {
     return r;
   }
 
-  // Default: the caches' own pools are registered with UCX (host caches).
+  // Default: the decode cache's own pools are registered with UCX (host caches); the prefill
+  // worker always sends from its staging.
   WorkerKvPoolOptions decode_staging_, prefill_staging_;
   std::unique_ptr<DecodeService> decode_;
   std::unique_ptr<PrefillService> prefill_;

@@ -1,4 +1,4 @@
-#include "rpc/serve_until_signal.h"
+#include "worker/worker_process.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -12,7 +12,7 @@
 #include "metrics/http_exporter.h"
 #include "rpc/rpc_util.h"
 
-namespace duet::rpc {
+namespace duet {
 namespace {
 
 std::string HostPort(const std::string& host, int port) {
@@ -45,7 +45,7 @@ int Serve(const ServeOptions& options, const std::function<absl::StatusOr<Served
   }
   int port = 0;
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      StartServer(HostPort(options.host, options.port), {served->service}, &port);
+      rpc::StartServer(HostPort(options.host, options.port), {served->service}, &port);
   if (!server.ok()) {
     DUET_LOG(ERROR) << role << ": " << server.status();
     return 1;
@@ -74,4 +74,4 @@ int ServeUntilSignal(const ServeOptions& options, const std::function<absl::Stat
   return exit_code;
 }
 
-}  // namespace duet::rpc
+}  // namespace duet
