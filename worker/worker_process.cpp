@@ -20,7 +20,7 @@ std::string HostPort(const std::string& host, int port) {
   return absl::StrCat(host, ":", port);
 }
 
-int Serve(const ServeOptions& options, const std::function<absl::StatusOr<ServedService>()>& create,
+int Serve(const WorkerServeOptions& options, const std::function<absl::StatusOr<ServedService>()>& create,
           const sigset_t& signals) {
   const char* role = options.role.c_str();
   absl::StatusOr<ServedService> served = create();
@@ -63,7 +63,7 @@ int Serve(const ServeOptions& options, const std::function<absl::StatusOr<Served
 
 }  // namespace
 
-int ServeUntilSignal(const ServeOptions& options, const std::function<absl::StatusOr<ServedService>()>& create) {
+int ServeUntilSignal(const WorkerServeOptions& options, const std::function<absl::StatusOr<ServedService>()>& create) {
   sigset_t signals, previous;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);

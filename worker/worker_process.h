@@ -35,7 +35,7 @@ struct ServedService {
   std::function<std::string()> metrics_body;  // Prometheus text for /metrics
 };
 
-struct ServeOptions {
+struct WorkerServeOptions {
   std::string role;  // "decode worker", for messages
   std::string host = "127.0.0.1";
   int port = 0;           // 0: a free port
@@ -45,7 +45,7 @@ struct ServeOptions {
 // `create` runs after the signals are blocked and must keep the service alive until this returns.
 // Prints `DUET_METRICS_READY port=N` (when metrics are on), then `DUET_READY port=N`.
 // Returns 0 after a stop signal, 1 when start-up fails (the reason on stderr).
-int ServeUntilSignal(const ServeOptions& options, const std::function<absl::StatusOr<ServedService>()>& create);
+int ServeUntilSignal(const WorkerServeOptions& options, const std::function<absl::StatusOr<ServedService>()>& create);
 
 // Builds the engine and `Service` (its static Create(engine, options)), then serves it as above.
 // Call it from the main thread before starting other threads.
