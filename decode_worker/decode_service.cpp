@@ -379,6 +379,8 @@ class DecodeService::DecodeCall final : public grpc::ServerWriteReactor<v1::Gene
  private:
   enum class Stage { kWaiting, kJoining, kStreaming };
 
+  // Until the reservation leaves kTransferring (at once if it has), bounded by a timer.
+  void WaitForTransfer();
   // The transfer settled (the reservation left kTransferring): claim and join, on the engine thread.
   void Settled();
   void OnWaitTimedOut();
@@ -430,11 +432,11 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* DecodeService::Decode(grpc::Call
 
 void DecodeService::DecodeCall::Start() {
   self_ = shared_from_this();
-  const std::string& id = request_.request_id();
   reservation_ = service_->FindByTransfer(request_.transfer_id());
   if (reservation_ == nullptr) {
     return End(Error(grpc::StatusCode::FAILED_PRECONDITION,
-                     absl::StrCat("no KV reservation for transfer id ", request_.transfer_id(), " (request '", id,
+                     absl::StrCat("no KV reservation for transfer id ", request_.transfer_id(), " (request '",
+                                  request_.request_id(),
                                   "'): unknown, or it ended (lease expired, transfer failed or aborted)")));
   }
   absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(request_.sampling());
@@ -449,15 +451,19 @@ void DecodeService::DecodeCall::Start() {
     return End(rpc::ToGrpc(invalid));
   }
   params_ = *std::move(params);
+  WaitForTransfer();
+}
+
+void DecodeService::DecodeCall::WaitForTransfer() {
   // The receiver ends the lease if the sender stalls, so the wait is bounded; the timer covers a
   // lost notice.
   wait_timer_ = service_->timer_->Schedule(absl::Now() + reservation_->lease + absl::Seconds(5),
                                            [self = shared_from_this()] { self->OnWaitTimedOut(); });
-  bool waiting = false;
+  bool waiting = false, taken = false;
   {
     absl::MutexLock lock(&service_->mu_);
     if (reservation_->on_settled) {
-      invalid = absl::AlreadyExistsError(absl::StrCat("request '", id, "' already has a Decode call"));
+      taken = true;
     } else if (reservation_->state == ReservationState::kTransferring) {
       reservation_->on_settled = [self = shared_from_this()] { self->Settled(); };
       waiting = true;
@@ -465,7 +471,10 @@ void DecodeService::DecodeCall::Start() {
   }
   if (waiting) return;
   service_->timer_->Cancel(wait_timer_);
-  if (!invalid.ok()) return End(rpc::ToGrpc(invalid));
+  if (taken) {
+    return End(Error(grpc::StatusCode::ALREADY_EXISTS,
+                     absl::StrCat("request '", request_.request_id(), "' already has a Decode call")));
+  }
   Settled();
 }
 

@@ -106,8 +106,7 @@ class PrefillService::PrefillCall final : public grpc::ServerUnaryReactor,
   void Admitted(std::vector<int32_t> staging_blocks);
   // Abort (the RPC) while it waited for admission.
   void AbortWhileWaiting();
-  // The engine's finishing output (engine thread); the shipment's end (any thread).
-  void OnOutput(const RequestOutput& out);
+  // The shipment's end (any thread).
   void OnShipped(const absl::Status& status);
 
   void OnCancel() override;
@@ -118,7 +117,10 @@ class PrefillService::PrefillCall final : public grpc::ServerUnaryReactor,
  private:
   enum class Stage { kAdmitting, kAdmitted, kInEngine };
 
+  void OnOutput(const RequestOutput& out);
   void AddToEngine(LlmEngine& engine);
+  // Engine thread: the request's finishing output (its first token, or why it has none).
+  void OnFinished(LlmEngine& engine, SequenceId seq, const RequestOutput& out);
   void RecordPrefill(const Request& request);
   // Replies once the output and the shipment's end are both in.
   void MaybeReply() ABSL_LOCKS_EXCLUDED(mu_);
@@ -213,23 +215,26 @@ void PrefillService::PrefillCall::AddToEngine(LlmEngine& engine) {
   const SequenceId seq = engine.Find(request_id)->seq_id;
   service_->transfers_[seq] = transfer_;
   service_->loop_->Subscribe(request_id, [self = shared_from_this(), seq, &engine](const RequestOutput& out) {
-    if (!out.finished) return;  // max_tokens 1: the sampled token comes with the finish
-    // The request is still readable here (the loop releases it after this callback).
-    if (const Request* req = engine.Find(out.id); req != nullptr && !out.new_token_ids.empty() &&
-        (out.finish_reason == FinishReason::kStop || out.finish_reason == FinishReason::kLength)) {
-      self->RecordPrefill(*req);
-    }
-    auto it = self->service_->transfers_.find(seq);
-    if (it != self->service_->transfers_.end()) {
-      // Never shipped (aborted or failed before its step): let the decode worker release the lease.
-      if (it->second->stage == Transfer::Stage::kUnsent) self->service_->DropShipment(it->second);
-      self->service_->transfers_.erase(it);
-    }
-    self->OnOutput(out);
+    if (out.finished) self->OnFinished(engine, seq, out);  // max_tokens 1: the token comes with the finish
   });
   absl::MutexLock lock(&mu_);
   stage_ = Stage::kInEngine;
   if (cancelled_) service_->loop_->Abort(request_id);
+}
+
+void PrefillService::PrefillCall::OnFinished(LlmEngine& engine, SequenceId seq, const RequestOutput& out) {
+  // The request is still readable here (the loop releases it after this callback).
+  if (const Request* req = engine.Find(out.id); req != nullptr && !out.new_token_ids.empty() &&
+      (out.finish_reason == FinishReason::kStop || out.finish_reason == FinishReason::kLength)) {
+    RecordPrefill(*req);
+  }
+  auto it = service_->transfers_.find(seq);
+  if (it != service_->transfers_.end()) {
+    // Never shipped (aborted or failed before its step): let the decode worker release the lease.
+    if (it->second->stage == Transfer::Stage::kUnsent) service_->DropShipment(it->second);
+    service_->transfers_.erase(it);
+  }
+  OnOutput(out);
 }
 
 void PrefillService::PrefillCall::RecordPrefill(const Request& req) {
