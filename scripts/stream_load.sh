@@ -8,7 +8,8 @@
 #                          [--output-len 200] [--input-len 16] [--label after]
 #
 # Prints one markdown table row per process: label | process | threads idle → peak |
-# VmRSS idle → peak MiB | VmHWM MiB, then the peak of requests running at the router.
+# VmRSS idle → peak MiB | VmHWM MiB; then the peaks of streams open at the router (running +
+# waiting) and of requests in the decode worker's batch, sampled every 0.5 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -53,8 +54,10 @@ start() {
 SEQS=$((STREAMS + 24))
 start prefill prefill-worker --model "$MODEL" --backend cpu --port 0 --max-num-seqs "$SEQS"
 prefill_port=$PORT
-start decode decode-worker --model "$MODEL" --backend cpu --port 0 --max-num-seqs "$SEQS" --kv-cache-gib 2
+start decode decode-worker --model "$MODEL" --backend cpu --port 0 --max-num-seqs "$SEQS" --kv-cache-gib 2 \
+  --metrics-port 0
 decode_port=$PORT
+decode_metrics=$(sed -n 's/^DUET_METRICS_READY port=\([0-9]*\)$/\1/p' "$WORK/decode.out")
 start router router --model "$MODEL" --port 0 --prefill "127.0.0.1:$prefill_port" \
   --decode "127.0.0.1:$decode_port" --max-concurrent-requests "$((STREAMS * 2))" --kv-lease-ms 600000 \
   --metrics-port 0
@@ -62,9 +65,11 @@ router_port=$PORT
 router_metrics=$(sed -n 's/^DUET_METRICS_READY port=\([0-9]*\)$/\1/p' "$WORK/router.out")
 
 field() { awk -v k="$2:" '$1 == k { print $2 }' "/proc/$1/status" 2>/dev/null || echo 0; }
-running() {
-  curl -s "http://127.0.0.1:$router_metrics/metrics" |
-    awk '/^duet:num_requests_running[{ ]/ { v = $NF } END { print v + 0 }'
+# gauge PORT NAME...: the sum of the named gauges on that /metrics port.
+gauge() {
+  local port=$1; shift
+  curl -s "http://127.0.0.1:$port/metrics" |
+    awk -v names=" $* " '{ split($1, n, "{") } index(names, " " n[1] " ") { v += $NF } END { printf "%d", v }'
 }
 
 sleep 2
@@ -81,7 +86,7 @@ done
   --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --ignore-eos --num-prompts "$STREAMS" \
   --request-rate inf --max-concurrency "$STREAMS" > "$WORK/bench.out" 2>&1 &
 bench_pid=$!
-peak_running=0
+peak_open=0 peak_decoding=0
 while kill -0 "$bench_pid" 2>/dev/null; do
   for name in router prefill decode; do
     pid_var=${name}_pid
@@ -89,8 +94,10 @@ while kill -0 "$bench_pid" 2>/dev/null; do
     [ "${t:-0}" -gt "${peak_threads[$name]}" ] && peak_threads[$name]=$t
     [ "${r:-0}" -gt "${peak_rss[$name]}" ] && peak_rss[$name]=$r
   done
-  n=$(running)
-  [ "${n%.*}" -gt "$peak_running" ] && peak_running=${n%.*}
+  n=$(gauge "$router_metrics" duet:num_requests_running duet:num_requests_waiting)
+  [ "$n" -gt "$peak_open" ] && peak_open=$n
+  n=$(gauge "$decode_metrics" duet:num_requests_running)
+  [ "$n" -gt "$peak_decoding" ] && peak_decoding=$n
   sleep 0.5
 done
 wait "$bench_pid" || { echo "duet-bench failed:" >&2; tail -20 "$WORK/bench.out" >&2; exit 1; }
@@ -101,5 +108,5 @@ for name in router prefill decode; do
   echo "| $LABEL | $name | ${idle_threads[$name]} → ${peak_threads[$name]} |" \
        "$(mib "${idle_rss[$name]}") → $(mib "${peak_rss[$name]}") | $(mib "$(field "${!pid_var}" VmHWM)") |"
 done
-echo "peak requests running at the router: $peak_running of $STREAMS"
+echo "peak streams open at the router: $peak_open of $STREAMS; peak requests in the decode batch: $peak_decoding"
 grep -E "Successful requests|Failed requests|Benchmark duration" "$WORK/bench.out" || tail -5 "$WORK/bench.out"
