@@ -104,7 +104,7 @@ DecodeService::DecodeService(std::unique_ptr<LlmEngine> engine, DecodeServiceOpt
       loop_(std::make_unique<EngineLoop>(std::move(engine))) {}
 
 DecodeService::~DecodeService() {
-  timer_.reset();  // no claim expires and no Decode wait ends from here on
+  timer_.Stop();  // no claim expires and no Decode wait ends from here on
   // Releases the leases it still holds (through OnBlocksReleased) while the engine is alive.
   receiver_.reset();
   {
@@ -128,7 +128,7 @@ void DecodeService::EndLocked(Reservation& r, absl::Status why) {
   if (r.state == ReservationState::kClaimed || r.state == ReservationState::kEnded) return;
   r.state = ReservationState::kEnded;
   r.failure = std::move(why);
-  if (r.claim_timer != 0 && timer_ != nullptr) timer_->Cancel(r.claim_timer);
+  if (r.claim_timer != 0) timer_.Cancel(r.claim_timer);
   if (!r.staging_blocks.empty()) {
     staging_->Free(r.staging_blocks);
     r.staging_blocks.clear();
@@ -150,7 +150,7 @@ void DecodeService::MarkReceivedLocked(const std::shared_ptr<Reservation>& held)
   }
   // The receiver committed the lease: the blocks are ours until Decode claims them.
   r.state = ReservationState::kReceived;
-  r.claim_timer = timer_->Schedule(absl::Now() + r.lease, [this, held] { ExpireClaim(held); });
+  r.claim_timer = timer_.Schedule(absl::Now() + r.lease, [this, held] { ExpireClaim(held); });
   if (r.on_settled) std::exchange(r.on_settled, nullptr)();
 }
 
@@ -239,7 +239,7 @@ absl::Status DecodeService::Claim(Reservation& r) {
   absl::MutexLock lock(&mu_);
   if (r.state == ReservationState::kReceived) {
     r.state = ReservationState::kClaimed;
-    if (r.claim_timer != 0) timer_->Cancel(r.claim_timer);
+    if (r.claim_timer != 0) timer_.Cancel(r.claim_timer);
     ForgetLocked(r);
     return absl::OkStatus();
   }
@@ -457,7 +457,7 @@ void DecodeService::DecodeCall::Start() {
 void DecodeService::DecodeCall::WaitForTransfer() {
   // The receiver ends the lease if the sender stalls, so the wait is bounded; the timer covers a
   // lost notice.
-  wait_timer_ = service_->timer_->Schedule(absl::Now() + reservation_->lease + absl::Seconds(5),
+  wait_timer_ = service_->timer_.Schedule(absl::Now() + reservation_->lease + absl::Seconds(5),
                                            [self = shared_from_this()] { self->OnWaitTimedOut(); });
   bool waiting = false, taken = false;
   {
@@ -470,7 +470,7 @@ void DecodeService::DecodeCall::WaitForTransfer() {
     }
   }
   if (waiting) return;
-  service_->timer_->Cancel(wait_timer_);
+  service_->timer_.Cancel(wait_timer_);
   if (taken) {
     return End(Error(grpc::StatusCode::ALREADY_EXISTS,
                      absl::StrCat("request '", request_.request_id(), "' already has a Decode call")));
@@ -514,7 +514,7 @@ void DecodeService::DecodeCall::OnCancel() {
 }
 
 void DecodeService::DecodeCall::Join(LlmEngine& engine) {
-  service_->timer_->Cancel(wait_timer_);
+  service_->timer_.Cancel(wait_timer_);
   const std::string& id = request_.request_id();
   if (absl::Status claimed = service_->Claim(*reservation_); !claimed.ok()) return End(WaitFailure(claimed));
   // The blocks are this call's now: join the batch, or give them back.

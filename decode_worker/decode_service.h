@@ -9,10 +9,11 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
-#include <functional>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -150,7 +151,7 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
 
   std::unique_ptr<KvHostStaging> staging_;  // null when transfers land in the cache's own pools
   // Claim and transfer-wait deadlines; stopped first in the destructor.
-  std::unique_ptr<DeadlineTimer> timer_ = std::make_unique<DeadlineTimer>();
+  DeadlineTimer timer_;
   // Last: destroyed first, while the engine (its pools), the staging and the maps above exist.
   std::unique_ptr<kvtransfer::KvReceiver> receiver_;
 };

@@ -6,10 +6,13 @@ namespace duet {
 
 DeadlineTimer::DeadlineTimer() : thread_([this] { Run(); }) {}
 
-DeadlineTimer::~DeadlineTimer() {
+void DeadlineTimer::Stop() {
   {
     absl::MutexLock lock(&mu_);
+    if (stopping_) return;
     stopping_ = true;
+    due_.clear();
+    deadline_of_.clear();
   }
   cv_.Signal();
   thread_.join();
@@ -18,6 +21,7 @@ DeadlineTimer::~DeadlineTimer() {
 DeadlineTimer::Id DeadlineTimer::Schedule(absl::Time deadline, std::function<void()> fn) {
   absl::MutexLock lock(&mu_);
   const Id id = next_id_++;
+  if (stopping_) return id;
   auto [it, inserted] = due_.emplace(Key{deadline, id}, std::move(fn));
   deadline_of_.emplace(id, deadline);
   if (it == due_.begin()) cv_.Signal();  // the thread sleeps until a later deadline

@@ -20,7 +20,7 @@ class DeadlineTimer {
   using Id = uint64_t;
 
   DeadlineTimer();
-  ~DeadlineTimer();  // callbacks not yet run are dropped
+  ~DeadlineTimer() { Stop(); }
   DeadlineTimer(const DeadlineTimer&) = delete;
   DeadlineTimer& operator=(const DeadlineTimer&) = delete;
 
@@ -29,6 +29,9 @@ class DeadlineTimer {
   // Drops a callback that has not run; false if it ran, is running or is unknown.
   bool Cancel(Id id) ABSL_LOCKS_EXCLUDED(mu_);
   size_t pending() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Stops the thread (after the callback running now, if any) and drops the callbacks not yet run;
+  // later Schedule calls are dropped too. Not from a callback.
+  void Stop() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   using Key = std::pair<absl::Time, Id>;

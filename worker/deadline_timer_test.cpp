@@ -60,5 +60,16 @@ TEST(DeadlineTimerTest, ACancelledCallbackNeverRuns) {
   EXPECT_FALSE(cancelled_ran);
 }
 
+TEST(DeadlineTimerTest, AfterStopNothingRuns) {
+  DeadlineTimer timer;
+  std::atomic<int> ran{0};
+  timer.Schedule(absl::Now() + absl::Milliseconds(20), [&] { ++ran; });
+  timer.Stop();
+  timer.Schedule(absl::Now(), [&] { ++ran; });
+  EXPECT_EQ(timer.pending(), 0u);
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(ran, 0);
+}
+
 }  // namespace
 }  // namespace duet
