@@ -96,12 +96,12 @@ class PrefillService::PrefillCall final : public grpc::ServerUnaryReactor,
                                           public std::enable_shared_from_this<PrefillCall> {
  public:
   PrefillCall(PrefillService* service, const v1::PrefillRequest* request, v1::PrefillResponse* response)
-      : service_(service), request_(request), response_(response) {}
+      : service_(service), request_(*request), response_(response) {}
 
   // Validates, connects to the decode worker, and asks for admission.
   void Start();
   int64_t num_blocks() const { return num_blocks_; }  // the staging its prompt needs
-  const std::string& id() const { return request_->request_id(); }
+  const std::string& id() const { return request_.request_id(); }
   // The staging is the call's now: into the engine.
   void Admitted(std::vector<int32_t> staging_blocks);
   // Abort (the RPC) while it waited for admission.
@@ -124,12 +124,13 @@ class PrefillService::PrefillCall final : public grpc::ServerUnaryReactor,
   void RecordPrefill(const Request& request);
   // Replies once the output and the shipment's end are both in.
   void MaybeReply() ABSL_LOCKS_EXCLUDED(mu_);
-  grpc::Status Reply(const RequestOutput& out, const absl::Status& shipped);
-  void End(const grpc::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
+  grpc::Status Reply(const RequestOutput& out, const absl::Status& shipped, v1::PrefillResponse* reply);
+  // Finishes the call once (the first status wins); `reply` is the response of an OK status.
+  void End(const grpc::Status& status, const v1::PrefillResponse* reply = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
 
   PrefillService* const service_;
-  const v1::PrefillRequest* const request_;
-  v1::PrefillResponse* const response_;
+  const v1::PrefillRequest request_;  // a copy: the engine thread reads it after a cancelled call is done
+  v1::PrefillResponse* const response_;  // written only before Finish (see End)
   const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
   std::shared_ptr<PrefillCall> self_;  // the server call's reference, dropped in OnDone
   SamplingParams params_;
@@ -153,10 +154,10 @@ grpc::ServerUnaryReactor* PrefillService::Prefill(grpc::CallbackServerContext*, 
 
 void PrefillService::PrefillCall::Start() {
   self_ = shared_from_this();
-  absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(request_->sampling());
+  absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(request_.sampling());
   if (!params.ok()) return End(rpc::ToGrpc(params.status()));
   params_ = *std::move(params);
-  const v1::KvTarget& target = request_->target();
+  const v1::KvTarget& target = request_.target();
   if (target.receiver_descriptor().empty() || target.block_ids().empty()) {
     return End(Error(grpc::StatusCode::INVALID_ARGUMENT,
                      "the KV target (receiver_descriptor and block_ids from the decode worker's ReserveKv) is required"));
@@ -175,7 +176,7 @@ void PrefillService::PrefillCall::Start() {
   transfer_->peer = *peer;
   transfer_->dst_block_ids.assign(target.block_ids().begin(), target.block_ids().end());
   transfer_->call = shared_from_this();
-  num_blocks_ = (int64_t(request_->prompt_token_ids_size()) + service_->block_size_ - 1) / service_->block_size_;
+  num_blocks_ = (int64_t(request_.prompt_token_ids_size()) + service_->block_size_ - 1) / service_->block_size_;
   if (num_blocks_ > service_->staging_->num_blocks()) {
     (void)service_->sender_->Abort(transfer_->peer, transfer_->transfer_id);
     return End(Error(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -205,8 +206,8 @@ void PrefillService::PrefillCall::AddToEngine(LlmEngine& engine) {
   SamplingParams first = params_;
   first.max_tokens = 1;
   absl::Status added = cancelled ? absl::CancelledError("the Prefill call was cancelled")
-                                 : engine.AddRequest(request_id, {request_->prompt_token_ids().begin(),
-                                                                  request_->prompt_token_ids().end()}, first);
+                                 : engine.AddRequest(request_id, {request_.prompt_token_ids().begin(),
+                                                                  request_.prompt_token_ids().end()}, first);
   if (!added.ok()) {
     // Nothing will be shipped: let the decode worker release the reserved blocks now.
     service_->DropShipment(transfer_);
@@ -270,10 +271,13 @@ void PrefillService::PrefillCall::MaybeReply() {
     out = *output_;
     shipped = *shipped_;
   }
-  End(Reply(out, shipped));
+  v1::PrefillResponse reply;
+  const grpc::Status status = Reply(out, shipped, &reply);
+  End(status, &reply);
 }
 
-grpc::Status PrefillService::PrefillCall::Reply(const RequestOutput& out, const absl::Status& shipped) {
+grpc::Status PrefillService::PrefillCall::Reply(const RequestOutput& out, const absl::Status& shipped,
+                                                v1::PrefillResponse* reply) {
   const std::string& request_id = id();
   if (out.finish_reason == FinishReason::kAbort) {
     return Error(grpc::StatusCode::ABORTED, absl::StrCat("request '", request_id, "' was aborted"));
@@ -282,7 +286,7 @@ grpc::Status PrefillService::PrefillCall::Reply(const RequestOutput& out, const 
     return Error(grpc::StatusCode::INTERNAL, absl::StrCat("prefill of request '", request_id, "' failed: ", out.error));
   }
   if (!shipped.ok()) {
-    if (IsPeerFailure(shipped)) service_->ForgetPeer(request_->target().receiver_descriptor(), transfer_->peer);
+    if (IsPeerFailure(shipped)) service_->ForgetPeer(request_.target().receiver_descriptor(), transfer_->peer);
     const grpc::StatusCode code = shipped.code() == absl::StatusCode::kInvalidArgument
                                       ? grpc::StatusCode::INVALID_ARGUMENT
                                       : grpc::StatusCode::UNAVAILABLE;
@@ -292,22 +296,23 @@ grpc::Status PrefillService::PrefillCall::Reply(const RequestOutput& out, const 
   if (out.new_token_ids.empty()) {
     return Error(grpc::StatusCode::INTERNAL, absl::StrCat("prefill of request '", request_id, "' produced no token"));
   }
-  response_->set_first_token_id(out.new_token_ids[0]);
+  reply->set_first_token_id(out.new_token_ids[0]);
   if (!out.new_logprobs.empty()) {
     SampledToken token{out.new_token_ids[0], out.new_logprobs[0],
                        out.new_top_logprobs.empty() ? std::vector<TokenLogprob>{} : out.new_top_logprobs[0]};
-    rpc::ToProto(token, response_->mutable_first_token_logprobs());
+    rpc::ToProto(token, reply->mutable_first_token_logprobs());
   }
-  response_->set_prefill_seconds(Seconds(std::chrono::steady_clock::now() - start_));
+  reply->set_prefill_seconds(Seconds(std::chrono::steady_clock::now() - start_));
   return grpc::Status::OK;
 }
 
-void PrefillService::PrefillCall::End(const grpc::Status& status) {
+void PrefillService::PrefillCall::End(const grpc::Status& status, const v1::PrefillResponse* reply) {
   {
     absl::MutexLock lock(&mu_);
     if (ended_) return;
     ended_ = true;
   }
+  if (status.ok() && reply != nullptr) *response_ = *reply;
   Finish(status);
 }
 
