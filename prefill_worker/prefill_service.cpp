@@ -175,7 +175,6 @@ void PrefillService::PrefillCall::Start() {
   transfer_->transfer_id = target.transfer_id();
   transfer_->peer = *peer;
   transfer_->dst_block_ids.assign(target.block_ids().begin(), target.block_ids().end());
-  transfer_->call = shared_from_this();
   num_blocks_ = (int64_t(request_.prompt_token_ids_size()) + service_->block_size_ - 1) / service_->block_size_;
   if (num_blocks_ > service_->staging_->num_blocks()) {
     (void)service_->sender_->Abort(transfer_->peer, transfer_->transfer_id);
@@ -188,6 +187,7 @@ void PrefillService::PrefillCall::Start() {
 
 void PrefillService::PrefillCall::Admitted(std::vector<int32_t> staging_blocks) {
   transfer_->staging_block_ids = std::move(staging_blocks);
+  transfer_->call = shared_from_this();  // until the shipment ends (EndShipment)
   {
     absl::MutexLock lock(&mu_);
     stage_ = Stage::kAdmitted;
@@ -232,7 +232,12 @@ void PrefillService::PrefillCall::OnFinished(LlmEngine& engine, SequenceId seq, 
   auto it = service_->transfers_.find(seq);
   if (it != service_->transfers_.end()) {
     // Never shipped (aborted or failed before its step): let the decode worker release the lease.
-    if (it->second->stage == Transfer::Stage::kUnsent) service_->DropShipment(it->second);
+    // Started but not finished (a failed step): end it after the layers in flight.
+    if (it->second->stage == Transfer::Stage::kUnsent) {
+      service_->DropShipment(it->second);
+    } else if (it->second->stage == Transfer::Stage::kSending) {
+      service_->FinishShipment(it->second, absl::AbortedError("the prompt's KV was not shipped"));
+    }
     service_->transfers_.erase(it);
   }
   OnOutput(out);
