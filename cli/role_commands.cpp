@@ -27,36 +27,38 @@ RoleCommands::RoleCommands(CLI::App& app) {
   router_cmd_->add_option("--metrics-port", router_.metrics_port,
                           "Prometheus /metrics port (-1: off, 0: any free port)")->check(CLI::Range(-1, 65535));
 
-  prefill_cmd_ = app.add_subcommand("prefill-worker", "Run a prefill worker");
-  prefill_flags_.Add(prefill_cmd_);
-  prefill_cmd_->add_option("--host", prefill_.host, "Address to listen on");
-  prefill_cmd_->add_option("--port", prefill_.port, "gRPC port (0: any free port)")->check(CLI::Range(0, 65535));
-  prefill_cmd_->add_option("--metrics-port", prefill_.metrics_port,
-                           "Prometheus /metrics port (-1: off, 0: any free port)")->check(CLI::Range(-1, 65535));
-  prefill_cmd_->add_option("--kv-staging-tokens", prefill_.service.kv_pools.staging_tokens,
-                           "cuda: pinned host staging for outgoing KV, in tokens (default: twice the longest "
-                           "prompt a step can finish)")->check(CLI::Range(int64_t{1}, int64_t{1} << 26));
+  prefill_cmd_ = AddWorkerCommand(app, "prefill-worker", "Run a prefill worker", prefill_, prefill_flags_,
+                                  "Host staging for outgoing KV, in tokens (default: twice the longest prompt a "
+                                  "step can finish)");
+  decode_cmd_ = AddWorkerCommand(app, "decode-worker", "Run a decode worker", decode_, decode_flags_,
+                                 "cuda: pinned host staging for incoming KV, in tokens (default: twice "
+                                 "max(max-model-len, max-num-batched-tokens))");
+}
 
-  decode_cmd_ = app.add_subcommand("decode-worker", "Run a decode worker");
-  decode_flags_.Add(decode_cmd_);
-  decode_cmd_->add_option("--host", decode_.host, "Address to listen on");
-  decode_cmd_->add_option("--port", decode_.port, "gRPC port (0: any free port)")->check(CLI::Range(0, 65535));
-  decode_cmd_->add_option("--metrics-port", decode_.metrics_port,
-                          "Prometheus /metrics port (-1: off, 0: any free port)")->check(CLI::Range(-1, 65535));
-  decode_cmd_->add_option("--kv-staging-tokens", decode_.service.kv_pools.staging_tokens,
-                          "cuda: pinned host staging for incoming KV, in tokens (default: twice "
-                          "max(max-model-len, max-num-batched-tokens))")->check(CLI::Range(int64_t{1}, int64_t{1} << 26));
+template <typename ServiceOptions>
+CLI::App* RoleCommands::AddWorkerCommand(CLI::App& app, const std::string& name, const std::string& description,
+                                         WorkerProcessOptions<ServiceOptions>& options, EngineFlags& engine_flags,
+                                         const std::string& staging_help) {
+  CLI::App* cmd = app.add_subcommand(name, description);
+  engine_flags.Add(cmd);
+  cmd->add_option("--host", options.host, "Address to listen on");
+  cmd->add_option("--port", options.port, "gRPC port (0: any free port)")->check(CLI::Range(0, 65535));
+  cmd->add_option("--metrics-port", options.metrics_port, "Prometheus /metrics port (-1: off, 0: any free port)")
+      ->check(CLI::Range(-1, 65535));
+  cmd->add_option("--kv-staging-tokens", options.service.kv_pools.staging_tokens, staging_help)
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 26));
+  return cmd;
 }
 
 std::optional<int> RoleCommands::RunParsed() {
   if (router_cmd_->parsed()) return router::RunRouter(router_);
   if (prefill_cmd_->parsed()) {
     prefill_flags_.Finish();
-    return RunPrefillWorker(prefill_);
+    return RunWorkerProcess<PrefillService>("prefill worker", prefill_);
   }
   if (decode_cmd_->parsed()) {
     decode_flags_.Finish();
-    return RunDecodeWorker(decode_);
+    return RunWorkerProcess<DecodeService>("decode worker", decode_);
   }
   return std::nullopt;
 }

@@ -3,12 +3,14 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include "CLI/CLI.hpp"
 #include "cli/engine_flags.h"
-#include "decode_worker/decode_worker.h"
-#include "prefill_worker/prefill_worker.h"
+#include "decode_worker/decode_service.h"
+#include "prefill_worker/prefill_service.h"
 #include "router/router.h"
+#include "worker/worker_process.h"
 
 namespace duet {
 
@@ -19,9 +21,15 @@ class RoleCommands {
   std::optional<int> RunParsed();
 
  private:
+  // The flags both worker roles take; `staging_help` says which way the staged KV goes.
+  template <typename ServiceOptions>
+  static CLI::App* AddWorkerCommand(CLI::App& app, const std::string& name, const std::string& description,
+                                    WorkerProcessOptions<ServiceOptions>& options, EngineFlags& engine_flags,
+                                    const std::string& staging_help);
+
   router::RouterOptions router_;
-  PrefillWorkerOptions prefill_;
-  DecodeWorkerOptions decode_;
+  WorkerProcessOptions<PrefillServiceOptions> prefill_;
+  WorkerProcessOptions<DecodeServiceOptions> decode_;
   EngineFlags prefill_flags_{&prefill_.engine};
   EngineFlags decode_flags_{&decode_.engine};
   CLI::App* router_cmd_ = nullptr;

@@ -9,7 +9,7 @@ set(DUET_LAYERS
   "duet_cpu_backend duet_cuda_backend"                                  # 3: ModelExecutor implementations
   "duet_backends"                                                       # 4: the one place that knows them all
   "duet_rpc duet_worker duet_local_cluster duet_bench_serving"          # 5
-  "duet_prefill_worker duet_decode_worker duet_router"                  # 6: the roles
+  "duet_prefill_worker duet_decode_worker duet_router duet_worker_process"  # 6: the roles, and the process both workers run
   "duet_cli")                                                           # 7: the `duet` command
 
 function(duet_check_layering)

@@ -2,13 +2,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <filesystem>
 #include <optional>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/blocking_queue.h"
 #include "common/check.h"
 #include "kvtransfer/ucx_transport.h"
 #include "rpc/rpc_util.h"
@@ -92,7 +92,6 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(std::unique
                         absl::StrCat("cannot start the KV receiver: ", receiver.status().message()));
   }
   service->receiver_ = std::move(*receiver);
-  service->reaper_ = std::thread([self] { self->ReapLoop(); });
   return service;
 }
 
@@ -105,12 +104,7 @@ DecodeService::DecodeService(std::unique_ptr<LlmEngine> engine, DecodeServiceOpt
       loop_(std::make_unique<EngineLoop>(std::move(engine))) {}
 
 DecodeService::~DecodeService() {
-  {
-    absl::MutexLock lock(&mu_);
-    stopping_ = true;
-  }
-  cv_.SignalAll();
-  if (reaper_.joinable()) reaper_.join();
+  timer_.Stop();  // no claim expires and no Decode wait ends from here on
   // Releases the leases it still holds (through OnBlocksReleased) while the engine is alive.
   receiver_.reset();
   {
@@ -122,10 +116,19 @@ DecodeService::~DecodeService() {
   loop_.reset();
 }
 
+// ---- Reservations ----
+
+void DecodeService::ForgetLocked(const Reservation& r) {
+  by_transfer_.erase(r.transfer_id);
+  auto it = transfer_by_request_.find(r.request_id);
+  if (it != transfer_by_request_.end() && it->second == r.transfer_id) transfer_by_request_.erase(it);
+}
+
 void DecodeService::EndLocked(Reservation& r, absl::Status why) {
   if (r.state == ReservationState::kClaimed || r.state == ReservationState::kEnded) return;
   r.state = ReservationState::kEnded;
   r.failure = std::move(why);
+  if (r.claim_timer != 0) timer_.Cancel(r.claim_timer);
   if (!r.staging_blocks.empty()) {
     staging_->Free(r.staging_blocks);
     r.staging_blocks.clear();
@@ -135,10 +138,29 @@ void DecodeService::EndLocked(Reservation& r, absl::Status why) {
     const SequenceId seq = r.seq;
     loop_->Post([seq](LlmEngine& engine) { engine.ReleaseKv(seq); });
   }
-  by_transfer_.erase(r.transfer_id);
-  auto it = transfer_by_request_.find(r.request_id);
-  if (it != transfer_by_request_.end() && it->second == r.transfer_id) transfer_by_request_.erase(it);
-  cv_.SignalAll();
+  ForgetLocked(r);
+  if (r.on_settled) std::exchange(r.on_settled, nullptr)();
+}
+
+void DecodeService::MarkReceivedLocked(const std::shared_ptr<Reservation>& held) {
+  Reservation& r = *held;
+  metrics_->kv_transfer_bytes.Observe(double(r.num_tokens) * double(kv_token_bytes_));
+  if (r.first_layer_time != absl::InfinitePast()) {
+    metrics_->kv_transfer_seconds.Observe(absl::ToDoubleSeconds(absl::Now() - r.first_layer_time));
+  }
+  // The receiver committed the lease: the blocks are ours until Decode claims them.
+  r.state = ReservationState::kReceived;
+  r.claim_timer = timer_.Schedule(absl::Now() + r.lease, [this, held] { ExpireClaim(held); });
+  if (r.on_settled) std::exchange(r.on_settled, nullptr)();
+}
+
+void DecodeService::ExpireClaim(const std::shared_ptr<Reservation>& r) {
+  absl::MutexLock lock(&mu_);
+  if (r->state != ReservationState::kReceived) return;
+  r->claim_timer = 0;  // running now
+  EndLocked(*r, absl::FailedPreconditionError(
+                    absl::StrCat("the KV blocks of request '", r->request_id,
+                                 "' were not claimed by a Decode call within the lease and were released")));
 }
 
 void DecodeService::OnLayerReceived(uint64_t transfer_id) {
@@ -148,25 +170,27 @@ void DecodeService::OnLayerReceived(uint64_t transfer_id) {
   if (it->second->first_layer_time == absl::InfinitePast()) it->second->first_layer_time = absl::Now();
 }
 
+bool DecodeService::Unstage(uint64_t transfer_id, absl::Status* unstaged) {
+  // Nothing else ends a reservation whose lease the receiver has committed while it is still
+  // kTransferring, so the blocks stay put while they are copied outside the lock.
+  std::vector<int32_t> staged, cache_blocks;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = by_transfer_.find(transfer_id);
+    if (it == by_transfer_.end() || it->second->state != ReservationState::kTransferring) return false;
+    staged = std::exchange(it->second->staging_blocks, {});
+    cache_blocks = it->second->cache_blocks;
+  }
+  *unstaged = staging_->Unstage(staged, cache_blocks);
+  staging_->Free(staged);
+  return true;
+}
+
 void DecodeService::OnRequestDone(uint64_t transfer_id, const absl::Status& status) {
   // Our own cancellations (Abort, a Decode call that gave up) are not transfer failures.
   if (!status.ok() && status.code() != absl::StatusCode::kCancelled) metrics_->kv_transfer_failures.Inc();
   absl::Status unstaged = absl::OkStatus();
-  if (status.ok() && staging_ != nullptr) {
-    // The blocks arrived in staging: copy them into the reserved cache blocks. Nothing else ends a
-    // reservation whose lease the receiver has committed while it is still kTransferring.
-    std::vector<int32_t> staged, cache_blocks;
-    {
-      absl::MutexLock lock(&mu_);
-      auto it = by_transfer_.find(transfer_id);
-      if (it == by_transfer_.end() || it->second->state != ReservationState::kTransferring) return;
-      staged = std::move(it->second->staging_blocks);
-      it->second->staging_blocks.clear();
-      cache_blocks = it->second->cache_blocks;
-    }
-    unstaged = staging_->Unstage(staged, cache_blocks);
-    staging_->Free(staged);
-  }
+  if (status.ok() && staging_ != nullptr && !Unstage(transfer_id, &unstaged)) return;
   absl::MutexLock lock(&mu_);
   auto it = by_transfer_.find(transfer_id);
   if (it == by_transfer_.end()) return;
@@ -176,17 +200,8 @@ void DecodeService::OnRequestDone(uint64_t transfer_id, const absl::Status& stat
     metrics_->kv_transfer_failures.Inc();
     EndLocked(r, absl::InternalError(absl::StrCat("copying the KV of request '", r.request_id,
                                                   "' from staging into the cache failed: ", unstaged.message())));
-    return;
-  }
-  if (status.ok()) {
-    metrics_->kv_transfer_bytes.Observe(double(r.num_tokens) * double(kv_token_bytes_));
-    if (r.first_layer_time != absl::InfinitePast()) {
-      metrics_->kv_transfer_seconds.Observe(absl::ToDoubleSeconds(absl::Now() - r.first_layer_time));
-    }
-    // The receiver committed the lease: the blocks are ours until Decode claims them.
-    r.state = ReservationState::kReceived;
-    r.claim_deadline = absl::Now() + r.lease;
-    cv_.SignalAll();
+  } else if (status.ok()) {
+    MarkReceivedLocked(it->second);
   } else {
     EndLocked(r, absl::UnavailableError(absl::StrCat("the KV transfer for request '", r.request_id,
                                                      "' failed: ", status.ToString())));
@@ -220,6 +235,24 @@ bool DecodeService::CancelReservation(const std::shared_ptr<Reservation>& r, abs
   return true;
 }
 
+absl::Status DecodeService::Claim(Reservation& r) {
+  absl::MutexLock lock(&mu_);
+  if (r.state == ReservationState::kReceived) {
+    r.state = ReservationState::kClaimed;
+    if (r.claim_timer != 0) timer_.Cancel(r.claim_timer);
+    ForgetLocked(r);
+    return absl::OkStatus();
+  }
+  // Ended: blocks already released. Transfer failures are UNAVAILABLE, the rest say why.
+  return r.failure.ok() ? absl::UnavailableError("the KV reservation ended") : r.failure;
+}
+
+std::shared_ptr<DecodeService::Reservation> DecodeService::FindByTransfer(uint64_t transfer_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = by_transfer_.find(transfer_id);
+  return it == by_transfer_.end() ? nullptr : it->second;
+}
+
 std::shared_ptr<DecodeService::Reservation> DecodeService::FindByRequest(const std::string& request_id) {
   absl::MutexLock lock(&mu_);
   auto it = transfer_by_request_.find(request_id);
@@ -228,268 +261,401 @@ std::shared_ptr<DecodeService::Reservation> DecodeService::FindByRequest(const s
   return r == by_transfer_.end() ? nullptr : r->second;
 }
 
-void DecodeService::ReapLoop() {
-  absl::MutexLock lock(&mu_);
-  while (!stopping_) {
-    cv_.WaitWithTimeout(&mu_, options_.poll_period);
-    const absl::Time now = absl::Now();
-    std::vector<std::shared_ptr<Reservation>> expired;
-    for (auto& [id, r] : by_transfer_) {
-      if (r->state == ReservationState::kReceived && now > r->claim_deadline) expired.push_back(r);
-    }
-    for (auto& r : expired) {
-      EndLocked(*r, absl::FailedPreconditionError(absl::StrCat(
-                        "the KV blocks of request '", r->request_id,
-                        "' were not claimed by a Decode call within the lease and were released")));
-    }
+// ---- ReserveKv ----
+
+grpc::ServerUnaryReactor* DecodeService::ReserveKv(grpc::CallbackServerContext* context,
+                                                   const v1::ReserveKvRequest* request,
+                                                   v1::ReserveKvResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (request->num_prompt_tokens() <= 0) {
+    reactor->Finish(Error(grpc::StatusCode::INVALID_ARGUMENT, "num_prompt_tokens must be positive"));
+    return reactor;
   }
+  // The engine sets the blocks aside between steps; the answer goes out from there.
+  loop_->Post([this, reactor, request, response](LlmEngine& engine) {
+    reactor->Finish(Reserve(engine, *request, response));
+  });
+  return reactor;
 }
 
-grpc::Status DecodeService::ReserveKv(grpc::ServerContext*, const v1::ReserveKvRequest* request,
-                                      v1::ReserveKvResponse* response) {
-  const int32_t num_tokens = request->num_prompt_tokens();
-  const uint64_t transfer_id = request->transfer_id();
-  if (num_tokens <= 0) {
-    return Error(grpc::StatusCode::INVALID_ARGUMENT, "num_prompt_tokens must be positive");
-  }
-  absl::Duration lease = request->lease_ms() > 0 ? absl::Milliseconds(request->lease_ms())
-                                                 : options_.default_lease;
-  lease = std::min(lease, options_.max_lease);
-
-  absl::StatusOr<std::pair<SequenceId, std::vector<int32_t>>> reserved =
-      loop_->Call([num_tokens](LlmEngine& engine) -> absl::StatusOr<std::pair<SequenceId, std::vector<int32_t>>> {
-        absl::StatusOr<SequenceId> seq = engine.ReserveKv(num_tokens);
-        if (!seq.ok()) return seq.status();
-        return std::make_pair(*seq, engine.BlockTable(*seq));
-      });
+grpc::Status DecodeService::Reserve(LlmEngine& engine, const v1::ReserveKvRequest& request,
+                                    v1::ReserveKvResponse* response) {
+  absl::StatusOr<std::shared_ptr<Reservation>> reserved = NewReservation(engine, request);
   if (!reserved.ok()) {
     if (reserved.status().code() == absl::StatusCode::kResourceExhausted) {
-      return Error(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                   absl::StrCat("decode worker has no free KV blocks for ", num_tokens,
-                                " prompt tokens: ", reserved.status().message()));
+      return Error(grpc::StatusCode::RESOURCE_EXHAUSTED, std::string(reserved.status().message()));
     }
     return rpc::ToGrpc(reserved.status());
   }
-  const SequenceId seq = reserved->first;
-  const size_t num_blocks = (size_t(num_tokens) + size_t(block_size_) - 1) / size_t(block_size_);
-  DUET_CHECK(reserved->second.size() >= num_blocks);
-  std::vector<int32_t> landing(reserved->second.begin(), reserved->second.begin() + num_blocks);
-  std::vector<int32_t> staging_blocks;
-  if (staging_ != nullptr) {
-    absl::StatusOr<std::vector<int32_t>> staged = staging_->Allocate(int64_t(num_blocks));
-    if (!staged.ok()) {
-      loop_->Post([seq](LlmEngine& engine) { engine.ReleaseKv(seq); });
-      return Error(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                   absl::StrCat("decode worker has no free KV staging blocks for ", num_tokens,
-                                " prompt tokens: ", staged.status().message()));
-    }
-    staging_blocks = *std::move(staged);
-    landing = staging_blocks;
+  std::shared_ptr<Reservation> r = *std::move(reserved);
+  if (absl::Status s = Register(r); !s.ok()) {
+    engine.ReleaseKv(r->seq);
+    if (!r->staging_blocks.empty()) staging_->Free(r->staging_blocks);
+    return rpc::ToGrpc(s);
   }
-
-  auto r = std::make_shared<Reservation>();
-  r->request_id = request->request_id();
-  r->transfer_id = transfer_id;
-  r->seq = seq;
-  r->num_tokens = num_tokens;
-  r->lease = lease;
-  r->cache_blocks.assign(reserved->second.begin(), reserved->second.begin() + num_blocks);
-  r->staging_blocks = staging_blocks;
-  {
-    absl::MutexLock lock(&mu_);
-    if (by_transfer_.count(transfer_id)) {
-      loop_->Post([seq](LlmEngine& engine) { engine.ReleaseKv(seq); });
-      if (!staging_blocks.empty()) staging_->Free(staging_blocks);
-      return Error(grpc::StatusCode::ALREADY_EXISTS,
-                   absl::StrCat("transfer id ", transfer_id, " already has a KV reservation"));
-    }
-    by_transfer_[transfer_id] = r;
-    transfer_by_request_[r->request_id] = transfer_id;
-  }
-
+  const std::vector<int32_t>& landing = staging_ != nullptr ? r->staging_blocks : r->cache_blocks;
   kvtransfer::ExpectedRequest expected;
-  expected.request_id = transfer_id;
-  expected.num_tokens = uint32_t(num_tokens);
+  expected.request_id = r->transfer_id;
+  expected.num_tokens = uint32_t(r->num_tokens);
   expected.dst_block_ids.assign(landing.begin(), landing.end());
-  expected.lease_ttl = lease;
+  expected.lease_ttl = r->lease;
+  v1::KvTarget* target = response->mutable_target();
+  for (int32_t b : landing) target->add_block_ids(uint32_t(b));  // before Expect: it may end `r`
   if (absl::Status s = receiver_->Expect(std::move(expected)); !s.ok()) {
     absl::MutexLock lock(&mu_);
     EndLocked(*r, s);
-    return Error(grpc::StatusCode::INTERNAL,
-                 absl::StrCat("cannot expect the KV transfer: ", s.message()));
+    return Error(grpc::StatusCode::INTERNAL, absl::StrCat("cannot expect the KV transfer: ", s.message()));
   }
-
-  v1::KvTarget* target = response->mutable_target();
   target->set_receiver_descriptor(receiver_->descriptor());
-  target->set_transfer_id(transfer_id);
-  for (int32_t b : landing) target->add_block_ids(uint32_t(b));
+  target->set_transfer_id(r->transfer_id);
   return grpc::Status::OK;
 }
 
-grpc::Status DecodeService::Decode(grpc::ServerContext* context, const v1::DecodeRequest* request,
-                                   grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  const auto arrival = std::chrono::steady_clock::now();
-  const std::string& id = request->request_id();
-  const uint64_t transfer_id = request->transfer_id();
-  absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(request->sampling());
+absl::StatusOr<std::shared_ptr<DecodeService::Reservation>> DecodeService::NewReservation(
+    LlmEngine& engine, const v1::ReserveKvRequest& request) {
+  const int32_t num_tokens = request.num_prompt_tokens();
+  absl::StatusOr<SequenceId> seq = engine.ReserveKv(num_tokens);
+  if (!seq.ok()) {
+    if (seq.status().code() != absl::StatusCode::kResourceExhausted) return seq.status();
+    return absl::ResourceExhaustedError(absl::StrCat("decode worker has no free KV blocks for ", num_tokens,
+                                                     " prompt tokens: ", seq.status().message()));
+  }
+  const std::vector<int32_t>& table = engine.BlockTable(*seq);
+  const size_t num_blocks = (size_t(num_tokens) + size_t(block_size_) - 1) / size_t(block_size_);
+  DUET_CHECK(table.size() >= num_blocks);
+  auto r = std::make_shared<Reservation>();
+  r->request_id = request.request_id();
+  r->transfer_id = request.transfer_id();
+  r->seq = *seq;
+  r->num_tokens = num_tokens;
+  r->lease = std::min(request.lease_ms() > 0 ? absl::Milliseconds(request.lease_ms()) : options_.default_lease,
+                      options_.max_lease);
+  r->cache_blocks.assign(table.begin(), table.begin() + num_blocks);
+  if (staging_ != nullptr) {
+    absl::StatusOr<std::vector<int32_t>> staged = staging_->Allocate(int64_t(num_blocks));
+    if (!staged.ok()) {
+      engine.ReleaseKv(*seq);
+      return absl::ResourceExhaustedError(absl::StrCat("decode worker has no free KV staging blocks for ",
+                                                       num_tokens, " prompt tokens: ", staged.status().message()));
+    }
+    r->staging_blocks = *std::move(staged);
+  }
+  return r;
+}
 
-  std::shared_ptr<Reservation> r;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = by_transfer_.find(transfer_id);
-    if (it != by_transfer_.end()) r = it->second;
+absl::Status DecodeService::Register(const std::shared_ptr<Reservation>& r) {
+  absl::MutexLock lock(&mu_);
+  if (by_transfer_.count(r->transfer_id)) {
+    return absl::AlreadyExistsError(absl::StrCat("transfer id ", r->transfer_id, " already has a KV reservation"));
   }
-  if (r == nullptr) {
-    return Error(grpc::StatusCode::FAILED_PRECONDITION,
-                 absl::StrCat("no KV reservation for transfer id ", transfer_id, " (request '", id,
-                              "'): unknown, or it ended (lease expired, transfer failed or aborted)"));
-  }
-  std::vector<int32_t> prompt(request->prompt_token_ids().begin(), request->prompt_token_ids().end());
-  if (!params.ok() || int32_t(prompt.size()) != r->num_tokens) {
-    const absl::Status why =
-        !params.ok() ? params.status()
-                     : absl::InvalidArgumentError(absl::StrCat(
-                           "the prompt has ", prompt.size(), " tokens but the KV reservation was for ",
-                           r->num_tokens));
-    CancelReservation(r, why);
-    return rpc::ToGrpc(why);
-  }
+  by_transfer_[r->transfer_id] = r;
+  transfer_by_request_[r->request_id] = r->transfer_id;
+  return absl::OkStatus();
+}
 
-  // Wait for the prefill worker's transfer. The receiver ends the lease if the sender stalls,
-  // so this is bounded; the extra bound covers a lost notice.
-  const absl::Time wait_deadline = absl::Now() + r->lease + absl::Seconds(5);
-  bool cancelled = false;
-  bool timed_out = false;
-  {
-    absl::MutexLock lock(&mu_);
-    while (r->state == ReservationState::kTransferring) {
-      if (context->IsCancelled()) {
-        cancelled = true;
-        break;
-      }
-      if (absl::Now() > wait_deadline) {
-        timed_out = true;
-        break;
-      }
-      cv_.WaitWithTimeout(&mu_, options_.poll_period);
-    }
-    if (r->state == ReservationState::kReceived) {
-      r->state = ReservationState::kClaimed;
-      by_transfer_.erase(transfer_id);
-      auto it = transfer_by_request_.find(r->request_id);
-      if (it != transfer_by_request_.end() && it->second == transfer_id) transfer_by_request_.erase(it);
-    }
-  }
-  if (cancelled || timed_out) {
-    CancelReservation(r, absl::CancelledError("the Decode call ended before the KV transfer completed"));
-    if (cancelled) return Error(grpc::StatusCode::CANCELLED, "the Decode call was cancelled");
-    return Error(grpc::StatusCode::UNAVAILABLE,
-                 absl::StrCat("the KV transfer for request '", id, "' did not complete in time"));
-  }
-  {
-    absl::MutexLock lock(&mu_);
-    if (r->state != ReservationState::kClaimed) {
-      // Ended: blocks already released. Transfer failures are UNAVAILABLE, the rest say why.
-      const absl::Status failure = r->failure.ok() ? absl::UnavailableError("the KV reservation ended")
-                                                   : r->failure;
-      return rpc::ToGrpc(failure);
-    }
+// ---- Decode ----
+
+// One Decode stream: wait for the reservation's transfer, claim its blocks, join the batch, and
+// write the request's outputs one message at a time (the next write starts when the previous one
+// is done; outputs that arrive meanwhile queue in order). Its events come from several threads
+// (gRPC's OnCancel and OnWriteDone, the engine thread's outputs, the receiver's or the timer's end
+// of the wait), so its state is behind mu_, and gRPC operations start outside the lock.
+class DecodeService::DecodeCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
+                                        public std::enable_shared_from_this<DecodeCall> {
+ public:
+  DecodeCall(DecodeService* service, const v1::DecodeRequest* request)
+      : service_(service), request_(*request), prompt_(request->prompt_token_ids().begin(),
+                                                       request->prompt_token_ids().end()) {}
+
+  // Checks the request against its reservation and waits for the transfer.
+  void Start();
+
+  void OnCancel() override;
+  void OnWriteDone(bool ok) override;
+  void OnDone() override {
+    auto last_reference = std::move(self_);  // may destroy this at the end of the scope
   }
 
+ private:
+  enum class Stage { kWaiting, kJoining, kStreaming };
+
+  // Until the reservation leaves kTransferring (at once if it has), bounded by a timer.
+  void WaitForTransfer();
+  // The transfer settled (the reservation left kTransferring): claim and join, on the engine thread.
+  void Settled();
+  void OnWaitTimedOut();
+  // Engine thread: claims the blocks and adds the request to the batch.
+  void Join(LlmEngine& engine);
+  // Engine thread: one output of the request becomes the next queued message.
+  void OnOutput(const RequestOutput& out);
+  v1::GenerateResponse ToMessage(const RequestOutput& out);
+  // Why the wait for the transfer failed, as the Decode call's status.
+  grpc::Status WaitFailure(const absl::Status& why) ABSL_LOCKS_EXCLUDED(mu_);
+  // Starts the next write, or the Finish once no write is in flight.
+  void Pump() ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends the call with `status` (the first one wins) once the write in flight is done.
+  void End(grpc::Status status) ABSL_LOCKS_EXCLUDED(mu_);
+  void RecordFinished();
+
+  DecodeService* const service_;
+  const v1::DecodeRequest request_;
+  const std::vector<int32_t> prompt_;
+  const std::chrono::steady_clock::time_point arrival_ = std::chrono::steady_clock::now();
+  std::shared_ptr<DecodeCall> self_;  // the server call's reference, dropped in OnDone
+  SamplingParams params_;
+  std::shared_ptr<Reservation> reservation_;
+  DeadlineTimer::Id wait_timer_ = 0;
+
+  // Engine thread only (`finish_reason_` is read once its message is written).
+  int32_t num_output_tokens_ = 0;
+  FinishReason finish_reason_ = FinishReason::kNone;
+  bool prompt_echoed_ = false;
+  std::chrono::steady_clock::time_point joined_at_{}, last_token_at_{};
+
+  absl::Mutex mu_;
+  Stage stage_ ABSL_GUARDED_BY(mu_) = Stage::kWaiting;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool timed_out_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<v1::GenerateResponse> queued_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;  // a StartWrite of `writing_message_` is in flight
+  std::optional<grpc::Status> end_status_ ABSL_GUARDED_BY(mu_);
+  bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
+  v1::GenerateResponse writing_message_;  // owned by the write in flight
+};
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* DecodeService::Decode(grpc::CallbackServerContext*,
+                                                                      const v1::DecodeRequest* request) {
+  auto call = std::make_shared<DecodeCall>(this, request);
+  call->Start();  // the call holds itself until OnDone
+  return call.get();
+}
+
+void DecodeService::DecodeCall::Start() {
+  self_ = shared_from_this();
+  reservation_ = service_->FindByTransfer(request_.transfer_id());
+  if (reservation_ == nullptr) {
+    return End(Error(grpc::StatusCode::FAILED_PRECONDITION,
+                     absl::StrCat("no KV reservation for transfer id ", request_.transfer_id(), " (request '",
+                                  request_.request_id(),
+                                  "'): unknown, or it ended (lease expired, transfer failed or aborted)")));
+  }
+  absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(request_.sampling());
+  absl::Status invalid = params.status();
+  if (invalid.ok() && int32_t(prompt_.size()) != reservation_->num_tokens) {
+    invalid = absl::InvalidArgumentError(absl::StrCat("the prompt has ", prompt_.size(),
+                                                      " tokens but the KV reservation was for ",
+                                                      reservation_->num_tokens));
+  }
+  if (!invalid.ok()) {
+    service_->CancelReservation(reservation_, invalid);
+    return End(rpc::ToGrpc(invalid));
+  }
+  params_ = *std::move(params);
+  WaitForTransfer();
+}
+
+void DecodeService::DecodeCall::WaitForTransfer() {
+  // The receiver ends the lease if the sender stalls, so the wait is bounded; the timer covers a
+  // lost notice.
+  wait_timer_ = service_->timer_.Schedule(absl::Now() + reservation_->lease + absl::Seconds(5),
+                                           [self = shared_from_this()] { self->OnWaitTimedOut(); });
+  bool waiting = false, taken = false;
+  {
+    absl::MutexLock lock(&service_->mu_);
+    if (reservation_->on_settled) {
+      taken = true;
+    } else if (reservation_->state == ReservationState::kTransferring) {
+      reservation_->on_settled = [self = shared_from_this()] { self->Settled(); };
+      waiting = true;
+    }
+  }
+  if (waiting) return;
+  service_->timer_.Cancel(wait_timer_);
+  if (taken) {
+    return End(Error(grpc::StatusCode::ALREADY_EXISTS,
+                     absl::StrCat("request '", request_.request_id(), "' already has a Decode call")));
+  }
+  Settled();
+}
+
+void DecodeService::DecodeCall::Settled() {
+  {
+    absl::MutexLock lock(&mu_);
+    stage_ = Stage::kJoining;
+  }
+  service_->loop_->Post([self = shared_from_this()](LlmEngine& engine) { self->Join(engine); });
+}
+
+void DecodeService::DecodeCall::OnWaitTimedOut() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stage_ != Stage::kWaiting) return;
+    timed_out_ = true;
+  }
+  service_->CancelReservation(reservation_,
+                              absl::CancelledError("the Decode call ended before the KV transfer completed"));
+}
+
+void DecodeService::DecodeCall::OnCancel() {
+  Stage stage;
+  {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    stage = stage_;
+  }
+  // While joining, Join sees `cancelled_` and aborts the request it adds.
+  if (stage == Stage::kWaiting && reservation_ != nullptr) {
+    service_->CancelReservation(reservation_,
+                                absl::CancelledError("the Decode call ended before the KV transfer completed"));
+  } else if (stage == Stage::kStreaming) {
+    service_->loop_->Abort(request_.request_id());
+  }
+  End(Error(grpc::StatusCode::CANCELLED, "the Decode call was cancelled"));
+}
+
+void DecodeService::DecodeCall::Join(LlmEngine& engine) {
+  service_->timer_.Cancel(wait_timer_);
+  const std::string& id = request_.request_id();
+  if (absl::Status claimed = service_->Claim(*reservation_); !claimed.ok()) return End(WaitFailure(claimed));
   // The blocks are this call's now: join the batch, or give them back.
-  auto queue = std::make_shared<BlockingQueue<RequestOutput>>();
-  const SampledToken first = rpc::FromProto(request->first_token_id(), request->first_token_logprobs());
-  const SequenceId seq = r->seq;
-  EngineLoop* loop = loop_.get();
-  metrics::Histogram* itl = &metrics_->inter_token_latency_seconds;
-  std::chrono::steady_clock::time_point joined_at;
-  absl::Status joined = loop_->Call([&, queue](LlmEngine& engine) -> absl::Status {
-    absl::StatusOr<RequestOutput> out = engine.AddPrefilledRequest(id, prompt, *params, seq, first);
-    if (!out.ok()) {
-      engine.ReleaseKv(seq);  // not taken by a request
-      return out.status();
-    }
-    const bool finished = out->finished;
-    joined_at = std::chrono::steady_clock::now();
-    queue->Push(*std::move(out));
-    if (finished) {
-      engine.Release(id);
-    } else {
-      // Inter-token latency as the engine produces tokens (loop thread), one per step.
-      loop->Subscribe(id, [queue, itl, last = joined_at](const RequestOutput& o) mutable {
-        if (!o.new_token_ids.empty()) {
-          const auto now = std::chrono::steady_clock::now();
-          itl->Observe(std::chrono::duration<double>(now - last).count());
-          last = now;
-        }
-        queue->Push(o);
-      });
-    }
-    return absl::OkStatus();
-  });
-  if (!joined.ok()) return rpc::ToGrpc(joined);
+  const SampledToken first = rpc::FromProto(request_.first_token_id(), request_.first_token_logprobs());
+  absl::StatusOr<RequestOutput> out = engine.AddPrefilledRequest(id, prompt_, params_, reservation_->seq, first);
+  if (!out.ok()) {
+    engine.ReleaseKv(reservation_->seq);  // not taken by a request
+    return End(rpc::ToGrpc(out.status()));
+  }
+  joined_at_ = last_token_at_ = std::chrono::steady_clock::now();
+  OnOutput(*out);
+  if (out->finished) {
+    engine.Release(id);
+  } else {
+    service_->loop_->Subscribe(id, [self = shared_from_this()](const RequestOutput& o) { self->OnOutput(o); });
+  }
+  absl::MutexLock lock(&mu_);
+  stage_ = Stage::kStreaming;
+  if (cancelled_ && !out->finished) service_->loop_->Abort(id);
+}
 
-  bool first_message = true;
-  int32_t num_output_tokens = 0;
-  for (;;) {
-    std::optional<RequestOutput> out = queue->Pop(std::chrono::milliseconds(
-        std::max<int64_t>(1, absl::ToInt64Milliseconds(options_.poll_period))));
-    if (!out) {
-      if (context->IsCancelled()) {
-        loop_->Abort(id);
-        return Error(grpc::StatusCode::CANCELLED, "the Decode call was cancelled");
-      }
-      continue;
+grpc::Status DecodeService::DecodeCall::WaitFailure(const absl::Status& why) {
+  absl::MutexLock lock(&mu_);
+  if (!timed_out_) return rpc::ToGrpc(why);
+  return Error(grpc::StatusCode::UNAVAILABLE,
+               absl::StrCat("the KV transfer for request '", request_.request_id(), "' did not complete in time"));
+}
+
+void DecodeService::DecodeCall::OnOutput(const RequestOutput& out) {
+  if (!out.new_token_ids.empty() && num_output_tokens_ > 0) {
+    // Inter-token latency as the engine produces tokens, one per step.
+    const auto now = std::chrono::steady_clock::now();
+    service_->metrics_->inter_token_latency_seconds.Observe(std::chrono::duration<double>(now - last_token_at_).count());
+    last_token_at_ = now;
+  }
+  if (out.finish_reason == FinishReason::kError) {
+    return End(Error(grpc::StatusCode::INTERNAL,
+                     absl::StrCat("request '", request_.request_id(), "' failed: ", out.error)));
+  }
+  v1::GenerateResponse message = ToMessage(out);
+  {
+    absl::MutexLock lock(&mu_);
+    queued_.push_back(std::move(message));
+  }
+  Pump();
+}
+
+v1::GenerateResponse DecodeService::DecodeCall::ToMessage(const RequestOutput& out) {
+  v1::GenerateResponse message;
+  ToResponse(out, params_, &message);
+  num_output_tokens_ += int32_t(out.new_token_ids.size());
+  if (!prompt_echoed_) {
+    for (int32_t t : prompt_) message.add_prompt_token_ids(t);
+    prompt_echoed_ = true;
+  }
+  if (out.finished) {
+    finish_reason_ = out.finish_reason;
+    message.mutable_usage()->set_prompt_tokens(int32_t(prompt_.size()));
+    message.mutable_usage()->set_completion_tokens(num_output_tokens_);
+  }
+  return message;
+}
+
+void DecodeService::DecodeCall::Pump() {
+  std::optional<grpc::Status> finish_with;
+  {
+    absl::MutexLock lock(&mu_);
+    if (writing_ || finish_called_) return;
+    if (end_status_.has_value()) {
+      finish_called_ = true;
+      finish_with = *end_status_;
+    } else {
+      if (queued_.empty()) return;
+      writing_message_ = std::move(queued_.front());
+      queued_.pop_front();
+      writing_ = true;
     }
-    if (out->finish_reason == FinishReason::kError) {
-      return Error(grpc::StatusCode::INTERNAL, absl::StrCat("request '", id, "' failed: ", out->error));
-    }
-    v1::GenerateResponse response;
-    ToResponse(*out, *params, &response);
-    num_output_tokens += int32_t(out->new_token_ids.size());
-    if (first_message) {
-      for (int32_t t : prompt) response.add_prompt_token_ids(t);
-      first_message = false;
-    }
-    if (out->finished) {
-      response.mutable_usage()->set_prompt_tokens(int32_t(prompt.size()));
-      response.mutable_usage()->set_completion_tokens(num_output_tokens);
-    }
-    if (!writer->Write(response)) {
-      if (!out->finished) loop_->Abort(id);
-      return Error(grpc::StatusCode::CANCELLED, "the Decode stream's client is gone");
-    }
-    // Every token this stream delivers, the prefill worker's first token included.
-    metrics_->generation_tokens.Inc(double(out->new_token_ids.size()));
-    if (out->finished) {
-      if (std::optional<metrics::FinishedReason> reason = FinishedReasonOf(out->finish_reason)) {
-        metrics_->request_success(*reason).Inc();
-      }
-      metrics_->request_generation_tokens.Observe(num_output_tokens);
-      metrics_->request_decode_time_seconds.Observe(SecondsSince(joined_at));
-      metrics_->e2e_request_latency_seconds.Observe(SecondsSince(arrival));
-      return grpc::Status::OK;
-    }
+  }
+  if (finish_with.has_value()) {
+    Finish(*finish_with);
+  } else {
+    StartWrite(&writing_message_);
   }
 }
 
-grpc::Status DecodeService::Abort(grpc::ServerContext*, const v1::WorkerAbortRequest* request,
-                                  v1::WorkerAbortResponse* response) {
+void DecodeService::DecodeCall::End(grpc::Status status) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (end_status_.has_value()) return;
+    end_status_ = std::move(status);
+  }
+  Pump();
+}
+
+void DecodeService::DecodeCall::OnWriteDone(bool ok) {
+  if (!ok) {
+    if (!writing_message_.finished()) service_->loop_->Abort(request_.request_id());
+    End(Error(grpc::StatusCode::CANCELLED, "the Decode stream's client is gone"));
+  } else {
+    // Every token this stream delivers, the prefill worker's first token included.
+    service_->metrics_->generation_tokens.Inc(double(writing_message_.token_ids_size()));
+    if (writing_message_.finished()) {
+      RecordFinished();
+      End(grpc::Status::OK);
+    }
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+  }
+  Pump();
+}
+
+void DecodeService::DecodeCall::RecordFinished() {
+  metrics::DuetMetrics& m = *service_->metrics_;
+  if (std::optional<metrics::FinishedReason> reason = FinishedReasonOf(finish_reason_)) m.request_success(*reason).Inc();
+  m.request_generation_tokens.Observe(writing_message_.usage().completion_tokens());
+  m.request_decode_time_seconds.Observe(SecondsSince(joined_at_));
+  m.e2e_request_latency_seconds.Observe(SecondsSince(arrival_));
+}
+
+// ---- Abort, stats, metrics ----
+
+grpc::ServerUnaryReactor* DecodeService::Abort(grpc::CallbackServerContext* context,
+                                               const v1::WorkerAbortRequest* request,
+                                               v1::WorkerAbortResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const std::string& id = request->request_id();
   bool found = false;
   if (std::shared_ptr<Reservation> r = FindByRequest(id)) {
     found = CancelReservation(r, absl::CancelledError(absl::StrCat("request '", id, "' was aborted")));
   }
-  const bool running = loop_->Call([&id](LlmEngine& engine) {
+  // A running request is aborted between steps; the answer goes out from there.
+  loop_->Post([this, id, found, reactor, response](LlmEngine& engine) {
     const Request* req = engine.Find(id);
-    return req != nullptr && !req->finished();
+    const bool running = req != nullptr && !req->finished();
+    if (running) loop_->Abort(id);
+    response->set_found(found || running);
+    reactor->Finish(grpc::Status::OK);
   });
-  if (running) {
-    loop_->Abort(id);
-    found = true;
-  }
-  response->set_found(found);
-  return grpc::Status::OK;
+  return reactor;
 }
 
 void DecodeService::RefreshMetrics() {
@@ -513,12 +679,16 @@ std::string DecodeService::RenderMetrics() {
   return metrics_registry_.Render();
 }
 
-grpc::Status DecodeService::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
-                                     v1::WorkerStats* response) {
+grpc::ServerUnaryReactor* DecodeService::GetStats(grpc::CallbackServerContext* context, const v1::GetStatsRequest*,
+                                                  v1::WorkerStats* response) {
   rpc::FillWorkerStats(loop_->Stats(), "decode", block_size_, response);
-  absl::MutexLock lock(&mu_);
-  response->set_num_kv_leases(int32_t(by_transfer_.size()));
-  return grpc::Status::OK;
+  {
+    absl::MutexLock lock(&mu_);
+    response->set_num_kv_leases(int32_t(by_transfer_.size()));
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
 }
 
 }  // namespace duet

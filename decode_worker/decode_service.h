@@ -9,10 +9,11 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
-#include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -25,6 +26,7 @@
 #include "kvtransfer/kv_transport.h"
 #include "metrics/registry.h"
 #include "metrics/vllm_metrics.h"
+#include "worker/deadline_timer.h"
 #include "worker/worker_kv_pools.h"
 
 namespace duet {
@@ -33,8 +35,6 @@ struct DecodeServiceOptions {
   // Lease for a ReserveKv call that gives none (lease_ms <= 0), and the longest one granted.
   absl::Duration default_lease = absl::Seconds(30);
   absl::Duration max_lease = absl::Minutes(5);
-  // How often handlers check for cancellation and unclaimed reservations are reaped.
-  absl::Duration poll_period = absl::Milliseconds(50);
   // The model_name label of this worker's metrics; empty: the model directory's base name.
   std::string model_name;
   // Host staging of a device KV cache: transfers land there and are copied into the reserved
@@ -42,21 +42,26 @@ struct DecodeServiceOptions {
   WorkerKvPoolOptions kv_pools;
 };
 
-class DecodeService final : public v1::DecodeWorker::Service {
+// On gRPC's callback API: no thread per call. Engine work runs on the engine thread, which
+// answers ReserveKv and Abort and hands each Decode stream its outputs; a Decode call waiting
+// for its transfer is woken by the receiver's callback (or its deadline, on the timer thread).
+class DecodeService final : public v1::DecodeWorker::CallbackService {
  public:
+  using Options = DecodeServiceOptions;
+
   // Takes the engine, registers its KV pools with a UCX receiver and starts the engine thread.
   static absl::StatusOr<std::unique_ptr<DecodeService>> Create(std::unique_ptr<LlmEngine> engine,
                                                                DecodeServiceOptions options = {});
   ~DecodeService() override;
 
-  grpc::Status ReserveKv(grpc::ServerContext* context, const v1::ReserveKvRequest* request,
-                         v1::ReserveKvResponse* response) override;
-  grpc::Status Decode(grpc::ServerContext* context, const v1::DecodeRequest* request,
-                      grpc::ServerWriter<v1::GenerateResponse>* writer) override;
-  grpc::Status Abort(grpc::ServerContext* context, const v1::WorkerAbortRequest* request,
-                     v1::WorkerAbortResponse* response) override;
-  grpc::Status GetStats(grpc::ServerContext* context, const v1::GetStatsRequest* request,
-                        v1::WorkerStats* response) override;
+  grpc::ServerUnaryReactor* ReserveKv(grpc::CallbackServerContext* context, const v1::ReserveKvRequest* request,
+                                      v1::ReserveKvResponse* response) override;
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Decode(grpc::CallbackServerContext* context,
+                                                         const v1::DecodeRequest* request) override;
+  grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context, const v1::WorkerAbortRequest* request,
+                                  v1::WorkerAbortResponse* response) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context, const v1::GetStatsRequest* request,
+                                     v1::WorkerStats* response) override;
 
   const std::string& receiver_descriptor() const { return receiver_->descriptor(); }
 
@@ -68,6 +73,8 @@ class DecodeService final : public v1::DecodeWorker::Service {
   const metrics::DuetMetrics& metrics() const { return *metrics_; }
 
  private:
+  class DecodeCall;  // the reactor of one Decode stream
+
   enum class ReservationState {
     kTransferring,  // lease held by the receiver; the prefill worker is writing the blocks
     kReceived,      // every layer arrived; waiting for Decode to claim the blocks
@@ -83,7 +90,9 @@ class DecodeService final : public v1::DecodeWorker::Service {
     // Guarded by DecodeService::mu_.
     ReservationState state = ReservationState::kTransferring;
     absl::Status failure;
-    absl::Time claim_deadline = absl::InfiniteFuture();  // once kReceived
+    DeadlineTimer::Id claim_timer = 0;  // once kReceived: ends it unclaimed at the lease's end
+    // The Decode call waiting for the transfer: told once the state leaves kTransferring.
+    std::function<void()> on_settled;
     bool owns_blocks = true;  // the reservation (not a request) still holds its engine blocks
     absl::Time first_layer_time = absl::InfinitePast();  // when the first layer arrived
     std::vector<int32_t> cache_blocks;    // the engine blocks reserved for the prompt
@@ -92,19 +101,36 @@ class DecodeService final : public v1::DecodeWorker::Service {
 
   DecodeService(std::unique_ptr<LlmEngine> engine, DecodeServiceOptions options);
 
+  // ReserveKv on the engine thread: the blocks, the staging, the receiver's lease.
+  grpc::Status Reserve(LlmEngine& engine, const v1::ReserveKvRequest& request, v1::ReserveKvResponse* response)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<std::shared_ptr<Reservation>> NewReservation(LlmEngine& engine, const v1::ReserveKvRequest& request);
+  // Files `r` under its transfer and request ids; AlreadyExists for a transfer id in use.
+  absl::Status Register(const std::shared_ptr<Reservation>& r) ABSL_LOCKS_EXCLUDED(mu_);
+
   // Receiver callbacks (receiver progress thread, or the caller of receiver_->Cancel).
   void OnRequestDone(uint64_t transfer_id, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
   void OnBlocksReleased(uint64_t transfer_id, const std::string& why) ABSL_LOCKS_EXCLUDED(mu_);
   void OnLayerReceived(uint64_t transfer_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Copies a transfer that landed in staging into its cache blocks; false if it is no longer
+  // awaited. Receiver progress thread.
+  bool Unstage(uint64_t transfer_id, absl::Status* unstaged) ABSL_LOCKS_EXCLUDED(mu_);
+  // The transfer is complete: the blocks wait for their Decode call until the lease ends.
+  void MarkReceivedLocked(const std::shared_ptr<Reservation>& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ExpireClaim(const std::shared_ptr<Reservation>& r) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Ends `r` unclaimed: returns its blocks to the engine (once), forgets it, wakes waiters.
+  // Ends `r` unclaimed: returns its blocks to the engine (once), forgets it, tells its waiter.
   void EndLocked(Reservation& r, absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends `r` whatever its state: cancels its lease at the receiver, or releases its blocks.
   // Returns false if it had already ended or been claimed.
   bool CancelReservation(const std::shared_ptr<Reservation>& r, absl::Status why)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // For a Decode call: kReceived becomes kClaimed (the blocks are the call's now); otherwise why
+  // the reservation ended.
+  absl::Status Claim(Reservation& r) ABSL_LOCKS_EXCLUDED(mu_);
+  void ForgetLocked(const Reservation& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::shared_ptr<Reservation> FindByTransfer(uint64_t transfer_id) ABSL_LOCKS_EXCLUDED(mu_);
   std::shared_ptr<Reservation> FindByRequest(const std::string& request_id) ABSL_LOCKS_EXCLUDED(mu_);
-  void ReapLoop();
 
   const DecodeServiceOptions options_;
   const int32_t block_size_;
@@ -120,13 +146,12 @@ class DecodeService final : public v1::DecodeWorker::Service {
   std::unique_ptr<EngineLoop> loop_;
 
   absl::Mutex mu_;
-  absl::CondVar cv_;  // signalled when a reservation changes state
   std::map<uint64_t, std::shared_ptr<Reservation>> by_transfer_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> transfer_by_request_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread reaper_;
 
   std::unique_ptr<KvHostStaging> staging_;  // null when transfers land in the cache's own pools
+  // Claim and transfer-wait deadlines; stopped first in the destructor.
+  DeadlineTimer timer_;
   // Last: destroyed first, while the engine (its pools), the staging and the maps above exist.
   std::unique_ptr<kvtransfer::KvReceiver> receiver_;
 };

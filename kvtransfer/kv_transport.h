@@ -119,6 +119,10 @@ class KvSender {
   // Resolves after every earlier SendLayer of the request has resolved: OK once the finish
   // notice is sent, else the first failure (the receiver is then told to abort the request).
   virtual std::future<absl::Status> Finish(PeerId peer, uint64_t request_id) = 0;
+  // The same, reporting to `done` instead of a future, so the caller never waits. `done` runs on
+  // the sender's progress thread: it must not block, nor call Connect or Disconnect.
+  using Completion = std::function<void(const absl::Status&)>;
+  virtual void Finish(PeerId peer, uint64_t request_id, Completion done) = 0;
   // Tells the receiver to release the request's blocks.
   virtual std::future<absl::Status> Abort(PeerId peer, uint64_t request_id) = 0;
   // Operations and per-request records not yet completed (0 when idle: nothing leaks).

@@ -111,6 +111,12 @@ class UcxKvSender final : public KvSender {
     return future;
   }
 
+  void Finish(PeerId peer, uint64_t request_id, Completion done) override {
+    auto op = NewOp(OpKind::kFinish, peer, request_id, NoticeType::kFinish);
+    op->on_done = std::move(done);
+    worker_->Post([this, op = op.release()] { StartFinish(std::unique_ptr<Op>(op)); });
+  }
+
   std::future<absl::Status> Abort(PeerId peer, uint64_t request_id) override {
     auto op = NewOp(OpKind::kAbort, peer, request_id, NoticeType::kAbort);
     std::future<absl::Status> future = op->done.get_future();
@@ -136,6 +142,7 @@ class UcxKvSender final : public KvSender {
     uint64_t request_id = 0;
     absl::Time deadline;
     std::promise<absl::Status> done;
+    Completion on_done;  // when set, reports instead of `done`
     Notice notice;  // sent once the op's data is remotely complete
   };
   // Per (peer, request): what Finish has to wait for.
@@ -375,7 +382,11 @@ class UcxKvSender final : public KvSender {
     if (it == ops_.end()) return;
     std::unique_ptr<Op> op = std::move(it->second);
     ops_.erase(it);
-    op->done.set_value(status);
+    if (op->on_done) {
+      op->on_done(status);
+    } else {
+      op->done.set_value(status);
+    }
     if (op->kind != OpKind::kLayer) return;
     const RequestKey key{op->peer, op->request_id};
     auto request = requests_.find(key);

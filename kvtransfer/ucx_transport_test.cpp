@@ -10,7 +10,9 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <future>
 #include <map>
+#include <memory>
 #include <thread>
 
 #include "absl/strings/escaping.h"
@@ -283,6 +285,29 @@ TEST_F(UcxProtocolTest, SenderAbortReleasesReceiverBlocks) {
   EXPECT_EQ(probe_.WaitDone(2).code(), absl::StatusCode::kAborted);
   ASSERT_EQ(probe_.released().size(), 1u);
   EXPECT_EQ(probe_.released()[0].reason, LeaseEnd::kAborted);
+  EXPECT_EQ(sender_->pending_operations(), 0u);
+}
+
+// Finish's completion form reports the same outcomes without a future: OK after the layers, the
+// first failure otherwise.
+TEST_F(UcxProtocolTest, FinishWithACompletionReportsOnce) {
+  auto finish_then = [this](uint64_t request_id) {
+    auto reported = std::make_shared<std::promise<absl::Status>>();
+    std::future<absl::Status> outcome = reported->get_future();
+    sender_->Finish(peer_, request_id, [reported](const absl::Status& s) { reported->set_value(s); });
+    return outcome.get();
+  };
+  ASSERT_TRUE(receiver_->Expect(Expected(8)).ok());
+  for (uint32_t layer = 0; layer < kLayout.num_layers; ++layer) (void)sender_->SendLayer(peer_, Layer(8, layer));
+  EXPECT_TRUE(finish_then(8).ok());
+  EXPECT_TRUE(probe_.WaitDone(8).ok());
+
+  ASSERT_TRUE(receiver_->Expect(Expected(9)).ok());
+  LayerSend bad = Layer(9, 0);
+  bad.dst_block_ids = {7, 5, kBlocks};  // outside the receiver's pool
+  (void)sender_->SendLayer(peer_, bad);
+  EXPECT_EQ(finish_then(9).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(probe_.WaitDone(9).code(), absl::StatusCode::kAborted);
   EXPECT_EQ(sender_->pending_operations(), 0u);
 }
 

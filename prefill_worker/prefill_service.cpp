@@ -2,13 +2,12 @@
 
 #include <chrono>
 #include <filesystem>
-#include <future>
+#include <deque>
 #include <optional>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/blocking_queue.h"
 #include "rpc/rpc_util.h"
 
 namespace duet {
@@ -24,12 +23,6 @@ bool IsPeerFailure(const absl::Status& s) {
          s.code() == absl::StatusCode::kCancelled;
 }
 
-// What the subscription hands the Prefill handler.
-struct PrefillResult {
-  RequestOutput output;
-  absl::Status transfer;  // OK once the prompt's KV is complete at the decode worker
-};
-
 std::string ModelName(const PrefillServiceOptions& options, const EngineConfig& config) {
   if (!options.model_name.empty()) return options.model_name;
   std::filesystem::path path(config.model_dir);
@@ -43,8 +36,11 @@ double Seconds(std::chrono::steady_clock::duration d) { return std::chrono::dura
 
 absl::StatusOr<std::unique_ptr<PrefillService>> PrefillService::Create(std::unique_ptr<LlmEngine> engine,
                                                                        PrefillServiceOptions options) {
+  // Always staged: the sends read the staging, so the engine may reuse the cache blocks at once.
+  WorkerKvPoolOptions pool_options = options.kv_pools;
+  pool_options.force_staging = true;
   absl::StatusOr<WorkerKvPools> pools =
-      MakeWorkerKvPools(engine->kv_cache(), engine->config().scheduler, options.kv_pools);
+      MakeWorkerKvPools(engine->kv_cache(), engine->config().scheduler, pool_options);
   if (!pools.ok()) {
     return absl::Status(pools.status().code(),
                         absl::StrCat("cannot set up the KV staging: ", pools.status().message()));
@@ -79,8 +75,8 @@ PrefillService::PrefillService(std::unique_ptr<LlmEngine> engine,
 }
 
 PrefillService::~PrefillService() {
-  // Stop shipping (no step runs while this closure does), then drop the sender while the
-  // engine's pools still exist, then the engine.
+  // Stop shipping (no step runs while this closure does), then drop the sender (it ends the
+  // shipments in flight) while the staging still exists, then the engine.
   loop_->Call([this](LlmEngine&) {
     stopping_ = true;
     transfers_.clear();
@@ -90,92 +86,386 @@ PrefillService::~PrefillService() {
   staging_.reset();
 }
 
-void PrefillService::FreeStaging(Transfer& t) {
-  if (staging_ != nullptr && !t.staging_block_ids.empty()) staging_->Free(t.staging_block_ids);
-  t.staging_block_ids.clear();
+// ---- One Prefill call ----
+
+// The reactor of one Prefill: admission (staging for the prompt), the request in the engine, the
+// shipment of its KV. It replies once both the engine's finishing output and the shipment's end
+// are known; they come from the engine thread and the sender's thread, OnCancel from gRPC's, so
+// the state they meet in is behind mu_.
+class PrefillService::PrefillCall final : public grpc::ServerUnaryReactor,
+                                          public std::enable_shared_from_this<PrefillCall> {
+ public:
+  PrefillCall(PrefillService* service, const v1::PrefillRequest* request, v1::PrefillResponse* response)
+      : service_(service), request_(*request), response_(response) {}
+
+  // Validates, connects to the decode worker, and asks for admission.
+  void Start();
+  int64_t num_blocks() const { return num_blocks_; }  // the staging its prompt needs
+  const std::string& id() const { return request_.request_id(); }
+  // The staging is the call's now: into the engine.
+  void Admitted(std::vector<int32_t> staging_blocks);
+  // Abort (the RPC) while it waited for admission.
+  void AbortWhileWaiting();
+  // The shipment's end (any thread).
+  void OnShipped(const absl::Status& status);
+
+  void OnCancel() override;
+  void OnDone() override {
+    auto last_reference = std::move(self_);  // may destroy this at the end of the scope
+  }
+
+ private:
+  enum class Stage { kAdmitting, kAdmitted, kInEngine };
+
+  void OnOutput(const RequestOutput& out);
+  void AddToEngine(LlmEngine& engine);
+  // Engine thread: the request's finishing output (its first token, or why it has none).
+  void OnFinished(LlmEngine& engine, SequenceId seq, const RequestOutput& out);
+  void RecordPrefill(const Request& request);
+  // Replies once the output and the shipment's end are both in.
+  void MaybeReply() ABSL_LOCKS_EXCLUDED(mu_);
+  grpc::Status Reply(const RequestOutput& out, const absl::Status& shipped, v1::PrefillResponse* reply);
+  // Finishes the call once (the first status wins); `reply` is the response of an OK status.
+  void End(const grpc::Status& status, const v1::PrefillResponse* reply = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+
+  PrefillService* const service_;
+  const v1::PrefillRequest request_;  // a copy: the engine thread reads it after a cancelled call is done
+  v1::PrefillResponse* const response_;  // written only before Finish (see End)
+  const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  std::shared_ptr<PrefillCall> self_;  // the server call's reference, dropped in OnDone
+  SamplingParams params_;
+  int64_t num_blocks_ = 0;
+  std::shared_ptr<Transfer> transfer_;
+
+  absl::Mutex mu_;
+  Stage stage_ ABSL_GUARDED_BY(mu_) = Stage::kAdmitting;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<RequestOutput> output_ ABSL_GUARDED_BY(mu_);
+  std::optional<absl::Status> shipped_ ABSL_GUARDED_BY(mu_);
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+grpc::ServerUnaryReactor* PrefillService::Prefill(grpc::CallbackServerContext*, const v1::PrefillRequest* request,
+                                                  v1::PrefillResponse* response) {
+  auto call = std::make_shared<PrefillCall>(this, request, response);
+  call->Start();  // the call holds itself until OnDone
+  return call.get();
 }
 
-void PrefillService::FailTransfer(Transfer& t, absl::Status why) {
-  t.done = true;
-  t.status = std::move(why);
-  metrics_->kv_transfer_failures.Inc();
-  if (!t.sending || t.staging_block_ids.empty()) {
-    (void)sender_->Abort(t.peer, t.transfer_id);
-    return;
+void PrefillService::PrefillCall::Start() {
+  self_ = shared_from_this();
+  absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(request_.sampling());
+  if (!params.ok()) return End(rpc::ToGrpc(params.status()));
+  params_ = *std::move(params);
+  const v1::KvTarget& target = request_.target();
+  if (target.receiver_descriptor().empty() || target.block_ids().empty()) {
+    return End(Error(grpc::StatusCode::INVALID_ARGUMENT,
+                     "the KV target (receiver_descriptor and block_ids from the decode worker's ReserveKv) is required"));
   }
-  // Layers already sent may still be reading the staging blocks: Finish resolves after them.
-  sender_->Finish(t.peer, t.transfer_id).wait();
-  (void)sender_->Abort(t.peer, t.transfer_id);
-  FreeStaging(t);
+  // Blocks this thread only the first time a decode worker is seen (the UCX connection).
+  absl::StatusOr<kvtransfer::PeerId> peer = service_->PeerFor(target.receiver_descriptor());
+  if (!peer.ok()) {
+    service_->metrics_->kv_transfer_failures.Inc();
+    const grpc::StatusCode code = peer.status().code() == absl::StatusCode::kInvalidArgument
+                                      ? grpc::StatusCode::INVALID_ARGUMENT
+                                      : grpc::StatusCode::UNAVAILABLE;
+    return End(Error(code, absl::StrCat("cannot connect to the decode worker's KV receiver: ", peer.status().message())));
+  }
+  transfer_ = std::make_shared<Transfer>();
+  transfer_->transfer_id = target.transfer_id();
+  transfer_->peer = *peer;
+  transfer_->dst_block_ids.assign(target.block_ids().begin(), target.block_ids().end());
+  num_blocks_ = (int64_t(request_.prompt_token_ids_size()) + service_->block_size_ - 1) / service_->block_size_;
+  if (num_blocks_ > service_->staging_->num_blocks()) {
+    (void)service_->sender_->Abort(transfer_->peer, transfer_->transfer_id);
+    return End(Error(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                     absl::StrCat("the prompt's KV (", num_blocks_, " blocks) is larger than the prefill worker's staging (",
+                                  service_->staging_->num_blocks(), " blocks; see --kv-staging-tokens)")));
+  }
+  service_->Admit(shared_from_this());
 }
+
+void PrefillService::PrefillCall::Admitted(std::vector<int32_t> staging_blocks) {
+  transfer_->staging_block_ids = std::move(staging_blocks);
+  transfer_->call = shared_from_this();  // until the shipment ends (EndShipment)
+  {
+    absl::MutexLock lock(&mu_);
+    stage_ = Stage::kAdmitted;
+  }
+  service_->loop_->Post([self = shared_from_this()](LlmEngine& engine) { self->AddToEngine(engine); });
+}
+
+void PrefillService::PrefillCall::AddToEngine(LlmEngine& engine) {
+  const std::string& request_id = id();
+  bool cancelled;
+  {
+    absl::MutexLock lock(&mu_);
+    cancelled = cancelled_;
+  }
+  // The first token is sampled here; the decode worker continues the same seeded stream.
+  SamplingParams first = params_;
+  first.max_tokens = 1;
+  absl::Status added = cancelled ? absl::CancelledError("the Prefill call was cancelled")
+                                 : engine.AddRequest(request_id, {request_.prompt_token_ids().begin(),
+                                                                  request_.prompt_token_ids().end()}, first);
+  if (!added.ok()) {
+    // Nothing will be shipped: let the decode worker release the reserved blocks now.
+    service_->DropShipment(transfer_);
+    return End(rpc::ToGrpc(added));
+  }
+  const SequenceId seq = engine.Find(request_id)->seq_id;
+  service_->transfers_[seq] = transfer_;
+  service_->loop_->Subscribe(request_id, [self = shared_from_this(), seq, &engine](const RequestOutput& out) {
+    if (out.finished) self->OnFinished(engine, seq, out);  // max_tokens 1: the token comes with the finish
+  });
+  absl::MutexLock lock(&mu_);
+  stage_ = Stage::kInEngine;
+  if (cancelled_) service_->loop_->Abort(request_id);
+}
+
+void PrefillService::PrefillCall::OnFinished(LlmEngine& engine, SequenceId seq, const RequestOutput& out) {
+  // The request is still readable here (the loop releases it after this callback).
+  if (const Request* req = engine.Find(out.id); req != nullptr && !out.new_token_ids.empty() &&
+      (out.finish_reason == FinishReason::kStop || out.finish_reason == FinishReason::kLength)) {
+    RecordPrefill(*req);
+  }
+  auto it = service_->transfers_.find(seq);
+  if (it != service_->transfers_.end()) {
+    // Never shipped (aborted or failed before its step): let the decode worker release the lease.
+    // Started but not finished (a failed step): end it after the layers in flight.
+    if (it->second->stage == Transfer::Stage::kUnsent) {
+      service_->DropShipment(it->second);
+    } else if (it->second->stage == Transfer::Stage::kSending) {
+      service_->FinishShipment(it->second, absl::AbortedError("the prompt's KV was not shipped"));
+    }
+    service_->transfers_.erase(it);
+  }
+  OnOutput(out);
+}
+
+void PrefillService::PrefillCall::RecordPrefill(const Request& req) {
+  metrics::DuetMetrics& m = *service_->metrics_;
+  m.prompt_tokens.Inc(double(req.prompt.size()));
+  m.request_prompt_tokens.Observe(double(req.prompt.size()));
+  m.request_queue_time_seconds.Observe(Seconds(req.first_scheduled_time - req.arrival_time));
+  m.request_prefill_time_seconds.Observe(Seconds(req.first_token_time - req.first_scheduled_time));
+}
+
+void PrefillService::PrefillCall::OnOutput(const RequestOutput& out) {
+  {
+    absl::MutexLock lock(&mu_);
+    output_ = out;
+  }
+  MaybeReply();
+}
+
+void PrefillService::PrefillCall::OnShipped(const absl::Status& status) {
+  {
+    absl::MutexLock lock(&mu_);
+    shipped_ = status;
+  }
+  MaybeReply();
+}
+
+void PrefillService::PrefillCall::MaybeReply() {
+  RequestOutput out;
+  absl::Status shipped;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!output_.has_value() || !shipped_.has_value()) return;
+    out = *output_;
+    shipped = *shipped_;
+  }
+  v1::PrefillResponse reply;
+  const grpc::Status status = Reply(out, shipped, &reply);
+  End(status, &reply);
+}
+
+grpc::Status PrefillService::PrefillCall::Reply(const RequestOutput& out, const absl::Status& shipped,
+                                                v1::PrefillResponse* reply) {
+  const std::string& request_id = id();
+  if (out.finish_reason == FinishReason::kAbort) {
+    return Error(grpc::StatusCode::ABORTED, absl::StrCat("request '", request_id, "' was aborted"));
+  }
+  if (out.finish_reason == FinishReason::kError) {
+    return Error(grpc::StatusCode::INTERNAL, absl::StrCat("prefill of request '", request_id, "' failed: ", out.error));
+  }
+  if (!shipped.ok()) {
+    if (IsPeerFailure(shipped)) service_->ForgetPeer(request_.target().receiver_descriptor(), transfer_->peer);
+    const grpc::StatusCode code = shipped.code() == absl::StatusCode::kInvalidArgument
+                                      ? grpc::StatusCode::INVALID_ARGUMENT
+                                      : grpc::StatusCode::UNAVAILABLE;
+    return Error(code, absl::StrCat("the KV transfer of request '", request_id, "' to the decode worker failed: ",
+                                    shipped.ToString()));
+  }
+  if (out.new_token_ids.empty()) {
+    return Error(grpc::StatusCode::INTERNAL, absl::StrCat("prefill of request '", request_id, "' produced no token"));
+  }
+  reply->set_first_token_id(out.new_token_ids[0]);
+  if (!out.new_logprobs.empty()) {
+    SampledToken token{out.new_token_ids[0], out.new_logprobs[0],
+                       out.new_top_logprobs.empty() ? std::vector<TokenLogprob>{} : out.new_top_logprobs[0]};
+    rpc::ToProto(token, reply->mutable_first_token_logprobs());
+  }
+  reply->set_prefill_seconds(Seconds(std::chrono::steady_clock::now() - start_));
+  return grpc::Status::OK;
+}
+
+void PrefillService::PrefillCall::End(const grpc::Status& status, const v1::PrefillResponse* reply) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (ended_) return;
+    ended_ = true;
+  }
+  if (status.ok() && reply != nullptr) *response_ = *reply;
+  Finish(status);
+}
+
+void PrefillService::PrefillCall::OnCancel() {
+  Stage stage;
+  {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    stage = stage_;
+  }
+  if (stage == Stage::kAdmitting && service_->LeaveAdmission(id()) != nullptr) {
+    (void)service_->sender_->Abort(transfer_->peer, transfer_->transfer_id);
+  } else if (stage == Stage::kInEngine) {
+    service_->loop_->Abort(id());  // the subscription then ends the shipment if it had not started
+  }
+  // Admitted but not yet in the engine: AddToEngine sees `cancelled_`.
+  End(Error(grpc::StatusCode::CANCELLED, "the Prefill call was cancelled"));
+}
+
+void PrefillService::PrefillCall::AbortWhileWaiting() {
+  (void)service_->sender_->Abort(transfer_->peer, transfer_->transfer_id);
+  End(Error(grpc::StatusCode::ABORTED, absl::StrCat("request '", id(), "' was aborted")));
+}
+
+// ---- Admission ----
+
+void PrefillService::Admit(const std::shared_ptr<PrefillCall>& call) {
+  std::vector<int32_t> staged;
+  {
+    absl::MutexLock lock(&admission_mu_);
+    absl::StatusOr<std::vector<int32_t>> allocated =
+        waiting_.empty() ? staging_->Allocate(call->num_blocks()) : absl::ResourceExhaustedError("queued");
+    if (!allocated.ok()) {
+      waiting_.push_back(call);
+      return;
+    }
+    staged = *std::move(allocated);
+  }
+  call->Admitted(std::move(staged));
+}
+
+void PrefillService::AdmitWaiting() {
+  std::vector<std::pair<std::shared_ptr<PrefillCall>, std::vector<int32_t>>> admitted;
+  {
+    absl::MutexLock lock(&admission_mu_);
+    while (!waiting_.empty()) {
+      absl::StatusOr<std::vector<int32_t>> staged = staging_->Allocate(waiting_.front()->num_blocks());
+      if (!staged.ok()) break;
+      admitted.emplace_back(std::move(waiting_.front()), *std::move(staged));
+      waiting_.pop_front();
+    }
+  }
+  for (auto& [call, staged] : admitted) call->Admitted(std::move(staged));
+}
+
+std::shared_ptr<PrefillService::PrefillCall> PrefillService::LeaveAdmission(const std::string& request_id) {
+  absl::MutexLock lock(&admission_mu_);
+  for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
+    if ((*it)->id() != request_id) continue;
+    std::shared_ptr<PrefillCall> call = std::move(*it);
+    waiting_.erase(it);
+    return call;
+  }
+  return nullptr;
+}
+
+// ---- Shipping the KV ----
 
 void PrefillService::OnLayerDone(int64_t layer, absl::Span<const SequenceChunk> chunks) {
   if (stopping_ || transfers_.empty()) return;
-  const bool last_layer = layer == num_layers_ - 1;
-  std::vector<std::pair<Transfer*, std::future<absl::Status>>> finishing;
   for (const SequenceChunk& chunk : chunks) {
     // Only the chunk that completes the prompt ships (chunked prefill: all blocks at once).
     if (chunk.num_logits <= 0) continue;
     auto it = transfers_.find(chunk.sequence_id);
     if (it == transfers_.end()) continue;
-    Transfer& t = *it->second;
-    if (t.done) continue;
-    if (!t.sending) {
-      if (layer != 0) continue;
-      t.sending = true;
-      t.num_tokens = uint32_t(chunk.start_position + int64_t(chunk.tokens.size()));
-      const size_t num_blocks = (t.num_tokens + uint32_t(block_size_) - 1) / uint32_t(block_size_);
-      if (chunk.block_table.size() < num_blocks) {
-        FailTransfer(t, absl::InternalError("the prefill sequence's block table does not cover its prompt"));
-        continue;
-      }
-      t.send_start = std::chrono::steady_clock::now();
-      if (staging_ == nullptr) {
-        t.src_block_ids.assign(chunk.block_table.begin(), chunk.block_table.begin() + num_blocks);
-      } else {
-        absl::StatusOr<std::vector<int32_t>> staged = staging_->Allocate(int64_t(num_blocks));
-        if (!staged.ok()) {
-          FailTransfer(t, absl::UnavailableError(absl::StrCat("no room to stage the prompt's KV: ",
-                                                              staged.status().message())));
-          continue;
-        }
-        t.staging_block_ids = *std::move(staged);
-        t.cache_block_ids.assign(chunk.block_table.begin(), chunk.block_table.begin() + num_blocks);
-        t.src_block_ids.assign(t.staging_block_ids.begin(), t.staging_block_ids.end());
-      }
-    }
-    if (staging_ != nullptr) {
-      // The layer's K/V are complete in the cache (the executor's stream reached this layer).
-      if (absl::Status s = staging_->StageLayer(layer, t.cache_block_ids, t.staging_block_ids); !s.ok()) {
-        FailTransfer(t, s);
-        continue;
-      }
-    }
-    kvtransfer::LayerSend send;
-    send.request_id = t.transfer_id;
-    send.layer = uint32_t(layer);
-    send.num_tokens = t.num_tokens;
-    send.src_block_ids = t.src_block_ids;
-    send.dst_block_ids = t.dst_block_ids;
-    // Its outcome is reported by Finish, which resolves after every SendLayer of the request.
-    (void)sender_->SendLayer(t.peer, std::move(send));
-    if (last_layer) finishing.emplace_back(&t, sender_->Finish(t.peer, t.transfer_id));
-  }
-  // The engine frees these sequences' blocks right after the step: wait for the puts to land.
-  for (auto& [t, done] : finishing) {
-    t->status = done.get();
-    t->done = true;
-    FreeStaging(*t);
-    if (t->status.ok()) {
-      metrics_->kv_transfer_bytes.Observe(double(t->num_tokens) * double(kv_token_bytes_));
-      metrics_->kv_transfer_seconds.Observe(Seconds(std::chrono::steady_clock::now() - t->send_start));
-    } else {
-      metrics_->kv_transfer_failures.Inc();
-    }
+    const std::shared_ptr<Transfer>& t = it->second;
+    if (t->stage == Transfer::Stage::kUnsent && (layer != 0 || !BeginShipment(t, chunk))) continue;
+    if (t->stage == Transfer::Stage::kSending) ShipLayer(t, layer);
   }
 }
 
+bool PrefillService::BeginShipment(const std::shared_ptr<Transfer>& t, const SequenceChunk& chunk) {
+  t->stage = Transfer::Stage::kSending;
+  t->num_tokens = uint32_t(chunk.start_position + int64_t(chunk.tokens.size()));
+  const size_t num_blocks = (t->num_tokens + uint32_t(block_size_) - 1) / uint32_t(block_size_);
+  if (chunk.block_table.size() < num_blocks || t->staging_block_ids.size() != num_blocks) {
+    FinishShipment(t, absl::InternalError("the prefill sequence's block table does not cover its prompt"));
+    return false;
+  }
+  t->cache_block_ids.assign(chunk.block_table.begin(), chunk.block_table.begin() + num_blocks);
+  t->send_start = std::chrono::steady_clock::now();
+  return true;
+}
+
+void PrefillService::ShipLayer(const std::shared_ptr<Transfer>& t, int64_t layer) {
+  // The layer's K/V are complete in the cache (the executor's stream reached this layer): copy
+  // them out, so the sends never read blocks the engine may reuse after this step.
+  if (absl::Status s = staging_->StageLayer(layer, t->cache_block_ids, t->staging_block_ids); !s.ok()) {
+    return FinishShipment(t, s);
+  }
+  kvtransfer::LayerSend send;
+  send.request_id = t->transfer_id;
+  send.layer = uint32_t(layer);
+  send.num_tokens = t->num_tokens;
+  send.src_block_ids.assign(t->staging_block_ids.begin(), t->staging_block_ids.end());
+  send.dst_block_ids = t->dst_block_ids;
+  // Its outcome is reported by Finish, which resolves after every SendLayer of the request.
+  (void)sender_->SendLayer(t->peer, std::move(send));
+  if (layer == num_layers_ - 1) FinishShipment(t, absl::OkStatus());
+}
+
+void PrefillService::FinishShipment(const std::shared_ptr<Transfer>& t, absl::Status why) {
+  t->stage = Transfer::Stage::kEnded;
+  // Layers already sent may still be reading the staging: Finish reports after them.
+  sender_->Finish(t->peer, t->transfer_id, [this, t, why = std::move(why)](const absl::Status& finished) {
+    if (why.ok()) return EndShipment(t, finished, /*count_failure=*/true);
+    (void)sender_->Abort(t->peer, t->transfer_id);
+    EndShipment(t, why, /*count_failure=*/true);
+  });
+}
+
+void PrefillService::DropShipment(const std::shared_ptr<Transfer>& t) {
+  t->stage = Transfer::Stage::kEnded;
+  if (!stopping_) (void)sender_->Abort(t->peer, t->transfer_id);
+  EndShipment(t, absl::AbortedError("the prompt's KV was not shipped"), /*count_failure=*/false);
+}
+
+void PrefillService::EndShipment(const std::shared_ptr<Transfer>& t, const absl::Status& status, bool count_failure) {
+  staging_->Free(t->staging_block_ids);
+  t->staging_block_ids.clear();
+  AdmitWaiting();
+  if (status.ok()) {
+    metrics_->kv_transfer_bytes.Observe(double(t->num_tokens) * double(kv_token_bytes_));
+    metrics_->kv_transfer_seconds.Observe(Seconds(std::chrono::steady_clock::now() - t->send_start));
+  } else if (count_failure) {
+    metrics_->kv_transfer_failures.Inc();
+  }
+  std::shared_ptr<PrefillCall> call = std::move(t->call);
+  if (call != nullptr) call->OnShipped(status);
+}
+
 absl::StatusOr<kvtransfer::PeerId> PrefillService::PeerFor(const std::string& descriptor) {
+  std::vector<kvtransfer::PeerId> forgotten;
+  {
+    absl::MutexLock lock(&peers_mu_);
+    forgotten.swap(forgotten_peers_);
+  }
+  for (kvtransfer::PeerId peer : forgotten) sender_->Disconnect(peer);
   {
     absl::MutexLock lock(&peers_mu_);
     auto it = peers_.find(descriptor);
@@ -185,134 +475,36 @@ absl::StatusOr<kvtransfer::PeerId> PrefillService::PeerFor(const std::string& de
   if (!peer.ok()) return peer.status();
   absl::MutexLock lock(&peers_mu_);
   auto [it, inserted] = peers_.emplace(descriptor, *peer);
-  if (!inserted) sender_->Disconnect(*peer);  // another call connected first
+  if (!inserted) forgotten_peers_.push_back(*peer);  // another call connected first
   return it->second;
 }
 
 void PrefillService::ForgetPeer(const std::string& descriptor, kvtransfer::PeerId peer) {
-  {
-    absl::MutexLock lock(&peers_mu_);
-    auto it = peers_.find(descriptor);
-    if (it == peers_.end() || it->second != peer) return;  // already replaced
-    peers_.erase(it);
-  }
-  sender_->Disconnect(peer);
+  absl::MutexLock lock(&peers_mu_);
+  auto it = peers_.find(descriptor);
+  if (it == peers_.end() || it->second != peer) return;  // already replaced
+  peers_.erase(it);
+  forgotten_peers_.push_back(peer);
 }
 
-grpc::Status PrefillService::Prefill(grpc::ServerContext* context, const v1::PrefillRequest* request,
-                                     v1::PrefillResponse* response) {
-  const auto start = std::chrono::steady_clock::now();
+// ---- Abort, stats, metrics ----
+
+grpc::ServerUnaryReactor* PrefillService::Abort(grpc::CallbackServerContext* context,
+                                                const v1::WorkerAbortRequest* request,
+                                                v1::WorkerAbortResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const std::string& id = request->request_id();
-  absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(request->sampling());
-  if (!params.ok()) return rpc::ToGrpc(params.status());
-  const v1::KvTarget& target = request->target();
-  if (target.receiver_descriptor().empty() || target.block_ids().empty()) {
-    return Error(grpc::StatusCode::INVALID_ARGUMENT,
-                 "the KV target (receiver_descriptor and block_ids from the decode worker's ReserveKv) is required");
-  }
-
-  absl::StatusOr<kvtransfer::PeerId> peer = PeerFor(target.receiver_descriptor());
-  if (!peer.ok()) {
-    metrics_->kv_transfer_failures.Inc();
-    const grpc::StatusCode code = peer.status().code() == absl::StatusCode::kInvalidArgument
-                                      ? grpc::StatusCode::INVALID_ARGUMENT
-                                      : grpc::StatusCode::UNAVAILABLE;
-    return Error(code, absl::StrCat("cannot connect to the decode worker's KV receiver: ",
-                                    peer.status().message()));
-  }
-
-  auto transfer = std::make_shared<Transfer>();
-  transfer->transfer_id = target.transfer_id();
-  transfer->peer = *peer;
-  transfer->dst_block_ids.assign(target.block_ids().begin(), target.block_ids().end());
-
-  // The first token is sampled here; the decode worker continues the same seeded stream.
-  SamplingParams first = *params;
-  first.max_tokens = 1;
-  std::vector<int32_t> prompt(request->prompt_token_ids().begin(), request->prompt_token_ids().end());
-  auto results = std::make_shared<BlockingQueue<PrefillResult>>();
-  EngineLoop* loop = loop_.get();
-  absl::Status added = loop_->Call([&](LlmEngine& engine) -> absl::Status {
-    if (absl::Status s = engine.AddRequest(id, std::move(prompt), first); !s.ok()) return s;
-    const SequenceId seq = engine.Find(id)->seq_id;
-    transfers_[seq] = transfer;
-    LlmEngine* engine_ptr = &engine;
-    loop->Subscribe(id, [this, seq, transfer, results, engine_ptr](const RequestOutput& out) {
-      if (!out.finished) return;  // max_tokens 1: the sampled token comes with the finish
-      // The request is still readable here (the loop releases it after this callback).
-      const Request* req = engine_ptr->Find(out.id);
-      if (req != nullptr && !out.new_token_ids.empty() &&
-          (out.finish_reason == FinishReason::kStop || out.finish_reason == FinishReason::kLength)) {
-        metrics_->prompt_tokens.Inc(double(req->prompt.size()));
-        metrics_->request_prompt_tokens.Observe(double(req->prompt.size()));
-        metrics_->request_queue_time_seconds.Observe(Seconds(req->first_scheduled_time - req->arrival_time));
-        metrics_->request_prefill_time_seconds.Observe(Seconds(req->first_token_time - req->first_scheduled_time));
-      }
-      transfers_.erase(seq);
-      absl::Status shipped = transfer->done ? transfer->status
-                                            : absl::AbortedError("the prompt's KV was not shipped");
-      // Never shipped (aborted or failed before its step): let the decode worker release the lease.
-      if (!transfer->done && !stopping_) (void)sender_->Abort(transfer->peer, transfer->transfer_id);
-      results->Push(PrefillResult{out, std::move(shipped)});
-    });
-    return absl::OkStatus();
-  });
-  if (!added.ok()) {
-    // Nothing will be shipped: let the decode worker release the reserved blocks now.
-    (void)sender_->Abort(transfer->peer, transfer->transfer_id);
-    return rpc::ToGrpc(added);
-  }
-
-  for (;;) {
-    std::optional<PrefillResult> result = results->Pop(std::chrono::milliseconds(
-        std::max<int64_t>(1, absl::ToInt64Milliseconds(options_.poll_period))));
-    if (!result) {
-      if (context->IsCancelled()) {
-        loop_->Abort(id);  // the subscription then aborts the transfer if it had not finished
-        return Error(grpc::StatusCode::CANCELLED, "the Prefill call was cancelled");
-      }
-      continue;
-    }
-    const RequestOutput& out = result->output;
-    if (out.finish_reason == FinishReason::kAbort) {
-      return Error(grpc::StatusCode::ABORTED, absl::StrCat("request '", id, "' was aborted"));
-    }
-    if (out.finish_reason == FinishReason::kError) {
-      return Error(grpc::StatusCode::INTERNAL, absl::StrCat("prefill of request '", id, "' failed: ", out.error));
-    }
-    if (!result->transfer.ok()) {
-      if (IsPeerFailure(result->transfer)) ForgetPeer(target.receiver_descriptor(), transfer->peer);
-      const grpc::StatusCode code = result->transfer.code() == absl::StatusCode::kInvalidArgument
-                                        ? grpc::StatusCode::INVALID_ARGUMENT
-                                        : grpc::StatusCode::UNAVAILABLE;
-      return Error(code, absl::StrCat("the KV transfer of request '", id, "' to the decode worker failed: ",
-                                      result->transfer.ToString()));
-    }
-    if (out.new_token_ids.empty()) {
-      return Error(grpc::StatusCode::INTERNAL, absl::StrCat("prefill of request '", id, "' produced no token"));
-    }
-    response->set_first_token_id(out.new_token_ids[0]);
-    if (!out.new_logprobs.empty()) {
-      SampledToken token{out.new_token_ids[0], out.new_logprobs[0],
-                         out.new_top_logprobs.empty() ? std::vector<TokenLogprob>{} : out.new_top_logprobs[0]};
-      rpc::ToProto(token, response->mutable_first_token_logprobs());
-    }
-    response->set_prefill_seconds(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    return grpc::Status::OK;
-  }
-}
-
-grpc::Status PrefillService::Abort(grpc::ServerContext*, const v1::WorkerAbortRequest* request,
-                                   v1::WorkerAbortResponse* response) {
-  const std::string& id = request->request_id();
-  const bool running = loop_->Call([&id](LlmEngine& engine) {
+  std::shared_ptr<PrefillCall> waiting = LeaveAdmission(id);
+  if (waiting != nullptr) waiting->AbortWhileWaiting();
+  // A request in the engine is aborted between steps; the answer goes out from there.
+  loop_->Post([this, id, found = waiting != nullptr, reactor, response](LlmEngine& engine) {
     const Request* req = engine.Find(id);
-    return req != nullptr && !req->finished();
+    const bool running = req != nullptr && !req->finished();
+    if (running) loop_->Abort(id);
+    response->set_found(found || running);
+    reactor->Finish(grpc::Status::OK);
   });
-  if (running) loop_->Abort(id);
-  response->set_found(running);
-  return grpc::Status::OK;
+  return reactor;
 }
 
 void PrefillService::RefreshMetrics() {
@@ -326,11 +518,13 @@ std::string PrefillService::RenderMetrics() {
   return metrics_registry_.Render();
 }
 
-grpc::Status PrefillService::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
-                                      v1::WorkerStats* response) {
+grpc::ServerUnaryReactor* PrefillService::GetStats(grpc::CallbackServerContext* context, const v1::GetStatsRequest*,
+                                                   v1::WorkerStats* response) {
   rpc::FillWorkerStats(loop_->Stats(), "prefill", block_size_, response);
   response->set_num_kv_leases(0);
-  return grpc::Status::OK;
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
 }
 
 }  // namespace duet

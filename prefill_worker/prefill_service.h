@@ -6,9 +6,11 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -29,26 +31,33 @@ namespace duet {
 struct PrefillServiceOptions {
   // UCX sender options; keep operation_timeout below the decode worker's lease.
   kvtransfer::UcxSenderOptions sender;
-  absl::Duration poll_period = absl::Milliseconds(50);
   // The model_name label of this worker's metrics; empty: the model directory's base name.
   std::string model_name;
-  // Host staging of a device KV cache (worker_kv_pools.h).
+  // Host staging the prompts' KV is copied into, layer by layer, and sent from (worker_kv_pools.h;
+  // always on here: force_staging is implied).
   WorkerKvPoolOptions kv_pools;
 };
 
-class PrefillService final : public v1::PrefillWorker::Service {
+// On gRPC's callback API: no thread per call, and the engine thread never waits on the network.
+// Each layer's K/V is copied into host staging as the forward pass produces it and handed to the
+// sender, so the engine can free and reuse the cache blocks right after the step; the Prefill
+// reply goes out from the sender's completion callback. A prompt takes its staging when admitted:
+// prompts wait, in order, while the staging is full.
+class PrefillService final : public v1::PrefillWorker::CallbackService {
  public:
-  // Takes the engine, registers its KV pools with a UCX sender and starts the engine thread.
+  using Options = PrefillServiceOptions;
+
+  // Takes the engine, registers its KV staging with a UCX sender and starts the engine thread.
   static absl::StatusOr<std::unique_ptr<PrefillService>> Create(std::unique_ptr<LlmEngine> engine,
                                                                 PrefillServiceOptions options = {});
   ~PrefillService() override;
 
-  grpc::Status Prefill(grpc::ServerContext* context, const v1::PrefillRequest* request,
-                       v1::PrefillResponse* response) override;
-  grpc::Status Abort(grpc::ServerContext* context, const v1::WorkerAbortRequest* request,
-                     v1::WorkerAbortResponse* response) override;
-  grpc::Status GetStats(grpc::ServerContext* context, const v1::GetStatsRequest* request,
-                        v1::WorkerStats* response) override;
+  grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* context, const v1::PrefillRequest* request,
+                                    v1::PrefillResponse* response) override;
+  grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context, const v1::WorkerAbortRequest* request,
+                                  v1::WorkerAbortResponse* response) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context, const v1::GetStatsRequest* request,
+                                     v1::WorkerStats* response) override;
 
   // Prometheus metrics (role "prefill"): RenderMetrics refreshes the scheduler gauges (running,
   // waiting, KV usage) and the preemption counter from the engine, then renders the text
@@ -58,33 +67,48 @@ class PrefillService final : public v1::PrefillWorker::Service {
   const metrics::DuetMetrics& metrics() const { return *metrics_; }
 
  private:
-  // One Prefill call's KV shipment. Fields below `peer` are touched on the loop thread only.
+  class PrefillCall;  // the reactor of one Prefill call
+
+  // One Prefill call's KV shipment: started by the engine thread at the first layer of the step
+  // that completes the prompt, ended by the sender's completion (or a local failure).
   struct Transfer {
+    enum class Stage { kUnsent, kSending, kEnded };
     uint64_t transfer_id = 0;
     kvtransfer::PeerId peer = 0;
     std::vector<uint32_t> dst_block_ids;
-    // Loop thread only.
-    bool sending = false;   // the prompt's final chunk is being computed and shipped
-    bool done = false;      // Finish resolved: `status` is the outcome
+    std::vector<int32_t> staging_block_ids;  // taken at admission, freed when the shipment ends
+    std::shared_ptr<PrefillCall> call;       // told how the shipment ended
+    // Engine thread only, until the stage is kEnded.
+    Stage stage = Stage::kUnsent;
     uint32_t num_tokens = 0;
-    std::vector<uint32_t> src_block_ids;   // what SendLayer reads: cache blocks, or staging blocks
-    std::vector<int32_t> cache_block_ids;  // with staging: the cache blocks staged each layer
-    std::vector<int32_t> staging_block_ids;
-    absl::Status status = absl::OkStatus();
+    std::vector<int32_t> cache_block_ids;  // staged into staging_block_ids layer by layer
     std::chrono::steady_clock::time_point send_start{};  // the first SendLayer
   };
 
   PrefillService(std::unique_ptr<LlmEngine> engine, std::unique_ptr<kvtransfer::KvSender> sender,
                  std::unique_ptr<KvHostStaging> staging, PrefillServiceOptions options);
 
-  // Ends a transfer whose Finish will not be called: tells the decode worker to drop it.
-  void FailTransfer(Transfer& t, absl::Status why);
-  void FreeStaging(Transfer& t);
+  // Admission: a prompt's staging now, or a place in the queue until a shipment frees some.
+  void Admit(const std::shared_ptr<PrefillCall>& call) ABSL_LOCKS_EXCLUDED(admission_mu_);
+  void AdmitWaiting() ABSL_LOCKS_EXCLUDED(admission_mu_);
+  // Takes a call out of the queue; null if no waiting call has that request id.
+  std::shared_ptr<PrefillCall> LeaveAdmission(const std::string& request_id) ABSL_LOCKS_EXCLUDED(admission_mu_);
 
-  // The engine's per-layer hook (loop thread, inside the forward pass).
+  // The engine's per-layer hook (engine thread, inside the forward pass).
   void OnLayerDone(int64_t layer, absl::Span<const SequenceChunk> chunks);
+  bool BeginShipment(const std::shared_ptr<Transfer>& t, const SequenceChunk& chunk);
+  void ShipLayer(const std::shared_ptr<Transfer>& t, int64_t layer);
+  // Ends a shipment: after the layers in flight when some were sent, telling the decode worker to
+  // drop the blocks unless it succeeded. `why` OK: it should have succeeded.
+  void FinishShipment(const std::shared_ptr<Transfer>& t, absl::Status why);
+  // The request finished without shipping (aborted, failed before its step).
+  void DropShipment(const std::shared_ptr<Transfer>& t);
+  // Any thread, once per shipment: frees its staging, counts it, tells its call.
+  void EndShipment(const std::shared_ptr<Transfer>& t, const absl::Status& status, bool count_failure);
+
   absl::StatusOr<kvtransfer::PeerId> PeerFor(const std::string& descriptor) ABSL_LOCKS_EXCLUDED(peers_mu_);
-  // Drops a failed peer so the next Prefill to that decode worker connects again.
+  // Drops a failed peer so the next Prefill to that decode worker connects again. Any thread: the
+  // endpoint is closed by the next PeerFor (Disconnect must not run on the sender's thread).
   void ForgetPeer(const std::string& descriptor, kvtransfer::PeerId peer) ABSL_LOCKS_EXCLUDED(peers_mu_);
 
   const PrefillServiceOptions options_;
@@ -100,14 +124,18 @@ class PrefillService final : public v1::PrefillWorker::Service {
 
   absl::Mutex peers_mu_;
   std::map<std::string, kvtransfer::PeerId> peers_ ABSL_GUARDED_BY(peers_mu_);
+  std::vector<kvtransfer::PeerId> forgotten_peers_ ABSL_GUARDED_BY(peers_mu_);  // to disconnect
 
-  // Loop thread only: transfers keyed by the engine's sequence id.
+  absl::Mutex admission_mu_;
+  std::deque<std::shared_ptr<PrefillCall>> waiting_ ABSL_GUARDED_BY(admission_mu_);
+
+  // Engine thread only: transfers keyed by the engine's sequence id.
   std::map<SequenceId, std::shared_ptr<Transfer>> transfers_;
-  bool stopping_ = false;  // loop thread only
+  bool stopping_ = false;  // engine thread only
 
-  // The sender reads the engine's pools (or the staging): created before and destroyed after the
-  // loop's thread has stopped using it (see the destructor); the engine itself lives in loop_.
-  std::unique_ptr<KvHostStaging> staging_;  // null when the cache's own pools are sent
+  // The sender reads the staging: created before and destroyed after the engine thread has
+  // stopped using it (see the destructor); the engine itself lives in loop_.
+  std::unique_ptr<KvHostStaging> staging_;
   std::unique_ptr<kvtransfer::KvSender> sender_;
   std::unique_ptr<EngineLoop> loop_;
 };

@@ -56,7 +56,6 @@ class WorkerServicesTest : public ::testing::Test {
     // Prefill: block size 16, prompts chunked 8 tokens per step. Decode: block size 8 (the
     // transport re-blocks).
     DecodeServiceOptions decode_options;
-    decode_options.poll_period = absl::Milliseconds(10);
     decode_options.kv_pools = decode_staging_;
     absl::StatusOr<std::unique_ptr<DecodeService>> decode =
         DecodeService::Create(NewEngine(8, kDecodeBlocks), decode_options);
@@ -64,7 +63,6 @@ class WorkerServicesTest : public ::testing::Test {
     decode_ = std::move(*decode);
     PrefillServiceOptions prefill_options;
     prefill_options.sender.operation_timeout = absl::Seconds(3);
-    prefill_options.poll_period = absl::Milliseconds(10);
     prefill_options.kv_pools = prefill_staging_;
     absl::StatusOr<std::unique_ptr<PrefillService>> prefill =
         PrefillService::Create(NewEngine(16, 128, /*max_batched_tokens=*/8), prefill_options);
@@ -189,7 +187,8 @@ class WorkerServicesTest : public ::testing::Test {
     return r;
   }
 
-  // Default: the caches' own pools are registered with UCX (host caches).
+  // Default: the decode cache's own pools are registered with UCX (host caches); the prefill
+  // worker always sends from its staging.
   WorkerKvPoolOptions decode_staging_, prefill_staging_;
   std::unique_ptr<DecodeService> decode_;
   std::unique_ptr<PrefillService> prefill_;
@@ -350,6 +349,37 @@ TEST_F(WorkerServicesTest, CancellingDecodeMidStreamFreesItsBlocks) {
   EXPECT_TRUE(DecodeBecomesIdle());
 }
 
+// A Decode call waiting for a transfer that never comes: cancelling it ends the reservation.
+TEST_F(WorkerServicesTest, CancellingDecodeWhileItWaitsForTheTransferReleasesTheReservation) {
+  v1::KvTarget target;
+  ASSERT_TRUE(Reserve("waiting", 15, 10000, &target).ok());
+  grpc::ClientContext ctx;
+  auto reader = decode_stub_->Decode(&ctx, DecodeRequestFor("waiting", 15, v1::SamplingOptions(), {}));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(DecodeStats().num_kv_leases(), 1);
+  ctx.TryCancel();
+  v1::GenerateResponse msg;
+  EXPECT_FALSE(reader->Read(&msg));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(DecodeBecomesIdle());
+  EXPECT_EQ(decode_->metrics().kv_transfer_failures.Value(), 0.0);  // our own cancellation
+}
+
+// The claim lease of a transferred reservation ends at its deadline: held until then, released
+// right after (a timer at the deadline, not a periodic sweep).
+TEST_F(WorkerServicesTest, AReceivedReservationIsReleasedAtItsLeaseDeadline) {
+  constexpr int kLeaseMs = 800;
+  v1::KvTarget target;
+  ASSERT_TRUE(Reserve("deadline", 16, kLeaseMs, &target).ok());
+  v1::PrefillResponse pre;
+  ASSERT_TRUE(Prefill("deadline", v1::SamplingOptions(), target, &pre).ok());
+  const auto received = std::chrono::steady_clock::now();  // the lease restarts at the transfer's end
+  std::this_thread::sleep_for(std::chrono::milliseconds(kLeaseMs / 2));
+  EXPECT_EQ(DecodeStats().num_kv_leases(), 1);
+  EXPECT_TRUE(DecodeBecomesIdle());
+  EXPECT_LT(std::chrono::steady_clock::now() - received, std::chrono::milliseconds(kLeaseMs + 400));
+}
+
 TEST_F(WorkerServicesTest, UnclaimedReservationIsReleasedWhenItsLeaseExpires) {
   v1::KvTarget target;
   ASSERT_TRUE(Reserve("unclaimed", 8, 600, &target).ok());
@@ -465,6 +495,30 @@ TEST_F(StagedWorkerServicesTest, OutputMatchesLocalGenerationAndStagingIsReused)
     ASSERT_TRUE(r.reserve.ok() && r.prefill.ok() && r.decode.ok())
         << r.reserve.error_message() << r.prefill.error_message() << r.decode.error_message();
     EXPECT_EQ(r.tokens, LocalOutput(prompt_, p)) << id;
+  }
+  EXPECT_TRUE(DecodeBecomesIdle());
+}
+
+// The prefill staging holds one prompt: concurrent prompts wait for it in turn, none fails (two:
+// the decode staging's room).
+TEST_F(StagedWorkerServicesTest, ConcurrentPromptsWaitForThePrefillStaging) {
+  constexpr int kRequests = 2;
+  std::vector<FlowResult> results(kRequests);
+  std::vector<std::thread> threads;
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = 6;
+  p.ignore_eos = true;
+  for (int i = 0; i < kRequests; ++i) {
+    threads.emplace_back([&, i] { results[i] = RunFlow(absl::StrCat("turn", i), 500 + i, rpc::ToSamplingOptions(p)); });
+  }
+  for (std::thread& t : threads) t.join();
+  const std::vector<int32_t> expected = LocalOutput(prompt_, p);
+  for (int i = 0; i < kRequests; ++i) {
+    ASSERT_TRUE(results[i].reserve.ok() && results[i].prefill.ok() && results[i].decode.ok())
+        << i << ": " << results[i].reserve.error_message() << results[i].prefill.error_message()
+        << results[i].decode.error_message();
+    EXPECT_EQ(results[i].tokens, expected) << i;
   }
   EXPECT_TRUE(DecodeBecomesIdle());
 }

@@ -1,4 +1,4 @@
-#include "rpc/serve_until_signal.h"
+#include "worker/worker_process.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -9,10 +9,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "metrics/http_exporter.h"
 #include "rpc/rpc_util.h"
 
-namespace duet::rpc {
+namespace duet {
 namespace {
 
 std::string HostPort(const std::string& host, int port) {
@@ -20,7 +21,21 @@ std::string HostPort(const std::string& host, int port) {
   return absl::StrCat(host, ":", port);
 }
 
-int Serve(const ServeOptions& options, const std::function<absl::StatusOr<ServedService>()>& create,
+// The /metrics exporter when asked for (null when not), announced on stdout.
+absl::StatusOr<std::unique_ptr<metrics::HttpExporter>> StartMetrics(const WorkerServeOptions& options,
+                                                                    const std::function<std::string()>& body) {
+  if (options.metrics_port < 0) return nullptr;
+  metrics::HttpExporter::Options exporter_options;
+  exporter_options.host = options.host;
+  exporter_options.port = uint16_t(options.metrics_port);
+  DUET_ASSIGN_OR_RETURN(std::unique_ptr<metrics::HttpExporter> exporter,
+                        metrics::HttpExporter::Start(body, exporter_options));
+  std::printf("DUET_METRICS_READY port=%d\n", int(exporter->port()));
+  std::fflush(stdout);
+  return exporter;
+}
+
+int Serve(const WorkerServeOptions& options, const std::function<absl::StatusOr<ServedService>()>& create,
           const sigset_t& signals) {
   const char* role = options.role.c_str();
   absl::StatusOr<ServedService> served = create();
@@ -28,24 +43,14 @@ int Serve(const ServeOptions& options, const std::function<absl::StatusOr<Served
     DUET_LOG(ERROR) << role << ": " << served.status();
     return 1;
   }
-  std::unique_ptr<metrics::HttpExporter> exporter;
-  if (options.metrics_port >= 0) {
-    metrics::HttpExporter::Options exporter_options;
-    exporter_options.host = options.host;
-    exporter_options.port = uint16_t(options.metrics_port);
-    absl::StatusOr<std::unique_ptr<metrics::HttpExporter>> started =
-        metrics::HttpExporter::Start(served->metrics_body, exporter_options);
-    if (!started.ok()) {
-      DUET_LOG(ERROR) << role << ": cannot serve metrics: " << started.status();
-      return 1;
-    }
-    exporter = *std::move(started);
-    std::printf("DUET_METRICS_READY port=%d\n", int(exporter->port()));
-    std::fflush(stdout);
+  absl::StatusOr<std::unique_ptr<metrics::HttpExporter>> exporter = StartMetrics(options, served->metrics_body);
+  if (!exporter.ok()) {
+    DUET_LOG(ERROR) << role << ": cannot serve metrics: " << exporter.status();
+    return 1;
   }
   int port = 0;
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      StartServer(HostPort(options.host, options.port), {served->service}, &port);
+      rpc::StartServer(HostPort(options.host, options.port), {served->service}, &port);
   if (!server.ok()) {
     DUET_LOG(ERROR) << role << ": " << server.status();
     return 1;
@@ -57,13 +62,13 @@ int Serve(const ServeOptions& options, const std::function<absl::StatusOr<Served
   DUET_LOG(INFO) << role << ": signal " << signal_number << ", shutting down";
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   (*server)->Wait();
-  if (exporter != nullptr) exporter->Stop();
+  if (*exporter != nullptr) (*exporter)->Stop();
   return 0;
 }
 
 }  // namespace
 
-int ServeUntilSignal(const ServeOptions& options, const std::function<absl::StatusOr<ServedService>()>& create) {
+int ServeUntilSignal(const WorkerServeOptions& options, const std::function<absl::StatusOr<ServedService>()>& create) {
   sigset_t signals, previous;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
@@ -74,4 +79,4 @@ int ServeUntilSignal(const ServeOptions& options, const std::function<absl::Stat
   return exit_code;
 }
 
-}  // namespace duet::rpc
+}  // namespace duet
