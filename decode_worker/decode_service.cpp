@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <deque>
-#include <filesystem>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -11,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
 #include "kvtransfer/ucx_transport.h"
+#include "model/served_model_name.h"
 #include "rpc/rpc_util.h"
 
 namespace duet {
@@ -35,26 +35,6 @@ void ToResponse(const RequestOutput& out, const SamplingParams& params, v1::Gene
   if (out.finished) {
     r->set_finished(true);
     r->set_finish_reason(FinishReasonName(out.finish_reason));
-  }
-}
-
-std::string ModelName(const DecodeServiceOptions& options, const EngineConfig& config) {
-  if (!options.model_name.empty()) return options.model_name;
-  std::filesystem::path path(config.model_dir);
-  if (!path.has_filename()) path = path.parent_path();
-  return path.filename().string();
-}
-
-std::optional<metrics::FinishedReason> FinishedReasonOf(FinishReason reason) {
-  switch (reason) {
-    case FinishReason::kStop:
-      return metrics::FinishedReason::kStop;
-    case FinishReason::kLength:
-      return metrics::FinishedReason::kLength;
-    case FinishReason::kAbort:
-      return metrics::FinishedReason::kAbort;
-    default:
-      return std::nullopt;
   }
 }
 
@@ -98,7 +78,7 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(std::unique
 DecodeService::DecodeService(std::unique_ptr<LlmEngine> engine, DecodeServiceOptions options)
     : options_(options),
       block_size_(engine->config().block_size),
-      metrics_(std::make_unique<metrics::DuetMetrics>(metrics_registry_, ModelName(options, engine->config()),
+      metrics_(std::make_unique<metrics::DuetMetrics>(metrics_registry_, ServedModelName(options.model_name, engine->config().model_dir),
                                                       metrics::Role::kDecode,
                                                       engine->config().scheduler.max_model_len)),
       loop_(std::make_unique<EngineLoop>(std::move(engine))) {}
@@ -630,7 +610,7 @@ void DecodeService::DecodeCall::OnWriteDone(bool ok) {
 
 void DecodeService::DecodeCall::RecordFinished() {
   metrics::DuetMetrics& m = *service_->metrics_;
-  if (std::optional<metrics::FinishedReason> reason = FinishedReasonOf(finish_reason_)) m.request_success(*reason).Inc();
+  if (metrics::CountsAsSuccess(finish_reason_)) m.request_success(finish_reason_).Inc();
   m.request_generation_tokens.Observe(writing_message_.usage().completion_tokens());
   m.request_decode_time_seconds.Observe(SecondsSince(joined_at_));
   m.e2e_request_latency_seconds.Observe(SecondsSince(arrival_));

@@ -30,7 +30,6 @@ std::string_view RoleName(Role role);  // "router", "prefill", "decode"
 // request_success counts vLLM's finish reasons stop, length and abort (the finished_reason
 // label spells them as FinishReasonName does); running and failed requests have no series.
 bool CountsAsSuccess(FinishReason reason);
-using FinishedReason = FinishReason;  // the former name, for callers not yet moved
 
 std::vector<double> TtftBuckets();
 std::vector<double> InterTokenLatencyBuckets();

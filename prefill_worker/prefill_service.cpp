@@ -1,13 +1,13 @@
 #include "prefill_worker/prefill_service.h"
 
 #include <chrono>
-#include <filesystem>
 #include <deque>
 #include <optional>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "model/served_model_name.h"
 #include "rpc/rpc_util.h"
 
 namespace duet {
@@ -21,13 +21,6 @@ grpc::Status Error(grpc::StatusCode code, std::string message) {
 bool IsPeerFailure(const absl::Status& s) {
   return s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kDeadlineExceeded ||
          s.code() == absl::StatusCode::kCancelled;
-}
-
-std::string ModelName(const PrefillServiceOptions& options, const EngineConfig& config) {
-  if (!options.model_name.empty()) return options.model_name;
-  std::filesystem::path path(config.model_dir);
-  if (!path.has_filename()) path = path.parent_path();
-  return path.filename().string();
 }
 
 double Seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
@@ -64,7 +57,7 @@ PrefillService::PrefillService(std::unique_ptr<LlmEngine> engine,
     : options_(std::move(options)),
       block_size_(engine->config().block_size),
       num_layers_(engine->model_config().num_layers),
-      metrics_(std::make_unique<metrics::DuetMetrics>(metrics_registry_, ModelName(options_, engine->config()),
+      metrics_(std::make_unique<metrics::DuetMetrics>(metrics_registry_, ServedModelName(options_.model_name, engine->config().model_dir),
                                                       metrics::Role::kPrefill,
                                                       engine->config().scheduler.max_model_len)),
       staging_(std::move(staging)),

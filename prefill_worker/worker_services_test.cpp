@@ -259,8 +259,8 @@ TEST_F(WorkerServicesTest, MetricsFollowARequest) {
 
   // Decode: every token the stream delivered, the prefill's first one included.
   EXPECT_EQ(dm.generation_tokens.Value(), 20.0);
-  EXPECT_EQ(dm.request_success(metrics::FinishedReason::kLength).Value(), 1.0);
-  EXPECT_EQ(dm.request_success(metrics::FinishedReason::kStop).Value(), 0.0);
+  EXPECT_EQ(dm.request_success(FinishReason::kLength).Value(), 1.0);
+  EXPECT_EQ(dm.request_success(FinishReason::kStop).Value(), 0.0);
   EXPECT_EQ(dm.inter_token_latency_seconds.Collect().count, 19u);  // one per decode step
   EXPECT_EQ(dm.request_decode_time_seconds.Collect().count, 1u);
   EXPECT_EQ(dm.e2e_request_latency_seconds.Collect().count, 1u);
