@@ -18,17 +18,13 @@
 
 #include "backends/cuda/llama_cuda.h"
 #include "bench/gpu/read_bandwidth.h"
+#include "bench/sample_stats.h"
 #include "kernels/gemm/gemv.h"
 
 namespace duet {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Device-to-device copy of 2 GiB; bytes read plus written per second.
 double MeasureCopyBandwidth() {
@@ -51,7 +47,7 @@ double MeasureCopyBandwidth() {
   }
   cudaFree(a);
   cudaFree(b);
-  return 2.0 * double(bytes) / Median(secs);
+  return 2.0 * double(bytes) / bench::Summarize(secs).median;
 }
 
 // cuBLAS bf16 GEMM 8192^3 with fp32 accumulation, FLOP/s.
@@ -84,7 +80,7 @@ double MeasureMatmulPeak() {
   cudaFree(a);
   cudaFree(b);
   cudaFree(c);
-  return 2.0 * double(n) * n * n / Median(secs);
+  return 2.0 * double(n) * n * n / bench::Summarize(secs).median;
 }
 
 // The bytes one decode step must read from device memory. Weights: every tensor once, except the
@@ -220,7 +216,7 @@ int Run(int argc, char** argv) {
                                         3 * c.intermediate_size);
     const double flops = 2.0 * n * linear_params + 2.0 * double(c.hidden_size) * double(c.vocab_size) +
                          4.0 * double(c.num_layers * c.num_heads * c.head_dim) * double(n) * double(n) / 2.0;
-    const double t = Median(secs);
+    const double t = bench::Summarize(secs).median;
     std::printf("%-10d %10.2f %10.1f %11.0f%%\n", n, t * 1e3, flops / t / 1e12, 100.0 * flops / t / matmul_peak);
   }
 
@@ -251,7 +247,7 @@ int Run(int argc, char** argv) {
     std::vector<DeviceSamplingRow> rows(static_cast<size_t>(batch));
     std::vector<DeviceSample> samples;
     std::vector<double> secs;
-    std::vector<DecodeStepBytes> step_bytes;
+    std::vector<double> weight_bytes_read, kv_bytes_read;
     for (int step = 0; step < steps; ++step) {
       std::vector<SequenceChunk> chunks;
       for (int s = 0; s < batch; ++s) {
@@ -265,13 +261,15 @@ int Run(int argc, char** argv) {
       }
       if (step >= 4) {
         secs.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-        step_bytes.push_back(BytesReadByDecodeStep(c, model.weight_bytes(), batch, context + step + 1));
+        const DecodeStepBytes bytes = BytesReadByDecodeStep(c, model.weight_bytes(), batch, context + step + 1);
+        weight_bytes_read.push_back(bytes.weights);
+        kv_bytes_read.push_back(bytes.kv);
       }
       for (int s = 0; s < batch; ++s) next[size_t(s)] = samples[size_t(s)].token;
     }
-    // The KV read grows by one token a step, so the median step's bytes go with the median time.
-    const double t = Median(secs);
-    const DecodeStepBytes median_bytes = step_bytes[step_bytes.size() / 2];
+    // The KV read grows by one token a step: the median step's bytes go with the median time.
+    const double t = bench::Summarize(secs).median;
+    const DecodeStepBytes median_bytes{bench::Summarize(weight_bytes_read).median, bench::Summarize(kv_bytes_read).median};
     const double floor = (median_bytes.weights + median_bytes.kv) / read_bw.bytes_per_s;
     std::printf("%-8d %10.3f %10.0f %11.3f %9.3f %10.3f %9.1f%% %10d\n", batch, t * 1e3, batch / t,
                 median_bytes.weights / 1e9, median_bytes.kv / 1e9, floor * 1e3, 100.0 * floor / t, context);

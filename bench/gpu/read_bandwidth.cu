@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "bench/sample_stats.h"
+
 namespace duet::bench {
 namespace {
 
@@ -66,9 +68,9 @@ cudaError_t TimeShape(const Shape& shape, int num_sms, const uint4* data, size_t
   if (start != nullptr) cudaEventDestroy(start);
   if (stop != nullptr) cudaEventDestroy(stop);
   if (err != cudaSuccess) return err;
-  std::sort(rates.begin(), rates.end());
-  sample = ReadBandwidthSample{shape.threads_per_block, shape.blocks_per_sm, shape.loads_in_flight,
-                               rates[rates.size() / 2], rates.front(), rates.back()};
+  const SampleStats stats = Summarize(rates);
+  sample = ReadBandwidthSample{shape.threads_per_block, shape.blocks_per_sm, shape.loads_in_flight, stats.median,
+                               stats.min, stats.max};
   return cudaSuccess;
 }
 
