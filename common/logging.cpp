@@ -62,13 +62,13 @@ void SetMinLogLevel(LogLevel level) { MinLevel().store(level, std::memory_order_
 LogLevel MinLogLevel() { return MinLevel().load(std::memory_order_relaxed); }
 
 absl::StatusOr<LogLevel> ParseLogLevel(std::string_view name) {
-  const std::string lower = absl::AsciiStrToLower(name);
+  const std::string lower = absl::AsciiStrToLower(std::string(name));
   if (lower == "debug") return LogLevel::kDebug;
   if (lower == "info") return LogLevel::kInfo;
   if (lower == "warning" || lower == "warn") return LogLevel::kWarning;
   if (lower == "error") return LogLevel::kError;
   return absl::InvalidArgumentError(
-      absl::StrCat("log level '", name, "' is not one of debug, info, warning, error"));
+      absl::StrCat("log level '", std::string(name), "' is not one of debug, info, warning, error"));
 }
 
 LogMessage::LogMessage(LogLevel level, const char* file, int line, std::string_view request_id)

@@ -1,5 +1,6 @@
 #include "common/logging.h"
 
+#include <algorithm>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -23,8 +24,10 @@ TEST_F(LoggingTest, OneLineInTheCommonFormat) {
   testing::internal::CaptureStderr();
   DUET_LOG_REQUEST(WARNING, "cmpl-42") << "lease expired after " << 30 << " s";
   const std::string out = testing::internal::GetCapturedStderr();
-  EXPECT_THAT(out, MatchesRegex(R"([0-9]{4}-[0-9]{2}-[0-9]{2} [0-9:]{8}\.[0-9]{6} W [0-9]+ logging_test\.cpp:[0-9]+\] )"
-                                R"(\[cmpl-42\] lease expired after 30 s\n)"));
+  EXPECT_THAT(out.substr(0, out.size() - 1), MatchesRegex(R"([0-9]{4}-[0-9]{2}-[0-9]{2} [0-9:]{8}\.[0-9]{6} W [0-9]+ logging_test\.cpp:[0-9]+\] )"
+                                R"(\[cmpl-42\] lease expired after 30 s)"));
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1);
+  EXPECT_EQ(out.back(), '\n');
 }
 
 TEST_F(LoggingTest, BelowTheThresholdIsNotEvaluated) {
