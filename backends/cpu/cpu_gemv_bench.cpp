@@ -1,12 +1,14 @@
 // The few-row matrix products of a CPU decode/verification step: OpenBLAS (sgemv for one row,
 // sgemm otherwise) against BatchedGemv (engine/cpu_gemv.h), for the projection shapes of a model
-// (default: tiny-code-llama's). Prints the best-of-N milliseconds per product and per layer+head
-// "step" (qkv, o, gate_up, down of every layer plus the LM head), by row count; for the batched
-// GEMV on one thread also the best thread CPU time, the figure a loaded machine moves least, and
-// on the shared pool (ParallelFor::Shared(), one thread per core), as LlamaCpu runs it.
+// (default: tiny-code-llama's). Prints milliseconds per product and per layer+head "step" (qkv, o,
+// gate_up, down of every layer plus the LM head), by row count: the median of --repeat timed runs
+// after --warmup untimed ones, with the p10-p90 spread; for the batched GEMV on one thread also its
+// thread CPU time, the figure a loaded machine moves least, and on the shared pool
+// (ParallelFor::Shared(), one thread per core), as LlamaCpu runs it.
 //
 //   build/bin/cpu_gemv_bench [--hidden 512] [--intermediate 1408] [--q-rows 512] [--kv-rows 256]
 //                            [--vocab 8192] [--layers 6] [--rows 1,2,4,8,9,12,16,24,32] [--repeat 20]
+//                            [--warmup 3]
 #include <cblas.h>
 
 #include <algorithm>
@@ -14,10 +16,12 @@
 #include <ctime>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "CLI/CLI.hpp"
 #include "backends/cpu/cpu_gemv.h"
+#include "bench/sample_stats.h"
 
 namespace {
 
@@ -41,13 +45,26 @@ double ThreadCpuMs() {
   return double(t.tv_sec) * 1e3 + double(t.tv_nsec) * 1e-6;
 }
 
+// Timed runs of one product over all its layers' weights.
+struct Samples {
+  std::vector<double> wall_ms, cpu_ms;  // cpu_ms: this thread's CPU time, same runs
+};
+
+// "median (p10-p90)" of `ms` divided by `per`.
+std::string Cell(const std::vector<double>& ms, double per) {
+  const duet::bench::SampleStats s = duet::bench::Summarize(ms);
+  char text[48];
+  std::snprintf(text, sizeof(text), "%7.3f (%.2f-%.2f)", s.median / per, s.p10 / per, s.p90 / per);
+  return text;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"Few-row GEMM on the CPU: OpenBLAS vs BatchedGemv"};
   int64_t hidden = 512, inter = 1408, q_rows = 512, kv_rows = 256, vocab = 8192, layers = 6;
   std::vector<int64_t> row_counts = {1, 2, 4, 8, 9, 12, 16, 24, 32};
-  int repeat = 20;
+  int repeat = 20, warmup = 3;
   app.add_option("--hidden", hidden);
   app.add_option("--intermediate", inter);
   app.add_option("--q-rows", q_rows);
@@ -55,7 +72,8 @@ int main(int argc, char** argv) {
   app.add_option("--vocab", vocab);
   app.add_option("--layers", layers);
   app.add_option("--rows", row_counts)->delimiter(',');
-  app.add_option("--repeat", repeat)->check(CLI::Range(1, 10000));
+  app.add_option("--repeat", repeat, "timed runs per product")->check(CLI::Range(1, 10000));
+  app.add_option("--warmup", warmup, "untimed runs per product before them")->check(CLI::Range(0, 10000));
   CLI11_PARSE(app, argc, argv);
 
   const std::vector<Shape> shapes = {{"qkv", q_rows + 2 * kv_rows, hidden},
@@ -79,49 +97,56 @@ int main(int argc, char** argv) {
   for (float& v : x) v = dist(rng);
   std::vector<float> y(size_t(max_rows * std::max({vocab, 2 * inter, q_rows + 2 * kv_rows})));
 
-  std::printf("BatchedGemv kernel: %s; pool of %d threads; ms, best of %d; 'step' = every layer's 4 products + LM "
-              "head; ratio = openblas / pooled\n",
-              duet::BatchedGemvUsesAvx2() ? "AVX2/FMA" : "portable", duet::ParallelFor::Shared().num_threads(), repeat);
-  std::printf("%5s %-8s %12s %12s %12s %12s %9s\n", "rows", "product", "openblas", "batched", "batched cpu",
-              "pooled", "ratio");
+  std::printf("BatchedGemv kernel: %s; pool of %d threads; ms, median (p10-p90) of %d runs after %d warm-up; "
+              "'step' = every layer's 4 products + LM head, each run's sum; ratio = openblas / pooled medians\n",
+              duet::BatchedGemvUsesAvx2() ? "AVX2/FMA" : "portable", duet::ParallelFor::Shared().num_threads(), repeat,
+              warmup);
+  std::printf("%5s %-8s %22s %22s %22s %22s %9s\n", "rows", "product", "openblas", "batched", "batched cpu", "pooled",
+              "ratio");
   for (int64_t rows : row_counts) {
-    double step_blas = 0, step_gemv = 0, step_gemv_cpu = 0, step_pooled = 0;
+    // The step's run i is the sum of every product's run i.
+    Samples step_blas, step_gemv, step_pooled;
+    auto add_to_step = [&](Samples& step, const Samples& product) {
+      step.wall_ms.resize(product.wall_ms.size());
+      step.cpu_ms.resize(product.cpu_ms.size());
+      for (size_t i = 0; i < product.wall_ms.size(); ++i) step.wall_ms[i] += product.wall_ms[i];
+      for (size_t i = 0; i < product.cpu_ms.size(); ++i) step.cpu_ms[i] += product.cpu_ms[i];
+    };
     for (size_t s = 0; s < shapes.size(); ++s) {
-      // Best of `repeat` wall-clock times; for the single-threaded kernel also its thread's CPU
-      // time, which a loaded machine disturbs less (other processes take turns on the core).
-      auto time = [&](auto&& fn, double* best_cpu) {
-        double best = 1e30;
-        for (int i = 0; i < repeat; ++i) {
+      // Wall-clock and thread CPU time of each run; the CPU time matters for the single-threaded
+      // kernel, which a loaded machine disturbs less that way (other processes take turns on the core).
+      auto time = [&](auto&& fn) {
+        Samples out;
+        for (int i = -warmup; i < repeat; ++i) {
           const auto start = std::chrono::steady_clock::now();
           const double cpu_start = ThreadCpuMs();
           for (const std::vector<float>& w : weights[s]) fn(x.data(), w.data(), y.data(), rows, shapes[s].n, shapes[s].k);
-          best = std::min(best, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
-          if (best_cpu != nullptr) *best_cpu = std::min(*best_cpu, ThreadCpuMs() - cpu_start);
+          if (i < 0) continue;
+          out.wall_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+          out.cpu_ms.push_back(ThreadCpuMs() - cpu_start);
         }
-        return best;
+        return out;
       };
-      double gemv_cpu = 1e30;
-      const double blas = time(OpenBlas, nullptr);
-      const double gemv = time(
-          [](const float* x, const float* w, float* y, int64_t r, int64_t n, int64_t k) {
-            duet::BatchedGemv(x, w, y, r, n, k);
-          },
-          &gemv_cpu);
-      const double pooled = time(
-          [](const float* x, const float* w, float* y, int64_t r, int64_t n, int64_t k) {
-            duet::BatchedGemv(x, w, y, r, n, k, &duet::ParallelFor::Shared());
-          },
-          nullptr);
-      step_blas += blas;
-      step_gemv += gemv;
-      step_gemv_cpu += gemv_cpu;
-      step_pooled += pooled;
-      const int64_t copies = int64_t(weights[s].size());
-      std::printf("%5lld %-8s %12.3f %12.3f %12.3f %12.3f %8.2fx\n", static_cast<long long>(rows), shapes[s].name,
-                  blas / copies, gemv / copies, gemv_cpu / copies, pooled / copies, blas / pooled);
+      const Samples blas = time(OpenBlas);
+      const Samples gemv = time([](const float* x, const float* w, float* y, int64_t r, int64_t n, int64_t k) {
+        duet::BatchedGemv(x, w, y, r, n, k);
+      });
+      const Samples pooled = time([](const float* x, const float* w, float* y, int64_t r, int64_t n, int64_t k) {
+        duet::BatchedGemv(x, w, y, r, n, k, &duet::ParallelFor::Shared());
+      });
+      add_to_step(step_blas, blas);
+      add_to_step(step_gemv, gemv);
+      add_to_step(step_pooled, pooled);
+      const double copies = double(weights[s].size());
+      std::printf("%5lld %-8s %22s %22s %22s %22s %8.2fx\n", static_cast<long long>(rows), shapes[s].name,
+                  Cell(blas.wall_ms, copies).c_str(), Cell(gemv.wall_ms, copies).c_str(),
+                  Cell(gemv.cpu_ms, copies).c_str(), Cell(pooled.wall_ms, copies).c_str(),
+                  duet::bench::Summarize(blas.wall_ms).median / duet::bench::Summarize(pooled.wall_ms).median);
     }
-    std::printf("%5lld %-8s %12.3f %12.3f %12.3f %12.3f %8.2fx\n", static_cast<long long>(rows), "step", step_blas,
-                step_gemv, step_gemv_cpu, step_pooled, step_blas / step_pooled);
+    std::printf("%5lld %-8s %22s %22s %22s %22s %8.2fx\n", static_cast<long long>(rows), "step",
+                Cell(step_blas.wall_ms, 1).c_str(), Cell(step_gemv.wall_ms, 1).c_str(),
+                Cell(step_gemv.cpu_ms, 1).c_str(), Cell(step_pooled.wall_ms, 1).c_str(),
+                duet::bench::Summarize(step_blas.wall_ms).median / duet::bench::Summarize(step_pooled.wall_ms).median);
     std::fflush(stdout);
   }
   return 0;

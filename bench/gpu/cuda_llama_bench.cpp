@@ -1,6 +1,7 @@
 // Decode and prefill speed of the CUDA backend on one checkpoint, next to the limits measured in
-// the same run: device copy bandwidth (the decode floor: weight bytes + KV bytes read per step)
-// and cuBLAS bf16 matmul throughput (the prefill ceiling).
+// the same run: the device-memory read bandwidth of a streaming-read kernel (the decode floor: the
+// bytes a step reads, weights and KV, over that bandwidth) and cuBLAS bf16 matmul throughput (the
+// prefill ceiling). The device copy bandwidth (read + write) is printed beside them for reference.
 //
 //   cuda_llama_bench --model DIR [--batch 1,8,32,128] [--context 1024] [--prefill 1024,8192 | --prefill none]
 //                    [--no-pdl] [--no-fusion] [--early-groups 1|2] [--no-cuda-graphs]
@@ -16,17 +17,14 @@
 #include <cuda_runtime.h>
 
 #include "backends/cuda/llama_cuda.h"
+#include "bench/gpu/read_bandwidth.h"
+#include "bench/sample_stats.h"
 #include "kernels/gemm/gemv.h"
 
 namespace duet {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Device-to-device copy of 2 GiB; bytes read plus written per second.
 double MeasureCopyBandwidth() {
@@ -49,7 +47,7 @@ double MeasureCopyBandwidth() {
   }
   cudaFree(a);
   cudaFree(b);
-  return 2.0 * double(bytes) / Median(secs);
+  return 2.0 * double(bytes) / bench::Summarize(secs).median;
 }
 
 // cuBLAS bf16 GEMM 8192^3 with fp32 accumulation, FLOP/s.
@@ -82,7 +80,26 @@ double MeasureMatmulPeak() {
   cudaFree(a);
   cudaFree(b);
   cudaFree(c);
-  return 2.0 * double(n) * n * n / Median(secs);
+  return 2.0 * double(n) * n * n / bench::Summarize(secs).median;
+}
+
+// The bytes one decode step must read from device memory. Weights: every tensor once, except the
+// embedding table, of which the step gathers only its `batch` rows (tied embeddings are read in
+// full anyway, as the LM head, so they stay counted; the gathered rows come on top). KV: each
+// sequence's keys and values of every layer, up to and including the token the step writes.
+struct DecodeStepBytes {
+  double weights = 0;
+  double kv = 0;
+};
+
+DecodeStepBytes BytesReadByDecodeStep(const ModelConfig& c, int64_t weight_bytes, int batch, int64_t tokens_per_seq) {
+  const double row_bytes = double(c.hidden_size) * 2.0;  // bf16
+  const double table_bytes = double(c.vocab_size) * row_bytes;
+  const double kv_bytes_per_token = 2.0 * double(c.num_layers * c.num_kv_heads * c.head_dim) * 2.0;
+  DecodeStepBytes bytes;
+  bytes.weights = double(weight_bytes) - (c.tie_word_embeddings ? 0.0 : table_bytes) + batch * row_bytes;
+  bytes.kv = double(batch) * double(tokens_per_seq) * kv_bytes_per_token;
+  return bytes;
 }
 
 std::vector<int> ParseList(const std::string& text) {
@@ -107,7 +124,7 @@ int Run(int argc, char** argv) {
   app.add_option("--model", model_dir, "checkpoint directory")->required();
   app.add_option("--batch", batches, "decode batch sizes");
   app.add_option("--context", context, "tokens already in each sequence's KV cache when decode starts");
-  app.add_option("--steps", steps, "decode steps timed per batch size");
+  app.add_option("--steps", steps, "decode steps per batch size (the first 4 are not timed)")->check(CLI::Range(5, 100000));
   app.add_option("--prefill", prefills, "single-sequence prefill lengths");
   app.add_flag("!--no-cuda-graphs", graphs, "run decode steps eagerly");
   app.add_flag("!--no-pdl", pdl, "launch kernels without programmatic dependent launch");
@@ -145,13 +162,22 @@ int Run(int argc, char** argv) {
   const int64_t num_blocks = std::max<int64_t>(int64_t(max_batch) * blocks_per_seq, prefill_blocks);
   std::unique_ptr<KvCache> cache = model.CreateKvCache(num_blocks, block_size);
 
+  const bench::ReadBandwidth read_bw = bench::MeasureReadBandwidth();
+  if (read_bw.error != cudaSuccess) {
+    std::fprintf(stderr, "read bandwidth: %s\n", cudaGetErrorString(read_bw.error));
+    return 1;
+  }
   const double copy_bw = MeasureCopyBandwidth();
   const double matmul_peak = MeasureMatmulPeak();
   const double weight_bytes = double(model.weight_bytes());
-  const double kv_bytes_per_token = 2.0 * double(c.num_layers * c.num_kv_heads * c.head_dim) * 2.0;
-  std::printf("model %s: %.2f GB of bf16 weights, %lld layers, hidden %lld, vocab %lld\n", model_dir.c_str(),
-              weight_bytes / 1e9, (long long)c.num_layers, (long long)c.hidden_size, (long long)c.vocab_size);
-  std::printf("device copy %.0f GB/s (read+write), cuBLAS bf16 matmul %.0f TFLOP/s\n", copy_bw / 1e9,
+  std::printf("model %s: %.2f GB of bf16 weights (embedding table %.2f GB, %s), %lld layers, hidden %lld, vocab %lld\n",
+              model_dir.c_str(), weight_bytes / 1e9, double(c.vocab_size) * double(c.hidden_size) * 2.0 / 1e9,
+              c.tie_word_embeddings ? "tied: read in full as the LM head" : "untied: a step reads its rows",
+              (long long)c.num_layers, (long long)c.hidden_size, (long long)c.vocab_size);
+  std::printf("read ceiling %.0f GB/s (streaming read of %.1f GiB, median of %d launches, fastest of %zu shapes):\n%s",
+              read_bw.bytes_per_s / 1e9, double(read_bw.buffer_bytes) / double(size_t(1) << 30), read_bw.repeats,
+              read_bw.shapes.size(), read_bw.Describe().c_str());
+  std::printf("device copy %.0f GB/s (read+write, for reference), cuBLAS bf16 matmul %.0f TFLOP/s\n", copy_bw / 1e9,
               matmul_peak / 1e12);
 
   std::vector<std::vector<int32_t>> tables(static_cast<size_t>(max_batch));
@@ -190,13 +216,17 @@ int Run(int argc, char** argv) {
                                         3 * c.intermediate_size);
     const double flops = 2.0 * n * linear_params + 2.0 * double(c.hidden_size) * double(c.vocab_size) +
                          4.0 * double(c.num_layers * c.num_heads * c.head_dim) * double(n) * double(n) / 2.0;
-    const double t = Median(secs);
+    const double t = bench::Summarize(secs).median;
     std::printf("%-10d %10.2f %10.1f %11.0f%%\n", n, t * 1e3, flops / t / 1e12, 100.0 * flops / t / matmul_peak);
   }
 
   // Decode: fill every sequence's cache with `context` tokens, then time greedy steps sampled on
   // the device (graph replay), each step synchronous because its tokens come back.
-  std::printf("\n%-8s %10s %10s %12s %10s %10s\n", "batch", "ms/step", "tok/s", "floor ms", "of floor", "context");
+  // The floor of a step: the bytes it reads (weights + KV at its context length) over the read
+  // ceiling; the table gives both parts, at the median timed step.
+  std::printf("\ndecode floor = (weight bytes read + KV bytes read) / read ceiling %.0f GB/s\n", read_bw.bytes_per_s / 1e9);
+  std::printf("%-8s %10s %10s %11s %9s %10s %10s %10s\n", "batch", "ms/step", "tok/s", "weights GB", "KV GB", "floor ms",
+              "of floor", "context");
   for (int batch : batch_sizes) {
     const int per_step = std::max(1, int(options.max_num_batched_tokens) / context);
     for (int begin = 0; begin < batch; begin += per_step) {
@@ -217,6 +247,7 @@ int Run(int argc, char** argv) {
     std::vector<DeviceSamplingRow> rows(static_cast<size_t>(batch));
     std::vector<DeviceSample> samples;
     std::vector<double> secs;
+    std::vector<double> weight_bytes_read, kv_bytes_read;
     for (int step = 0; step < steps; ++step) {
       std::vector<SequenceChunk> chunks;
       for (int s = 0; s < batch; ++s) {
@@ -228,14 +259,20 @@ int Run(int argc, char** argv) {
         std::fprintf(stderr, "decode: %s\n", std::string(st.message()).c_str());
         return 1;
       }
-      if (step >= 4) secs.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      if (step >= 4) {
+        secs.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+        const DecodeStepBytes bytes = BytesReadByDecodeStep(c, model.weight_bytes(), batch, context + step + 1);
+        weight_bytes_read.push_back(bytes.weights);
+        kv_bytes_read.push_back(bytes.kv);
+      }
       for (int s = 0; s < batch; ++s) next[size_t(s)] = samples[size_t(s)].token;
     }
-    const double t = Median(secs);
-    const double mid_context = context + steps / 2.0;
-    const double floor = (weight_bytes + batch * mid_context * kv_bytes_per_token) / copy_bw;
-    std::printf("%-8d %10.3f %10.0f %12.3f %9.0f%% %10d\n", batch, t * 1e3, batch / t, floor * 1e3, 100.0 * floor / t,
-                context);
+    // The KV read grows by one token a step: the median step's bytes go with the median time.
+    const double t = bench::Summarize(secs).median;
+    const DecodeStepBytes median_bytes{bench::Summarize(weight_bytes_read).median, bench::Summarize(kv_bytes_read).median};
+    const double floor = (median_bytes.weights + median_bytes.kv) / read_bw.bytes_per_s;
+    std::printf("%-8d %10.3f %10.0f %11.3f %9.3f %10.3f %9.1f%% %10d\n", batch, t * 1e3, batch / t,
+                median_bytes.weights / 1e9, median_bytes.kv / 1e9, floor * 1e3, 100.0 * floor / t, context);
   }
   return 0;
 }

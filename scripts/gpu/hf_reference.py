@@ -3,8 +3,10 @@
 1. Makes a random-weight Llama-3-8B-shaped bf16 checkpoint (save_pretrained, safetensors).
 2. Writes reference logits of transformers' float32 forward on the same (bf16-valued) weights
    for a few random token sequences: tokens.json + logits.f32 ([num_seqs, len, vocab] float32).
-3. With --timings: measures transformers (eager and sdpa, bf16) decode ms/step at the given batch
-   sizes over a context of --context tokens, and single-sequence prefill ms, into timings.json.
+3. With --timings-only (a separate run, so that the timings have the GPU to themselves): loads the
+   checkpoint written by 1 and measures transformers (eager and sdpa, bf16) decode ms/step at the
+   given batch sizes over a context of --context tokens, and single-sequence prefill ms, into
+   timings.json.
 """
 import argparse
 import json
@@ -99,23 +101,25 @@ def main():
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--ref-seqs", type=int, default=2)
     p.add_argument("--ref-len", type=int, default=64)
-    p.add_argument("--timings", action="store_true")
+    p.add_argument("--timings-only", action="store_true", help="time transformers on the checkpoint in --out")
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--prefills", default="1024,8192")
     p.add_argument("--steps", type=int, default=8)
     a = p.parse_args()
+    if a.timings_only:
+        model = LlamaForCausalLM.from_pretrained(a.out, dtype=torch.bfloat16, device_map="cuda").eval()
+        res = timings(model, [int(x) for x in a.batches.split(",")], a.context,
+                      [int(x) for x in a.prefills.split(",")], a.steps)
+        with open(os.path.join(a.out, "timings.json"), "w") as f:
+            json.dump(res, f)
+        return
     t = time.time()
     model = make_checkpoint(a.out, a.layers)
     print(f"checkpoint written to {a.out} in {time.time() - t:.0f} s", flush=True)
     t = time.time()
     reference_logits(model, a.out, a.ref_seqs, a.ref_len)
     print(f"float32 reference logits in {time.time() - t:.0f} s", flush=True)
-    if a.timings:
-        res = timings(model, [int(x) for x in a.batches.split(",")], a.context,
-                      [int(x) for x in a.prefills.split(",")], a.steps)
-        with open(os.path.join(a.out, "timings.json"), "w") as f:
-            json.dump(res, f)
 
 
 if __name__ == "__main__":

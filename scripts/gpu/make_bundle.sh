@@ -11,7 +11,9 @@ bundle=${BUNDLE_DIR:-.devbundle}
 targets=${TARGETS:-"kernels_tests llama_cuda_tests cuda_llama_bench cuda_logits_check attention_bench elementwise_bench gemv_bench"}
 cmake --build "$build" --target $targets -j"$(nproc)"
 stage=$(mktemp -d)/devbundle
-bash ../shared/device/bundle.sh "$stage" $(for t in $targets; do echo "$build/bin/$t"; done) >/dev/null
+# ../shared lies beside the main checkout, which a worktree's git common folder names.
+shared=$(cd "$(git rev-parse --git-common-dir)/../.." && pwd)/shared
+bash "$shared/device/bundle.sh" "$stage" $(for t in $targets; do echo "$build/bin/$t"; done) >/dev/null
 strip "$stage"/bin/* "$stage"/lib/* 2>/dev/null || true
 mkdir -p "$bundle"
 tar -C "$(dirname "$stage")" -cJf "$bundle/bundle.tar.xz" devbundle
