@@ -160,7 +160,12 @@ int Run(int argc, char** argv) {
   const int blocks_per_seq = (context + steps + 16 + block_size - 1) / block_size;
   const int prefill_blocks = (max_prefill + block_size - 1) / block_size;
   const int64_t num_blocks = std::max<int64_t>(int64_t(max_batch) * blocks_per_seq, prefill_blocks);
-  std::unique_ptr<KvCache> cache = model.CreateKvCache(num_blocks, block_size);
+  absl::StatusOr<std::unique_ptr<KvCache>> created = model.CreateKvCache(num_blocks, block_size);
+  if (!created.ok()) {
+    std::fprintf(stderr, "%s\n", created.status().ToString().c_str());
+    return 1;
+  }
+  std::unique_ptr<KvCache> cache = std::move(*created);
 
   const bench::ReadBandwidth read_bw = bench::MeasureReadBandwidth();
   if (read_bw.error != cudaSuccess) {
