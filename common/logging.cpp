@@ -12,6 +12,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/check.h"
 
 namespace duet {
 namespace {
@@ -88,4 +89,17 @@ LogMessage::~LogMessage() {
   }
 }
 
+namespace internal {
+
+void CheckFailed(const char* file, int line, const char* condition) {
+  LogMessage(LogLevel::kFatal, file, line).stream() << "DUET_CHECK failed: " << condition;
+  std::abort();  // not reached: a FATAL line aborts
+}
+
+void CheckFailed(const char* file, int line, const char* condition, std::string_view message) {
+  LogMessage(LogLevel::kFatal, file, line).stream() << "DUET_CHECK failed: " << condition << " (" << message << ")";
+  std::abort();
+}
+
+}  // namespace internal
 }  // namespace duet
