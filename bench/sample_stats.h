@@ -3,26 +3,32 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <vector>
 
 namespace duet::bench {
 
+// Linear interpolation between closest ranks, as numpy.percentile; `sorted` ascending, not empty.
+inline double Percentile(const std::vector<double>& sorted, double percent) {
+  const double rank = percent / 100.0 * double(sorted.size() - 1);
+  const size_t below = size_t(std::floor(rank));
+  const size_t above = std::min(below + 1, sorted.size() - 1);
+  return sorted[below] + (rank - double(below)) * (sorted[above] - sorted[below]);
+}
+
 struct SampleStats {
   double median = 0, p10 = 0, p90 = 0, min = 0, max = 0;
 };
 
-// p10 and p90: the samples at rank q·(n−1), rounded; the median of an even count is the mean of
-// the middle two.
+// Percentiles as Percentile: the median of an even count is the mean of the middle two.
 inline SampleStats Summarize(std::vector<double> samples) {
   SampleStats s;
   if (samples.empty()) return s;
   std::sort(samples.begin(), samples.end());
-  const size_t n = samples.size();
-  auto rank = [&](double q) { return samples[std::min(n - 1, size_t(q * double(n - 1) + 0.5))]; };
-  s.median = n % 2 == 1 ? samples[n / 2] : 0.5 * (samples[n / 2 - 1] + samples[n / 2]);
-  s.p10 = rank(0.1);
-  s.p90 = rank(0.9);
+  s.median = Percentile(samples, 50);
+  s.p10 = Percentile(samples, 10);
+  s.p90 = Percentile(samples, 90);
   s.min = samples.front();
   s.max = samples.back();
   return s;

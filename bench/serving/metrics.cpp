@@ -34,15 +34,7 @@ absl::StatusOr<GoodputSlo> ParseGoodput(const std::vector<std::string>& specs) {
   return slo;
 }
 
-double Percentile(const std::vector<double>& sorted, double percent) {
-  DUET_CHECK(!sorted.empty());
-  const double rank = percent / 100.0 * double(sorted.size() - 1);
-  const size_t below = size_t(std::floor(rank));
-  const size_t above = std::min(below + 1, sorted.size() - 1);
-  return sorted[below] + (rank - double(below)) * (sorted[above] - sorted[below]);
-}
-
-LatencyStats Summarize(std::vector<double> samples_ms) {
+LatencyStats SummarizeLatencies(std::vector<double> samples_ms) {
   LatencyStats s;
   if (samples_ms.empty()) return s;
   std::sort(samples_ms.begin(), samples_ms.end());
@@ -96,10 +88,10 @@ BenchmarkMetrics ComputeMetrics(const std::vector<RequestResult>& results, doubl
   } else if (slo.any()) {
     m.request_goodput = 0.0;
   }
-  m.ttft = Summarize(std::move(ttft));
-  m.tpot = Summarize(std::move(tpot));
-  m.itl = Summarize(std::move(itl));
-  m.e2el = Summarize(std::move(e2el));
+  m.ttft = SummarizeLatencies(std::move(ttft));
+  m.tpot = SummarizeLatencies(std::move(tpot));
+  m.itl = SummarizeLatencies(std::move(itl));
+  m.e2el = SummarizeLatencies(std::move(e2el));
   return m;
 }
 

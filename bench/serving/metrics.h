@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "bench/sample_stats.h"
 
 namespace duet::bench {
 
@@ -36,9 +37,7 @@ struct LatencyStats {
   int count = 0;
   double mean = 0, median = 0, stddev = 0, p90 = 0, p99 = 0, max = 0;
 };
-// Linear interpolation between closest ranks, as numpy.percentile; `sorted` ascending, not empty.
-double Percentile(const std::vector<double>& sorted, double percent);
-LatencyStats Summarize(std::vector<double> samples_ms);
+LatencyStats SummarizeLatencies(std::vector<double> samples_ms);
 
 struct BenchmarkMetrics {
   int completed = 0;

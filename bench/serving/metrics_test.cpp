@@ -17,18 +17,8 @@ RequestResult Ok(std::vector<double> chunk_times, int output_tokens, double late
   return r;
 }
 
-TEST(Percentile, InterpolatesLikeNumpy) {
-  const std::vector<double> v = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
-  EXPECT_DOUBLE_EQ(Percentile(v, 50), 5.5);   // numpy.percentile(range(1, 11), 50)
-  EXPECT_DOUBLE_EQ(Percentile(v, 90), 9.1);
-  EXPECT_DOUBLE_EQ(Percentile(v, 99), 9.91);
-  EXPECT_DOUBLE_EQ(Percentile(v, 0), 1);
-  EXPECT_DOUBLE_EQ(Percentile(v, 100), 10);
-  EXPECT_DOUBLE_EQ(Percentile({4}, 99), 4);
-}
-
-TEST(Summarize, MeanMedianStdAndTails) {
-  const LatencyStats s = Summarize({3, 1, 2, 4});
+TEST(SummarizeLatencies, MeanMedianStdAndTails) {
+  const LatencyStats s = SummarizeLatencies({3, 1, 2, 4});
   EXPECT_EQ(s.count, 4);
   EXPECT_DOUBLE_EQ(s.mean, 2.5);
   EXPECT_DOUBLE_EQ(s.median, 2.5);
@@ -36,8 +26,8 @@ TEST(Summarize, MeanMedianStdAndTails) {
   EXPECT_DOUBLE_EQ(s.p90, 3.7);
   EXPECT_DOUBLE_EQ(s.p99, 3.97);
   EXPECT_DOUBLE_EQ(s.max, 4);
-  EXPECT_EQ(Summarize({}).count, 0);
-  EXPECT_EQ(Summarize({}).p99, 0);
+  EXPECT_EQ(SummarizeLatencies({}).count, 0);
+  EXPECT_EQ(SummarizeLatencies({}).p99, 0);
 }
 
 TEST(ComputeMetrics, OneKnownTimeline) {
