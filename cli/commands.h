@@ -30,6 +30,7 @@ struct ServeOptions {
   int http_port = 8000;  // OpenAI-compatible API; -1: none
   std::string api_key;   // when set, required on /v1/* and on gRPC Generate
   int max_concurrent_requests = 256;
+  bool kv_checksums = false;  // passed to every worker (--kv-checksums)
 };
 int RunServe(const ServeOptions& options);
 

@@ -47,6 +47,11 @@ CLI::App* RoleCommands::AddWorkerCommand(CLI::App& app, const std::string& name,
       ->check(CLI::Range(-1, 65535));
   cmd->add_option("--kv-staging-tokens", options.service.kv_pools.staging_tokens, staging_help)
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 26));
+  cmd->add_flag("--kv-checksums", options.service.verify_kv_checksums,
+                "Checksum every KV layer (prefill: send them; decode: ask for them and verify)");
+  cmd->add_flag("!--no-kv-device-transfer", options.service.kv_pools.device_transfers,
+                "cuda: stage every KV transfer through host memory, even to a worker on this host "
+                "(default: CUDA IPC between device caches on one host)");
   return cmd;
 }
 

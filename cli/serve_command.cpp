@@ -48,6 +48,7 @@ std::vector<std::string> EngineFlags(const ServeOptions& o) {
                              std::to_string(spec.max_draft_tokens)});
   if (!spec.draft_model_dir.empty()) flags.insert(flags.end(), {"--draft-model", spec.draft_model_dir});
   if (spec.self_spec_layers > 0) flags.insert(flags.end(), {"--self-spec-layers", std::to_string(spec.self_spec_layers)});
+  if (o.kv_checksums) flags.push_back("--kv-checksums");
   return flags;
 }
 

@@ -56,17 +56,20 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(std::unique
   DecodeService* self = service.get();
   service->kv_token_bytes_ = KvTokenBytes(pools->memory.layout);
   service->staging_ = std::move(pools->staging);
+  service->device_kv_ = std::move(pools->device);
   kvtransfer::ReceiverCallbacks callbacks;
-  callbacks.on_layer_received = [self](uint64_t transfer_id, uint32_t) { self->OnLayerReceived(transfer_id); };
-  callbacks.on_request_done = [self](uint64_t transfer_id, const absl::Status& status) {
-    self->OnRequestDone(transfer_id, status);
+  callbacks.on_request_done = [self](uint64_t transfer_id, const absl::Status& status,
+                                     kvtransfer::MemoryKind landed) {
+    self->OnRequestDone(transfer_id, status, landed);
   };
   callbacks.on_blocks_released = [self](const kvtransfer::ReleasedLease& lease) {
     self->OnBlocksReleased(lease.request_id,
                            absl::StrCat("its KV lease ended (", std::string(kvtransfer::LeaseEndName(lease.reason)), ")"));
   };
+  kvtransfer::UcxReceiverOptions receiver_options;
+  receiver_options.device = service->device_kv_.get();
   absl::StatusOr<std::unique_ptr<kvtransfer::KvReceiver>> receiver =
-      kvtransfer::CreateUcxKvReceiver(pools->memory, std::move(callbacks));
+      kvtransfer::CreateUcxKvReceiver(pools->memory, std::move(callbacks), receiver_options);
   if (!receiver.ok()) {
     return absl::Status(receiver.status().code(),
                         absl::StrCat("cannot start the KV receiver: ", receiver.status().message()));
@@ -125,9 +128,6 @@ void DecodeService::EndLocked(Reservation& r, absl::Status why) {
 void DecodeService::MarkReceivedLocked(const std::shared_ptr<Reservation>& held) {
   Reservation& r = *held;
   metrics_->kv_transfer_bytes.Observe(double(r.num_tokens) * double(kv_token_bytes_));
-  if (r.first_layer_time != absl::InfinitePast()) {
-    metrics_->kv_transfer_seconds.Observe(absl::ToDoubleSeconds(absl::Now() - r.first_layer_time));
-  }
   // The receiver committed the lease: the blocks are ours until Decode claims them.
   r.state = ReservationState::kReceived;
   r.claim_timer = timer_.Schedule(absl::Now() + r.lease, [this, held] { ExpireClaim(held); });
@@ -143,14 +143,7 @@ void DecodeService::ExpireClaim(const std::shared_ptr<Reservation>& r) {
                                  "' were not claimed by a Decode call within the lease and were released")));
 }
 
-void DecodeService::OnLayerReceived(uint64_t transfer_id) {
-  absl::MutexLock lock(&mu_);
-  auto it = by_transfer_.find(transfer_id);
-  if (it == by_transfer_.end()) return;
-  if (it->second->first_layer_time == absl::InfinitePast()) it->second->first_layer_time = absl::Now();
-}
-
-bool DecodeService::Unstage(uint64_t transfer_id, absl::Status* unstaged) {
+bool DecodeService::Unstage(uint64_t transfer_id, kvtransfer::MemoryKind landed, absl::Status* unstaged) {
   // Nothing else ends a reservation whose lease the receiver has committed while it is still
   // kTransferring, so the blocks stay put while they are copied outside the lock.
   std::vector<int32_t> staged, cache_blocks;
@@ -161,16 +154,17 @@ bool DecodeService::Unstage(uint64_t transfer_id, absl::Status* unstaged) {
     staged = std::exchange(it->second->staging_blocks, {});
     cache_blocks = it->second->cache_blocks;
   }
-  *unstaged = staging_->Unstage(staged, cache_blocks);
+  // Over CUDA IPC the bytes are in the cache blocks already; the staging was not used.
+  if (landed == kvtransfer::MemoryKind::kHost) *unstaged = staging_->Unstage(staged, cache_blocks);
   staging_->Free(staged);
   return true;
 }
 
-void DecodeService::OnRequestDone(uint64_t transfer_id, const absl::Status& status) {
+void DecodeService::OnRequestDone(uint64_t transfer_id, const absl::Status& status, kvtransfer::MemoryKind landed) {
   // Our own cancellations (Abort, a Decode call that gave up) are not transfer failures.
   if (!status.ok() && status.code() != absl::StatusCode::kCancelled) metrics_->kv_transfer_failures.Inc();
   absl::Status unstaged = absl::OkStatus();
-  if (status.ok() && staging_ != nullptr && !Unstage(transfer_id, &unstaged)) return;
+  if (status.ok() && staging_ != nullptr && !Unstage(transfer_id, landed, &unstaged)) return;
   absl::MutexLock lock(&mu_);
   auto it = by_transfer_.find(transfer_id);
   if (it == by_transfer_.end()) return;
@@ -278,9 +272,13 @@ grpc::Status DecodeService::Reserve(LlmEngine& engine, const v1::ReserveKvReques
   expected.request_id = r->transfer_id;
   expected.num_tokens = uint32_t(r->num_tokens);
   expected.dst_block_ids.assign(landing.begin(), landing.end());
+  if (device_kv_ != nullptr) expected.device_block_ids.assign(r->cache_blocks.begin(), r->cache_blocks.end());
   expected.lease_ttl = r->lease;
+  expected.verify_checksums = options_.verify_kv_checksums;
   v1::KvTarget* target = response->mutable_target();
-  for (int32_t b : landing) target->add_block_ids(uint32_t(b));  // before Expect: it may end `r`
+  // Before Expect: it may end `r`.
+  for (int32_t b : landing) target->add_block_ids(uint32_t(b));
+  for (uint32_t b : expected.device_block_ids) target->add_device_block_ids(b);
   if (absl::Status s = receiver_->Expect(std::move(expected)); !s.ok()) {
     absl::MutexLock lock(&mu_);
     EndLocked(*r, s);
@@ -313,6 +311,9 @@ absl::StatusOr<std::shared_ptr<DecodeService::Reservation>> DecodeService::NewRe
   r->cache_blocks.assign(table.begin(), table.begin() + num_blocks);
   if (staging_ != nullptr) {
     absl::StatusOr<std::vector<int32_t>> staged = staging_->Allocate(int64_t(num_blocks));
+    if (!staged.ok() && device_kv_ != nullptr) {
+      return r;  // a prefill worker on this host can still write the cache blocks directly
+    }
     if (!staged.ok()) {
       engine.ReleaseKv(*seq);
       return absl::ResourceExhaustedError(absl::StrCat("decode worker has no free KV staging blocks for ",

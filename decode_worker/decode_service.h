@@ -1,5 +1,6 @@
 // The decode worker's gRPC service (duet.v1.DecodeWorker): reserves KV blocks for a prompt that a
-// prefill worker writes over UCX, then joins the request to the continuous batch with those
+// prefill worker writes (over UCX into host pools, or with CUDA IPC straight into the device
+// cache), then joins the request to the continuous batch with those
 // blocks and the first token, and streams tokens back.
 //
 // A reservation's blocks always return to the engine exactly once: when Decode claims them (they
@@ -40,6 +41,8 @@ struct DecodeServiceOptions {
   // Host staging of a device KV cache: transfers land there and are copied into the reserved
   // cache blocks when complete (worker_kv_pools.h).
   WorkerKvPoolOptions kv_pools;
+  // Ask the prefill worker for K/V checksums with every layer and verify them.
+  bool verify_kv_checksums = false;
 };
 
 // On gRPC's callback API: no thread per call. Engine work runs on the engine thread, which
@@ -94,7 +97,6 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
     // The Decode call waiting for the transfer: told once the state leaves kTransferring.
     std::function<void()> on_settled;
     bool owns_blocks = true;  // the reservation (not a request) still holds its engine blocks
-    absl::Time first_layer_time = absl::InfinitePast();  // when the first layer arrived
     std::vector<int32_t> cache_blocks;    // the engine blocks reserved for the prompt
     std::vector<int32_t> staging_blocks;  // with staging: where the transfer lands
   };
@@ -109,12 +111,12 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
   absl::Status Register(const std::shared_ptr<Reservation>& r) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Receiver callbacks (receiver progress thread, or the caller of receiver_->Cancel).
-  void OnRequestDone(uint64_t transfer_id, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
+  void OnRequestDone(uint64_t transfer_id, const absl::Status& status, kvtransfer::MemoryKind landed)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void OnBlocksReleased(uint64_t transfer_id, const std::string& why) ABSL_LOCKS_EXCLUDED(mu_);
-  void OnLayerReceived(uint64_t transfer_id) ABSL_LOCKS_EXCLUDED(mu_);
   // Copies a transfer that landed in staging into its cache blocks; false if it is no longer
   // awaited. Receiver progress thread.
-  bool Unstage(uint64_t transfer_id, absl::Status* unstaged) ABSL_LOCKS_EXCLUDED(mu_);
+  bool Unstage(uint64_t transfer_id, kvtransfer::MemoryKind landed, absl::Status* unstaged) ABSL_LOCKS_EXCLUDED(mu_);
   // The transfer is complete: the blocks wait for their Decode call until the lease ends.
   void MarkReceivedLocked(const std::shared_ptr<Reservation>& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireClaim(const std::shared_ptr<Reservation>& r) ABSL_LOCKS_EXCLUDED(mu_);
@@ -150,6 +152,8 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
   std::map<std::string, uint64_t> transfer_by_request_ ABSL_GUARDED_BY(mu_);
 
   std::unique_ptr<KvHostStaging> staging_;  // null when transfers land in the cache's own pools
+  // A device cache's pools, offered to prefill workers on this host (CUDA IPC); null otherwise.
+  std::unique_ptr<kvtransfer::DeviceKvMemory> device_kv_;
   // Claim and transfer-wait deadlines; stopped first in the destructor.
   DeadlineTimer timer_;
   // Last: destroyed first, while the engine (its pools), the staging and the maps above exist.

@@ -20,8 +20,10 @@ namespace duet {
 
 struct SequenceChunk;
 
-// Called after each layer's K/V for the whole step are in the cache, so a prefill worker can
-// ship that layer's blocks while later layers compute.
+// Called after each layer's K/V for the whole step have been written (host executors) or enqueued
+// on the cache's device_stream() (device executors: work enqueued there next, or a copy that
+// waits for it, sees them), so a prefill worker can ship that layer's blocks while later layers
+// compute.
 using LayerDoneCallback = std::function<void(int64_t layer, absl::Span<const SequenceChunk> chunks)>;
 
 // One sequence's share of a step: `tokens` are new tokens at positions

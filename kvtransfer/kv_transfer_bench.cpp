@@ -36,7 +36,7 @@ class Signals {
       absl::MutexLock lock(&mu_);
       ++layers_;
     };
-    callbacks.on_request_done = [this](uint64_t, const absl::Status& status) {
+    callbacks.on_request_done = [this](uint64_t, const absl::Status& status, MemoryKind) {
       absl::MutexLock lock(&mu_);
       if (!status.ok()) std::fprintf(stderr, "transfer failed: %s\n", status.ToString().c_str());
       ++done_;
@@ -63,9 +63,9 @@ class Signals {
 
 struct Transport {
   const char* name;
-  bool peer_failure_detection;
+  HostTransport host_transport;
 };
-constexpr Transport kTransports[] = {{"tcp", true}, {"shm", false}};
+constexpr Transport kTransports[] = {{"tcp", HostTransport::kNetwork}, {"shm", HostTransport::kSharedMemory}};
 
 struct Endpoints {
   Signals signals;
@@ -79,7 +79,7 @@ std::unique_ptr<Endpoints> Connect(HostKvPools& src, HostKvPools& dst, const Tra
   auto receiver = CreateUcxKvReceiver(dst.memory(), endpoints->signals.callbacks());
   auto sender = CreateUcxKvSender(src.memory(),
                                   {.operation_timeout = absl::Seconds(60),
-                                   .peer_failure_detection = t.peer_failure_detection});
+                                   .host_transport = t.host_transport});
   if (!receiver.ok() || !sender.ok()) {
     std::fprintf(stderr, "setup failed: %s %s\n", receiver.status().ToString().c_str(),
                  sender.status().ToString().c_str());

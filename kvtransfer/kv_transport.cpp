@@ -5,6 +5,18 @@
 
 namespace duet::kvtransfer {
 
+std::string_view TransferPathName(TransferPath path) {
+  switch (path) {
+    case TransferPath::kUcxNetwork:
+      return "ucx_net";
+    case TransferPath::kUcxSharedMemory:
+      return "ucx_shm";
+    case TransferPath::kCudaIpc:
+      return "cuda_ipc";
+  }
+  return "unknown";
+}
+
 absl::Status KvPoolMemory::Validate() const {
   DUET_RETURN_IF_ERROR(layout.Validate());
   if (num_blocks == 0) return absl::InvalidArgumentError("KV pool has no blocks");

@@ -44,16 +44,27 @@
 
 namespace duet::kvtransfer {
 
-// Where pool memory lives. Only host memory is implemented: Debian's UCX is not CUDA-aware, so a
-// worker with a device cache registers pinned host staging pools (worker_kv_pools.h) instead.
+// Where a transfer's bytes travel. Chosen by the sender per receiver when it connects:
+//   kCudaIpc: both sides' pools in GPU memory on one host (device_kv_memory.h): the sender copies
+//             straight into the receiver's cache blocks; notices go over UCX shared memory.
+//   kUcxSharedMemory: host pools on one host, UCX shared-memory transports (posix/sysv, cma).
+//   kUcxNetwork: host pools across hosts, UCX network transports (tcp here) with UCX's peer
+//             failure detection.
+// On the two one-host paths a dead peer is found by the operation timeout, the lease and the
+// router's health checks rather than by the transport.
+enum class TransferPath : uint8_t { kUcxNetwork = 1, kUcxSharedMemory = 2, kCudaIpc = 3 };
+// "ucx_net", "ucx_shm", "cuda_ipc": the `path` label of the transfer metrics.
+std::string_view TransferPathName(TransferPath path);
+
+// Where a receiver's transfer landed: its host pools, or (kCudaIpc) its device pools.
 enum class MemoryKind : uint8_t { kHost = 1, kDevice = 2 };
 
-// One side's KV pools: per layer a K and a V pool of num_blocks * layout.BlockBytes() bytes.
-// The memory is owned by the caller and must outlive the sender/receiver.
+// One side's host KV pools: per layer a K and a V pool of num_blocks * layout.BlockBytes() bytes.
+// The memory is owned by the caller and must outlive the sender/receiver. Device pools, if any,
+// come beside them (DeviceKvMemory in the transport's options).
 struct KvPoolMemory {
   KvLayout layout;
   uint32_t num_blocks = 0;
-  MemoryKind memory_kind = MemoryKind::kHost;
   std::vector<void*> key_pools;    // [layout.num_layers]
   std::vector<void*> value_pools;  // [layout.num_layers]
 
@@ -66,7 +77,11 @@ struct KvPoolMemory {
 struct ExpectedRequest {
   uint64_t request_id = 0;
   uint32_t num_tokens = 0;               // tokens the sender will write
-  std::vector<uint32_t> dst_block_ids;   // exactly ceil(num_tokens / block_size) ids
+  std::vector<uint32_t> dst_block_ids;   // host pools: exactly ceil(num_tokens / block_size) ids
+  // Device pools (a receiver with DeviceKvMemory): where a kCudaIpc sender writes instead.
+  // Empty: the request can land only in the host pools; with these, dst_block_ids may be empty
+  // (then it can land only in the device pools).
+  std::vector<uint32_t> device_block_ids;
   absl::Duration lease_ttl = absl::Seconds(30);
   bool verify_checksums = false;         // then every layer notice must carry checksums
 };
@@ -75,8 +90,9 @@ struct ExpectedRequest {
 // not block for long and must not destroy the receiver.
 struct ReceiverCallbacks {
   std::function<void(uint64_t request_id, uint32_t layer)> on_layer_received;  // optional
-  // Exactly once per expected request: OK when complete, else why it ended.
-  std::function<void(uint64_t request_id, const absl::Status& status)> on_request_done;
+  // Exactly once per expected request: OK when complete (`landed`: the pools the bytes are in),
+  // else why it ended.
+  std::function<void(uint64_t request_id, const absl::Status& status, MemoryKind landed)> on_request_done;
   // Exactly once per lease that ends without completing; required.
   LeaseTable::ReleaseCallback on_blocks_released;
 };
@@ -101,9 +117,15 @@ struct LayerSend {
   uint64_t request_id = 0;
   uint32_t layer = 0;
   uint32_t num_tokens = 0;
+  // Host paths: ids in both sides' host pools. kCudaIpc: ids in the sender's device pools and
+  // the receiver's device_block_ids.
   std::vector<uint32_t> src_block_ids;  // ceil(num_tokens / sender block_size) ids
   std::vector<uint32_t> dst_block_ids;  // ceil(num_tokens / receiver block_size) ids
   bool with_checksums = false;
+  // kCudaIpc: the cudaStream_t that produced the layer. The copies are enqueued on it at once,
+  // behind that work and ahead of anything later (so the producer may reuse its blocks); the
+  // layer's notice goes out once Finish sees the stream pass them.
+  void* device_stream = nullptr;
 };
 
 class KvSender {
@@ -113,6 +135,8 @@ class KvSender {
   virtual absl::StatusOr<PeerId> Connect(std::string_view receiver_descriptor) = 0;
   // Closes the endpoint; pending operations to the peer complete with CANCELLED.
   virtual void Disconnect(PeerId peer) = 0;
+  // The path chosen for the peer at Connect.
+  virtual TransferPath path(PeerId peer) const = 0;
   // Writes one layer's K and V blocks; the future resolves once the data is remotely complete
   // and the notice is sent, or with the error (invalid ids, peer failure, timeout).
   virtual std::future<absl::Status> SendLayer(PeerId peer, LayerSend send) = 0;

@@ -10,7 +10,7 @@ namespace duet::kvtransfer {
 namespace {
 
 constexpr uint32_t kDescriptorMagic = 0x52564b44;  // "DKVR"
-constexpr uint8_t kDescriptorVersion = 1;
+constexpr uint8_t kDescriptorVersion = 2;
 
 }  // namespace
 
@@ -18,9 +18,9 @@ std::string ReceiverDescriptor::Serialize() const {
   ByteWriter writer;
   writer.Put<uint32_t>(kDescriptorMagic);
   writer.Put<uint8_t>(kDescriptorVersion);
-  writer.Put<uint8_t>(static_cast<uint8_t>(memory_kind));
   writer.PutBytes(layout.Serialize());
   writer.Put<uint32_t>(num_blocks);
+  writer.PutBytes(host_id);
   writer.PutBytes(worker_address);
   writer.Put<uint32_t>(static_cast<uint32_t>(regions.size()));
   for (const RemoteRegion& region : regions) {
@@ -28,6 +28,7 @@ std::string ReceiverDescriptor::Serialize() const {
     writer.Put<uint64_t>(region.bytes);
     writer.PutBytes(region.packed_rkey);
   }
+  writer.PutBytes(device_export);
   return std::move(writer).Take();
 }
 
@@ -44,15 +45,11 @@ absl::StatusOr<ReceiverDescriptor> ReceiverDescriptor::Parse(std::string_view bl
         kDescriptorVersion));
   }
   ReceiverDescriptor descriptor;
-  DUET_ASSIGN_OR_RETURN(uint8_t kind, reader.Get<uint8_t>());
-  if (kind != static_cast<uint8_t>(MemoryKind::kHost) &&
-      kind != static_cast<uint8_t>(MemoryKind::kDevice)) {
-    return absl::InvalidArgumentError(absl::StrFormat("unknown memory kind %u", kind));
-  }
-  descriptor.memory_kind = static_cast<MemoryKind>(kind);
   DUET_ASSIGN_OR_RETURN(std::string_view layout_bytes, reader.GetBytes());
   DUET_ASSIGN_OR_RETURN(descriptor.layout, KvLayout::Deserialize(layout_bytes));
   DUET_ASSIGN_OR_RETURN(descriptor.num_blocks, reader.Get<uint32_t>());
+  DUET_ASSIGN_OR_RETURN(std::string_view host_id, reader.GetBytes());
+  descriptor.host_id = std::string(host_id);
   DUET_ASSIGN_OR_RETURN(std::string_view address, reader.GetBytes());
   descriptor.worker_address = std::string(address);
   DUET_ASSIGN_OR_RETURN(uint32_t num_regions, reader.Get<uint32_t>());
@@ -75,6 +72,8 @@ absl::StatusOr<ReceiverDescriptor> ReceiverDescriptor::Parse(std::string_view bl
     region.packed_rkey = std::string(rkey);
     descriptor.regions.push_back(std::move(region));
   }
+  DUET_ASSIGN_OR_RETURN(std::string_view device_export, reader.GetBytes());
+  descriptor.device_export = std::string(device_export);
   if (!reader.AtEnd()) {
     return absl::InvalidArgumentError("KV receiver descriptor has trailing bytes");
   }

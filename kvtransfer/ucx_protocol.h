@@ -21,11 +21,12 @@ struct RemoteRegion {
 };
 
 struct ReceiverDescriptor {
-  KvLayout layout;
-  uint32_t num_blocks = 0;
-  MemoryKind memory_kind = MemoryKind::kHost;
+  KvLayout layout;                     // of the host pools (and the device pools, if exported)
+  uint32_t num_blocks = 0;             // host pool blocks
+  std::string host_id;                 // LocalHostIdentity() of the receiver
   std::string worker_address;          // ucp_worker_get_address bytes
   std::vector<RemoteRegion> regions;   // [2 * layer]: K pool, [2 * layer + 1]: V pool
+  std::string device_export;           // DeviceKvMemory::Export(); empty: host pools only
 
   std::string Serialize() const;
   static absl::StatusOr<ReceiverDescriptor> Parse(std::string_view blob);
@@ -48,6 +49,7 @@ struct Notice {
   static constexpr uint32_t kMagic = 0x4e4b5644;  // "DVKN"
   static constexpr uint8_t kVersion = 1;
   static constexpr uint16_t kHasChecksums = 1;
+  static constexpr uint16_t kDeviceData = 2;  // the layer was written into the device pools
 
   uint32_t magic = kMagic;
   uint8_t version = kVersion;

@@ -1,5 +1,6 @@
 // UCX receiver: registered pools, completion notices (active messages) and leases.
 #include <atomic>
+#include <optional>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_format.h"
@@ -17,7 +18,7 @@ namespace {
 class UcxKvReceiver final : public KvReceiver {
  public:
   UcxKvReceiver(KvPoolMemory pools, ReceiverCallbacks callbacks, const UcxReceiverOptions& options)
-      : pools_(std::move(pools)), callbacks_(std::move(callbacks)),
+      : pools_(std::move(pools)), device_(options.device), callbacks_(std::move(callbacks)),
         leases_(options.clock, [this](const ReleasedLease& lease) { OnLeaseReleased(lease); }) {}
 
   ~UcxKvReceiver() override {
@@ -40,7 +41,10 @@ class UcxKvReceiver final : public KvReceiver {
     ReceiverDescriptor descriptor;
     descriptor.layout = pools_.layout;
     descriptor.num_blocks = pools_.num_blocks;
-    descriptor.memory_kind = pools_.memory_kind;
+    descriptor.host_id = options.host_id;
+    if (device_ != nullptr) {
+      DUET_ASSIGN_OR_RETURN(descriptor.device_export, device_->Export());
+    }
     descriptor.worker_address = worker_->address();
     for (uint32_t layer = 0; layer < pools_.layout.num_layers; ++layer) {
       for (void* pool : {pools_.key_pools[layer], pools_.value_pools[layer]}) {
@@ -73,8 +77,16 @@ class UcxKvReceiver final : public KvReceiver {
   const std::string& descriptor() const override { return descriptor_; }
 
   absl::Status Expect(ExpectedRequest request) override {
-    DUET_RETURN_IF_ERROR(ValidateBlockIds(pools_.layout, request.dst_block_ids, request.num_tokens,
-                                        pools_.num_blocks, "destination"));
+    // A request may land only in the device pools (no host blocks were free for it).
+    if (!request.dst_block_ids.empty() || request.device_block_ids.empty()) {
+      DUET_RETURN_IF_ERROR(ValidateBlockIds(pools_.layout, request.dst_block_ids, request.num_tokens,
+                                          pools_.num_blocks, "destination"));
+    }
+    if (!request.device_block_ids.empty()) {
+      if (device_ == nullptr) return absl::InvalidArgumentError("this KV receiver has no device pools");
+      DUET_RETURN_IF_ERROR(ValidateBlockIds(device_->pools().layout, request.device_block_ids, request.num_tokens,
+                                          device_->pools().num_blocks, "device destination"));
+    }
     absl::MutexLock lock(&mu_);
     if (incoming_.contains(request.request_id)) {
       return absl::AlreadyExistsError(
@@ -102,6 +114,7 @@ class UcxKvReceiver final : public KvReceiver {
     std::vector<bool> layer_received;
     uint32_t layers_received = 0;
     bool finish_received = false;
+    std::optional<MemoryKind> landed;  // set by the first layer; every layer must agree
     absl::Status failure;  // why the lease ended with LeaseEnd::kFailed
   };
 
@@ -147,6 +160,7 @@ class UcxKvReceiver final : public KvReceiver {
     bool verify = false;
     std::vector<uint32_t> block_ids;
     absl::Duration ttl;
+    const MemoryKind kind = (notice.flags & Notice::kDeviceData) ? MemoryKind::kDevice : MemoryKind::kHost;
     {
       absl::MutexLock lock(&mu_);
       auto it = incoming_.find(id);
@@ -164,19 +178,31 @@ class UcxKvReceiver final : public KvReceiver {
         invalid = absl::FailedPreconditionError(absl::StrFormat(
             "request %u asked for checksum verification but layer %u was sent without checksums",
             id, notice.layer));
+      } else if (kind == MemoryKind::kDevice && expected.device_block_ids.empty()) {
+        invalid = absl::InvalidArgumentError(absl::StrFormat(
+            "KV notice for request %u says layer %u went to device pools, which the request has none of", id,
+            notice.layer));
+      } else if (kind == MemoryKind::kHost && expected.dst_block_ids.empty()) {
+        invalid = absl::InvalidArgumentError(absl::StrFormat(
+            "KV notice for request %u says layer %u went to host pools, which the request has none of", id,
+            notice.layer));
+      } else if (it->second.landed.has_value() && *it->second.landed != kind) {
+        invalid = absl::InvalidArgumentError(
+            absl::StrFormat("KV notices for request %u mix host and device pools", id));
       }
+      if (invalid.ok()) it->second.landed = kind;
       verify = expected.verify_checksums;
-      block_ids = expected.dst_block_ids;
+      block_ids = kind == MemoryKind::kDevice ? expected.device_block_ids : expected.dst_block_ids;
       ttl = expected.lease_ttl;
     }
     if (!invalid.ok()) return Fail(id, invalid);
 
     if (verify) {
-      // The sender flushed its puts before sending this notice, so the bytes are in place.
-      const uint64_t key_hash = HashLayerTokens(pools_.layout, pools_.key_pools[notice.layer],
-                                                block_ids, notice.num_tokens);
-      const uint64_t value_hash = HashLayerTokens(
-          pools_.layout, pools_.value_pools[notice.layer], block_ids, notice.num_tokens);
+      // The sender flushed its puts (or saw its copies complete) before sending this notice, so
+      // the bytes are in place.
+      absl::StatusOr<std::pair<uint64_t, uint64_t>> hashes = LayerHashes(kind, notice, block_ids);
+      if (!hashes.ok()) return Fail(id, hashes.status());
+      const auto [key_hash, value_hash] = *hashes;
       if (key_hash != notice.key_checksum || value_hash != notice.value_checksum) {
         return Fail(id, absl::DataLossError(absl::StrFormat(
                             "KV checksum mismatch for request %u layer %u (%s)", id, notice.layer,
@@ -202,13 +228,29 @@ class UcxKvReceiver final : public KvReceiver {
     if (complete) Complete(id);
   }
 
+  absl::StatusOr<std::pair<uint64_t, uint64_t>> LayerHashes(MemoryKind kind, const Notice& notice,
+                                                             const std::vector<uint32_t>& block_ids) {
+    if (kind == MemoryKind::kHost) {
+      return std::pair{
+          HashLayerTokens(pools_.layout, pools_.key_pools[notice.layer], block_ids, notice.num_tokens),
+          HashLayerTokens(pools_.layout, pools_.value_pools[notice.layer], block_ids, notice.num_tokens)};
+    }
+    DUET_ASSIGN_OR_RETURN(uint64_t key, device_->HashLayer(true, notice.layer, block_ids, notice.num_tokens, nullptr));
+    DUET_ASSIGN_OR_RETURN(uint64_t value,
+                          device_->HashLayer(false, notice.layer, block_ids, notice.num_tokens, nullptr));
+    return std::pair{key, value};
+  }
+
   void Complete(uint64_t request_id) {
     if (!leases_.Commit(request_id).ok()) return;  // lost a race with expiry or cancel
+    MemoryKind landed = MemoryKind::kHost;
     {
       absl::MutexLock lock(&mu_);
+      auto it = incoming_.find(request_id);
+      if (it != incoming_.end() && it->second.landed.has_value()) landed = *it->second.landed;
       incoming_.erase(request_id);
     }
-    if (callbacks_.on_request_done) callbacks_.on_request_done(request_id, absl::OkStatus());
+    if (callbacks_.on_request_done) callbacks_.on_request_done(request_id, absl::OkStatus(), landed);
   }
 
   void Fail(uint64_t request_id, absl::Status failure) {
@@ -252,10 +294,11 @@ class UcxKvReceiver final : public KvReceiver {
       incoming_.erase(it);
     }
     callbacks_.on_blocks_released(lease);
-    if (callbacks_.on_request_done) callbacks_.on_request_done(lease.request_id, status);
+    if (callbacks_.on_request_done) callbacks_.on_request_done(lease.request_id, status, MemoryKind::kHost);
   }
 
   const KvPoolMemory pools_;
+  DeviceKvMemory* const device_;  // null: host pools only
   const ReceiverCallbacks callbacks_;
   std::unique_ptr<UcxWorker> worker_;
   std::vector<std::unique_ptr<UcxMemoryRegion>> regions_;
@@ -272,10 +315,8 @@ absl::StatusOr<std::unique_ptr<KvReceiver>> CreateUcxKvReceiver(KvPoolMemory poo
                                                                 ReceiverCallbacks callbacks,
                                                                 UcxReceiverOptions options) {
   DUET_RETURN_IF_ERROR(pools.Validate());
-  if (pools.memory_kind != MemoryKind::kHost) {
-    return absl::UnimplementedError(
-        "KV receiver pools in device memory need staging through pinned host buffers (this UCX "
-        "build is not CUDA-aware); only host memory is implemented");
+  if (options.device != nullptr) {
+    DUET_RETURN_IF_ERROR(CheckCompatible(options.device->pools().layout, pools.layout).status());
   }
   if (!callbacks.on_blocks_released) {
     return absl::InvalidArgumentError("KV receiver needs an on_blocks_released callback");

@@ -1,8 +1,11 @@
 // UCX sender: endpoints to receivers, RMA puts of layer block ranges, flush, notices, timeouts.
 //
 // Everything after the public entry points runs on the progress thread, so the state below needs
-// no lock. A layer send is a small state machine driven by UCX completions:
-//   puts issued (fire and forget) -> ep flush (remote completion of the puts) -> notice sent.
+// no lock (except the peers' paths and device mappings, which the callers' threads read). A layer
+// send is a small state machine driven by UCX completions:
+//   host paths: puts issued (fire and forget) -> ep flush (remote completion) -> notice sent;
+//   kCudaIpc:   copies enqueued on the producer's stream by SendLayer -> the stream passes them
+//               (reported once per request, after Finish) -> notice sent.
 #include <atomic>
 #include <memory>
 
@@ -10,6 +13,7 @@
 #include "absl/container/node_hash_map.h"
 #include "absl/strings/str_format.h"
 #include "common/check.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "kvtransfer/layer_copy_plan.h"
 #include "kvtransfer/ucx_protocol.h"
@@ -26,6 +30,12 @@ class UcxKvSender final : public KvSender {
 
   ~UcxKvSender() override {
     if (worker_ == nullptr) return;
+    {
+      // Stream callbacks still to come post to the worker: wait for them first.
+      absl::MutexLock lock(&device_mu_);
+      device_mu_.Await(absl::Condition(
+          +[](int* pending) { return *pending == 0; }, &device_callbacks_pending_));
+    }
     worker_->Stop(
         [this] {
           std::vector<PeerId> ids;
@@ -34,6 +44,8 @@ class UcxKvSender final : public KvSender {
         },
         [this] { return ucx_calls_in_flight_ == 0; });
     regions_.clear();  // unmapped before the worker's context goes away
+    absl::MutexLock lock(&device_mu_);
+    device_peers_.clear();  // each waits for the copies it enqueued
   }
 
   absl::Status Init() {
@@ -57,17 +69,16 @@ class UcxKvSender final : public KvSender {
 
   absl::StatusOr<PeerId> Connect(std::string_view receiver_descriptor) override {
     DUET_ASSIGN_OR_RETURN(ReceiverDescriptor remote, ReceiverDescriptor::Parse(receiver_descriptor));
-    if (remote.memory_kind != MemoryKind::kHost) {
-      return absl::UnimplementedError(
-          "KV receiver pools are in device memory; staging through pinned host buffers is not "
-          "implemented");
-    }
     DUET_RETURN_IF_ERROR(CheckCompatible(pools_.layout, remote.layout).status());
     const PeerId id = next_peer_id_++;
+    const TransferPath path = ChoosePath(id, remote);
     auto op = NewOp(OpKind::kConnect, id, /*request_id=*/0, NoticeType::kLayerDone);
     std::future<absl::Status> connected = op->done.get_future();
-    worker_->Post([this, op = op.release(), remote = std::move(remote)]() mutable {
-      StartConnect(std::unique_ptr<Op>(op), std::move(remote));
+    // Only network endpoints can ask UCX to watch the peer (see HostTransport).
+    const bool detect_peer_failure = path == TransferPath::kUcxNetwork ||
+                                     options_.host_transport == HostTransport::kNetwork;
+    worker_->Post([this, op = op.release(), remote = std::move(remote), detect_peer_failure]() mutable {
+      StartConnect(std::unique_ptr<Op>(op), std::move(remote), detect_peer_failure);
     });
     if (absl::Status status = connected.get(); !status.ok()) {
       Disconnect(id);
@@ -82,6 +93,22 @@ class UcxKvSender final : public KvSender {
       peers_.erase(peer);
       return true;
     });
+    std::shared_ptr<DeviceKvPeer> mapping;
+    {
+      absl::MutexLock lock(&device_mu_);
+      paths_.erase(peer);
+      if (auto it = device_peers_.find(peer); it != device_peers_.end()) {
+        mapping = std::move(it->second);
+        device_peers_.erase(it);
+      }
+    }
+    // `mapping` closes here, once the copies it enqueued are done.
+  }
+
+  TransferPath path(PeerId peer) const override {
+    absl::MutexLock lock(&device_mu_);
+    auto it = paths_.find(peer);
+    return it == paths_.end() ? TransferPath::kUcxNetwork : it->second;
   }
 
   std::future<absl::Status> SendLayer(PeerId peer, LayerSend send) override {
@@ -89,6 +116,12 @@ class UcxKvSender final : public KvSender {
     op->notice.layer = send.layer;
     op->notice.num_tokens = send.num_tokens;
     std::future<absl::Status> future = op->done.get_future();
+    if (std::shared_ptr<DeviceKvPeer> device = DevicePeer(peer); device != nullptr) {
+      // Enqueued here, on the caller's thread, so the copies sit right behind the layer's work.
+      absl::Status local = EnqueueDeviceLayer(*device, peer, send, op->notice);
+      worker_->Post([this, op = op.release(), local] { StartDeviceLayer(std::unique_ptr<Op>(op), local); });
+      return future;
+    }
     absl::Status local = ValidateSource(send);
     if (local.ok() && send.with_checksums) {
       // Hashing here keeps the progress thread free for other transfers.
@@ -107,6 +140,7 @@ class UcxKvSender final : public KvSender {
   std::future<absl::Status> Finish(PeerId peer, uint64_t request_id) override {
     auto op = NewOp(OpKind::kFinish, peer, request_id, NoticeType::kFinish);
     std::future<absl::Status> future = op->done.get_future();
+    WatchDeviceCopies(peer, request_id);
     worker_->Post([this, op = op.release()] { StartFinish(std::unique_ptr<Op>(op)); });
     return future;
   }
@@ -114,6 +148,7 @@ class UcxKvSender final : public KvSender {
   void Finish(PeerId peer, uint64_t request_id, Completion done) override {
     auto op = NewOp(OpKind::kFinish, peer, request_id, NoticeType::kFinish);
     op->on_done = std::move(done);
+    WatchDeviceCopies(peer, request_id);
     worker_->Post([this, op = op.release()] { StartFinish(std::unique_ptr<Op>(op)); });
   }
 
@@ -144,6 +179,7 @@ class UcxKvSender final : public KvSender {
     std::promise<absl::Status> done;
     Completion on_done;  // when set, reports instead of `done`
     Notice notice;  // sent once the op's data is remotely complete
+    bool awaiting_device = false;  // kCudaIpc: copies enqueued, the stream not yet past them
   };
   // Per (peer, request): what Finish has to wait for.
   struct OutgoingRequest {
@@ -177,6 +213,127 @@ class UcxKvSender final : public KvSender {
     return op;
   }
 
+  // Caller's thread, once per peer: CUDA IPC when both sides have device pools on one host (and
+  // the mapping opens), else the host pools over shared memory or the network.
+  TransferPath ChoosePath(PeerId id, const ReceiverDescriptor& remote) {
+    const bool same_host = remote.host_id == options_.host_id;
+    TransferPath path = options_.host_transport == HostTransport::kSharedMemory ||
+                                (options_.host_transport == HostTransport::kAuto && same_host)
+                            ? TransferPath::kUcxSharedMemory
+                            : TransferPath::kUcxNetwork;
+    std::shared_ptr<DeviceKvPeer> device;
+    if (same_host && options_.device != nullptr && !remote.device_export.empty()) {
+      absl::StatusOr<std::unique_ptr<DeviceKvPeer>> opened = options_.device->Open(remote.device_export);
+      if (opened.ok()) {
+        device = std::move(*opened);
+        path = TransferPath::kCudaIpc;
+      } else {
+        DUET_LOG(WARNING) << "KV peer " << id << ": no CUDA IPC (" << opened.status() << "); using host pools";
+      }
+    }
+    DUET_LOG(INFO) << "KV peer " << id << " (receiver on " << remote.host_id << "): path " << TransferPathName(path);
+    absl::MutexLock lock(&device_mu_);
+    paths_[id] = path;
+    if (device != nullptr) device_peers_[id] = std::move(device);
+    return path;
+  }
+
+  std::shared_ptr<DeviceKvPeer> DevicePeer(PeerId peer) const {
+    absl::MutexLock lock(&device_mu_);
+    auto it = device_peers_.find(peer);
+    return it == device_peers_.end() ? nullptr : it->second;
+  }
+
+  // Caller's thread: validates a kCudaIpc layer and enqueues its copies on the producer's stream.
+  absl::Status EnqueueDeviceLayer(DeviceKvPeer& device, PeerId peer, const LayerSend& send, Notice& notice) {
+    DeviceKvMemory& local = *options_.device;
+    const KvLayout& layout = local.pools().layout;
+    if (send.device_stream == nullptr) {
+      return absl::InvalidArgumentError("a KV layer sent over CUDA IPC needs the stream that produced it");
+    }
+    if (send.layer >= layout.num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("layer %u is outside the sender's %u layers", send.layer, layout.num_layers));
+    }
+    DUET_RETURN_IF_ERROR(
+        ValidateBlockIds(layout, send.src_block_ids, send.num_tokens, local.pools().num_blocks, "source"));
+    DUET_RETURN_IF_ERROR(
+        ValidateBlockIds(device.layout(), send.dst_block_ids, send.num_tokens, device.num_blocks(), "destination"));
+    DUET_ASSIGN_OR_RETURN(std::vector<CopyRange> plan, PlanLayerCopy(layout, send.src_block_ids, device.layout(),
+                                                                     send.dst_block_ids, send.num_tokens));
+    notice.flags |= Notice::kDeviceData;
+    if (send.with_checksums) {
+      DUET_ASSIGN_OR_RETURN(notice.key_checksum, local.HashLayer(true, send.layer, send.src_block_ids,
+                                                                 send.num_tokens, send.device_stream));
+      DUET_ASSIGN_OR_RETURN(notice.value_checksum, local.HashLayer(false, send.layer, send.src_block_ids,
+                                                                   send.num_tokens, send.device_stream));
+      notice.flags |= Notice::kHasChecksums;
+    }
+    DUET_RETURN_IF_ERROR(device.EnqueueLayerCopy(send.layer, plan, send.device_stream));
+    absl::MutexLock lock(&device_mu_);
+    device_streams_[{peer, send.request_id}] = send.device_stream;
+    return absl::OkStatus();
+  }
+
+  // Caller's thread, at Finish: once the stream has passed the request's copies, its layer
+  // notices go out (OnDeviceCopiesDone).
+  void WatchDeviceCopies(PeerId peer, uint64_t request_id) {
+    void* stream = nullptr;
+    {
+      absl::MutexLock lock(&device_mu_);
+      auto it = device_streams_.find({peer, request_id});
+      if (it == device_streams_.end()) return;
+      stream = it->second;
+      device_streams_.erase(it);
+      ++device_callbacks_pending_;
+    }
+    const RequestKey key{peer, request_id};
+    absl::Status watched = options_.device->NotifyWhenDone(stream, [this, key](absl::Status copied) {
+      worker_->Post([this, key, copied] { OnDeviceCopiesDone(key, copied); });
+      absl::MutexLock lock(&device_mu_);
+      --device_callbacks_pending_;
+    });
+    if (!watched.ok()) {
+      worker_->Post([this, key, watched] { OnDeviceCopiesDone(key, watched); });
+      absl::MutexLock lock(&device_mu_);
+      --device_callbacks_pending_;
+    }
+  }
+
+  // A kCudaIpc layer's copies are enqueued; the op waits for OnDeviceCopiesDone.
+  void StartDeviceLayer(std::unique_ptr<Op> owned, const absl::Status& local) {
+    const uint64_t op_id = Register(std::move(owned));
+    Op& op = *ops_.at(op_id);
+    ++requests_[{op.peer, op.request_id}].layers_in_flight;
+    if (!local.ok()) return CompleteOp(op_id, local);
+    absl::Status why;
+    if (UsablePeer(op.peer, &why) == nullptr) return CompleteOp(op_id, why);
+    op.awaiting_device = true;
+  }
+
+  void OnDeviceCopiesDone(const RequestKey& key, const absl::Status& copied) {
+    std::vector<uint64_t> waiting;
+    for (const auto& [id, op] : ops_) {
+      if (op->awaiting_device && op->peer == key.first && op->request_id == key.second) waiting.push_back(id);
+    }
+    for (uint64_t id : waiting) {
+      auto it = ops_.find(id);
+      if (it == ops_.end()) continue;  // ended meanwhile (its peer failed)
+      it->second->awaiting_device = false;
+      if (!copied.ok()) {
+        CompleteOp(id, copied);
+        continue;
+      }
+      absl::Status why;
+      Peer* peer = UsablePeer(key.first, &why);
+      if (peer == nullptr) {
+        CompleteOp(id, why);
+        continue;
+      }
+      Issue(peer->ep, id, Step::kNotice, it->second->notice);
+    }
+  }
+
   absl::Status ValidateSource(const LayerSend& send) const {
     if (send.layer >= pools_.layout.num_layers) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -189,7 +346,7 @@ class UcxKvSender final : public KvSender {
   // Creates the endpoint, then flushes it: the flush completes once UCX's connection set-up
   // (wireup) with the receiver is done. Waiting for it keeps the set-up out of the data path and
   // avoids a UCX 1.13 tcp assertion in the receiver when a sender vanishes mid-wireup.
-  void StartConnect(std::unique_ptr<Op> owned, ReceiverDescriptor remote) {
+  void StartConnect(std::unique_ptr<Op> owned, ReceiverDescriptor remote, bool detect_peer_failure) {
     const PeerId id = owned->peer;
     Peer& peer = peers_[id];
     peer.remote = std::move(remote);
@@ -197,8 +354,7 @@ class UcxKvSender final : public KvSender {
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                         UCP_EP_PARAM_FIELD_ERR_HANDLER;
     params.address = reinterpret_cast<const ucp_address_t*>(peer.remote.worker_address.data());
-    params.err_mode = options_.peer_failure_detection ? UCP_ERR_HANDLING_MODE_PEER
-                                                      : UCP_ERR_HANDLING_MODE_NONE;
+    params.err_mode = detect_peer_failure ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
     params.err_handler.cb = &UcxKvSender::OnEndpointError;
     params.err_handler.arg = this;
     const uint64_t op_id = Register(std::move(owned));
@@ -471,6 +627,14 @@ class UcxKvSender final : public KvSender {
   const KvPoolMemory pools_;
   const UcxSenderOptions options_;
   std::unique_ptr<UcxWorker> worker_;
+
+  // Read by the callers' threads (SendLayer, Finish, path) as well.
+  mutable absl::Mutex device_mu_;
+  absl::flat_hash_map<PeerId, TransferPath> paths_ ABSL_GUARDED_BY(device_mu_);
+  absl::flat_hash_map<PeerId, std::shared_ptr<DeviceKvPeer>> device_peers_ ABSL_GUARDED_BY(device_mu_);
+  // kCudaIpc requests with copies enqueued and no Finish yet: the stream their notices wait for.
+  absl::flat_hash_map<std::pair<PeerId, uint64_t>, void*> device_streams_ ABSL_GUARDED_BY(device_mu_);
+  int device_callbacks_pending_ ABSL_GUARDED_BY(device_mu_) = 0;
   std::vector<std::unique_ptr<UcxMemoryRegion>> regions_;  // [KeyRegion/ValueRegion(layer)]
 
   // Progress thread only.
@@ -487,11 +651,6 @@ class UcxKvSender final : public KvSender {
 absl::StatusOr<std::unique_ptr<KvSender>> CreateUcxKvSender(KvPoolMemory pools,
                                                             UcxSenderOptions options) {
   DUET_RETURN_IF_ERROR(pools.Validate());
-  if (pools.memory_kind != MemoryKind::kHost) {
-    return absl::UnimplementedError(
-        "KV sender pools in device memory need staging through pinned host buffers (this UCX "
-        "build is not CUDA-aware); only host memory is implemented");
-  }
   auto sender = std::make_unique<UcxKvSender>(std::move(pools), options);
   DUET_RETURN_IF_ERROR(sender->Init());
   return sender;

@@ -33,7 +33,7 @@ class ReceiverProbe {
       absl::MutexLock lock(&mu_);
       ++layers_[request_id];
     };
-    callbacks.on_request_done = [this](uint64_t request_id, const absl::Status& status) {
+    callbacks.on_request_done = [this](uint64_t request_id, const absl::Status& status, MemoryKind) {
       absl::MutexLock lock(&mu_);
       EXPECT_FALSE(done_.contains(request_id)) << "request " << request_id << " ended twice";
       done_[request_id] = status;
@@ -110,8 +110,9 @@ struct TransferShape {
   uint32_t head_dim;
   KvDtype dtype;
   uint32_t num_tokens;
-  // false lets UCX use shared memory instead of tcp (see UcxSenderOptions).
-  bool peer_failure_detection = true;
+  // kNetwork: tcp with peer failure detection; kSharedMemory / kAuto (both sides on this host):
+  // UCX may use shared memory (see HostTransport).
+  HostTransport host_transport = HostTransport::kNetwork;
 };
 
 class UcxLoopbackTest : public ::testing::TestWithParam<TransferShape> {};
@@ -131,11 +132,12 @@ TEST_P(UcxLoopbackTest, ReceiverBytesEqualSenderBytesLayerByLayer) {
   ReceiverProbe probe;
   auto receiver = CreateUcxKvReceiver(dst.memory(), probe.callbacks());
   ASSERT_TRUE(receiver.ok()) << receiver.status();
-  auto sender = CreateUcxKvSender(src.memory(),
-                                  {.peer_failure_detection = s.peer_failure_detection});
+  auto sender = CreateUcxKvSender(src.memory(), {.host_transport = s.host_transport});
   ASSERT_TRUE(sender.ok()) << sender.status();
   absl::StatusOr<PeerId> peer = (*sender)->Connect((*receiver)->descriptor());
   ASSERT_TRUE(peer.ok()) << peer.status();
+  EXPECT_EQ((*sender)->path(*peer), s.host_transport == HostTransport::kNetwork ? TransferPath::kUcxNetwork
+                                                                                : TransferPath::kUcxSharedMemory);
 
   constexpr uint64_t kRequest = 42;
   ASSERT_TRUE((*receiver)
@@ -171,9 +173,11 @@ INSTANTIATE_TEST_SUITE_P(
                       TransferShape{16, 32, 6, 4, 64, KvDtype::kBFloat16, 100},
                       TransferShape{32, 16, 6, 4, 64, KvDtype::kBFloat16, 100},
                       TransferShape{1, 16, 2, 2, 32, KvDtype::kFloat32, 40},
-                      // Shared-memory transports.
-                      TransferShape{16, 16, 6, 4, 64, KvDtype::kBFloat16, 100, false},
-                      TransferShape{16, 32, 32, 8, 128, KvDtype::kBFloat16, 300, false}));
+                      // Shared-memory transports, asked for or chosen (both sides on this host).
+                      TransferShape{16, 16, 6, 4, 64, KvDtype::kBFloat16, 100, HostTransport::kSharedMemory},
+                      TransferShape{16, 32, 32, 8, 128, KvDtype::kBFloat16, 300, HostTransport::kSharedMemory},
+                      TransferShape{16, 16, 32, 8, 128, KvDtype::kBFloat16, 512, HostTransport::kAuto},
+                      TransferShape{32, 16, 4, 2, 64, KvDtype::kFloat32, 77, HostTransport::kAuto}));
 
 // A small same-shape setup for the protocol tests.
 class UcxProtocolTest : public ::testing::Test {
@@ -258,12 +262,36 @@ TEST_F(UcxProtocolTest, IncompatibleLayoutIsRefusedAtConnect) {
             absl::StatusCode::kInvalidArgument);
 }
 
-TEST_F(UcxProtocolTest, DeviceMemoryIsUnimplemented) {
-  KvPoolMemory memory = dst_.memory();
-  memory.memory_kind = MemoryKind::kDevice;
-  EXPECT_EQ(CreateUcxKvReceiver(memory, probe_.callbacks()).status().code(),
-            absl::StatusCode::kUnimplemented);
-  EXPECT_EQ(CreateUcxKvSender(memory).status().code(), absl::StatusCode::kUnimplemented);
+TEST_F(UcxProtocolTest, PathFollowsTheHostIdentities) {
+  auto receiver_on = [&](const char* host) {
+    return CreateUcxKvReceiver(dst_.memory(), probe_.callbacks(), {.host_id = host});
+  };
+  auto here = receiver_on("host-a");
+  auto there = receiver_on("host-b");
+  ASSERT_TRUE(here.ok() && there.ok());
+  for (HostTransport transport : {HostTransport::kAuto, HostTransport::kNetwork, HostTransport::kSharedMemory}) {
+    auto sender = CreateUcxKvSender(src_.memory(), {.host_transport = transport, .host_id = "host-a"});
+    ASSERT_TRUE(sender.ok());
+    absl::StatusOr<PeerId> near = (*sender)->Connect((*here)->descriptor());
+    absl::StatusOr<PeerId> far = (*sender)->Connect((*there)->descriptor());
+    ASSERT_TRUE(near.ok() && far.ok());
+    const TransferPath forced =
+        transport == HostTransport::kNetwork ? TransferPath::kUcxNetwork : TransferPath::kUcxSharedMemory;
+    EXPECT_EQ((*sender)->path(*near), transport == HostTransport::kAuto ? TransferPath::kUcxSharedMemory : forced);
+    EXPECT_EQ((*sender)->path(*far), transport == HostTransport::kAuto ? TransferPath::kUcxNetwork : forced);
+  }
+  EXPECT_EQ(TransferPathName(TransferPath::kCudaIpc), "cuda_ipc");
+  EXPECT_EQ(TransferPathName(TransferPath::kUcxSharedMemory), "ucx_shm");
+  EXPECT_EQ(TransferPathName(TransferPath::kUcxNetwork), "ucx_net");
+}
+
+TEST_F(UcxProtocolTest, DeviceDestinationsNeedDevicePools) {
+  ExpectedRequest request = Expected(3);
+  request.device_block_ids = {1, 2, 4};
+  absl::Status status = receiver_->Expect(request);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(status.message(), HasSubstr("no device pools"));
+  EXPECT_EQ(receiver_->active_leases(), 0u);
 }
 
 TEST_F(UcxProtocolTest, ReceiverCancelReleasesBlocksOnce) {
@@ -389,14 +417,17 @@ constexpr uint32_t kChildTokens = 40;
 // connected to the parent. Killed on destruction.
 class ChildProcess {
  public:
-  explicit ChildProcess(const char* role) {
+  // `transport`: the child's HostTransport ("net" or "shm").
+  explicit ChildProcess(const char* role, const char* transport = "net") {
     int to_child[2], from_child[2];
     EXPECT_EQ(pipe(to_child), 0);
     EXPECT_EQ(pipe(from_child), 0);
     const std::string role_env = absl::StrCat("DUET_KV_TEST_CHILD=", role);
+    const std::string transport_env = absl::StrCat("DUET_KV_TEST_TRANSPORT=", transport);
     std::vector<char*> env;
     for (char** e = environ; *e != nullptr; ++e) env.push_back(*e);
     env.push_back(const_cast<char*>(role_env.c_str()));
+    env.push_back(const_cast<char*>(transport_env.c_str()));
     env.push_back(nullptr);
     char* argv[] = {const_cast<char*>("kvtransfer_tests"), nullptr};
     pid_ = fork();
@@ -444,7 +475,8 @@ TEST(UcxDeadPeerTest, TransferToAKilledReceiverFailsCleanly) {
   ASSERT_FALSE(descriptor.empty());
 
   HostKvPools src(kChildLayout, kChildBlocks, 5);
-  auto sender = CreateUcxKvSender(src.memory(), {.operation_timeout = absl::Seconds(2)});
+  auto sender = CreateUcxKvSender(src.memory(), {.operation_timeout = absl::Seconds(2),
+                                                 .host_transport = HostTransport::kNetwork});
   ASSERT_TRUE(sender.ok());
   absl::StatusOr<PeerId> peer = (*sender)->Connect(descriptor);
   ASSERT_TRUE(peer.ok()) << peer.status();
@@ -471,7 +503,39 @@ TEST(UcxDeadPeerTest, TransferToAKilledReceiverFailsCleanly) {
   EXPECT_EQ((*sender)->pending_operations(), 0u);
 }
 
-TEST(UcxDeadPeerTest, ReceiverLeaseExpiresWhenTheSenderIsKilledMidRequest) {
+// Over shared memory a dead receiver is not reported by UCX: writes may still land in its
+// segments. Every operation must still end within the operation timeout, and nothing leaks.
+TEST(UcxDeadPeerTest, SharedMemoryTransferToAKilledReceiverEndsWithinTheTimeout) {
+  ChildProcess child("receiver", "shm");
+  const std::string descriptor = absl::HexStringToBytes(child.ReadLine());
+  ASSERT_FALSE(descriptor.empty());
+  HostKvPools src(kChildLayout, kChildBlocks, 5);
+  auto sender = CreateUcxKvSender(src.memory(), {.operation_timeout = absl::Seconds(2),
+                                                 .host_transport = HostTransport::kSharedMemory});
+  ASSERT_TRUE(sender.ok());
+  absl::StatusOr<PeerId> peer = (*sender)->Connect(descriptor);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  EXPECT_EQ((*sender)->path(*peer), TransferPath::kUcxSharedMemory);
+  LayerSend layer{.request_id = kChildRequest, .layer = 0, .num_tokens = kChildTokens,
+                  .src_block_ids = kChildSrcIds, .dst_block_ids = kChildDstIds};
+  ASSERT_TRUE((*sender)->SendLayer(*peer, layer).get().ok());
+
+  child.Kill();
+  const absl::Time start = absl::Now();
+  for (uint32_t l = 1; l < kChildLayout.num_layers; ++l) {
+    layer.layer = l;
+    absl::Status sent = (*sender)->SendLayer(*peer, layer).get();
+    EXPECT_TRUE(sent.ok() || absl::IsDeadlineExceeded(sent) || absl::IsUnavailable(sent)) << sent;
+  }
+  absl::Status finish = (*sender)->Finish(*peer, kChildRequest).get();
+  EXPECT_TRUE(finish.ok() || absl::IsDeadlineExceeded(finish) || absl::IsUnavailable(finish)) << finish;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(8));
+  EXPECT_EQ((*sender)->pending_operations(), 0u);
+}
+
+// The receiver's side of a dead sender: the lease expires and releases the blocks exactly once,
+// whatever the transport (the lease, not the transport, detects it).
+void ExpectLeaseExpiresAfterSenderKill(const char* transport) {
   HostKvPools dst(kChildLayout, kChildBlocks, 0);
   ReceiverProbe probe;
   auto receiver = CreateUcxKvReceiver(dst.memory(), probe.callbacks());
@@ -481,7 +545,7 @@ TEST(UcxDeadPeerTest, ReceiverLeaseExpiresWhenTheSenderIsKilledMidRequest) {
                             .dst_block_ids = kChildDstIds, .lease_ttl = absl::Seconds(1),
                             .verify_checksums = true})
                   .ok());
-  ChildProcess child("sender");
+  ChildProcess child("sender", transport);
   child.Send(absl::BytesToHexString((*receiver)->descriptor()));
   ASSERT_EQ(child.ReadLine(), "sent 2 layers");
   child.Kill();
@@ -496,6 +560,20 @@ TEST(UcxDeadPeerTest, ReceiverLeaseExpiresWhenTheSenderIsKilledMidRequest) {
   // The two layers that did arrive are intact.
   HostKvPools src(kChildLayout, kChildBlocks, 5);
   ExpectSameTokens(src, kChildSrcIds, dst, kChildDstIds, 2, kChildTokens);
+}
+
+TEST(UcxDeadPeerTest, ReceiverLeaseExpiresWhenTheSenderIsKilledMidRequest) {
+  ExpectLeaseExpiresAfterSenderKill("net");
+}
+
+TEST(UcxDeadPeerTest, SharedMemoryReceiverLeaseExpiresWhenTheSenderIsKilledMidRequest) {
+  ExpectLeaseExpiresAfterSenderKill("shm");
+}
+
+HostTransport ChildTransport() {
+  const char* transport = std::getenv("DUET_KV_TEST_TRANSPORT");
+  return transport != nullptr && std::string_view(transport) == "shm" ? HostTransport::kSharedMemory
+                                                                      : HostTransport::kNetwork;
 }
 
 // Child role "receiver": publish a descriptor, then wait to be killed.
@@ -517,7 +595,7 @@ int RunChildSender() {
   std::string hex(line);
   while (!hex.empty() && hex.back() == '\n') hex.pop_back();
   HostKvPools src(kChildLayout, kChildBlocks, 5);
-  auto sender = CreateUcxKvSender(src.memory());
+  auto sender = CreateUcxKvSender(src.memory(), {.host_transport = ChildTransport()});
   if (!sender.ok()) return 1;
   absl::StatusOr<PeerId> peer = (*sender)->Connect(absl::HexStringToBytes(hex));
   if (!peer.ok()) return 1;

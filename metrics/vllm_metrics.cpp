@@ -66,13 +66,21 @@ DuetMetrics::DuetMetrics(Registry& registry, std::string_view model_name, Role r
                      "Histogram of KV-cache bytes transferred per request between prefill and "
                      "decode workers.",
                      KvTransferBytesBuckets()),
-      DUET_HISTOGRAM(kv_transfer_seconds,
-                     "Histogram of KV-cache transfer time per request between prefill and decode "
-                     "workers, in seconds.",
+      DUET_HISTOGRAM(kv_transfer_wait_seconds,
+                     "Histogram of the time a prefill reply waited for its KV transfer after the "
+                     "prompt's last layer, in seconds.",
                      KvTransferSecondsBuckets()),
       accepted_per_pos_(&registry.AddCounter("duet:spec_decode_num_accepted_tokens_per_pos_total",
                                              "Accepted tokens per draft position.",
                                              {"model_name", "role", "position"})),
+      transfer_bytes_by_path_(&registry.AddCounter(
+          "duet:kv_transfer_bytes_total", "KV-cache bytes sent to decode workers, by transfer path.",
+          {"model_name", "role", "path"})),
+      transfer_seconds_by_path_(&registry.AddHistogram(
+          "duet:kv_transfer_seconds",
+          "Histogram of KV-cache transfer time per request between prefill and decode workers, in "
+          "seconds, by transfer path.",
+          {"model_name", "role", "path"}, KvTransferSecondsBuckets())),
       labels_(Values(model_name, role)) {
   auto& success = registry.AddCounter("duet:request_success_total",
                                       "Count of successfully processed requests.",
@@ -90,6 +98,14 @@ Counter& DuetMetrics::request_success(FinishReason reason) {
 
 const Counter& DuetMetrics::request_success(FinishReason reason) const {
   return const_cast<DuetMetrics*>(this)->request_success(reason);
+}
+
+Counter& DuetMetrics::kv_transfer_bytes_total(std::string_view path) const {
+  return transfer_bytes_by_path_->WithLabels({labels_[0], labels_[1], std::string(path)});
+}
+
+Histogram& DuetMetrics::kv_transfer_seconds(std::string_view path) const {
+  return transfer_seconds_by_path_->WithLabels({labels_[0], labels_[1], std::string(path)});
 }
 
 Counter& DuetMetrics::spec_decode_num_accepted_tokens_per_pos(int position) {

@@ -11,7 +11,10 @@
 //   request_{prompt,generation}_tokens Build125Buckets(max_model_len) (vLLM's build_1_2_5_buckets)
 // vLLM has no KV-transfer histograms of its own in this shape; Duet's are
 //   kv_transfer_bytes   KvTransferBytesBuckets():   1 KiB * 4^k up to 4 GiB
-//   kv_transfer_seconds KvTransferSecondsBuckets(): 1-2-5 steps from 100 us to 50 s
+//   kv_transfer_seconds, kv_transfer_wait_seconds KvTransferSecondsBuckets(): 1-2-5 steps from
+//                       100 us to 50 s
+// The prefill worker (the sender, which chooses the path) labels its transfer bytes counter and
+// seconds histogram with `path` (kvtransfer::TransferPathName: cuda_ipc, ucx_shm, ucx_net).
 #pragma once
 
 #include <array>
@@ -82,11 +85,19 @@ class DuetMetrics {
 
   // KV transfer between prefill and decode workers (one observation per transferred request).
   Histogram& kv_transfer_bytes;
-  Histogram& kv_transfer_seconds;
+  // Sender side, by path: bytes moved, and the time from the first layer sent to the receiver's
+  // acknowledgement of the whole request.
+  Counter& kv_transfer_bytes_total(std::string_view path) const;
+  Histogram& kv_transfer_seconds(std::string_view path) const;
+  // Prefill: how long the reply waited for the transfer after the prompt's output was ready
+  // (0 when the layer-wise transfer had fully overlapped the forward pass).
+  Histogram& kv_transfer_wait_seconds;
 
  private:
   std::array<Counter*, 5> request_success_{};  // by FinishReason; null where it counts none
   Family<Counter>* accepted_per_pos_;
+  Family<Counter>* transfer_bytes_by_path_;
+  Family<Histogram>* transfer_seconds_by_path_;
   std::vector<std::string> labels_;  // model_name, role
 };
 

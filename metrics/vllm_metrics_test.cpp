@@ -39,7 +39,9 @@ void Populate(Registry& registry) {
     m.request_prefill_time_seconds.Observe(0.03);
     m.request_decode_time_seconds.Observe(3.07);
     m.kv_transfer_bytes.Observe(3 << 20);
-    m.kv_transfer_seconds.Observe(0.0042);
+    m.kv_transfer_seconds("cuda_ipc").Observe(0.0042);
+    m.kv_transfer_bytes_total("cuda_ipc").Inc(3 << 20);
+    m.kv_transfer_wait_seconds.Observe(0.0001);
   }
 }
 
@@ -75,7 +77,8 @@ TEST(VllmMetricsTest, NamesLabelsAndValues) {
         "duet:request_prefill_time_seconds", "duet:request_decode_time_seconds",
         "duet:num_preemptions_total", "duet:kv_transfer_bytes", "duet:kv_transfer_seconds",
         "duet:kv_transfer_failures_total", "duet:prefix_cache_queries_total",
-        "duet:prefix_cache_hits_total", "duet:request_inference_time_seconds"}) {
+        "duet:prefix_cache_hits_total", "duet:request_inference_time_seconds",
+        "duet:kv_transfer_bytes_total", "duet:kv_transfer_wait_seconds"}) {
     EXPECT_THAT(text, HasSubstr(std::string("\n# TYPE ") + name + " ")) << name;
   }
   EXPECT_THAT(text, HasSubstr("duet:prompt_tokens_total{model_name=\"tiny\",role=\"decode\"} 5\n"));

@@ -1,5 +1,6 @@
 #include "prefill_worker/prefill_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <optional>
@@ -39,27 +40,32 @@ absl::StatusOr<std::unique_ptr<PrefillService>> PrefillService::Create(std::uniq
                         absl::StrCat("cannot set up the KV staging: ", pools.status().message()));
   }
   const int64_t kv_token_bytes = KvTokenBytes(pools->memory.layout);
+  kvtransfer::UcxSenderOptions sender_options = options.sender;
+  sender_options.device = pools->device.get();
   absl::StatusOr<std::unique_ptr<kvtransfer::KvSender>> sender =
-      kvtransfer::CreateUcxKvSender(pools->memory, options.sender);
+      kvtransfer::CreateUcxKvSender(pools->memory, sender_options);
   if (!sender.ok()) {
     return absl::Status(sender.status().code(),
                         absl::StrCat("cannot start the KV sender: ", sender.status().message()));
   }
-  std::unique_ptr<PrefillService> service(
-      new PrefillService(std::move(engine), std::move(*sender), std::move(pools->staging), options));
+  std::unique_ptr<PrefillService> service(new PrefillService(std::move(engine), std::move(*sender),
+                                                             std::move(pools->staging), std::move(pools->device),
+                                                             options));
   service->kv_token_bytes_ = kv_token_bytes;  // read on the loop thread, after a Prefill call posts
   return service;
 }
 
 PrefillService::PrefillService(std::unique_ptr<LlmEngine> engine,
                                std::unique_ptr<kvtransfer::KvSender> sender, std::unique_ptr<KvHostStaging> staging,
-                               PrefillServiceOptions options)
+                               std::unique_ptr<kvtransfer::DeviceKvMemory> device_kv, PrefillServiceOptions options)
     : options_(std::move(options)),
       block_size_(engine->config().block_size),
       num_layers_(engine->model_config().num_layers),
+      device_stream_(engine->kv_cache().device_stream()),
       metrics_(std::make_unique<metrics::DuetMetrics>(metrics_registry_, ServedModelName(options_.model_name, engine->config().model_dir),
                                                       metrics::Role::kPrefill,
                                                       engine->config().scheduler.max_model_len)),
+      device_kv_(std::move(device_kv)),
       staging_(std::move(staging)),
       sender_(std::move(sender)) {
   loop_ = std::make_unique<EngineLoop>(
@@ -135,6 +141,9 @@ class PrefillService::PrefillCall final : public grpc::ServerUnaryReactor,
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<RequestOutput> output_ ABSL_GUARDED_BY(mu_);
   std::optional<absl::Status> shipped_ ABSL_GUARDED_BY(mu_);
+  // When each arrived: the reply's wait on the transfer is their difference.
+  std::chrono::steady_clock::time_point output_time_ ABSL_GUARDED_BY(mu_);
+  std::chrono::steady_clock::time_point shipped_time_ ABSL_GUARDED_BY(mu_);
   bool ended_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -151,7 +160,7 @@ void PrefillService::PrefillCall::Start() {
   if (!params.ok()) return End(rpc::ToGrpc(params.status()));
   params_ = *std::move(params);
   const v1::KvTarget& target = request_.target();
-  if (target.receiver_descriptor().empty() || target.block_ids().empty()) {
+  if (target.receiver_descriptor().empty() || (target.block_ids().empty() && target.device_block_ids().empty())) {
     return End(Error(grpc::StatusCode::INVALID_ARGUMENT,
                      "the KV target (receiver_descriptor and block_ids from the decode worker's ReserveKv) is required"));
   }
@@ -167,8 +176,20 @@ void PrefillService::PrefillCall::Start() {
   transfer_ = std::make_shared<Transfer>();
   transfer_->transfer_id = target.transfer_id();
   transfer_->peer = *peer;
-  transfer_->dst_block_ids.assign(target.block_ids().begin(), target.block_ids().end());
+  transfer_->path = service_->sender_->path(*peer);
+  const auto& dst = transfer_->device() ? target.device_block_ids() : target.block_ids();
+  if (dst.empty()) {
+    (void)service_->sender_->Abort(transfer_->peer, transfer_->transfer_id);
+    return End(Error(grpc::StatusCode::FAILED_PRECONDITION,
+                     absl::StrCat("the KV target has no blocks for the ",
+                                  std::string(kvtransfer::TransferPathName(transfer_->path)),
+                                  " path this prefill worker uses to that decode worker")));
+  }
+  transfer_->dst_block_ids.assign(dst.begin(), dst.end());
   num_blocks_ = (int64_t(request_.prompt_token_ids_size()) + service_->block_size_ - 1) / service_->block_size_;
+  // Over CUDA IPC the copies read the cache, ordered on its stream before any later reuse: no
+  // staging, no admission queue.
+  if (transfer_->device()) return Admitted({});
   if (num_blocks_ > service_->staging_->num_blocks()) {
     (void)service_->sender_->Abort(transfer_->peer, transfer_->transfer_id);
     return End(Error(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -248,6 +269,7 @@ void PrefillService::PrefillCall::OnOutput(const RequestOutput& out) {
   {
     absl::MutexLock lock(&mu_);
     output_ = out;
+    output_time_ = std::chrono::steady_clock::now();
   }
   MaybeReply();
 }
@@ -256,6 +278,7 @@ void PrefillService::PrefillCall::OnShipped(const absl::Status& status) {
   {
     absl::MutexLock lock(&mu_);
     shipped_ = status;
+    shipped_time_ = std::chrono::steady_clock::now();
   }
   MaybeReply();
 }
@@ -263,12 +286,15 @@ void PrefillService::PrefillCall::OnShipped(const absl::Status& status) {
 void PrefillService::PrefillCall::MaybeReply() {
   RequestOutput out;
   absl::Status shipped;
+  double transfer_wait = 0;
   {
     absl::MutexLock lock(&mu_);
     if (!output_.has_value() || !shipped_.has_value()) return;
     out = *output_;
     shipped = *shipped_;
+    transfer_wait = std::max(0.0, Seconds(shipped_time_ - output_time_));
   }
+  if (shipped.ok() && !out.new_token_ids.empty()) service_->metrics_->kv_transfer_wait_seconds.Observe(transfer_wait);
   v1::PrefillResponse reply;
   const grpc::Status status = Reply(out, shipped, &reply);
   End(status, &reply);
@@ -396,7 +422,7 @@ bool PrefillService::BeginShipment(const std::shared_ptr<Transfer>& t, const Seq
   t->stage = Transfer::Stage::kSending;
   t->num_tokens = uint32_t(chunk.start_position + int64_t(chunk.tokens.size()));
   const size_t num_blocks = (t->num_tokens + uint32_t(block_size_) - 1) / uint32_t(block_size_);
-  if (chunk.block_table.size() < num_blocks || t->staging_block_ids.size() != num_blocks) {
+  if (chunk.block_table.size() < num_blocks || (!t->device() && t->staging_block_ids.size() != num_blocks)) {
     FinishShipment(t, absl::InternalError("the prefill sequence's block table does not cover its prompt"));
     return false;
   }
@@ -406,17 +432,24 @@ bool PrefillService::BeginShipment(const std::shared_ptr<Transfer>& t, const Seq
 }
 
 void PrefillService::ShipLayer(const std::shared_ptr<Transfer>& t, int64_t layer) {
-  // The layer's K/V are complete in the cache (the executor's stream reached this layer): copy
-  // them out, so the sends never read blocks the engine may reuse after this step.
-  if (absl::Status s = staging_->StageLayer(layer, t->cache_block_ids, t->staging_block_ids); !s.ok()) {
-    return FinishShipment(t, s);
-  }
   kvtransfer::LayerSend send;
   send.request_id = t->transfer_id;
   send.layer = uint32_t(layer);
   send.num_tokens = t->num_tokens;
-  send.src_block_ids.assign(t->staging_block_ids.begin(), t->staging_block_ids.end());
   send.dst_block_ids = t->dst_block_ids;
+  send.with_checksums = options_.verify_kv_checksums;
+  if (t->device()) {
+    // Copied from the cache blocks on the executor's stream, right behind the layer.
+    send.src_block_ids.assign(t->cache_block_ids.begin(), t->cache_block_ids.end());
+    send.device_stream = device_stream_;
+  } else {
+    // Copied out of the cache once the layer is complete, so the sends never read blocks the
+    // engine may reuse after this step.
+    if (absl::Status s = staging_->StageLayer(layer, t->cache_block_ids, t->staging_block_ids); !s.ok()) {
+      return FinishShipment(t, s);
+    }
+    send.src_block_ids.assign(t->staging_block_ids.begin(), t->staging_block_ids.end());
+  }
   // Its outcome is reported by Finish, which resolves after every SendLayer of the request.
   (void)sender_->SendLayer(t->peer, std::move(send));
   if (layer == num_layers_ - 1) FinishShipment(t, absl::OkStatus());
@@ -443,8 +476,12 @@ void PrefillService::EndShipment(const std::shared_ptr<Transfer>& t, const absl:
   t->staging_block_ids.clear();
   AdmitWaiting();
   if (status.ok()) {
-    metrics_->kv_transfer_bytes.Observe(double(t->num_tokens) * double(kv_token_bytes_));
-    metrics_->kv_transfer_seconds.Observe(Seconds(std::chrono::steady_clock::now() - t->send_start));
+    const double bytes = double(t->num_tokens) * double(kv_token_bytes_);
+    const std::string_view path = kvtransfer::TransferPathName(t->path);
+    metrics_->kv_transfer_bytes.Observe(bytes);
+    metrics_->kv_transfer_bytes_total(path).Inc(bytes);
+    metrics_->kv_transfer_seconds(path).Observe(Seconds(std::chrono::steady_clock::now() - t->send_start));
+    transfers_by_path_[size_t(t->path)].fetch_add(1, std::memory_order_relaxed);
   } else if (count_failure) {
     metrics_->kv_transfer_failures.Inc();
   }
@@ -515,6 +552,17 @@ grpc::ServerUnaryReactor* PrefillService::GetStats(grpc::CallbackServerContext* 
                                                    v1::WorkerStats* response) {
   rpc::FillWorkerStats(loop_->Stats(), "prefill", block_size_, response);
   response->set_num_kv_leases(0);
+  {
+    absl::MutexLock lock(&peers_mu_);
+    for (const auto& [descriptor, peer] : peers_) {
+      ++(*response->mutable_kv_peers_by_path())[std::string(kvtransfer::TransferPathName(sender_->path(peer)))];
+    }
+  }
+  for (kvtransfer::TransferPath path : {kvtransfer::TransferPath::kUcxNetwork, kvtransfer::TransferPath::kUcxSharedMemory,
+                                        kvtransfer::TransferPath::kCudaIpc}) {
+    const int64_t shipped = transfers_by_path_[size_t(path)].load(std::memory_order_relaxed);
+    if (shipped > 0) (*response->mutable_kv_transfers_by_path())[std::string(kvtransfer::TransferPathName(path))] = shipped;
+  }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

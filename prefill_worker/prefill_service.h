@@ -1,9 +1,13 @@
 // The prefill worker's gRPC service (duet.v1.PrefillWorker): runs a prompt through the engine
 // (batched with other prompts by the continuous-batching scheduler), samples the first token,
-// and ships the prompt's KV blocks into the decode worker's reserved blocks over UCX layer by
-// layer, as each layer is computed, so the transfer overlaps the rest of the forward pass.
+// and ships the prompt's KV blocks into the decode worker's reserved blocks layer by layer, as
+// each layer is computed, so the transfer overlaps the rest of the forward pass. The path is the
+// sender's choice per decode worker (kvtransfer::TransferPath): CUDA IPC from the device cache
+// straight into the decode worker's, or host staging over UCX shared memory or the network.
 #pragma once
 
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -33,9 +37,11 @@ struct PrefillServiceOptions {
   kvtransfer::UcxSenderOptions sender;
   // The model_name label of this worker's metrics; empty: the model directory's base name.
   std::string model_name;
-  // Host staging the prompts' KV is copied into, layer by layer, and sent from (worker_kv_pools.h;
-  // always on here: force_staging is implied).
+  // Host staging the prompts' KV is copied into, layer by layer, and sent from on the host paths
+  // (worker_kv_pools.h; always on here: force_staging is implied).
   WorkerKvPoolOptions kv_pools;
+  // Send K/V checksums with every layer (the decode worker verifies them when it asks to).
+  bool verify_kv_checksums = false;
 };
 
 // On gRPC's callback API: no thread per call, and the engine thread never waits on the network.
@@ -75,6 +81,8 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
     enum class Stage { kUnsent, kSending, kEnded };
     uint64_t transfer_id = 0;
     kvtransfer::PeerId peer = 0;
+    kvtransfer::TransferPath path = kvtransfer::TransferPath::kUcxNetwork;
+    bool device() const { return path == kvtransfer::TransferPath::kCudaIpc; }
     std::vector<uint32_t> dst_block_ids;
     std::vector<int32_t> staging_block_ids;  // taken at admission, freed when the shipment ends
     std::shared_ptr<PrefillCall> call;       // told how the shipment ended
@@ -86,7 +94,8 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
   };
 
   PrefillService(std::unique_ptr<LlmEngine> engine, std::unique_ptr<kvtransfer::KvSender> sender,
-                 std::unique_ptr<KvHostStaging> staging, PrefillServiceOptions options);
+                 std::unique_ptr<KvHostStaging> staging, std::unique_ptr<kvtransfer::DeviceKvMemory> device_kv,
+                 PrefillServiceOptions options);
 
   // Admission: a prompt's staging now, or a place in the queue until a shipment frees some.
   void Admit(const std::shared_ptr<PrefillCall>& call) ABSL_LOCKS_EXCLUDED(admission_mu_);
@@ -114,7 +123,9 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
   const PrefillServiceOptions options_;
   const int32_t block_size_;
   const int64_t num_layers_;
+  void* const device_stream_;   // the engine's cache stream (device caches), where IPC copies go
   int64_t kv_token_bytes_ = 0;  // K and V of one token over all layers
+  std::array<std::atomic<int64_t>, 4> transfers_by_path_{};  // shipped requests, by TransferPath
 
   // Before loop_: the engine thread's callbacks use them until the loop stops.
   metrics::Registry metrics_registry_;
@@ -133,8 +144,9 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
   std::map<SequenceId, std::shared_ptr<Transfer>> transfers_;
   bool stopping_ = false;  // engine thread only
 
-  // The sender reads the staging: created before and destroyed after the engine thread has
-  // stopped using it (see the destructor); the engine itself lives in loop_.
+  // The sender reads the staging and the device pools: created before and destroyed after the
+  // engine thread has stopped using them (see the destructor); the engine itself lives in loop_.
+  std::unique_ptr<kvtransfer::DeviceKvMemory> device_kv_;
   std::unique_ptr<KvHostStaging> staging_;
   std::unique_ptr<kvtransfer::KvSender> sender_;
   std::unique_ptr<EngineLoop> loop_;

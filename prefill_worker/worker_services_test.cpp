@@ -57,6 +57,7 @@ class WorkerServicesTest : public ::testing::Test {
     // transport re-blocks).
     DecodeServiceOptions decode_options;
     decode_options.kv_pools = decode_staging_;
+    decode_options.verify_kv_checksums = true;  // every transfer in these tests is checksummed
     absl::StatusOr<std::unique_ptr<DecodeService>> decode =
         DecodeService::Create(NewEngine(8, kDecodeBlocks), decode_options);
     ASSERT_TRUE(decode.ok()) << decode.status();
@@ -64,6 +65,7 @@ class WorkerServicesTest : public ::testing::Test {
     PrefillServiceOptions prefill_options;
     prefill_options.sender.operation_timeout = absl::Seconds(3);
     prefill_options.kv_pools = prefill_staging_;
+    prefill_options.verify_kv_checksums = true;
     absl::StatusOr<std::unique_ptr<PrefillService>> prefill =
         PrefillService::Create(NewEngine(16, 128, /*max_batched_tokens=*/8), prefill_options);
     ASSERT_TRUE(prefill.ok()) << prefill.status();
@@ -277,8 +279,10 @@ TEST_F(WorkerServicesTest, MetricsFollowARequest) {
   EXPECT_EQ(received.count, 1u);
   EXPECT_GT(sent.sum, 0.0);
   EXPECT_EQ(sent.sum, received.sum);
-  EXPECT_EQ(pm.kv_transfer_seconds.Collect().count, 1u);
-  EXPECT_EQ(dm.kv_transfer_seconds.Collect().count, 1u);
+  // The sender owns the per-path figures: both workers on this host, so UCX shared memory.
+  EXPECT_EQ(pm.kv_transfer_seconds("ucx_shm").Collect().count, 1u);
+  EXPECT_EQ(pm.kv_transfer_bytes_total("ucx_shm").Value(), sent.sum);
+  EXPECT_EQ(pm.kv_transfer_wait_seconds.Collect().count, 1u);
   EXPECT_EQ(pm.kv_transfer_failures.Value(), 0.0);
   EXPECT_EQ(dm.kv_transfer_failures.Value(), 0.0);
 

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "common/logging.h"
+
 namespace duet {
 
 absl::StatusOr<WorkerKvPools> MakeWorkerKvPools(KvCache& cache, const SchedulerConfig& scheduler,
@@ -15,7 +17,20 @@ absl::StatusOr<WorkerKvPools> MakeWorkerKvPools(KvCache& cache, const SchedulerC
   memory.layout.head_dim = uint32_t(shape.head_dim);
   memory.layout.dtype =
       shape.dtype == KvDtype::kFloat32 ? kvtransfer::KvDtype::kFloat32 : kvtransfer::KvDtype::kBFloat16;
-  memory.memory_kind = kvtransfer::MemoryKind::kHost;
+  if (cache.memory_space() == MemorySpace::kDevice && options.device_transfers) {
+    kvtransfer::DeviceKvPools device{memory.layout, uint32_t(shape.num_blocks), {}, {}};
+    for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
+      device.key_pools.push_back(cache.key_pool(layer));
+      device.value_pools.push_back(cache.value_pool(layer));
+    }
+    absl::StatusOr<std::unique_ptr<kvtransfer::DeviceKvMemory>> exported =
+        kvtransfer::CreateDeviceKvMemory(std::move(device));
+    if (exported.ok()) {
+      pools.device = *std::move(exported);
+    } else {
+      DUET_LOG(WARNING) << "KV transfers stay on host staging: " << exported.status();
+    }
+  }
   if (cache.memory_space() == MemorySpace::kHost && !options.force_staging) {
     memory.num_blocks = uint32_t(shape.num_blocks);
     for (int64_t layer = 0; layer < shape.num_layers; ++layer) {

@@ -1,7 +1,9 @@
 // The KV pools a worker registers with the transport: its cache's own pools when the transport
 // can reach them (host memory), else page-locked host staging blocks of the same layout
-// (a device cache: Debian's UCX has no CUDA transport). With staging, the worker copies blocks
-// between the cache and the staging pools around each transfer (engine/kv_host_staging.h).
+// (a device cache: UCX moves host memory only), plus, for a device cache, the cache's own pools
+// for the CUDA IPC path to workers on the same host (kvtransfer/device_kv_memory.h). With
+// staging, the worker copies blocks between the cache and the staging pools around each
+// transfer that takes a host path (engine/kv_host_staging.h).
 #pragma once
 
 #include <cstdint>
@@ -11,6 +13,7 @@
 #include "engine/kv/kv_cache.h"
 #include "engine/kv/kv_host_staging.h"
 #include "engine/scheduler/scheduler.h"
+#include "kvtransfer/device_kv_memory.h"
 #include "kvtransfer/kv_transport.h"
 
 namespace duet {
@@ -18,6 +21,8 @@ namespace duet {
 struct WorkerKvPools {
   kvtransfer::KvPoolMemory memory;
   std::unique_ptr<KvHostStaging> staging;  // null: `memory` is the cache's own pools
+  // A device cache's pools; null for a host cache, or when device transfers are off.
+  std::unique_ptr<kvtransfer::DeviceKvMemory> device;
 };
 
 struct WorkerKvPoolOptions {
@@ -26,6 +31,8 @@ struct WorkerKvPoolOptions {
   // Staging capacity in tokens, rounded up to whole blocks and capped at the cache's size;
   // 0: twice the longest prompt one step can finish, max(max_model_len, max_num_batched_tokens).
   int64_t staging_tokens = 0;
+  // Offer a device cache's pools for CUDA IPC transfers (off: every transfer is staged).
+  bool device_transfers = true;
 };
 
 absl::StatusOr<WorkerKvPools> MakeWorkerKvPools(KvCache& cache, const SchedulerConfig& scheduler,

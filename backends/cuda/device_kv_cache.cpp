@@ -16,16 +16,23 @@ absl::StatusOr<std::unique_ptr<DeviceKvCache>> DeviceKvCache::Create(KvCacheShap
   DUET_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "KV cache memset"));
   cudaStream_t copy_stream = nullptr;
   DUET_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking), "KV copy stream"));
-  return std::unique_ptr<DeviceKvCache>(new DeviceKvCache(shape, std::move(pool), stream, copy_stream));
+  cudaEvent_t produced = nullptr;
+  if (absl::Status s = CudaStatus(cudaEventCreateWithFlags(&produced, cudaEventDisableTiming), "KV copy event");
+      !s.ok()) {
+    cudaStreamDestroy(copy_stream);
+    return s;
+  }
+  return std::unique_ptr<DeviceKvCache>(new DeviceKvCache(shape, std::move(pool), stream, copy_stream, produced));
 }
 
 DeviceKvCache::DeviceKvCache(const KvCacheShape& shape, DeviceAllocation pool, cudaStream_t stream,
-                             cudaStream_t copy_stream)
+                             cudaStream_t copy_stream, cudaEvent_t produced)
     : KvCache(shape),
       pool_(std::move(pool)),
       layer_elems_(shape.num_blocks * shape.block_elems()),
       stream_(stream),
-      copy_stream_(copy_stream) {
+      copy_stream_(copy_stream),
+      produced_(produced) {
   pending_moves_.first_layer = Layer(0);
   pending_moves_.layer_stride = 2 * layer_elems_;  // pools alternate K, V per layer
   pending_moves_.num_layers = int(shape.num_layers);
@@ -44,7 +51,10 @@ void DeviceKvCache::FlushSlotMoves() {
   pending_moves_.num_moves = 0;
 }
 
-DeviceKvCache::~DeviceKvCache() { cudaStreamDestroy(copy_stream_); }
+DeviceKvCache::~DeviceKvCache() {
+  cudaEventDestroy(produced_);
+  cudaStreamDestroy(copy_stream_);
+}
 
 void DeviceKvCache::CopyBlocks(const std::vector<BlockCopy>& copies) {
   FlushSlotMoves();
@@ -122,6 +132,12 @@ absl::Status DeviceKvCache::CopyWithHost(int64_t first_layer, int64_t num_layers
   }
   if (count == 0) return absl::OkStatus();
   std::lock_guard<std::mutex> lock(copy_mu_);
+  if (to_host) {
+    // The blocks may have been written by work still queued on the executor's stream (the
+    // prefill's layer hook runs as soon as the layer is enqueued): copy after it.
+    DUET_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(produced_, stream_), "KV copy event"));
+    DUET_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(copy_stream_, produced_), "KV copy event"));
+  }
   cudaMemcpyAttributes attrs{};
   attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
   attrs.flags = cudaMemcpyFlagPreferOverlapWithCompute;

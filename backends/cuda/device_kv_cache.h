@@ -22,6 +22,7 @@ class DeviceKvCache : public KvCache {
                                                                cudaStream_t stream);
 
   MemorySpace memory_space() const override { return MemorySpace::kDevice; }
+  void* device_stream() const override { return stream_; }
   void* key_pool(int64_t layer) override { return keys(layer); }
   void* value_pool(int64_t layer) override { return values(layer); }
   ~DeviceKvCache() override;
@@ -31,7 +32,8 @@ class DeviceKvCache : public KvCache {
   // Page-locked, so the copies below run at full PCIe/C2C speed and UCX can register it.
   absl::StatusOr<HostMemory> AllocateHostStaging(size_t bytes) override;
   // On a copy stream of their own (callable from any thread, one at a time), so a staging copy
-  // does not wait for the step in flight: the caller guarantees no step uses those blocks.
+  // from the host does not wait for the step in flight: the caller guarantees no step uses those
+  // blocks. A copy to the host waits for the work already on the executor's stream.
   // Runs of consecutive blocks become one copy; all of them go in one batched call.
   absl::Status CopyBlocksToHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
                                 const HostKvBlocks& host) override;
@@ -54,7 +56,8 @@ class DeviceKvCache : public KvCache {
   }
 
  private:
-  DeviceKvCache(const KvCacheShape& shape, DeviceAllocation pool, cudaStream_t stream, cudaStream_t copy_stream);
+  DeviceKvCache(const KvCacheShape& shape, DeviceAllocation pool, cudaStream_t stream, cudaStream_t copy_stream,
+                cudaEvent_t produced);
   absl::Status CopyWithHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
                             const HostKvBlocks& host, bool to_host);
 
@@ -63,6 +66,7 @@ class DeviceKvCache : public KvCache {
   cudaStream_t stream_;
   std::mutex copy_mu_;       // one staging copy at a time on copy_stream_
   cudaStream_t copy_stream_;  // owned
+  cudaEvent_t produced_;      // owned: orders a to-host copy after the executor's stream
   kernels::KvSlotMoveParams pending_moves_{};  // num_moves queued, not yet launched
 };
 

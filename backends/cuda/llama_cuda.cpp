@@ -231,11 +231,9 @@ void LlamaCuda::Enqueue(const cuda::StepPlan& plan, cuda::DeviceKvCache& cache, 
     const cuda::CudaLayerWeights& l = weights_.layer(size_t(li));
     EnqueueAttention(l, li == 0, plan, decode_plan, cache.Layer(li));
     EnqueueMlp(l, plan.num_tokens);
-    if (on_layer_done) {
-      // The layer's K/V are in the cache once the stream reaches here.
-      DUET_CHECK_CUDA(cudaStreamSynchronize(stream_));
-      on_layer_done(int64_t(li), chunks);
-    }
+    // The layer's K/V are in the cache once the stream reaches here; the hook orders its reads
+    // after this point of the stream (LayerDoneCallback), so the host does not wait.
+    if (on_layer_done) on_layer_done(int64_t(li), chunks);
   }
   EnqueueFinalNorm(plan, sample);
 }

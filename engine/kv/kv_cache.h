@@ -55,6 +55,9 @@ class KvCache {
 
   const KvCacheShape& shape() const { return shape_; }
   virtual MemorySpace memory_space() const = 0;
+  // A device cache: the stream (cudaStream_t) that orders every step's work on it; a layer's K/V
+  // are complete for work enqueued there after the layer hook ran. Null for host caches.
+  virtual void* device_stream() const { return nullptr; }
   // Base address of one layer's K or V pool ([num_blocks, num_kv_heads, block_size, head_dim]
   // elements of shape().dtype), in memory_space().
   virtual void* key_pool(int64_t layer) = 0;

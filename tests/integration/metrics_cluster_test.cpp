@@ -226,6 +226,12 @@ TEST(MetricsClusterTest, PromtoolAndARealPrometheusAgreeWithTheTokensGenerated) 
   EXPECT_EQ(SampleValue(prefill_text, Series("duet:kv_transfer_bytes_count", "prefill")), kRequests);
   EXPECT_EQ(SampleValue(prefill_text, Series("duet:kv_transfer_bytes_sum", "prefill")),
             SampleValue(decode_text, Series("duet:kv_transfer_bytes_sum", "decode")));
+  // Both workers on this host, host caches: UCX shared memory carries the bytes.
+  EXPECT_EQ(SampleValue(prefill_text, Series("duet:kv_transfer_bytes_total", "prefill", ",path=\"ucx_shm\"")),
+            SampleValue(prefill_text, Series("duet:kv_transfer_bytes_sum", "prefill")));
+  EXPECT_EQ(SampleValue(prefill_text, Series("duet:kv_transfer_seconds_count", "prefill", ",path=\"ucx_shm\"")),
+            kRequests);
+  EXPECT_EQ(SampleValue(prefill_text, Series("duet:kv_transfer_wait_seconds_count", "prefill")), kRequests);
   EXPECT_EQ(SampleValue(prefill_text, Series("duet:request_prefill_time_seconds_count", "prefill")), kRequests);
   EXPECT_EQ(SampleValue(prefill_text, Series("duet:kv_cache_usage_perc", "prefill")), 0);
   EXPECT_EQ(SampleValue(router_text, Series("duet:generation_tokens_total", "router")), double(tokens))
