@@ -12,6 +12,9 @@ struct GenerateOptions {
   EngineConfig engine;
   std::string input_path;
   std::string output_path;
+  // The first `warmup` requests run once, untimed and unsaved, before the batch: one-time costs
+  // (lazy kernel loading, library heuristics, first allocations) stay out of the timings.
+  int warmup = 0;
 };
 int RunGenerate(const GenerateOptions& options);
 

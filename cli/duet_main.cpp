@@ -27,6 +27,8 @@ int main(int argc, char** argv) {
   gen_flags.Add(generate);
   generate->add_option("--input", gen.input_path, "Input JSONL, one request per line")->required();
   generate->add_option("--output", gen.output_path, "Output JSONL")->required();
+  generate->add_option("--warmup", gen.warmup, "Run the first N requests once, untimed, before the batch")
+      ->check(CLI::Range(0, 1 << 20));
 
   duet::TokenizeOptions tok;
   CLI::App* tokenize = app.add_subcommand("tokenize", "Tokenize texts (JSONL {\"text\"} → {\"ids\"})");

@@ -1,7 +1,9 @@
 // `duet generate`: offline batch generation through the engine, all requests submitted at once
 // so they share the continuously batched steps.
+#include <algorithm>
 #include <chrono>
-#include <map>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -68,38 +70,67 @@ int RunGenerate(const GenerateOptions& options) {
     return 1;
   }
   LlmEngine& e = **engine;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    GenerateRequest& req = requests[i];
-    std::vector<int32_t> prompt = req.prompt ? e.tokenizer().Encode(*req.prompt, /*add_special_tokens=*/true)
-                                             : req.prompt_token_ids;
-    if (absl::Status s = e.AddRequest(req.id, std::move(prompt), req.params); !s.ok()) {
-      DUET_LOG(ERROR) << options.input_path << ": request " << i + 1 << " (id " << req.id << "): " << s.message();
-      return 2;
-    }
+  std::vector<std::vector<int32_t>> prompts;
+  for (const GenerateRequest& req : requests) {
+    prompts.push_back(req.prompt ? e.tokenizer().Encode(*req.prompt, /*add_special_tokens=*/true)
+                                 : req.prompt_token_ids);
   }
+  // Queues requests [0, n) and steps until they all finish, counting the generated tokens;
+  // returns 0 or the exit code.
+  auto run = [&](size_t n, int64_t* generated, Clock::time_point* start) {
+    for (size_t i = 0; i < n; ++i) {
+      if (absl::Status s = e.AddRequest(requests[i].id, prompts[i], requests[i].params); !s.ok()) {
+        DUET_LOG(ERROR) << options.input_path << ": request " << i + 1 << " (id " << requests[i].id
+                        << "): " << s.message();
+        return 2;
+      }
+    }
+    *start = Clock::now();
+    while (e.HasUnfinished()) {
+      absl::StatusOr<std::vector<RequestOutput>> step = e.Step();
+      if (!step.ok()) {
+        DUET_LOG(ERROR) << step.status().message();
+        return 1;
+      }
+      for (const RequestOutput& out : *step) *generated += int64_t(out.new_token_ids.size());
+    }
+    return 0;
+  };
 
-  const Clock::time_point start = Clock::now();
+  Clock::time_point start;
   int64_t generated = 0;
-  while (e.HasUnfinished()) {
-    absl::StatusOr<std::vector<RequestOutput>> step = e.Step();
-    if (!step.ok()) {
-      DUET_LOG(ERROR) << step.status().message();
-      return 1;
-    }
-    for (const RequestOutput& out : *step) generated += int64_t(out.new_token_ids.size());
+  if (const size_t n = std::min(requests.size(), size_t(std::max(options.warmup, 0))); n > 0) {
+    if (int rc = run(n, &generated, &start); rc != 0) return rc;
+    DUET_LOG(INFO) << absl::StrFormat("warm-up: %zu requests, %lld tokens in %.2f s (not timed below)", n,
+                                      static_cast<long long>(generated), Seconds(start, Clock::now()));
+    for (size_t i = 0; i < n; ++i) e.Release(requests[i].id);
+    generated = 0;
   }
+  const int64_t preemptions_before = e.Stats().num_preemptions;
+  if (int rc = run(requests.size(), &generated, &start); rc != 0) return rc;
   const double elapsed = Seconds(start, Clock::now());
 
   std::vector<nlohmann::json> out_rows;
-  for (const GenerateRequest& req : requests) out_rows.push_back(OutputRow(*e.Find(req.id), e.tokenizer()));
+  std::vector<double> ttft_ms;
+  for (const GenerateRequest& req : requests) {
+    const Request& r = *e.Find(req.id);
+    out_rows.push_back(OutputRow(r, e.tokenizer()));
+    if (r.first_token_time != Clock::time_point{}) ttft_ms.push_back(1e3 * Seconds(r.arrival_time, r.first_token_time));
+  }
   if (absl::Status s = WriteJsonl(options.output_path, out_rows); !s.ok()) {
     DUET_LOG(ERROR) << s.message();
     return 1;
   }
-  DUET_LOG(INFO) << absl::StrFormat("%zu requests, %lld tokens in %.2f s (%.1f tok/s), %lld preemptions",
+  std::sort(ttft_ms.begin(), ttft_ms.end());
+  const std::string ttft =
+      ttft_ms.empty() ? "no first tokens"
+                      : absl::StrFormat("TTFT median %.1f ms, max %.1f ms",
+                                        (ttft_ms[(ttft_ms.size() - 1) / 2] + ttft_ms[ttft_ms.size() / 2]) / 2,
+                                        ttft_ms.back());
+  DUET_LOG(INFO) << absl::StrFormat("%zu requests, %lld tokens in %.2f s (%.1f tok/s), %s, %lld preemptions",
                                     requests.size(), static_cast<long long>(generated), elapsed,
-                                    elapsed > 0 ? generated / elapsed : 0.0,
-                                    static_cast<long long>(e.Stats().num_preemptions));
+                                    elapsed > 0 ? generated / elapsed : 0.0, ttft,
+                                    static_cast<long long>(e.Stats().num_preemptions - preemptions_before));
   return 0;
 }
 

@@ -299,4 +299,18 @@ absl::StatusOr<std::vector<BenchRequest>> LoadDataset(const DatasetOptions& o) {
   return out;
 }
 
+std::string GenerateInputJsonl(const std::vector<BenchRequest>& requests, const Tokenizer& tokenizer,
+                               bool ignore_eos) {
+  std::string out;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const Json row = {{"id", absl::StrCat(i)},
+                      {"prompt_token_ids", tokenizer.Encode(requests[i].prompt, /*add_special_tokens=*/true)},
+                      {"max_tokens", requests[i].output_tokens},
+                      {"temperature", 0},
+                      {"ignore_eos", ignore_eos}};
+    absl::StrAppend(&out, row.dump(), "\n");
+  }
+  return out;
+}
+
 }  // namespace duet::bench

@@ -52,4 +52,11 @@ struct DatasetOptions {
 // a file with fewer usable entries than num_prompts is cycled.
 absl::StatusOr<std::vector<BenchRequest>> LoadDataset(const DatasetOptions& options);
 
+// The requests as `duet generate` input (cli/generate_request.h), one JSON object a line:
+// {"id": "<index>", "prompt_token_ids", "max_tokens", "temperature": 0, "ignore_eos"}. The ids are
+// the prompt encoded with special tokens added, as a Duet router encodes a text prompt, so the
+// engine alone can run exactly what the benchmark sends a cluster (greedy, as every request is).
+std::string GenerateInputJsonl(const std::vector<BenchRequest>& requests, const Tokenizer& tokenizer,
+                               bool ignore_eos);
+
 }  // namespace duet::bench

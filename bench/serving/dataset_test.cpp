@@ -96,6 +96,22 @@ TEST_F(DatasetTest, RandomLengthsStayInTheRangeAndFollowTheSeed) {
   EXPECT_NE(a->front().prompt, c->front().prompt);
 }
 
+// A smaller run of the same seed sends the first requests of a larger one (scripts/gpu/
+// h200_cluster.sh runs the engine alone on --save-requests of one size, the cluster on others).
+TEST_F(DatasetTest, RandomRunsOfFewerPromptsAreTheFirstOfMore) {
+  DatasetOptions o = Options(DatasetKind::kRandom);
+  o.range_ratio = 0.3;
+  o.num_prompts = 25;
+  auto more = LoadDataset(o);
+  o.num_prompts = 7;
+  auto fewer = LoadDataset(o);
+  ASSERT_TRUE(more.ok() && fewer.ok());
+  for (size_t i = 0; i < fewer->size(); ++i) {
+    EXPECT_EQ((*fewer)[i].prompt, (*more)[i].prompt) << i;
+    EXPECT_EQ((*fewer)[i].output_tokens, (*more)[i].output_tokens) << i;
+  }
+}
+
 TEST_F(DatasetTest, TokenizerIsNeededWhereLengthsAreInTokens) {
   for (DatasetKind kind : {DatasetKind::kRandom, DatasetKind::kSharedPrefix, DatasetKind::kCode}) {
     DatasetOptions o = Options(kind);

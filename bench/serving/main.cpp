@@ -4,6 +4,8 @@
 //
 //   duet-bench --backend duet-grpc --base-url 127.0.0.1:50051 --tokenizer models/tiny-code-llama
 //              --dataset random --input-len 128 --output-len 64 --num-prompts 100 --request-rate 4
+// With --save-requests PATH it writes the workload as `duet generate` input instead and exits, so
+// the engine alone can run the same requests.
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -40,7 +42,7 @@ struct Flags {
   std::string base_url;
   std::string model;
   std::string dataset = "random";
-  std::string dataset_path, code_dir, tokenizer, api_key, result_json;
+  std::string dataset_path, code_dir, tokenizer, api_key, result_json, save_requests;
   int input_len = 1024, output_len = 128, num_prompts = 1000, max_concurrency = 0;
   int prefix_len = 512, num_prefix_groups = 4;
   double range_ratio = 0, request_rate = std::numeric_limits<double>::infinity(), burstiness = 1;
@@ -95,6 +97,23 @@ RequestResult SendAndWait(Client& client, const ClientRequest& request) {
   return std::move(*out);
 }
 
+// --save-requests: the workload as `duet generate` input, so the engine alone runs the same
+// requests; no server is contacted.
+int SaveRequests(const Flags& f, const std::vector<BenchRequest>& requests, const Tokenizer* tokenizer) {
+  if (tokenizer == nullptr) return Fail(absl::InvalidArgumentError("--save-requests needs --tokenizer"));
+  if (f.backend == "openai-chat") {
+    return Fail(absl::InvalidArgumentError(
+        "--save-requests writes completion prompts; openai-chat servers apply a chat template first"));
+  }
+  std::ofstream out(f.save_requests);
+  out << GenerateInputJsonl(requests, *tokenizer, f.ignore_eos);
+  out.close();
+  if (!out) return Fail(absl::UnavailableError(absl::StrCat("cannot write --save-requests '", f.save_requests, "'")));
+  std::fprintf(stderr, "duet-bench: wrote %zu requests to %s (no benchmark run)\n", requests.size(),
+               f.save_requests.c_str());
+  return 0;
+}
+
 int Run(const Flags& f) {
   absl::StatusOr<GoodputSlo> slo = ParseGoodput(f.goodput);
   if (!slo.ok()) return Fail(slo.status());
@@ -122,6 +141,7 @@ int Run(const Flags& f) {
   d.tokenizer = tokenizer.get();
   absl::StatusOr<std::vector<BenchRequest>> requests = LoadDataset(d);
   if (!requests.ok()) return Fail(requests.status());
+  if (!f.save_requests.empty()) return SaveRequests(f, *requests, tokenizer.get());
   absl::StatusOr<std::vector<double>> schedule =
       ArrivalSchedule(f.num_prompts, {.request_rate = f.request_rate, .burstiness = f.burstiness, .seed = f.seed});
   if (!schedule.ok()) return Fail(schedule.status());
@@ -223,6 +243,9 @@ int main(int argc, char** argv) {
   app.add_flag("--ignore-eos", f.ignore_eos, "Generate exactly the asked-for output lengths");
   app.add_option("--goodput", f.goodput, "SLOs for goodput: ttft:MS tpot:MS e2el:MS");
   app.add_option("--result-json", f.result_json, "Write the results as JSON here");
+  app.add_option("--save-requests", f.save_requests,
+                 "Write the workload as `duet generate` input JSONL (token ids as a Duet router encodes the "
+                 "prompts) and exit without contacting a server");
   app.add_option("--api-key", f.api_key, "Bearer token (HTTP Authorization / gRPC metadata)");
   CLI11_PARSE(app, argc, argv);
   f.output_len_given = output_len->count() > 0;

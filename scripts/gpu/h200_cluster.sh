@@ -2,12 +2,16 @@
 # One call on the GPU machine: the whole cluster (router + prefill worker + decode worker as
 # separate processes sharing the one GPU, KV through UCX and pinned host staging) on a
 # random-weight Llama-3-8B-shaped bf16 checkpoint, checked against `duet generate --backend cuda`,
-# then measured with duet-bench. Logs and result JSON go to $OUT.
+# then measured with duet-bench; before the cluster starts, the engine alone (`duet generate`) runs
+# the same requests (duet-bench --save-requests) on the GPU by itself. The last lines are the table
+# (scripts/gpu/cluster_table.py): the cluster's runs, the engine alone, and their ratios. Logs and
+# result JSON go to $OUT, in one archive.
 #
 #   here:   scripts/gpu/make_cluster_bundle.sh; mv models /tmp/duet-models-hold
 #   device: bash scripts/gpu/h200_cluster.sh          (carry .devcluster)
 #   here:   mv /tmp/duet-models-hold models
-#   QUICK=1: no generate comparison, only the closed-loop 1 and 64 runs (a short call).
+#   QUICK=1: no generate comparison, the engine alone on 64 requests, only the closed-loop 1 and
+#            64 runs (a short call).
 set -uo pipefail
 QUICK=${QUICK:-0}
 OUT=${OUT:-/tmp/duet-cluster-out}
@@ -40,7 +44,27 @@ for i in "${!PROMPTS[@]}"; do
   duet generate --model "$MODEL" --backend cuda --input /tmp/gen_in_$i.jsonl --output /tmp/gen_out_$i.jsonl \
     >> "$OUT/generate.log" 2>&1 || echo "generate $i exit $?"
 done
-cat /tmp/gen_out_*.jsonl > "$OUT/generate.jsonl"
+cat /tmp/gen_out_*.jsonl > "$OUT/generate.jsonl" 2>/dev/null
+
+# The engine alone on the benchmark's own requests (the same duet-bench options and seed as the
+# runs below, so the first requests are theirs), with the cluster's engine flags. The batch goes in
+# at once, ENGINE_SEQS at a time as the 64 streams of conc64; the prefill figure comes from a run
+# of one request at a time. --warmup keeps one-time start-up costs out of both.
+BENCH_WORKLOAD=(--dataset random --tokenizer "$MODEL" --input-len 512 --output-len 128 --ignore-eos --seed 1)
+ENGINE_FLAGS=(--model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --max-model-len 4096
+              --max-num-batched-tokens 8192)
+ENGINE_SEQS=64
+ENGINE_REQUESTS=256; PREFILL_REQUESTS=8
+[[ $QUICK == 1 ]] && { ENGINE_REQUESTS=64; PREFILL_REQUESTS=4; }
+echo "== engine alone (duet generate --backend cuda) on duet-bench's requests"
+duet-bench "${BENCH_WORKLOAD[@]}" --num-prompts $ENGINE_REQUESTS --save-requests "$OUT/requests.jsonl" \
+  2>> "$OUT/engine.log" || echo "duet-bench --save-requests exit $?"
+head -n $PREFILL_REQUESTS "$OUT/requests.jsonl" > /tmp/prefill_in.jsonl
+duet generate "${ENGINE_FLAGS[@]}" --max-num-seqs 1 --warmup 1 --input /tmp/prefill_in.jsonl \
+  --output "$OUT/engine_prefill.jsonl" 2>> "$OUT/engine.log" || echo "generate (prefill) exit $?"
+duet generate "${ENGINE_FLAGS[@]}" --max-num-seqs $ENGINE_SEQS --warmup 16 --input "$OUT/requests.jsonl" \
+  --output "$OUT/engine_batch.jsonl" 2>> "$OUT/engine.log" || echo "generate (batch) exit $?"
+grep -h "tok/s" "$OUT/engine.log" | sed 's/^.*\] /  /'
 
 echo "== duet serve --backend cuda (1 prefill + 1 decode worker on one GPU)"
 duet serve --model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --prefill-workers 1 --decode-workers 1 \
@@ -77,8 +101,7 @@ echo "cluster output equals duet generate for $same of ${#PROMPTS[@]} prompts"
 echo "== duet-bench (random 512 in / 128 out, ignore_eos)"
 bench() {  # name, extra flags...
   local name=$1; shift
-  duet-bench --backend duet-grpc --base-url 127.0.0.1:$port --dataset random --tokenizer "$MODEL" \
-    --input-len 512 --output-len 128 --ignore-eos --seed 1 --result-json "$OUT/$name.json" "$@" \
+  duet-bench --backend duet-grpc --base-url 127.0.0.1:$port "${BENCH_WORKLOAD[@]}" --result-json "$OUT/$name.json" "$@" \
     > "$OUT/$name.log" 2>&1 || echo "$name: duet-bench exit $?"
 }
 bench warmup --num-prompts 8 --max-concurrency 8
@@ -92,19 +115,7 @@ fi
 
 kill -INT $serve_pid; wait $serve_pid; echo "serve exit $?"
 grep -i -E "error|fail|warn" "$OUT/serve.log" | head -5
-python3 - "$OUT" <<'PY'
-import json, os, sys
-out = sys.argv[1]
-print(f"{'run':>8} {'done':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'TTFT med':>8} {'TTFT p99':>8} "
-      f"{'TPOT med':>8} {'TPOT p99':>8} {'ITL p99':>7} {'E2EL med':>8}")
-for name in ["conc1", "conc8", "conc32", "conc64", "rate4", "rate16", "rate64", "rateinf"]:
-    p = os.path.join(out, name + ".json")
-    if not os.path.exists(p):
-        print(f"{name:>8} (no result)"); continue
-    j = json.load(open(p))
-    print(f"{name:>8} {j['completed']:>5} {j['failed']:>4} {j['request_throughput']:>7.2f} {j['output_throughput']:>9.0f} "
-          f"{j['median_ttft_ms']:>8.1f} {j['p99_ttft_ms']:>8.1f} {j['median_tpot_ms']:>8.2f} {j['p99_tpot_ms']:>8.2f} "
-          f"{j['p99_itl_ms']:>7.2f} {j['median_e2el_ms']:>8.0f}")
-PY
+echo "== the cluster and the engine alone (same requests: random 512 in / 128 out, ignore_eos, seed 1)"
+python3 scripts/gpu/cluster_table.py "$OUT" $ENGINE_SEQS
 # At most 8 files come back: keep the table's inputs and logs in one archive.
 (cd "$OUT" && tar -czf /tmp/cluster_logs.tgz ./* && rm -f ./* && mv /tmp/cluster_logs.tgz .)

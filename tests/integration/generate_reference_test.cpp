@@ -1,6 +1,6 @@
 // `duet generate` against Hugging Face transformers' float32 greedy continuations of the
 // bundled model (reference_greedy.json): every case, all at once (continuous batching) and one
-// at a time, with and without KV-cache pressure.
+// at a time, with and without KV-cache pressure, and after a warm-up.
 #include <fstream>
 
 #include "gtest/gtest.h"
@@ -58,6 +58,9 @@ class GenerateReferenceTest : public ::testing::Test {
 TEST_F(GenerateReferenceTest, AllCasesBatchedTogether) { ExpectReference(""); }
 
 TEST_F(GenerateReferenceTest, OneCaseAtATime) { ExpectReference("--max-num-seqs 1"); }
+
+// The warm-up runs the first cases once and releases them; the batch then reuses their ids.
+TEST_F(GenerateReferenceTest, AfterAWarmUpOfTheFirstCases) { ExpectReference("--warmup 3"); }
 
 // A small cache and token budget force chunked prefill and preemption with recomputation.
 TEST_F(GenerateReferenceTest, UnderKvPressureWithChunkedPrefill) {
