@@ -8,13 +8,16 @@
 #include <cuda_runtime.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <set>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "kernels/copy/range_copy.h"
 #include "kvtransfer/byte_io.h"
 #include "kvtransfer/device_kv_memory.h"
 
@@ -103,25 +106,6 @@ absl::StatusOr<ParsedExport> ParseExport(std::string_view blob) {
   return e;
 }
 
-// Copies on `stream`, all of them in one batched call where the driver has it.
-absl::Status EnqueueCopies(std::vector<void*>& dsts, std::vector<const void*>& srcs, std::vector<size_t>& sizes,
-                           cudaStream_t stream) {
-  if (dsts.empty()) return absl::OkStatus();
-  cudaMemcpyAttributes attrs{};
-  attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  size_t attrs_index = 0;
-  cudaError_t err =
-      cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attrs, &attrs_index, 1, stream);
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // older drivers lack batched copies: one call per range
-    for (size_t i = 0; i < dsts.size(); ++i) {
-      err = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDeviceToDevice, stream);
-      if (err != cudaSuccess) break;
-    }
-  }
-  return CudaError(err, "KV device-to-device copy");
-}
-
 class CudaIpcKvPeer final : public DeviceKvPeer {
  public:
   CudaIpcKvPeer(int device, const DeviceKvPools& local, KvLayout layout, uint32_t num_blocks,
@@ -140,27 +124,19 @@ class CudaIpcKvPeer final : public DeviceKvPeer {
 
   absl::Status EnqueueLayerCopy(uint32_t layer, std::span<const CopyRange> plan, void* stream) override {
     if (layer >= layout_.num_layers) return absl::InvalidArgumentError("KV copy names a layer out of range");
-    std::vector<void*> dsts;
-    std::vector<const void*> srcs;
-    std::vector<size_t> sizes;
-    dsts.reserve(2 * plan.size());
-    srcs.reserve(2 * plan.size());
-    sizes.reserve(2 * plan.size());
-    for (int kv = 0; kv < 2; ++kv) {
-      const char* src = static_cast<const char*>(kv == 0 ? local_.key_pools[layer] : local_.value_pools[layer]);
-      char* dst = kv == 0 ? key_pools_[layer] : value_pools_[layer];
-      for (const CopyRange& r : plan) {
-        srcs.push_back(src + r.src_offset);
-        dsts.push_back(dst + r.dst_offset);
-        sizes.push_back(r.bytes);
-      }
-    }
     cudaSetDevice(device_);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      streams_.insert(static_cast<cudaStream_t>(stream));
-    }
-    return EnqueueCopies(dsts, srcs, sizes, static_cast<cudaStream_t>(stream));
+    const auto s = static_cast<cudaStream_t>(stream);
+    std::lock_guard<std::mutex> lock(mu_);
+    streams_.insert(s);
+    // K and V in one launch (CopyRange and ByteRange are the same three offsets).
+    static_assert(sizeof(CopyRange) == sizeof(kernels::ByteRange));
+    ranges_.resize(plan.size());
+    for (size_t i = 0; i < plan.size(); ++i) ranges_[i] = {plan[i].src_offset, plan[i].dst_offset, plan[i].bytes};
+    const char* src[2] = {static_cast<const char*>(local_.key_pools[layer]),
+                          static_cast<const char*>(local_.value_pools[layer])};
+    char* dst[2] = {key_pools_[layer], value_pools_[layer]};
+    kernels::CopyRanges(src, dst, ranges_.data(), ranges_.size(), s);
+    return CudaError(cudaGetLastError(), "KV device-to-device copy");
   }
 
  private:
@@ -171,7 +147,8 @@ class CudaIpcKvPeer final : public DeviceKvPeer {
   std::vector<void*> opened_;  // IPC mappings to close
   std::vector<char*> key_pools_, value_pools_;
   std::mutex mu_;
-  std::set<cudaStream_t> streams_;  // every stream a copy was enqueued on
+  std::set<cudaStream_t> streams_ ABSL_GUARDED_BY(mu_);  // every stream a copy was enqueued on
+  std::vector<kernels::ByteRange> ranges_ ABSL_GUARDED_BY(mu_);
 };
 
 class CudaIpcKvMemory final : public DeviceKvMemory {

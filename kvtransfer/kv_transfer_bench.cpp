@@ -3,6 +3,8 @@
 // processes over CUDA IPC next to the device copy bandwidth of the same run.
 // Usage: kv_transfer_bench [--runs=N] [--max-tokens=N]
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -261,15 +263,29 @@ int RunDeviceReceiverChild() {
   return 0;
 }
 
-// Seconds of `fn`'s device work on `stream` (events around it).
+// Seconds of `fn`'s device work on `stream`, between events around it. The stream is held at a
+// gate (a host function waiting, at most a second, for the enqueueing to end) so the time is the
+// device's, not the rate at which the host enqueues. Kernels load eagerly (see main): loading one
+// lazily while the gate holds the stream could wait for the gate.
 template <typename Fn>
 double DeviceSeconds(cudaStream_t stream, Fn fn) {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
+  std::atomic<bool> open{false};
+  cudaLaunchHostFunc(
+      stream,
+      [](void* flag) {
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+        while (!static_cast<std::atomic<bool>*>(flag)->load() && std::chrono::steady_clock::now() < give_up) {
+          std::this_thread::yield();
+        }
+      },
+      &open);
   cudaEventRecord(start, stream);
   fn();
   cudaEventRecord(stop, stream);
+  open = true;
   cudaEventSynchronize(stop);
   float ms = 0;
   cudaEventElapsedTime(&ms, start, stop);
@@ -302,12 +318,12 @@ void RunDeviceThroughput(int runs, uint32_t max_tokens) {
   DeviceKvTestPools local_dst(kLlama8b, kDeviceBlocks);  // for the in-process reference copies
 
   std::printf("\nKV transfer device to device between two processes on one GPU (llama-3-8b bf16 blk16, all\n"
-              "layers K+V, scattered blocks), median of %d runs after a warm-up, GB/s = 1e9 B/s:\n"
-              "  cuda_ipc: first SendLayer to the receiver's completion (copies on the producer's stream, notices\n"
-              "  over UCX); the same ranges copied in one process with the same batched call; one cudaMemcpy of\n"
-              "  the same byte count (the device copy bandwidth the ratio is against)\n", runs);
-  std::printf("| tokens |     MiB | cuda_ipc | same ranges, 1 process | one cudaMemcpy | ipc / cudaMemcpy |\n");
-  std::printf("|--------|---------|----------|------------------------|----------------|------------------|\n");
+              "layers K+V, blocks in runs of 4), median of %d runs after a warm-up, GB/s = 1e9 B/s:\n"
+              "  end to end: first SendLayer to the receiver process's completion (notices over UCX)\n"
+              "  copies: device time of the request's copies, queued on the producer's stream behind a gate\n"
+              "  cudaMemcpy: one copy of the same byte count in this process (the device copy bandwidth)\n", runs);
+  std::printf("| tokens |     MiB | end to end | copies | cudaMemcpy | copies / cudaMemcpy | end-to-end ms |\n");
+  std::printf("|--------|---------|------------|--------|------------|---------------------|---------------|\n");
   uint64_t request = 1;
   for (uint32_t tokens : {16u, 64u, 512u, 2048u, 8192u}) {
     if (tokens > max_tokens) continue;
@@ -315,16 +331,18 @@ void RunDeviceThroughput(int runs, uint32_t max_tokens) {
     const std::vector<uint32_t> src_ids = EngineLikeIds(blocks, 11);
     const std::vector<uint32_t> dst_ids = EngineLikeIds(blocks, 5);
     const double bytes = 2.0 * kLlama8b.num_layers * blocks * kLlama8b.BlockBytes();
-    std::vector<double> ipc, ranges, memcpy_s;
+    std::vector<double> end_to_end, copies, memcpy_s;
     for (int run = -1; run < runs; ++run) {
       child.Send(absl::StrCat("expect ", request, " ", tokens));
       if (child.ReadLine() != "ok") std::exit(1);
       const auto start = Clock::now();
-      for (uint32_t layer = 0; layer < kLlama8b.num_layers; ++layer) {
-        (void)(*sender)->SendLayer(*peer, {.request_id = request, .layer = layer, .num_tokens = tokens,
-                                           .src_block_ids = src_ids, .dst_block_ids = dst_ids,
-                                           .device_stream = stream});
-      }
+      const double copy_seconds = DeviceSeconds(stream, [&] {
+        for (uint32_t layer = 0; layer < kLlama8b.num_layers; ++layer) {
+          (void)(*sender)->SendLayer(*peer, {.request_id = request, .layer = layer, .num_tokens = tokens,
+                                             .src_block_ids = src_ids, .dst_block_ids = dst_ids,
+                                             .device_stream = stream});
+        }
+      });
       const absl::Status finished = (*sender)->Finish(*peer, request).get();
       const std::string done = child.ReadLine();
       const double seconds = SecondsSince(start);
@@ -333,39 +351,18 @@ void RunDeviceThroughput(int runs, uint32_t max_tokens) {
         std::exit(1);
       }
       ++request;
-      if (run >= 0) ipc.push_back(seconds);
-    }
-    const std::vector<CopyRange> plan = *PlanLayerCopy(kLlama8b, src_ids, kLlama8b, dst_ids, tokens);
-    for (int run = -1; run < runs; ++run) {
-      std::vector<void*> dsts;
-      std::vector<const void*> srcs;
-      std::vector<size_t> sizes;
-      const double s = DeviceSeconds(stream, [&] {
-        for (uint32_t layer = 0; layer < kLlama8b.num_layers; ++layer) {
-          dsts.clear(), srcs.clear(), sizes.clear();
-          for (auto [from, to] : {std::pair{device.key(layer), local_dst.key(layer)},
-                                  std::pair{device.value(layer), local_dst.value(layer)}}) {
-            for (const CopyRange& r : plan) {
-              srcs.push_back(from + r.src_offset);
-              dsts.push_back(to + r.dst_offset);
-              sizes.push_back(r.bytes);
-            }
-          }
-          cudaMemcpyAttributes attrs{};
-          attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-          size_t index = 0;
-          cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attrs, &index, 1, stream);
-        }
-      });
-      if (run >= 0) ranges.push_back(s);
       const double m = DeviceSeconds(stream, [&] {
         cudaMemcpyAsync(local_dst.key(0), device.key(0), size_t(bytes), cudaMemcpyDeviceToDevice, stream);
       });
-      if (run >= 0) memcpy_s.push_back(m);
+      if (run < 0) continue;
+      end_to_end.push_back(seconds);
+      copies.push_back(copy_seconds);
+      memcpy_s.push_back(m);
     }
-    const double ipc_gbs = bytes / Median(ipc) / 1e9, copy_gbs = bytes / Median(memcpy_s) / 1e9;
-    std::printf("| %6u | %7.1f | %8.1f | %22.1f | %14.1f | %15.0f%% |\n", tokens, bytes / (1 << 20), ipc_gbs,
-                bytes / Median(ranges) / 1e9, copy_gbs, 100 * ipc_gbs / copy_gbs);
+    const double copy_gbs = bytes / Median(copies) / 1e9, memcpy_gbs = bytes / Median(memcpy_s) / 1e9;
+    std::printf("| %6u | %7.1f | %10.1f | %6.0f | %10.0f | %18.0f%% | %13.3f |\n", tokens, bytes / (1 << 20),
+                bytes / Median(end_to_end) / 1e9, copy_gbs, memcpy_gbs, 100 * copy_gbs / memcpy_gbs,
+                Median(end_to_end) * 1e3);
     std::fflush(stdout);
   }
   sender->reset();
@@ -378,6 +375,7 @@ void RunDeviceThroughput(int runs, uint32_t max_tokens) {
 
 int main(int argc, char** argv) {
 #ifdef DUET_HAVE_CUDA
+  setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/1);  // before any CUDA call (DeviceSeconds)
   if (const char* role = std::getenv("DUET_KV_BENCH_CHILD"); role != nullptr) {
     return duet::kvtransfer::RunDeviceReceiverChild();
   }

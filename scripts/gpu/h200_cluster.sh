@@ -114,6 +114,7 @@ else
 fi
 
 kill -INT $serve_pid; wait $serve_pid; echo "serve exit $?"
+grep -h "KV peer" "$OUT/serve.log" | sed "s/.*\] //" | sort | uniq -c | head -4
 grep -i -E "error|fail|warn" "$OUT/serve.log" | head -5
 echo "== the cluster and the engine alone (same requests: random 512 in / 128 out, ignore_eos, seed 1)"
 python3 scripts/gpu/cluster_table.py "$OUT" $ENGINE_SEQS

