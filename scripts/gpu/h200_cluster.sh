@@ -119,4 +119,4 @@ grep -i -E "error|fail|warn" "$OUT/serve.log" | head -5
 echo "== the cluster and the engine alone (same requests: random 512 in / 128 out, ignore_eos, seed 1)"
 python3 scripts/gpu/cluster_table.py "$OUT" $ENGINE_SEQS
 # At most 8 files come back: keep the table's inputs and logs in one archive.
-(cd "$OUT" && tar -czf /tmp/cluster_logs.tgz ./* && rm -f ./* && mv /tmp/cluster_logs.tgz .)
+(cd "$OUT" && tar -czf /tmp/cluster_logs.tgz ./* && rm -rf ./* && mv /tmp/cluster_logs.tgz .)
