@@ -5,7 +5,7 @@
 set(DUET_LAYERS
   "duet_common duet_proto duet_kernels duet_test_process"               # 0: leaves
   "duet_tokenizer duet_chat_template duet_model duet_kv_cache duet_kvtransfer duet_metrics duet_parallel"  # 1
-  "duet_engine"                                                         # 2: the engine loop
+  "duet_engine duet_parallel_nccl"                                      # 2: the engine loop; the NCCL communicator
   "duet_cpu_backend duet_cuda_backend"                                  # 3: ModelExecutor implementations
   "duet_backends"                                                       # 4: the one place that knows them all
   "duet_rpc duet_worker duet_local_cluster duet_bench_serving"          # 5
