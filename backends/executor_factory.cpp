@@ -43,7 +43,15 @@ std::string ResolveBackend(const std::string& backend) {
 
 absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadExecutor(const EngineConfig& config) {
   const std::string backend = ResolveBackend(config.backend);
-  if (backend == "cpu") return LlamaCpu::Load(config.model_dir);
+  if (backend == "cpu") {
+    absl::StatusOr<std::unique_ptr<LlamaCpu>> cpu = LlamaCpu::Load(config.model_dir);
+    if (cpu.ok()) (*cpu)->EnableSequenceParallel(config.sequence_parallel.ranks, config.sequence_parallel.min_tokens);
+    return cpu;
+  }
+  if (config.sequence_parallel.ranks > 1) {
+    return absl::UnimplementedError(absl::StrCat("sequence-parallel prefill (--sp-ranks) runs on the cpu backend only "
+                                                 "so far, not on '", backend, "'"));
+  }
 #ifdef DUET_HAVE_CUDA
   if (backend == "cuda") return LoadCudaExecutor(config);
   constexpr const char* kAvailable = "cpu or cuda";

@@ -34,6 +34,7 @@ struct ServeOptions {
   std::string api_key;   // when set, required on /v1/* and on gRPC Generate
   int max_concurrent_requests = 256;
   bool kv_checksums = false;  // passed to every worker (--kv-checksums)
+  int prefill_sp_ranks = 1;   // sequence-parallel ranks of each prefill worker (--sp-ranks there)
 };
 int RunServe(const ServeOptions& options);
 

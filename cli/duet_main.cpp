@@ -42,6 +42,10 @@ int main(int argc, char** argv) {
   serve_flags.Add(serve_cmd);
   serve_cmd->add_option("--prefill-workers", serve.num_prefill_workers, "Prefill worker processes")->check(CLI::Range(1, 64));
   serve_cmd->add_option("--decode-workers", serve.num_decode_workers, "Decode worker processes")->check(CLI::Range(1, 64));
+  serve_cmd->add_option("--prefill-sp-ranks", serve.prefill_sp_ranks,
+                        "Sequence-parallel ranks per prefill worker: prompts of at least --sp-min-tokens "
+                        "prefill with ring attention over them")
+      ->check(CLI::Range(1, 64));
   serve_cmd->add_flag("--kv-checksums", serve.kv_checksums,
                       "Checksum every KV layer moved between workers and verify it at the decode worker");
   serve_cmd->add_option("--grpc-port", serve.grpc_port, "Router gRPC port (0: any free port)")->check(CLI::Range(0, 65535));

@@ -45,6 +45,12 @@ struct EngineFlags {
     app->add_option("--max-draft-tokens", config->speculation.max_draft_tokens,
                     "Most draft tokens per request and step (the adaptive budget decides below it)")
         ->check(CLI::Range(0, 63));
+    app->add_option("--sp-ranks", config->sequence_parallel.ranks,
+                    "Sequence-parallel prefill ranks (ring attention; cpu: threads of this process)")
+        ->check(CLI::Range(1, 64));
+    app->add_option("--sp-min-tokens", config->sequence_parallel.min_tokens,
+                    "Prompts of at least this many tokens prefill sequence-parallel (with --sp-ranks > 1)")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
   }
   void Finish() {
     config->kv_cache_bytes = static_cast<int64_t>(kv_cache_gib * double(1ull << 30));

@@ -87,6 +87,12 @@ int RunServe(const ServeOptions& options) {
     for (int i = 0; i < count; ++i) {
       std::vector<std::string> argv = {self, role, "--port", "0"};
       for (std::string& f : EngineFlags(options)) argv.push_back(std::move(f));
+      // Only prefill workers prefill: --sp-ranks (or --prefill-sp-ranks) is theirs.
+      const int sp_ranks = std::max(options.prefill_sp_ranks, options.engine.sequence_parallel.ranks);
+      if (std::string_view(role) == "prefill-worker" && sp_ranks > 1) {
+        argv.insert(argv.end(), {"--sp-ranks", std::to_string(sp_ranks), "--sp-min-tokens",
+                                 std::to_string(options.engine.sequence_parallel.min_tokens)});
+      }
       absl::StatusOr<int> port = StartRole(argv, workers);
       if (!port.ok()) {
         DUET_LOG(ERROR) << port.status().message();

@@ -34,6 +34,12 @@ struct EngineConfig {
   double gpu_memory_utilization = 0.9;
   SchedulerConfig scheduler;  // max_model_len 0: the model's max_position_embeddings
   SpeculationConfig speculation;
+  // Sequence-parallel prefill (ring attention): a prompt of at least `min_tokens` that a step
+  // takes whole runs on `ranks` ranks (cpu: threads of this process). 1: off.
+  struct SequenceParallel {
+    int ranks = 1;
+    int64_t min_tokens = 2048;
+  } sequence_parallel;
 };
 
 // What a step produced for one request.

@@ -4,13 +4,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "backends/cpu/cpu_attention.h"
 #include "backends/cpu/cpu_gemv.h"
+#include "backends/cpu/ring_attention.h"
 #include "common/check.h"
 #include "common/parallel_for.h"
 #include "engine/kv/kv_cache.h"
+#include "parallel/host_communicator.h"
+#include "parallel/zigzag.h"
 
 namespace duet {
 namespace {
@@ -268,6 +272,8 @@ absl::Status LlamaCpu::ForwardLayers(absl::Span<const SequenceChunk> chunks, KvC
     return absl::OkStatus();
   }
 
+  if (RunsSequenceParallel(chunks)) return ForwardSequenceParallel(chunks[0], cache, logits, num_layers, on_layer_done);
+
   StepBuffers b = Embed(chunks, num_tokens);
   for (int64_t li = 0; li < num_layers; ++li) {
     const Layer& l = layers_[li];
@@ -278,6 +284,85 @@ absl::Status LlamaCpu::ForwardLayers(absl::Span<const SequenceChunk> chunks, KvC
     AddMlpOutput(l, b);
   }
   ComputeLogits(chunks, b.x, logits);
+  return absl::OkStatus();
+}
+
+void LlamaCpu::EnableSequenceParallel(int ranks, int64_t min_tokens) {
+  sp_ranks_ = std::max(1, ranks);
+  sp_min_tokens_ = min_tokens;
+}
+
+bool LlamaCpu::RunsSequenceParallel(absl::Span<const SequenceChunk> chunks) const {
+  if (sp_ranks_ <= 1 || chunks.size() != 1) return false;
+  const SequenceChunk& c = chunks[0];
+  const int64_t n = int64_t(c.tokens.size());
+  // The logits rows must all lie in the last zigzag chunk, which rank 0 holds.
+  const std::vector<parallel::TokenChunk> shards = parallel::ZigzagChunks(n, sp_ranks_);
+  return c.start_position == 0 && c.tree_parents.empty() && n >= std::max<int64_t>(sp_min_tokens_, 2 * sp_ranks_) &&
+         c.num_logits <= shards.back().end - shards.back().begin;
+}
+
+absl::Status LlamaCpu::ForwardSequenceParallel(const SequenceChunk& chunk, HostKvCache& cache,
+                                               std::vector<float>& logits, int64_t num_layers,
+                                               const LayerDoneCallback& on_layer_done) {
+  const ModelConfig& c = config_;
+  const int64_t nh = c.num_heads, nkv = c.num_kv_heads, hd = c.head_dim;
+  const int64_t qkv_stride = (nh + 2 * nkv) * hd;
+  const AttentionShape shape{nh, nkv, hd, 1.0f / std::sqrt(static_cast<float>(hd))};
+  const int64_t n = int64_t(chunk.tokens.size());
+  const std::vector<parallel::TokenChunk> shards = parallel::ZigzagChunks(n, sp_ranks_);
+  std::vector<std::unique_ptr<parallel::Communicator>> comms = parallel::CreateHostCommunicators(sp_ranks_);
+  std::vector<absl::Status> status(static_cast<size_t>(sp_ranks_));
+
+  auto run_rank = [&](int rank) {
+    parallel::Communicator& comm = *comms[size_t(rank)];
+    // The rank's two zigzag chunks as two chunks of the same sequence: Embed and WriteStepKv
+    // then place them at their positions and slots.
+    std::vector<SequenceChunk> mine;
+    for (int index : parallel::ChunksOfRank(rank, sp_ranks_)) {
+      const parallel::TokenChunk& t = shards[size_t(index)];
+      SequenceChunk part;
+      part.sequence_id = chunk.sequence_id;
+      part.start_position = t.begin;
+      part.tokens = chunk.tokens.subspan(size_t(t.begin), size_t(t.end - t.begin));
+      part.block_table = chunk.block_table;
+      part.num_logits = t.end == n ? chunk.num_logits : 0;
+      mine.push_back(std::move(part));
+    }
+    int64_t local = 0;
+    for (const SequenceChunk& part : mine) local += int64_t(part.tokens.size());
+    StepBuffers b = Embed(mine, local);
+    std::vector<float> k(size_t(local * nkv * hd)), v(k.size());
+    for (int64_t li = 0; li < num_layers && status[size_t(rank)].ok(); ++li) {
+      const Layer& l = layers_[size_t(li)];
+      ProjectQkv(l, b);
+      WriteStepKv(mine, li, b.qkv.data(), cache);
+      std::vector<float> q(size_t(local * nh * hd));
+      for (int64_t row = 0; row < local; ++row) {
+        const float* r = b.qkv.data() + row * qkv_stride;
+        std::copy_n(r, nh * hd, q.data() + row * nh * hd);
+        std::copy_n(r + nh * hd, nkv * hd, k.data() + row * nkv * hd);
+        std::copy_n(r + (nh + nkv) * hd, nkv * hd, v.data() + row * nkv * hd);
+      }
+      status[size_t(rank)] = RingAttention(shape, q, k, v, b.positions, comm, b.attn);
+      if (!status[size_t(rank)].ok()) break;
+      // The hook sees the layer once every rank's K/V is in the cache.
+      if (on_layer_done) {
+        if (absl::Status s = comm.Barrier(); !s.ok()) status[size_t(rank)] = s;
+        if (rank == 0) on_layer_done(li, absl::MakeConstSpan(&chunk, 1));
+      }
+      AddAttentionOutput(l, b);
+      AddMlpOutput(l, b);
+    }
+    if (rank == 0 && status[0].ok()) ComputeLogits(mine, b.x, logits);
+  };
+  std::vector<std::thread> ranks;
+  for (int rank = 1; rank < sp_ranks_; ++rank) ranks.emplace_back(run_rank, rank);
+  run_rank(0);
+  for (std::thread& t : ranks) t.join();
+  for (const absl::Status& s : status) {
+    if (!s.ok()) return s;
+  }
   return absl::OkStatus();
 }
 

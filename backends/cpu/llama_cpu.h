@@ -35,6 +35,13 @@ class LlamaCpu : public ModelExecutor {
   absl::Status ForwardLayers(absl::Span<const SequenceChunk> chunks, KvCache& cache, std::vector<float>& logits,
                              int64_t num_layers, const LayerDoneCallback& on_layer_done = nullptr);
 
+  // Sequence-parallel prefill over `ranks` threads of this process (ring attention with a host
+  // communicator, zigzag shards): a step that is one prompt from position 0 with at least
+  // `min_tokens` tokens (and no draft tree) runs on the ranks; every other step as before.
+  // ranks 1: off.
+  void EnableSequenceParallel(int ranks, int64_t min_tokens);
+  int sequence_parallel_ranks() const { return sp_ranks_; }
+
  private:
   struct Layer {
     std::vector<float> input_norm;      // [hidden]
@@ -78,6 +85,13 @@ class LlamaCpu : public ModelExecutor {
   void WriteStepKv(absl::Span<const SequenceChunk> chunks, int64_t layer, const float* qkv, HostKvCache& cache) const;
   void Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, const float* qkv,
                  HostKvCache& cache, float* out) const;
+  // Whether the step qualifies for sequence-parallel prefill (EnableSequenceParallel).
+  bool RunsSequenceParallel(absl::Span<const SequenceChunk> chunks) const;
+  // The step on sp_ranks_ threads: each rank its zigzag shard through every layer; the layer's
+  // K/V land in `cache` before the hook sees it, the logits rows come from the rank holding the
+  // prompt's end.
+  absl::Status ForwardSequenceParallel(const SequenceChunk& chunk, HostKvCache& cache, std::vector<float>& logits,
+                                       int64_t num_layers, const LayerDoneCallback& on_layer_done);
   void ApplyRope(float* vec, int64_t num_heads, int64_t position) const;
 
   ModelConfig config_;
@@ -86,6 +100,8 @@ class LlamaCpu : public ModelExecutor {
   std::vector<float> lm_head_;     // [vocab, hidden]; empty when tied to embed_
   std::vector<Layer> layers_;
   std::vector<float> inv_freq_;    // [head_dim / 2]
+  int sp_ranks_ = 1;                // EnableSequenceParallel
+  int64_t sp_min_tokens_ = 0;
 };
 
 }  // namespace duet

@@ -129,6 +129,22 @@ TEST(ClusterTest, ReferenceGreedyCasesConcurrentlyMatchExactly) {
   EXPECT_TRUE(WaitForIdleKv(cluster, 2, &detail)) << detail;
 }
 
+// Sequence-parallel prefill in the prefill worker (3 ranks, ring attention), the prompt's KV
+// shipped from the ranks' shared cache: the reference continuations all the same.
+TEST(ClusterTest, SequenceParallelPrefillWorkerMatchesTheReference) {
+  LocalCluster cluster({1, 1, {"--sp-ranks", "3", "--sp-min-tokens", "8", "--max-num-seqs", "1"}});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const json ref = Reference();
+  for (size_t i = 0; i < ref["cases"].size(); ++i) {
+    const json& c = ref["cases"][i];
+    StreamResult got = RunGenerate(cluster.router(), TokenRequest(c["prompt_ids"].get<std::vector<int32_t>>(), 128));
+    ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+    EXPECT_EQ(got.token_ids, c["greedy_ids"].get<std::vector<int32_t>>()) << "case " << i;
+  }
+  std::string detail;
+  EXPECT_TRUE(WaitForIdleKv(cluster, 1, &detail)) << detail;
+}
+
 // The same mixed batch (seeded sampling, penalties, stop strings) through the cluster and
 // through `duet generate` gives the same tokens and text.
 TEST(ClusterTest, SampledRequestsEqualDuetGenerate) {

@@ -59,6 +59,12 @@ TEST_F(GenerateReferenceTest, AllCasesBatchedTogether) { ExpectReference(""); }
 
 TEST_F(GenerateReferenceTest, OneCaseAtATime) { ExpectReference("--max-num-seqs 1"); }
 
+// One request per step, so each prompt's prefill is a step of its own and runs on the ranks
+// (ring attention); the continuation must be the reference's all the same.
+TEST_F(GenerateReferenceTest, SequenceParallelPrefillOnTwoThreeAndFourRanks) {
+  for (int ranks : {2, 3, 4}) ExpectReference("--max-num-seqs 1 --sp-min-tokens 8 --sp-ranks " + std::to_string(ranks));
+}
+
 // The warm-up runs the first cases once and releases them; the batch then reuses their ids.
 TEST_F(GenerateReferenceTest, AfterAWarmUpOfTheFirstCases) { ExpectReference("--warmup 3"); }
 
