@@ -255,7 +255,9 @@ TEST_F(WorkerServicesTest, MetricsFollowARequest) {
   p.temperature = 0.0f;
   p.max_tokens = 20;
   p.ignore_eos = true;
+  const absl::Time flow_start = absl::Now();
   FlowResult r = RunFlow("metered", 21, rpc::ToSamplingOptions(p));
+  const double flow_seconds = absl::ToDoubleSeconds(absl::Now() - flow_start);
   ASSERT_TRUE(r.decode.ok()) << r.reserve.error_message() << r.prefill.error_message() << r.decode.error_message();
   ASSERT_EQ(r.tokens.size(), 20u);
 
@@ -264,6 +266,10 @@ TEST_F(WorkerServicesTest, MetricsFollowARequest) {
   EXPECT_EQ(dm.request_success(FinishReason::kLength).Value(), 1.0);
   EXPECT_EQ(dm.request_success(FinishReason::kStop).Value(), 0.0);
   EXPECT_EQ(dm.inter_token_latency_seconds.Collect().count, 19u);  // one per decode step
+  // Each gap counted once: together they fit inside the request's life (a stale "previous token"
+  // time would count the first gaps again and again).
+  EXPECT_LE(dm.inter_token_latency_seconds.Collect().sum, flow_seconds);
+  EXPECT_LE(dm.e2e_request_latency_seconds.Collect().sum, flow_seconds);
   EXPECT_EQ(dm.request_decode_time_seconds.Collect().count, 1u);
   EXPECT_EQ(dm.e2e_request_latency_seconds.Collect().count, 1u);
   EXPECT_EQ(dm.request_generation_tokens.Collect().sum, 20.0);

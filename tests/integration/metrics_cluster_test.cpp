@@ -221,6 +221,9 @@ TEST(MetricsClusterTest, PromtoolAndARealPrometheusAgreeWithTheTokensGenerated) 
   EXPECT_EQ(SampleValue(decode_text, Series("duet:kv_transfer_failures_total", "decode")), 0);
   EXPECT_EQ(SampleValue(decode_text, Series("duet:inter_token_latency_seconds_count", "decode")),
             double(tokens - kRequests));
+  // Each gap counted once: the decode worker's gaps fit in the requests' lives at the router.
+  EXPECT_LE(SampleValue(decode_text, Series("duet:inter_token_latency_seconds_sum", "decode")),
+            SampleValue(router_text, Series("duet:e2e_request_latency_seconds_sum", "router")));
   EXPECT_EQ(SampleValue(prefill_text, Series("duet:prompt_tokens_total", "prefill")), double(prompt_tokens))
       << prefill_text;
   EXPECT_EQ(SampleValue(prefill_text, Series("duet:kv_transfer_bytes_count", "prefill")), kRequests);
