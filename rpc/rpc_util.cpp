@@ -111,6 +111,9 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& add
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   for (const auto& [name, value] : KeepaliveServerArgs()) builder.AddChannelArgument(name, value);
+  // gRPC sets SO_REUSEPORT by default, so a second server on a taken port would listen beside the
+  // first and share its connections silently: a taken port is an error instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(), bound_port);
   for (grpc::Service* service : services) builder.RegisterService(service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
