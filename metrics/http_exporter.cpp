@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "metrics/process_metrics.h"
 
 namespace duet::metrics {
 namespace {
@@ -96,6 +97,9 @@ absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(const Registry
 
 absl::StatusOr<std::unique_ptr<HttpExporter>> HttpExporter::Start(
     std::function<std::string()> body, const Options& options) {
+  if (options.process_metrics) {
+    body = [role = std::move(body)] { return role() + RenderProcessMetrics(); };
+  }
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;

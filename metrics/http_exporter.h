@@ -31,6 +31,8 @@ class HttpExporter {
     std::chrono::milliseconds io_timeout{5000};
     size_t max_request_bytes = 16 * 1024;
     int max_connections = 64;
+    // Append this process's process_* metrics (process_metrics.h) to every scrape.
+    bool process_metrics = true;
   };
 
   // Serves registry.Render(); the registry must outlive the exporter.

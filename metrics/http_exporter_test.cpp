@@ -29,6 +29,7 @@ class HttpExporterTest : public ::testing::Test {
     HttpExporter::Options options;
     options.host = "127.0.0.1";
     options.io_timeout = std::chrono::milliseconds(500);
+    options.process_metrics = false;  // the bodies below are compared exactly
     auto exporter = HttpExporter::Start(registry_, options);
     ASSERT_TRUE(exporter.ok()) << exporter.status();
     exporter_ = std::move(*exporter);
@@ -199,6 +200,7 @@ TEST(HttpExporterStartTest, ConnectionLimitOnlyDelays) {
   HttpExporter::Options options;
   options.host = "127.0.0.1";
   options.max_connections = 2;
+  options.process_metrics = false;
   options.io_timeout = std::chrono::milliseconds(300);
   auto exporter = HttpExporter::Start(registry, options);
   ASSERT_TRUE(exporter.ok());
@@ -216,9 +218,20 @@ TEST(HttpExporterStartTest, ConnectionLimitOnlyDelays) {
 TEST(HttpExporterStartTest, CustomBody) {
   HttpExporter::Options options;
   options.host = "127.0.0.1";
+  options.process_metrics = false;
   auto exporter = HttpExporter::Start([] { return std::string("x 1\n"); }, options);
   ASSERT_TRUE(exporter.ok());
   EXPECT_EQ(HttpGet((*exporter)->port(), "/metrics").body, "x 1\n");
+}
+
+TEST(HttpExporterStartTest, EveryScrapeCarriesTheProcessMetrics) {
+  HttpExporter::Options options;
+  options.host = "127.0.0.1";
+  auto exporter = HttpExporter::Start([] { return std::string("x 1\n"); }, options);
+  ASSERT_TRUE(exporter.ok());
+  const std::string body = HttpGet((*exporter)->port(), "/metrics").body;
+  EXPECT_EQ(body.rfind("x 1\n", 0), 0u);
+  EXPECT_NE(body.find("\nprocess_resident_memory_bytes "), std::string::npos) << body;
 }
 
 }  // namespace
