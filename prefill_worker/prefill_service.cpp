@@ -62,6 +62,7 @@ PrefillService::PrefillService(std::unique_ptr<LlmEngine> engine,
       block_size_(engine->config().block_size),
       num_layers_(engine->model_config().num_layers),
       device_stream_(engine->kv_cache().device_stream()),
+      sequence_parallel_(engine->config().sequence_parallel),
       metrics_(std::make_unique<metrics::DuetMetrics>(metrics_registry_, ServedModelName(options_.model_name, engine->config().model_dir),
                                                       metrics::Role::kPrefill,
                                                       engine->config().scheduler.max_model_len)),
@@ -552,6 +553,8 @@ grpc::ServerUnaryReactor* PrefillService::GetStats(grpc::CallbackServerContext* 
                                                    v1::WorkerStats* response) {
   rpc::FillWorkerStats(loop_->Stats(), "prefill", block_size_, response);
   response->set_num_kv_leases(0);
+  response->set_sp_ranks(sequence_parallel_.ranks);
+  response->set_sp_min_tokens(sequence_parallel_.min_tokens);
   {
     absl::MutexLock lock(&peers_mu_);
     for (const auto& [descriptor, peer] : peers_) {

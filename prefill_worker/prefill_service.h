@@ -124,6 +124,7 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
   const int32_t block_size_;
   const int64_t num_layers_;
   void* const device_stream_;   // the engine's cache stream (device caches), where IPC copies go
+  const EngineConfig::SequenceParallel sequence_parallel_;  // reported in GetStats for routing
   int64_t kv_token_bytes_ = 0;  // K and V of one token over all layers
   std::array<std::atomic<int64_t>, 4> transfers_by_path_{};  // shipped requests, by TransferPath
 

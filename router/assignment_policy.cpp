@@ -35,8 +35,22 @@ Worker* PickMin(const std::vector<std::unique_ptr<Worker>>& workers, const Reque
 }  // namespace
 
 Worker* LeastLoadedPolicy::PickPrefill(const RequestInfo& request) {
-  return PickMin(registry_->prefill_workers(), request, &prefill_rotation_,
-                 [](const Worker* w) { return w == nullptr ? 0 : w->in_flight(); });
+  // Long prompts (at least the shortest --sp-min-tokens of the sequence-parallel workers that are
+  // up) go to sequence-parallel workers first, the others to the rest, so long prompts get the
+  // ranks and short ones do not queue behind them; then fewest in flight.
+  int64_t sp_threshold = -1;
+  for (const auto& w : registry_->prefill_workers()) {
+    std::optional<v1::WorkerStats> stats = w->stats();
+    if (!w->up() || !stats.has_value() || stats->sp_ranks() <= 1) continue;
+    if (sp_threshold < 0 || stats->sp_min_tokens() < sp_threshold) sp_threshold = stats->sp_min_tokens();
+  }
+  const bool long_prompt = sp_threshold >= 0 && int64_t(request.prompt_token_ids.size()) >= sp_threshold;
+  return PickMin(registry_->prefill_workers(), request, &prefill_rotation_, [long_prompt](const Worker* w) {
+    if (w == nullptr) return std::pair<int, int>{0, 0};
+    std::optional<v1::WorkerStats> stats = w->stats();
+    const bool sequence_parallel = stats.has_value() && stats->sp_ranks() > 1;
+    return std::pair<int, int>{sequence_parallel == long_prompt ? 0 : 1, w->in_flight()};
+  });
 }
 
 Worker* LeastLoadedPolicy::PickDecode(const RequestInfo& request) {

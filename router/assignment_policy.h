@@ -32,9 +32,10 @@ class AssignmentPolicy {
   virtual Worker* PickDecode(const RequestInfo& request) = 0;
 };
 
-// Fewest in-flight requests. Decode: workers whose last reported free KV blocks cannot hold the
-// prompt come last, then fewest in flight, then most free KV blocks. Remaining ties rotate, so an
-// idle cluster still spreads sequential requests.
+// Fewest in-flight requests. Prefill: a prompt of at least the sequence-parallel workers'
+// --sp-min-tokens prefers them, a shorter one the others (then fewest in flight). Decode: workers
+// whose last reported free KV blocks cannot hold the prompt come last, then fewest in flight, then
+// most free KV blocks. Remaining ties rotate, so an idle cluster still spreads sequential requests.
 class LeastLoadedPolicy : public AssignmentPolicy {
  public:
   explicit LeastLoadedPolicy(const WorkerRegistry* registry) : registry_(registry) {}

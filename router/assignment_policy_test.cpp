@@ -81,6 +81,24 @@ TEST_F(AssignmentPolicyTest, DecodeAvoidsWorkersWithoutRoomForThePrompt) {
   EXPECT_EQ(policy_.PickDecode(request_), decode(0));  // too small, but the only one: ReserveKv decides
 }
 
+TEST_F(AssignmentPolicyTest, LongPromptsGoToSequenceParallelPrefillWorkers) {
+  v1::WorkerStats sp;
+  sp.set_sp_ranks(4);
+  sp.set_sp_min_tokens(1000);
+  prefill(1)->SetStatsForTesting(sp);
+  prefill(1)->AddInFlight(2);  // busier, still preferred for a long prompt
+  std::vector<int32_t> long_prompt(1000, 1), short_prompt(999, 1);
+  request_.prompt_token_ids = long_prompt;
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(policy_.PickPrefill(request_), prefill(1));
+  request_.prompt_token_ids = short_prompt;
+  for (int i = 0; i < 4; ++i) EXPECT_NE(policy_.PickPrefill(request_), prefill(1));
+  // The group is down: long prompts take the other workers.
+  prefill(1)->SetUpForTesting(false);
+  request_.prompt_token_ids = long_prompt;
+  EXPECT_NE(policy_.PickPrefill(request_), nullptr);
+  EXPECT_NE(policy_.PickPrefill(request_), prefill(1));
+}
+
 TEST_F(AssignmentPolicyTest, FullTiesRotate) {
   std::set<Worker*> prefills, decodes;
   for (int i = 0; i < 3; ++i) {
