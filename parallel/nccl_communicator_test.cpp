@@ -58,7 +58,12 @@ class DeviceBuffer {
     EXPECT_EQ(cudaMemcpy(host.data(), data_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
     return host;
   }
-  void Poison() { ASSERT_EQ(cudaMemset(data_, 0xA5, bytes_), cudaSuccess); }
+  // cudaMemset may still be running when it returns, and the communicator's stream does not wait
+  // for the default stream: finish it before the buffer takes part in an exchange.
+  void Poison() {
+    ASSERT_EQ(cudaMemset(data_, 0xA5, bytes_), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
 
  private:
   void* data_ = nullptr;

@@ -28,7 +28,8 @@ for run in $(seq 1 "$RUNS"); do
     log="$OUT/$test.log"
     echo "===== run $run: $test $*" >> "$log"
     start=$SECONDS
-    "$test" "$@" >> "$log" 2>&1
+    # By absolute path: gtest death tests re-execute argv[0] with execv (no PATH lookup).
+    "$(command -v "$test")" "$@" >> "$log" 2>&1
     rc=$?
     # gtest's summary of this run: the last "[  PASSED  ] N tests" and the FAILED test names.
     summary=$(awk -v run="===== run $run: $test" 'index($0, run) == 1 {on = 1; passed = 0; skipped = 0; failed = ""; next}
