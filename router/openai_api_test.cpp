@@ -323,5 +323,35 @@ TEST_F(OpenAiApiTest, OrphanedPipelinedRequestsDoNotExhaustConcurrency) {
   EXPECT_LT(std::chrono::steady_clock::now() - closed_at, std::chrono::seconds(5));
 }
 
+// A client's request id (X-Request-Id, or request_id in the body, as vLLM takes them) names the
+// response ("cmpl-<id>"); one longer than 256 bytes is a 400 that does not repeat it.
+TEST_F(OpenAiApiTest, RequestIdIsTakenAndItsLengthLimited) {
+  StartRouter();
+  Response r = Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":1})", "X-Request-Id: my-id-1\r\n");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["id"], "cmpl-my-id-1");
+  r = Call("POST", "/v1/chat/completions",
+           R"({"messages":[{"role":"user","content":"hi"}],"max_tokens":1,"request_id":"body-id"})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["id"], "chatcmpl-body-id");
+  const std::string longest(256, 'a');
+  r = Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":1,"stream":true})",
+           "X-Request-Id: " + longest + "\r\n");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_NE(r.body.find("\"id\":\"cmpl-" + longest + "\""), std::string::npos) << r.body;
+
+  const std::string too_long(257, 'b');
+  r = Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":1})", "X-Request-Id: " + too_long + "\r\n");
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_EQ(r.body.find(too_long), std::string::npos);
+  EXPECT_LT(r.body.size(), 400u) << r.body;
+  const std::string huge(1 << 20, 'c');
+  r = Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":200,"stream":true,"request_id":")" + huge + "\"}");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_LT(r.body.size(), 400u);
+  EXPECT_EQ(json::parse(r.body)["error"]["param"], "request_id");
+  EXPECT_EQ(decode_.num_decodes, 3);
+}
+
 }  // namespace
 }  // namespace duet::router
