@@ -235,6 +235,13 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   // Whether the client (cancel, deadline) or Abort stopped the request, and ending it then.
   bool Interrupted() const;
   void EndInterrupted();
+  // A worker call that ran out of time under the client's own deadline: that deadline has passed
+  // (even if the clock Interrupted reads is a hair behind the timer that ended the call).
+  void NoteDeadline(const grpc::Status& status) {
+    if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && downstream_has_clients_deadline_) {
+      client_deadline_passed_ = true;
+    }
+  }
   // Best effort, in the background: tells a worker to drop the request (its KV, its queue slot).
   void AbortOnWorker(Worker* worker);
   // Gives the request's place in the prefill gate to the next one (its prefill is over).
@@ -252,6 +259,8 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
 
   Prepared prepared_;
   Stage stage_ = Stage::kNotAdmitted;
+  bool downstream_has_clients_deadline_ = false;  // the latest Downstream's deadline is the client's
+  bool client_deadline_passed_ = false;
   std::pair<std::string, std::string> active_key_;  // (client, client's request id)
   bool registered_ = false;  // in service_->active_
   bool in_gate_ = false;     // holds a place in service_->prefill_gate_
@@ -405,8 +414,13 @@ class RouterService::PrefillGate {
 
 std::shared_ptr<grpc::ClientContext> RouterService::GenerateCall::Downstream(absl::Duration timeout) {
   std::shared_ptr<grpc::ClientContext> downstream = grpc::ClientContext::FromCallbackServerContext(*context_);
+  // The call ends at the earlier of the client's deadline (propagated) and `timeout`.
+  const std::chrono::system_clock::time_point clients = context_->deadline();
+  downstream_has_clients_deadline_ = clients != std::chrono::system_clock::time_point::max();
   if (timeout != absl::InfiniteDuration()) {
-    downstream->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    const std::chrono::system_clock::time_point own = absl::ToChronoTime(absl::Now() + timeout);
+    downstream->set_deadline(own);
+    downstream_has_clients_deadline_ = downstream_has_clients_deadline_ && clients <= own;
   }
   active_->Attach(downstream);
   return downstream;
@@ -491,6 +505,7 @@ void RouterService::GenerateCall::ReserveNext() {
 }
 
 void RouterService::GenerateCall::OnReserved(const grpc::Status& status, const v1::ReserveKvResponse* reply) {
+  NoteDeadline(status);
   if (status.ok()) {
     if (reply != nullptr && reply->target().transfer_id() == transfer_id_) {
       target_ = reply->target();
@@ -505,6 +520,11 @@ void RouterService::GenerateCall::OnReserved(const grpc::Status& status, const v
                                         reply->target().transfer_id(), " instead of ", transfer_id_)));
   }
   Worker* decode = decode_;
+  if (Interrupted() || IsWorkerFailure(status.error_code())) {
+    // Cancelled, timed out or cut off: the worker may have reserved before it heard (its answer
+    // crossing the cancellation). Release that now, not at the lease's end.
+    AbortOnWorker(decode);
+  }
   decode_ = nullptr;
   decode_in_flight_.Reset();
   if (Interrupted()) return EndInterrupted();
@@ -579,6 +599,7 @@ void RouterService::GenerateCall::StartPrefill() {
 
 void RouterService::GenerateCall::OnPrefilled(const grpc::Status& status, const v1::PrefillResponse* reply) {
   prefill_in_flight_.Reset();
+  NoteDeadline(status);
   std::string invalid;  // why an OK reply cannot be used
   if (status.ok()) {
     if (reply == nullptr) {
@@ -699,6 +720,7 @@ void RouterService::GenerateCall::OnWriteDone(bool ok) {
 
 void RouterService::GenerateCall::OnDecodeDone(const grpc::Status& status) {
   stream_ = nullptr;
+  NoteDeadline(status);
   if (!stream_error_.ok()) {
     AbortOnWorker(decode_);
     return End(stream_error_);
@@ -736,13 +758,13 @@ void RouterService::GenerateCall::OnDecodeDone(const grpc::Status& status) {
 }
 
 bool RouterService::GenerateCall::Interrupted() const {
-  return active_->aborted() || active_->client_gone() || context_->IsCancelled() ||
+  return active_->aborted() || active_->client_gone() || context_->IsCancelled() || client_deadline_passed_ ||
          context_->deadline() <= std::chrono::system_clock::now();
 }
 
 void RouterService::GenerateCall::EndInterrupted() {
   if (active_->aborted()) return EndWithAbortMessage();
-  if (context_->deadline() <= std::chrono::system_clock::now()) {
+  if (client_deadline_passed_ || context_->deadline() <= std::chrono::system_clock::now()) {
     return End(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded"));
   }
   End(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));

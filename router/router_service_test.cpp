@@ -710,6 +710,35 @@ TEST_F(RouterServiceTest, RequestIdLongerThan256BytesIsInvalid) {
   EXPECT_EQ(decode_[0]->num_reserved, 1);
 }
 
+// A client that gives up while ReserveKv is in flight (cancel, or its deadline) leaves no
+// reservation behind: the worker's answer may cross the cancellation, so the router aborts the
+// request on that decode worker.
+TEST_F(RouterServiceTest, CancelOrDeadlineDuringReserveKvAbortsOnTheDecodeWorker) {
+  Start(1, 1);
+  decode_[0]->reserve_delay_ms = 300;
+  Result expired = Generate(TokenRequest({1}, 5, "late"), /*deadline_ms=*/100);
+  EXPECT_EQ(expired.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->num_reserved == 1; }, 3000));
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 1; }, 3000));
+  EXPECT_THAT(decode_[0]->aborted(), ::testing::ElementsAre(::testing::StartsWith("late@")));
+
+  grpc::ClientContext context;
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    context.TryCancel();
+  });
+  auto reader = stub_->Generate(&context, TokenRequest({1}, 5, "gone"));
+  v1::GenerateResponse message;
+  EXPECT_FALSE(reader->Read(&message));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  canceller.join();
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 2; }, 3000));
+  EXPECT_THAT(decode_[0]->aborted(), ::testing::Contains(::testing::StartsWith("gone@")));
+  EXPECT_EQ(decode_[0]->num_decodes, 0);
+  EXPECT_EQ(prefill_[0]->num_prefills, 0);
+  EXPECT_TRUE(WaitFor([&] { return service_->num_in_flight() == 0; }, 3000));
+}
+
 TEST_F(RouterServiceTest, GetModelInfo) {
   Start(2, 1);
   registry_->MarkDown(registry_->prefill_workers()[1].get(), "test");
