@@ -237,23 +237,58 @@ std::shared_ptr<DecodeService::Reservation> DecodeService::FindByRequest(const s
 
 // ---- ReserveKv ----
 
+// One ReserveKv. No reservation outlives a call whose client is gone: a call cancelled (by the
+// router, its deadline, a lost connection) before the engine gets to it reserves nothing, and one
+// whose answer never reached the router releases what it reserved when the call ends. The
+// router's Abort, which may overtake the reservation, covers the rest.
+class DecodeService::ReserveKvCall final : public grpc::ServerUnaryReactor {
+ public:
+  ReserveKvCall(DecodeService* service, grpc::CallbackServerContext* context)
+      : service_(service), context_(context) {}
+
+  void Start(const v1::ReserveKvRequest* request, v1::ReserveKvResponse* response) {
+    if (request->num_prompt_tokens() <= 0) {
+      Finish(Error(grpc::StatusCode::INVALID_ARGUMENT, "num_prompt_tokens must be positive"));
+      return;
+    }
+    // The engine sets the blocks aside between steps; the answer goes out from there.
+    service_->loop_->Post([this, request, response](LlmEngine& engine) {
+      if (context_->IsCancelled()) {
+        Finish(Error(grpc::StatusCode::CANCELLED, "the ReserveKv call was cancelled"));
+        return;
+      }
+      const grpc::Status status = service_->Reserve(engine, *request, response, &reservation_);
+      Finish(status);
+    });
+  }
+
+  void OnCancel() override {}  // the engine thread or OnDone sees it
+  void OnDone() override {
+    // IsCancelled now says whether the answer failed to reach the client.
+    if (reservation_ != nullptr && context_->IsCancelled()) {
+      service_->CancelReservation(
+          reservation_, absl::CancelledError(absl::StrCat("the ReserveKv call for request '",
+                                                          reservation_->request_id, "' was cancelled")));
+    }
+    delete this;
+  }
+
+ private:
+  DecodeService* const service_;
+  grpc::CallbackServerContext* const context_;
+  std::shared_ptr<Reservation> reservation_;  // set on the engine thread before Finish
+};
+
 grpc::ServerUnaryReactor* DecodeService::ReserveKv(grpc::CallbackServerContext* context,
                                                    const v1::ReserveKvRequest* request,
                                                    v1::ReserveKvResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (request->num_prompt_tokens() <= 0) {
-    reactor->Finish(Error(grpc::StatusCode::INVALID_ARGUMENT, "num_prompt_tokens must be positive"));
-    return reactor;
-  }
-  // The engine sets the blocks aside between steps; the answer goes out from there.
-  loop_->Post([this, reactor, request, response](LlmEngine& engine) {
-    reactor->Finish(Reserve(engine, *request, response));
-  });
-  return reactor;
+  auto* call = new ReserveKvCall(this, context);
+  call->Start(request, response);
+  return call;
 }
 
 grpc::Status DecodeService::Reserve(LlmEngine& engine, const v1::ReserveKvRequest& request,
-                                    v1::ReserveKvResponse* response) {
+                                    v1::ReserveKvResponse* response, std::shared_ptr<Reservation>* made) {
   absl::StatusOr<std::shared_ptr<Reservation>> reserved = NewReservation(engine, request);
   if (!reserved.ok()) {
     if (reserved.status().code() == absl::StatusCode::kResourceExhausted) {
@@ -286,6 +321,7 @@ grpc::Status DecodeService::Reserve(LlmEngine& engine, const v1::ReserveKvReques
   }
   target->set_receiver_descriptor(receiver_->descriptor());
   target->set_transfer_id(r->transfer_id);
+  *made = std::move(r);
   return grpc::Status::OK;
 }
 
@@ -629,7 +665,13 @@ grpc::ServerUnaryReactor* DecodeService::Abort(grpc::CallbackServerContext* cont
     found = CancelReservation(r, absl::CancelledError(absl::StrCat("request '", id, "' was aborted")));
   }
   // A running request is aborted between steps; the answer goes out from there.
-  loop_->Post([this, id, found, reactor, response](LlmEngine& engine) {
+  loop_->Post([this, id, found, reactor, response](LlmEngine& engine) mutable {
+    // A ReserveKv queued on the engine before this Abort reserved meanwhile: release it too.
+    if (!found) {
+      if (std::shared_ptr<Reservation> r = FindByRequest(id)) {
+        found = CancelReservation(r, absl::CancelledError(absl::StrCat("request '", id, "' was aborted")));
+      }
+    }
     const Request* req = engine.Find(id);
     const bool running = req != nullptr && !req->finished();
     if (running) loop_->Abort(id);

@@ -76,7 +76,8 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
   const metrics::DuetMetrics& metrics() const { return *metrics_; }
 
  private:
-  class DecodeCall;  // the reactor of one Decode stream
+  class DecodeCall;     // the reactor of one Decode stream
+  class ReserveKvCall;  // the reactor of one ReserveKv
 
   enum class ReservationState {
     kTransferring,  // lease held by the receiver; the prefill worker is writing the blocks
@@ -103,9 +104,10 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
 
   DecodeService(std::unique_ptr<LlmEngine> engine, DecodeServiceOptions options);
 
-  // ReserveKv on the engine thread: the blocks, the staging, the receiver's lease.
-  grpc::Status Reserve(LlmEngine& engine, const v1::ReserveKvRequest& request, v1::ReserveKvResponse* response)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // ReserveKv on the engine thread: the blocks, the staging, the receiver's lease. On OK, `made`
+  // is the reservation.
+  grpc::Status Reserve(LlmEngine& engine, const v1::ReserveKvRequest& request, v1::ReserveKvResponse* response,
+                       std::shared_ptr<Reservation>* made) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::shared_ptr<Reservation>> NewReservation(LlmEngine& engine, const v1::ReserveKvRequest& request);
   // Files `r` under its transfer and request ids; AlreadyExists for a transfer id in use.
   absl::Status Register(const std::shared_ptr<Reservation>& r) ABSL_LOCKS_EXCLUDED(mu_);

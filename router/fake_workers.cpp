@@ -65,6 +65,7 @@ std::vector<std::string> FakePrefillWorker::aborted() const {
 grpc::Status FakeDecodeWorker::ReserveKv(grpc::ServerContext*, const v1::ReserveKvRequest* request,
                                          v1::ReserveKvResponse* response) {
   if (kv_full) return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "fake decode has no free KV blocks");
+  if (reserve_delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(reserve_delay_ms.load()));
   ++num_reserved;
   {
     absl::MutexLock lock(&mu_);

@@ -52,6 +52,9 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
                         v1::WorkerStats* response) override;
 
   std::atomic<int> token_delay_ms{0};
+  // ReserveKv reserves after this long even if its call was cancelled meanwhile (as a worker
+  // whose answer crosses the router's cancellation).
+  std::atomic<int> reserve_delay_ms{0};
   std::atomic<bool> kv_full{false};           // ReserveKv returns RESOURCE_EXHAUSTED
   std::atomic<int> fail_after_tokens{-1};     // Decode returns UNAVAILABLE after this many tokens
   std::atomic<int> free_blocks{100};

@@ -55,7 +55,7 @@ class Session;
 
 class Responder final : public HttpResponder {
  public:
-  Responder(std::weak_ptr<Session> session, net::any_io_executor strand)
+  Responder(std::shared_ptr<Session> session, net::any_io_executor strand)
       : session_(std::move(session)), strand_(std::move(strand)) {}
 
   void Respond(int status, std::string content_type, std::string body,
@@ -94,7 +94,10 @@ class Responder final : public HttpResponder {
  private:
   void Post(std::string bytes, bool last);
 
-  const std::weak_ptr<Session> session_;
+  // Keeps the session alive while the handler holds the responder: a session with no read
+  // pending (a request queued behind this one) has nothing else holding it, and would vanish
+  // with its socket, the response never sent and nobody told.
+  const std::shared_ptr<Session> session_;
   const net::any_io_executor strand_;
   mutable std::mutex mu_;
   bool started_ = false;  // a stream's header went out
@@ -113,9 +116,21 @@ class Session : public std::enable_shared_from_this<Session> {
   net::any_io_executor executor() { return socket_.get_executor(); }
 
  private:
+  // A request read and not answered yet, or (`canned`) the error response that ends the
+  // connection in its turn.
+  struct Queued {
+    HttpRequest request;
+    bool keep_alive = true;
+    std::string canned;
+  };
+
   void DoRead();
   void OnRead(error_code ec);
-  void Dispatch(HttpRequest request, bool keep_alive);
+  // Queues the response to a request that cannot be read (413, 431, 400); reading stops.
+  void QueueError(int status, const std::string& payload);
+  // Starts the next queued request once the previous response is written.
+  void DispatchNext();
+  bool Idle() const { return active_ == nullptr && queue_.empty() && !writing_ && out_.empty(); }
   void DoWrite();
   void OnWrite(error_code ec);
   void ArmTimer(std::chrono::milliseconds after);
@@ -135,7 +150,11 @@ class Session : public std::enable_shared_from_this<Session> {
   bool closed_ = false;
   bool close_after_ = false;  // of the response being written
   std::shared_ptr<Responder> active_;
-  std::optional<std::pair<HttpRequest, bool>> pending_;  // a pipelined request
+  // HTTP/1.1 pipelining: requests are answered one at a time, in order. The socket is read all
+  // along (a read always pending), so a client that leaves is noticed and its request cancelled.
+  std::deque<Queued> queue_;
+  bool discard_ = false;       // a request said "Connection: close": later ones are read, not served
+  bool stop_reading_ = false;  // the request stream cannot be parsed any further
 };
 
 class ServerImpl final : public HttpServer {
@@ -256,8 +275,8 @@ class ServerImpl final : public HttpServer {
 // --- Responder ---
 
 void Responder::Post(std::string bytes, bool last) {
-  net::post(strand_, [weak = session_, self = this, bytes = std::move(bytes), last]() mutable {
-    if (auto session = weak.lock()) session->Send(self, std::move(bytes), last);
+  net::post(strand_, [session = session_, self = this, bytes = std::move(bytes), last]() mutable {
+    session->Send(self, std::move(bytes), last);
   });
 }
 
@@ -326,98 +345,111 @@ void Session::ArmTimer(std::chrono::milliseconds after) {
   timer_.async_wait([self = shared_from_this()](error_code ec) {
     if (ec || self->closed_) return;
     if (self->timer_.expiry() > std::chrono::steady_clock::now()) return;  // re-armed meanwhile
-    if (self->active_ != nullptr || self->writing_) return;                 // busy: not idle
+    if (!self->Idle()) return;                                             // busy: not idle
     self->Close();
   });
 }
 
 void Session::DoRead() {
-  if (closed_ || reading_) return;
+  if (closed_ || reading_ || stop_reading_) return;
   parser_.emplace();
   parser_->body_limit(server_->options().max_body_bytes);
   parser_->header_limit(static_cast<std::uint32_t>(server_->options().max_header_bytes));
   reading_ = true;
-  if (active_ == nullptr) {
-    ArmTimer(buffer_.size() == 0 ? server_->options().idle_timeout : server_->options().read_timeout);
-  }
+  if (Idle()) ArmTimer(buffer_.size() == 0 ? server_->options().idle_timeout : server_->options().read_timeout);
   http::async_read_header(socket_, buffer_, *parser_, [self = shared_from_this()](error_code ec, size_t) {
     if (ec) {
       self->OnRead(ec);
       return;
     }
     // The header is in: the rest gets the (shorter) read timeout.
-    if (self->active_ == nullptr) self->ArmTimer(self->server_->options().read_timeout);
+    if (self->Idle()) self->ArmTimer(self->server_->options().read_timeout);
     http::async_read(self->socket_, self->buffer_, *self->parser_,
                      [self](error_code ec2, size_t) { self->OnRead(ec2); });
   });
+}
+
+void Session::QueueError(int status, const std::string& payload) {
+  std::string out = StatusLine(status);
+  absl::StrAppend(&out, "Content-Type: ", kErrorContentType, "\r\nContent-Length: ", payload.size(),
+                  "\r\nConnection: close\r\n\r\n", payload);
+  stop_reading_ = true;
+  if (!discard_) {
+    Queued error;
+    error.canned = std::move(out);
+    queue_.push_back(std::move(error));
+  }
+  DispatchNext();
 }
 
 void Session::OnRead(error_code ec) {
   reading_ = false;
   if (closed_) return;
   if (ec == http::error::body_limit || ec == http::error::header_limit) {
-    if (active_ != nullptr) {  // pipelined while answering: give up on the connection
-      Close();
-      return;
-    }
     const bool body = ec == http::error::body_limit;
-    const std::string payload =
-        body ? ErrorJson(413, absl::StrCat("request body is larger than ", server_->options().max_body_bytes, " bytes"),
-                         "request_too_large")
-             : ErrorJson(431, "request headers are too large", "request_header_fields_too_large");
-    std::string out = StatusLine(body ? 413 : 431);
-    absl::StrAppend(&out, "Content-Type: ", kErrorContentType, "\r\nContent-Length: ", payload.size(),
-                    "\r\nConnection: close\r\n\r\n", payload);
-    close_after_ = true;
-    out_.push_back({std::move(out), true});
-    DoWrite();
+    QueueError(body ? 413 : 431,
+               body ? ErrorJson(413, absl::StrCat("request body is larger than ", server_->options().max_body_bytes,
+                                                  " bytes"),
+                                "request_too_large")
+                    : ErrorJson(431, "request headers are too large", "request_header_fields_too_large"));
     return;
   }
   if (ec) {
     if (ec != http::error::end_of_stream && ec != net::error::eof && ec != net::error::operation_aborted &&
-        ec != net::error::connection_reset && ec != net::error::bad_descriptor) {
-      // A malformed request: answer 400 when nothing else is being answered, then close.
-      if (active_ == nullptr && !writing_ && ec.category() == http::make_error_code(http::error::bad_method).category()) {
-        const std::string payload = ErrorJson(400, absl::StrCat("malformed HTTP request: ", ec.message()),
-                                              "bad_request");
-        std::string out = StatusLine(400);
-        absl::StrAppend(&out, "Content-Type: ", kErrorContentType, "\r\nContent-Length: ", payload.size(),
-                        "\r\nConnection: close\r\n\r\n", payload);
-        close_after_ = true;
-        out_.push_back({std::move(out), true});
-        DoWrite();
-        return;
-      }
+        ec != net::error::connection_reset && ec != net::error::bad_descriptor &&
+        ec.category() == http::make_error_code(http::error::bad_method).category()) {
+      // A malformed request: answered 400 in its turn, then the connection closes.
+      QueueError(400, ErrorJson(400, absl::StrCat("malformed HTTP request: ", ec.message()), "bad_request"));
+      return;
     }
-    Close();
+    Close();  // the client left (or the socket failed): what it asked for is cancelled
     return;
   }
   http::request<http::string_body> message = parser_->release();
-  HttpRequest request;
-  request.method = std::string(message.method_string());
-  request.target = std::string(message.target());
-  request.path = request.target.substr(0, request.target.find('?'));
-  for (const auto& field : message) {
-    request.headers.emplace_back(absl::AsciiStrToLower(std::string(field.name_string().data(), field.name_string().size())),
-                                 std::string(field.value()));
+  if (!discard_) {
+    Queued queued;
+    HttpRequest& request = queued.request;
+    request.method = std::string(message.method_string());
+    request.target = std::string(message.target());
+    request.path = request.target.substr(0, request.target.find('?'));
+    for (const auto& field : message) {
+      request.headers.emplace_back(
+          absl::AsciiStrToLower(std::string(field.name_string().data(), field.name_string().size())),
+          std::string(field.value()));
+    }
+    request.body = std::move(message.body());
+    queued.keep_alive = message.keep_alive();
+    // Waiting behind the one being answered: at most max_pipelined_requests, the last of which
+    // closes the connection (the client sends the rest again, on a new one).
+    const bool busy = active_ != nullptr || writing_ || !out_.empty() || !queue_.empty();
+    if (busy && int(queue_.size()) + 1 >= std::max(1, server_->options().max_pipelined_requests)) {
+      queued.keep_alive = false;
+    }
+    if (!queued.keep_alive) discard_ = true;
+    queue_.push_back(std::move(queued));
   }
-  request.body = std::move(message.body());
-  const bool keep_alive = message.keep_alive();
-  if (active_ != nullptr || writing_) {
-    pending_.emplace(std::move(request), keep_alive);  // answered after the current response
-    return;
-  }
-  Dispatch(std::move(request), keep_alive);
+  DispatchNext();
+  // Keep a read pending while requests are answered: it notices the client leaving.
+  DoRead();
 }
 
-void Session::Dispatch(HttpRequest request, bool keep_alive) {
+void Session::DispatchNext() {
+  if (closed_ || active_ != nullptr || writing_ || !out_.empty() || queue_.empty()) return;
+  Queued next = std::move(queue_.front());
+  queue_.pop_front();
   timer_.cancel();
-  active_ = std::make_shared<Responder>(weak_from_this(), socket_.get_executor());
-  active_->close_after = !keep_alive;
-  close_after_ = !keep_alive;
+  if (!next.canned.empty()) {
+    close_after_ = true;
+    out_.push_back({std::move(next.canned), true});
+    DoWrite();
+    return;
+  }
+  active_ = std::make_shared<Responder>(shared_from_this(), socket_.get_executor());
+  active_->close_after = !next.keep_alive;
+  close_after_ = !next.keep_alive;
   std::shared_ptr<Responder> responder = active_;
   try {
-    server_->handler()(std::move(request), responder);
+    server_->handler()(std::move(next.request), responder);
   } catch (const std::exception& e) {
     responder->Respond(500, kErrorContentType,
                        R"({"error":{"message":"internal error","type":"server_error","param":null,"code":null}})", {});
@@ -426,8 +458,6 @@ void Session::Dispatch(HttpRequest request, bool keep_alive) {
     responder->Respond(500, kErrorContentType,
                        R"({"error":{"message":"internal error","type":"server_error","param":null,"code":null}})", {});
   }
-  // Keep a read pending while the response is produced: it notices the client leaving.
-  DoRead();
 }
 
 void Session::Send(Responder* responder, std::string bytes, bool last) {
@@ -463,13 +493,10 @@ void Session::OnWrite(error_code ec) {
       Close();
       return;
     }
-    if (pending_) {
-      auto [request, keep_alive] = std::move(*pending_);
-      pending_.reset();
-      Dispatch(std::move(request), keep_alive);
-    } else if (!reading_) {
+    DispatchNext();
+    if (!reading_) {
       DoRead();
-    } else if (active_ == nullptr) {
+    } else if (Idle()) {
       ArmTimer(server_->options().idle_timeout);
     }
   }
@@ -479,6 +506,7 @@ void Session::OnWrite(error_code ec) {
 void Session::Close() {
   if (closed_) return;
   closed_ = true;
+  queue_.clear();
   if (active_ != nullptr) {
     std::shared_ptr<Responder> active = std::move(active_);
     active_ = nullptr;

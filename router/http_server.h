@@ -56,6 +56,9 @@ struct HttpServerOptions {
   int num_threads = 2;       // io threads
   size_t max_body_bytes = 8u << 20;  // larger bodies: 413
   size_t max_header_bytes = 64u << 10;
+  // Pipelined requests read while one is being answered, at most (the last of them is answered
+  // with "Connection: close").
+  int max_pipelined_requests = 16;
   std::chrono::milliseconds read_timeout{30000};   // from the first byte of a request to its end
   std::chrono::milliseconds idle_timeout{120000};  // keep-alive connection without a request
 };

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <functional>
 #include <boost/asio/connect.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
@@ -139,6 +140,92 @@ TEST_F(HttpServerTest, DisconnectCancels) {
   EXPECT_EQ(cancelled_.load(), 1);
   EXPECT_TRUE(hung_->cancelled());
   hung_->Respond(200, "text/plain", "late");  // a no-op now
+}
+
+std::string Echo(const std::string& body, const std::string& extra_headers = "") {
+  return "POST /echo HTTP/1.1\r\nHost: x\r\n" + extra_headers + "Content-Length: " + std::to_string(body.size()) +
+         "\r\n\r\n" + body;
+}
+
+bool WaitUntil(const std::function<bool()>& condition) {
+  for (int i = 0; i < 400 && !condition(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  return condition();
+}
+
+// HTTP/1.1 pipelining: requests sent back to back on one connection, the first answered late,
+// are all answered, in the order they came.
+TEST_F(HttpServerTest, PipelinedRequestsAreAnsweredInOrder) {
+  Start();
+  RawClient c(server_->port());
+  c.Send("GET /hang HTTP/1.1\r\nHost: x\r\n\r\n" + Echo("one") + Echo("two") + Echo("three"));
+  ASSERT_TRUE(WaitUntil([&] { return hung_ != nullptr; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the others are read meanwhile
+  hung_->Respond(200, "text/plain", "first");
+  const std::string r = c.ReadUntil("POST three ");
+  const size_t first = r.find("first"), one = r.find("POST one "), two = r.find("POST two "),
+               three = r.find("POST three ");
+  ASSERT_NE(first, std::string::npos) << r;
+  ASSERT_NE(one, std::string::npos) << r;
+  ASSERT_NE(two, std::string::npos) << r;
+  ASSERT_NE(three, std::string::npos) << r;
+  EXPECT_LT(first, one);
+  EXPECT_LT(one, two);
+  EXPECT_LT(two, three);
+  EXPECT_EQ(cancelled_.load(), 0);
+  // Still a keep-alive connection.
+  c.Send(Echo("four"));
+  EXPECT_NE(c.ReadUntil("POST four ").find("200 OK"), std::string::npos);
+}
+
+// A client that pipelines a request behind one being answered and then leaves: the answer in
+// progress is cancelled (its work can stop), like any other disconnect.
+TEST_F(HttpServerTest, DisconnectWithPipelinedRequestCancels) {
+  Start();
+  RawClient c(server_->port());
+  c.Send("GET /hang HTTP/1.1\r\nHost: x\r\n\r\n" + Echo("next"));
+  ASSERT_TRUE(WaitUntil([&] { return hung_ != nullptr; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the pipelined request is read
+  c.Close();
+  EXPECT_TRUE(WaitUntil([&] { return cancelled_ == 1; }));
+  EXPECT_TRUE(hung_->cancelled());
+  EXPECT_TRUE(WaitUntil([&] { return server_->num_connections() == 0; }));
+}
+
+// At most max_pipelined_requests wait behind the one being answered: the last of them is answered
+// with "Connection: close" and the connection then closes (the client retries the rest, as
+// HTTP/1.1 says). Until then the server still notices the client leaving.
+TEST_F(HttpServerTest, PipelineDepthIsBoundedAndTheConnectionCloses) {
+  HttpServerOptions options;
+  options.max_pipelined_requests = 2;
+  Start(options);
+  RawClient c(server_->port());
+  c.Send("GET /hang HTTP/1.1\r\nHost: x\r\n\r\n" + Echo("1") + Echo("2") + Echo("3") + Echo("4"));
+  ASSERT_TRUE(WaitUntil([&] { return hung_ != nullptr; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  hung_->Respond(200, "text/plain", "first");
+  const std::string r = c.ReadUntil(std::string(1, '\0'));  // to EOF
+  EXPECT_NE(r.find("first"), std::string::npos) << r;
+  EXPECT_NE(r.find("POST 1 "), std::string::npos) << r;
+  EXPECT_NE(r.find("POST 2 "), std::string::npos) << r;
+  EXPECT_EQ(r.find("POST 3 "), std::string::npos) << r;
+  EXPECT_NE(r.find("Connection: close\r\n\r\nPOST 2 "), std::string::npos) << r;
+}
+
+// An error found in a pipelined request (here a body over the limit) is answered in its turn.
+TEST_F(HttpServerTest, PipelinedBadRequestIsAnsweredInItsTurn) {
+  HttpServerOptions options;
+  options.max_body_bytes = 100;
+  Start(options);
+  RawClient c(server_->port());
+  c.Send("GET /hang HTTP/1.1\r\nHost: x\r\n\r\n" + Echo(std::string(500, 'z')));
+  ASSERT_TRUE(WaitUntil([&] { return hung_ != nullptr; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  hung_->Respond(200, "text/plain", "first");
+  const std::string r = c.ReadUntil(std::string(1, '\0'));
+  const size_t first = r.find("first"), too_large = r.find("HTTP/1.1 413");
+  ASSERT_NE(first, std::string::npos) << r;
+  ASSERT_NE(too_large, std::string::npos) << r;
+  EXPECT_LT(first, too_large);
 }
 
 TEST_F(HttpServerTest, StopCancelsOpenResponses) {

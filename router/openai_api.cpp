@@ -9,6 +9,7 @@
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/support/client_callback.h"
+#include "router/request_id.h"
 
 namespace duet::router {
 namespace {
@@ -36,7 +37,9 @@ class Job : public std::enable_shared_from_this<Job> {
         api_(api),
         request_(std::move(request)),
         responder_(std::move(responder)),
-        id_(openai::NewId(request_.chat ? "chatcmpl-" : "cmpl-")) {}
+        id_(request_.request_id ? absl::StrCat(request_.chat ? "chatcmpl-" : "cmpl-", *request_.request_id)
+                                : openai::NewId(request_.chat ? "chatcmpl-" : "cmpl-")),
+        call_id_(openai::NewId("cmpl-")) {}
 
   void Start();
   void OnMessage(int index, const v1::GenerateResponse& message);
@@ -81,7 +84,10 @@ class Job : public std::enable_shared_from_this<Job> {
   OpenAiApi* const api_;
   const openai::ParsedRequest request_;
   const std::shared_ptr<HttpResponder> responder_;
-  const std::string id_;
+  const std::string id_;       // the response's
+  // Its choices' gRPC request ids are "<call_id_>-<index>": random, so HTTP clients' ids (all
+  // sent through the one in-process channel) never collide.
+  const std::string call_id_;
   std::mutex mu_;
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts_;
   std::vector<Choice> choices_;
@@ -141,7 +147,7 @@ void Job::Start() {
         const int index = p * request_.n + i;
         choices_[index].result.index = index;
         v1::GenerateRequest generate;
-        generate.set_request_id(absl::StrCat(id_, "-", index));
+        generate.set_request_id(absl::StrCat(call_id_, "-", index));
         if (prompt.is_text) {
           generate.set_text(prompt.text);
         } else {
@@ -397,6 +403,14 @@ void OpenAiApi::Generate(bool chat, const HttpRequest& request, const std::share
   if (!parsed.ok()) {
     SendError(*responder, parsed.status());
     return;
+  }
+  // X-Request-Id names the response, ahead of a request_id in the body (as in vLLM).
+  if (const std::string header = request.Header("x-request-id"); !header.empty()) {
+    if (absl::Status status = CheckRequestIdLength(header, "X-Request-Id"); !status.ok()) {
+      SendError(*responder, openai::BadRequest(status.message(), "request_id"));
+      return;
+    }
+    parsed->request_id = header;
   }
   auto job = std::make_shared<Job>(this, *std::move(parsed), responder);
   job->Start();

@@ -41,6 +41,7 @@ class Client {
                                 "\r\n\r\n" + body;
     net::write(socket_, net::buffer(request));
   }
+  void SendRaw(const std::string& bytes) { net::write(socket_, net::buffer(bytes)); }
   // Reads until `needle` is in the raw bytes (or EOF).
   std::string ReadUntil(const std::string& needle) {
     while (raw_.find(needle) == std::string::npos) {
@@ -84,7 +85,7 @@ class Client {
 
 class OpenAiApiTest : public ::testing::Test {
  protected:
-  void StartRouter(const std::string& api_key = "") {
+  void StartRouter(const std::string& api_key = "", int max_concurrent_requests = 256) {
     prefill_server_ = std::make_unique<FakeServer>(&prefill_);
     decode_server_ = std::make_unique<FakeServer>(&decode_);
     RouterOptions options;
@@ -93,6 +94,7 @@ class OpenAiApiTest : public ::testing::Test {
     options.decode_addresses = {decode_server_->address()};
     options.http_port = 0;
     options.api_key = api_key;
+    options.max_concurrent_requests = max_concurrent_requests;
     options.metrics_body = [] { return std::string("duet:test 1\n"); };
     auto router = Router::Start(options);
     ASSERT_TRUE(router.ok()) << router.status();
@@ -243,6 +245,112 @@ TEST_F(OpenAiApiTest, DisconnectAbortsTheRequest) {
   // Still healthy.
   decode_.token_delay_ms = 0;
   EXPECT_EQ(Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":1})").status, 200);
+}
+
+std::string RawRequest(const std::string& method, const std::string& path, const std::string& body,
+                       const std::string& extra_headers = "") {
+  return method + " " + path + " HTTP/1.1\r\nHost: x\r\n" + extra_headers +
+         "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+}
+
+// Splits back-to-back responses with Content-Length bodies.
+std::vector<Response> SplitResponses(const std::string& raw) {
+  std::vector<Response> out;
+  size_t pos = 0;
+  while (pos < raw.size()) {
+    const size_t header_end = raw.find("\r\n\r\n", pos);
+    if (header_end == std::string::npos) break;
+    Response r;
+    r.headers = raw.substr(pos, header_end - pos);
+    r.status = std::stoi(raw.substr(pos + 9, 3));
+    const size_t length_at = r.headers.find("Content-Length: ");
+    if (length_at == std::string::npos) break;
+    const size_t length = std::stoul(r.headers.substr(length_at + 16));
+    r.body = raw.substr(header_end + 4, length);
+    out.push_back(r);
+    pos = header_end + 4 + length;
+  }
+  return out;
+}
+
+// Three requests pipelined on one connection while the first (a completion) is generating: all
+// three answered, in order.
+TEST_F(OpenAiApiTest, PipelinedRequestsAreAnsweredInOrder) {
+  StartRouter();
+  decode_.token_delay_ms = 20;
+  Client c(router_->http_port());
+  c.SendRaw(RawRequest("POST", "/v1/completions", R"({"prompt":"x","max_tokens":5})") +
+            RawRequest("GET", "/v1/models", "") +
+            RawRequest("POST", "/v1/completions", R"({"prompt":"y","max_tokens":2})", "Connection: close\r\n"));
+  const std::vector<Response> responses = SplitResponses(c.ReadUntil(std::string(1, '\0')));
+  ASSERT_EQ(responses.size(), 3u);
+  ASSERT_EQ(responses[0].status, 200) << responses[0].body;
+  EXPECT_EQ(json::parse(responses[0].body)["choices"][0]["text"], "t0 t1 t2 t3 t4 ");
+  ASSERT_EQ(responses[1].status, 200) << responses[1].body;
+  EXPECT_EQ(json::parse(responses[1].body)["object"], "list");
+  ASSERT_EQ(responses[2].status, 200) << responses[2].body;
+  EXPECT_EQ(json::parse(responses[2].body)["choices"][0]["text"], "t0 t1 ");
+}
+
+// Clients that pipeline a second request behind a long completion and then close the socket:
+// their generations are cancelled and give their places back, so --max-concurrent-requests is
+// not used up by work nobody waits for.
+TEST_F(OpenAiApiTest, OrphanedPipelinedRequestsDoNotExhaustConcurrency) {
+  constexpr int kMax = 16;
+  StartRouter("", kMax);
+  decode_.token_delay_ms = 10;  // 2000 tokens: 20 s each
+  std::vector<std::unique_ptr<Client>> orphans;
+  for (int i = 0; i < kMax + 2; ++i) {
+    orphans.push_back(std::make_unique<Client>(router_->http_port()));
+    orphans.back()->SendRaw(RawRequest("POST", "/v1/completions", R"({"prompt":"x","max_tokens":2000})") +
+                            RawRequest("GET", "/v1/models", ""));
+  }
+  ASSERT_TRUE([&] {
+    for (int i = 0; i < 500 && decode_.num_decodes < kMax; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return decode_.num_decodes == kMax;
+  }()) << decode_.num_decodes;
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  for (auto& c : orphans) c->Close();
+  const auto closed_at = std::chrono::steady_clock::now();
+  for (int i = 0; i < 300 && decode_.num_cancelled < kMax; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(decode_.num_cancelled.load(), kMax) << "the orphans' generations kept running";
+  // Room again: every new request is served.
+  decode_.token_delay_ms = 0;
+  for (int i = 0; i < kMax; ++i) {
+    Response r = Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":1})");
+    EXPECT_EQ(r.status, 200) << r.body;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - closed_at, std::chrono::seconds(5));
+}
+
+// A client's request id (X-Request-Id, or request_id in the body, as vLLM takes them) names the
+// response ("cmpl-<id>"); one longer than 256 bytes is a 400 that does not repeat it.
+TEST_F(OpenAiApiTest, RequestIdIsTakenAndItsLengthLimited) {
+  StartRouter();
+  Response r = Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":1})", "X-Request-Id: my-id-1\r\n");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["id"], "cmpl-my-id-1");
+  r = Call("POST", "/v1/chat/completions",
+           R"({"messages":[{"role":"user","content":"hi"}],"max_tokens":1,"request_id":"body-id"})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["id"], "chatcmpl-body-id");
+  const std::string longest(256, 'a');
+  r = Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":1,"stream":true})",
+           "X-Request-Id: " + longest + "\r\n");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_NE(r.body.find("\"id\":\"cmpl-" + longest + "\""), std::string::npos) << r.body;
+
+  const std::string too_long(257, 'b');
+  r = Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":1})", "X-Request-Id: " + too_long + "\r\n");
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_EQ(r.body.find(too_long), std::string::npos);
+  EXPECT_LT(r.body.size(), 400u) << r.body;
+  const std::string huge(1 << 20, 'c');
+  r = Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":200,"stream":true,"request_id":")" + huge + "\"}");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_LT(r.body.size(), 400u);
+  EXPECT_EQ(json::parse(r.body)["error"]["param"], "request_id");
+  EXPECT_EQ(decode_.num_decodes, 3);
 }
 
 }  // namespace

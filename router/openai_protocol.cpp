@@ -3,7 +3,6 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
-#include <random>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
@@ -11,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "router/request_id.h"
 #include "rpc/rpc_util.h"
 
 namespace duet::router::openai {
@@ -234,6 +234,12 @@ absl::Status ParseCommon(const Json& j, const ProtocolContext& context, ParsedRe
   DUET_RETURN_IF_ERROR(ParseStops(j, &out->sampling));
   DUET_RETURN_IF_ERROR(CheckUnsupportedFields(j, context, out->n));
   DUET_RETURN_IF_ERROR(ParseStreaming(j, out));
+  if (auto it = j.find("request_id"); it != j.end() && !it->is_null()) {
+    if (!it->is_string()) return WrongType("request_id", "a string", *it);
+    const std::string& id = it->get_ref<const std::string&>();
+    if (absl::Status s = CheckRequestIdLength(id); !s.ok()) return BadRequest(s.message(), "request_id");
+    if (!id.empty()) out->request_id = id;
+  }
   out->created =
       std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   return absl::OkStatus();
@@ -728,10 +734,6 @@ std::string SseEvent(const Json& json) {
   return absl::StrCat("data: ", json.dump(-1, ' ', false, Json::error_handler_t::replace), "\n\n");
 }
 
-std::string NewId(std::string_view prefix) {
-  thread_local std::mt19937_64 gen(std::random_device{}() ^
-                                   static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
-  return absl::StrFormat("%s%016x%016x", prefix, gen(), gen());
-}
+std::string NewId(std::string_view prefix) { return std::string(prefix) + RandomHex(16); }
 
 }  // namespace duet::router::openai

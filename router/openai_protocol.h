@@ -82,6 +82,9 @@ struct ParsedRequest {
   std::optional<int> logprobs;
   bool chat_add_role_first = true;   // chat streaming: first chunk carries the role
   int64_t created = 0;
+  // The client's `request_id` (a vLLM extra field; at most kMaxRequestIdBytes): the response is
+  // "cmpl-<request_id>" / "chatcmpl-<request_id>".
+  std::optional<std::string> request_id;
 };
 
 absl::StatusOr<ParsedRequest> ParseCompletionRequest(std::string_view body, const ProtocolContext& context);
@@ -143,7 +146,7 @@ Json UsageChunk(const std::string& id, const ParsedRequest& request, int prompt_
 std::string SseEvent(const Json& json);
 inline constexpr char kSseDone[] = "data: [DONE]\n\n";
 
-// Random ids: "cmpl-<32 hex>", "chatcmpl-<32 hex>".
+// Random ids: "cmpl-<32 hex>", "chatcmpl-<32 hex>" (128 bits from the kernel's CSPRNG).
 std::string NewId(std::string_view prefix);
 
 }  // namespace duet::router::openai

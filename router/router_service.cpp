@@ -12,7 +12,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/finish_reason.h"
+#include "common/status_macros.h"
 #include "grpcpp/generic/generic_stub.h"
+#include "router/request_id.h"
 #include "rpc/rpc_util.h"
 
 namespace duet::router {
@@ -99,9 +101,15 @@ std::optional<FinishReason> StreamFinishReason(const std::string& name) {
 
 double Seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-std::string RandomHex() {
-  absl::BitGen gen;
-  return absl::StrFormat("%016x", absl::Uniform<uint64_t>(gen));
+// Who sent a call, as far as request ids are concerned: its connection (the peer's address and
+// port) and the credential it presented.
+std::string ClientOf(const grpc::CallbackServerContext& context) {
+  std::string client = context.peer();
+  auto range = context.client_metadata().equal_range("authorization");
+  for (auto it = range.first; it != range.second; ++it) {
+    absl::StrAppend(&client, "\n", absl::string_view(it->second.data(), it->second.size()));
+  }
+  return client;
 }
 
 // Full method names for the generic stubs (they outlive every call).
@@ -227,6 +235,13 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   // Whether the client (cancel, deadline) or Abort stopped the request, and ending it then.
   bool Interrupted() const;
   void EndInterrupted();
+  // A worker call that ran out of time under the client's own deadline: that deadline has passed
+  // (even if the clock Interrupted reads is a hair behind the timer that ended the call).
+  void NoteDeadline(const grpc::Status& status) {
+    if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && downstream_has_clients_deadline_) {
+      client_deadline_passed_ = true;
+    }
+  }
   // Best effort, in the background: tells a worker to drop the request (its KV, its queue slot).
   void AbortOnWorker(Worker* worker);
   // Gives the request's place in the prefill gate to the next one (its prefill is over).
@@ -244,6 +259,9 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
 
   Prepared prepared_;
   Stage stage_ = Stage::kNotAdmitted;
+  bool downstream_has_clients_deadline_ = false;  // the latest Downstream's deadline is the client's
+  bool client_deadline_passed_ = false;
+  std::pair<std::string, std::string> active_key_;  // (client, client's request id)
   bool registered_ = false;  // in service_->active_
   bool in_gate_ = false;     // holds a place in service_->prefill_gate_
 
@@ -396,8 +414,13 @@ class RouterService::PrefillGate {
 
 std::shared_ptr<grpc::ClientContext> RouterService::GenerateCall::Downstream(absl::Duration timeout) {
   std::shared_ptr<grpc::ClientContext> downstream = grpc::ClientContext::FromCallbackServerContext(*context_);
+  // The call ends at the earlier of the client's deadline (propagated) and `timeout`.
+  const std::chrono::system_clock::time_point clients = context_->deadline();
+  downstream_has_clients_deadline_ = clients != std::chrono::system_clock::time_point::max();
   if (timeout != absl::InfiniteDuration()) {
-    downstream->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    const std::chrono::system_clock::time_point own = absl::ToChronoTime(absl::Now() + timeout);
+    downstream->set_deadline(own);
+    downstream_has_clients_deadline_ = downstream_has_clients_deadline_ && clients <= own;
   }
   active_->Attach(downstream);
   return downstream;
@@ -416,14 +439,16 @@ void RouterService::GenerateCall::Start(const v1::GenerateRequest& request) {
                                absl::StrCat("server is at capacity: ", service_->options_.max_concurrent_requests,
                                             " requests in flight (max_concurrent_requests); retry later")));
   }
+  active_key_ = {ClientOf(*context_), prepared_.client_request_id};
   {
     absl::MutexLock lock(&service_->mu_);
-    registered_ = service_->active_.try_emplace(prepared_.request_id, active_).second;
+    registered_ = service_->active_.try_emplace(active_key_, active_).second;
   }
   if (!registered_) {
     service_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
     return Finish(grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
-                               absl::StrCat("request_id \"", prepared_.request_id, "\" is already in flight")));
+                               absl::StrCat("request_id \"", prepared_.client_request_id,
+                                            "\" is already in flight (from this client)")));
   }
   stage_ = Stage::kWaiting;  // admitted: counted in in_flight_ and waiting for its workers
   service_->metrics_->num_requests_waiting.Inc();
@@ -480,6 +505,7 @@ void RouterService::GenerateCall::ReserveNext() {
 }
 
 void RouterService::GenerateCall::OnReserved(const grpc::Status& status, const v1::ReserveKvResponse* reply) {
+  NoteDeadline(status);
   if (status.ok()) {
     if (reply != nullptr && reply->target().transfer_id() == transfer_id_) {
       target_ = reply->target();
@@ -494,6 +520,11 @@ void RouterService::GenerateCall::OnReserved(const grpc::Status& status, const v
                                         reply->target().transfer_id(), " instead of ", transfer_id_)));
   }
   Worker* decode = decode_;
+  if (Interrupted() || IsWorkerFailure(status.error_code())) {
+    // Cancelled, timed out or cut off: the worker may have reserved before it heard (its answer
+    // crossing the cancellation). Release that now, not at the lease's end.
+    AbortOnWorker(decode);
+  }
   decode_ = nullptr;
   decode_in_flight_.Reset();
   if (Interrupted()) return EndInterrupted();
@@ -568,6 +599,7 @@ void RouterService::GenerateCall::StartPrefill() {
 
 void RouterService::GenerateCall::OnPrefilled(const grpc::Status& status, const v1::PrefillResponse* reply) {
   prefill_in_flight_.Reset();
+  NoteDeadline(status);
   std::string invalid;  // why an OK reply cannot be used
   if (status.ok()) {
     if (reply == nullptr) {
@@ -649,7 +681,7 @@ void RouterService::GenerateCall::OnDecodeMessage(grpc::ByteBuffer* bytes) {
     service_->metrics_->num_requests_waiting.Dec();
     service_->metrics_->num_requests_running.Inc();
   }
-  out_.set_request_id(prepared_.request_id);
+  out_.set_request_id(prepared_.client_request_id);
   if (!prompt_sent_) {
     if (out_.prompt_token_ids().empty()) {
       out_.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
@@ -688,6 +720,7 @@ void RouterService::GenerateCall::OnWriteDone(bool ok) {
 
 void RouterService::GenerateCall::OnDecodeDone(const grpc::Status& status) {
   stream_ = nullptr;
+  NoteDeadline(status);
   if (!stream_error_.ok()) {
     AbortOnWorker(decode_);
     return End(stream_error_);
@@ -725,13 +758,13 @@ void RouterService::GenerateCall::OnDecodeDone(const grpc::Status& status) {
 }
 
 bool RouterService::GenerateCall::Interrupted() const {
-  return active_->aborted() || active_->client_gone() || context_->IsCancelled() ||
+  return active_->aborted() || active_->client_gone() || context_->IsCancelled() || client_deadline_passed_ ||
          context_->deadline() <= std::chrono::system_clock::now();
 }
 
 void RouterService::GenerateCall::EndInterrupted() {
   if (active_->aborted()) return EndWithAbortMessage();
-  if (context_->deadline() <= std::chrono::system_clock::now()) {
+  if (client_deadline_passed_ || context_->deadline() <= std::chrono::system_clock::now()) {
     return End(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded"));
   }
   End(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
@@ -757,7 +790,7 @@ void RouterService::GenerateCall::AbortOnWorker(Worker* worker) {
 }
 
 void RouterService::GenerateCall::EndWithAbortMessage() {
-  last_.set_request_id(prepared_.request_id);
+  last_.set_request_id(prepared_.client_request_id);
   last_.set_finished(true);
   last_.set_finish_reason(FinishReasonName(FinishReason::kAbort));
   last_.mutable_usage()->set_prompt_tokens(static_cast<int32_t>(prepared_.prompt_token_ids.size()));
@@ -782,7 +815,7 @@ void RouterService::GenerateCall::Release() {
   prefill_in_flight_.Reset();
   if (registered_) {
     absl::MutexLock lock(&service_->mu_);
-    service_->active_.erase(prepared_.request_id);
+    service_->active_.erase(active_key_);
   }
   if (stage_ == Stage::kWaiting) service_->metrics_->num_requests_waiting.Dec();
   if (stage_ == Stage::kStreaming) service_->metrics_->num_requests_running.Dec();
@@ -795,8 +828,7 @@ RouterService::RouterService(RouterServiceOptions options, const Tokenizer* toke
     : options_(std::move(options)),
       tokenizer_(tokenizer),
       registry_(registry),
-      policy_(policy),
-      request_id_prefix_(absl::StrCat("cmpl-", RandomHex().substr(0, 8), "-")) {
+      policy_(policy) {
   if (options_.metrics_registry != nullptr) {
     metrics_registry_ = options_.metrics_registry;
   } else {
@@ -826,10 +858,6 @@ void RouterService::CallDestroyed() {
   --live_calls_;
 }
 
-std::string RouterService::NewRequestId() const {
-  return absl::StrCat(request_id_prefix_, next_request_number_.fetch_add(1, std::memory_order_relaxed));
-}
-
 uint64_t RouterService::NewTransferId() {
   uint64_t id = next_transfer_id_.fetch_add(1, std::memory_order_relaxed);
   if (id == 0) id = next_transfer_id_.fetch_add(1, std::memory_order_relaxed);  // 0 means "none"
@@ -837,6 +865,7 @@ uint64_t RouterService::NewTransferId() {
 }
 
 absl::StatusOr<RouterService::Prepared> RouterService::Prepare(const v1::GenerateRequest& request) const {
+  DUET_RETURN_IF_ERROR(CheckRequestIdLength(request.request_id()));
   Prepared prepared;
   switch (request.prompt_case()) {
     case v1::GenerateRequest::kText:
@@ -878,7 +907,12 @@ absl::StatusOr<RouterService::Prepared> RouterService::Prepare(const v1::Generat
         options_.max_model_len, prompt_len + max_tokens, prompt_len, max_tokens));
   }
   prepared.sampling = rpc::ToSamplingOptions(prepared.params);
-  prepared.request_id = request.request_id().empty() ? NewRequestId() : request.request_id();
+  if (request.request_id().empty()) {
+    prepared.client_request_id = prepared.request_id = absl::StrCat("cmpl-", RandomHex(16));
+  } else {
+    prepared.client_request_id = request.request_id();
+    prepared.request_id = absl::StrCat(request.request_id(), "@", RandomHex(8));
+  }
   return prepared;
 }
 
@@ -896,10 +930,15 @@ grpc::ServerUnaryReactor* RouterService::Abort(grpc::CallbackServerContext* cont
     reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "request_id is required"));
     return reactor;
   }
+  if (absl::Status status = CheckRequestIdLength(request->request_id()); !status.ok()) {
+    reactor->Finish(rpc::ToGrpc(status));
+    return reactor;
+  }
+  // Only the caller's own requests: another client's with this id is not found.
   std::shared_ptr<ActiveCall> call;
   {
     absl::MutexLock lock(&mu_);
-    auto it = active_.find(request->request_id());
+    auto it = active_.find(std::make_pair(ClientOf(*context), request->request_id()));
     if (it != active_.end()) call = it->second;
   }
   if (call != nullptr) call->Abort();

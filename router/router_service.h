@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -79,7 +80,8 @@ class RouterService final : public v1::Duet::CallbackService {
 
   // A request after validation: what the workers are sent.
   struct Prepared {
-    std::string request_id;
+    std::string client_request_id;  // what the client gave, or the id made for it; echoed back
+    std::string request_id;         // what the workers are sent (unique among all clients')
     std::vector<int32_t> prompt_token_ids;
     SamplingParams params;
     v1::SamplingOptions sampling;  // `params` written out in full
@@ -94,7 +96,6 @@ class RouterService final : public v1::Duet::CallbackService {
   class GenerateCall;  // the reactor of one Generate and its downstream calls
   class PrefillGate;   // the bound on requests reserving and prefilling at once
 
-  std::string NewRequestId() const;
   uint64_t NewTransferId();
   // GenerateCall objects alive (each may still have calls to workers in flight).
   void CallCreated();
@@ -106,9 +107,7 @@ class RouterService final : public v1::Duet::CallbackService {
   AssignmentPolicy* const policy_;
 
   std::atomic<int> in_flight_{0};
-  mutable std::atomic<uint64_t> next_request_number_{0};
   std::atomic<uint64_t> next_transfer_id_;
-  const std::string request_id_prefix_;
 
   std::unique_ptr<metrics::Registry> own_metrics_registry_;  // when the options give none
   metrics::Registry* metrics_registry_;
@@ -116,7 +115,8 @@ class RouterService final : public v1::Duet::CallbackService {
   std::unique_ptr<PrefillGate> prefill_gate_;
 
   absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<ActiveCall>> active_ ABSL_GUARDED_BY(mu_);
+  // By (client, client's request id); see the top of this file.
+  absl::flat_hash_map<std::pair<std::string, std::string>, std::shared_ptr<ActiveCall>> active_ ABSL_GUARDED_BY(mu_);
   int live_calls_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "gmock/gmock.h"
+#include "grpc/grpc.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "gtest/gtest.h"
 #include "model/model_config.h"
@@ -107,6 +108,7 @@ class RouterServiceTest : public ::testing::Test {
     int port = 0;
     absl::StatusOr<std::unique_ptr<grpc::Server>> server = rpc::StartServer("127.0.0.1:0", {service_.get()}, &port);
     ASSERT_TRUE(server.ok()) << server.status();
+    server_port_ = port;
     server_ = *std::move(server);
     stub_ = v1::Duet::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
                                                   grpc::InsecureChannelCredentials()));
@@ -132,6 +134,7 @@ class RouterServiceTest : public ::testing::Test {
     v1::GenerateResponse message;
     while (reader->Read(&message)) {
       result.messages.push_back(message);
+      last_request_id_ = message.request_id();
       if (on_message) on_message(static_cast<int>(result.messages.size()), &context);
     }
     result.status = reader->Finish();
@@ -149,6 +152,8 @@ class RouterServiceTest : public ::testing::Test {
   std::unique_ptr<RouterService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::Duet::Stub> stub_;
+  int server_port_ = 0;
+  std::string last_request_id_;  // of the latest message Generate read
 };
 
 Tokenizer* RouterServiceTest::tokenizer_ = nullptr;
@@ -272,7 +277,7 @@ TEST_F(RouterServiceTest, NoPrefillWorkerUpReleasesReservation) {
   EXPECT_THAT(result.status.error_message(), HasSubstr("no prefill worker is up"));
   // Released in the background (the client's answer does not wait for it).
   EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 1; }));
-  EXPECT_THAT(decode_[0]->aborted(), ::testing::ElementsAre("r"));
+  EXPECT_THAT(decode_[0]->aborted(), ::testing::ElementsAre(::testing::StartsWith("r@")));  // the router's id for it
 }
 
 TEST_F(RouterServiceTest, KvFullDecodeWorkerIsSkipped) {
@@ -392,7 +397,7 @@ TEST_F(RouterServiceTest, MalformedDecodeMessageEndsTheRequestPromptly) {
     ++n;
     EXPECT_TRUE(WaitFor([&] { return malformed_decode_->num_cancelled == n; }, 3000));
     EXPECT_TRUE(WaitFor([&] { return malformed_decode_->aborted().size() == size_t(n); }, 3000));
-    EXPECT_EQ(malformed_decode_->aborted().back(), id);
+    EXPECT_THAT(malformed_decode_->aborted().back(), ::testing::StartsWith(id + "@"));
     EXPECT_EQ(service_->num_in_flight(), 0);
     EXPECT_TRUE(WaitFor([&] { return registry_->decode_workers()[0]->in_flight() == 0; }, 3000));
     EXPECT_EQ(service_->metrics().num_requests_running.Value(), 0);
@@ -593,7 +598,7 @@ TEST_F(RouterServiceTest, AbortDuringPrefill) {
   EXPECT_EQ(result.messages[0].prompt_token_ids_size(), 3);
   EXPECT_TRUE(WaitFor([&] { return prefill_[0]->num_cancelled == 1; }, 3000));
   EXPECT_TRUE(WaitFor([&] { return !decode_[0]->aborted().empty(); }));
-  EXPECT_THAT(decode_[0]->aborted(), ::testing::Contains("a1"));
+  EXPECT_THAT(decode_[0]->aborted(), ::testing::Contains(::testing::StartsWith("a1@")));
   EXPECT_EQ(decode_[0]->num_decodes, 0);
 }
 
@@ -607,6 +612,131 @@ TEST_F(RouterServiceTest, DuplicateRequestIdIsRejected) {
   EXPECT_EQ(second.status.error_code(), grpc::StatusCode::ALREADY_EXISTS);
   slow.join();
   EXPECT_TRUE(first.status.ok());
+}
+
+// Another client: its own connection to the router (a channel of its own subchannel pool; the
+// default pool would share the fixture's connection within this process).
+std::unique_ptr<v1::Duet::Stub> OtherClient(int port) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return v1::Duet::NewStub(grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port),
+                                                     grpc::InsecureChannelCredentials(), args));
+}
+
+// Ids the router makes are 128 random bits in hex: distinct, and no neighbour to guess.
+TEST_F(RouterServiceTest, RouterMadeRequestIdsAreRandom128BitHex) {
+  Start(1, 1);
+  std::vector<std::string> ids;
+  for (int i = 0; i < 8; ++i) {
+    Result r = Generate(TokenRequest({1}, 1));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    ids.push_back(r.messages[0].request_id());
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_THAT(ids[i], ::testing::MatchesRegex("cmpl-[0-9a-f]{32}"));
+    for (size_t j = 0; j < i; ++j) {
+      EXPECT_NE(ids[i].substr(0, 13), ids[j].substr(0, 13)) << "ids share a prefix: " << ids[i] << " " << ids[j];
+    }
+  }
+}
+
+// Abort acts only on the caller's own requests: another client that knows (or guesses) the id
+// of a running request, client-chosen or router-made, finds nothing, and the stream runs on.
+TEST_F(RouterServiceTest, AbortFromAnotherClientDoesNotEndTheStream) {
+  Start(1, 1);
+  decode_[0]->token_delay_ms = 10;
+  std::unique_ptr<v1::Duet::Stub> attacker = OtherClient(server_port_);
+  for (const std::string& id : {std::string("victim"), std::string()}) {
+    SCOPED_TRACE(id.empty() ? "router-made id" : "client-chosen id");
+    bool found = true;
+    Result result = Generate(TokenRequest({1, 2}, 30, id), 10000, [&](int n, grpc::ClientContext*) {
+      if (n != 3) return;
+      grpc::ClientContext context;
+      v1::AbortRequest abort;
+      abort.set_request_id(id.empty() ? last_request_id_ : id);
+      v1::AbortResponse response;
+      EXPECT_TRUE(attacker->Abort(&context, abort, &response).ok());
+      found = response.found();
+    });
+    EXPECT_FALSE(found);
+    ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+    EXPECT_EQ(result.tokens().size(), 30u);
+    EXPECT_EQ(result.messages.back().finish_reason(), "length");
+  }
+  EXPECT_EQ(decode_[0]->num_cancelled, 0);
+}
+
+// Client-chosen ids are scoped to their client: another client's request with the same id runs
+// too (no ALREADY_EXISTS), each stream echoes the id it was given.
+TEST_F(RouterServiceTest, SameRequestIdFromTwoClientsRunsBoth) {
+  Start(1, 1);
+  decode_[0]->token_delay_ms = 10;
+  Result first;
+  std::thread slow([&] { first = Generate(TokenRequest({1}, 30, "shared")); });
+  ASSERT_TRUE(WaitFor([&] { return decode_[0]->in_decode.load(); }));
+  std::unique_ptr<v1::Duet::Stub> other = OtherClient(server_port_);
+  grpc::ClientContext context;
+  auto reader = other->Generate(&context, TokenRequest({2}, 3, "shared"));
+  v1::GenerateResponse message;
+  int n = 0;
+  while (reader->Read(&message)) {
+    EXPECT_EQ(message.request_id(), "shared");
+    ++n;
+  }
+  grpc::Status status = reader->Finish();
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(n, 3);
+  slow.join();
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_EQ(first.tokens().size(), 30u);
+  for (const auto& m : first.messages) EXPECT_EQ(m.request_id(), "shared");
+  EXPECT_EQ(decode_[0]->num_decodes, 2);
+}
+
+// request_id is at most 256 bytes (it is echoed in every stream message); a longer one is
+// INVALID_ARGUMENT, and the error does not repeat it.
+TEST_F(RouterServiceTest, RequestIdLongerThan256BytesIsInvalid) {
+  Start(1, 1);
+  Result ok = Generate(TokenRequest({1}, 2, std::string(256, 'a')));
+  ASSERT_TRUE(ok.status.ok()) << ok.status.error_message();
+  EXPECT_EQ(ok.messages[0].request_id(), std::string(256, 'a'));
+  for (size_t size : {size_t(257), size_t(1) << 20}) {
+    Result r = Generate(TokenRequest({1}, 2, std::string(size, 'b')));
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << size;
+    EXPECT_THAT(r.status.error_message(), HasSubstr("256"));
+    EXPECT_LT(r.status.error_message().size(), 200u);
+    EXPECT_TRUE(r.messages.empty());
+  }
+  EXPECT_EQ(decode_[0]->num_reserved, 1);
+}
+
+// A client that gives up while ReserveKv is in flight (cancel, or its deadline) leaves no
+// reservation behind: the worker's answer may cross the cancellation, so the router aborts the
+// request on that decode worker.
+TEST_F(RouterServiceTest, CancelOrDeadlineDuringReserveKvAbortsOnTheDecodeWorker) {
+  Start(1, 1);
+  decode_[0]->reserve_delay_ms = 300;
+  Result expired = Generate(TokenRequest({1}, 5, "late"), /*deadline_ms=*/100);
+  EXPECT_EQ(expired.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->num_reserved == 1; }, 3000));
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 1; }, 3000));
+  EXPECT_THAT(decode_[0]->aborted(), ::testing::ElementsAre(::testing::StartsWith("late@")));
+
+  grpc::ClientContext context;
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    context.TryCancel();
+  });
+  auto reader = stub_->Generate(&context, TokenRequest({1}, 5, "gone"));
+  v1::GenerateResponse message;
+  EXPECT_FALSE(reader->Read(&message));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  canceller.join();
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 2; }, 3000));
+  EXPECT_THAT(decode_[0]->aborted(), ::testing::Contains(::testing::StartsWith("gone@")));
+  EXPECT_EQ(decode_[0]->num_decodes, 0);
+  EXPECT_EQ(prefill_[0]->num_prefills, 0);
+  EXPECT_TRUE(WaitFor([&] { return service_->num_in_flight() == 0; }, 3000));
 }
 
 TEST_F(RouterServiceTest, GetModelInfo) {

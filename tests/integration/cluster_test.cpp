@@ -2,7 +2,9 @@
 // loopback, KV over UCX, requests through the public gRPC API.
 #include <signal.h>
 
+#include <atomic>
 #include <fstream>
+#include <random>
 #include <set>
 #include <future>
 #include <thread>
@@ -36,9 +38,12 @@ v1::GenerateRequest TokenRequest(const std::vector<int32_t>& ids, int max_tokens
   return r;
 }
 
-// Waits until every decode and prefill worker reports all KV blocks free and no leases.
-bool WaitForIdleKv(LocalCluster& cluster, size_t expected_decode, std::string* detail) {
-  for (int attempt = 0; attempt < 100; ++attempt) {
+// Waits (up to `timeout_ms`) until every decode and prefill worker reports all KV blocks free and
+// no leases.
+bool WaitForIdleKv(LocalCluster& cluster, size_t expected_decode, std::string* detail, int timeout_ms = 10000) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  for (int attempt = 0;; ++attempt) {
+    if (attempt > 0 && std::chrono::steady_clock::now() > deadline) return false;
     bool idle = true;
     std::vector<v1::WorkerStats> all = cluster.DecodeStats();
     if (all.size() != expected_decode) idle = false;
@@ -54,7 +59,6 @@ bool WaitForIdleKv(LocalCluster& cluster, size_t expected_decode, std::string* d
     if (idle) return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  return false;
 }
 
 bool RouterServing(LocalCluster& cluster) {
@@ -237,6 +241,113 @@ TEST(ClusterTest, CancellationAndDeadlinesReturnKvBlocksAndRouterStaysHealthy) {
   StreamResult after = RunGenerate(cluster.router(), TokenRequest(ref["cases"][4]["prompt_ids"].get<std::vector<int32_t>>(), 16));
   ASSERT_TRUE(after.status.ok()) << after.status.error_message();
   EXPECT_EQ(after.token_ids.size(), 16u);
+}
+
+// Clients that give up at random times (a cancel, or a short deadline) while their requests reserve
+// KV, prefill or have just begun decoding: within a second of the last one, every worker has all
+// its KV blocks free and no lease left (none waits for its lease to run out).
+TEST(ClusterTest, RequestsCancelledAtRandomTimesLeaveNoReservationBehind) {
+  LocalCluster cluster({1, 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const json ref = Reference();
+  constexpr int kThreads = 16, kPerThread = 16;
+  std::atomic<int> ok{0}, cancelled{0}, expired{0}, other{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(1000 + t);
+      for (int i = 0; i < kPerThread; ++i) {
+        const json& c = ref["cases"][size_t(rng() % ref["cases"].size())];
+        v1::GenerateRequest r = TokenRequest(c["prompt_ids"].get<std::vector<int32_t>>(), 32);
+        r.mutable_sampling()->set_ignore_eos(true);
+        const int delay_ms = int(rng() % 40);
+        grpc::ClientContext context;
+        const bool by_deadline = rng() % 2 == 0;
+        if (by_deadline) context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(1 + delay_ms));
+        auto reader = cluster.router().Generate(&context, r);
+        std::thread canceller;
+        if (!by_deadline) {
+          canceller = std::thread([&context, delay_ms] {
+            std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+            context.TryCancel();
+          });
+        }
+        v1::GenerateResponse message;
+        while (reader->Read(&message)) {
+        }
+        const grpc::Status status = reader->Finish();
+        if (canceller.joinable()) canceller.join();
+        switch (status.error_code()) {
+          case grpc::StatusCode::OK: ++ok; break;
+          case grpc::StatusCode::CANCELLED: ++cancelled; break;
+          case grpc::StatusCode::DEADLINE_EXCEEDED: ++expired; break;
+          default: ++other; ADD_FAILURE() << status.error_message();
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  std::string detail;
+  EXPECT_TRUE(WaitForIdleKv(cluster, 2, &detail, /*timeout_ms=*/1000)) << detail;
+  EXPECT_GT(cancelled + expired, kThreads * kPerThread / 2) << ok << " completed";
+  EXPECT_EQ(other.load(), 0);
+  EXPECT_TRUE(RouterServing(cluster));
+}
+
+// The decode worker itself: ReserveKv calls that time out while they wait for the engine (busy
+// decoding), each followed by the Abort a router sends when ReserveKv fails. No reservation may
+// outlive its call: one made for a call already cancelled is released, and an Abort that
+// overtakes its ReserveKv still finds it.
+TEST(ClusterTest, DecodeWorkerReleasesReservationsOfCancelledReserveKvCalls) {
+  LocalCluster cluster({1, 1});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const json ref = Reference();
+  // Keep the engine stepping: 8 long streams, cancelled at the end.
+  std::vector<std::unique_ptr<grpc::ClientContext>> stream_contexts;
+  std::vector<std::thread> streams;
+  for (int i = 0; i < 8; ++i) {
+    v1::GenerateRequest r = TokenRequest(ref["cases"][size_t(i)]["prompt_ids"].get<std::vector<int32_t>>(), 3000);
+    r.mutable_sampling()->set_ignore_eos(true);
+    stream_contexts.push_back(std::make_unique<grpc::ClientContext>());
+    streams.emplace_back([&cluster, r, context = stream_contexts.back().get()] {
+      auto reader = cluster.router().Generate(context, r);
+      v1::GenerateResponse message;
+      while (reader->Read(&message)) {
+      }
+      reader->Finish();
+    });
+  }
+  for (int i = 0; i < 400; ++i) {
+    std::vector<v1::WorkerStats> stats = cluster.DecodeStats();
+    if (!stats.empty() && stats[0].num_requests_running() == 8) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  auto decode = v1::DecodeWorker::NewStub(
+      grpc::CreateChannel(cluster.worker_addresses()[0], grpc::InsecureChannelCredentials()));
+  std::mt19937 rng(7);
+  int failed = 0;
+  for (int i = 0; i < 200; ++i) {
+    const std::string id = "direct-" + std::to_string(i);
+    v1::ReserveKvRequest request;
+    request.set_request_id(id);
+    request.set_transfer_id(0x7000000000000000ull + uint64_t(i));
+    request.set_num_prompt_tokens(16);
+    request.set_lease_ms(30000);
+    v1::ReserveKvResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::microseconds(200 + rng() % 3000));
+    if (!decode->ReserveKv(&context, request, &response).ok()) ++failed;
+    grpc::ClientContext abort_context;
+    v1::WorkerAbortRequest abort;
+    abort.set_request_id(id);
+    v1::WorkerAbortResponse aborted;
+    EXPECT_TRUE(decode->Abort(&abort_context, abort, &aborted).ok());
+  }
+  for (auto& c : stream_contexts) c->TryCancel();
+  for (std::thread& t : streams) t.join();
+  std::string detail;
+  EXPECT_TRUE(WaitForIdleKv(cluster, 1, &detail, /*timeout_ms=*/1000)) << failed << " calls failed\n" << detail;
+  EXPECT_GT(failed, 0);
 }
 
 TEST(ClusterTest, KilledDecodeWorkerFailsItsStreamsPromptlyAndSurvivorsServe) {

@@ -1,0 +1,32 @@
+#include "router/request_id.h"
+
+#include <sys/random.h>
+
+#include <cerrno>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_format.h"
+#include "common/check.h"
+
+namespace duet::router {
+
+absl::Status CheckRequestIdLength(std::string_view id, std::string_view field) {
+  if (id.size() <= kMaxRequestIdBytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrFormat("%s is %d bytes long; at most %d are allowed", field, id.size(), kMaxRequestIdBytes));
+}
+
+std::string RandomHex(size_t num_bytes) {
+  std::vector<char> bytes(num_bytes);
+  size_t filled = 0;
+  while (filled < num_bytes) {
+    const ssize_t n = getrandom(bytes.data() + filled, num_bytes - filled, 0);
+    if (n < 0 && errno == EINTR) continue;
+    DUET_CHECK_MSG(n > 0, absl::StrFormat("getrandom failed: errno %d", errno));
+    filled += size_t(n);
+  }
+  return absl::BytesToHexString(absl::string_view(bytes.data(), bytes.size()));
+}
+
+}  // namespace duet::router

@@ -1,0 +1,22 @@
+// Request ids: the longest one a client may choose, and the router's own, unguessable ones.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+
+namespace duet::router {
+
+// The longest request id a client may give, in bytes (the id is echoed in every stream message,
+// so an unbounded one multiplies the response). Longer ones are INVALID_ARGUMENT / HTTP 400.
+inline constexpr size_t kMaxRequestIdBytes = 256;
+
+// InvalidArgument (naming the field `field`, not repeating the id) when `id` is too long.
+absl::Status CheckRequestIdLength(std::string_view id, std::string_view field = "request_id");
+
+// `num_bytes` bytes from the kernel's CSPRNG (getrandom(2)), in lower-case hex.
+std::string RandomHex(size_t num_bytes);
+
+}  // namespace duet::router
