@@ -1,6 +1,27 @@
 #include "cli/role_commands.h"
 
+#include "common/logging.h"
+#include "rpc/internal_auth.h"
+
 namespace duet {
+namespace {
+
+constexpr char kTokenFileHelp[] =
+    "File with the cluster's internal token (else the DUET_INTERNAL_TOKEN environment variable): the router "
+    "sends it on every worker call, workers refuse calls without it";
+
+// The role's internal token into *token; false (the reason logged) when the file is unusable.
+bool LoadToken(const std::string& file, std::string* token) {
+  absl::StatusOr<std::string> loaded = rpc::LoadInternalToken(file);
+  if (!loaded.ok()) {
+    DUET_LOG(ERROR) << loaded.status().message();
+    return false;
+  }
+  *token = *std::move(loaded);
+  return true;
+}
+
+}  // namespace
 
 RoleCommands::RoleCommands(CLI::App& app) {
   router_cmd_ = app.add_subcommand("router", "Run the router (public gRPC API) in front of given workers");
@@ -26,11 +47,14 @@ RoleCommands::RoleCommands(CLI::App& app) {
   router_cmd_->add_option("--api-key", router_.api_key, "Bearer token required on /v1/* and gRPC Generate");
   router_cmd_->add_option("--metrics-port", router_.metrics_port,
                           "Prometheus /metrics port (-1: off, 0: any free port)")->check(CLI::Range(-1, 65535));
+  router_cmd_->add_option("--internal-token-file", router_token_file_, kTokenFileHelp);
 
   prefill_cmd_ = AddWorkerCommand(app, "prefill-worker", "Run a prefill worker", prefill_, prefill_flags_,
+                                  prefill_token_file_,
                                   "Host staging for outgoing KV, in tokens (default: twice the longest prompt a "
                                   "step can finish)");
   decode_cmd_ = AddWorkerCommand(app, "decode-worker", "Run a decode worker", decode_, decode_flags_,
+                                 decode_token_file_,
                                  "cuda: pinned host staging for incoming KV, in tokens (default: twice "
                                  "max(max-model-len, max-num-batched-tokens))");
 }
@@ -38,13 +62,14 @@ RoleCommands::RoleCommands(CLI::App& app) {
 template <typename ServiceOptions>
 CLI::App* RoleCommands::AddWorkerCommand(CLI::App& app, const std::string& name, const std::string& description,
                                          WorkerProcessOptions<ServiceOptions>& options, EngineFlags& engine_flags,
-                                         const std::string& staging_help) {
+                                         std::string& token_file, const std::string& staging_help) {
   CLI::App* cmd = app.add_subcommand(name, description);
   engine_flags.Add(cmd);
   cmd->add_option("--host", options.host, "Address to listen on");
   cmd->add_option("--port", options.port, "gRPC port (0: any free port)")->check(CLI::Range(0, 65535));
   cmd->add_option("--metrics-port", options.metrics_port, "Prometheus /metrics port (-1: off, 0: any free port)")
       ->check(CLI::Range(-1, 65535));
+  cmd->add_option("--internal-token-file", token_file, kTokenFileHelp);
   cmd->add_option("--kv-staging-tokens", options.service.kv_pools.staging_tokens, staging_help)
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 26));
   cmd->add_flag("--kv-checksums", options.service.verify_kv_checksums,
@@ -56,13 +81,18 @@ CLI::App* RoleCommands::AddWorkerCommand(CLI::App& app, const std::string& name,
 }
 
 std::optional<int> RoleCommands::RunParsed() {
-  if (router_cmd_->parsed()) return router::RunRouter(router_);
+  if (router_cmd_->parsed()) {
+    if (!LoadToken(router_token_file_, &router_.internal_token)) return 1;
+    return router::RunRouter(router_);
+  }
   if (prefill_cmd_->parsed()) {
     prefill_flags_.Finish();
+    if (!LoadToken(prefill_token_file_, &prefill_.internal_token)) return 1;
     return RunWorkerProcess<PrefillService>("prefill worker", prefill_);
   }
   if (decode_cmd_->parsed()) {
     decode_flags_.Finish();
+    if (!LoadToken(decode_token_file_, &decode_.internal_token)) return 1;
     return RunWorkerProcess<DecodeService>("decode worker", decode_);
   }
   return std::nullopt;

@@ -25,8 +25,10 @@ class RoleCommands {
   template <typename ServiceOptions>
   static CLI::App* AddWorkerCommand(CLI::App& app, const std::string& name, const std::string& description,
                                     WorkerProcessOptions<ServiceOptions>& options, EngineFlags& engine_flags,
-                                    const std::string& staging_help);
+                                    std::string& token_file, const std::string& staging_help);
 
+  // --internal-token-file of each role (else DUET_INTERNAL_TOKEN; rpc/internal_auth.h).
+  std::string router_token_file_, prefill_token_file_, decode_token_file_;
   router::RouterOptions router_;
   WorkerProcessOptions<PrefillServiceOptions> prefill_;
   WorkerProcessOptions<DecodeServiceOptions> decode_;

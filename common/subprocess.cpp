@@ -7,16 +7,33 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <string_view>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 
 namespace duet {
 
-absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Start(const std::vector<std::string>& argv) {
+absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Start(const std::vector<std::string>& argv,
+                                                              const Environment& env) {
   if (argv.empty()) return absl::InvalidArgumentError("empty command");
+  // The child's environment is built here: between fork and exec only async-signal-safe calls.
+  std::vector<std::string> env_entries;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string_view entry(*e);
+    const bool replaced = std::any_of(env.begin(), env.end(), [&](const auto& kv) {
+      return entry.size() > kv.first.size() && entry.substr(0, kv.first.size()) == kv.first &&
+             entry[kv.first.size()] == '=';
+    });
+    if (!replaced) env_entries.emplace_back(entry);
+  }
+  for (const auto& [name, value] : env) env_entries.push_back(absl::StrCat(name, "=", value));
+  std::vector<char*> envp;
+  for (std::string& e : env_entries) envp.push_back(e.data());
+  envp.push_back(nullptr);
   int pipe_fds[2];
   if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
   std::vector<char*> args;
@@ -33,7 +50,7 @@ absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Start(const std::vector<
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
     if (::getppid() != parent) ::_exit(127);
     ::dup2(pipe_fds[1], STDOUT_FILENO);
-    ::execv(args[0], args.data());
+    ::execve(args[0], args.data(), envp.data());
     ::_exit(127);
   }
   ::close(pipe_fds[1]);

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -15,9 +16,14 @@ namespace duet {
 
 class Subprocess {
  public:
+  // Environment variables set (or replaced) for the child on top of this process's environment:
+  // a way to hand it a secret that `ps` does not show, unlike its arguments.
+  using Environment = std::vector<std::pair<std::string, std::string>>;
+
   // Starts argv[0] (a path) with the given arguments; its stdout is a pipe to us, stderr is
   // inherited. The child gets SIGTERM if this process dies (PR_SET_PDEATHSIG).
-  static absl::StatusOr<std::unique_ptr<Subprocess>> Start(const std::vector<std::string>& argv);
+  static absl::StatusOr<std::unique_ptr<Subprocess>> Start(const std::vector<std::string>& argv,
+                                                           const Environment& env = {});
   ~Subprocess();  // terminates the child if still running
 
   pid_t pid() const { return pid_; }

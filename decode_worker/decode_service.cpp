@@ -11,6 +11,7 @@
 #include "common/check.h"
 #include "kvtransfer/ucx_transport.h"
 #include "model/served_model_name.h"
+#include "rpc/kv_target_auth.h"
 #include "rpc/rpc_util.h"
 
 namespace duet {
@@ -321,6 +322,7 @@ grpc::Status DecodeService::Reserve(LlmEngine& engine, const v1::ReserveKvReques
   }
   target->set_receiver_descriptor(receiver_->descriptor());
   target->set_transfer_id(r->transfer_id);
+  rpc::SignKvTarget(options_.kv_target_key, target);  // the prefill worker writes only into this
   *made = std::move(r);
   return grpc::Status::OK;
 }

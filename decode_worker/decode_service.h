@@ -43,6 +43,8 @@ struct DecodeServiceOptions {
   WorkerKvPoolOptions kv_pools;
   // Ask the prefill worker for K/V checksums with every layer and verify them.
   bool verify_kv_checksums = false;
+  // Non-empty: every KV target ReserveKv grants is signed with this key (rpc/kv_target_auth.h).
+  std::string kv_target_key;
 };
 
 // On gRPC's callback API: no thread per call. Engine work runs on the engine thread, which

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "model/served_model_name.h"
+#include "rpc/kv_target_auth.h"
 #include "rpc/rpc_util.h"
 
 namespace duet {
@@ -164,6 +165,10 @@ void PrefillService::PrefillCall::Start() {
   if (target.receiver_descriptor().empty() || (target.block_ids().empty() && target.device_block_ids().empty())) {
     return End(Error(grpc::StatusCode::INVALID_ARGUMENT,
                      "the KV target (receiver_descriptor and block_ids from the decode worker's ReserveKv) is required"));
+  }
+  // Before connecting or writing anything: only where a decode worker granted this transfer.
+  if (absl::Status granted = rpc::VerifyKvTarget(service_->options_.kv_target_key, target); !granted.ok()) {
+    return End(rpc::ToGrpc(granted));
   }
   // Blocks this thread only the first time a decode worker is seen (the UCX connection).
   absl::StatusOr<kvtransfer::PeerId> peer = service_->PeerFor(target.receiver_descriptor());

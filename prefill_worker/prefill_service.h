@@ -42,6 +42,9 @@ struct PrefillServiceOptions {
   WorkerKvPoolOptions kv_pools;
   // Send K/V checksums with every layer (the decode worker verifies them when it asks to).
   bool verify_kv_checksums = false;
+  // Non-empty: a Prefill's KV target must carry a decode worker's authenticator under this key
+  // (rpc/kv_target_auth.h), or the call is refused before anything is written.
+  std::string kv_target_key;
 };
 
 // On gRPC's callback API: no thread per call, and the engine thread never waits on the network.

@@ -13,6 +13,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "prefill_worker/prefill_service.h"
+#include "rpc/kv_target_auth.h"
 #include "rpc/rpc_util.h"
 
 namespace duet {
@@ -58,6 +59,7 @@ class WorkerServicesTest : public ::testing::Test {
     DecodeServiceOptions decode_options;
     decode_options.kv_pools = decode_staging_;
     decode_options.verify_kv_checksums = true;  // every transfer in these tests is checksummed
+    decode_options.kv_target_key = kv_target_key_;
     absl::StatusOr<std::unique_ptr<DecodeService>> decode =
         DecodeService::Create(NewEngine(8, kDecodeBlocks), decode_options);
     ASSERT_TRUE(decode.ok()) << decode.status();
@@ -66,6 +68,7 @@ class WorkerServicesTest : public ::testing::Test {
     prefill_options.sender.operation_timeout = absl::Seconds(3);
     prefill_options.kv_pools = prefill_staging_;
     prefill_options.verify_kv_checksums = true;
+    prefill_options.kv_target_key = kv_target_key_;
     absl::StatusOr<std::unique_ptr<PrefillService>> prefill =
         PrefillService::Create(NewEngine(16, 128, /*max_batched_tokens=*/8), prefill_options);
     ASSERT_TRUE(prefill.ok()) << prefill.status();
@@ -138,11 +141,16 @@ class WorkerServicesTest : public ::testing::Test {
 
   grpc::Status Prefill(const std::string& id, const v1::SamplingOptions& sampling, const v1::KvTarget& target,
                        v1::PrefillResponse* resp) {
+    return PrefillPrompt(id, prompt_, sampling, target, resp);
+  }
+  grpc::Status PrefillPrompt(const std::string& id, const std::vector<int32_t>& prompt,
+                             const v1::SamplingOptions& sampling, const v1::KvTarget& target,
+                             v1::PrefillResponse* resp) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
     v1::PrefillRequest req;
     req.set_request_id(id);
-    for (int32_t t : prompt_) req.add_prompt_token_ids(t);
+    for (int32_t t : prompt) req.add_prompt_token_ids(t);
     *req.mutable_sampling() = sampling;
     *req.mutable_target() = target;
     return prefill_stub_->Prefill(&ctx, req, resp);
@@ -192,6 +200,7 @@ class WorkerServicesTest : public ::testing::Test {
   // Default: the decode cache's own pools are registered with UCX (host caches); the prefill
   // worker always sends from its staging.
   WorkerKvPoolOptions decode_staging_, prefill_staging_;
+  std::string kv_target_key_;  // both services' (empty: targets neither signed nor checked)
   std::unique_ptr<DecodeService> decode_;
   std::unique_ptr<PrefillService> prefill_;
   std::unique_ptr<grpc::Server> decode_server_, prefill_server_;
@@ -568,6 +577,85 @@ TEST_F(StagedWorkerServicesTest, AFailedTransferGivesItsStagingBack) {
   }
   FlowResult r = RunFlow("after-failures", 410, rpc::ToSamplingOptions(SamplingParams{}));
   EXPECT_TRUE(r.decode.ok()) << r.reserve.error_message() << r.prefill.error_message() << r.decode.error_message();
+}
+
+// With the cluster's key, a Prefill writes only into blocks a ReserveKv granted for its transfer.
+class SignedWorkerServicesTest : public WorkerServicesTest {
+ protected:
+  SignedWorkerServicesTest() { kv_target_key_ = rpc::KvTargetKey("worker-services-test-token"); }
+
+  // Reads a Decode stream to its end.
+  FlowResult DecodeAll(const std::string& id, uint64_t transfer_id, const v1::SamplingOptions& sampling,
+                       const v1::PrefillResponse& pre) {
+    FlowResult r;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    auto reader = decode_stub_->Decode(&ctx, DecodeRequestFor(id, transfer_id, sampling, pre));
+    v1::GenerateResponse msg;
+    while (reader->Read(&msg)) r.tokens.insert(r.tokens.end(), msg.token_ids().begin(), msg.token_ids().end());
+    r.decode = reader->Finish();
+    return r;
+  }
+};
+
+TEST_F(SignedWorkerServicesTest, GrantedTargetsAreSignedAndServe) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = 12;
+  v1::KvTarget target;
+  ASSERT_TRUE(Reserve("signed", 31, 10000, &target).ok());
+  EXPECT_EQ(target.authenticator().size(), 32u);
+  EXPECT_TRUE(rpc::VerifyKvTarget(kv_target_key_, target).ok());
+  v1::PrefillResponse pre;
+  ASSERT_TRUE(Prefill("signed", rpc::ToSamplingOptions(p), target, &pre).ok());
+  FlowResult r = DecodeAll("signed", 31, rpc::ToSamplingOptions(p), pre);
+  ASSERT_TRUE(r.decode.ok()) << r.decode.error_message();
+  EXPECT_EQ(r.tokens, LocalOutput(prompt_, p));
+  EXPECT_TRUE(DecodeBecomesIdle());
+}
+
+// The attack of issue 17: a Prefill under the attacker's own reservation (transfer id) but with a
+// victim's block ids would write the attacker's prompt's KV over the victim's, after the victim's
+// prefill and before its Decode. Refused before any byte moves; the victim decodes its own KV.
+TEST_F(SignedWorkerServicesTest, PrefillIntoAnotherReservationsBlocksIsRefused) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = 24;
+  p.ignore_eos = true;
+  const v1::SamplingOptions sampling = rpc::ToSamplingOptions(p);
+  v1::KvTarget victim, attacker;
+  ASSERT_TRUE(Reserve("victim", 41, 10000, &victim).ok());
+  ASSERT_TRUE(Reserve("attacker", 42, 10000, &attacker).ok());
+  ASSERT_EQ(victim.block_ids_size(), attacker.block_ids_size());
+  v1::PrefillResponse victim_pre;
+  ASSERT_TRUE(Prefill("victim", sampling, victim, &victim_pre).ok());
+
+  const std::vector<int32_t> other_prompt(prompt_.rbegin(), prompt_.rend());  // same length, other KV
+  v1::KvTarget forged = attacker;
+  *forged.mutable_block_ids() = victim.block_ids();
+  v1::PrefillResponse pre;
+  grpc::Status s = PrefillPrompt("attacker", other_prompt, sampling, forged, &pre);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  // The victim's transfer id with the attacker's blocks, and an unsigned target: refused too.
+  forged = attacker;
+  forged.set_transfer_id(victim.transfer_id());
+  s = PrefillPrompt("attacker", other_prompt, sampling, forged, &pre);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  forged = victim;
+  forged.clear_authenticator();
+  s = PrefillPrompt("attacker", other_prompt, sampling, forged, &pre);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+
+  FlowResult r = DecodeAll("victim", 41, sampling, victim_pre);
+  ASSERT_TRUE(r.decode.ok()) << r.decode.error_message();
+  EXPECT_EQ(r.tokens, LocalOutput(prompt_, p)) << "the victim's KV was overwritten";
+  // The attacker's own reservation is still its own to use or drop.
+  grpc::ClientContext ctx;
+  v1::WorkerAbortRequest abort;
+  abort.set_request_id("attacker");
+  v1::WorkerAbortResponse aborted;
+  ASSERT_TRUE(decode_stub_->Abort(&ctx, abort, &aborted).ok());
+  EXPECT_TRUE(DecodeBecomesIdle());
 }
 
 }  // namespace

@@ -56,7 +56,9 @@ class RouterImpl : public Router {
       DUET_LOG(WARNING) << options.prefill_addresses.size() << " prefill and " << options.decode_addresses.size()
                         << " decode workers configured; requests will fail";
     }
-    registry_ = std::make_unique<WorkerRegistry>(options.prefill_addresses, options.decode_addresses);
+    RegistryOptions registry_options;
+    registry_options.internal_token = options.internal_token;
+    registry_ = std::make_unique<WorkerRegistry>(options.prefill_addresses, options.decode_addresses, registry_options);
     registry_->Start();
     policy_ = MakeLeastLoadedPolicy(registry_.get());
     service_ = std::make_unique<RouterService>(service_options, tokenizer_.get(), registry_.get(), policy_.get());

@@ -31,6 +31,8 @@ struct RouterOptions {
   int http_threads = 2;  // io threads of the HTTP server (not one per connection)
   // Non-empty: HTTP /v1/* and the gRPC Duet service need "Authorization: Bearer <api_key>".
   std::string api_key;
+  // The cluster's internal token, sent on every call to a worker (rpc/internal_auth.h).
+  std::string internal_token;
   // GET /metrics on the HTTP port returns this; none: the router's own RenderMetrics().
   std::function<std::string()> metrics_body;
 };

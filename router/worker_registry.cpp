@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
 #include "common/logging.h"
+#include "rpc/internal_auth.h"
 
 namespace duet::router {
 
@@ -61,7 +62,8 @@ WorkerRegistry::WorkerRegistry(const std::vector<std::string>& prefill_addresses
   auto make = [&](WorkerRole role, const std::vector<std::string>& addresses,
                   std::vector<std::unique_ptr<Worker>>* out) {
     for (size_t i = 0; i < addresses.size(); ++i) {
-      auto channel = grpc::CreateCustomChannel(addresses[i], grpc::InsecureChannelCredentials(), args);
+      auto channel = grpc::experimental::CreateCustomChannelWithInterceptors(
+          addresses[i], grpc::InsecureChannelCredentials(), args, rpc::InternalTokenInterceptors(options_.internal_token));
       out->push_back(std::make_unique<Worker>(role, static_cast<int>(i), addresses[i], std::move(channel)));
     }
   };

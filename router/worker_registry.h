@@ -118,6 +118,9 @@ struct RegistryOptions {
   // Reconnect backoff cap, so a restarted worker is found again quickly.
   absl::Duration max_reconnect_backoff = absl::Milliseconds(1000);
   bool log_state_changes = true;  // "router: decode worker 0 (...) is down: ..." on stderr
+  // The cluster's internal token, sent on every call to a worker (rpc/internal_auth.h); empty:
+  // none.
+  std::string internal_token;
 };
 
 // Channel arguments for a connection from the router to a worker (keepalive, backoff).

@@ -11,7 +11,9 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "metrics/http_exporter.h"
+#include "rpc/internal_auth.h"
 #include "rpc/rpc_util.h"
+#include "worker/kv_net_devices.h"
 
 namespace duet {
 namespace {
@@ -38,6 +40,13 @@ absl::StatusOr<std::unique_ptr<metrics::HttpExporter>> StartMetrics(const Worker
 int Serve(const WorkerServeOptions& options, const std::function<absl::StatusOr<ServedService>()>& create,
           const sigset_t& signals) {
   const char* role = options.role.c_str();
+  if (options.internal_token.empty()) {
+    DUET_LOG(WARNING) << role << ": no internal token (--internal-token-file or " << rpc::kInternalTokenEnv
+                      << "): internal RPCs are unauthenticated; anyone who reaches this worker's port can reserve "
+                      << "KV, prefill into it and abort requests";
+  }
+  // Before the KV transport starts (inside create).
+  RestrictKvTransportToHost(options.host);
   absl::StatusOr<ServedService> served = create();
   if (!served.ok()) {
     DUET_LOG(ERROR) << role << ": " << served.status();
@@ -49,8 +58,9 @@ int Serve(const WorkerServeOptions& options, const std::function<absl::StatusOr<
     return 1;
   }
   int port = 0;
+  rpc::WorkerCallGate gate(options.internal_token);  // outlives the server
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      rpc::StartServer(HostPort(options.host, options.port), {served->service}, &port);
+      rpc::StartServer(HostPort(options.host, options.port), {served->service}, &port, gate.Credentials());
   if (!server.ok()) {
     DUET_LOG(ERROR) << role << ": " << server.status();
     return 1;

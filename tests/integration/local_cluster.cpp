@@ -8,6 +8,7 @@ namespace {
 
 constexpr char kReady[] = "DUET_READY port=";
 constexpr char kMetricsReady[] = "DUET_METRICS_READY port=";
+constexpr char kHttpReady[] = "DUET_HTTP_READY port=";
 constexpr auto kStartTimeout = std::chrono::seconds(120);
 
 std::string Duet() { return std::string(DUET_BIN_DIR) + "/duet"; }
@@ -15,8 +16,10 @@ std::string Model() { return std::string(DUET_MODELS_DIR) + "/tiny-code-llama"; 
 
 }  // namespace
 
-LocalCluster::LocalCluster(const ClusterOptions& options) {
+LocalCluster::LocalCluster(const ClusterOptions& options) : internal_token_(options.internal_token) {
   std::vector<std::string> decode_addrs, prefill_addrs;
+  Subprocess::Environment env;
+  if (!options.internal_token.empty()) env.emplace_back("DUET_INTERNAL_TOKEN", options.internal_token);
   // With metrics on, reads the DUET_METRICS_READY line (printed before DUET_READY) into *port.
   auto metrics_port = [&](const char* role, Subprocess& p, int* port) -> bool {
     if (!options.metrics) return true;
@@ -31,7 +34,7 @@ LocalCluster::LocalCluster(const ClusterOptions& options) {
     std::vector<std::string> argv = {Duet(), role, "--model", Model(), "--backend", "cpu", "--port", "0"};
     if (options.metrics) argv.insert(argv.end(), {"--metrics-port", "0"});
     argv.insert(argv.end(), options.worker_flags.begin(), options.worker_flags.end());
-    absl::StatusOr<std::unique_ptr<Subprocess>> p = Subprocess::Start(argv);
+    absl::StatusOr<std::unique_ptr<Subprocess>> p = Subprocess::Start(argv, env);
     if (!p.ok()) { error_ = std::string(p.status().message()); return false; }
     int mport = -1;
     if (!metrics_port(role, **p, &mport)) { procs.push_back(std::move(*p)); return false; }
@@ -52,10 +55,16 @@ LocalCluster::LocalCluster(const ClusterOptions& options) {
                                    "--prefill", absl::StrJoin(prefill_addrs, ","),
                                    "--decode", absl::StrJoin(decode_addrs, ",")};
   if (options.metrics) argv.insert(argv.end(), {"--metrics-port", "0"});
+  if (options.http) argv.insert(argv.end(), {"--http-port", "0"});
   argv.insert(argv.end(), options.router_flags.begin(), options.router_flags.end());
-  absl::StatusOr<std::unique_ptr<Subprocess>> r = Subprocess::Start(argv);
+  absl::StatusOr<std::unique_ptr<Subprocess>> r = Subprocess::Start(argv, env);
   if (!r.ok()) { error_ = std::string(r.status().message()); return; }
   if (!metrics_port("router", **r, &router_metrics_port_)) { router_.push_back(std::move(*r)); return; }
+  if (options.http) {  // printed after the metrics line, before DUET_READY
+    absl::StatusOr<std::string> line = (*r)->WaitForLine(kHttpReady, kStartTimeout);
+    if (!line.ok()) { router_.push_back(std::move(*r)); error_ = absl::StrCat("router http: ", line.status().message()); return; }
+    http_port_ = std::atoi(line->c_str());
+  }
   absl::StatusOr<std::string> port = (*r)->WaitForLine(kReady, kStartTimeout);
   router_.push_back(std::move(*r));
   if (!port.ok()) { error_ = absl::StrCat("router: ", port.status().message()); return; }
@@ -81,10 +90,11 @@ LocalCluster::~LocalCluster() {
 
 namespace {
 template <typename Stub>
-std::vector<v1::WorkerStats> Stats(std::vector<std::unique_ptr<Stub>>& stubs) {
+std::vector<v1::WorkerStats> Stats(std::vector<std::unique_ptr<Stub>>& stubs, const std::string& token) {
   std::vector<v1::WorkerStats> out;
   for (auto& stub : stubs) {
     grpc::ClientContext ctx;
+    if (!token.empty()) ctx.AddMetadata("x-duet-internal-token", token);
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
     v1::WorkerStats stats;
     if (stub->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok()) out.push_back(stats);
@@ -93,8 +103,8 @@ std::vector<v1::WorkerStats> Stats(std::vector<std::unique_ptr<Stub>>& stubs) {
 }
 }  // namespace
 
-std::vector<v1::WorkerStats> LocalCluster::DecodeStats() { return Stats(decode_stubs_); }
-std::vector<v1::WorkerStats> LocalCluster::PrefillStats() { return Stats(prefill_stubs_); }
+std::vector<v1::WorkerStats> LocalCluster::DecodeStats() { return Stats(decode_stubs_, internal_token_); }
+std::vector<v1::WorkerStats> LocalCluster::PrefillStats() { return Stats(prefill_stubs_, internal_token_); }
 
 StreamResult RunGenerate(v1::Duet::Stub& stub, const v1::GenerateRequest& request,
                          int cancel_after_tokens, int deadline_ms) {

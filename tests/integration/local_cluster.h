@@ -21,6 +21,11 @@ struct ClusterOptions {
   // Every process serves Prometheus /metrics on a free port (--metrics-port 0); the ports are
   // read from their DUET_METRICS_READY lines.
   bool metrics = false;
+  // The cluster's internal token, handed to every process in DUET_INTERNAL_TOKEN; the stats
+  // calls below send it. Empty: none.
+  std::string internal_token;
+  // The router serves the OpenAI HTTP API on a free port (--http-port 0).
+  bool http = false;
 };
 
 class LocalCluster {
@@ -36,6 +41,9 @@ class LocalCluster {
   std::vector<v1::WorkerStats> DecodeStats();   // one per decode worker still answering
   std::vector<v1::WorkerStats> PrefillStats();
   Subprocess& decode_process(int i) { return *decode_[size_t(i)]; }
+  Subprocess& prefill_process(int i) { return *prefill_[size_t(i)]; }
+  Subprocess& router_process() { return *router_[0]; }
+  int http_port() const { return http_port_; }  // with ClusterOptions::http
   // With ClusterOptions::metrics: each process's /metrics port.
   int router_metrics_port() const { return router_metrics_port_; }
   // host:port of every worker, decode then prefill.
@@ -52,7 +60,9 @@ class LocalCluster {
   std::shared_ptr<grpc::Channel> router_channel_;
   std::unique_ptr<v1::Duet::Stub> router_stub_;
   int router_port_ = 0;
+  int http_port_ = -1;
   int router_metrics_port_ = -1;
+  std::string internal_token_;
   std::vector<int> decode_metrics_ports_, prefill_metrics_ports_;
   std::vector<std::string> worker_addresses_;
 };

@@ -1,0 +1,167 @@
+#include "rpc/internal_auth.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "grpc/grpc_security.h"
+#include "openssl/crypto.h"
+
+namespace duet::rpc {
+namespace {
+
+constexpr std::string_view kOpenPrefix = "/grpc.health.v1.Health/";
+// The calls that bring new work to a worker; refused while it drains.
+constexpr std::string_view kNewWork[] = {"/duet.v1.DecodeWorker/ReserveKv", "/duet.v1.PrefillWorker/Prefill"};
+
+std::string_view View(const grpc_slice& s) {
+  return std::string_view(reinterpret_cast<const char*>(GRPC_SLICE_START_PTR(s)), GRPC_SLICE_LENGTH(s));
+}
+
+// Runs before any handler, on the transport's thread (it never blocks, so that is allowed).
+void ProcessCall(void* state, grpc_auth_context*, const grpc_metadata* md, size_t num_md,
+                 grpc_process_auth_metadata_done_cb done, void* user_data) {
+  const auto* gate = static_cast<const WorkerCallGate*>(state);
+  std::string_view method;
+  std::string_view token;
+  const grpc_metadata* token_md = nullptr;
+  for (size_t i = 0; i < num_md; ++i) {
+    const std::string_view key = View(md[i].key);
+    if (key == ":path") method = View(md[i].value);
+    if (key == kInternalTokenMetadata) {
+      token = View(md[i].value);
+      token_md = &md[i];
+    }
+  }
+  const grpc::Status verdict = gate->Admit(method, token_md != nullptr ? &token : nullptr);
+  if (!verdict.ok()) {
+    done(user_data, nullptr, 0, nullptr, 0, static_cast<grpc_status_code>(verdict.error_code()),
+         verdict.error_message().c_str());
+    return;
+  }
+  // Consumed: the handlers never see the token.
+  done(user_data, token_md, token_md != nullptr ? 1 : 0, nullptr, 0, GRPC_STATUS_OK, nullptr);
+}
+
+// Insecure transport with the gate's processor. gRPC 1.51's InsecureServerCredentials() refuses
+// an AuthMetadataProcessor, while the core's insecure credentials take one: these add the port
+// with those.
+class GatedInsecureCredentials final : public grpc::ServerCredentials {
+ public:
+  explicit GatedInsecureCredentials(WorkerCallGate* gate) : gate_(gate) {}
+  void SetAuthMetadataProcessor(const std::shared_ptr<grpc::AuthMetadataProcessor>&) override {
+    std::abort();  // the gate is the processor
+  }
+
+ private:
+  int AddPortToServer(const std::string& address, grpc_server* server) override {
+    grpc_server_credentials* creds = grpc_insecure_server_credentials_create();
+    grpc_server_credentials_set_auth_metadata_processor(creds, {&ProcessCall, nullptr, gate_});
+    const int port = grpc_server_add_http2_port(server, address.c_str(), creds);
+    grpc_server_credentials_release(creds);
+    return port;
+  }
+
+  WorkerCallGate* const gate_;
+};
+
+class TokenInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit TokenInterceptor(const std::string* token) : token_(token) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+      methods->GetSendInitialMetadata()->insert({kInternalTokenMetadata, *token_});
+    }
+    methods->Proceed();
+  }
+
+ private:
+  const std::string* const token_;  // the factory's
+};
+
+class TokenInterceptorFactory final : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit TokenInterceptorFactory(std::string token) : token_(std::move(token)) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(grpc::experimental::ClientRpcInfo*) override {
+    return new TokenInterceptor(&token_);
+  }
+
+ private:
+  const std::string token_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::string> LoadInternalToken(const std::string& file) {
+  if (file.empty()) {
+    const char* env = std::getenv(kInternalTokenEnv);
+    return std::string(env != nullptr ? absl::StripAsciiWhitespace(env) : "");
+  }
+  std::ifstream in(file, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read the internal token file ", file));
+  std::stringstream text;
+  text << in.rdbuf();
+  std::string token(absl::StripAsciiWhitespace(text.str()));
+  if (token.empty()) return absl::InvalidArgumentError(absl::StrCat("the internal token file ", file, " is empty"));
+  return token;
+}
+
+absl::StatusOr<std::string> GenerateInternalToken() {
+  const int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::InternalError(absl::StrCat("cannot open /dev/urandom: ", std::strerror(errno)));
+  char bytes[32];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = ::read(fd, bytes + got, sizeof(bytes) - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ::close(fd);
+      return absl::InternalError("cannot read /dev/urandom");
+    }
+    got += size_t(n);
+  }
+  ::close(fd);
+  return absl::BytesToHexString(absl::string_view(bytes, sizeof(bytes)));
+}
+
+bool ConstantTimeEquals(std::string_view a, std::string_view b) {
+  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+grpc::Status WorkerCallGate::Admit(std::string_view method, const std::string_view* token) const {
+  if (method.substr(0, kOpenPrefix.size()) == kOpenPrefix) return grpc::Status::OK;
+  if (!token_.empty() && (token == nullptr || !ConstantTimeEquals(*token, token_))) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        absl::StrCat("internal worker RPCs need the cluster's token (metadata \"",
+                                     kInternalTokenMetadata, "\"): only the router may call them"));
+  }
+  if (draining()) {
+    for (std::string_view m : kNewWork) {
+      if (method == m) {
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the worker is shutting down and takes no new work");
+      }
+    }
+  }
+  return grpc::Status::OK;
+}
+
+std::shared_ptr<grpc::ServerCredentials> WorkerCallGate::Credentials() {
+  return std::make_shared<GatedInsecureCredentials>(this);
+}
+
+std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> InternalTokenInterceptors(
+    const std::string& token) {
+  std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> factories;
+  if (!token.empty()) factories.push_back(std::make_unique<TokenInterceptorFactory>(token));
+  return factories;
+}
+
+}  // namespace duet::rpc
