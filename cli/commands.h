@@ -35,6 +35,7 @@ struct ServeOptions {
   int max_concurrent_requests = 256;
   bool kv_checksums = false;  // passed to every worker (--kv-checksums)
   int prefill_sp_ranks = 1;   // sequence-parallel ranks of each prefill worker (--sp-ranks there)
+  int shutdown_grace_seconds = 30;  // on SIGTERM/SIGINT: how long running requests may take to finish
 };
 int RunServe(const ServeOptions& options);
 

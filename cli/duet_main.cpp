@@ -53,6 +53,10 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--api-key", serve.api_key, "Bearer token required on /v1/* and gRPC Generate");
   serve_cmd->add_option("--max-concurrent-requests", serve.max_concurrent_requests, "Admission limit at the router")
       ->check(CLI::Range(1, 1 << 20));
+  serve_cmd->add_option("--shutdown-grace-seconds", serve.shutdown_grace_seconds,
+                        "On SIGTERM/SIGINT: how long running requests may take to finish while new ones get "
+                        "UNAVAILABLE / HTTP 503 (default 30)")
+      ->check(CLI::Range(0, 86400));
 
   duet::CompleteOptions complete;
   CLI::App* complete_cmd = app.add_subcommand("complete", "Send one prompt to a running router and stream the text");

@@ -10,6 +10,9 @@ constexpr char kTokenFileHelp[] =
     "File with the cluster's internal token (else the DUET_INTERNAL_TOKEN environment variable): the router "
     "sends it on every worker call, workers refuse calls without it";
 
+constexpr char kGraceHelp[] =
+    "On SIGTERM/SIGINT: how long running requests may take to finish while new ones are turned away (default 30)";
+
 // The role's internal token into *token; false (the reason logged) when the file is unusable.
 bool LoadToken(const std::string& file, std::string* token) {
   absl::StatusOr<std::string> loaded = rpc::LoadInternalToken(file);
@@ -48,6 +51,8 @@ RoleCommands::RoleCommands(CLI::App& app) {
   router_cmd_->add_option("--metrics-port", router_.metrics_port,
                           "Prometheus /metrics port (-1: off, 0: any free port)")->check(CLI::Range(-1, 65535));
   router_cmd_->add_option("--internal-token-file", router_token_file_, kTokenFileHelp);
+  router_cmd_->add_option("--shutdown-grace-seconds", router_.shutdown_grace_seconds, kGraceHelp)
+      ->check(CLI::Range(0, 86400));
 
   prefill_cmd_ = AddWorkerCommand(app, "prefill-worker", "Run a prefill worker", prefill_, prefill_flags_,
                                   prefill_token_file_,
@@ -70,6 +75,10 @@ CLI::App* RoleCommands::AddWorkerCommand(CLI::App& app, const std::string& name,
   cmd->add_option("--metrics-port", options.metrics_port, "Prometheus /metrics port (-1: off, 0: any free port)")
       ->check(CLI::Range(-1, 65535));
   cmd->add_option("--internal-token-file", token_file, kTokenFileHelp);
+  cmd->add_option_function<int>(
+         "--shutdown-grace-seconds", [&options](int seconds) { options.shutdown_grace = absl::Seconds(seconds); },
+         kGraceHelp)
+      ->check(CLI::Range(0, 86400));
   cmd->add_option("--kv-staging-tokens", options.service.kv_pools.staging_tokens, staging_help)
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 26));
   cmd->add_flag("--kv-checksums", options.service.verify_kv_checksums,

@@ -1,10 +1,21 @@
 // `duet serve`: the whole cluster on this machine — decode workers, prefill workers and the
-// router as separate processes (this same binary, other subcommands), on loopback. Waits for
-// each to report ready, then for SIGINT/SIGTERM, and stops them all.
+// router as separate processes (this same binary, other subcommands), on loopback, sharing an
+// internal token made here (rpc/internal_auth.h), handed over in the environment so `ps` does not
+// show it. Waits for each to report ready, then supervises them:
+//   - a worker that dies is restarted on the port it had (the router's address list stays
+//     valid), after 0.5 s, then twice as long after each quick death up to 30 s, back to 0.5 s
+//     once it has been up for a minute; each restart is logged and printed on stdout as
+//     `DUET_WORKER_RESTARTED role=<role> index=<i> pid=<pid> port=<port> restarts=<n>`;
+//   - if the router dies, serve stops the workers and exits 1 (for an outer supervisor);
+//   - SIGINT/SIGTERM drains: the router turns new requests away while the running ones finish
+//     (up to --shutdown-grace-seconds; a second signal cuts it short), then the workers stop and
+//     serve exits 0.
+// Each worker is announced once ready as `DUET_WORKER role=<role> index=<i> pid=<pid> port=<port>`.
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <vector>
@@ -14,12 +25,19 @@
 #include "cli/commands.h"
 #include "common/logging.h"
 #include "common/subprocess.h"
+#include "rpc/internal_auth.h"
 
 namespace duet {
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
 constexpr auto kStartTimeout = std::chrono::seconds(180);
 constexpr char kReady[] = "DUET_READY port=";
+constexpr auto kFirstBackoff = std::chrono::milliseconds(500);
+constexpr auto kMaxBackoff = std::chrono::seconds(30);
+constexpr auto kHealthyAfter = std::chrono::seconds(60);  // up this long: the backoff starts over
+constexpr timespec kTick{0, 100 * 1000 * 1000};
 
 std::string SelfPath() {
   char buf[4096];
@@ -52,15 +70,116 @@ std::vector<std::string> EngineFlags(const ServeOptions& o) {
   return flags;
 }
 
-// Starts one role and waits for its ready line; returns its port.
-absl::StatusOr<int> StartRole(std::vector<std::string> argv, std::vector<std::unique_ptr<Subprocess>>& procs) {
-  absl::StatusOr<std::unique_ptr<Subprocess>> proc = Subprocess::Start(argv);
-  if (!proc.ok()) return proc.status();
-  absl::StatusOr<std::string> port = (*proc)->WaitForLine(kReady, kStartTimeout);
-  procs.push_back(std::move(*proc));
-  if (!port.ok()) return absl::UnavailableError(absl::StrCat(argv[1], " did not start: ", port.status().message()));
-  return std::atoi(port->c_str());
+// "exited with status 1", "killed by signal 9".
+std::string DescribeExit(int status) {
+  return status < 0 ? absl::StrCat("killed by signal ", -status) : absl::StrCat("exited with status ", status);
 }
+
+std::string Seconds(Clock::duration d) {
+  return absl::StrCat(std::chrono::duration<double>(d).count(), " s");
+}
+
+// One worker process of the cluster, kept running.
+class WorkerSlot {
+ public:
+  WorkerSlot(std::string role, int index, std::vector<std::string> argv, const Subprocess::Environment* env)
+      : role_(std::move(role)), index_(index), argv_(std::move(argv)), env_(env) {}
+
+  int port() const { return port_; }
+  std::string name() const { return absl::StrCat(role_, " worker ", index_, " (port ", port_, ")"); }
+
+  // Starts it on a free port and waits until it is ready; the port is its own from now on.
+  absl::Status StartFirst() {
+    absl::StatusOr<std::unique_ptr<Subprocess>> proc = Subprocess::Start(Argv(0), *env_);
+    if (!proc.ok()) return proc.status();
+    proc_ = *std::move(proc);
+    absl::StatusOr<std::string> port = proc_->WaitForLine(kReady, kStartTimeout);
+    if (!port.ok()) {
+      return absl::UnavailableError(absl::StrCat(role_, " worker ", index_, " did not start: ", port.status().message()));
+    }
+    port_ = std::atoi(port->c_str());
+    state_ = State::kRunning;
+    since_ = Clock::now();
+    std::printf("DUET_WORKER role=%s index=%d pid=%d port=%d\n", role_.c_str(), index_, int(proc_->pid()), port_);
+    std::fflush(stdout);
+    return absl::OkStatus();
+  }
+
+  // One supervision step: notices a death, restarts after the backoff, sees the restart through.
+  void Supervise() {
+    const Clock::time_point now = Clock::now();
+    switch (state_) {
+      case State::kRunning:
+        if (proc_->Running()) return;
+        if (now - since_ >= kHealthyAfter) backoff_ = kFirstBackoff;
+        DUET_LOG(ERROR) << name() << ", pid " << proc_->pid() << ", " << DescribeExit(proc_->Wait(std::chrono::milliseconds(0)))
+                        << " unexpectedly; restarting it in " << Seconds(backoff_);
+        return Backoff(now);
+      case State::kWaiting: {
+        if (now < since_) return;
+        ++restarts_;
+        absl::StatusOr<std::unique_ptr<Subprocess>> proc = Subprocess::Start(Argv(port_), *env_);
+        if (!proc.ok()) {
+          DUET_LOG(ERROR) << "cannot restart " << name() << ": " << proc.status().message();
+          return Backoff(now);
+        }
+        proc_ = *std::move(proc);
+        state_ = State::kStarting;
+        since_ = now;
+        return;
+      }
+      case State::kStarting: {
+        absl::StatusOr<std::string> ready = proc_->WaitForLine(kReady, std::chrono::milliseconds(0));
+        if (ready.ok()) {
+          state_ = State::kRunning;
+          since_ = now;
+          DUET_LOG(INFO) << "restarted " << name() << ", pid " << proc_->pid() << " (restart " << restarts_ << ")";
+          std::printf("DUET_WORKER_RESTARTED role=%s index=%d pid=%d port=%d restarts=%d\n", role_.c_str(), index_,
+                      int(proc_->pid()), port_, restarts_);
+          std::fflush(stdout);
+          return;
+        }
+        if (ready.status().code() == absl::StatusCode::kDeadlineExceeded && now - since_ < kStartTimeout) return;
+        proc_->Stop();
+        DUET_LOG(ERROR) << "restarting " << name() << " failed (" << ready.status().message() << "); next try in "
+                        << Seconds(backoff_);
+        return Backoff(now);
+      }
+    }
+  }
+
+  void Signal(int signal) {
+    if (proc_ != nullptr) proc_->Signal(signal);
+  }
+  void Stop(std::chrono::milliseconds grace) {
+    if (proc_ != nullptr) proc_->Stop(grace);
+  }
+
+ private:
+  enum class State { kRunning, kWaiting, kStarting };
+
+  std::vector<std::string> Argv(int port) const {
+    std::vector<std::string> argv = argv_;
+    argv.insert(argv.begin() + 2, {"--port", std::to_string(port)});
+    return argv;
+  }
+  void Backoff(Clock::time_point now) {
+    state_ = State::kWaiting;
+    since_ = now + backoff_;
+    backoff_ = std::min<Clock::duration>(2 * backoff_, kMaxBackoff);
+  }
+
+  const std::string role_;
+  const int index_;
+  const std::vector<std::string> argv_;  // {self, subcommand, flags...}: --port goes after the subcommand
+  const Subprocess::Environment* const env_;
+  std::unique_ptr<Subprocess> proc_;
+  int port_ = 0;
+  State state_ = State::kWaiting;
+  Clock::time_point since_;  // kRunning: ready since; kWaiting: start at; kStarting: started at
+  Clock::duration backoff_ = kFirstBackoff;
+  int restarts_ = 0;
+};
 
 }  // namespace
 
@@ -72,34 +191,42 @@ int RunServe(const ServeOptions& options) {
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
+  absl::StatusOr<std::string> token = rpc::GenerateInternalToken();
+  if (!token.ok()) {
+    DUET_LOG(ERROR) << "cannot make the cluster's internal token: " << token.status().message();
+    return 1;
+  }
+  const Subprocess::Environment env = {{rpc::kInternalTokenEnv, *token}};
+  const std::string grace = std::to_string(options.shutdown_grace_seconds);
+
   const std::string self = SelfPath();
-  std::vector<std::unique_ptr<Subprocess>> workers;
-  std::vector<std::unique_ptr<Subprocess>> router;
-  auto stop_all = [&] {
-    for (auto& p : router) p->Stop();
-    for (auto& p : workers) p->Signal(SIGTERM);
-    for (auto& p : workers) p->Stop();
+  std::vector<std::unique_ptr<WorkerSlot>> workers;
+  std::unique_ptr<Subprocess> router;
+  const auto worker_grace = std::chrono::seconds(options.shutdown_grace_seconds + 5);
+  auto stop_workers = [&] {
+    for (auto& w : workers) w->Signal(SIGTERM);
+    for (auto& w : workers) w->Stop(worker_grace);
   };
   std::vector<std::string> prefill_addresses, decode_addresses;
   for (const auto& [role, count, addresses] :
-       {std::tuple{"decode-worker", options.num_decode_workers, &decode_addresses},
-        std::tuple{"prefill-worker", options.num_prefill_workers, &prefill_addresses}}) {
+       {std::tuple{"decode", options.num_decode_workers, &decode_addresses},
+        std::tuple{"prefill", options.num_prefill_workers, &prefill_addresses}}) {
     for (int i = 0; i < count; ++i) {
-      std::vector<std::string> argv = {self, role, "--port", "0"};
+      std::vector<std::string> argv = {self, absl::StrCat(role, "-worker"), "--shutdown-grace-seconds", grace};
       for (std::string& f : EngineFlags(options)) argv.push_back(std::move(f));
       // Only prefill workers prefill: --sp-ranks (or --prefill-sp-ranks) is theirs.
       const int sp_ranks = std::max(options.prefill_sp_ranks, options.engine.sequence_parallel.ranks);
-      if (std::string_view(role) == "prefill-worker" && sp_ranks > 1) {
+      if (std::string_view(role) == "prefill" && sp_ranks > 1) {
         argv.insert(argv.end(), {"--sp-ranks", std::to_string(sp_ranks), "--sp-min-tokens",
                                  std::to_string(options.engine.sequence_parallel.min_tokens)});
       }
-      absl::StatusOr<int> port = StartRole(argv, workers);
-      if (!port.ok()) {
-        DUET_LOG(ERROR) << port.status().message();
-        stop_all();
+      workers.push_back(std::make_unique<WorkerSlot>(role, i, std::move(argv), &env));
+      if (absl::Status started = workers.back()->StartFirst(); !started.ok()) {
+        DUET_LOG(ERROR) << started.message();
+        stop_workers();
         return 1;
       }
-      addresses->push_back(absl::StrCat("127.0.0.1:", *port));
+      addresses->push_back(absl::StrCat("127.0.0.1:", workers.back()->port()));
     }
   }
   std::vector<std::string> router_argv = {self, "router", "--model", options.engine.model_dir,
@@ -107,47 +234,56 @@ int RunServe(const ServeOptions& options) {
                                           "--prefill", absl::StrJoin(prefill_addresses, ","),
                                           "--decode", absl::StrJoin(decode_addresses, ","),
                                           "--max-concurrent-requests", std::to_string(options.max_concurrent_requests),
-                                          "--http-port", std::to_string(options.http_port)};
+                                          "--http-port", std::to_string(options.http_port),
+                                          "--shutdown-grace-seconds", grace};
   if (!options.api_key.empty()) router_argv.insert(router_argv.end(), {"--api-key", options.api_key});
   if (options.engine.scheduler.max_model_len > 0) {
     router_argv.insert(router_argv.end(), {"--max-model-len", std::to_string(options.engine.scheduler.max_model_len)});
   }
-  absl::StatusOr<int> grpc_port = StartRole(router_argv, router);
+  absl::StatusOr<std::unique_ptr<Subprocess>> started = Subprocess::Start(router_argv, env);
+  absl::StatusOr<std::string> grpc_port =
+      started.ok() ? (*started)->WaitForLine(kReady, kStartTimeout) : absl::StatusOr<std::string>(started.status());
+  if (started.ok()) router = *std::move(started);
   if (!grpc_port.ok()) {
-    DUET_LOG(ERROR) << grpc_port.status().message();
-    stop_all();
+    DUET_LOG(ERROR) << "the router did not start: " << grpc_port.status().message();
+    if (router != nullptr) router->Stop();
+    stop_workers();
     return 1;
   }
   DUET_LOG(INFO) << "router on 127.0.0.1:" << *grpc_port << " (gRPC duet.v1.Duet)"
                  << (options.http_port >= 0 ? absl::StrCat(", OpenAI HTTP API on 127.0.0.1:", options.http_port) : "")
                  << "; prefill " << absl::StrJoin(prefill_addresses, ",") << "; decode "
                  << absl::StrJoin(decode_addresses, ",");
-  std::printf("DUET_READY grpc_port=%d\n", *grpc_port);
+  std::printf("DUET_READY grpc_port=%s\n", grpc_port->c_str());
   std::fflush(stdout);
 
-  int exit_code = 0;
-  std::vector<bool> reported_dead(workers.size(), false);
   for (;;) {
-    timespec tick{0, 200 * 1000 * 1000};
-    const int sig = sigtimedwait(&stop_signals, nullptr, &tick);
-    if (sig == SIGINT || sig == SIGTERM) break;
-    if (!router[0]->Running()) {
-      DUET_LOG(ERROR) << "the router exited; stopping";
-      exit_code = 1;
+    const int sig = sigtimedwait(&stop_signals, nullptr, &kTick);
+    if (sig == SIGINT || sig == SIGTERM) {
+      DUET_LOG(INFO) << "signal " << sig << ": draining the router (up to " << options.shutdown_grace_seconds
+                     << " s), then stopping the workers";
       break;
     }
-    // A dead worker is reported; the router marks it down and routes around it.
-    for (size_t i = 0; i < workers.size(); ++i) {
-      if (!reported_dead[i] && !workers[i]->Running()) {
-        DUET_LOG(ERROR) << "worker pid " << workers[i]->pid() << " exited with status "
-                        << workers[i]->Wait(std::chrono::milliseconds(0));
-        reported_dead[i] = true;
-      }
+    if (!router->Running()) {
+      DUET_LOG(ERROR) << "the router " << DescribeExit(router->Wait(std::chrono::milliseconds(0)))
+                      << "; stopping the cluster";
+      stop_workers();
+      return 1;
     }
+    for (auto& w : workers) w->Supervise();
   }
-  stop_all();
-  DUET_LOG(INFO) << "stopped";
-  return exit_code;
+  // The workers serve the router's running requests until it has drained; a second signal is
+  // passed on (the router then cuts its drain short).
+  router->Signal(SIGTERM);
+  const auto router_deadline = Clock::now() + std::chrono::seconds(options.shutdown_grace_seconds + 10);
+  while (router->Running() && Clock::now() < router_deadline) {
+    if (sigtimedwait(&stop_signals, nullptr, &kTick) > 0) router->Signal(SIGTERM);
+  }
+  router->Stop(std::chrono::milliseconds(0));  // SIGKILL if it is still there
+  const int router_status = router->Wait(std::chrono::milliseconds(0));
+  stop_workers();
+  DUET_LOG(INFO) << "stopped (the router " << DescribeExit(router_status) << ")";
+  return router_status == 0 ? 0 : 1;
 }
 
 }  // namespace duet

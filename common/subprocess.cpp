@@ -72,9 +72,9 @@ absl::StatusOr<std::string> Subprocess::WaitForLine(const std::string& prefix,
       if (line.rfind(prefix, 0) == 0) return line.substr(prefix.size());
     }
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) return absl::DeadlineExceededError(absl::StrCat("no '", prefix, "' line from pid ", pid_));
+    // Polled at least once, so a zero timeout still reads what has arrived.
     pollfd pfd{stdout_fd_, POLLIN, 0};
-    const int ready = ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left.count(), 200)));
+    const int ready = ::poll(&pfd, 1, static_cast<int>(std::clamp<int64_t>(left.count(), 0, 200)));
     if (ready > 0) {
       char chunk[4096];
       const ssize_t n = ::read(stdout_fd_, chunk, sizeof(chunk));
@@ -85,6 +85,7 @@ absl::StatusOr<std::string> Subprocess::WaitForLine(const std::string& prefix,
       if (n == 0) return absl::UnavailableError(absl::StrCat("pid ", pid_, " closed its output (exited?)"));
     }
     if (!Running()) return absl::UnavailableError(absl::StrCat("pid ", pid_, " exited with status ", exit_status_));
+    if (left.count() <= 0) return absl::DeadlineExceededError(absl::StrCat("no '", prefix, "' line from pid ", pid_));
   }
 }
 

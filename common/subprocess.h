@@ -28,7 +28,8 @@ class Subprocess {
 
   pid_t pid() const { return pid_; }
   // Reads stdout until a line starting with `prefix` arrives; returns the rest of that line.
-  // DeadlineExceeded on timeout, Unavailable if the child exits first.
+  // DeadlineExceeded on timeout (0: only what has already arrived), Unavailable if the child
+  // exits first.
   absl::StatusOr<std::string> WaitForLine(const std::string& prefix, std::chrono::milliseconds timeout);
   // Sends `signal`; then Wait.
   void Signal(int signal);

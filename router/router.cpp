@@ -3,11 +3,13 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "grpcpp/health_check_service_interface.h"
 #include "frontend/tokenizer/tokenizer.h"
 #include "metrics/http_exporter.h"
 #include "metrics/registry.h"
@@ -22,6 +24,40 @@
 
 namespace duet::router {
 namespace {
+
+// The public service while the router drains: Generate is refused with UNAVAILABLE (so clients
+// and load balancers go elsewhere); Abort and GetModelInfo still pass.
+class DrainingDuetService final : public v1::Duet::CallbackService {
+ public:
+  DrainingDuetService(v1::Duet::CallbackService* inner, const std::atomic<bool>* draining)
+      : inner_(inner), draining_(draining) {}
+
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(grpc::CallbackServerContext* context,
+                                                           const v1::GenerateRequest* request) override {
+    if (draining_->load(std::memory_order_acquire)) return new RejectedStream();
+    return inner_->Generate(context, request);
+  }
+  grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context, const v1::AbortRequest* request,
+                                  v1::AbortResponse* response) override {
+    return inner_->Abort(context, request, response);
+  }
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
+                                         const v1::GetModelInfoRequest* request, v1::ModelInfo* response) override {
+    return inner_->GetModelInfo(context, request, response);
+  }
+
+ private:
+  class RejectedStream final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+   public:
+    RejectedStream() {
+      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is shutting down and takes no new requests"));
+    }
+    void OnDone() override { delete this; }
+  };
+
+  v1::Duet::CallbackService* const inner_;
+  const std::atomic<bool>* const draining_;
+};
 
 class RouterImpl : public Router {
  public:
@@ -62,11 +98,13 @@ class RouterImpl : public Router {
     registry_->Start();
     policy_ = MakeLeastLoadedPolicy(registry_.get());
     service_ = std::make_unique<RouterService>(service_options, tokenizer_.get(), registry_.get(), policy_.get());
-    grpc::Service* grpc_service = service_.get();
+    v1::Duet::CallbackService* public_service = service_.get();
     if (!options.api_key.empty()) {  // --api-key: the Duet service needs "authorization: Bearer <key>"
       api_key_service_ = std::make_unique<ApiKeyDuetService>(service_.get(), options.api_key);
-      grpc_service = api_key_service_.get();
+      public_service = api_key_service_.get();
     }
+    draining_service_ = std::make_unique<DrainingDuetService>(public_service, &draining_);
+    grpc::Service* grpc_service = draining_service_.get();
 
     const std::string host = options.host.find(':') != std::string::npos && options.host.front() != '['
                                  ? absl::StrCat("[", options.host, "]")
@@ -102,8 +140,9 @@ class RouterImpl : public Router {
       http_options.api_key = options.api_key;
       http_options.metrics_body = options.metrics_body;
       if (!http_options.metrics_body) http_options.metrics_body = [this] { return RenderMetrics(); };
-      http_options.healthy = [registry = registry_.get()] {
-        return registry->NumUp(WorkerRole::kPrefill) > 0 && registry->NumUp(WorkerRole::kDecode) > 0;
+      http_options.healthy = [this, registry = registry_.get()] {
+        return !draining_.load(std::memory_order_acquire) && registry->NumUp(WorkerRole::kPrefill) > 0 &&
+               registry->NumUp(WorkerRole::kDecode) > 0;
       };
       absl::StatusOr<std::unique_ptr<HttpFrontend>> http =
           HttpFrontend::Start(http_options, tokenizer_.get(), server_->InProcessChannel(grpc::ChannelArguments()));
@@ -120,6 +159,12 @@ class RouterImpl : public Router {
   int http_port() const override { return http_ != nullptr ? http_->port() : -1; }
   int metrics_port() const override { return exporter_ != nullptr ? int(exporter_->port()) : -1; }
   std::string RenderMetrics() const override { return metrics_registry_.Render(); }
+
+  void StartDraining() override {
+    draining_.store(true, std::memory_order_release);
+    if (server_ != nullptr) server_->GetHealthCheckService()->SetServingStatus(false);
+  }
+  int num_in_flight() const override { return service_ != nullptr ? service_->num_in_flight() : 0; }
 
   void Shutdown(int grace_ms) override {
     if (exporter_ != nullptr) exporter_->Stop();
@@ -144,6 +189,8 @@ class RouterImpl : public Router {
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<metrics::HttpExporter> exporter_;
   std::unique_ptr<ApiKeyDuetService> api_key_service_;
+  std::atomic<bool> draining_{false};
+  std::unique_ptr<DrainingDuetService> draining_service_;
   std::unique_ptr<HttpFrontend> http_;
   int port_ = 0;
 };
@@ -176,8 +223,25 @@ int RunRouter(const RouterOptions& options) {
   int signal = 0;
   while (sigwait(&signals, &signal) != 0) {
   }
-  DUET_LOG(INFO) << "router: signal " << signal << ", shutting down";
-  (*router)->Shutdown(2000);
+  DUET_LOG(INFO) << "router: signal " << signal << ", draining " << (*router)->num_in_flight()
+                 << " requests (up to " << options.shutdown_grace_seconds << " s)";
+  (*router)->StartDraining();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(options.shutdown_grace_seconds);
+  while ((*router)->num_in_flight() > 0) {
+    if (std::chrono::steady_clock::now() >= deadline) {
+      DUET_LOG(WARNING) << "router: the grace period is over; cancelling " << (*router)->num_in_flight()
+                        << " requests";
+      break;
+    }
+    const timespec tick{0, 50 * 1000 * 1000};
+    if (sigtimedwait(&signals, nullptr, &tick) > 0) {
+      DUET_LOG(WARNING) << "router: second stop signal; cancelling " << (*router)->num_in_flight() << " requests";
+      break;
+    }
+  }
+  // The last messages of requests that just ended are still being written.
+  (*router)->Shutdown(1000);
+  DUET_LOG(INFO) << "router: stopped";
   return 0;
 }
 

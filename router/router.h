@@ -33,6 +33,8 @@ struct RouterOptions {
   std::string api_key;
   // The cluster's internal token, sent on every call to a worker (rpc/internal_auth.h).
   std::string internal_token;
+  // On a stop signal, how long RunRouter lets running requests finish (see StartDraining).
+  int shutdown_grace_seconds = 30;
   // GET /metrics on the HTTP port returns this; none: the router's own RenderMetrics().
   std::function<std::string()> metrics_body;
 };
@@ -49,13 +51,20 @@ class Router {
   // The router's metrics (role "router") in Prometheus text exposition format 0.0.4
   // (Content-Type metrics::kExpositionContentType), e.g. for GET /metrics on the HTTP API.
   virtual std::string RenderMetrics() const = 0;
+  // The drain: from now on Generate answers UNAVAILABLE (HTTP 503), gRPC health NOT_SERVING and
+  // HTTP /health 503, while the requests already admitted go on.
+  virtual void StartDraining() = 0;
+  // Requests admitted and not yet ended.
+  virtual int num_in_flight() const = 0;
   // Stops accepting calls, cancels the ones still running after `grace_ms`, stops the poller.
   virtual void Shutdown(int grace_ms = 2000) = 0;
 };
 
 // Starts the router, prints `DUET_HTTP_READY port=<http port>` (with an HTTP server) and then
-// `DUET_READY port=<port>` to stdout, serves until
-// SIGINT or SIGTERM, shuts down and returns 0 (1 when it cannot start; the error is on stderr).
+// `DUET_READY port=<port>` to stdout, serves until SIGINT or SIGTERM, then drains: new requests
+// are turned away while the running ones finish, for up to shutdown_grace_seconds (a second
+// signal cuts it short), shuts down and returns 0 (1 when it cannot start; the error is on
+// stderr).
 // Blocks SIGINT/SIGTERM in the calling thread (and so in the threads it starts) to sigwait them.
 int RunRouter(const RouterOptions& options);
 

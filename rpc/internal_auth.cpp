@@ -19,8 +19,11 @@ namespace duet::rpc {
 namespace {
 
 constexpr std::string_view kOpenPrefix = "/grpc.health.v1.Health/";
-// The calls that bring new work to a worker; refused while it drains.
-constexpr std::string_view kNewWork[] = {"/duet.v1.DecodeWorker/ReserveKv", "/duet.v1.PrefillWorker/Prefill"};
+// Refused while a worker drains: the calls that bring new work, and GetStats, so the router's
+// poller takes the worker out of its rotation at once.
+constexpr std::string_view kRefusedWhileDraining[] = {
+    "/duet.v1.DecodeWorker/ReserveKv", "/duet.v1.PrefillWorker/Prefill", "/duet.v1.DecodeWorker/GetStats",
+    "/duet.v1.PrefillWorker/GetStats"};
 
 std::string_view View(const grpc_slice& s) {
   return std::string_view(reinterpret_cast<const char*>(GRPC_SLICE_START_PTR(s)), GRPC_SLICE_LENGTH(s));
@@ -144,7 +147,7 @@ grpc::Status WorkerCallGate::Admit(std::string_view method, const std::string_vi
                                      kInternalTokenMetadata, "\"): only the router may call them"));
   }
   if (draining()) {
-    for (std::string_view m : kNewWork) {
+    for (std::string_view m : kRefusedWhileDraining) {
       if (method == m) {
         return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the worker is shutting down and takes no new work");
       }

@@ -9,7 +9,8 @@
 // `x-duet-internal-token` on every call to a worker; a worker with a token answers every call
 // without it, or with another one, UNAUTHENTICATED (constant-time comparison). gRPC health
 // checking stays open (Kubernetes probes). A worker without a token accepts every call, as
-// before, and says so in a WARNING at start-up.
+// before, and says so in a WARNING at start-up. Everything but health checking needs the token,
+// server reflection included.
 //
 // The token travels in clear text like every call: it keeps other processes that can reach a
 // worker's port out, not an attacker on the wire (that needs TLS).
@@ -46,7 +47,8 @@ class WorkerCallGate {
   explicit WorkerCallGate(std::string token) : token_(std::move(token)) {}
 
   // From now on, calls that start new work (ReserveKv, Prefill) are refused with UNAVAILABLE so
-  // the router places them elsewhere; calls for work already here (Decode, Abort) still pass.
+  // the router places them elsewhere, and so is GetStats (the router's poller then marks the
+  // worker down); calls for work already here (Decode, Abort) still pass.
   void StartDraining() { draining_.store(true, std::memory_order_release); }
   bool draining() const { return draining_.load(std::memory_order_acquire); }
   bool authenticates() const { return !token_.empty(); }

@@ -45,7 +45,7 @@ TEST(WorkerCallGateTest, WithoutATokenEveryCallIsAdmitted) {
   EXPECT_EQ(Verdict(gate, "/duet.v1.PrefillWorker/Prefill", "whatever"), grpc::StatusCode::OK);
 }
 
-TEST(WorkerCallGateTest, DrainingRefusesNewWorkOnly) {
+TEST(WorkerCallGateTest, DrainingRefusesNewWorkAndStats) {
   for (const char* token : {"", kToken}) {
     WorkerCallGate gate(token);
     gate.StartDraining();
@@ -53,7 +53,9 @@ TEST(WorkerCallGateTest, DrainingRefusesNewWorkOnly) {
     EXPECT_EQ(Verdict(gate, "/duet.v1.PrefillWorker/Prefill", kToken), grpc::StatusCode::UNAVAILABLE);
     EXPECT_EQ(Verdict(gate, "/duet.v1.DecodeWorker/Decode", kToken), grpc::StatusCode::OK);
     EXPECT_EQ(Verdict(gate, "/duet.v1.DecodeWorker/Abort", kToken), grpc::StatusCode::OK);
-    EXPECT_EQ(Verdict(gate, "/duet.v1.PrefillWorker/GetStats", kToken), grpc::StatusCode::OK);
+    EXPECT_EQ(Verdict(gate, "/duet.v1.PrefillWorker/Abort", kToken), grpc::StatusCode::OK);
+    EXPECT_EQ(Verdict(gate, "/duet.v1.PrefillWorker/GetStats", kToken), grpc::StatusCode::UNAVAILABLE);
+    EXPECT_EQ(Verdict(gate, "/duet.v1.DecodeWorker/GetStats", kToken), grpc::StatusCode::UNAVAILABLE);
     EXPECT_EQ(Verdict(gate, "/grpc.health.v1.Health/Check", nullptr), grpc::StatusCode::OK);
   }
   // An unauthenticated caller learns nothing about the drain.
@@ -94,7 +96,16 @@ TEST(WorkerCallGateTest, GatesARealServer) {
   EXPECT_EQ(prefill(with_token), grpc::StatusCode::UNIMPLEMENTED);
   gate.StartDraining();
   EXPECT_EQ(prefill(with_token), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_EQ(call(with_token), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_EQ(call(with_token), grpc::StatusCode::UNAVAILABLE);
+  // In-process calls (the worker's own) do not pass the port's gate.
+  {
+    grpc::ClientContext ctx;
+    v1::WorkerStats stats;
+    EXPECT_EQ(v1::PrefillWorker::NewStub((*server)->InProcessChannel(grpc::ChannelArguments()))
+                  ->GetStats(&ctx, v1::GetStatsRequest(), &stats)
+                  .error_code(),
+              grpc::StatusCode::UNIMPLEMENTED);
+  }
 
   grpc::ClientContext ctx;
   grpc::health::v1::HealthCheckResponse health;

@@ -3,13 +3,16 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "grpcpp/health_check_service_interface.h"
 #include "metrics/http_exporter.h"
 #include "rpc/internal_auth.h"
 #include "rpc/rpc_util.h"
@@ -35,6 +38,28 @@ absl::StatusOr<std::unique_ptr<metrics::HttpExporter>> StartMetrics(const Worker
   std::printf("DUET_METRICS_READY port=%d\n", int(exporter->port()));
   std::fflush(stdout);
   return exporter;
+}
+
+// Until the worker holds no request (running, waiting, or a KV reservation awaiting its Decode
+// call), `deadline`, or another stop signal.
+void Drain(const char* role, const std::shared_ptr<grpc::Channel>& channel,
+           const std::function<absl::StatusOr<v1::WorkerStats>(const std::shared_ptr<grpc::Channel>&)>& stats,
+           absl::Time deadline, const sigset_t& signals) {
+  for (;;) {
+    absl::StatusOr<v1::WorkerStats> s = stats(channel);
+    const int busy = s.ok() ? s->num_requests_running() + s->num_requests_waiting() + s->num_kv_leases() : 1;
+    if (busy == 0) return;
+    if (absl::Now() >= deadline) {
+      DUET_LOG(WARNING) << role << ": the grace period is over with " << busy
+                        << " requests or reservations left; cancelling them";
+      return;
+    }
+    const timespec tick{0, 50 * 1000 * 1000};
+    if (sigtimedwait(&signals, nullptr, &tick) > 0) {
+      DUET_LOG(WARNING) << role << ": second stop signal; cancelling " << busy << " requests or reservations";
+      return;
+    }
+  }
 }
 
 int Serve(const WorkerServeOptions& options, const std::function<absl::StatusOr<ServedService>()>& create,
@@ -69,10 +94,18 @@ int Serve(const WorkerServeOptions& options, const std::function<absl::StatusOr<
   std::fflush(stdout);
   int signal_number = 0;
   sigwait(&signals, &signal_number);
-  DUET_LOG(INFO) << role << ": signal " << signal_number << ", shutting down";
-  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  DUET_LOG(INFO) << role << ": signal " << signal_number << ", draining (up to "
+                 << absl::FormatDuration(options.shutdown_grace) << ")";
+  const absl::Time deadline = absl::Now() + options.shutdown_grace;
+  gate.StartDraining();
+  (*server)->GetHealthCheckService()->SetServingStatus(false);
+  Drain(role, (*server)->InProcessChannel(grpc::ChannelArguments()), served->stats, deadline, signals);
+  // Calls still open (the last writes of finished streams, prompts between admission and the
+  // engine) end or are cancelled by then.
+  (*server)->Shutdown(absl::ToChronoTime(std::max(deadline, absl::Now() + absl::Seconds(1))));
   (*server)->Wait();
   if (*exporter != nullptr) (*exporter)->Stop();
+  DUET_LOG(INFO) << role << ": stopped";
   return 0;
 }
 

@@ -2,17 +2,24 @@
 // afterwards inherits the mask), confine the KV transport to the --host interface
 // (worker/kv_net_devices.h), build the engine and the role's service, serve /metrics when asked,
 // serve gRPC behind the internal-token gate (rpc/internal_auth.h), announce readiness on stdout,
-// and shut down cleanly on the first stop signal. `duet prefill-worker` and `duet decode-worker`
-// run RunWorkerProcess.
+// and drain on the first stop signal: health says NOT_SERVING, new work (ReserveKv, Prefill) and
+// the router's GetStats polls are refused with UNAVAILABLE (so the router places requests
+// elsewhere), the requests already here — running, waiting, or reserved and awaiting their
+// Decode call — finish within the grace period, then the process exits 0. A second signal, or
+// the end of the grace, cuts what is left. `duet prefill-worker` and `duet decode-worker` run
+// RunWorkerProcess.
 #pragma once
 
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "backends/executor_factory.h"
 #include "common/status_macros.h"
+#include "duet/v1/worker.grpc.pb.h"
 #include "engine/llm_engine.h"
 #include "grpcpp/grpcpp.h"
 #include "rpc/kv_target_auth.h"
@@ -34,12 +41,16 @@ struct WorkerProcessOptions {
   // it, and KV targets are signed (decode) or checked (prefill) with a key derived from it.
   // Empty: internal RPCs are unauthenticated (a WARNING at start-up).
   std::string internal_token;
+  // How long a stop signal waits for the worker's requests to finish.
+  absl::Duration shutdown_grace = absl::Seconds(30);
   ServiceOptions service;
 };
 
 struct ServedService {
   grpc::Service* service = nullptr;           // owned by the caller's closure state
   std::function<std::string()> metrics_body;  // Prometheus text for /metrics
+  // The service's GetStats over `channel` (the server's in-process channel), for the drain.
+  std::function<absl::StatusOr<v1::WorkerStats>(const std::shared_ptr<grpc::Channel>& channel)> stats;
 };
 
 struct WorkerServeOptions {
@@ -48,12 +59,26 @@ struct WorkerServeOptions {
   int port = 0;           // 0: a free port
   int metrics_port = -1;  // -1: no /metrics; 0: a free port
   std::string internal_token;
+  absl::Duration shutdown_grace = absl::Seconds(30);
 };
 
 // `create` runs after the signals are blocked and must keep the service alive until this returns.
 // Prints `DUET_METRICS_READY port=N` (when metrics are on), then `DUET_READY port=N`.
 // Returns 0 after a stop signal, 1 when start-up fails (the reason on stderr).
 int ServeUntilSignal(const WorkerServeOptions& options, const std::function<absl::StatusOr<ServedService>()>& create);
+
+// GetStats of the role whose service is `Service` (a PrefillWorker or DecodeWorker service).
+template <typename Service>
+absl::StatusOr<v1::WorkerStats> WorkerStatsOver(const std::shared_ptr<grpc::Channel>& channel) {
+  using Rpc = std::conditional_t<std::is_base_of_v<v1::PrefillWorker::CallbackService, Service>, v1::PrefillWorker,
+                                 v1::DecodeWorker>;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::WorkerStats stats;
+  grpc::Status status = Rpc::NewStub(channel)->GetStats(&context, v1::GetStatsRequest(), &stats);
+  if (!status.ok()) return absl::UnavailableError(status.error_message());
+  return stats;
+}
 
 // Builds the engine and `Service` (its static Create(engine, options)), then serves it as above.
 // Call it from the main thread before starting other threads.
@@ -62,12 +87,14 @@ int RunWorkerProcess(const std::string& role, const WorkerProcessOptions<typenam
   std::unique_ptr<Service> service;  // lives until the process stops serving
   typename Service::Options service_options = options.service;
   service_options.kv_target_key = rpc::KvTargetKey(options.internal_token);
-  return ServeUntilSignal({role, options.host, options.port, options.metrics_port, options.internal_token},
+  return ServeUntilSignal({role, options.host, options.port, options.metrics_port, options.internal_token,
+                           options.shutdown_grace},
                           [&]() -> absl::StatusOr<ServedService> {
                             DUET_ASSIGN_OR_RETURN(std::unique_ptr<LlmEngine> engine, CreateEngine(options.engine));
                             DUET_ASSIGN_OR_RETURN(service, Service::Create(std::move(engine), service_options));
                             Service* raw = service.get();
-                            return ServedService{raw, [raw] { return raw->RenderMetrics(); }};
+                            return ServedService{raw, [raw] { return raw->RenderMetrics(); },
+                                                 &WorkerStatsOver<Service>};
                           });
 }
 

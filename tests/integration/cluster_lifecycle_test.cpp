@@ -1,0 +1,415 @@
+// A cluster's processes coming and going: `duet serve` restarts a dead worker on its port and
+// stops when its router dies; SIGTERM drains (running streams finish, new work is turned away,
+// health says NOT_SERVING) in `duet serve`, the router and the workers.
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <fstream>
+#include <future>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "tests/integration/local_cluster.h"
+#include "tests/integration/process.h"
+
+namespace duet {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using grpc::health::v1::HealthCheckResponse;
+using testing::LocalCluster;
+using testing::RunGenerate;
+using testing::StreamResult;
+
+constexpr char kModel[] = DUET_MODELS_DIR "/tiny-code-llama";
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// A process of a `duet serve` cluster, as /proc shows it.
+struct Child {
+  pid_t pid = 0;
+  std::vector<std::string> argv;
+  std::string environ;  // NUL-separated
+  std::string role() const { return argv.size() > 1 ? argv[1] : ""; }
+  std::string Flag(const std::string& name) const {
+    for (size_t i = 0; i + 1 < argv.size(); ++i) {
+      if (argv[i] == name) return argv[i + 1];
+    }
+    return "";
+  }
+};
+
+std::vector<Child> ChildrenOf(pid_t parent) {
+  std::vector<Child> out;
+  DIR* proc = opendir("/proc");
+  while (dirent* e = proc != nullptr ? readdir(proc) : nullptr) {
+    const pid_t pid = pid_t(std::atoi(e->d_name));
+    if (pid <= 0) continue;
+    const std::string stat = ReadFile(absl::StrCat("/proc/", pid, "/stat"));
+    const size_t paren = stat.rfind(')');
+    if (paren == std::string::npos) continue;
+    std::istringstream fields(stat.substr(paren + 2));
+    std::string state;
+    pid_t ppid = 0;
+    fields >> state >> ppid;
+    if (ppid != parent || state == "Z") continue;
+    Child c;
+    c.pid = pid;
+    c.argv = absl::StrSplit(ReadFile(absl::StrCat("/proc/", pid, "/cmdline")), '\0', absl::SkipEmpty());
+    c.environ = ReadFile(absl::StrCat("/proc/", pid, "/environ"));
+    out.push_back(std::move(c));
+  }
+  if (proc != nullptr) closedir(proc);
+  return out;
+}
+
+std::optional<Child> ChildWithRole(pid_t parent, const std::string& role) {
+  for (Child& c : ChildrenOf(parent)) {
+    if (c.role() == role) return c;
+  }
+  return std::nullopt;
+}
+
+// `duet serve` on the CPU, gRPC on a free port, no HTTP.
+struct Serve {
+  std::unique_ptr<Subprocess> process;
+  int grpc_port = 0;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Duet::Stub> stub;
+  std::string error;
+
+  explicit Serve(std::vector<std::string> extra = {}) {
+    std::vector<std::string> argv = {testing::DuetBinary(), "serve", "--model", kModel, "--backend", "cpu",
+                                     "--grpc-port", "0", "--http-port", "-1"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    absl::StatusOr<std::unique_ptr<Subprocess>> p = Subprocess::Start(argv);
+    if (!p.ok()) {
+      error = std::string(p.status().message());
+      return;
+    }
+    process = *std::move(p);
+    absl::StatusOr<std::string> port = process->WaitForLine("DUET_READY grpc_port=", std::chrono::seconds(120));
+    if (!port.ok()) {
+      error = std::string(port.status().message());
+      return;
+    }
+    grpc_port = std::atoi(port->c_str());
+    channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", grpc_port), grpc::InsecureChannelCredentials());
+    stub = v1::Duet::NewStub(channel);
+  }
+  ~Serve() {
+    if (process != nullptr) process->Stop(std::chrono::seconds(40));
+  }
+  bool ok() const { return stub != nullptr; }
+};
+
+v1::GenerateRequest Request(int max_tokens, const std::string& text = "def fib(n):\n") {
+  v1::GenerateRequest r;
+  r.set_text(text);
+  r.mutable_sampling()->set_temperature(0.0f);
+  r.mutable_sampling()->set_max_tokens(max_tokens);
+  r.mutable_sampling()->set_ignore_eos(true);
+  return r;
+}
+
+// The first successful request within `limit`; how long it took to get there.
+std::optional<Clock::duration> FirstSuccessWithin(v1::Duet::Stub& stub, Clock::duration limit) {
+  const auto start = Clock::now();
+  while (Clock::now() - start < limit) {
+    StreamResult r = RunGenerate(stub, Request(4), 0, 3000);
+    if (r.status.ok() && r.token_ids.size() == 4) return Clock::now() - start;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return std::nullopt;
+}
+
+int PortOf(const std::string& address) { return std::atoi(address.substr(address.rfind(':') + 1).c_str()); }
+
+TEST(ServeSupervisionTest, AKilledPrefillWorkerIsRestartedOnItsPortAndRequestsSucceedAgain) {
+  Serve serve;
+  ASSERT_TRUE(serve.ok()) << serve.error;
+  ASSERT_TRUE(FirstSuccessWithin(*serve.stub, std::chrono::seconds(10)).has_value());
+  const std::optional<Child> router = ChildWithRole(serve.process->pid(), "router");
+  ASSERT_TRUE(router.has_value());
+  const int prefill_port = PortOf(router->Flag("--prefill"));  // the router's static address list
+
+  for (int restart = 1; restart <= 2; ++restart) {
+    const std::optional<Child> prefill = ChildWithRole(serve.process->pid(), "prefill-worker");
+    ASSERT_TRUE(prefill.has_value());
+    ASSERT_EQ(::kill(prefill->pid, SIGKILL), 0);
+    const std::optional<Clock::duration> back = FirstSuccessWithin(*serve.stub, std::chrono::seconds(30));
+    ASSERT_TRUE(back.has_value()) << "requests still fail 30 s after the prefill worker was killed";
+    EXPECT_LT(*back, std::chrono::seconds(15));
+    const std::optional<Child> restarted = ChildWithRole(serve.process->pid(), "prefill-worker");
+    ASSERT_TRUE(restarted.has_value());
+    EXPECT_NE(restarted->pid, prefill->pid);
+    EXPECT_EQ(restarted->Flag("--port"), std::to_string(prefill_port));
+    // Counted where an operator (or a test) sees it.
+    absl::StatusOr<std::string> line =
+        serve.process->WaitForLine("DUET_WORKER_RESTARTED role=prefill index=0 ", std::chrono::seconds(5));
+    ASSERT_TRUE(line.ok()) << line.status();
+    EXPECT_NE(line->find(absl::StrCat("port=", prefill_port)), std::string::npos) << *line;
+    EXPECT_NE(line->find(absl::StrCat("restarts=", restart)), std::string::npos) << *line;
+  }
+  EXPECT_EQ(ChildWithRole(serve.process->pid(), "router")->pid, router->pid);  // undisturbed
+}
+
+TEST(ServeSupervisionTest, AKilledDecodeWorkerIsRestartedToo) {
+  Serve serve;
+  ASSERT_TRUE(serve.ok()) << serve.error;
+  const std::optional<Child> decode = ChildWithRole(serve.process->pid(), "decode-worker");
+  ASSERT_TRUE(decode.has_value());
+  ASSERT_EQ(::kill(decode->pid, SIGKILL), 0);
+  ASSERT_TRUE(FirstSuccessWithin(*serve.stub, std::chrono::seconds(30)).has_value());
+  absl::StatusOr<std::string> line =
+      serve.process->WaitForLine("DUET_WORKER_RESTARTED role=decode index=0 ", std::chrono::seconds(5));
+  EXPECT_TRUE(line.ok()) << line.status();
+}
+
+TEST(ServeSupervisionTest, ServeExitsWithAnErrorWhenItsRouterDies) {
+  Serve serve;
+  ASSERT_TRUE(serve.ok()) << serve.error;
+  const pid_t serve_pid = serve.process->pid();
+  const std::optional<Child> router = ChildWithRole(serve_pid, "router");
+  ASSERT_TRUE(router.has_value());
+  ASSERT_EQ(::kill(router->pid, SIGKILL), 0);
+  const int status = serve.process->Wait(std::chrono::seconds(20));
+  EXPECT_NE(status, Subprocess::kStillRunning);
+  EXPECT_NE(status, 0);
+  EXPECT_TRUE(ChildrenOf(serve_pid).empty());
+}
+
+// The token serve makes for its cluster reaches every child in the environment, not in argv
+// (where `ps` shows it), and the workers require it.
+TEST(ServeSupervisionTest, ServeGivesItsChildrenAGeneratedInternalToken) {
+  Serve serve;
+  ASSERT_TRUE(serve.ok()) << serve.error;
+  const std::vector<Child> children = ChildrenOf(serve.process->pid());
+  ASSERT_EQ(children.size(), 3u);
+  std::string token;
+  for (const Child& c : children) {
+    for (const std::string& entry : std::vector<std::string>(absl::StrSplit(c.environ, '\0', absl::SkipEmpty()))) {
+      if (entry.rfind("DUET_INTERNAL_TOKEN=", 0) != 0) continue;
+      const std::string value = entry.substr(20);
+      EXPECT_EQ(value.size(), 64u) << c.role();
+      if (token.empty()) token = value;
+      EXPECT_EQ(value, token) << c.role();
+    }
+    for (const std::string& arg : c.argv) EXPECT_EQ(arg.find(token.empty() ? "\x01" : token), std::string::npos);
+  }
+  ASSERT_FALSE(token.empty());
+  const std::optional<Child> decode = ChildWithRole(serve.process->pid(), "decode-worker");
+  const std::optional<Child> router = ChildWithRole(serve.process->pid(), "router");
+  auto stub = v1::DecodeWorker::NewStub(grpc::CreateChannel(router->Flag("--decode"), grpc::InsecureChannelCredentials()));
+  for (const char* t : {static_cast<const char*>(nullptr), token.c_str()}) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    if (t != nullptr) ctx.AddMetadata("x-duet-internal-token", t);
+    v1::WorkerStats stats;
+    EXPECT_EQ(stub->GetStats(&ctx, v1::GetStatsRequest(), &stats).error_code(),
+              t == nullptr ? grpc::StatusCode::UNAUTHENTICATED : grpc::StatusCode::OK);
+  }
+  ASSERT_TRUE(FirstSuccessWithin(*serve.stub, std::chrono::seconds(10)).has_value());
+}
+
+// ---- Drain ----
+
+HealthCheckResponse::ServingStatus Health(const std::shared_ptr<grpc::Channel>& channel) {
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  HealthCheckResponse resp;
+  if (!stub->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok()) return HealthCheckResponse::UNKNOWN;
+  return resp.status();
+}
+
+bool BecomesNotServing(const std::shared_ptr<grpc::Channel>& channel) {
+  const auto deadline = Clock::now() + std::chrono::seconds(5);
+  while (Clock::now() < deadline) {
+    if (Health(channel) == HealthCheckResponse::NOT_SERVING) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+// Streams running in the background; `started` counts those that have their first tokens.
+struct Streams {
+  std::atomic<int> started{0};
+  std::vector<std::future<StreamResult>> results;
+
+  // `context_lines` lines of code before each prompt make the prefill longer.
+  void Start(v1::Duet::Stub& stub, int n, int max_tokens, int context_lines = 0) {
+    for (int i = 0; i < n; ++i) {
+      std::string prompt = absl::StrCat("# stream ", i, "\n");
+      for (int line = 0; line < context_lines; ++line) absl::StrAppend(&prompt, "value_", line, " = compute(", i, ")\n");
+      absl::StrAppend(&prompt, "def f", i, "(x):\n");
+      results.push_back(std::async(std::launch::async, [this, &stub, prompt, max_tokens] {
+        StreamResult result;
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(240));
+        auto reader = stub.Generate(&ctx, Request(max_tokens, prompt));
+        v1::GenerateResponse msg;
+        while (reader->Read(&msg)) {
+          if (result.messages++ == 0) started.fetch_add(1);
+          result.token_ids.insert(result.token_ids.end(), msg.token_ids().begin(), msg.token_ids().end());
+          if (msg.finished()) result.finish_reason = msg.finish_reason();
+        }
+        result.status = reader->Finish();
+        return result;
+      }));
+    }
+  }
+  bool AllStartedWithin(std::chrono::seconds limit) {
+    const auto deadline = Clock::now() + limit;
+    while (started.load() < int(results.size())) {
+      if (Clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return true;
+  }
+  // Every stream completes in full.
+  void ExpectAllComplete(int max_tokens) {
+    for (size_t i = 0; i < results.size(); ++i) {
+      StreamResult r = results[i].get();
+      EXPECT_TRUE(r.status.ok()) << "stream " << i << ": " << r.status.error_message();
+      EXPECT_EQ(r.finish_reason, "length") << "stream " << i;
+      EXPECT_EQ(int(r.token_ids.size()), max_tokens) << "stream " << i;
+    }
+  }
+};
+
+StreamResult NewRequest(v1::Duet::Stub& stub) { return RunGenerate(stub, Request(4), 0, 5000); }
+
+TEST(DrainTest, SigtermToServeLetsRunningStreamsFinishAndTurnsNewOnesAway) {
+  constexpr int kStreams = 30;
+  constexpr int kTokens = 160;
+  Serve serve({"--shutdown-grace-seconds", "60"});
+  ASSERT_TRUE(serve.ok()) << serve.error;
+  Streams streams;
+  streams.Start(*serve.stub, kStreams, kTokens);
+  ASSERT_TRUE(streams.AllStartedWithin(std::chrono::seconds(60)));
+  const auto signalled = Clock::now();
+  serve.process->Signal(SIGTERM);
+  EXPECT_TRUE(BecomesNotServing(serve.channel));
+  StreamResult rejected = NewRequest(*serve.stub);
+  EXPECT_EQ(rejected.status.error_code(), grpc::StatusCode::UNAVAILABLE) << rejected.status.error_message();
+  int finished_before = 0;
+  for (auto& f : streams.results) finished_before += f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  EXPECT_LT(finished_before, kStreams / 2) << "the streams were too short to test a drain";
+  streams.ExpectAllComplete(kTokens);
+  const int status = serve.process->Wait(std::chrono::seconds(60));
+  EXPECT_EQ(status, 0);
+  EXPECT_LT(Clock::now() - signalled, std::chrono::seconds(60));
+}
+
+// The router alone: gRPC and HTTP both turn new requests away (UNAVAILABLE / 503) while its
+// streams finish; then it exits 0.
+int HttpStatus(int port, const std::string& request) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(uint16_t(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  timeval timeout{10, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  (void)::write(fd, request.data(), request.size());
+  char buf[64] = {};
+  const ssize_t n = ::read(fd, buf, sizeof(buf) - 1);
+  ::close(fd);
+  if (n < 12) return -1;
+  return std::atoi(buf + 9);  // "HTTP/1.1 503 ..."
+}
+
+TEST(DrainTest, SigtermToTheRouterDrainsItsStreams) {
+  testing::ClusterOptions options{1, 1, {}, {"--shutdown-grace-seconds", "60"}};
+  options.http = true;
+  LocalCluster cluster(options);
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const std::string body = R"({"model":"tiny-code-llama","prompt":"def f(x):\n","max_tokens":4})";
+  const std::string completion = absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                              "Content-Length: ", body.size(), "\r\nConnection: close\r\n\r\n", body);
+  const std::string health = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+  ASSERT_EQ(HttpStatus(cluster.http_port(), completion), 200);
+  constexpr int kStreams = 12;
+  constexpr int kTokens = 160;
+  Streams streams;
+  streams.Start(cluster.router(), kStreams, kTokens);
+  ASSERT_TRUE(streams.AllStartedWithin(std::chrono::seconds(60)));
+  cluster.router_process().Signal(SIGTERM);
+  EXPECT_TRUE(BecomesNotServing(cluster.router_channel()));
+  EXPECT_EQ(NewRequest(cluster.router()).status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(HttpStatus(cluster.http_port(), completion), 503);
+  EXPECT_EQ(HttpStatus(cluster.http_port(), health), 503);
+  streams.ExpectAllComplete(kTokens);
+  EXPECT_EQ(cluster.router_process().Wait(std::chrono::seconds(60)), 0);
+}
+
+// A decode worker stops taking reservations (the router places new requests on the other one)
+// and finishes the streams it has, then exits 0.
+TEST(DrainTest, SigtermToADecodeWorkerFinishesItsStreams) {
+  LocalCluster cluster({1, 2, {"--shutdown-grace-seconds", "60"}});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  constexpr int kStreams = 16;
+  constexpr int kTokens = 160;
+  Streams streams;
+  streams.Start(cluster.router(), kStreams, kTokens);
+  ASSERT_TRUE(streams.AllStartedWithin(std::chrono::seconds(60)));
+  const std::vector<v1::WorkerStats> stats = cluster.DecodeStats();
+  ASSERT_EQ(stats.size(), 2u);
+  ASSERT_GT(stats[0].num_requests_running(), 0) << "no stream on the worker to drain";
+  cluster.decode_process(0).Signal(SIGTERM);
+  auto worker0 = grpc::CreateChannel(cluster.worker_addresses()[0], grpc::InsecureChannelCredentials());
+  EXPECT_TRUE(BecomesNotServing(worker0));
+  for (int i = 0; i < 3; ++i) {  // new requests go to the other decode worker
+    StreamResult r = NewRequest(cluster.router());
+    EXPECT_TRUE(r.status.ok()) << r.status.error_message();
+  }
+  streams.ExpectAllComplete(kTokens);
+  EXPECT_EQ(cluster.decode_process(0).Wait(std::chrono::seconds(60)), 0);
+}
+
+// The same for a prefill worker: the prompts it has are prefilled and shipped, new ones go to the
+// other prefill worker.
+TEST(DrainTest, SigtermToAPrefillWorkerFinishesItsWork) {
+  LocalCluster cluster({2, 1, {"--shutdown-grace-seconds", "60"}});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  constexpr int kStreams = 16;
+  constexpr int kTokens = 40;
+  Streams streams;
+  streams.Start(cluster.router(), kStreams, kTokens, /*context_lines=*/150);  // ~1,500-token prompts
+  const auto deadline = Clock::now() + std::chrono::seconds(30);
+  for (bool busy = false; !busy && Clock::now() < deadline;) {
+    const std::vector<v1::WorkerStats> stats = cluster.PrefillStats();
+    busy = !stats.empty() && stats[0].num_requests_running() + stats[0].num_requests_waiting() > 0;
+    if (!busy) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_LT(Clock::now(), deadline) << "prefill worker 0 never had a prompt";
+  cluster.prefill_process(0).Signal(SIGTERM);
+  streams.ExpectAllComplete(kTokens);
+  EXPECT_EQ(cluster.prefill_process(0).Wait(std::chrono::seconds(60)), 0);
+  StreamResult after = NewRequest(cluster.router());
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+}
+
+}  // namespace
+}  // namespace duet
