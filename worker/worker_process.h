@@ -10,6 +10,7 @@
 // RunWorkerProcess.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
