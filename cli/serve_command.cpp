@@ -34,6 +34,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr auto kStartTimeout = std::chrono::seconds(180);
 constexpr char kReady[] = "DUET_READY port=";
+constexpr char kHttpReady[] = "DUET_HTTP_READY port=";
 constexpr auto kFirstBackoff = std::chrono::milliseconds(500);
 constexpr auto kMaxBackoff = std::chrono::seconds(30);
 constexpr auto kHealthyAfter = std::chrono::seconds(60);  // up this long: the backoff starts over
@@ -241,8 +242,13 @@ int RunServe(const ServeOptions& options) {
     router_argv.insert(router_argv.end(), {"--max-model-len", std::to_string(options.engine.scheduler.max_model_len)});
   }
   absl::StatusOr<std::unique_ptr<Subprocess>> started = Subprocess::Start(router_argv, env);
+  // The router announces its HTTP port (the real one for --http-port 0) before its gRPC port.
+  absl::StatusOr<std::string> http_port = std::to_string(options.http_port);
+  if (started.ok() && options.http_port >= 0) http_port = (*started)->WaitForLine(kHttpReady, kStartTimeout);
   absl::StatusOr<std::string> grpc_port =
-      started.ok() ? (*started)->WaitForLine(kReady, kStartTimeout) : absl::StatusOr<std::string>(started.status());
+      !started.ok()     ? absl::StatusOr<std::string>(started.status())
+      : !http_port.ok() ? http_port
+                        : (*started)->WaitForLine(kReady, kStartTimeout);
   if (started.ok()) router = *std::move(started);
   if (!grpc_port.ok()) {
     DUET_LOG(ERROR) << "the router did not start: " << grpc_port.status().message();
@@ -251,9 +257,10 @@ int RunServe(const ServeOptions& options) {
     return 1;
   }
   DUET_LOG(INFO) << "router on 127.0.0.1:" << *grpc_port << " (gRPC duet.v1.Duet)"
-                 << (options.http_port >= 0 ? absl::StrCat(", OpenAI HTTP API on 127.0.0.1:", options.http_port) : "")
+                 << (options.http_port >= 0 ? absl::StrCat(", OpenAI HTTP API on 127.0.0.1:", *http_port) : "")
                  << "; prefill " << absl::StrJoin(prefill_addresses, ",") << "; decode "
                  << absl::StrJoin(decode_addresses, ",");
+  if (options.http_port >= 0) std::printf("DUET_HTTP_READY port=%s\n", http_port->c_str());
   std::printf("DUET_READY grpc_port=%s\n", grpc_port->c_str());
   std::fflush(stdout);
 

@@ -141,6 +141,27 @@ std::optional<Clock::duration> FirstSuccessWithin(v1::Duet::Stub& stub, Clock::d
 
 int PortOf(const std::string& address) { return std::atoi(address.substr(address.rfind(':') + 1).c_str()); }
 
+// --http-port 0: serve announces the port the router's HTTP API really took (issue 18).
+TEST(ServeTest, HttpPortZeroIsAnnouncedWithTheRealPort) {
+  absl::StatusOr<std::unique_ptr<Subprocess>> p =
+      Subprocess::Start({testing::DuetBinary(), "serve", "--model", kModel, "--backend", "cpu", "--grpc-port", "0",
+                         "--http-port", "0"});
+  ASSERT_TRUE(p.ok()) << p.status();
+  absl::StatusOr<std::string> http = (*p)->WaitForLine("DUET_HTTP_READY port=", std::chrono::seconds(120));
+  ASSERT_TRUE(http.ok()) << http.status();
+  const int port = std::atoi(http->c_str());
+  EXPECT_GT(port, 0);
+  EXPECT_TRUE((*p)->WaitForLine("DUET_READY grpc_port=", std::chrono::seconds(30)).ok());
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(uint16_t(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0) << "nothing listens on " << port;
+  close(fd);
+  (*p)->Stop(std::chrono::seconds(40));
+}
+
 TEST(ServeSupervisionTest, AKilledPrefillWorkerIsRestartedOnItsPortAndRequestsSucceedAgain) {
   Serve serve;
   ASSERT_TRUE(serve.ok()) << serve.error;
