@@ -395,7 +395,12 @@ TEST(DrainTest, SigtermToADecodeWorkerFinishesItsStreams) {
   Streams streams;
   streams.Start(cluster.router(), kStreams, kTokens);
   ASSERT_TRUE(streams.AllStartedWithin(std::chrono::seconds(60)));
-  const std::vector<v1::WorkerStats> stats = cluster.DecodeStats();
+  // A started stream may still be joining its worker's batch: wait until worker 0 runs one.
+  std::vector<v1::WorkerStats> stats = cluster.DecodeStats();
+  for (int i = 0; i < 100 && stats.size() == 2 && stats[0].num_requests_running() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    stats = cluster.DecodeStats();
+  }
   ASSERT_EQ(stats.size(), 2u);
   ASSERT_GT(stats[0].num_requests_running(), 0) << "no stream on the worker to drain";
   cluster.decode_process(0).Signal(SIGTERM);
