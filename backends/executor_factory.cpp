@@ -27,7 +27,13 @@ absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadCudaExecutor(const EngineConf
     const int64_t cap = std::max<int64_t>(options.max_num_seqs, (int64_t(1) << 30) / (4 * m->vocab_size));
     options.max_logit_rows = int(std::min({rows, cap, int64_t(options.max_num_batched_tokens)}));
   }
-  return LlamaCuda::Load(config.model_dir, options);
+  absl::StatusOr<std::unique_ptr<LlamaCuda>> cuda = LlamaCuda::Load(config.model_dir, options);
+  if (!cuda.ok()) return cuda.status();
+  // On one device the ranks are virtual (LlamaCuda::EnableSequenceParallel): the same schedule
+  // and kernels a multi-GPU group runs, without its speed-up.
+  absl::Status sp = (*cuda)->EnableSequenceParallel(config.sequence_parallel.ranks, config.sequence_parallel.min_tokens);
+  if (!sp.ok()) return sp;
+  return std::unique_ptr<ModelExecutor>(std::move(*cuda));
 }
 
 }  // namespace
@@ -47,10 +53,6 @@ absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadExecutor(const EngineConfig& 
     absl::StatusOr<std::unique_ptr<LlamaCpu>> cpu = LlamaCpu::Load(config.model_dir);
     if (cpu.ok()) (*cpu)->EnableSequenceParallel(config.sequence_parallel.ranks, config.sequence_parallel.min_tokens);
     return cpu;
-  }
-  if (config.sequence_parallel.ranks > 1) {
-    return absl::UnimplementedError(absl::StrCat("sequence-parallel prefill (--sp-ranks) runs on the cpu backend only "
-                                                 "so far, not on '", backend, "'"));
   }
 #ifdef DUET_HAVE_CUDA
   if (backend == "cuda") return LoadCudaExecutor(config);

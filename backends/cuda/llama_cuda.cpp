@@ -229,7 +229,7 @@ void LlamaCuda::Enqueue(const cuda::StepPlan& plan, cuda::DeviceKvCache& cache, 
                            int(config_.hidden_size), stream_);
   for (int li = 0; li < num_layers; ++li) {
     const cuda::CudaLayerWeights& l = weights_.layer(size_t(li));
-    EnqueueAttention(l, li == 0, plan, decode_plan, cache.Layer(li));
+    EnqueueAttention(l, li, plan, decode_plan, cache.Layer(li));
     EnqueueMlp(l, plan.num_tokens);
     // The layer's K/V are in the cache once the stream reaches here; the hook orders its reads
     // after this point of the stream (LayerDoneCallback), so the host does not wait.
@@ -238,9 +238,10 @@ void LlamaCuda::Enqueue(const cuda::StepPlan& plan, cuda::DeviceKvCache& cache, 
   EnqueueFinalNorm(plan, sample);
 }
 
-void LlamaCuda::EnqueueAttention(const cuda::CudaLayerWeights& l, bool first_layer, const cuda::StepPlan& plan,
+void LlamaCuda::EnqueueAttention(const cuda::CudaLayerWeights& l, int layer, const cuda::StepPlan& plan,
                                  const kernels::PagedDecodeAttentionPlan& decode_plan,
                                  const kernels::PagedKvView& kv) {
+  const bool first_layer = layer == 0;
   const int t = plan.num_tokens, hidden = int(config_.hidden_size);
   const int q_width = int(config_.num_heads * config_.head_dim);
   auto* delta = delta_.as<__nv_bfloat16>();
@@ -248,7 +249,7 @@ void LlamaCuda::EnqueueAttention(const cuda::CudaLayerWeights& l, bool first_lay
                             normed_.as<__nv_bfloat16>(), t, hidden, float(config_.rms_norm_eps)},
                            stream_);
   EnqueueQkvRopeKvWrite(l, t, kv);
-  EnqueueAttentionKernel(plan, decode_plan, kv);
+  EnqueueAttentionKernel(plan, decode_plan, kv, layer);
   linear_->Forward(attn_.as<__nv_bfloat16>(), l.o, delta, t, q_width, hidden);
   if (l.o_bias != nullptr) kernels::AddBias(delta, l.o_bias, t, hidden, stream_);
 }
@@ -258,7 +259,7 @@ void LlamaCuda::EnqueueQkvRopeKvWrite(const cuda::CudaLayerWeights& l, int rows,
   const int qkv_width = int((config_.num_heads + 2 * config_.num_kv_heads) * config_.head_dim);
   const auto* normed = normed_.as<__nv_bfloat16>();
   auto* q = q_.as<__nv_bfloat16>();
-  if (UseFusedEpilogues(rows) && l.qkv_bias == nullptr) {
+  if (UseFusedEpilogues(rows) && l.qkv_bias == nullptr && !sp_step_) {
     // Skinny batches: RoPE and the KV write in the projection's epilogue (no qkv round trip).
     kernels::GemvParams g{normed, l.qkv, nullptr, rows, hidden, qkv_width, false, kernels::GemvEpilogue::kRopeKvWrite};
     g.rope = {metadata_->positions(), metadata_->slots(), rope_table_.as<float2>(), q, kv, nh};
@@ -270,12 +271,23 @@ void LlamaCuda::EnqueueQkvRopeKvWrite(const cuda::CudaLayerWeights& l, int rows,
   if (l.qkv_bias != nullptr) kernels::AddBias(qkv, l.qkv_bias, rows, qkv_width, stream_);
   kernels::RopeAndWriteKv({qkv, metadata_->positions(), metadata_->slots(), rope_table_.as<float2>(), q, kv, rows, nh},
                           stream_);
+  if (sp_step_) {
+    // Each rank's K/V rows also go to its own ring block (q is rewritten with the same values).
+    kernels::RopeAndWriteKv({qkv, metadata_->positions(), ring_->send_slots(), rope_table_.as<float2>(), q,
+                             ring_->send_view(), rows, nh},
+                            stream_);
+  }
 }
 
 void LlamaCuda::EnqueueAttentionKernel(const cuda::StepPlan& plan,
                                        const kernels::PagedDecodeAttentionPlan& decode_plan,
-                                       const kernels::PagedKvView& kv) {
+                                       const kernels::PagedKvView& kv, int layer) {
   const float scale = 1.0f / std::sqrt(float(config_.head_dim));
+  if (sp_step_) {
+    ring_->Attend(q_.as<__nv_bfloat16>(), scale, attn_.as<__nv_bfloat16>(),
+                  layer == ring_events_layer_ ? ring_events_ : nullptr);
+    return;
+  }
   if (plan.decode_only) {
     kernels::PagedDecodeAttentionParams p{};
     p.q = q_.as<__nv_bfloat16>();
@@ -415,7 +427,18 @@ absl::Status LlamaCuda::RunLayers(absl::Span<const SequenceChunk> chunks, KvCach
     return absl::InvalidArgumentError(absl::StrCat("device sampling needs one row per logits row (", real_rows,
                                                    " rows, ", sampling.size(), " given)"));
   }
-  const bool use_graph = PadForGraphIfEligible(plan, bool(on_layer_done));
+  sp_step_ = RunsSequenceParallel(chunks);
+  struct EndOfStep {  // no other step (a graph capture, say) may see a sequence-parallel flag
+    bool& sp_step;
+    ~EndOfStep() { sp_step = false; }
+  } end_of_step{sp_step_};
+  if (sp_step_) {
+    const parallel::RingAttentionSchedule schedule =
+        parallel::PlanRingAttention(int64_t(chunks[0].tokens.size()), ring_->size());
+    metadata_->ReorderRows(plan, schedule.RowPositions());
+    DUET_RETURN_IF_ERROR(ring_->Prepare(schedule));
+  }
+  const bool use_graph = !sp_step_ && PadForGraphIfEligible(plan, bool(on_layer_done));
   cache->FlushSlotMoves();
   metadata_->Upload(plan, sampling, stream_);
 
@@ -429,6 +452,25 @@ absl::Status LlamaCuda::RunLayers(absl::Span<const SequenceChunk> chunks, KvCach
   }
   if (sample) return CopySamplesToHost(real_rows, *samples);
   return absl::OkStatus();
+}
+
+absl::Status LlamaCuda::EnableSequenceParallel(int ranks, int64_t min_tokens) {
+  if (ranks <= 1) {
+    ring_.reset();
+    return absl::OkStatus();
+  }
+  sp_min_tokens_ = min_tokens;
+  DUET_ASSIGN_OR_RETURN(ring_, cuda::VirtualRingAttention::Create(ranks, options_.max_num_batched_tokens,
+                                                                 int(config_.num_heads), int(config_.num_kv_heads),
+                                                                 int(config_.head_dim), arena_, stream_));
+  return absl::OkStatus();
+}
+
+bool LlamaCuda::RunsSequenceParallel(absl::Span<const SequenceChunk> chunks) const {
+  if (ring_ == nullptr || chunks.size() != 1) return false;
+  const SequenceChunk& c = chunks[0];
+  const int64_t n = int64_t(c.tokens.size());
+  return c.start_position == 0 && c.tree_parents.empty() && n >= std::max<int64_t>(sp_min_tokens_, 2 * ring_->size());
 }
 
 absl::Status LlamaCuda::Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache, std::vector<float>& logits,

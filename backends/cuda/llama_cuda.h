@@ -19,6 +19,7 @@
 #include "backends/cuda/device_kv_cache.h"
 #include "backends/cuda/device_memory.h"
 #include "backends/cuda/graph_runner.h"
+#include "backends/cuda/ring_attention.h"
 #include "backends/cuda/step_metadata.h"
 #include "engine/model_executor.h"
 #include "kernels/attention/paged_attention.h"
@@ -90,6 +91,20 @@ class LlamaCuda : public ModelExecutor {
                          absl::Span<const DeviceSamplingRow> sampling, const LayerDoneCallback& on_layer_done,
                          std::vector<float>* logits, std::vector<DeviceSample>* samples, int num_layers);
 
+  // Sequence-parallel prefill on `ranks` virtual ranks of this one device
+  // (backends/cuda/ring_attention.h): a step that is one whole prompt of at least min_tokens
+  // tokens runs its attention as zigzag ring attention, rank by rank, everything else as one
+  // rank. For checking the numerics and measuring per-rank work; a multi-GPU group gives each
+  // rank its own device. Device memory: ring buffers for max_num_batched_tokens.
+  absl::Status EnableSequenceParallel(int ranks, int64_t min_tokens);
+  int sequence_parallel_ranks() const { return ring_ ? ring_->size() : 1; }
+  // Events around the ring steps of the next sequence-parallel layer that runs (benchmarks);
+  // null: none.
+  void set_ring_step_events(cuda::RingStepEvents* events, int layer) {
+    ring_events_ = events;
+    ring_events_layer_ = layer;
+  }
+
   cudaStream_t stream() const { return stream_; }
   int64_t weight_bytes() const { return weights_.bytes(); }
 
@@ -114,13 +129,15 @@ class LlamaCuda : public ModelExecutor {
   kernels::PagedDecodeAttentionPlan PlanDecodeAttention(const cuda::StepPlan& plan) const;
   // Skinny batches compute RoPE + the KV write and SiLU·mul in the projections' epilogues.
   bool UseFusedEpilogues(int rows) const;
+  // Whether the step runs sequence-parallel (EnableSequenceParallel).
+  bool RunsSequenceParallel(absl::Span<const SequenceChunk> chunks) const;
   // One layer's attention sublayer: norm (adding the previous sublayer's output), QKV
   // projection, RoPE and the KV write, attention, output projection into delta_.
-  void EnqueueAttention(const cuda::CudaLayerWeights& l, bool first_layer, const cuda::StepPlan& plan,
+  void EnqueueAttention(const cuda::CudaLayerWeights& l, int layer, const cuda::StepPlan& plan,
                         const kernels::PagedDecodeAttentionPlan& decode_plan, const kernels::PagedKvView& kv);
   void EnqueueQkvRopeKvWrite(const cuda::CudaLayerWeights& l, int rows, const kernels::PagedKvView& kv);
   void EnqueueAttentionKernel(const cuda::StepPlan& plan, const kernels::PagedDecodeAttentionPlan& decode_plan,
-                              const kernels::PagedKvView& kv);
+                              const kernels::PagedKvView& kv, int layer);
   // One layer's MLP sublayer: norm (adding the attention output), gate/up with SiLU·mul, down
   // projection into delta_.
   void EnqueueMlp(const cuda::CudaLayerWeights& l, int rows);
@@ -167,6 +184,12 @@ class LlamaCuda : public ModelExecutor {
   // Fixed once the KV cache (its block size) is known.
   std::unique_ptr<cuda::StepMetadata> metadata_;
   std::unique_ptr<cuda::GraphRunner> graphs_;
+  // Sequence-parallel prefill (EnableSequenceParallel); sp_step_ while such a step is enqueued.
+  std::unique_ptr<cuda::VirtualRingAttention> ring_;
+  int64_t sp_min_tokens_ = 0;
+  bool sp_step_ = false;
+  cuda::RingStepEvents* ring_events_ = nullptr;
+  int ring_events_layer_ = 0;
 };
 
 }  // namespace duet

@@ -178,6 +178,63 @@ TEST(LlamaCuda, Bf16DraftTreeVerificationEagerMatchesCpu) {
   ExpectDraftTreeVerificationMatchesCpu(/*cuda_graphs=*/false);
 }
 
+// Sequence-parallel prefill on virtual ranks of the one device: a 2,001-token prompt (uneven
+// zigzag chunks, chunk edges inside KV blocks) gives the CPU backend's logits for its last 7
+// tokens (the logits rows follow their tokens through the rank-major order), and the same as a
+// one-rank CUDA prefill; then decoding from the cache it wrote matches the CPU backend too.
+void ExpectSequenceParallelPrefillMatches(int ranks) {
+  BackendPair pair;
+  LlamaCudaOptions options;
+  auto one_rank = LlamaCuda::Load(ModelDir(), options);
+  ASSERT_TRUE(one_rank.ok()) << one_rank.status();
+  std::unique_ptr<KvCache> one_rank_cache = *(*one_rank)->CreateKvCache(BackendPair::kBlocks, BackendPair::kBlockSize);
+  ASSERT_TRUE(pair.gpu().EnableSequenceParallel(ranks, 64).ok());
+  ASSERT_EQ(pair.gpu().sequence_parallel_ranks(), ranks);
+  const int n = 2001;
+  std::vector<int32_t> prompt(n), table = Range(300, (n + 40) / BackendPair::kBlockSize + 1);
+  for (int i = 0; i < n; ++i) prompt[size_t(i)] = int32_t((i * 7919 + 13) % 8000 + 3);
+  const SequenceChunk chunk{prompt, 0, table, 1, 7};
+  std::vector<float> sp_logits, one_rank_logits;
+  const double cpu_error = pair.Step({chunk}, &sp_logits);
+  ASSERT_TRUE((*one_rank)->Forward({chunk}, *one_rank_cache, one_rank_logits).ok());
+  const double one_rank_error = RelativeError(sp_logits, one_rank_logits);
+  std::printf("%d ranks: prefill logits relative error %.2e against the CPU, %.2e against one CUDA rank\n", ranks,
+              cpu_error, one_rank_error);
+  EXPECT_LT(cpu_error, 1e-2);
+  EXPECT_LT(one_rank_error, 1e-2);
+  for (int row = 0; row < 7; ++row) {
+    EXPECT_EQ(Argmax(absl::MakeSpan(sp_logits).subspan(size_t(row) * 8192, 8192)),
+              Argmax(absl::MakeSpan(one_rank_logits).subspan(size_t(row) * 8192, 8192)))
+        << "row " << row;
+  }
+  // A decode step over the cache the ranks wrote (shorter steps run on one rank).
+  int32_t next = Argmax(absl::MakeSpan(sp_logits).subspan(6 * 8192, 8192));
+  double worst = 0;
+  for (int step = 0; step < 8; ++step) {
+    std::vector<int32_t> token = {next};
+    std::vector<float> logits;
+    worst = std::max(worst, pair.Step({SequenceChunk{token, int64_t(n + step), table, 1, 1}}, &logits));
+    next = Argmax(logits);
+  }
+  std::printf("%d ranks: decode after it, worst logits relative error %.2e against the CPU\n", ranks, worst);
+  EXPECT_LT(worst, 1e-2);
+}
+
+TEST(LlamaCuda, Bf16SequenceParallelPrefillTwoRanks) {
+  SKIP_WITHOUT_GPU();
+  ExpectSequenceParallelPrefillMatches(2);
+}
+
+TEST(LlamaCuda, Bf16SequenceParallelPrefillThreeRanks) {
+  SKIP_WITHOUT_GPU();
+  ExpectSequenceParallelPrefillMatches(3);
+}
+
+TEST(LlamaCuda, Bf16SequenceParallelPrefillEightRanks) {
+  SKIP_WITHOUT_GPU();
+  ExpectSequenceParallelPrefillMatches(8);
+}
+
 TEST(LlamaCuda, Bf16DeviceSamplingGreedyIsArgmaxAndSeededDrawsRepeat) {
   SKIP_WITHOUT_GPU();
   BackendPair pair;

@@ -144,6 +144,20 @@ absl::StatusOr<StepPlan> StepMetadata::Plan(absl::Span<const SequenceChunk> chun
   return plan;
 }
 
+void StepMetadata::ReorderRows(const StepPlan& plan, absl::Span<const int64_t> order) {
+  DUET_CHECK(plan.num_seqs == 1 && !plan.has_trees && int64_t(order.size()) == plan.num_tokens);
+  int32_t* meta = host();
+  std::vector<int32_t> new_row(order.size());
+  for (size_t field : {layout_.tokens, layout_.positions, layout_.slots}) {
+    const std::vector<int32_t> old(meta + field, meta + field + order.size());
+    for (size_t i = 0; i < order.size(); ++i) meta[field + i] = old[size_t(order[i])];
+  }
+  for (size_t i = 0; i < order.size(); ++i) new_row[size_t(order[i])] = int32_t(i);
+  for (int r = 0; r < plan.num_logit_rows; ++r) {
+    meta[layout_.logit_rows + r] = new_row[size_t(meta[layout_.logit_rows + r])];
+  }
+}
+
 void StepMetadata::PadForGraph(StepPlan& plan, int batch) {
   const StepMetadataLayout& layout = layout_;
   int32_t* meta = host();

@@ -66,6 +66,10 @@ class StepMetadata {
 
   // Checks the chunks against the limits and writes their metadata to the host copy.
   absl::StatusOr<StepPlan> Plan(absl::Span<const SequenceChunk> chunks);
+  // Reorders a planned one-sequence step's rows: row i takes the token that was row order[i]
+  // (its id, position and slot); the logits rows follow their tokens, in their own order. For
+  // sequence-parallel prefill, whose rows go rank-major (parallel/ring_schedule.h).
+  void ReorderRows(const StepPlan& plan, absl::Span<const int64_t> order);
   // Pads a decode step to `batch` sequences (its graph's bucket) with rows that write nothing.
   void PadForGraph(StepPlan& plan, int batch);
   // Pads a verification step to `batch` sequences and `tokens` rows (its graph's buckets).

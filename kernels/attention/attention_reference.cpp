@@ -8,9 +8,15 @@ namespace duet::kernels::reference {
 namespace {
 
 // out[0, head_dim) = attention of one query row of `q_head` over cache positions [0, last_pos],
-// except positions step_start + j (j < 64) whose bit j of `step_mask` is clear.
-void AttendOne(const float* q, const PagedKv& kv, int seq, int kv_head, int last_pos, float scale, float* out,
-               int step_start = 0, uint64_t step_mask = ~uint64_t{0}) {
+// except positions step_start + j (j < 64) whose bit j of `step_mask` is clear. Returns the
+// natural log of the softmax denominator, sum(exp(scale * q.k)) (-inf, with zeros out, when
+// last_pos < 0).
+double AttendOne(const float* q, const PagedKv& kv, int seq, int kv_head, int last_pos, float scale, float* out,
+                 int step_start = 0, uint64_t step_mask = ~uint64_t{0}) {
+  if (last_pos < 0) {
+    std::fill(out, out + kv.head_dim, 0.f);
+    return -INFINITY;
+  }
   auto visible = [&](int pos) {
     const int j = pos - step_start;
     return j < 0 || j >= 64 || ((step_mask >> j) & 1u) != 0;
@@ -43,6 +49,7 @@ void AttendOne(const float* q, const PagedKv& kv, int seq, int kv_head, int last
     for (int i = 0; i < d; ++i) acc[i] += p * double(v[i]);
   }
   for (int i = 0; i < d; ++i) out[i] = float(acc[i] / sum);
+  return max_score + std::log(sum);
 }
 
 }  // namespace
@@ -76,6 +83,28 @@ std::vector<float> PrefillAttention(const std::vector<float>& q, const PagedKv& 
         const size_t offset = (size_t(q_start[s] + i) * num_q_heads + h) * kv.head_dim;
         const uint64_t mask = tree_masks.empty() ? ~uint64_t{0} : tree_masks[size_t(q_start[s] + i)];
         AttendOne(q.data() + offset, kv, s, h / group, pos, scale, out.data() + offset, context_lens[s] - q_len, mask);
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<float> PrefillAttentionState(const std::vector<float>& q, const PagedKv& kv,
+                                         const std::vector<int32_t>& q_start, const std::vector<int32_t>& context_lens,
+                                         const std::vector<int32_t>& kv_lens, int num_q_heads, float scale,
+                                         std::vector<float>& lse) {
+  const int num_seqs = int(context_lens.size());
+  const int group = num_q_heads / kv.num_kv_heads;
+  std::vector<float> out(static_cast<size_t>(q_start[num_seqs]) * num_q_heads * kv.head_dim, 0.f);
+  lse.assign(static_cast<size_t>(q_start[num_seqs]) * num_q_heads, 0.f);
+  for (int s = 0; s < num_seqs; ++s) {
+    const int q_len = q_start[s + 1] - q_start[s];
+    for (int i = 0; i < q_len; ++i) {
+      const int last = std::min(context_lens[s] - q_len + i, kv_lens[s] - 1);
+      for (int h = 0; h < num_q_heads; ++h) {
+        const size_t row_head = size_t(q_start[s] + i) * num_q_heads + h;
+        lse[row_head] = float(AttendOne(q.data() + row_head * kv.head_dim, kv, s, h / group, last, scale,
+                                        out.data() + row_head * kv.head_dim));
       }
     }
   }

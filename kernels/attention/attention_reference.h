@@ -30,4 +30,12 @@ std::vector<float> PrefillAttention(const std::vector<float>& q, const PagedKv& 
                                     const std::vector<int32_t>& context_lens, int num_q_heads, float scale,
                                     const std::vector<uint64_t>& tree_masks = {});
 
+// PrefillAttention without tree masks, limited to cache positions below kv_lens[s], also giving
+// each row's log-sum-exp `lse` ([num_q_tokens, num_q_heads], -inf where a row sees no key): the
+// attention state of PrefillAttentionParams::state_out / state_lse.
+std::vector<float> PrefillAttentionState(const std::vector<float>& q, const PagedKv& kv,
+                                         const std::vector<int32_t>& q_start, const std::vector<int32_t>& context_lens,
+                                         const std::vector<int32_t>& kv_lens, int num_q_heads, float scale,
+                                         std::vector<float>& lse);
+
 }  // namespace duet::kernels::reference

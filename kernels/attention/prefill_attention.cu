@@ -1,5 +1,7 @@
 #include "kernels/attention/prefill_attention.h"
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 
 #include "kernels/attention/attention_common.cuh"
@@ -28,6 +30,57 @@ constexpr int SmemBytes() {  // Q tile + stages of (K tile, V tile)
   return (kBlockM + KvStages<kHeadDim, kBlockN>() * 2 * kBlockN) * kHeadDim * int(sizeof(__nv_bfloat16));
 }
 
+// The epilogue that writes (or merges into) the fp32 attention state of PrefillAttentionParams:
+// this thread's rows group, group + 8 of each 16-row tile, columns quad * 2 + 8n + {0, 1}.
+template <int kHeadDim>
+__device__ __forceinline__ void WriteAttentionState(const PrefillAttentionParams& p,
+                                                    const float (&acc)[kMTiles][kHeadDim / 8][4],
+                                                    const float (&row_max)[kMTiles][2],
+                                                    const float (&row_sum)[kMTiles][2], int q_begin, int q_len,
+                                                    int warp_row0, int head, int group, int quad) {
+  constexpr int kDTiles = kHeadDim / 8;
+  // Every lane of a quad reads the old log-sum-exp of its rows before lane 0 overwrites it.
+  float old_lse[kMTiles][2];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + mt * 16 + group + half * 8;
+      old_lse[mt][half] = p.merge_state && row < q_len ? p.state_lse[size_t(q_begin + row) * p.num_q_heads + head]
+                                                        : -INFINITY;
+    }
+  __syncwarp();
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + mt * 16 + group + half * 8;
+      const float sum = QuadSum(row_sum[mt][half]);
+      if (row >= q_len) continue;
+      const float lse = sum > 0.f ? row_max[mt][half] * p.scale + logf(sum) : -INFINITY;
+      const float merged = fmaxf(old_lse[mt][half], lse);
+      // Weights of the old state and of this call's (normalized) output; both 0 when no key was seen.
+      float w_old = 0.f, w_new = 0.f, merged_lse = -INFINITY;
+      if (merged != -INFINITY) {
+        const float e_old = __expf(old_lse[mt][half] - merged), e_new = __expf(lse - merged);
+        w_old = e_old / (e_old + e_new);
+        w_new = sum > 0.f ? e_new / ((e_old + e_new) * sum) : 0.f;  // folds this call's 1 / sum in
+        merged_lse = merged + logf(e_old + e_new);
+      }
+      const size_t row_head = size_t(q_begin + row) * p.num_q_heads + head;
+      float* dst = p.state_out + row_head * kHeadDim + quad * 2;
+#pragma unroll
+      for (int n = 0; n < kDTiles; ++n) {
+        float2 o = p.merge_state ? *reinterpret_cast<const float2*>(dst + n * 8) : make_float2(0.f, 0.f);
+        o.x = o.x * w_old + acc[mt][n][half * 2] * w_new;
+        o.y = o.y * w_old + acc[mt][n][half * 2 + 1] * w_new;
+        *reinterpret_cast<float2*>(dst + n * 8) = o;
+      }
+      if (quad == 0) p.state_lse[row_head] = merged_lse;
+    }
+  }
+}
+
 // grid: x = query head (heads of one KV head are neighbours, so their K/V reads meet in L2),
 // y = 128-row query block counted from the end (the longest causal rows start first),
 // z = sequence. Warp w owns query rows [32w, 32w + 32) of the block.
@@ -48,14 +101,15 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(const PrefillAttent
 
   const int head = int(blockIdx.x);
   const int seq = int(blockIdx.z);
-  const int q_begin = p.q_start[seq];
-  const int q_len = p.q_start[seq + 1] - q_begin;
+  const int q_len = p.q_start[seq + 1] - p.q_start[seq];
+  const int q_begin = p.q_rows != nullptr ? p.q_rows[seq] : p.q_start[seq];
   const int row0 = (num_m_blocks - 1 - int(blockIdx.y)) * kBlockM;
   if (row0 >= q_len) return;
   const int context_len = p.context_lens[seq];
   const int pos_offset = context_len - q_len;  // cache position of query row 0
   const int kv_head = head / (p.num_q_heads / p.kv.num_kv_heads);
-  const int kv_end = pos_offset + min(row0 + kBlockM, q_len);  // keys [0, kv_end) are visible to some row
+  const int kv_limit = p.kv_lens != nullptr ? p.kv_lens[seq] : INT_MAX;  // keys [kv_limit, ...) do not exist
+  const int kv_end = min(pos_offset + min(row0 + kBlockM, q_len), kv_limit);  // keys [0, kv_end) are visible to some row
   const int num_tiles = (kv_end + kBlockN - 1) / kBlockN;
   const int32_t* block_table = p.block_tables + size_t(seq) * p.max_blocks_per_seq;
 
@@ -165,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(const PrefillAttent
 
       // Causal and tree masks (only tiles that reach past the warp's first position, or into this
       // step's keys with trees) and online softmax.
-      const bool needs_mask = tile_start + kBlockN - 1 >= mask_from;
+      const bool needs_mask = tile_start + kBlockN - 1 >= mask_from || tile_start + kBlockN > kv_limit;
       float rescale[kMTiles][2];
       bool any_rescale = false;
 #pragma unroll
@@ -173,6 +227,7 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(const PrefillAttent
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int pos = warp_first_pos + mt * 16 + group + half * 8;
+          const int last_key = min(pos, kv_limit - 1);
           float tile_max = -INFINITY;
 #pragma unroll
           for (int n = 0; n < kNTiles; ++n) {
@@ -181,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(const PrefillAttent
               float& x = s[mt][n][half * 2 + e];
               const int key = tile_start + n * 8 + quad * 2 + e;
               const unsigned step_key = unsigned(key - pos_offset);  // this step's key index (wraps below 0)
-              if (needs_mask && (key > pos || (step_key < 64u && !((row_mask[mt][half] >> step_key) & 1u)))) {
+              if (needs_mask && (key > last_key || (step_key < 64u && !((row_mask[mt][half] >> step_key) & 1u)))) {
                 x = -INFINITY;
               }
               tile_max = fmaxf(tile_max, x);
@@ -245,6 +300,10 @@ __global__ void __launch_bounds__(kThreads, 2) PrefillKernel(const PrefillAttent
     }
   }
 
+  if (p.state_out != nullptr) {
+    WriteAttentionState<kHeadDim>(p, acc, row_max, row_sum, q_begin, q_len, warp_row0, head, group, quad);
+    return;
+  }
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -275,7 +334,25 @@ void Launch(const PrefillAttentionParams& p, cudaStream_t stream) {
   DUET_CUDA_CHECK(cudaGetLastError());
 }
 
+__global__ void StateToBf16Kernel(const float4* state, int64_t n4, __nv_bfloat162* out) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
+    const float4 x = state[i];
+    out[2 * i] = __floats2bfloat162_rn(x.x, x.y);
+    out[2 * i + 1] = __floats2bfloat162_rn(x.z, x.w);
+  }
+}
+
 }  // namespace
+
+void AttentionStateToBf16(const float* state, int64_t n, __nv_bfloat16* out, cudaStream_t stream) {
+  DUET_KERNEL_CHECK(n % 4 == 0);
+  if (n == 0) return;
+  const int64_t n4 = n / 4;
+  const int blocks = int(std::min<int64_t>((n4 + 255) / 256, 4096));
+  StateToBf16Kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<const float4*>(state), n4,
+                                               reinterpret_cast<__nv_bfloat162*>(out));
+  DUET_CUDA_CHECK(cudaGetLastError());
+}
 
 void PrefillAttention(const PrefillAttentionParams& p, cudaStream_t stream) {
   internal::PrefillAttentionWithKeyTile(p, kDefaultKeyTile, stream);
@@ -287,6 +364,7 @@ void PrefillAttentionWithKeyTile(const PrefillAttentionParams& p, int key_tile, 
   DUET_KERNEL_CHECK(p.kv.block_size >= 1 && p.max_blocks_per_seq >= 1);
   DUET_KERNEL_CHECK(p.kv.head_dim == 64 || p.kv.head_dim == 128);
   DUET_KERNEL_CHECK(key_tile == 32 || key_tile == 64);
+  DUET_KERNEL_CHECK(p.state_out == nullptr || p.state_lse != nullptr);
   if (p.num_seqs == 0 || p.max_q_len == 0) return;
   if (p.kv.head_dim == 64) {
     key_tile == 32 ? Launch<64, 32>(p, stream) : Launch<64, 64>(p, stream);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -161,6 +162,171 @@ TEST(PrefillAttention, Bf16TreeMasks) {
 TEST(PrefillAttention, Bf16TreeMasksHeadDim64) {
   DUET_SKIP_WITHOUT_GPU();
   RunAndCompare({8, 4, 64, 16, {9, 3}, {140, 20}, {{-1, 0, 1, 2, 0, 4, 5, 0, 7}, {-1, 0, 0}}}, 10);
+}
+
+// ---- The attention state (state_out / state_lse) and kv_lens: what ring attention builds on ----
+
+// One contiguous cache (identity block table, as a ring-attention rank's K/V buffer) holding
+// positions [begin, end) of `whole`'s sequence 0, renumbered from 0.
+struct SubCache {
+  SubCache(const PagedCacheFixture& whole, int begin, int end) : num_tokens(end - begin) {
+    const int bs = whole.block_size, d = whole.head_dim, heads = whole.num_kv_heads;
+    const int blocks = std::max(1, (num_tokens + bs - 1) / bs);
+    k.assign(size_t(blocks) * heads * bs * d, 0.f);
+    v.assign(k.size(), 0.f);
+    for (int b = 0; b < blocks; ++b) table.push_back(b);
+    for (int j = 0; j < num_tokens; ++j) {
+      const int pos = begin + j;
+      const int32_t src_block = whole.block_tables[size_t(pos / bs)];
+      for (int h = 0; h < heads; ++h) {
+        const size_t src = ((size_t(src_block) * heads + h) * bs + pos % bs) * d;
+        const size_t dst = ((size_t(j / bs) * heads + h) * bs + j % bs) * d;
+        std::copy_n(whole.k.begin() + src, d, k.begin() + dst);
+        std::copy_n(whole.v.begin() + src, d, v.begin() + dst);
+      }
+    }
+  }
+  int num_tokens;
+  std::vector<float> k, v;
+  std::vector<int32_t> table;
+};
+
+struct StateCall {
+  const std::vector<float>* k;
+  const std::vector<float>* v;
+  const std::vector<int32_t>* table;  // one row, shared by every sequence
+  std::vector<int> q_lens, context_lens, kv_lens;
+  bool merge;
+};
+
+// Runs the calls in order into one state over `num_q_tokens` rows of q (each call's sequences
+// take its rows from 0) and returns (state_out, state_lse).
+std::pair<std::vector<float>, std::vector<float>> RunState(const std::vector<float>& q, int num_q_tokens,
+                                                           int num_q_heads, int num_kv_heads, int head_dim,
+                                                           int block_size, const std::vector<StateCall>& calls) {
+  DeviceBuffer<__nv_bfloat16> d_q(testing::ToBf16(q));
+  DeviceBuffer<float> d_state(size_t(num_q_tokens) * num_q_heads * head_dim);
+  DeviceBuffer<float> d_lse(size_t(num_q_tokens) * num_q_heads);
+  d_state.Poison();
+  d_lse.Poison();
+  const float scale = 1.f / std::sqrt(float(head_dim));
+  for (const StateCall& call : calls) {
+    const int num_seqs = int(call.q_lens.size());
+    std::vector<int32_t> q_start(num_seqs + 1, 0), tables;
+    for (int s = 0; s < num_seqs; ++s) {
+      q_start[s + 1] = q_start[s] + call.q_lens[s];
+      tables.insert(tables.end(), call.table->begin(), call.table->end());
+    }
+    DeviceBuffer<__nv_bfloat16> d_k(testing::ToBf16(*call.k));
+    DeviceBuffer<__nv_bfloat16> d_v(testing::ToBf16(*call.v));
+    DeviceBuffer<int32_t> d_tables(tables);
+    DeviceBuffer<int32_t> d_q_start(q_start);
+    DeviceBuffer<int32_t> d_ctx(std::vector<int32_t>(call.context_lens.begin(), call.context_lens.end()));
+    DeviceBuffer<int32_t> d_kv(std::vector<int32_t>(call.kv_lens.begin(), call.kv_lens.end()));
+    PrefillAttentionParams p{};
+    p.q = d_q.get();
+    p.kv = {d_k.get(), d_v.get(), num_kv_heads, block_size, head_dim};
+    p.block_tables = d_tables.get();
+    p.q_start = d_q_start.get();
+    p.context_lens = d_ctx.get();
+    p.kv_lens = d_kv.get();
+    p.state_out = d_state.get();
+    p.state_lse = d_lse.get();
+    p.merge_state = call.merge;
+    p.num_seqs = num_seqs;
+    p.num_q_tokens = q_start[num_seqs];
+    p.max_q_len = *std::max_element(call.q_lens.begin(), call.q_lens.end());
+    p.num_q_heads = num_q_heads;
+    p.max_blocks_per_seq = int(call.table->size());
+    p.scale = scale;
+    PrefillAttention(p, nullptr);
+    DUET_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  return {d_state.Download(), d_lse.Download()};
+}
+
+double MaxAbsDifference(const std::vector<float>& a, const std::vector<float>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isinf(a[i]) && std::isinf(b[i]) && (a[i] < 0) == (b[i] < 0)) continue;
+    worst = std::max(worst, std::isfinite(a[i]) ? std::abs(double(a[i]) - double(b[i])) : INFINITY);
+  }
+  return worst;
+}
+
+// kv_lens limits the keys: causal rows past the limit see only the first kv_lens keys, and with
+// context_len = kv_len + q_len every row sees all of them (a ring step over a whole block).
+TEST(PrefillAttention, Bf16StateWithKeyLimit) {
+  DUET_SKIP_WITHOUT_GPU();
+  const int heads = 8, kv_heads = 2, d = 128, bs = 16;
+  const std::vector<int> q_lens = {70, 129, 1, 200};
+  const std::vector<int> kv_lens = {45, 300, 17, 130};
+  const std::vector<int> context_lens = {45 + 70, 300 + 129, 90, 230};  // full, full, causal past the limit, both
+  PagedCacheFixture cache(kv_lens, kv_heads, d, bs, 21);
+  std::vector<int32_t> q_start = {0};
+  for (int n : q_lens) q_start.push_back(q_start.back() + n);
+  const std::vector<float> q = testing::RoundToBf16(testing::RandomFloats(size_t(q_start.back()) * heads * d, 22));
+  std::vector<float> ref_lse;
+  const std::vector<float> ref = reference::PrefillAttentionState(
+      q, cache.View(), q_start, std::vector<int32_t>(context_lens.begin(), context_lens.end()),
+      std::vector<int32_t>(kv_lens.begin(), kv_lens.end()), heads, 1.f / std::sqrt(float(d)), ref_lse);
+
+  DeviceBuffer<__nv_bfloat16> d_q(testing::ToBf16(q));
+  DeviceBuffer<__nv_bfloat16> d_k(testing::ToBf16(cache.k));
+  DeviceBuffer<__nv_bfloat16> d_v(testing::ToBf16(cache.v));
+  DeviceBuffer<int32_t> d_tables(cache.block_tables);
+  DeviceBuffer<int32_t> d_q_start(q_start);
+  DeviceBuffer<int32_t> d_ctx(std::vector<int32_t>(context_lens.begin(), context_lens.end()));
+  DeviceBuffer<int32_t> d_kv(std::vector<int32_t>(kv_lens.begin(), kv_lens.end()));
+  DeviceBuffer<float> d_state(q.size());
+  DeviceBuffer<float> d_lse(size_t(q_start.back()) * heads);
+  d_state.Poison();
+  d_lse.Poison();
+  PrefillAttentionParams p{};
+  p.q = d_q.get();
+  p.kv = {d_k.get(), d_v.get(), kv_heads, bs, d};
+  p.block_tables = d_tables.get();
+  p.q_start = d_q_start.get();
+  p.context_lens = d_ctx.get();
+  p.kv_lens = d_kv.get();
+  p.state_out = d_state.get();
+  p.state_lse = d_lse.get();
+  p.num_seqs = int(q_lens.size());
+  p.num_q_tokens = q_start.back();
+  p.max_q_len = 200;
+  p.num_q_heads = heads;
+  p.max_blocks_per_seq = cache.max_blocks_per_seq;
+  p.scale = 1.f / std::sqrt(float(d));
+  for (int key_tile : {32, 64}) {
+    internal::PrefillAttentionWithKeyTile(p, key_tile, nullptr);
+    DUET_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_LE(testing::RelativeError(d_state.Download(), ref), kBf16Tolerance) << "key tile " << key_tile;
+    EXPECT_LE(MaxAbsDifference(d_lse.Download(), ref_lse), 2e-3) << "key tile " << key_tile;
+  }
+}
+
+// Attention over one sequence's keys split at positions inside blocks into three contiguous
+// buffers (two seen in full, the last causally), merged by the log-sum-exp rule in any order of
+// the full ones, equals attention over the whole sequence.
+TEST(PrefillAttention, Bf16StateMergeEqualsWholeSequence) {
+  DUET_SKIP_WITHOUT_GPU();
+  const int heads = 8, kv_heads = 2, d = 128, bs = 16;
+  const int total = 700, cut1 = 203, cut2 = 437, q_len = total - cut2;  // queries: positions [cut2, total)
+  PagedCacheFixture whole({total}, kv_heads, d, bs, 31);
+  const SubCache first(whole, 0, cut1), second(whole, cut1, cut2), own(whole, cut2, total);
+  const std::vector<float> q = testing::RoundToBf16(testing::RandomFloats(size_t(q_len) * heads * d, 32));
+  std::vector<float> ref_lse;
+  const std::vector<float> ref = reference::PrefillAttentionState(q, whole.View(), {0, q_len}, {total}, {total},
+                                                                  heads, 1.f / std::sqrt(float(d)), ref_lse);
+  const StateCall own_call{&own.k, &own.v, &own.table, {q_len}, {q_len}, {q_len}, false};
+  const StateCall first_call{&first.k, &first.v, &first.table, {q_len}, {cut1 + q_len}, {cut1}, true};
+  const StateCall second_call{&second.k, &second.v, &second.table, {q_len}, {cut2 - cut1 + q_len}, {cut2 - cut1}, true};
+  for (const std::vector<StateCall>& order : {std::vector<StateCall>{own_call, first_call, second_call},
+                                              std::vector<StateCall>{own_call, second_call, first_call}}) {
+    const auto [state, lse] = RunState(q, q_len, heads, kv_heads, d, bs, order);
+    EXPECT_LE(testing::RelativeError(state, ref), kBf16Tolerance);
+    EXPECT_LE(MaxAbsDifference(lse, ref_lse), 2e-3);
+  }
 }
 
 }  // namespace

@@ -18,7 +18,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def make_checkpoint(out_dir, layers):
+def make_checkpoint(out_dir, layers, long_context=False):
+    """Llama-3-8B's shape with random weights; long_context: Llama-3.1's RoPE scaling and 131,072
+    positions (written into config.json after saving, in whichever RoPE key this transformers uses)."""
     config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                          max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
@@ -28,6 +30,19 @@ def make_checkpoint(out_dir, layers):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.eval()
     model.save_pretrained(out_dir, safe_serialization=True, max_shard_size="5GB")
+    if long_context:
+        path = os.path.join(out_dir, "config.json")
+        with open(path) as f:
+            saved = json.load(f)
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+        saved["max_position_embeddings"] = 131072
+        if isinstance(saved.get("rope_parameters"), dict):
+            saved["rope_parameters"].update(scaling)
+        else:
+            saved["rope_scaling"] = scaling
+        with open(path, "w") as f:
+            json.dump(saved, f, indent=2)
     return model
 
 
