@@ -1,5 +1,7 @@
 #include "cli/role_commands.h"
 
+#include <tuple>
+
 #include "common/logging.h"
 #include "rpc/internal_auth.h"
 
@@ -9,6 +11,11 @@ namespace {
 constexpr char kTokenFileHelp[] =
     "File with the cluster's internal token (else the DUET_INTERNAL_TOKEN environment variable): the router "
     "sends it on every worker call, workers refuse calls without it";
+
+constexpr char kServiceHelp[] =
+    "Workers found by name and followed while they come and go, re-resolved every --discovery-interval-ms: "
+    "dns:///NAME:PORT (every address NAME resolves to, e.g. a Kubernetes headless Service) or file:///PATH "
+    "(host:port a line); with or instead of the static list";
 
 constexpr char kGraceHelp[] =
     "On SIGTERM/SIGINT: how long running requests may take to finish while new ones are turned away (default 30)";
@@ -27,15 +34,20 @@ bool LoadToken(const std::string& file, std::string* token) {
 }  // namespace
 
 RoleCommands::RoleCommands(CLI::App& app) {
-  router_cmd_ = app.add_subcommand("router", "Run the router (public gRPC API) in front of given workers");
+  router_cmd_ = app.add_subcommand("router", "Run the router (public gRPC API) in front of its workers (listed or discovered)");
   router_cmd_->add_option("--model", router_.model_dir, "Model directory (tokenizer, config)")->required();
   router_cmd_->add_option("--served-model-name", router_.served_model_name, "Model name in responses");
   router_cmd_->add_option("--host", router_.host, "Address to listen on");
   router_cmd_->add_option("--port", router_.port, "gRPC port (0: any free port)")->check(CLI::Range(0, 65535));
   router_cmd_->add_option("--prefill", router_.prefill_addresses, "Prefill workers, host:port,...")
-      ->delimiter(',')->required();
+      ->delimiter(',');
   router_cmd_->add_option("--decode", router_.decode_addresses, "Decode workers, host:port,...")
-      ->delimiter(',')->required();
+      ->delimiter(',');
+  router_cmd_->add_option("--prefill-service", router_.prefill_services, kServiceHelp)->delimiter(',');
+  router_cmd_->add_option("--decode-service", router_.decode_services, kServiceHelp)->delimiter(',');
+  router_cmd_->add_option("--discovery-interval-ms", router_.discovery_interval_ms,
+                          "How often --prefill-service / --decode-service are resolved again (default 2000)")
+      ->check(CLI::Range(100, 3600000));
   router_cmd_->add_option("--max-concurrent-requests", router_.max_concurrent_requests,
                           "In-flight requests before RESOURCE_EXHAUSTED")->check(CLI::Range(1, 1 << 20));
   router_cmd_->add_option("--max-model-len", router_.max_model_len, "Context limit (default: the model's)");
@@ -91,6 +103,14 @@ CLI::App* RoleCommands::AddWorkerCommand(CLI::App& app, const std::string& name,
 
 std::optional<int> RoleCommands::RunParsed() {
   if (router_cmd_->parsed()) {
+    for (const auto& [role, addresses, services] :
+         {std::tuple{"prefill", &router_.prefill_addresses, &router_.prefill_services},
+          std::tuple{"decode", &router_.decode_addresses, &router_.decode_services}}) {
+      if (addresses->empty() && services->empty()) {
+        DUET_LOG(ERROR) << "router: give --" << role << " (addresses) or --" << role << "-service (discovery)";
+        return 1;
+      }
+    }
     if (!LoadToken(router_token_file_, &router_.internal_token)) return 1;
     return router::RunRouter(router_);
   }

@@ -13,7 +13,7 @@ namespace {
 
 // Picks the worker with the smallest key, scanning from a rotating start so ties rotate.
 template <typename KeyFn>
-Worker* PickMin(const std::vector<std::unique_ptr<Worker>>& workers, const RequestInfo& request,
+Worker* PickMin(const std::vector<Worker*>& workers, const RequestInfo& request,
                 std::atomic<uint64_t>* rotation, KeyFn key) {
   const size_t n = workers.size();
   if (n == 0) return nullptr;
@@ -21,7 +21,7 @@ Worker* PickMin(const std::vector<std::unique_ptr<Worker>>& workers, const Reque
   Worker* best = nullptr;
   decltype(key(nullptr)) best_key{};
   for (size_t i = 0; i < n; ++i) {
-    Worker* worker = workers[(start + i) % n].get();
+    Worker* worker = workers[(start + i) % n];
     if (!worker->up() || request.IsExcluded(worker)) continue;
     auto k = key(worker);
     if (best == nullptr || k < best_key) {

@@ -13,12 +13,12 @@ class AssignmentPolicyTest : public ::testing::Test {
   AssignmentPolicyTest()
       : registry_({"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"}, {"127.0.0.1:4", "127.0.0.1:5", "127.0.0.1:6"}),
         policy_(&registry_) {
-    for (const auto* list : {&registry_.prefill_workers(), &registry_.decode_workers()}) {
-      for (const auto& worker : *list) worker->SetUpForTesting(true);
+    for (WorkerRole role : {WorkerRole::kPrefill, WorkerRole::kDecode}) {
+      for (Worker* worker : registry_.workers(role)) worker->SetUpForTesting(true);
     }
   }
-  Worker* prefill(int i) { return registry_.prefill_workers()[i].get(); }
-  Worker* decode(int i) { return registry_.decode_workers()[i].get(); }
+  Worker* prefill(int i) { return registry_.prefill_workers()[i]; }
+  Worker* decode(int i) { return registry_.decode_workers()[i]; }
   static v1::WorkerStats Stats(int free_blocks, int block_size = 16) {
     v1::WorkerStats stats;
     stats.set_num_free_kv_blocks(free_blocks);

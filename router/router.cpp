@@ -88,13 +88,26 @@ class RouterImpl : public Router {
     service_options.max_prefill_tokens_per_worker = options.max_prefill_tokens_per_worker;
     service_options.metrics_registry = &metrics_registry_;
 
-    if (options.prefill_addresses.empty() || options.decode_addresses.empty()) {
+    if ((options.prefill_addresses.empty() && options.prefill_services.empty()) ||
+        (options.decode_addresses.empty() && options.decode_services.empty())) {
       DUET_LOG(WARNING) << options.prefill_addresses.size() << " prefill and " << options.decode_addresses.size()
-                        << " decode workers configured; requests will fail";
+                        << " decode workers configured and no discovery for the missing role; requests will fail";
+    }
+    if (options.discovery_interval_ms < 100) {
+      return absl::InvalidArgumentError("discovery_interval_ms must be >= 100");
     }
     RegistryOptions registry_options;
     registry_options.internal_token = options.internal_token;
+    registry_options.discovery_interval = absl::Milliseconds(options.discovery_interval_ms);
     registry_ = std::make_unique<WorkerRegistry>(options.prefill_addresses, options.decode_addresses, registry_options);
+    for (const auto& [role, specs] : {std::pair{WorkerRole::kPrefill, &options.prefill_services},
+                                      std::pair{WorkerRole::kDecode, &options.decode_services}}) {
+      for (const std::string& spec : *specs) {
+        absl::StatusOr<DiscoveryTarget> target = ParseDiscoveryTarget(spec);
+        if (!target.ok()) return target.status();
+        registry_->AddDiscoveryTarget(role, *std::move(target));
+      }
+    }
     registry_->Start();
     policy_ = MakeLeastLoadedPolicy(registry_.get());
     service_ = std::make_unique<RouterService>(service_options, tokenizer_.get(), registry_.get(), policy_.get());

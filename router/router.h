@@ -18,6 +18,11 @@ struct RouterOptions {
   int port = 0;                   // 0: any free port (printed in DUET_READY)
   std::vector<std::string> prefill_addresses;  // host:port each
   std::vector<std::string> decode_addresses;
+  // Discovery targets, dns:///NAME:PORT or file:///PATH (router/worker_registry_discovery.h),
+  // resolved again every discovery_interval_ms; workers they list join those above.
+  std::vector<std::string> prefill_services;
+  std::vector<std::string> decode_services;
+  int discovery_interval_ms = 2000;
   int max_concurrent_requests = 256;
   int64_t max_model_len = 0;      // 0: the model's max_position_embeddings
   int kv_lease_ms = 30000;        // how long a decode worker holds a KV reservation for Decode

@@ -271,7 +271,7 @@ TEST_F(RouterServiceTest, DeadWorkersAreUnavailable) {
 
 TEST_F(RouterServiceTest, NoPrefillWorkerUpReleasesReservation) {
   Start(1, 1);
-  registry_->MarkDown(registry_->prefill_workers()[0].get(), "test");
+  registry_->MarkDown(registry_->prefill_workers()[0], "test");
   Result result = Generate(TokenRequest({1}, 2, "r"));
   EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(result.status.error_message(), HasSubstr("no prefill worker is up"));
@@ -427,7 +427,7 @@ TEST_F(RouterServiceTest, NumRequestsWaitingCountsAdmittedRequestsNotYetStreamin
 
   // Rejected requests are never counted.
   EXPECT_EQ(Generate(TokenRequest({}, 4)).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  registry_->MarkDown(registry_->prefill_workers()[0].get(), "test");
+  registry_->MarkDown(registry_->prefill_workers()[0], "test");
   EXPECT_EQ(Generate(TokenRequest({1}, 4)).status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(m.num_requests_waiting.Value(), 0);
   EXPECT_EQ(m.num_requests_running.Value(), 0);
@@ -741,7 +741,7 @@ TEST_F(RouterServiceTest, CancelOrDeadlineDuringReserveKvAbortsOnTheDecodeWorker
 
 TEST_F(RouterServiceTest, GetModelInfo) {
   Start(2, 1);
-  registry_->MarkDown(registry_->prefill_workers()[1].get(), "test");
+  registry_->MarkDown(registry_->prefill_workers()[1], "test");
   grpc::ClientContext context;
   v1::ModelInfo info;
   ASSERT_TRUE(stub_->GetModelInfo(&context, v1::GetModelInfoRequest(), &info).ok());

@@ -12,12 +12,14 @@ namespace duet::router {
 
 const char* RoleName(WorkerRole role) { return role == WorkerRole::kPrefill ? "prefill" : "decode"; }
 
-Worker::Worker(WorkerRole role, int index, std::string address, std::shared_ptr<grpc::Channel> channel)
+Worker::Worker(WorkerRole role, int index, std::string address, std::shared_ptr<grpc::Channel> channel,
+               bool is_static)
     : role_(role),
       index_(index),
       address_(std::move(address)),
       name_(absl::StrCat(RoleName(role), " worker ", index, " (", address_, ")")),
-      channel_(std::move(channel)) {
+      channel_(std::move(channel)),
+      static_(is_static) {
   if (role_ == WorkerRole::kPrefill) {
     prefill_stub_ = v1::PrefillWorker::NewStub(channel_);
   } else {
@@ -57,30 +59,114 @@ grpc::ChannelArguments WorkerChannelArgs(const RegistryOptions& options) {
 
 WorkerRegistry::WorkerRegistry(const std::vector<std::string>& prefill_addresses,
                                const std::vector<std::string>& decode_addresses, RegistryOptions options)
-    : options_(options) {
-  const grpc::ChannelArguments args = WorkerChannelArgs(options_);
-  auto make = [&](WorkerRole role, const std::vector<std::string>& addresses,
-                  std::vector<std::unique_ptr<Worker>>* out) {
-    for (size_t i = 0; i < addresses.size(); ++i) {
-      auto channel = grpc::experimental::CreateCustomChannelWithInterceptors(
-          addresses[i], grpc::InsecureChannelCredentials(), args, rpc::InternalTokenInterceptors(options_.internal_token));
-      out->push_back(std::make_unique<Worker>(role, static_cast<int>(i), addresses[i], std::move(channel)));
+    : options_(std::move(options)),
+      channel_args_(WorkerChannelArgs(options_)),
+      resolver_(options_.resolver != nullptr ? options_.resolver : std::shared_ptr<AddressResolver>(MakeSystemResolver())) {
+  absl::MutexLock lock(&members_mu_);
+  for (const std::string& address : prefill_addresses) AddWorker(WorkerRole::kPrefill, address, /*is_static=*/true);
+  for (const std::string& address : decode_addresses) AddWorker(WorkerRole::kDecode, address, /*is_static=*/true);
+}
+
+Worker* WorkerRegistry::AddWorker(WorkerRole role, const std::string& address, bool is_static) {
+  Members& m = members(role);
+  auto channel = grpc::experimental::CreateCustomChannelWithInterceptors(
+      address, grpc::InsecureChannelCredentials(), channel_args_, rpc::InternalTokenInterceptors(options_.internal_token));
+  m.all.push_back(
+      std::make_unique<Worker>(role, static_cast<int>(m.all.size()), address, std::move(channel), is_static));
+  m.current.push_back(m.all.back().get());
+  return m.all.back().get();
+}
+
+void WorkerRegistry::AddDiscoveryTarget(WorkerRole role, DiscoveryTarget target) {
+  DUET_CHECK(!discovery_.joinable());
+  absl::MutexLock lock(&refresh_mu_);
+  targets_.push_back(Target{role, std::move(target), {}, {}});
+}
+
+void WorkerRegistry::RefreshDiscovery() {
+  absl::MutexLock refresh_lock(&refresh_mu_);
+  if (targets_.empty()) return;
+  for (Target& t : targets_) {  // resolution blocks: outside members_mu_
+    absl::StatusOr<std::vector<std::string>> addresses = resolver_->Resolve(t.target);
+    if (addresses.ok()) {
+      if (!t.error.empty()) DUET_LOG(INFO) << "router: " << t.target.spec << " resolves again";
+      t.error.clear();
+      t.addresses = *std::move(addresses);
+    } else if (std::string error(addresses.status().message()); error != t.error) {
+      DUET_LOG(WARNING) << "router: " << t.target.spec << ": " << error << "; keeping its "
+                        << t.addresses.size() << " workers";
+      t.error = std::move(error);
     }
+  }
+  absl::MutexLock lock(&members_mu_);
+  for (WorkerRole role : {WorkerRole::kPrefill, WorkerRole::kDecode}) {
+    std::vector<std::string> addresses;
+    for (const Target& t : targets_) {
+      if (t.role != role) continue;
+      for (const std::string& a : t.addresses) {
+        if (std::find(addresses.begin(), addresses.end(), a) == addresses.end()) addresses.push_back(a);
+      }
+    }
+    ApplyDiscovered(role, addresses);
+  }
+}
+
+void WorkerRegistry::ApplyDiscovered(WorkerRole role, const std::vector<std::string>& addresses) {
+  Members& m = members(role);
+  auto listed = [&](const std::string& address) {
+    return std::find(addresses.begin(), addresses.end(), address) != addresses.end();
   };
-  make(WorkerRole::kPrefill, prefill_addresses, &prefill_);
-  make(WorkerRole::kDecode, decode_addresses, &decode_);
+  std::vector<Worker*> kept;
+  for (Worker* worker : m.current) {
+    if (worker->static_ || listed(worker->address())) {
+      kept.push_back(worker);
+      continue;
+    }
+    worker->retired_ = true;
+    worker->up_.store(false, std::memory_order_release);
+    if (options_.log_state_changes) {
+      DUET_LOG(INFO) << "router: " << worker->name() << " left discovery; retired (requests on it go on)";
+    }
+  }
+  m.current = std::move(kept);
+  for (const std::string& address : addresses) {
+    auto is_address = [&](Worker* w) { return w->address() == address; };
+    if (std::any_of(m.current.begin(), m.current.end(), is_address)) continue;
+    auto old = std::find_if(m.all.begin(), m.all.end(), [&](const auto& w) { return is_address(w.get()); });
+    Worker* worker = nullptr;
+    if (old != m.all.end()) {  // it came back: the same worker, down until it answers a poll
+      worker = old->get();
+      worker->retired_ = false;
+      m.current.push_back(worker);
+    } else {
+      worker = AddWorker(role, address, /*is_static=*/false);
+    }
+    if (options_.log_state_changes) DUET_LOG(INFO) << "router: discovered " << worker->name();
+  }
+}
+
+std::vector<Worker*> WorkerRegistry::workers(WorkerRole role) const {
+  absl::MutexLock lock(&members_mu_);
+  return members(role).current;
 }
 
 WorkerRegistry::~WorkerRegistry() { Stop(); }
 
 void WorkerRegistry::Start() {
   DUET_CHECK(!poller_.joinable());
+  RefreshDiscovery();
   PollOnce();
   {
     absl::MutexLock lock(&mu_);
     stop_ = false;
   }
   poller_ = std::thread([this] { PollLoop(); });
+  bool discovering = false;
+  {
+    absl::MutexLock lock(&refresh_mu_);
+    discovering = !targets_.empty();
+  }
+  if (discovering) discovery_ = std::thread([this] { DiscoveryLoop(); });
 }
 
 void WorkerRegistry::Stop() {
@@ -89,6 +175,7 @@ void WorkerRegistry::Stop() {
     stop_ = true;
   }
   if (poller_.joinable()) poller_.join();
+  if (discovery_.joinable()) discovery_.join();  // waits for a resolution under way
 }
 
 void WorkerRegistry::PollLoop() {
@@ -98,6 +185,16 @@ void WorkerRegistry::PollLoop() {
       if (mu_.AwaitWithTimeout(absl::Condition(&stop_), options_.poll_interval)) return;
     }
     PollOnce();
+  }
+}
+
+void WorkerRegistry::DiscoveryLoop() {
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&stop_), options_.discovery_interval)) return;
+    }
+    RefreshDiscovery();
   }
 }
 
@@ -118,10 +215,10 @@ void WorkerRegistry::PollOnce() {
   std::vector<std::unique_ptr<PendingPoll>> pending;
   const auto deadline = absl::ToChronoTime(absl::Now() + options_.poll_timeout);
   const v1::GetStatsRequest request;
-  for (const auto* list : {&prefill_, &decode_}) {
-    for (const std::unique_ptr<Worker>& worker : *list) {
+  for (WorkerRole role : {WorkerRole::kPrefill, WorkerRole::kDecode}) {
+    for (Worker* worker : workers(role)) {
       auto poll = std::make_unique<PendingPoll>();
-      poll->worker = worker.get();
+      poll->worker = worker;
       poll->context.set_deadline(deadline);
       if (worker->prefill() != nullptr) {
         poll->rpc = worker->prefill()->AsyncGetStats(&poll->context, request, &cq);
@@ -165,7 +262,7 @@ void WorkerRegistry::PollOnce() {
 
 int WorkerRegistry::NumUp(WorkerRole role) const {
   int n = 0;
-  for (const std::unique_ptr<Worker>& worker : workers(role)) n += worker->up() ? 1 : 0;
+  for (const Worker* worker : workers(role)) n += worker->up() ? 1 : 0;
   return n;
 }
 
@@ -198,6 +295,8 @@ void WorkerRegistry::ConfirmDown(Worker* worker, std::string reason, std::functi
 }
 
 void WorkerRegistry::SetUp(Worker* worker, bool up, std::string_view reason) {
+  absl::MutexLock lock(&members_mu_);  // against a retirement between the check and the store
+  if (worker->retired_) return;
   const bool was = worker->up_.exchange(up, std::memory_order_acq_rel);
   if (was == up || !options_.log_state_changes) return;
   if (up) {

@@ -1,7 +1,13 @@
 // The router's view of its prefill and decode workers: one gRPC channel and stub per worker,
 // an in-flight request count, an up/down state and the last stats each worker reported.
 //
-// Workers come from static address lists. A poller thread calls GetStats on every worker every
+// Workers come from static address lists and from discovery targets (worker_registry_discovery.h)
+// that a discovery thread re-resolves every `discovery_interval`: an address that appears becomes
+// a worker (down until it answers a poll), one that disappears is retired (never assigned or
+// polled again; the calls already on it go on). Worker objects live as long as the registry,
+// since calls hold plain pointers to them; an address that comes back gets its old worker back.
+//
+// A poller thread calls GetStats on every worker every
 // `poll_interval` (all in parallel, each with `poll_timeout`). A worker that refuses the call
 // (UNAVAILABLE: connection refused or reset) is marked down at once; one that times out is
 // marked down after `timeouts_to_mark_down` consecutive timeouts (a busy worker is not dead). A
@@ -28,6 +34,7 @@
 #include "absl/time/time.h"
 #include "duet/v1/worker.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "router/worker_registry_discovery.h"
 
 namespace duet::router {
 
@@ -37,12 +44,13 @@ const char* RoleName(WorkerRole role);  // "prefill" / "decode"
 
 class Worker {
  public:
-  Worker(WorkerRole role, int index, std::string address, std::shared_ptr<grpc::Channel> channel);
+  Worker(WorkerRole role, int index, std::string address, std::shared_ptr<grpc::Channel> channel,
+         bool is_static = true);
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 
   WorkerRole role() const { return role_; }
-  int index() const { return index_; }  // position in its role's address list
+  int index() const { return index_; }  // its number in its role, in the order the registry learned of it
   const std::string& address() const { return address_; }
   // "decode worker 1 (127.0.0.1:5001)", for messages.
   const std::string& name() const { return name_; }
@@ -73,8 +81,10 @@ class Worker {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::PrefillWorker::Stub> prefill_stub_;
   std::unique_ptr<v1::DecodeWorker::Stub> decode_stub_;
+  const bool static_;  // from the command line's list: never retired
   std::atomic<bool> up_{false};
   std::atomic<int> in_flight_{0};
+  bool retired_ = false;  // guarded by the registry's members_mu_
 
   mutable absl::Mutex mu_;
   std::optional<v1::WorkerStats> stats_ ABSL_GUARDED_BY(mu_);
@@ -121,6 +131,11 @@ struct RegistryOptions {
   // The cluster's internal token, sent on every call to a worker (rpc/internal_auth.h); empty:
   // none.
   std::string internal_token;
+  // How often the discovery targets are resolved again. A Kubernetes headless Service's records
+  // have a 5 s TTL by default (CoreDNS).
+  absl::Duration discovery_interval = absl::Seconds(2);
+  // Resolves the discovery targets; null: MakeSystemResolver(). Tests substitute a fake.
+  std::shared_ptr<AddressResolver> resolver;
 };
 
 // Channel arguments for a connection from the router to a worker (keepalive, backoff).
@@ -141,11 +156,18 @@ class WorkerRegistry {
   // One round of GetStats on all workers, in parallel; returns when all have answered or timed out.
   void PollOnce();
 
-  const std::vector<std::unique_ptr<Worker>>& workers(WorkerRole role) const {
-    return role == WorkerRole::kPrefill ? prefill_ : decode_;
-  }
-  const std::vector<std::unique_ptr<Worker>>& prefill_workers() const { return prefill_; }
-  const std::vector<std::unique_ptr<Worker>>& decode_workers() const { return decode_; }
+  // Before Start: also follow `target` for workers of `role` (any number of targets per role).
+  void AddDiscoveryTarget(WorkerRole role, DiscoveryTarget target);
+  // Resolves every discovery target once and applies the answers (see the top of this file); a
+  // target whose resolution fails keeps the addresses it last had. Start calls it first, then
+  // the discovery thread every discovery_interval.
+  void RefreshDiscovery();
+
+  // The workers of a role now (static ones first, then discovered ones in the order they came),
+  // up or down; retired workers are not among them. A snapshot: the set may change after.
+  std::vector<Worker*> workers(WorkerRole role) const;
+  std::vector<Worker*> prefill_workers() const { return workers(WorkerRole::kPrefill); }
+  std::vector<Worker*> decode_workers() const { return workers(WorkerRole::kDecode); }
   int NumUp(WorkerRole role) const;
 
   // Marks `worker` down; it stays down until it answers a poll again.
@@ -157,16 +179,47 @@ class WorkerRegistry {
   void ConfirmDown(Worker* worker, std::string reason, std::function<void(bool down)> done);
 
  private:
+  struct Target {
+    WorkerRole role;
+    DiscoveryTarget target;
+    std::vector<std::string> addresses;  // its last answer
+    std::string error;                   // its last failure, "" after an answer (logged once)
+  };
+  struct Members {
+    std::vector<std::unique_ptr<Worker>> all;  // every worker ever known; never shrinks
+    std::vector<Worker*> current;              // not retired, in order
+  };
+
+  Members& members(WorkerRole role) ABSL_EXCLUSIVE_LOCKS_REQUIRED(members_mu_) {
+    return role == WorkerRole::kPrefill ? prefill_ : decode_;
+  }
+  const Members& members(WorkerRole role) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(members_mu_) {
+    return role == WorkerRole::kPrefill ? prefill_ : decode_;
+  }
+  Worker* AddWorker(WorkerRole role, const std::string& address, bool is_static)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(members_mu_);
+  // Makes the discovered workers of `role` exactly `addresses` (static workers stay).
+  void ApplyDiscovered(WorkerRole role, const std::vector<std::string>& addresses)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(members_mu_);
   void SetUp(Worker* worker, bool up, std::string_view reason);
   void PollLoop();
+  void DiscoveryLoop();
 
   const RegistryOptions options_;
-  std::vector<std::unique_ptr<Worker>> prefill_;
-  std::vector<std::unique_ptr<Worker>> decode_;
+  const grpc::ChannelArguments channel_args_;
+  const std::shared_ptr<AddressResolver> resolver_;
+
+  mutable absl::Mutex members_mu_;
+  Members prefill_ ABSL_GUARDED_BY(members_mu_);
+  Members decode_ ABSL_GUARDED_BY(members_mu_);
+
+  absl::Mutex refresh_mu_;  // one RefreshDiscovery at a time
+  std::vector<Target> targets_ ABSL_GUARDED_BY(refresh_mu_);
 
   absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread poller_;  // started and joined by the owner thread only
+  std::thread poller_;     // started and joined by the owner thread only
+  std::thread discovery_;  // likewise; only with discovery targets
 };
 
 }  // namespace duet::router

@@ -72,7 +72,7 @@ TEST(WorkerRegistryTest, GoesDownWhenStoppedAndUpWhenBack) {
   const int port = server->port();
   WorkerRegistry registry({}, {server->address()}, FastOptions());
   registry.Start();
-  Worker* worker = registry.decode_workers()[0].get();
+  Worker* worker = registry.decode_workers()[0];
   ASSERT_TRUE(worker->up());
 
   server.reset();
@@ -88,7 +88,7 @@ TEST(WorkerRegistryTest, MarkDownUntilItAnswersAgain) {
   FakeServer server(&prefill);
   WorkerRegistry registry({server.address()}, {}, FastOptions());
   registry.Start();
-  Worker* worker = registry.prefill_workers()[0].get();
+  Worker* worker = registry.prefill_workers()[0];
   ASSERT_TRUE(worker->up());
   registry.MarkDown(worker, "test");
   EXPECT_FALSE(worker->up());
@@ -97,7 +97,7 @@ TEST(WorkerRegistryTest, MarkDownUntilItAnswersAgain) {
 
 TEST(WorkerRegistryTest, InFlightGuard) {
   WorkerRegistry registry({"127.0.0.1:1"}, {}, FastOptions());
-  Worker* worker = registry.prefill_workers()[0].get();
+  Worker* worker = registry.prefill_workers()[0];
   {
     InFlightGuard a(worker);
     InFlightGuard b(worker);
