@@ -11,6 +11,8 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libboost1.81-dev
   prometheus curl
+  # deploy/tests: Helm's template engine (Go text/template + sprig) and values schema check
+  golang-go golang-github-masterminds-sprig-dev golang-k8s-sigs-yaml-dev golang-github-xeipuuv-gojsonschema-dev
 )
 
 missing=()

@@ -5,17 +5,21 @@
 #   deploy/docker/runtime-packages.sh build/bin/duet
 set -euo pipefail
 binary=${1:?usage: runtime-packages.sh BINARY}
-owners=()
-missing=0
-while read -r lib; do
-  # dpkg knows a library by the path its package ships (/lib/... on merged-/usr systems too).
-  owner=$(dpkg -S "$lib" 2>/dev/null || dpkg -S "$(readlink -f "$lib")" 2>/dev/null || true)
-  if [ -z "$owner" ]; then
-    echo "runtime-packages: no package owns $lib" >&2
-    missing=1
-  else
-    owners+=("${owner%%: *}")
-  fi
-done < <(ldd "$binary" | awk '$3 ~ /^\// {print $3}')
-[ "$missing" -eq 0 ] || exit 1
-printf '%s\n' "${owners[@]}" | sort -u
+mapfile -t libs < <(ldd "$binary" | awk '$3 ~ /^\// {print $3}')
+[ "${#libs[@]}" -gt 0 ] || { echo "runtime-packages: ldd found no libraries in $binary" >&2; exit 1; }
+# dpkg knows a library by the path its package ships (/lib/... on merged-/usr systems too), so
+# ask for the path ldd printed, then for the real file behind the ones dpkg did not find.
+owners=$(dpkg -S "${libs[@]}" 2>/dev/null || true)
+missing=()
+owned() { awk -v path="$1" '$NF == path {found = 1} END {exit !found}' <<<"$2"; }
+for lib in "${libs[@]}"; do
+  owned "$lib" "$owners" || missing+=("$(readlink -f "$lib")")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  more=$(dpkg -S "${missing[@]}" 2>/dev/null || true)
+  for lib in "${missing[@]}"; do
+    owned "$lib" "$more" || { echo "runtime-packages: no package owns $lib" >&2; exit 1; }
+  done
+  owners+=$'\n'"$more"
+fi
+sed -n 's/^\([^ ]*\): .*/\1/p' <<<"$owners" | tr ',' '\n' | sed 's/^ *//' | sort -u
