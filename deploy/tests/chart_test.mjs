@@ -289,6 +289,19 @@ test('sequence-parallel prefill', async () => {
   assert.ok(find(objects, 'PodMonitor', 'duet'));
 });
 
+test('sequence-parallel prefill on a GPU (virtual ranks of one GPU)', async () => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'duet-chart-'));
+  const file = path.join(dir, 'values.yaml');
+  fs.writeFileSync(file, 'prefill: {parallelism: {sequence: 4}}\n');
+  const objects = renderObjects([file]);
+  fs.rmSync(dir, { recursive: true });
+  await checkAll(objects);
+  const prefill = component(objects, 'prefill');
+  assert.equal(flag(prefill, 'backend'), 'cuda');
+  assert.equal(flag(prefill, 'sp-ranks'), '4');
+  assert.equal(gpus(prefill), 1);
+});
+
 test('API key and TLS', async () => {
   const objects = renderObjects([path.join(valuesDir, 'apikey-tls.yaml')]);
   // The internal token Secret is the operator's (existingSecret): stand in for it.
@@ -339,7 +352,6 @@ test('values the chart refuses with its reason', () => {
   refuses('modelArtifacts: {source: pvc}\n', /modelArtifacts\.pvc\.claimName is required/);
   refuses('apiKey: {enabled: true}\n', /apiKey\.value \(or apiKey\.existingSecret\) is required/);
   refuses('backend: cpu\n', /prefill\.gpusPerPod is 1 but backend is cpu/);
-  refuses('prefill: {parallelism: {sequence: 2}}\n', /CUDA backend does not run sequence-parallel prefill yet/);
   refuses('decode: {terminationGracePeriodSeconds: 30, shutdownGraceSeconds: 30}\n', /must exceed decode\.shutdownGraceSeconds/);
   refuses('tls: {enabled: true, secretName: x}\n', /set router\.ingress\.enabled too/);
 });
