@@ -15,6 +15,7 @@
 #include "common/status_macros.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "router/request_id.h"
+#include "router/request_limits.h"
 #include "rpc/rpc_util.h"
 
 namespace duet::router {
@@ -866,6 +867,10 @@ uint64_t RouterService::NewTransferId() {
 
 absl::StatusOr<RouterService::Prepared> RouterService::Prepare(const v1::GenerateRequest& request) const {
   DUET_RETURN_IF_ERROR(CheckRequestIdLength(request.request_id()));
+  if (const size_t bytes = request.ByteSizeLong(); bytes > kMaxGenerateRequestBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("the request is too large: ", bytes, " bytes, more than ",
+                                                   kMaxGenerateRequestBytes));
+  }
   Prepared prepared;
   switch (request.prompt_case()) {
     case v1::GenerateRequest::kText:
