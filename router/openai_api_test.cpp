@@ -107,6 +107,12 @@ class OpenAiApiTest : public ::testing::Test {
     ASSERT_TRUE(router.ok()) << router.status();
     router_ = *std::move(router);
     ASSERT_GT(router_->http_port(), 0);
+    // Serving once the registry has seen both workers up (its first poll runs in the background).
+    const std::string key = api_key.empty() ? "" : "Authorization: Bearer " + api_key + "\r\n";
+    for (int i = 0; i < 1000 && Call("GET", "/health", "", key).status != 200; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_EQ(Call("GET", "/health", "", key).status, 200);
   }
   void TearDown() override {
     if (router_) router_->Shutdown(0);
