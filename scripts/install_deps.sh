@@ -11,6 +11,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libboost1.81-dev
   prometheus curl
+  clang libclang-rt-14-dev  # libFuzzer builds of tests/fuzz (a CMake build with CXX=clang++)
 )
 
 missing=()
