@@ -31,7 +31,9 @@ struct ServeOptions {
   int num_decode_workers = 1;
   int grpc_port = 50051;
   int http_port = 8000;  // OpenAI-compatible API; -1: none
-  std::string api_key;   // when set, required on /v1/* and on gRPC Generate
+  std::string api_key;   // when set, required on /v1/*, /tokenize, /detokenize and gRPC duet.v1.Duet
+  std::string api_key_file;  // else the key from this file, else DUET_API_KEY (cli/api_key.h)
+  bool api_key_on_health_and_metrics = false;
   int max_concurrent_requests = 256;
   bool kv_checksums = false;  // passed to every worker (--kv-checksums)
   int prefill_sp_ranks = 1;   // sequence-parallel ranks of each prefill worker (--sp-ranks there)

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "CLI/CLI.hpp"
+#include "cli/api_key.h"
 #include "cli/commands.h"
 #include "cli/engine_flags.h"
 #include "cli/role_commands.h"
@@ -50,7 +51,10 @@ int main(int argc, char** argv) {
                       "Checksum every KV layer moved between workers and verify it at the decode worker");
   serve_cmd->add_option("--grpc-port", serve.grpc_port, "Router gRPC port (0: any free port)")->check(CLI::Range(0, 65535));
   serve_cmd->add_option("--http-port", serve.http_port, "OpenAI-compatible HTTP port (-1: none)")->check(CLI::Range(-1, 65535));
-  serve_cmd->add_option("--api-key", serve.api_key, "Bearer token required on /v1/* and gRPC Generate");
+  serve_cmd->add_option("--api-key", serve.api_key, duet::kApiKeyHelp);
+  serve_cmd->add_option("--api-key-file", serve.api_key_file, duet::kApiKeyFileHelp);
+  serve_cmd->add_flag("--api-key-on-health-and-metrics", serve.api_key_on_health_and_metrics,
+                      duet::kApiKeyOnHealthHelp);
   serve_cmd->add_option("--max-concurrent-requests", serve.max_concurrent_requests, "Admission limit at the router")
       ->check(CLI::Range(1, 1 << 20));
   serve_cmd->add_option("--shutdown-grace-seconds", serve.shutdown_grace_seconds,

@@ -2,6 +2,7 @@
 
 #include <tuple>
 
+#include "cli/api_key.h"
 #include "common/logging.h"
 #include "rpc/internal_auth.h"
 
@@ -59,7 +60,13 @@ RoleCommands::RoleCommands(CLI::App& app) {
                           "Prompt tokens in prefill at once per prefill worker; more wait in the router "
                           "(before their decode KV is reserved)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
-  router_cmd_->add_option("--api-key", router_.api_key, "Bearer token required on /v1/* and gRPC Generate");
+  router_cmd_->add_option("--api-key", router_.api_key, kApiKeyHelp);
+  router_cmd_->add_option("--api-key-file", router_api_key_file_, kApiKeyFileHelp);
+  router_cmd_->add_flag("--api-key-on-health-and-metrics", router_.api_key_on_health_and_metrics,
+                        kApiKeyOnHealthHelp);
+  router_cmd_->add_option("--http-work-threads", router_.http_work_threads,
+                          "Threads that parse, tokenize and template HTTP requests (off the io threads)")
+      ->check(CLI::Range(1, 256));
   router_cmd_->add_option("--metrics-port", router_.metrics_port,
                           "Prometheus /metrics port (-1: off, 0: any free port)")->check(CLI::Range(-1, 65535));
   router_cmd_->add_option("--internal-token-file", router_token_file_, kTokenFileHelp);
@@ -112,6 +119,12 @@ std::optional<int> RoleCommands::RunParsed() {
       }
     }
     if (!LoadToken(router_token_file_, &router_.internal_token)) return 1;
+    absl::StatusOr<std::string> api_key = LoadApiKey(router_.api_key, router_api_key_file_);
+    if (!api_key.ok()) {
+      DUET_LOG(ERROR) << api_key.status().message();
+      return 1;
+    }
+    router_.api_key = *std::move(api_key);
     return router::RunRouter(router_);
   }
   if (prefill_cmd_->parsed()) {

@@ -29,6 +29,7 @@ class RoleCommands {
 
   // --internal-token-file of each role (else DUET_INTERNAL_TOKEN; rpc/internal_auth.h).
   std::string router_token_file_, prefill_token_file_, decode_token_file_;
+  std::string router_api_key_file_;  // --api-key-file (else --api-key, else DUET_API_KEY; cli/api_key.h)
   router::RouterOptions router_;
   WorkerProcessOptions<PrefillServiceOptions> prefill_;
   WorkerProcessOptions<DecodeServiceOptions> decode_;

@@ -22,6 +22,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "cli/api_key.h"
 #include "cli/commands.h"
 #include "common/logging.h"
 #include "common/subprocess.h"
@@ -197,7 +198,14 @@ int RunServe(const ServeOptions& options) {
     DUET_LOG(ERROR) << "cannot make the cluster's internal token: " << token.status().message();
     return 1;
   }
-  const Subprocess::Environment env = {{rpc::kInternalTokenEnv, *token}};
+  absl::StatusOr<std::string> api_key = LoadApiKey(options.api_key, options.api_key_file);
+  if (!api_key.ok()) {
+    DUET_LOG(ERROR) << api_key.status().message();
+    return 1;
+  }
+  // The workers do not need the public API key; the router gets it in its environment, not argv.
+  const Subprocess::Environment env = {{rpc::kInternalTokenEnv, *token}, {kApiKeyEnv, ""}};
+  const Subprocess::Environment router_env = {{rpc::kInternalTokenEnv, *token}, {kApiKeyEnv, *api_key}};
   const std::string grace = std::to_string(options.shutdown_grace_seconds);
 
   const std::string self = SelfPath();
@@ -237,11 +245,11 @@ int RunServe(const ServeOptions& options) {
                                           "--max-concurrent-requests", std::to_string(options.max_concurrent_requests),
                                           "--http-port", std::to_string(options.http_port),
                                           "--shutdown-grace-seconds", grace};
-  if (!options.api_key.empty()) router_argv.insert(router_argv.end(), {"--api-key", options.api_key});
+  if (options.api_key_on_health_and_metrics) router_argv.push_back("--api-key-on-health-and-metrics");
   if (options.engine.scheduler.max_model_len > 0) {
     router_argv.insert(router_argv.end(), {"--max-model-len", std::to_string(options.engine.scheduler.max_model_len)});
   }
-  absl::StatusOr<std::unique_ptr<Subprocess>> started = Subprocess::Start(router_argv, env);
+  absl::StatusOr<std::unique_ptr<Subprocess>> started = Subprocess::Start(router_argv, router_env);
   // The router announces its HTTP port (the real one for --http-port 0) before its gRPC port.
   absl::StatusOr<std::string> http_port = std::to_string(options.http_port);
   if (started.ok() && options.http_port >= 0) http_port = (*started)->WaitForLine(kHttpReady, kStartTimeout);

@@ -20,8 +20,10 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const HttpFron
   api_options.model_name = options.model_name;
   api_options.max_model_len = options.max_model_len;
   api_options.api_key = options.api_key;
+  api_options.api_key_on_health_and_metrics = options.api_key_on_health_and_metrics;
   api_options.metrics_body = options.metrics_body;
   api_options.healthy = options.healthy;
+  api_options.work_threads = options.work_threads;
   frontend->api_ = std::make_unique<OpenAiApi>(api_options, tokenizer, frontend->chat_.get(), std::move(channel));
   HttpServerOptions server_options;
   server_options.host = options.host;

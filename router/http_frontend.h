@@ -18,11 +18,13 @@ namespace duet::router {
 struct HttpFrontendOptions {
   std::string host = "127.0.0.1";
   int port = 0;
-  int num_threads = 2;
+  int num_threads = 2;   // io threads
+  int work_threads = 4;  // parsing, tokenization, templating (OpenAiApiOptions::work_threads)
   std::string model_dir;   // for the chat template
   std::string model_name;
   int64_t max_model_len = 0;
   std::string api_key;
+  bool api_key_on_health_and_metrics = false;  // OpenAiApiOptions'
   std::function<std::string()> metrics_body;  // none: /metrics is 404
   std::function<bool()> healthy;
 };

@@ -90,6 +90,9 @@ class Responder final : public HttpResponder {
     if (on_cancel) on_cancel();
   }
   bool close_after = false;  // set by the session before the handler runs
+  // An HTTP/1.0 client: it knows no chunked encoding, so a stream's body is sent as it is and
+  // the connection closes after it (close_after is set too).
+  bool http10 = false;
 
  private:
   void Post(std::string bytes, bool last);
@@ -121,10 +124,12 @@ class Session : public std::enable_shared_from_this<Session> {
   struct Queued {
     HttpRequest request;
     bool keep_alive = true;
+    bool http10 = false;
     std::string canned;
   };
 
   void DoRead();
+  void ReadRequest();
   void OnRead(error_code ec);
   // Queues the response to a request that cannot be read (413, 431, 400); reading stops.
   void QueueError(int status, const std::string& payload);
@@ -303,9 +308,8 @@ void Responder::StartStream(int status, std::string content_type) {
     started_ = true;
   }
   std::string out = StatusLine(status);
-  absl::StrAppend(&out, "Content-Type: ", content_type,
-                  "\r\nTransfer-Encoding: chunked\r\nCache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"
-                  "Connection: ",
+  absl::StrAppend(&out, "Content-Type: ", content_type, http10 ? "" : "\r\nTransfer-Encoding: chunked",
+                  "\r\nCache-Control: no-cache\r\nX-Accel-Buffering: no\r\nConnection: ",
                   close_after ? "close" : "keep-alive", "\r\n\r\n");
   Post(std::move(out), false);
 }
@@ -316,6 +320,7 @@ void Responder::Write(std::string data) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!started_ || ended_ || cancelled_) return;
   }
+  if (http10) return Post(std::move(data), false);
   std::string out = absl::StrFormat("%x\r\n", data.size());
   out += data;
   out += "\r\n";
@@ -328,7 +333,7 @@ void Responder::End() {
     if (!started_ || ended_ || cancelled_) return;
     ended_ = true;
   }
-  Post("0\r\n\r\n", true);
+  Post(http10 ? "" : "0\r\n\r\n", true);  // HTTP/1.0: the connection's close ends the body
 }
 
 // --- Session ---
@@ -356,14 +361,23 @@ void Session::DoRead() {
   parser_->body_limit(server_->options().max_body_bytes);
   parser_->header_limit(static_cast<std::uint32_t>(server_->options().max_header_bytes));
   reading_ = true;
-  if (Idle()) ArmTimer(buffer_.size() == 0 ? server_->options().idle_timeout : server_->options().read_timeout);
+  if (buffer_.size() > 0) return ReadRequest();
+  // The idle timeout until the request's first byte; from there the read timeout (a header that
+  // trickles in is cut off at the read timeout, not the idle one).
+  if (Idle()) ArmTimer(server_->options().idle_timeout);
+  socket_.async_wait(tcp::socket::wait_read, [self = shared_from_this()](error_code ec) {
+    if (ec || self->closed_) return self->OnRead(ec);
+    self->ReadRequest();
+  });
+}
+
+void Session::ReadRequest() {
+  if (Idle()) ArmTimer(server_->options().read_timeout);
   http::async_read_header(socket_, buffer_, *parser_, [self = shared_from_this()](error_code ec, size_t) {
     if (ec) {
       self->OnRead(ec);
       return;
     }
-    // The header is in: the rest gets the (shorter) read timeout.
-    if (self->Idle()) self->ArmTimer(self->server_->options().read_timeout);
     http::async_read(self->socket_, self->buffer_, *self->parser_,
                      [self](error_code ec2, size_t) { self->OnRead(ec2); });
   });
@@ -419,6 +433,8 @@ void Session::OnRead(error_code ec) {
     }
     request.body = std::move(message.body());
     queued.keep_alive = message.keep_alive();
+    queued.http10 = message.version() < 11;
+    if (queued.http10) queued.keep_alive = false;  // one response per HTTP/1.0 connection
     // Waiting behind the one being answered: at most max_pipelined_requests, the last of which
     // closes the connection (the client sends the rest again, on a new one).
     const bool busy = active_ != nullptr || writing_ || !out_.empty() || !queue_.empty();
@@ -446,6 +462,7 @@ void Session::DispatchNext() {
   }
   active_ = std::make_shared<Responder>(shared_from_this(), socket_.get_executor());
   active_->close_after = !next.keep_alive;
+  active_->http10 = next.http10;
   close_after_ = !next.keep_alive;
   std::shared_ptr<Responder> responder = active_;
   try {

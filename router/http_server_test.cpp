@@ -9,6 +9,9 @@
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/read.hpp>
 #include <boost/asio/write.hpp>
+#include <sys/socket.h>
+#include <cerrno>
+#include <sys/time.h>
 #include <thread>
 
 namespace duet::router {
@@ -38,6 +41,19 @@ class RawClient {
     return end == std::string::npos ? out : out.substr(0, end + until.size());
   }
   void Close() { socket_.close(); }
+  // Reads until the server closes the connection (true) or `limit` passes without it (false).
+  bool WaitForServerClose(std::chrono::seconds limit) {
+    timeval tv{};
+    tv.tv_sec = static_cast<time_t>(limit.count());
+    ::setsockopt(socket_.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    for (;;) {  // recv(2) itself: Asio's blocking reads poll past SO_RCVTIMEO
+      char buf[4096];
+      const ssize_t n = ::recv(socket_.native_handle(), buf, sizeof(buf), 0);
+      if (n == 0) return true;
+      if (n < 0) return errno == ECONNRESET;
+      data_.append(buf, static_cast<size_t>(n));
+    }
+  }
 
  private:
   net::io_context ioc_;
@@ -235,6 +251,37 @@ TEST_F(HttpServerTest, StopCancelsOpenResponses) {
   for (int i = 0; i < 200 && hung_ == nullptr; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   server_->Stop();
   EXPECT_EQ(cancelled_.load(), 1);
+}
+
+// A header that trickles in is cut off at the read timeout (from the request's first byte), not
+// at the much longer idle timeout of a keep-alive connection.
+TEST_F(HttpServerTest, SlowHeaderIsClosedAtTheReadTimeout) {
+  HttpServerOptions options;
+  options.read_timeout = std::chrono::milliseconds(200);
+  options.idle_timeout = std::chrono::minutes(10);
+  Start(options);
+  RawClient c(server_->port());
+  c.Send("GET /echo HTTP/1.1\r\nHo");  // and no more
+  EXPECT_TRUE(c.WaitForServerClose(std::chrono::seconds(20)));
+  EXPECT_TRUE(WaitUntil([&] { return server_->num_connections() == 0; }));
+}
+
+// An HTTP/1.0 client knows no chunked encoding: a streamed response is its bytes as they are,
+// ended by closing the connection.
+TEST_F(HttpServerTest, StreamToAnHttp10ClientIsNotChunked) {
+  Start();
+  RawClient c(server_->port());
+  c.Send("GET /stream HTTP/1.0\r\n\r\n");
+  const std::string r = c.ReadUntil(std::string(1, '\0'));  // to EOF
+  EXPECT_EQ(r.find("Transfer-Encoding"), std::string::npos) << r;
+  EXPECT_NE(r.find("Connection: close\r\n"), std::string::npos) << r;
+  EXPECT_NE(r.find("\r\n\r\ndata: 1\n\ndata: 2\n\n"), std::string::npos) << r;
+  EXPECT_EQ(r.substr(r.size() - 9), "data: 2\n\n") << r;
+  // A whole response to HTTP/1.0 keeps its Content-Length and closes too.
+  RawClient d(server_->port());
+  d.Send("POST /echo HTTP/1.0\r\nContent-Length: 2\r\n\r\nhi");
+  const std::string e = d.ReadUntil(std::string(1, '\0'));
+  EXPECT_NE(e.find("Content-Length: 8\r\nConnection: close\r\n"), std::string::npos) << e;
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include "grpcpp/client_context.h"
 #include "grpcpp/support/client_callback.h"
 #include "router/request_id.h"
+#include "router/request_limits.h"
 
 namespace duet::router {
 namespace {
@@ -20,7 +21,10 @@ using openai::Json;
 constexpr char kJson[] = "application/json";
 
 void SendError(HttpResponder& responder, const ApiError& error) {
-  responder.Respond(error.status, kJson, openai::ErrorBody(error));
+  // Overloaded (429) or not serving (503): when to try again.
+  std::vector<std::pair<std::string, std::string>> headers;
+  if (error.status == 429 || error.status == 503) headers.emplace_back("Retry-After", "1");
+  responder.Respond(error.status, kJson, openai::ErrorBody(error), std::move(headers));
 }
 
 void SendError(HttpResponder& responder, const absl::Status& error) { SendError(responder, openai::ToApiError(error)); }
@@ -128,41 +132,52 @@ class GenerateReactor final : public grpc::ClientReadReactor<v1::GenerateRespons
 
 void Job::Start() {
   const int num_prompts = static_cast<int>(request_.prompts.size());
-  const int total = num_prompts * request_.n;
+  std::vector<v1::GenerateRequest> generates;
+  for (int p = 0; p < num_prompts; ++p) {
+    const openai::PromptInput& prompt = request_.prompts[p];
+    if (request_.echo) {
+      echo_prefix_.push_back(prompt.is_text
+                                 ? prompt.text
+                                 : (api_->tokenizer() != nullptr
+                                        ? api_->tokenizer()->Decode(prompt.token_ids, /*skip_special_tokens=*/false)
+                                        : std::string()));
+    }
+    for (int i = 0; i < request_.n; ++i) {
+      const int index = p * request_.n + i;
+      v1::GenerateRequest& generate = generates.emplace_back();
+      generate.set_request_id(absl::StrCat(call_id_, "-", index));
+      if (prompt.is_text) {
+        generate.set_text(prompt.text);
+      } else {
+        generate.mutable_token_ids()->mutable_ids()->Assign(prompt.token_ids.begin(), prompt.token_ids.end());
+      }
+      *generate.mutable_sampling() = request_.sampling;
+      if (request_.seed) generate.mutable_sampling()->set_seed(*request_.seed + static_cast<uint64_t>(i));
+      if (generate.ByteSizeLong() > kMaxGenerateRequestBytes) {
+        ApiError e;
+        e.status = 413;
+        e.message = absl::StrCat("the prompt is too large: its request is ", generate.ByteSizeLong(),
+                                 " bytes, more than ", kMaxGenerateRequestBytes);
+        e.param = "prompt";
+        e.code = "request_too_large";
+        return SendError(*responder_, e);
+      }
+    }
+  }
   std::vector<std::pair<GenerateReactor*, grpc::ClientContext*>> calls;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    choices_.resize(total);
-    remaining_ = total;
-    for (int p = 0; p < num_prompts; ++p) {
-      const openai::PromptInput& prompt = request_.prompts[p];
-      if (request_.echo) {
-        echo_prefix_.push_back(prompt.is_text
-                                   ? prompt.text
-                                   : (api_->tokenizer() != nullptr
-                                          ? api_->tokenizer()->Decode(prompt.token_ids, /*skip_special_tokens=*/false)
-                                          : std::string()));
+    choices_.resize(generates.size());
+    remaining_ = static_cast<int>(generates.size());
+    for (size_t index = 0; index < generates.size(); ++index) {
+      choices_[index].result.index = static_cast<int>(index);
+      auto context = std::make_unique<grpc::ClientContext>();
+      if (!api_->options().api_key.empty()) {
+        context->AddMetadata("authorization", absl::StrCat("Bearer ", api_->options().api_key));
       }
-      for (int i = 0; i < request_.n; ++i) {
-        const int index = p * request_.n + i;
-        choices_[index].result.index = index;
-        v1::GenerateRequest generate;
-        generate.set_request_id(absl::StrCat(call_id_, "-", index));
-        if (prompt.is_text) {
-          generate.set_text(prompt.text);
-        } else {
-          generate.mutable_token_ids()->mutable_ids()->Assign(prompt.token_ids.begin(), prompt.token_ids.end());
-        }
-        *generate.mutable_sampling() = request_.sampling;
-        if (request_.seed) generate.mutable_sampling()->set_seed(*request_.seed + static_cast<uint64_t>(i));
-        auto context = std::make_unique<grpc::ClientContext>();
-        if (!api_->options().api_key.empty()) {
-          context->AddMetadata("authorization", absl::StrCat("Bearer ", api_->options().api_key));
-        }
-        auto* reactor = new GenerateReactor(shared_from_this(), index, std::move(generate));
-        calls.emplace_back(reactor, context.get());
-        contexts_.push_back(std::move(context));
-      }
+      auto* reactor = new GenerateReactor(shared_from_this(), static_cast<int>(index), std::move(generates[index]));
+      calls.emplace_back(reactor, context.get());
+      contexts_.push_back(std::move(context));
     }
   }
   std::weak_ptr<Job> weak = weak_from_this();
@@ -296,9 +311,25 @@ OpenAiApi::OpenAiApi(OpenAiApiOptions options, const Tokenizer* tokenizer, const
   context_.chat = chat_;
   context_.max_model_len = options_.max_model_len;
   stub_ = v1::Duet::NewStub(channel_);
+  work_ = std::make_unique<WorkPool>(options_.work_threads, options_.max_queued_work);
 }
 
-OpenAiApi::~OpenAiApi() { WaitIdle(std::chrono::seconds(5)); }
+OpenAiApi::~OpenAiApi() {
+  WaitIdle(std::chrono::seconds(5));
+  work_->Stop();
+}
+
+void OpenAiApi::Offload(const std::shared_ptr<HttpResponder>& responder, std::function<void()> work) {
+  JobCreated();
+  const bool queued = work_->TrySubmit([this, responder, work = std::move(work)] {
+    if (!responder->cancelled()) work();
+    JobDestroyed();
+  });
+  if (!queued) {
+    JobDestroyed();
+    SendError(*responder, absl::UnavailableError("the server is busy: too many requests wait to be parsed"));
+  }
+}
 
 void OpenAiApi::JobDestroyed() {
   // Under the lock: WaitIdle cannot see zero (and the API be destroyed) before this has notified.
@@ -320,7 +351,11 @@ void OpenAiApi::Handle(HttpRequest request, std::shared_ptr<HttpResponder> respo
     e.message = absl::StrCat("method ", method, " is not allowed on ", path);
     SendError(*responder, e);
   };
-  if (absl::StartsWith(path, "/v1/") && !options_.api_key.empty()) {
+  // With --api-key: /v1/*, /tokenize and /detokenize need it; /health and /metrics only when
+  // configured (public by default, as in vLLM, for load balancers and Prometheus).
+  const bool needs_key = absl::StartsWith(path, "/v1/") || path == "/tokenize" || path == "/detokenize" ||
+                         (options_.api_key_on_health_and_metrics && (path == "/health" || path == "/metrics"));
+  if (needs_key && !options_.api_key.empty()) {
     if (request.Header("authorization") != absl::StrCat("Bearer ", options_.api_key)) {
       ApiError e;
       e.status = 401;
@@ -332,7 +367,10 @@ void OpenAiApi::Handle(HttpRequest request, std::shared_ptr<HttpResponder> respo
   }
   if (path == "/v1/completions" || path == "/v1/chat/completions") {
     if (method != "POST") return method_not_allowed();
-    Generate(path == "/v1/chat/completions", request, responder);
+    const bool chat = path == "/v1/chat/completions";
+    Offload(responder, [this, chat, request = std::move(request), responder] {
+      Generate(chat, request, responder);
+    });
     return;
   }
   if (path == "/v1/models") {
@@ -385,13 +423,15 @@ void OpenAiApi::Handle(HttpRequest request, std::shared_ptr<HttpResponder> respo
   }
   if (path == "/tokenize" || path == "/detokenize") {
     if (method != "POST") return method_not_allowed();
-    absl::StatusOr<Json> result = path == "/tokenize" ? openai::Tokenize(request.body, context_)
-                                                      : openai::Detokenize(request.body, context_);
-    if (result.ok()) {
-      SendJson(*responder, *result);
-    } else {
-      SendError(*responder, result.status());
-    }
+    Offload(responder, [this, request = std::move(request), responder] {
+      absl::StatusOr<Json> result = request.path == "/tokenize" ? openai::Tokenize(request.body, context_)
+                                                                : openai::Detokenize(request.body, context_);
+      if (result.ok()) {
+        SendJson(*responder, *result);
+      } else {
+        SendError(*responder, result.status());
+      }
+    });
     return;
   }
   SendError(*responder, openai::NotFound(absl::StrCat("Not found: ", method, " ", path)));

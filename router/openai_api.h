@@ -19,16 +19,24 @@
 #include "frontend/tokenizer/tokenizer.h"
 #include "router/http_server.h"
 #include "router/openai_protocol.h"
+#include "router/work_pool.h"
 
 namespace duet::router {
 
 struct OpenAiApiOptions {
   std::string model_name;
   int64_t max_model_len = 0;
-  std::string api_key;  // non-empty: /v1/* need "Authorization: Bearer <key>" (sent on to gRPC too)
+  // Non-empty: /v1/*, /tokenize and /detokenize need "Authorization: Bearer <key>" (sent on to
+  // gRPC too); /health and /metrics as well when api_key_on_health_and_metrics.
+  std::string api_key;
+  bool api_key_on_health_and_metrics = false;
   std::function<std::string()> metrics_body;  // GET /metrics; none: 404
   std::string metrics_content_type = "text/plain; version=0.0.4; charset=utf-8";
   std::function<bool()> healthy;  // GET /health: 200 when true (no function: always 200)
+  // The pool that parses, tokenizes, templates and detokenizes (never the HTTP io threads), and
+  // how many requests may wait for it before new ones get 503.
+  int work_threads = 4;
+  size_t max_queued_work = 1024;
 };
 
 class OpenAiApi {
@@ -52,9 +60,14 @@ class OpenAiApi {
   const OpenAiApiOptions& options() const { return options_; }
   const Tokenizer* tokenizer() const { return tokenizer_; }
   v1::Duet::Stub* stub() { return stub_.get(); }
+  // The pool the heavy work runs on (tests hold it busy).
+  WorkPool* work_pool() { return work_.get(); }
 
  private:
   void Generate(bool chat, const HttpRequest& request, const std::shared_ptr<HttpResponder>& responder);
+  // Runs `work` on the pool (counted as a job for WaitIdle; skipped when the client has left by
+  // then); 503 when the pool's queue is full.
+  void Offload(const std::shared_ptr<HttpResponder>& responder, std::function<void()> work);
 
   const OpenAiApiOptions options_;
   const Tokenizer* const tokenizer_;
@@ -65,6 +78,8 @@ class OpenAiApi {
   std::atomic<int> active_jobs_{0};
   std::mutex idle_mu_;
   std::condition_variable idle_cv_;
+  // Last: its threads are joined before the members their tasks use go.
+  std::unique_ptr<WorkPool> work_;
 };
 
 }  // namespace duet::router

@@ -9,8 +9,12 @@
 #include "duet/v1/duet.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
+#include "frontend/tokenizer/tokenizer.h"
 #include "router/fake_workers.h"
+#include "router/http_frontend.h"
 #include "router/router.h"
+
+#include <future>
 
 namespace duet::router {
 namespace {
@@ -76,6 +80,8 @@ class Client {
     return r;
   }
   void Close() { socket_.close(); }
+  // Bytes the server sent that have not been read.
+  size_t Available() { return raw_.size() + socket_.available(); }
 
  private:
   net::io_context ioc_;
@@ -94,12 +100,19 @@ class OpenAiApiTest : public ::testing::Test {
     options.decode_addresses = {decode_server_->address()};
     options.http_port = 0;
     options.api_key = api_key;
+    options.api_key_on_health_and_metrics = api_key_on_health_and_metrics_;
     options.max_concurrent_requests = max_concurrent_requests;
     options.metrics_body = [] { return std::string("duet:test 1\n"); };
     auto router = Router::Start(options);
     ASSERT_TRUE(router.ok()) << router.status();
     router_ = *std::move(router);
     ASSERT_GT(router_->http_port(), 0);
+    // Serving once the registry has seen both workers up (its first poll runs in the background).
+    const std::string key = api_key.empty() ? "" : "Authorization: Bearer " + api_key + "\r\n";
+    for (int i = 0; i < 1000 && Call("GET", "/health", "", key).status != 200; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_EQ(Call("GET", "/health", "", key).status, 200);
   }
   void TearDown() override {
     if (router_) router_->Shutdown(0);
@@ -111,6 +124,7 @@ class OpenAiApiTest : public ::testing::Test {
     return c.ReadAll();
   }
 
+  bool api_key_on_health_and_metrics_ = false;
   FakePrefillWorker prefill_;
   FakeDecodeWorker decode_;
   std::unique_ptr<FakeServer> prefill_server_, decode_server_;
@@ -351,6 +365,111 @@ TEST_F(OpenAiApiTest, RequestIdIsTakenAndItsLengthLimited) {
   EXPECT_LT(r.body.size(), 400u);
   EXPECT_EQ(json::parse(r.body)["error"]["param"], "request_id");
   EXPECT_EQ(decode_.num_decodes, 3);
+}
+
+// --api-key covers /tokenize and /detokenize too; /health and /metrics stay public (as in vLLM)
+// unless api_key_on_health_and_metrics.
+TEST_F(OpenAiApiTest, ApiKeyCoversTokenizeAndDetokenize) {
+  StartRouter("sekret");
+  const std::string key = "Authorization: Bearer sekret\r\n";
+  EXPECT_EQ(Call("POST", "/tokenize", R"({"prompt":"hello"})").status, 401);
+  EXPECT_EQ(Call("POST", "/detokenize", R"({"tokens":[1,2]})").status, 401);
+  EXPECT_EQ(Call("POST", "/tokenize", R"({"prompt":"hello"})", key).status, 200);
+  EXPECT_EQ(Call("POST", "/detokenize", R"({"tokens":[1,2]})", key).status, 200);
+  EXPECT_EQ(Call("GET", "/health", "").status, 200);
+  EXPECT_EQ(Call("GET", "/metrics", "").status, 200);
+}
+
+TEST_F(OpenAiApiTest, ApiKeyOnHealthAndMetricsWhenConfigured) {
+  api_key_on_health_and_metrics_ = true;
+  StartRouter("sekret");
+  const std::string key = "Authorization: Bearer sekret\r\n";
+  EXPECT_EQ(Call("GET", "/health", "").status, 401);
+  EXPECT_EQ(Call("GET", "/metrics", "").status, 401);
+  EXPECT_EQ(Call("GET", "/health", "", key).status, 200);
+  EXPECT_EQ(Call("GET", "/metrics", "", key).status, 200);
+}
+
+// 429 (overloaded) and 503 (not serving) tell the client when to retry.
+TEST_F(OpenAiApiTest, RetryAfterOn429And503) {
+  StartRouter();
+  decode_.kv_full = true;
+  Response r = Call("POST", "/v1/completions", R"({"prompt":"x"})");
+  EXPECT_EQ(r.status, 429) << r.body;
+  EXPECT_NE(r.headers.find("\r\nRetry-After: 1"), std::string::npos) << r.headers;
+  decode_.kv_full = false;
+  router_->StartDraining();
+  r = Call("POST", "/v1/completions", R"({"prompt":"x"})");
+  EXPECT_EQ(r.status, 503) << r.body;
+  EXPECT_NE(r.headers.find("\r\nRetry-After: 1"), std::string::npos) << r.headers;
+  r = Call("GET", "/v1/models", "");
+  EXPECT_EQ(r.headers.find("Retry-After"), std::string::npos) << r.headers;
+}
+
+// A prompt over 4 MiB is the client's error (HTTP 413, gRPC INVALID_ARGUMENT), not an overload
+// (429 / RESOURCE_EXHAUSTED, which says "retry later").
+TEST_F(OpenAiApiTest, OversizedPromptIs413AndInvalidArgument) {
+  StartRouter();
+  const std::string prompt((4u << 20) + 1000, 'a');
+  Response r = Call("POST", "/v1/completions", json{{"prompt", prompt}, {"max_tokens", 1}}.dump());
+  EXPECT_EQ(r.status, 413) << r.body.substr(0, 300);
+  EXPECT_EQ(json::parse(r.body)["error"]["code"], "request_too_large");
+  auto stub = v1::Duet::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(router_->port()),
+                                                    grpc::InsecureChannelCredentials()));
+  v1::GenerateRequest request;
+  request.set_text(prompt);
+  request.mutable_sampling()->set_max_tokens(1);
+  grpc::ClientContext context;
+  auto reader = stub->Generate(&context, request);
+  v1::GenerateResponse response;
+  while (reader->Read(&response)) {
+  }
+  const grpc::Status status = reader->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_EQ(decode_.num_decodes, 0);
+}
+
+// Tokenizing is not done on the HTTP io threads: while a big /tokenize waits for (or runs on)
+// the work pool, /health on the one io thread is answered; the tokenize is answered after.
+TEST(HttpFrontendTest, HealthIsAnsweredWhileABigTokenizeIsInFlight) {
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(DUET_MODELS_DIR "/tiny-code-llama");
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  HttpFrontendOptions options;
+  options.num_threads = 1;
+  options.work_threads = 1;
+  options.model_dir = DUET_MODELS_DIR "/tiny-code-llama";
+  options.model_name = "tiny-code-llama";
+  options.max_model_len = 2048;
+  // No generation here: the channel is never used.
+  auto frontend = HttpFrontend::Start(options, tokenizer->get(),
+                                      grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials()));
+  ASSERT_TRUE(frontend.ok()) << frontend.status();
+  WorkPool* pool = (*frontend)->api()->work_pool();
+  // The pool's one thread is held: the tokenize stays in flight until it is released.
+  std::promise<void> held, release;
+  std::shared_future<void> released = release.get_future().share();
+  ASSERT_TRUE(pool->TrySubmit([&] {
+    held.set_value();
+    released.wait();
+  }));
+  held.get_future().wait();
+
+  std::string text;
+  while (text.size() < (1u << 20)) text += "hello world, def f(x): return x ";
+  Client tokenize((*frontend)->port());
+  tokenize.Send("POST", "/tokenize", json{{"prompt", text}}.dump());
+  while (pool->num_queued() == 0) std::this_thread::yield();  // read, parsed and queued
+
+  Client health((*frontend)->port());
+  health.Send("GET", "/health", "");
+  EXPECT_EQ(health.ReadAll().status, 200);
+  EXPECT_EQ(tokenize.Available(), 0u) << "the tokenize was answered on the io thread";
+
+  release.set_value();
+  Response r = tokenize.ReadAll();
+  ASSERT_EQ(r.status, 200) << r.body.substr(0, 200);
+  EXPECT_GT(json::parse(r.body)["count"].get<int>(), 100000);
+  (*frontend)->Stop();
 }
 
 }  // namespace

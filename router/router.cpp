@@ -18,6 +18,7 @@
 #include "router/assignment_policy.h"
 #include "router/http_frontend.h"
 #include "router/openai_api_key.h"
+#include "router/request_limits.h"
 #include "router/router_service.h"
 #include "router/worker_registry.h"
 #include "rpc/rpc_util.h"
@@ -123,7 +124,7 @@ class RouterImpl : public Router {
                                  ? absl::StrCat("[", options.host, "]")
                                  : options.host;
     absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-        rpc::StartServer(absl::StrCat(host, ":", options.port), {grpc_service}, &port_);
+        rpc::StartServer(absl::StrCat(host, ":", options.port), {grpc_service}, &port_, nullptr, kMaxGrpcReceiveBytes);
     if (!server.ok()) {
       registry_->Stop();
       return server.status();
@@ -147,10 +148,12 @@ class RouterImpl : public Router {
       http_options.host = options.host;
       http_options.port = options.http_port;
       http_options.num_threads = options.http_threads;
+      http_options.work_threads = options.http_work_threads;
       http_options.model_dir = options.model_dir;
       http_options.model_name = service_options.model_name;
       http_options.max_model_len = service_options.max_model_len;
       http_options.api_key = options.api_key;
+      http_options.api_key_on_health_and_metrics = options.api_key_on_health_and_metrics;
       http_options.metrics_body = options.metrics_body;
       if (!http_options.metrics_body) http_options.metrics_body = [this] { return RenderMetrics(); };
       http_options.healthy = [this, registry = registry_.get()] {

@@ -34,8 +34,13 @@ struct RouterOptions {
   // RunRouter prints `DUET_HTTP_READY port=<port>` before DUET_READY.
   int http_port = -1;
   int http_threads = 2;  // io threads of the HTTP server (not one per connection)
-  // Non-empty: HTTP /v1/* and the gRPC Duet service need "Authorization: Bearer <api_key>".
+  // Threads that parse, tokenize and template HTTP requests (off the io threads).
+  int http_work_threads = 4;
+  // Non-empty: HTTP /v1/*, /tokenize, /detokenize and the gRPC Duet service need
+  // "Authorization: Bearer <api_key>"; HTTP /health and /metrics too when
+  // api_key_on_health_and_metrics (public by default, as in vLLM).
   std::string api_key;
+  bool api_key_on_health_and_metrics = false;
   // The cluster's internal token, sent on every call to a worker (rpc/internal_auth.h).
   std::string internal_token;
   // On a stop signal, how long RunRouter lets running requests finish (see StartDraining).

@@ -12,9 +12,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/finish_reason.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "router/request_id.h"
+#include "router/request_limits.h"
 #include "rpc/rpc_util.h"
 
 namespace duet::router {
@@ -88,6 +90,16 @@ bool IsWorkerFailure(grpc::StatusCode code) {
     default:
       return false;
   }
+}
+
+// A worker's error as its client is told it: the worker's label, never its address, and the
+// worker's message only when it answered (a failed call's message is gRPC's and may name the
+// address); the whole error goes to the log.
+std::string WorkerError(const Worker& worker, const grpc::Status& status, const std::string& request_id) {
+  if (!IsWorkerFailure(status.error_code())) return absl::StrCat(worker.label(), ": ", status.error_message());
+  DUET_LOG(WARNING) << "request " << request_id << ": " << worker.name() << " failed: code "
+                    << static_cast<int>(status.error_code()) << ", " << status.error_message();
+  return absl::StrCat(worker.label(), " failed");
 }
 
 // A worker's stream finishes with stop, length or abort (a failure ends it with an error status).
@@ -514,9 +526,9 @@ void RouterService::GenerateCall::OnReserved(const grpc::Status& status, const v
     AbortOnWorker(decode_);  // whatever it reserved
     return End(grpc::Status(
         grpc::StatusCode::INTERNAL,
-        reply == nullptr ? absl::StrCat(decode_->name(), " answered ReserveKv with a reply that is not a valid ",
+        reply == nullptr ? absl::StrCat(decode_->label(), " answered ReserveKv with a reply that is not a valid ",
                                         v1::ReserveKvResponse::descriptor()->full_name())
-                         : absl::StrCat(decode_->name(), " answered ReserveKv for transfer id ",
+                         : absl::StrCat(decode_->label(), " answered ReserveKv for transfer id ",
                                         reply->target().transfer_id(), " instead of ", transfer_id_)));
   }
   Worker* decode = decode_;
@@ -529,7 +541,7 @@ void RouterService::GenerateCall::OnReserved(const grpc::Status& status, const v
   decode_in_flight_.Reset();
   if (Interrupted()) return EndInterrupted();
   info_.excluded.push_back(decode);
-  const std::string what = absl::StrCat(decode->name(), ": ", status.error_message());
+  const std::string what = WorkerError(*decode, status, prepared_.request_id);
   switch (status.error_code()) {
     case grpc::StatusCode::RESOURCE_EXHAUSTED:
       last_exhausted_ = what;
@@ -577,7 +589,7 @@ void RouterService::GenerateCall::StartPrefill() {
     AbortOnWorker(decode_);
     if (!excluded_prefill_.empty()) {
       return End(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                              absl::StrCat(excluded_prefill_.back()->name(), " failed and no prefill worker is up")));
+                              absl::StrCat(excluded_prefill_.back()->label(), " failed and no prefill worker is up")));
     }
     return End(grpc::Status(grpc::StatusCode::UNAVAILABLE, service_->registry_->prefill_workers().empty()
                                                                ? "no prefill workers are configured"
@@ -617,13 +629,13 @@ void RouterService::GenerateCall::OnPrefilled(const grpc::Status& status, const 
   }
   AbortOnWorker(decode_);  // release the KV reservation now, not at lease end
   if (!invalid.empty()) {
-    return End(grpc::Status(grpc::StatusCode::INTERNAL, absl::StrCat(prefill_->name(), " sent ", invalid)));
+    return End(grpc::Status(grpc::StatusCode::INTERNAL, absl::StrCat(prefill_->label(), " sent ", invalid)));
   }
   if (Interrupted()) {
     AbortOnWorker(prefill_);
     return EndInterrupted();
   }
-  const std::string what = absl::StrCat(prefill_->name(), " failed: ", status.error_message());
+  const std::string what = WorkerError(*prefill_, status, prepared_.request_id);
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
     // The prefill worker died, or its KV transfer to the decode worker failed (then the decode
     // worker may be the dead one). Whichever does not answer is marked down; retry once.
@@ -635,7 +647,7 @@ void RouterService::GenerateCall::OnPrefilled(const grpc::Status& status, const 
     return;
   }
   if (IsWorkerFailure(status.error_code())) return End(grpc::Status(grpc::StatusCode::UNAVAILABLE, what));
-  End(grpc::Status(status.error_code(), absl::StrCat(prefill_->name(), ": ", status.error_message())));
+  End(grpc::Status(status.error_code(), WorkerError(*prefill_, status, prepared_.request_id)));
 }
 
 void RouterService::GenerateCall::OnPrefillUnavailable(const std::string& what) {
@@ -671,7 +683,7 @@ void RouterService::GenerateCall::OnDecodeMessage(grpc::ByteBuffer* bytes) {
     invalid = InvalidDecodeMessage(out_, service_->options_.vocab_size, finished_);
   }
   if (!invalid.empty()) {
-    stream_error_ = grpc::Status(grpc::StatusCode::INTERNAL, absl::StrCat(decode_->name(), " sent ", invalid));
+    stream_error_ = grpc::Status(grpc::StatusCode::INTERNAL, absl::StrCat(decode_->label(), " sent ", invalid));
     stream_context_->TryCancel();
     stream_->StopReading();
     return;
@@ -744,17 +756,17 @@ void RouterService::GenerateCall::OnDecodeDone(const grpc::Status& status) {
   }
   if (status.ok()) {
     return End(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                            absl::StrCat(decode_->name(), " ended the stream before the request finished")));
+                            absl::StrCat(decode_->label(), " ended the stream before the request finished")));
   }
   if (IsWorkerFailure(status.error_code())) {
-    const std::string what = absl::StrCat(decode_->name(), " failed: ", status.error_message());
+    const std::string what = WorkerError(*decode_, status, prepared_.request_id);
     service_->registry_->ConfirmDown(decode_, absl::StrCat("Decode stream failed: ", status.error_message()),
                                      [self = shared_from_this(), what](bool) {
                                        self->End(grpc::Status(grpc::StatusCode::UNAVAILABLE, what));
                                      });
     return;
   }
-  End(grpc::Status(status.error_code(), absl::StrCat(decode_->name(), ": ", status.error_message())));
+  End(grpc::Status(status.error_code(), WorkerError(*decode_, status, prepared_.request_id)));
 }
 
 bool RouterService::GenerateCall::Interrupted() const {
@@ -866,6 +878,10 @@ uint64_t RouterService::NewTransferId() {
 
 absl::StatusOr<RouterService::Prepared> RouterService::Prepare(const v1::GenerateRequest& request) const {
   DUET_RETURN_IF_ERROR(CheckRequestIdLength(request.request_id()));
+  if (const size_t bytes = request.ByteSizeLong(); bytes > kMaxGenerateRequestBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("the request is too large: ", bytes, " bytes, more than ",
+                                                   kMaxGenerateRequestBytes));
+  }
   Prepared prepared;
   switch (request.prompt_case()) {
     case v1::GenerateRequest::kText:

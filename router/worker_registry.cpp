@@ -18,6 +18,7 @@ Worker::Worker(WorkerRole role, int index, std::string address, std::shared_ptr<
       index_(index),
       address_(std::move(address)),
       name_(absl::StrCat(RoleName(role), " worker ", index, " (", address_, ")")),
+      label_(absl::StrCat(RoleName(role), " worker ", index)),
       channel_(std::move(channel)),
       static_(is_static) {
   if (role_ == WorkerRole::kPrefill) {

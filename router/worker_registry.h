@@ -52,8 +52,10 @@ class Worker {
   WorkerRole role() const { return role_; }
   int index() const { return index_; }  // its number in its role, in the order the registry learned of it
   const std::string& address() const { return address_; }
-  // "decode worker 1 (127.0.0.1:5001)", for messages.
+  // "decode worker 1 (127.0.0.1:5001)", for the log.
   const std::string& name() const { return name_; }
+  // "decode worker 1", for messages to clients (which are not told the cluster's addresses).
+  const std::string& label() const { return label_; }
 
   // The connection, for calls the stubs do not make (e.g. reading replies as raw bytes).
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
@@ -78,6 +80,7 @@ class Worker {
   const int index_;
   const std::string address_;
   const std::string name_;
+  const std::string label_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::PrefillWorker::Stub> prefill_stub_;
   std::unique_ptr<v1::DecodeWorker::Stub> decode_stub_;

@@ -109,6 +109,7 @@ TEST(WorkerRegistryTest, InFlightGuard) {
   }
   EXPECT_EQ(worker->in_flight(), 0);
   EXPECT_EQ(worker->name(), "prefill worker 0 (127.0.0.1:1)");
+  EXPECT_EQ(worker->label(), "prefill worker 0");
 }
 
 }  // namespace

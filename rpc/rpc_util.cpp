@@ -107,7 +107,8 @@ std::vector<std::pair<std::string, int>> KeepaliveServerArgs() {
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& address,
                                                           const std::vector<grpc::Service*>& services,
                                                           int* bound_port,
-                                                          std::shared_ptr<grpc::ServerCredentials> credentials) {
+                                                          std::shared_ptr<grpc::ServerCredentials> credentials,
+                                                          int max_receive_message_bytes) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -115,6 +116,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& add
   // gRPC sets SO_REUSEPORT by default, so a second server on a taken port would listen beside the
   // first and share its connections silently: a taken port is an error instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  if (max_receive_message_bytes > 0) builder.SetMaxReceiveMessageSize(max_receive_message_bytes);
   builder.AddListeningPort(address, credentials != nullptr ? credentials : grpc::InsecureServerCredentials(),
                            bound_port);
   for (grpc::Service* service : services) builder.RegisterService(service);

@@ -13,6 +13,7 @@ PACKAGES=(
   prometheus curl iproute2
   # deploy/tests: Helm's template engine (Go text/template + sprig) and values schema check
   golang-go golang-github-masterminds-sprig-dev golang-k8s-sigs-yaml-dev golang-github-xeipuuv-gojsonschema-dev
+  clang libclang-rt-14-dev  # libFuzzer builds of tests/fuzz (a CMake build with CXX=clang++)
 )
 
 missing=()

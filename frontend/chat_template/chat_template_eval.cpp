@@ -489,7 +489,8 @@ class Interpreter {
       if (args.positional.size() > params.size()) {
         Fail(absl::StrCat("macro '", name, "' takes at most ", params.size(), " argument(s)"));
       }
-      for (const auto& [key, unused] : args.keyword) {
+      for (const auto& keyword : args.keyword) {
+        const auto& key = keyword.first;  // a structured binding cannot be captured before clang 16
         bool known = std::any_of(params.begin(), params.end(), [&](const ExprPtr& p) { return p->name == key; });
         if (!known) Fail(absl::StrCat("macro '", name, "' has no parameter '", key, "'"));
       }

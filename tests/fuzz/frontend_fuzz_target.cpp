@@ -1,0 +1,289 @@
+// libFuzzer entry point for what the router parses from clients and peers. The first input byte
+// picks the parser, the rest is its input:
+//   0 POST /v1/completions body     1 POST /v1/chat/completions body (the model's chat template)
+//   2 POST /tokenize body           3 POST /detokenize body
+//   4 HTTP/1.x request bytes (Beast's parser with the HTTP server's limits)
+//   5 KV layout descriptor (kvtransfer::KvLayout::Deserialize)
+//   6 tokenizer.json (loaded, then encodes and decodes a sample)
+//   7 chat template source (parsed, then rendered with a conversation)
+// Whatever the bytes, a parser must return a status, never crash, and what it accepts must
+// satisfy the invariants checked below.
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <boost/beast/core/buffers_to_string.hpp>
+#include <boost/beast/http/parser.hpp>
+#include <boost/beast/http/string_body.hpp>
+
+#include "common/check.h"
+#include "frontend/chat_template/chat_template.h"
+#include "frontend/tokenizer/tokenizer.h"
+#include "kvtransfer/kv_layout.h"
+#include "nlohmann/json.hpp"
+#include "router/openai_protocol.h"
+#include "tests/fuzz/mutation_driver.h"
+
+namespace duet {
+namespace {
+
+namespace http = boost::beast::http;
+using router::openai::Json;
+
+constexpr int kTargets = 8;
+const std::string kModelDir = std::string(DUET_MODELS_DIR) + "/tiny-code-llama";
+
+struct Model {
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::unique_ptr<LoadedChatTemplate> chat;
+  router::openai::ProtocolContext context;
+};
+
+const Model& TheModel() {
+  static const Model* model = [] {
+    auto* m = new Model();
+    absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(kModelDir);
+    DUET_CHECK_MSG(tokenizer.ok(), "the fuzz model's tokenizer");
+    m->tokenizer = *std::move(tokenizer);
+    absl::StatusOr<LoadedChatTemplate> chat = LoadChatTemplate(kModelDir);
+    DUET_CHECK_MSG(chat.ok(), "the fuzz model's chat template");
+    m->chat = std::make_unique<LoadedChatTemplate>(*std::move(chat));
+    m->context.model_name = "tiny-code-llama";
+    m->context.tokenizer = m->tokenizer.get();
+    m->context.chat = m->chat.get();
+    m->context.max_model_len = 2048;
+    return m;
+  }();
+  return *model;
+}
+
+void CheckError(const absl::Status& status) {
+  DUET_CHECK(!status.ok() && !status.message().empty());
+  const router::openai::ApiError error = router::openai::ToApiError(status);
+  DUET_CHECK(error.status >= 400 && error.status < 600);
+  DUET_CHECK(Json::parse(router::openai::ErrorBody(error), nullptr, /*allow_exceptions=*/false).is_object());
+}
+
+void CheckRequest(const std::string& body, bool chat) {
+  const Model& model = TheModel();
+  absl::StatusOr<router::openai::ParsedRequest> parsed = chat
+                                                             ? router::openai::ParseChatRequest(body, model.context)
+                                                             : router::openai::ParseCompletionRequest(body, model.context);
+  if (!parsed.ok()) return CheckError(parsed.status());
+  DUET_CHECK(!parsed->prompts.empty() && parsed->n >= 1 && parsed->chat == chat);
+  for (const router::openai::PromptInput& prompt : parsed->prompts) {
+    // Chat: the rendered conversation's token ids. Completions' token ids are checked against
+    // the vocabulary by the router service.
+    if (chat) {
+      DUET_CHECK(!prompt.is_text && !prompt.token_ids.empty());
+      for (int32_t id : prompt.token_ids) DUET_CHECK(id >= 0 && id < model.tokenizer->vocab_size());
+    }
+  }
+}
+
+void CheckTokenize(const std::string& body, bool tokenize) {
+  const Model& model = TheModel();
+  absl::StatusOr<Json> out = tokenize ? router::openai::Tokenize(body, model.context)
+                                      : router::openai::Detokenize(body, model.context);
+  if (!out.ok()) return CheckError(out.status());
+  if (tokenize) {
+    DUET_CHECK((*out)["count"].get<size_t>() == (*out)["tokens"].size());
+  } else {
+    DUET_CHECK((*out)["prompt"].is_string());
+  }
+  (void)out->dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+// As router/http_server.cpp reads a request: header limit, body limit, bytes as they come.
+void CheckHttpRequest(const std::string& bytes) {
+  constexpr size_t kBodyLimit = 1 << 16;
+  size_t offset = 0;
+  while (offset < bytes.size()) {
+    http::request_parser<http::string_body> parser;
+    parser.header_limit(1 << 14);
+    parser.body_limit(kBodyLimit);
+    parser.eager(true);
+    boost::system::error_code ec;
+    while (offset < bytes.size() && !parser.is_done() && !ec) {
+      // Fed in pieces of up to 7 bytes, like a slow client.
+      const size_t piece = std::min<size_t>(bytes.size() - offset, 1 + (bytes[offset] & 7));
+      offset += parser.put(boost::asio::buffer(bytes.data() + offset, piece), ec);
+      if (ec == http::error::need_more) {
+        ec = {};
+        // A piece too short to make progress: give it the rest.
+        if (offset < bytes.size()) {
+          offset += parser.put(boost::asio::buffer(bytes.data() + offset, bytes.size() - offset), ec);
+          if (ec == http::error::need_more) return;
+        }
+      }
+    }
+    if (ec || !parser.is_done()) return;
+    const http::request<http::string_body>& message = parser.get();
+    DUET_CHECK(message.body().size() <= kBodyLimit);
+    (void)std::string(message.target());
+    (void)message.keep_alive();
+    (void)message.version();
+  }
+}
+
+void CheckKvLayout(const std::string& bytes) {
+  absl::StatusOr<kvtransfer::KvLayout> layout = kvtransfer::KvLayout::Deserialize(bytes);
+  if (!layout.ok()) {
+    DUET_CHECK(!layout.status().message().empty());
+    return;
+  }
+  DUET_CHECK(layout->Validate().ok());
+  absl::StatusOr<kvtransfer::KvLayout> again = kvtransfer::KvLayout::Deserialize(layout->Serialize());
+  DUET_CHECK(again.ok() && *again == *layout);
+  absl::StatusOr<kvtransfer::LayoutMatch> match = kvtransfer::CheckCompatible(*layout, *layout);
+  DUET_CHECK(match.ok() && *match == kvtransfer::LayoutMatch::kSameShape);
+  (void)layout->DebugString();
+}
+
+void CheckTokenizerJson(const std::string& text) {
+  static const std::string path = [] {
+    char name[] = "/tmp/duet_fuzz_tokenizer_XXXXXX";
+    const int fd = mkstemp(name);
+    DUET_CHECK(fd >= 0);
+    close(fd);
+    return std::string(name);
+  }();
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << text;
+  }
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromFile(path);
+  if (!tokenizer.ok()) {
+    DUET_CHECK(!tokenizer.status().message().empty());
+    return;
+  }
+  const std::vector<int32_t> ids = (*tokenizer)->Encode("Hello, wörld! def f(x):\n\treturn x  <s> 123", true);
+  for (int32_t id : ids) DUET_CHECK(id >= 0 && id < (*tokenizer)->vocab_size());
+  (void)(*tokenizer)->Decode(ids, /*skip_special_tokens=*/false);
+  (void)(*tokenizer)->Decode(ids, /*skip_special_tokens=*/true);
+}
+
+void CheckChatTemplate(const std::string& source) {
+  absl::StatusOr<ChatTemplate> parsed = ChatTemplate::Parse(source);
+  if (!parsed.ok()) {
+    DUET_CHECK(!parsed.status().message().empty());
+    return;
+  }
+  static const nlohmann::ordered_json context = nlohmann::ordered_json::parse(R"({
+    "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                 {"role": "assistant", "content": "hello"}, {"role": "user", "content": [{"type": "text", "text": "x"}]}],
+    "add_generation_prompt": true, "bos_token": "<s>", "eos_token": "</s>", "tools": null})");
+  absl::StatusOr<std::string> rendered = parsed->Render(context);
+  if (!rendered.ok()) DUET_CHECK(!rendered.status().message().empty());
+}
+
+std::string ReadFileOrEmpty(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The model's tokenizer.json cut to its first `max_id` tokens and the merges among them.
+std::string SmallTokenizerJson(const std::string& full, int max_id) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::parse(full, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("model")) return "";
+  nlohmann::ordered_json vocab = nlohmann::ordered_json::object();
+  for (auto& [token, id] : j["model"]["vocab"].items()) {
+    if (id.get<int>() < max_id) vocab[token] = id;
+  }
+  nlohmann::ordered_json merges = nlohmann::ordered_json::array();
+  for (const auto& merge : j["model"]["merges"]) {
+    std::string a, b;
+    if (merge.is_string()) {
+      const std::string m = merge.get<std::string>();
+      const size_t space = m.find(' ');
+      if (space == std::string::npos) continue;
+      a = m.substr(0, space);
+      b = m.substr(space + 1);
+    } else if (merge.is_array() && merge.size() == 2) {
+      a = merge[0].get<std::string>();
+      b = merge[1].get<std::string>();
+    }
+    if (vocab.contains(a) && vocab.contains(b) && vocab.contains(a + b)) merges.push_back(merge);
+  }
+  j["model"]["vocab"] = vocab;
+  j["model"]["merges"] = merges;
+  nlohmann::ordered_json added = nlohmann::ordered_json::array();
+  for (const auto& t : j["added_tokens"]) {
+    if (t["id"].get<int>() < max_id) added.push_back(t);
+  }
+  j["added_tokens"] = added;
+  return j.dump();
+}
+
+}  // namespace
+
+namespace fuzz {
+
+std::vector<std::string> Seeds() {
+  std::vector<std::string> seeds;
+  auto add = [&](int target, const std::string& payload) { seeds.push_back(std::string(1, char(target)) + payload); };
+  add(0, R"({"model":"tiny-code-llama","prompt":"def f(x):","max_tokens":8,"temperature":0.7,"top_p":0.9,"stop":["\n\n"],"seed":3})");
+  add(0, R"({"prompt":[[1,2,3],[4,5]],"n":2,"logprobs":2,"echo":false,"stream":true,"stream_options":{"include_usage":true}})");
+  add(0, R"({"prompt":["a","b"],"max_tokens":1,"frequency_penalty":0.5,"presence_penalty":-0.5,"repetition_penalty":1.1,"top_k":5,"min_p":0.1,"ignore_eos":true,"request_id":"r1"})");
+  add(1, R"({"model":"tiny-code-llama","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"hi"}],"max_tokens":4,"logprobs":true,"top_logprobs":2})");
+  add(1, R"({"messages":[{"role":"user","content":[{"type":"text","text":"hello"}]},{"role":"assistant","content":"yes"},{"role":"user","content":"more"}],"stream":true,"max_completion_tokens":3,"stop":"x"})");
+  add(2, R"({"prompt":"hello world <|begin_of_text|>","add_special_tokens":true})");
+  add(2, R"({"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":true})");
+  add(3, R"({"tokens":[0,1,2,100,8000]})");
+  add(4, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 13\r\n\r\n{\"prompt\":1}\n"
+         "GET /health HTTP/1.0\r\n\r\n");
+  add(4, "POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: keep-alive\r\n\r\n"
+         "5\r\nhello\r\n0\r\n\r\n");
+  kvtransfer::KvLayout layout;
+  layout.num_layers = 2;
+  layout.block_size = 16;
+  layout.num_kv_heads = 4;
+  layout.head_dim = 64;
+  layout.dtype = kvtransfer::KvDtype::kBFloat16;
+  add(5, layout.Serialize());
+  layout.dtype = kvtransfer::KvDtype::kFloat32;
+  layout.block_size = 1;
+  add(5, layout.Serialize());
+  const std::string tokenizer_json = ReadFileOrEmpty(kModelDir + "/tokenizer.json");
+  const std::string small = SmallTokenizerJson(tokenizer_json, 400);
+  if (!small.empty()) add(6, small);
+  add(6, tokenizer_json);
+  add(7, kFallbackChatTemplate);
+  const std::string config = ReadFileOrEmpty(kModelDir + "/tokenizer_config.json");
+  const nlohmann::json j = nlohmann::json::parse(config, nullptr, /*allow_exceptions=*/false);
+  if (j.is_object() && j.contains("chat_template") && j["chat_template"].is_string()) {
+    add(7, j["chat_template"].get<std::string>());
+  }
+  add(7, "{% for m in messages %}{{ loop.index }}:{{ m.role|upper }}={{ m.content if m.content is string else "
+         "m.content|tojson }}{% if not loop.last %}, {% endif %}{% endfor %}{% set x = [1, 2] %}{{ x|length }}"
+         "{{ bos_token ~ (eos_token|default('?')) }}{% if tools is none %}-{% elif tools %}t{% endif %}");
+  return seeds;
+}
+
+}  // namespace fuzz
+}  // namespace duet
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size == 0) return 0;
+  const std::string payload(reinterpret_cast<const char*>(data) + 1, size - 1);
+  switch (data[0] % duet::kTargets) {
+    case 0: duet::CheckRequest(payload, /*chat=*/false); break;
+    case 1: duet::CheckRequest(payload, /*chat=*/true); break;
+    case 2: duet::CheckTokenize(payload, /*tokenize=*/true); break;
+    case 3: duet::CheckTokenize(payload, /*tokenize=*/false); break;
+    case 4: duet::CheckHttpRequest(payload); break;
+    case 5: duet::CheckKvLayout(payload); break;
+    case 6: duet::CheckTokenizerJson(payload); break;
+    default: duet::CheckChatTemplate(payload); break;
+  }
+  return 0;
+}
