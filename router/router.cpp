@@ -124,7 +124,8 @@ class RouterImpl : public Router {
                                  ? absl::StrCat("[", options.host, "]")
                                  : options.host;
     absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-        rpc::StartServer(absl::StrCat(host, ":", options.port), {grpc_service}, &port_, nullptr, kMaxGrpcReceiveBytes);
+        rpc::StartServer(absl::StrCat(host, ":", options.port), {grpc_service}, &port_, nullptr, kMaxGrpcReceiveBytes,
+                         &reflection_v1_);
     if (!server.ok()) {
       registry_->Stop();
       return server.status();
@@ -202,6 +203,7 @@ class RouterImpl : public Router {
   std::unique_ptr<WorkerRegistry> registry_;
   std::unique_ptr<AssignmentPolicy> policy_;
   std::unique_ptr<RouterService> service_;
+  rpc::ReflectionV1Relay reflection_v1_;  // before the server: outlives it
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<metrics::HttpExporter> exporter_;
   std::unique_ptr<ApiKeyDuetService> api_key_service_;

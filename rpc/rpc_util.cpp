@@ -108,7 +108,8 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& add
                                                           const std::vector<grpc::Service*>& services,
                                                           int* bound_port,
                                                           std::shared_ptr<grpc::ServerCredentials> credentials,
-                                                          int max_receive_message_bytes) {
+                                                          int max_receive_message_bytes,
+                                                          ReflectionV1Relay* reflection_v1) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -120,10 +121,12 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(const std::string& add
   builder.AddListeningPort(address, credentials != nullptr ? credentials : grpc::InsecureServerCredentials(),
                            bound_port);
   for (grpc::Service* service : services) builder.RegisterService(service);
+  if (reflection_v1 != nullptr) builder.RegisterCallbackGenericService(reflection_v1);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || *bound_port == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
   }
+  if (reflection_v1 != nullptr) reflection_v1->SetServer(server.get());
   return server;
 }
 

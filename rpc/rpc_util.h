@@ -16,6 +16,7 @@
 #include "engine/sampling_params.h"
 #include "grpcpp/grpcpp.h"
 #include "metrics/vllm_metrics.h"
+#include "rpc/reflection_v1.h"
 
 namespace duet::rpc {
 
@@ -42,12 +43,14 @@ void RecordEngineStats(const EngineStats& stats, metrics::DuetMetrics& metrics, 
 std::vector<std::pair<std::string, int>> KeepaliveServerArgs();
 
 // Starts a server on `address` ("host:port"; port 0 picks a free one) with the given services,
-// grpc.health.v1 health checking and server reflection. `bound_port` receives the real port.
-// `credentials`: how the port admits calls (null: insecure, every call; a worker passes its
-// WorkerCallGate's, rpc/internal_auth.h). `max_receive_message_bytes` > 0: the largest message
-// it takes (else gRPC's default, 4 MiB).
+// grpc.health.v1 health checking and server reflection (v1alpha; v1 too through `reflection_v1`,
+// which must outlive the server). `bound_port` receives the real port. `credentials`: how the
+// port admits calls (null: insecure, every call; a worker passes its WorkerCallGate's,
+// rpc/internal_auth.h). `max_receive_message_bytes` > 0: the largest message it takes (else
+// gRPC's default, 4 MiB).
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartServer(
     const std::string& address, const std::vector<grpc::Service*>& services, int* bound_port,
-    std::shared_ptr<grpc::ServerCredentials> credentials = nullptr, int max_receive_message_bytes = 0);
+    std::shared_ptr<grpc::ServerCredentials> credentials = nullptr, int max_receive_message_bytes = 0,
+    ReflectionV1Relay* reflection_v1 = nullptr);
 
 }  // namespace duet::rpc

@@ -84,8 +84,9 @@ int Serve(const WorkerServeOptions& options, const std::function<absl::StatusOr<
   }
   int port = 0;
   rpc::WorkerCallGate gate(options.internal_token);  // outlives the server
-  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      rpc::StartServer(HostPort(options.host, options.port), {served->service}, &port, gate.Credentials());
+  rpc::ReflectionV1Relay reflection_v1;              // too
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server = rpc::StartServer(
+      HostPort(options.host, options.port), {served->service}, &port, gate.Credentials(), 0, &reflection_v1);
   if (!server.ok()) {
     DUET_LOG(ERROR) << role << ": " << server.status();
     return 1;
