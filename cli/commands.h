@@ -35,6 +35,10 @@ struct ServeOptions {
   std::string api_key_file;  // else the key from this file, else DUET_API_KEY (cli/api_key.h)
   bool api_key_on_health_and_metrics = false;
   int max_concurrent_requests = 256;
+  int max_queued_requests = 1024;
+  // Workers' /metrics: decode worker i on metrics_port + i, prefill worker j on metrics_port + M + j;
+  // 0: free ports; -1: none.
+  int metrics_port = -1;
   bool kv_checksums = false;  // passed to every worker (--kv-checksums)
   int prefill_sp_ranks = 1;   // sequence-parallel ranks of each prefill worker (--sp-ranks there)
   int shutdown_grace_seconds = 30;  // on SIGTERM/SIGINT: how long running requests may take to finish

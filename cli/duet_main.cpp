@@ -55,8 +55,16 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--api-key-file", serve.api_key_file, duet::kApiKeyFileHelp);
   serve_cmd->add_flag("--api-key-on-health-and-metrics", serve.api_key_on_health_and_metrics,
                       duet::kApiKeyOnHealthHelp);
-  serve_cmd->add_option("--max-concurrent-requests", serve.max_concurrent_requests, "Admission limit at the router")
+  serve_cmd->add_option("--max-concurrent-requests", serve.max_concurrent_requests,
+                        "Requests placed on workers at once; more wait in the router's queue")
       ->check(CLI::Range(1, 1 << 20));
+  serve_cmd->add_option("--max-queued-requests", serve.max_queued_requests,
+                        "Requests waiting beyond --max-concurrent-requests; more get HTTP 429 with Retry-After")
+      ->check(CLI::Range(0, 1 << 20));
+  serve_cmd->add_option("--metrics-port", serve.metrics_port,
+                        "Prometheus /metrics of the workers: decode worker i on P+i, prefill worker j on P+M+j "
+                        "(M decode workers; 0: free ports, announced; -1: off). The router's are on --http-port")
+      ->check(CLI::Range(-1, 65535));
   serve_cmd->add_option("--shutdown-grace-seconds", serve.shutdown_grace_seconds,
                         "On SIGTERM/SIGINT: how long running requests may take to finish while new ones get "
                         "UNAVAILABLE / HTTP 503 (default 30)")

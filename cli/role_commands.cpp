@@ -50,7 +50,12 @@ RoleCommands::RoleCommands(CLI::App& app) {
                           "How often --prefill-service / --decode-service are resolved again (default 2000)")
       ->check(CLI::Range(100, 3600000));
   router_cmd_->add_option("--max-concurrent-requests", router_.max_concurrent_requests,
-                          "In-flight requests before RESOURCE_EXHAUSTED")->check(CLI::Range(1, 1 << 20));
+                          "Requests placed on workers at once; more wait in the router's queue")
+      ->check(CLI::Range(1, 1 << 20));
+  router_cmd_->add_option("--max-queued-requests", router_.max_queued_requests,
+                          "Requests waiting beyond --max-concurrent-requests; more get RESOURCE_EXHAUSTED "
+                          "(HTTP 429 with Retry-After)")
+      ->check(CLI::Range(0, 1 << 20));
   router_cmd_->add_option("--max-model-len", router_.max_model_len, "Context limit (default: the model's)");
   router_cmd_->add_option("--kv-lease-ms", router_.kv_lease_ms, "How long a KV reservation waits for its decode call")
       ->check(CLI::Range(100, 3600000));

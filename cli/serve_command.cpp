@@ -10,7 +10,9 @@
 //   - SIGINT/SIGTERM drains: the router turns new requests away while the running ones finish
 //     (up to --shutdown-grace-seconds; a second signal cuts it short), then the workers stop and
 //     serve exits 0.
-// Each worker is announced once ready as `DUET_WORKER role=<role> index=<i> pid=<pid> port=<port>`.
+// Each worker is announced once ready as `DUET_WORKER role=<role> index=<i> pid=<pid> port=<port>`
+// (and ` metrics_port=<port>` with --metrics-port). The router's metrics are on its HTTP port only,
+// so a Prometheus scraping that port and every worker's metrics port counts each thing once.
 #include <signal.h>
 #include <unistd.h>
 
@@ -36,6 +38,7 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kStartTimeout = std::chrono::seconds(180);
 constexpr char kReady[] = "DUET_READY port=";
 constexpr char kHttpReady[] = "DUET_HTTP_READY port=";
+constexpr char kMetricsReady[] = "DUET_METRICS_READY port=";
 constexpr auto kFirstBackoff = std::chrono::milliseconds(500);
 constexpr auto kMaxBackoff = std::chrono::seconds(30);
 constexpr auto kHealthyAfter = std::chrono::seconds(60);  // up this long: the backoff starts over
@@ -84,8 +87,10 @@ std::string Seconds(Clock::duration d) {
 // One worker process of the cluster, kept running.
 class WorkerSlot {
  public:
-  WorkerSlot(std::string role, int index, std::vector<std::string> argv, const Subprocess::Environment* env)
-      : role_(std::move(role)), index_(index), argv_(std::move(argv)), env_(env) {}
+  // `metrics_port`: its /metrics port (0: a free one; -1: none).
+  WorkerSlot(std::string role, int index, std::vector<std::string> argv, const Subprocess::Environment* env,
+             int metrics_port)
+      : role_(std::move(role)), index_(index), argv_(std::move(argv)), env_(env), metrics_port_(metrics_port) {}
 
   int port() const { return port_; }
   std::string name() const { return absl::StrCat(role_, " worker ", index_, " (port ", port_, ")"); }
@@ -95,14 +100,20 @@ class WorkerSlot {
     absl::StatusOr<std::unique_ptr<Subprocess>> proc = Subprocess::Start(Argv(0), *env_);
     if (!proc.ok()) return proc.status();
     proc_ = *std::move(proc);
-    absl::StatusOr<std::string> port = proc_->WaitForLine(kReady, kStartTimeout);
+    // A worker announces its metrics port (when it has one) before its gRPC port.
+    absl::StatusOr<std::string> metrics_port =
+        metrics_port_ >= 0 ? proc_->WaitForLine(kMetricsReady, kStartTimeout) : absl::StatusOr<std::string>("");
+    absl::StatusOr<std::string> port = metrics_port.ok() ? proc_->WaitForLine(kReady, kStartTimeout) : metrics_port;
     if (!port.ok()) {
       return absl::UnavailableError(absl::StrCat(role_, " worker ", index_, " did not start: ", port.status().message()));
     }
     port_ = std::atoi(port->c_str());
     state_ = State::kRunning;
     since_ = Clock::now();
-    std::printf("DUET_WORKER role=%s index=%d pid=%d port=%d\n", role_.c_str(), index_, int(proc_->pid()), port_);
+    if (metrics_port_ >= 0) metrics_port_ = std::atoi(metrics_port->c_str());  // restarts keep it
+    const std::string metrics = metrics_port_ >= 0 ? absl::StrCat(" metrics_port=", metrics_port_) : "";
+    std::printf("DUET_WORKER role=%s index=%d pid=%d port=%d%s\n", role_.c_str(), index_, int(proc_->pid()), port_,
+                metrics.c_str());
     std::fflush(stdout);
     return absl::OkStatus();
   }
@@ -163,6 +174,7 @@ class WorkerSlot {
   std::vector<std::string> Argv(int port) const {
     std::vector<std::string> argv = argv_;
     argv.insert(argv.begin() + 2, {"--port", std::to_string(port)});
+    if (metrics_port_ >= 0) argv.insert(argv.begin() + 2, {"--metrics-port", std::to_string(metrics_port_)});
     return argv;
   }
   void Backoff(Clock::time_point now) {
@@ -175,6 +187,7 @@ class WorkerSlot {
   const int index_;
   const std::vector<std::string> argv_;  // {self, subcommand, flags...}: --port goes after the subcommand
   const Subprocess::Environment* const env_;
+  int metrics_port_;
   std::unique_ptr<Subprocess> proc_;
   int port_ = 0;
   State state_ = State::kWaiting;
@@ -229,7 +242,10 @@ int RunServe(const ServeOptions& options) {
         argv.insert(argv.end(), {"--sp-ranks", std::to_string(sp_ranks), "--sp-min-tokens",
                                  std::to_string(options.engine.sequence_parallel.min_tokens)});
       }
-      workers.push_back(std::make_unique<WorkerSlot>(role, i, std::move(argv), &env));
+      // Decode workers first, then prefill workers, on consecutive metrics ports.
+      const int metrics_port = options.metrics_port <= 0 ? options.metrics_port
+                                                         : options.metrics_port + int(workers.size());
+      workers.push_back(std::make_unique<WorkerSlot>(role, i, std::move(argv), &env, metrics_port));
       if (absl::Status started = workers.back()->StartFirst(); !started.ok()) {
         DUET_LOG(ERROR) << started.message();
         stop_workers();
@@ -243,6 +259,7 @@ int RunServe(const ServeOptions& options) {
                                           "--prefill", absl::StrJoin(prefill_addresses, ","),
                                           "--decode", absl::StrJoin(decode_addresses, ","),
                                           "--max-concurrent-requests", std::to_string(options.max_concurrent_requests),
+                                          "--max-queued-requests", std::to_string(options.max_queued_requests),
                                           "--http-port", std::to_string(options.http_port),
                                           "--shutdown-grace-seconds", grace};
   if (options.api_key_on_health_and_metrics) router_argv.push_back("--api-key-on-health-and-metrics");

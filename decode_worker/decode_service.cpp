@@ -55,7 +55,6 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(std::unique
   }
   std::unique_ptr<DecodeService> service(new DecodeService(std::move(engine), options));
   DecodeService* self = service.get();
-  service->kv_token_bytes_ = KvTokenBytes(pools->memory.layout);
   service->staging_ = std::move(pools->staging);
   service->device_kv_ = std::move(pools->device);
   kvtransfer::ReceiverCallbacks callbacks;
@@ -82,10 +81,13 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(std::unique
 DecodeService::DecodeService(std::unique_ptr<LlmEngine> engine, DecodeServiceOptions options)
     : options_(options),
       block_size_(engine->config().block_size),
-      metrics_(std::make_unique<metrics::DuetMetrics>(metrics_registry_, ServedModelName(options.model_name, engine->config().model_dir),
-                                                      metrics::Role::kDecode,
-                                                      engine->config().scheduler.max_model_len)),
-      loop_(std::make_unique<EngineLoop>(std::move(engine))) {}
+      metrics_(std::make_unique<metrics::DecodeMetrics>(metrics_registry_,
+                                                        ServedModelName(options.model_name, engine->config().model_dir))) {
+  metrics_->SetCacheConfig(rpc::CacheConfigOf(*engine));
+  loop_ = std::make_unique<EngineLoop>(std::move(engine), nullptr, [this](int64_t num_tokens) {
+    metrics_->iteration_tokens_total.Observe(double(num_tokens));
+  });
+}
 
 DecodeService::~DecodeService() {
   timer_.Stop();  // no claim expires and no Decode wait ends from here on
@@ -128,7 +130,6 @@ void DecodeService::EndLocked(Reservation& r, absl::Status why) {
 
 void DecodeService::MarkReceivedLocked(const std::shared_ptr<Reservation>& held) {
   Reservation& r = *held;
-  metrics_->kv_transfer_bytes.Observe(double(r.num_tokens) * double(kv_token_bytes_));
   // The receiver committed the lease: the blocks are ours until Decode claims them.
   r.state = ReservationState::kReceived;
   r.claim_timer = timer_.Schedule(absl::Now() + r.lease, [this, held] { ExpireClaim(held); });
@@ -162,8 +163,6 @@ bool DecodeService::Unstage(uint64_t transfer_id, kvtransfer::MemoryKind landed,
 }
 
 void DecodeService::OnRequestDone(uint64_t transfer_id, const absl::Status& status, kvtransfer::MemoryKind landed) {
-  // Our own cancellations (Abort, a Decode call that gave up) are not transfer failures.
-  if (!status.ok() && status.code() != absl::StatusCode::kCancelled) metrics_->kv_transfer_failures.Inc();
   absl::Status unstaged = absl::OkStatus();
   if (status.ok() && staging_ != nullptr && !Unstage(transfer_id, landed, &unstaged)) return;
   absl::MutexLock lock(&mu_);
@@ -172,7 +171,6 @@ void DecodeService::OnRequestDone(uint64_t transfer_id, const absl::Status& stat
   Reservation& r = *it->second;
   if (r.state != ReservationState::kTransferring) return;
   if (!unstaged.ok()) {
-    metrics_->kv_transfer_failures.Inc();
     EndLocked(r, absl::InternalError(absl::StrCat("copying the KV of request '", r.request_id,
                                                   "' from staging into the cache failed: ", unstaged.message())));
   } else if (status.ok()) {
@@ -419,17 +417,15 @@ class DecodeService::DecodeCall final : public grpc::ServerWriteReactor<v1::Gene
   DecodeService* const service_;
   const v1::DecodeRequest request_;
   const std::vector<int32_t> prompt_;
-  const std::chrono::steady_clock::time_point arrival_ = std::chrono::steady_clock::now();
   std::shared_ptr<DecodeCall> self_;  // the server call's reference, dropped in OnDone
   SamplingParams params_;
   std::shared_ptr<Reservation> reservation_;
   DeadlineTimer::Id wait_timer_ = 0;
 
-  // Engine thread only (`finish_reason_` is read once its message is written).
+  // Engine thread only.
   int32_t num_output_tokens_ = 0;
-  FinishReason finish_reason_ = FinishReason::kNone;
   bool prompt_echoed_ = false;
-  std::chrono::steady_clock::time_point joined_at_{}, last_token_at_{};
+  std::chrono::steady_clock::time_point joined_at_{};
 
   absl::Mutex mu_;
   Stage stage_ ABSL_GUARDED_BY(mu_) = Stage::kWaiting;
@@ -543,7 +539,7 @@ void DecodeService::DecodeCall::Join(LlmEngine& engine) {
     engine.ReleaseKv(reservation_->seq);  // not taken by a request
     return End(rpc::ToGrpc(out.status()));
   }
-  joined_at_ = last_token_at_ = std::chrono::steady_clock::now();
+  joined_at_ = std::chrono::steady_clock::now();
   OnOutput(*out);
   if (out->finished) {
     engine.Release(id);
@@ -563,12 +559,6 @@ grpc::Status DecodeService::DecodeCall::WaitFailure(const absl::Status& why) {
 }
 
 void DecodeService::DecodeCall::OnOutput(const RequestOutput& out) {
-  if (!out.new_token_ids.empty() && num_output_tokens_ > 0) {
-    // Inter-token latency as the engine produces tokens, one per step.
-    const auto now = std::chrono::steady_clock::now();
-    service_->metrics_->inter_token_latency_seconds.Observe(std::chrono::duration<double>(now - last_token_at_).count());
-    last_token_at_ = now;
-  }
   if (out.finish_reason == FinishReason::kError) {
     return End(Error(grpc::StatusCode::INTERNAL,
                      absl::StrCat("request '", request_.request_id(), "' failed: ", out.error)));
@@ -590,7 +580,6 @@ v1::GenerateResponse DecodeService::DecodeCall::ToMessage(const RequestOutput& o
     prompt_echoed_ = true;
   }
   if (out.finished) {
-    finish_reason_ = out.finish_reason;
     message.mutable_usage()->set_prompt_tokens(int32_t(prompt_.size()));
     message.mutable_usage()->set_completion_tokens(num_output_tokens_);
   }
@@ -648,11 +637,8 @@ void DecodeService::DecodeCall::OnWriteDone(bool ok) {
 }
 
 void DecodeService::DecodeCall::RecordFinished() {
-  metrics::DuetMetrics& m = *service_->metrics_;
-  if (metrics::CountsAsSuccess(finish_reason_)) m.request_success(finish_reason_).Inc();
-  m.request_generation_tokens.Observe(writing_message_.usage().completion_tokens());
-  m.request_decode_time_seconds.Observe(SecondsSince(joined_at_));
-  m.e2e_request_latency_seconds.Observe(SecondsSince(arrival_));
+  // The request's outcome, lengths and latencies are the router's; the decode phase is ours.
+  service_->metrics_->request_decode_time_seconds.Observe(SecondsSince(joined_at_));
 }
 
 // ---- Abort, stats, metrics ----
@@ -689,6 +675,7 @@ void DecodeService::RefreshMetrics() {
   rpc::RecordEngineStats(stats, *metrics_, &preemptions_seen_);
   // Speculative decoding: the engine's cumulative counters, exported as increments.
   const SpecDecodeStats& spec = stats.spec_decode;
+  metrics_->kv_cache_usage_perc.Set(rpc::KvCacheUsage(stats));
   metrics_->spec_decode_num_drafts.Inc(double(spec.num_drafts - spec_seen_.num_drafts));
   metrics_->spec_decode_num_draft_tokens.Inc(double(spec.num_draft_tokens - spec_seen_.num_draft_tokens));
   metrics_->spec_decode_num_accepted_tokens.Inc(double(spec.num_accepted_tokens - spec_seen_.num_accepted_tokens));

@@ -75,7 +75,7 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
   // text exposition; serve it with metrics::HttpExporter. Thread-safe.
   std::string RenderMetrics() ABSL_LOCKS_EXCLUDED(metrics_mu_);
   void RefreshMetrics() ABSL_LOCKS_EXCLUDED(metrics_mu_);
-  const metrics::DuetMetrics& metrics() const { return *metrics_; }
+  const metrics::DecodeMetrics& metrics() const { return *metrics_; }
 
  private:
   class DecodeCall;     // the reactor of one Decode stream
@@ -140,11 +140,10 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
 
   const DecodeServiceOptions options_;
   const int32_t block_size_;
-  int64_t kv_token_bytes_ = 0;  // K and V of one token over all layers
 
   // Before loop_: the engine thread's callbacks use them until the loop stops.
   metrics::Registry metrics_registry_;
-  std::unique_ptr<metrics::DuetMetrics> metrics_;
+  std::unique_ptr<metrics::DecodeMetrics> metrics_;
   absl::Mutex metrics_mu_;
   int64_t preemptions_seen_ ABSL_GUARDED_BY(metrics_mu_) = 0;
   SpecDecodeStats spec_seen_ ABSL_GUARDED_BY(metrics_mu_);  // spec-decode counters already exported

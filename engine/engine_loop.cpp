@@ -4,8 +4,9 @@
 
 namespace duet {
 
-EngineLoop::EngineLoop(std::unique_ptr<LlmEngine> engine, LayerDoneCallback on_layer_done)
-    : engine_(std::move(engine)), on_layer_done_(std::move(on_layer_done)) {
+EngineLoop::EngineLoop(std::unique_ptr<LlmEngine> engine, LayerDoneCallback on_layer_done,
+                       StepDoneCallback on_step_done)
+    : engine_(std::move(engine)), on_layer_done_(std::move(on_layer_done)), on_step_done_(std::move(on_step_done)) {
   stats_ = engine_->Stats();
   thread_ = std::thread([this] { Run(); });
 }
@@ -83,6 +84,7 @@ void EngineLoop::Run() {
       if (!outputs.ok()) {
         DUET_LOG(ERROR) << "engine step failed: " << outputs.status().message();
       } else {
+        if (on_step_done_ && engine_->last_step_num_tokens() > 0) on_step_done_(engine_->last_step_num_tokens());
         for (const RequestOutput& out : *outputs) Deliver(out);
       }
     }

@@ -22,8 +22,11 @@ class EngineLoop {
  public:
   using OutputCallback = std::function<void(const RequestOutput&)>;
 
-  // `on_layer_done` (optional) is passed to every Step.
-  explicit EngineLoop(std::unique_ptr<LlmEngine> engine, LayerDoneCallback on_layer_done = nullptr);
+  // After each step that ran a forward pass, with its number of tokens (on the loop thread).
+  using StepDoneCallback = std::function<void(int64_t num_tokens)>;
+  // `on_layer_done` (optional) is passed to every Step; `on_step_done` (optional) follows each.
+  explicit EngineLoop(std::unique_ptr<LlmEngine> engine, LayerDoneCallback on_layer_done = nullptr,
+                      StepDoneCallback on_step_done = nullptr);
   ~EngineLoop();  // stops the thread; pending closures are dropped
   EngineLoop(const EngineLoop&) = delete;
   EngineLoop& operator=(const EngineLoop&) = delete;
@@ -68,6 +71,7 @@ class EngineLoop {
 
   std::unique_ptr<LlmEngine> engine_;
   LayerDoneCallback on_layer_done_;
+  StepDoneCallback on_step_done_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::function<void(LlmEngine&)>> pending_;  // guarded by mu_

@@ -311,10 +311,12 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
   }
   SchedulerOutput plan = scheduler_.Schedule();
   num_preemptions_ += plan.num_preempted;
+  last_step_num_tokens_ = 0;
   if (plan.empty()) return std::vector<RequestOutput>();
   cache_->CopyBlocks(plan.block_copies);
   DraftScheduled(plan);
   const StepBatch batch = BuildBatch(plan);
+  last_step_num_tokens_ = batch.num_tokens;
   const std::optional<std::vector<DeviceSamplingRow>> device_rows = DeviceSamplingRows(plan, batch);
   const absl::Status forward =
       device_rows ? model_->ForwardSample(batch.chunks, *cache_, *device_rows, device_samples_, on_layer_done)

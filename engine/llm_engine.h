@@ -101,6 +101,8 @@ class LlmEngine {
                                                     const SampledToken& first_token);
   KvCache& kv_cache() { return *cache_; }
   bool HasUnfinished() const { return scheduler_.HasWork(); }
+  // Tokens in the last Step's forward pass (0 when it ran none).
+  int64_t last_step_num_tokens() const { return last_step_num_tokens_; }
   // Work that waits for the engine to idle (indexing finished outputs for lookahead), done in
   // slices short enough not to delay an arriving request; returns whether more remains.
   bool RunIdleWork();
@@ -166,6 +168,7 @@ class LlmEngine {
   std::map<std::string, std::unique_ptr<Request>> requests_;
   SequenceId next_seq_id_ = 1;
   int64_t num_preemptions_ = 0;
+  int64_t last_step_num_tokens_ = 0;
   std::vector<float> logits_;
   std::vector<DeviceSample> device_samples_;
   std::unique_ptr<SpeculativeDecoder> spec_;  // null: no request speculates

@@ -59,13 +59,14 @@ TEST(PrometheusIntegrationTest, RealPrometheusScrapesTheExporter) {
   if (::access(kPrometheus, X_OK) != 0) GTEST_SKIP() << "prometheus not installed";
 
   Registry registry;
-  DuetMetrics router(registry, "tiny", Role::kRouter);
-  DuetMetrics decode(registry, "tiny", Role::kDecode);
-  router.prompt_tokens.Inc(1234);
-  decode.prompt_tokens.Inc(7);
+  RouterMetrics router(registry, "tiny");
+  PrefillMetrics prefill(registry, "tiny");
+  DecodeMetrics decode(registry, "tiny");
+  prefill.prompt_tokens.Inc(1234);
+  prefill.num_requests_waiting.Set(7);
   decode.generation_tokens.Inc(99);
-  decode.time_to_first_token_seconds.Observe(0.05);
-  decode.time_to_first_token_seconds.Observe(0.3);
+  router.time_to_first_token_seconds.Observe(0.05);
+  router.time_to_first_token_seconds.Observe(0.3);
   HttpExporter::Options options;
   options.host = "127.0.0.1";
   auto exporter = HttpExporter::Start(registry, options);
@@ -90,18 +91,18 @@ TEST(PrometheusIntegrationTest, RealPrometheusScrapesTheExporter) {
   std::string router_value, decode_value, ttft_count, gen;
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (std::chrono::steady_clock::now() < deadline) {
-    router_value = QueryValue(prom_port, "duet:prompt_tokens_total", "router");
-    decode_value = QueryValue(prom_port, "duet:prompt_tokens_total", "decode");
+    router_value = QueryValue(prom_port, "duet:prompt_tokens_total", "prefill");
+    decode_value = QueryValue(prom_port, "duet:num_requests_waiting", "prefill");
     if (router_value == "1234" && decode_value == "7") break;
     std::this_thread::sleep_for(std::chrono::milliseconds(250));
   }
-  ttft_count = QueryValue(prom_port, "duet:time_to_first_token_seconds_count", "decode");
+  ttft_count = QueryValue(prom_port, "duet:time_to_first_token_seconds_count", "router");
   gen = QueryValue(prom_port, "duet:generation_tokens_total", "decode");
   // A histogram query over the scraped buckets: both observations are <= 0.5 s.
   std::string le = QueryValue(
-      prom_port, "duet:time_to_first_token_seconds_bucket%7Ble%3D%220.5%22%7D", "decode");
+      prom_port, "duet:time_to_first_token_seconds_bucket%7Ble%3D%220.5%22%7D", "router");
   std::string up = testing::HttpGet(prom_port, "/api/v1/query?query=up").body;
-  std::printf("prometheus: duet:prompt_tokens_total router=%s decode=%s, "
+  std::printf("prometheus: duet:prompt_tokens_total prefill=%s, num_requests_waiting prefill=%s, "
               "generation_tokens_total=%s, ttft count=%s, ttft le=0.5 bucket=%s\nup: %s\n",
               router_value.c_str(), decode_value.c_str(), gen.c_str(), ttft_count.c_str(),
               le.c_str(), up.c_str());

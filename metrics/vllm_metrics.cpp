@@ -1,114 +1,200 @@
 #include "metrics/vllm_metrics.h"
 
+#include <algorithm>
+
+#include "absl/strings/str_format.h"
 #include "common/check.h"
 
 namespace duet::metrics {
 namespace {
 
 const std::vector<std::string> kLabels = {"model_name", "role"};
+const std::vector<std::string> kHttpLabels = {"handler", "method", "status"};
 
 std::vector<std::string> Values(std::string_view model_name, Role role) {
   return {std::string(model_name), std::string(RoleName(role))};
 }
 
+// Label values for an HTTP request. A path the API does not serve is "none" and an unusual
+// method "other", so a scan of random paths cannot grow the registry without bound.
+std::vector<std::string> HttpValues(std::string_view handler, std::string_view method, int status) {
+  bool known_handler = false;
+  for (std::string_view route : {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+                                 "/tokenize", "/detokenize", "/version"}) {
+    known_handler = known_handler || handler == route;
+  }
+  bool known_method = false;
+  for (std::string_view m : {"GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"}) {
+    known_method = known_method || method == m;
+  }
+  return {known_handler ? std::string(handler) : "none", known_method ? std::string(method) : "other",
+          std::to_string(status)};
+}
+
 }  // namespace
 
 // The metric name in the macros below is the member name with "duet:" in front; counters get
-// "_total" appended.
+// "_total" appended. The labels are (model_name, the class's kRole).
 #define DUET_GAUGE(member, help) \
-  member(registry.AddGauge("duet:" #member, help, kLabels).WithLabels(Values(model_name, role)))
-#define DUET_COUNTER(member, help)                                        \
-  member(registry.AddCounter("duet:" #member "_total", help, kLabels)     \
-             .WithLabels(Values(model_name, role)))
-#define DUET_HISTOGRAM(member, help, buckets)                             \
-  member(registry.AddHistogram("duet:" #member, help, kLabels, buckets)   \
-             .WithLabels(Values(model_name, role)))
+  member(registry.AddGauge("duet:" #member, help, kLabels).WithLabels(Values(model_name, kRole)))
+#define DUET_COUNTER(member, help) \
+  member(registry.AddCounter("duet:" #member "_total", help, kLabels).WithLabels(Values(model_name, kRole)))
+#define DUET_HISTOGRAM(member, help, buckets) \
+  member(registry.AddHistogram("duet:" #member, help, kLabels, buckets).WithLabels(Values(model_name, kRole)))
 
-DuetMetrics::DuetMetrics(Registry& registry, std::string_view model_name, Role role,
-                         int64_t max_model_len)
-    : DUET_GAUGE(num_requests_running, "Number of requests in model execution batches."),
-      DUET_GAUGE(num_requests_waiting, "Number of requests waiting to be processed."),
-      DUET_GAUGE(kv_cache_usage_perc, "KV-cache usage. 1 means 100 percent usage."),
-      DUET_COUNTER(prefix_cache_queries,
-                   "Prefix cache queries, in terms of number of queried tokens."),
-      DUET_COUNTER(prefix_cache_hits, "Prefix cache hits, in terms of number of cached tokens."),
-      DUET_COUNTER(num_preemptions, "Cumulative number of preemption from the engine."),
-      DUET_COUNTER(prompt_tokens, "Number of prefill tokens processed."),
-      DUET_COUNTER(generation_tokens, "Number of generation tokens processed."),
-      DUET_COUNTER(kv_transfer_failures,
-                   "Number of KV-cache transfers between prefill and decode workers that failed."),
-      DUET_COUNTER(spec_decode_num_drafts, "Number of spec decoding drafts."),
-      DUET_COUNTER(spec_decode_num_draft_tokens, "Number of draft tokens."),
-      DUET_COUNTER(spec_decode_num_accepted_tokens, "Number of accepted tokens."),
-      DUET_HISTOGRAM(request_prompt_tokens, "Number of prefill tokens processed.",
-                     Build125Buckets(max_model_len)),
-      DUET_HISTOGRAM(request_generation_tokens, "Number of generation tokens processed.",
-                     Build125Buckets(max_model_len)),
-      DUET_HISTOGRAM(time_to_first_token_seconds, "Histogram of time to first token in seconds.",
-                     TtftBuckets()),
+RouterMetrics::RouterMetrics(Registry& registry, std::string_view model_name, int64_t max_model_len)
+    : DUET_GAUGE(num_requests_waiting, "Number of requests waiting to be processed."),
+      DUET_HISTOGRAM(time_to_first_token_seconds, "Histogram of time to first token in seconds.", TtftBuckets()),
       DUET_HISTOGRAM(inter_token_latency_seconds, "Histogram of inter-token latency in seconds.",
                      InterTokenLatencyBuckets()),
+      DUET_HISTOGRAM(time_per_output_token_seconds,
+                     "Histogram of time per output token in seconds. DEPRECATED: use inter_token_latency_seconds.",
+                     InterTokenLatencyBuckets()),
+      DUET_HISTOGRAM(request_queue_time_seconds, "Histogram of time spent in WAITING phase for request.",
+                     RequestLatencyBuckets()),
+      DUET_HISTOGRAM(request_prompt_tokens, "Number of prefill tokens processed.", Build125Buckets(max_model_len)),
+      DUET_HISTOGRAM(request_generation_tokens, "Number of generation tokens processed.",
+                     Build125Buckets(max_model_len)),
+      DUET_HISTOGRAM(request_max_num_generation_tokens, "Histogram of maximum number of requested generation tokens.",
+                     Build125Buckets(max_model_len)),
+      DUET_HISTOGRAM(request_params_n, "Histogram of the n request parameter.", RequestParamsNBuckets()),
+      DUET_HISTOGRAM(request_params_max_tokens, "Histogram of the max_tokens request parameter.",
+                     Build125Buckets(max_model_len)),
+      DUET_HISTOGRAM(request_time_per_output_token_seconds,
+                     "Histogram of time_per_output_token_seconds per request.", InterTokenLatencyBuckets()),
       DUET_HISTOGRAM(e2e_request_latency_seconds, "Histogram of e2e request latency in seconds.",
                      RequestLatencyBuckets()),
-      DUET_HISTOGRAM(request_queue_time_seconds,
-                     "Histogram of time spent in WAITING phase for request.",
+      DUET_HISTOGRAM(request_inference_time_seconds, "Histogram of time spent in RUNNING phase for request.",
                      RequestLatencyBuckets()),
-      DUET_HISTOGRAM(request_inference_time_seconds,
-                     "Histogram of time spent in RUNNING phase for request.",
-                     RequestLatencyBuckets()),
-      DUET_HISTOGRAM(request_prefill_time_seconds,
-                     "Histogram of time spent in PREFILL phase for request.",
-                     RequestLatencyBuckets()),
-      DUET_HISTOGRAM(request_decode_time_seconds,
-                     "Histogram of time spent in DECODE phase for request.",
-                     RequestLatencyBuckets()),
-      DUET_HISTOGRAM(kv_transfer_bytes,
-                     "Histogram of KV-cache bytes transferred per request between prefill and "
-                     "decode workers.",
-                     KvTransferBytesBuckets()),
-      DUET_HISTOGRAM(kv_transfer_wait_seconds,
-                     "Histogram of the time a prefill reply waited for its KV transfer after the "
-                     "prompt's last layer, in seconds.",
-                     KvTransferSecondsBuckets()),
-      accepted_per_pos_(&registry.AddCounter("duet:spec_decode_num_accepted_tokens_per_pos_total",
-                                             "Accepted tokens per draft position.",
-                                             {"model_name", "role", "position"})),
-      transfer_bytes_by_path_(&registry.AddCounter(
-          "duet:kv_transfer_bytes_total", "KV-cache bytes sent to decode workers, by transfer path.",
-          {"model_name", "role", "path"})),
-      transfer_seconds_by_path_(&registry.AddHistogram(
-          "duet:kv_transfer_seconds",
-          "Histogram of KV-cache transfer time per request between prefill and decode workers, in "
-          "seconds, by transfer path.",
-          {"model_name", "role", "path"}, KvTransferSecondsBuckets())),
-      labels_(Values(model_name, role)) {
-  auto& success = registry.AddCounter("duet:request_success_total",
-                                      "Count of successfully processed requests.",
+      http_requests_(&registry.AddCounter("http_requests_total", "Total number of requests by method, status and handler.",
+                                          kHttpLabels)),
+      http_durations_(&registry.AddHistogram("http_request_duration_seconds",
+                                             "Duration of HTTP requests in seconds, by handler, method and status.",
+                                             kHttpLabels, HttpDurationBuckets())) {
+  auto& success = registry.AddCounter("duet:request_success_total", "Count of successfully processed requests.",
                                       {"model_name", "role", "finished_reason"});
   for (FinishReason reason : {FinishReason::kStop, FinishReason::kLength, FinishReason::kAbort}) {
     request_success_[static_cast<size_t>(reason)] = &success.WithLabels(
-        {std::string(model_name), std::string(RoleName(role)), FinishReasonName(reason)});
+        {std::string(model_name), std::string(RoleName(kRole)), FinishReasonName(reason)});
   }
 }
 
-Counter& DuetMetrics::request_success(FinishReason reason) {
+Counter& RouterMetrics::request_success(FinishReason reason) {
   DUET_CHECK_MSG(CountsAsSuccess(reason), FinishReasonName(reason));
   return *request_success_[static_cast<size_t>(reason)];
 }
 
-const Counter& DuetMetrics::request_success(FinishReason reason) const {
-  return const_cast<DuetMetrics*>(this)->request_success(reason);
+const Counter& RouterMetrics::request_success(FinishReason reason) const {
+  return const_cast<RouterMetrics*>(this)->request_success(reason);
 }
 
-Counter& DuetMetrics::kv_transfer_bytes_total(std::string_view path) const {
+void RouterMetrics::RecordParams(int n, int64_t max_tokens) {
+  request_params_n.Observe(n);
+  request_params_max_tokens.Observe(double(max_tokens));
+}
+
+void RouterMetrics::RecordFinished(const FinishedRequest& r) {
+  request_success(r.reason).Inc();
+  request_prompt_tokens.Observe(double(r.prompt_tokens));
+  request_generation_tokens.Observe(double(r.generation_tokens));
+  // Each request is its own sequence group (n choices run as n requests).
+  request_max_num_generation_tokens.Observe(double(r.generation_tokens));
+  e2e_request_latency_seconds.Observe(r.e2e_seconds);
+  request_inference_time_seconds.Observe(std::max(0.0, r.e2e_seconds - r.queue_seconds));
+  // vLLM's mean time per output token: the decode phase over the tokens after the first.
+  if (r.generation_tokens > 1) {
+    request_time_per_output_token_seconds.Observe(r.decode_seconds / double(r.generation_tokens - 1));
+  }
+}
+
+Counter& RouterMetrics::http_requests_total(std::string_view handler, std::string_view method, int status) {
+  return http_requests_->WithLabels(HttpValues(handler, method, status));
+}
+
+Histogram& RouterMetrics::http_request_duration_seconds(std::string_view handler, std::string_view method,
+                                                        int status) {
+  return http_durations_->WithLabels(HttpValues(handler, method, status));
+}
+
+void RouterMetrics::RecordHttpRequest(std::string_view handler, std::string_view method, int status,
+                                      double seconds) {
+  http_requests_total(handler, method, status).Inc();
+  http_request_duration_seconds(handler, method, status).Observe(seconds);
+}
+
+EngineMetrics::EngineMetrics(Registry& registry, std::string_view model_name, Role role)
+    : num_requests_running(registry.AddGauge("duet:num_requests_running", "Number of requests in model execution batches.", kLabels)
+                               .WithLabels(Values(model_name, role))),
+      num_requests_waiting(registry.AddGauge("duet:num_requests_waiting", "Number of requests waiting to be processed.", kLabels)
+                               .WithLabels(Values(model_name, role))),
+      num_preemptions(registry.AddCounter("duet:num_preemptions_total", "Cumulative number of preemption from the engine.", kLabels)
+                          .WithLabels(Values(model_name, role))),
+      iteration_tokens_total(registry
+                                 .AddHistogram("duet:iteration_tokens_total",
+                                               "Histogram of number of tokens per engine_step.", kLabels,
+                                               IterationTokensBuckets())
+                                 .WithLabels(Values(model_name, role))),
+      registry_(registry),
+      labels_(Values(model_name, role)) {
+  DUET_CHECK(role != Role::kRouter);
+}
+
+void EngineMetrics::SetCacheConfig(const CacheConfig& config) {
+  registry_
+      .AddGauge("duet:cache_config_info", "Information of the LLMEngine CacheConfig.",
+                {"model_name", "role", "block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization",
+                 "num_gpu_blocks"})
+      .WithLabels({labels_[0], labels_[1], std::to_string(config.block_size), config.cache_dtype,
+                   config.enable_prefix_caching ? "True" : "False", absl::StrFormat("%g", config.gpu_memory_utilization),
+                   std::to_string(config.num_gpu_blocks)})
+      .Set(1);
+}
+
+PrefillMetrics::PrefillMetrics(Registry& registry, std::string_view model_name)
+    : EngineMetrics(registry, model_name, kRole),
+      DUET_COUNTER(prompt_tokens, "Number of prefill tokens processed."),
+      DUET_HISTOGRAM(request_prefill_time_seconds, "Histogram of time spent in PREFILL phase for request.",
+                     RequestLatencyBuckets()),
+      DUET_COUNTER(kv_transfer_failures,
+                   "Number of KV-cache transfers between prefill and decode workers that failed."),
+      DUET_HISTOGRAM(kv_transfer_bytes,
+                     "Histogram of KV-cache bytes transferred per request between prefill and decode workers.",
+                     KvTransferBytesBuckets()),
+      DUET_HISTOGRAM(kv_transfer_wait_seconds,
+                     "Histogram of the time a prefill reply waited for its KV transfer after the prompt's last "
+                     "layer, in seconds.",
+                     KvTransferSecondsBuckets()),
+      transfer_bytes_by_path_(&registry.AddCounter("duet:kv_transfer_bytes_total",
+                                                   "KV-cache bytes sent to decode workers, by transfer path.",
+                                                   {"model_name", "role", "path"})),
+      transfer_seconds_by_path_(&registry.AddHistogram(
+          "duet:kv_transfer_seconds",
+          "Histogram of KV-cache transfer time per request between prefill and decode workers, in seconds, by "
+          "transfer path.",
+          {"model_name", "role", "path"}, KvTransferSecondsBuckets())) {}
+
+Counter& PrefillMetrics::kv_transfer_bytes_total(std::string_view path) const {
   return transfer_bytes_by_path_->WithLabels({labels_[0], labels_[1], std::string(path)});
 }
 
-Histogram& DuetMetrics::kv_transfer_seconds(std::string_view path) const {
+Histogram& PrefillMetrics::kv_transfer_seconds(std::string_view path) const {
   return transfer_seconds_by_path_->WithLabels({labels_[0], labels_[1], std::string(path)});
 }
 
-Counter& DuetMetrics::spec_decode_num_accepted_tokens_per_pos(int position) {
+DecodeMetrics::DecodeMetrics(Registry& registry, std::string_view model_name)
+    : EngineMetrics(registry, model_name, kRole),
+      DUET_GAUGE(kv_cache_usage_perc, "KV-cache usage. 1 means 100 percent usage."),
+      DUET_COUNTER(generation_tokens, "Number of generation tokens processed."),
+      DUET_HISTOGRAM(request_decode_time_seconds, "Histogram of time spent in DECODE phase for request.",
+                     RequestLatencyBuckets()),
+      DUET_COUNTER(spec_decode_num_drafts, "Number of spec decoding drafts."),
+      DUET_COUNTER(spec_decode_num_draft_tokens, "Number of draft tokens."),
+      DUET_COUNTER(spec_decode_num_accepted_tokens, "Number of accepted tokens."),
+      accepted_per_pos_(&registry.AddCounter("duet:spec_decode_num_accepted_tokens_per_pos_total",
+                                             "Accepted tokens per draft position.",
+                                             {"model_name", "role", "position"})) {}
+
+Counter& DecodeMetrics::spec_decode_num_accepted_tokens_per_pos(int position) {
   return accepted_per_pos_->WithLabels({labels_[0], labels_[1], std::to_string(position)});
 }
 
@@ -147,6 +233,16 @@ std::vector<double> RequestLatencyBuckets() {
           30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
 }
 
+std::vector<double> IterationTokensBuckets() {
+  return {1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384};
+}
+
+std::vector<double> RequestParamsNBuckets() { return {1, 2, 5, 10, 20}; }
+
+std::vector<double> HttpDurationBuckets() {
+  return {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600};
+}
+
 std::vector<double> KvTransferBytesBuckets() {
   std::vector<double> buckets;
   for (double b = 1024.0; b <= 4.0 * 1024 * 1024 * 1024; b *= 4) buckets.push_back(b);
@@ -154,11 +250,7 @@ std::vector<double> KvTransferBytesBuckets() {
 }
 
 std::vector<double> KvTransferSecondsBuckets() {
-  std::vector<double> buckets;
-  const double steps[] = {1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2,
-                          0.1,  0.2,  0.5,  1.0,  2.0,  5.0,  10.0, 20.0, 50.0};
-  for (double s : steps) buckets.push_back(s);
-  return buckets;
+  return {1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0};
 }
 
 std::vector<double> Build125Buckets(int64_t max_value) {

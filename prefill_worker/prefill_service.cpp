@@ -64,15 +64,15 @@ PrefillService::PrefillService(std::unique_ptr<LlmEngine> engine,
       num_layers_(engine->model_config().num_layers),
       device_stream_(engine->kv_cache().device_stream()),
       sequence_parallel_(engine->config().sequence_parallel),
-      metrics_(std::make_unique<metrics::DuetMetrics>(metrics_registry_, ServedModelName(options_.model_name, engine->config().model_dir),
-                                                      metrics::Role::kPrefill,
-                                                      engine->config().scheduler.max_model_len)),
+      metrics_(std::make_unique<metrics::PrefillMetrics>(metrics_registry_,
+                                                         ServedModelName(options_.model_name, engine->config().model_dir))),
       device_kv_(std::move(device_kv)),
       staging_(std::move(staging)),
       sender_(std::move(sender)) {
+  metrics_->SetCacheConfig(rpc::CacheConfigOf(*engine));
   loop_ = std::make_unique<EngineLoop>(
-      std::move(engine),
-      [this](int64_t layer, absl::Span<const SequenceChunk> chunks) { OnLayerDone(layer, chunks); });
+      std::move(engine), [this](int64_t layer, absl::Span<const SequenceChunk> chunks) { OnLayerDone(layer, chunks); },
+      [this](int64_t num_tokens) { metrics_->iteration_tokens_total.Observe(double(num_tokens)); });
 }
 
 PrefillService::~PrefillService() {
@@ -264,10 +264,9 @@ void PrefillService::PrefillCall::OnFinished(LlmEngine& engine, SequenceId seq, 
 }
 
 void PrefillService::PrefillCall::RecordPrefill(const Request& req) {
-  metrics::DuetMetrics& m = *service_->metrics_;
+  // The request's lengths and its queue time are the router's; the prefill phase is ours.
+  metrics::PrefillMetrics& m = *service_->metrics_;
   m.prompt_tokens.Inc(double(req.prompt.size()));
-  m.request_prompt_tokens.Observe(double(req.prompt.size()));
-  m.request_queue_time_seconds.Observe(Seconds(req.first_scheduled_time - req.arrival_time));
   m.request_prefill_time_seconds.Observe(Seconds(req.first_token_time - req.first_scheduled_time));
 }
 
@@ -547,6 +546,9 @@ void PrefillService::RefreshMetrics() {
   const EngineStats stats = loop_->Stats();
   absl::MutexLock lock(&metrics_mu_);
   rpc::RecordEngineStats(stats, *metrics_, &preemptions_seen_);
+  // Waiting in the worker: in the engine's queue, or for staging blocks before it.
+  absl::MutexLock admission(&admission_mu_);
+  metrics_->num_requests_waiting.Set(double(stats.num_waiting) + double(waiting_.size()));
 }
 
 std::string PrefillService::RenderMetrics() {

@@ -73,7 +73,7 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
   // exposition; serve it with metrics::HttpExporter. Thread-safe.
   std::string RenderMetrics() ABSL_LOCKS_EXCLUDED(metrics_mu_);
   void RefreshMetrics() ABSL_LOCKS_EXCLUDED(metrics_mu_);
-  const metrics::DuetMetrics& metrics() const { return *metrics_; }
+  const metrics::PrefillMetrics& metrics() const { return *metrics_; }
 
  private:
   class PrefillCall;  // the reactor of one Prefill call
@@ -133,7 +133,7 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
 
   // Before loop_: the engine thread's callbacks use them until the loop stops.
   metrics::Registry metrics_registry_;
-  std::unique_ptr<metrics::DuetMetrics> metrics_;
+  std::unique_ptr<metrics::PrefillMetrics> metrics_;
   absl::Mutex metrics_mu_;
   int64_t preemptions_seen_ ABSL_GUARDED_BY(metrics_mu_) = 0;
 

@@ -27,6 +27,9 @@ struct HttpFrontendOptions {
   bool api_key_on_health_and_metrics = false;  // OpenAiApiOptions'
   std::function<std::string()> metrics_body;  // none: /metrics is 404
   std::function<bool()> healthy;
+  // Each response once it ended (its last byte queued, or the client gone after its head): the
+  // request's path and method, the status and the seconds since the request arrived.
+  std::function<void(const std::string& path, const std::string& method, int status, double seconds)> on_response;
 };
 
 class HttpFrontend {
@@ -46,6 +49,7 @@ class HttpFrontend {
   HttpFrontend() = default;
   std::unique_ptr<LoadedChatTemplate> chat_;
   std::unique_ptr<OpenAiApi> api_;
+  std::function<void(const std::string&, const std::string&, int, double)> on_response_;
   std::unique_ptr<HttpServer> server_;
   bool stopped_ = false;
 };

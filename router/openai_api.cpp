@@ -175,6 +175,8 @@ void Job::Start() {
       if (!api_->options().api_key.empty()) {
         context->AddMetadata("authorization", absl::StrCat("Bearer ", api_->options().api_key));
       }
+      // The choice within its prompt's n: the metrics count n once per prompt.
+      context->AddMetadata("duet-choice", absl::StrCat(index % size_t(request_.n), "/", request_.n));
       auto* reactor = new GenerateReactor(shared_from_this(), static_cast<int>(index), std::move(generates[index]));
       calls.emplace_back(reactor, context.get());
       contexts_.push_back(std::move(context));

@@ -219,6 +219,7 @@ TEST_F(OpenAiApiTest, ErrorsAndEndpoints) {
   decode_.kv_full = true;
   r = Call("POST", "/v1/completions", R"({"prompt":"x"})");
   EXPECT_EQ(r.status, 429) << r.body;
+  EXPECT_NE(r.headers.find("\r\nRetry-After: 1"), std::string::npos) << r.headers;
   decode_.kv_full = false;
   r = Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":1})");
   EXPECT_EQ(r.status, 200);

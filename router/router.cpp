@@ -66,6 +66,7 @@ class RouterImpl : public Router {
     if (options.max_concurrent_requests < 1) {
       return absl::InvalidArgumentError("max_concurrent_requests must be >= 1");
     }
+    if (options.max_queued_requests < 0) return absl::InvalidArgumentError("max_queued_requests must be >= 0");
     absl::StatusOr<ModelConfig> config = LoadModelConfig(options.model_dir);
     if (!config.ok()) return config.status();
     absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(options.model_dir);
@@ -85,6 +86,7 @@ class RouterImpl : public Router {
       service_options.max_model_len = options.max_model_len;
     }
     service_options.max_concurrent_requests = options.max_concurrent_requests;
+    service_options.max_queued_requests = options.max_queued_requests;
     service_options.kv_lease_ms = options.kv_lease_ms;
     service_options.max_prefill_tokens_per_worker = options.max_prefill_tokens_per_worker;
     service_options.metrics_registry = &metrics_registry_;
@@ -100,6 +102,7 @@ class RouterImpl : public Router {
     RegistryOptions registry_options;
     registry_options.internal_token = options.internal_token;
     registry_options.discovery_interval = absl::Milliseconds(options.discovery_interval_ms);
+    registry_options.on_state_change = [this] { UpdateHealth(); };
     registry_ = std::make_unique<WorkerRegistry>(options.prefill_addresses, options.decode_addresses, registry_options);
     for (const auto& [role, specs] : {std::pair{WorkerRole::kPrefill, &options.prefill_services},
                                       std::pair{WorkerRole::kDecode, &options.decode_services}}) {
@@ -131,6 +134,11 @@ class RouterImpl : public Router {
       return server.status();
     }
     server_ = *std::move(server);
+    {
+      absl::MutexLock lock(&health_mu_);
+      health_ = server_->GetHealthCheckService();
+    }
+    UpdateHealth();  // the workers' states were known before the server existed
     if (options.metrics_port >= 0) {
       metrics::HttpExporter::Options exporter_options;
       exporter_options.host = options.host;
@@ -157,9 +165,10 @@ class RouterImpl : public Router {
       http_options.api_key_on_health_and_metrics = options.api_key_on_health_and_metrics;
       http_options.metrics_body = options.metrics_body;
       if (!http_options.metrics_body) http_options.metrics_body = [this] { return RenderMetrics(); };
-      http_options.healthy = [this, registry = registry_.get()] {
-        return !draining_.load(std::memory_order_acquire) && registry->NumUp(WorkerRole::kPrefill) > 0 &&
-               registry->NumUp(WorkerRole::kDecode) > 0;
+      http_options.healthy = [this] { return Serving(); };
+      http_options.on_response = [metrics = &service_->metrics()](const std::string& path, const std::string& method,
+                                                                  int status, double seconds) {
+        metrics->RecordHttpRequest(path, method, status, seconds);
       };
       absl::StatusOr<std::unique_ptr<HttpFrontend>> http =
           HttpFrontend::Start(http_options, tokenizer_.get(), server_->InProcessChannel(grpc::ChannelArguments()));
@@ -179,11 +188,15 @@ class RouterImpl : public Router {
 
   void StartDraining() override {
     draining_.store(true, std::memory_order_release);
-    if (server_ != nullptr) server_->GetHealthCheckService()->SetServingStatus(false);
+    UpdateHealth();
   }
   int num_in_flight() const override { return service_ != nullptr ? service_->num_in_flight() : 0; }
 
   void Shutdown(int grace_ms) override {
+    {
+      absl::MutexLock lock(&health_mu_);
+      health_ = nullptr;  // goes with the server
+    }
     if (exporter_ != nullptr) exporter_->Stop();
     if (server_ != nullptr) {
       server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(grace_ms));
@@ -198,6 +211,21 @@ class RouterImpl : public Router {
   ~RouterImpl() override { Shutdown(0); }
 
  private:
+  // Serving: not draining, and at least one prefill and one decode worker up (else every
+  // Generate would fail). HTTP /health and gRPC health both say this.
+  bool Serving() const {
+    return !draining_.load(std::memory_order_acquire) && registry_->NumUp(WorkerRole::kPrefill) > 0 &&
+           registry_->NumUp(WorkerRole::kDecode) > 0;
+  }
+  // grpc.health.v1 for the whole server ("") and for duet.v1.Duet.
+  void UpdateHealth() {
+    absl::MutexLock lock(&health_mu_);
+    if (health_ == nullptr) return;
+    const bool serving = Serving();
+    health_->SetServingStatus(v1::Duet::service_full_name(), serving);
+    health_->SetServingStatus(serving);
+  }
+
   metrics::Registry metrics_registry_;  // first: outlives everything that updates it
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<WorkerRegistry> registry_;
@@ -208,6 +236,8 @@ class RouterImpl : public Router {
   std::unique_ptr<metrics::HttpExporter> exporter_;
   std::unique_ptr<ApiKeyDuetService> api_key_service_;
   std::atomic<bool> draining_{false};
+  absl::Mutex health_mu_;
+  grpc::HealthCheckServiceInterface* health_ ABSL_GUARDED_BY(health_mu_) = nullptr;
   std::unique_ptr<DrainingDuetService> draining_service_;
   std::unique_ptr<HttpFrontend> http_;
   int port_ = 0;

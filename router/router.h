@@ -23,7 +23,8 @@ struct RouterOptions {
   std::vector<std::string> prefill_services;
   std::vector<std::string> decode_services;
   int discovery_interval_ms = 2000;
-  int max_concurrent_requests = 256;
+  int max_concurrent_requests = 256;  // see RouterServiceOptions
+  int max_queued_requests = 1024;     // waiting beyond max_concurrent_requests; more: 429
   int64_t max_model_len = 0;      // 0: the model's max_position_embeddings
   int kv_lease_ms = 30000;        // how long a decode worker holds a KV reservation for Decode
   int64_t max_prefill_tokens_per_worker = 8192;  // see RouterServiceOptions
@@ -61,8 +62,11 @@ class Router {
   // The router's metrics (role "router") in Prometheus text exposition format 0.0.4
   // (Content-Type metrics::kExpositionContentType), e.g. for GET /metrics on the HTTP API.
   virtual std::string RenderMetrics() const = 0;
+  // Health: gRPC grpc.health.v1 (service "" and "duet.v1.Duet") answers SERVING and HTTP /health
+  // 200 only while at least one prefill and one decode worker are up and the router is not
+  // draining; else NOT_SERVING and 503 (updated as workers come and go).
   // The drain: from now on Generate answers UNAVAILABLE (HTTP 503), gRPC health NOT_SERVING and
-  // HTTP /health 503, while the requests already admitted go on.
+  // HTTP /health 503, while the requests already admitted (queued ones too) go on.
   virtual void StartDraining() = 0;
   // Requests admitted and not yet ended.
   virtual int num_in_flight() const = 0;

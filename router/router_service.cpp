@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <deque>
 #include <functional>
 #include <optional>
@@ -204,6 +205,8 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   // Validates, admits and starts the request, or finishes the call with why not.
   void Start(const v1::GenerateRequest& request);
 
+  // The admission queue gave the request its slot: on to the prefill gate.
+  void LeaveQueue();
   // The prefill gate let the request through: place it on workers.
   void PassGate();
 
@@ -226,7 +229,15 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
     RouterService* const service_;
   };
 
-  enum class Stage { kNotAdmitted, kWaiting, kStreaming, kEnded };
+  // kQueued: in the admission queue, without a slot. kWaiting: holds a slot, waits at the prefill
+  // gate (both count in num_requests_waiting). kPlaced: on its workers.
+  enum class Stage { kNotAdmitted, kQueued, kWaiting, kPlaced, kEnded };
+
+  // At the prefill gate: through now, or in its line.
+  void EnterGate();
+  // The request's n and max_tokens, once per request (an OpenAI request's n choices are n calls
+  // that say which choice they are in "duet-choice: <index>/<n>" metadata; the first counts).
+  void RecordParams();
 
   // A context for a call to a worker: the client's deadline and cancellation propagate to it,
   // `timeout` (if finite) bounds it further, and Abort can cancel it.
@@ -262,6 +273,8 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   void End(const grpc::Status& status);
   void EndWithAbortMessage();
   void Release();
+  // A request that ends with stop, length or abort: its outcome, lengths and latencies.
+  void RecordFinished(FinishReason reason);
 
   Live live_;
   RouterService* const service_;
@@ -301,7 +314,8 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   bool client_write_failed_ = false;
   int completion_tokens_ = 0;
   std::string finish_reason_;
-  std::chrono::steady_clock::time_point last_token_at_{};
+  double queue_seconds_ = 0;  // arrival until the prefill gate let it through
+  std::chrono::steady_clock::time_point first_token_at_{}, last_token_at_{};
   v1::GenerateResponse last_;  // the closing "abort" message
 };
 
@@ -424,6 +438,76 @@ class RouterService::PrefillGate {
   std::deque<Waiting> waiting_ ABSL_GUARDED_BY(mu_);
 };
 
+// max_concurrent_requests slots for requests at the prefill gate or on workers, and a bounded
+// queue of requests waiting for a slot, in arrival order.
+class RouterService::AdmissionQueue {
+ public:
+  AdmissionQueue(int slots, int max_queued) : slots_(slots), max_queued_(max_queued) {}
+
+  enum class Result { kAdmitted, kQueued, kFull };
+  // kAdmitted: `call` holds a slot now. kQueued: it gets LeaveQueue() when a slot frees. kFull:
+  // neither (the queue is full).
+  Result Enter(const std::shared_ptr<GenerateCall>& call) {
+    absl::MutexLock lock(&mu_);
+    if (used_ < slots_) {
+      ++used_;
+      return Result::kAdmitted;
+    }
+    if (int(queued_.size()) >= max_queued_) return Result::kFull;
+    queued_.push_back(call);
+    return Result::kQueued;
+  }
+  // A call holding a slot ended: the slot goes to the first queued call, if any.
+  void Leave() {
+    std::shared_ptr<GenerateCall> next;
+    {
+      absl::MutexLock lock(&mu_);
+      if (queued_.empty()) {
+        --used_;
+        return;
+      }
+      next = std::move(queued_.front());
+      queued_.pop_front();
+    }
+    RunFlat(std::move(next));
+  }
+  // Takes a queued call out of the queue; false when it is not queued (any more).
+  bool Withdraw(const GenerateCall* call) {
+    absl::MutexLock lock(&mu_);
+    auto it = std::find_if(queued_.begin(), queued_.end(),
+                           [call](const std::shared_ptr<GenerateCall>& c) { return c.get() == call; });
+    if (it == queued_.end()) return false;
+    queued_.erase(it);
+    return true;
+  }
+  int slots() const { return slots_; }
+  int max_queued() const { return max_queued_; }
+
+ private:
+  // A call taken out of the queue may end at once and free its slot for the next: that one runs
+  // in this thread's outer loop instead of nesting (a long queue would otherwise nest as deep).
+  static void RunFlat(std::shared_ptr<GenerateCall> call) {
+    thread_local std::vector<std::shared_ptr<GenerateCall>>* outer = nullptr;
+    if (outer != nullptr) {
+      outer->push_back(std::move(call));
+      return;
+    }
+    std::vector<std::shared_ptr<GenerateCall>> calls = {std::move(call)};
+    outer = &calls;
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const std::shared_ptr<GenerateCall> next = calls[i];  // `calls` may grow meanwhile
+      next->LeaveQueue();
+    }
+    outer = nullptr;
+  }
+
+  const int slots_;
+  const int max_queued_;
+  absl::Mutex mu_;
+  int used_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<std::shared_ptr<GenerateCall>> queued_ ABSL_GUARDED_BY(mu_);
+};
+
 std::shared_ptr<grpc::ClientContext> RouterService::GenerateCall::Downstream(absl::Duration timeout) {
   std::shared_ptr<grpc::ClientContext> downstream = grpc::ClientContext::FromCallbackServerContext(*context_);
   // The call ends at the earlier of the client's deadline (propagated) and `timeout`.
@@ -444,34 +528,70 @@ void RouterService::GenerateCall::Start(const v1::GenerateRequest& request) {
   if (!prepared.ok()) return Finish(rpc::ToGrpc(prepared.status()));
   prepared_ = *std::move(prepared);
 
-  const int in_flight = service_->in_flight_.fetch_add(1, std::memory_order_acq_rel) + 1;
-  if (in_flight > service_->options_.max_concurrent_requests) {
-    service_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
-    return Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                               absl::StrCat("server is at capacity: ", service_->options_.max_concurrent_requests,
-                                            " requests in flight (max_concurrent_requests); retry later")));
-  }
   active_key_ = {ClientOf(*context_), prepared_.client_request_id};
   {
     absl::MutexLock lock(&service_->mu_);
     registered_ = service_->active_.try_emplace(active_key_, active_).second;
   }
   if (!registered_) {
-    service_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
     return Finish(grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
                                absl::StrCat("request_id \"", prepared_.client_request_id,
                                             "\" is already in flight (from this client)")));
   }
-  stage_ = Stage::kWaiting;  // admitted: counted in in_flight_ and waiting for its workers
-  service_->metrics_->num_requests_waiting.Inc();
   info_.request_id = prepared_.request_id;
   info_.prompt_token_ids = prepared_.prompt_token_ids;
   info_.max_tokens = prepared_.params.max_tokens;
-  // Interrupted while waiting at the gate (no call to cancel): leave the line and end here.
-  active_->SetOnInterrupt([weak = weak_from_this(), gate = service_->prefill_gate_.get()] {
+  // Interrupted while waiting in the queue or at the gate (no call to cancel): leave and end here.
+  active_->SetOnInterrupt([weak = weak_from_this(), admission = service_->admission_.get(),
+                           gate = service_->prefill_gate_.get()] {
     std::shared_ptr<GenerateCall> self = weak.lock();
-    if (self != nullptr && gate->Withdraw(self.get())) self->EndInterrupted();
+    if (self != nullptr && (admission->Withdraw(self.get()) || gate->Withdraw(self.get()))) self->EndInterrupted();
   });
+  // Counted as queued before it can be seen in the queue: from there another thread takes it on.
+  stage_ = Stage::kQueued;
+  service_->in_flight_.fetch_add(1, std::memory_order_acq_rel);
+  service_->metrics_->num_requests_waiting.Inc();
+  switch (service_->admission_->Enter(shared_from_this())) {
+    case AdmissionQueue::Result::kFull:
+      service_->metrics_->num_requests_waiting.Dec();
+      service_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
+      stage_ = Stage::kNotAdmitted;
+      End(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                       absl::StrCat("server is at capacity: ", service_->admission_->slots(),
+                                    " requests in flight (max_concurrent_requests) and ",
+                                    service_->admission_->max_queued(),
+                                    " waiting (max_queued_requests); retry later")));
+      return;
+    case AdmissionQueue::Result::kAdmitted:
+      RecordParams();
+      stage_ = Stage::kWaiting;
+      return EnterGate();
+    case AdmissionQueue::Result::kQueued:
+      // From here the queue may hand the call to another thread: only thread-safe reads.
+      // Interrupted before it joined the queue: the hook found nothing to withdraw.
+      if (Interrupted() && service_->admission_->Withdraw(this)) EndInterrupted();
+      return;
+  }
+}
+
+void RouterService::GenerateCall::RecordParams() {
+  int index = 0, n = 1;
+  auto choice = context_->client_metadata().find("duet-choice");
+  if (choice != context_->client_metadata().end()) {
+    const std::string value(choice->second.data(), choice->second.size());
+    if (std::sscanf(value.c_str(), "%d/%d", &index, &n) != 2 || n < 1 || index < 0 || index >= n) index = 0, n = 1;
+  }
+  if (index == 0) service_->metrics_->RecordParams(n, prepared_.params.max_tokens);
+}
+
+void RouterService::GenerateCall::LeaveQueue() {
+  if (stage_ != Stage::kQueued) return;
+  RecordParams();
+  stage_ = Stage::kWaiting;
+  EnterGate();
+}
+
+void RouterService::GenerateCall::EnterGate() {
   if (service_->prefill_gate_->Enter(shared_from_this(), int64_t(prepared_.prompt_token_ids.size()))) {
     return PassGate();
   }
@@ -481,7 +601,10 @@ void RouterService::GenerateCall::Start(const v1::GenerateRequest& request) {
 
 void RouterService::GenerateCall::PassGate() {
   in_gate_ = true;
-  service_->metrics_->request_queue_time_seconds.Observe(Seconds(std::chrono::steady_clock::now() - active_->arrival));
+  stage_ = Stage::kPlaced;
+  service_->metrics_->num_requests_waiting.Dec();
+  queue_seconds_ = Seconds(std::chrono::steady_clock::now() - active_->arrival);
+  service_->metrics_->request_queue_time_seconds.Observe(queue_seconds_);
   BeginReserve();
 }
 
@@ -621,9 +744,6 @@ void RouterService::GenerateCall::OnPrefilled(const grpc::Status& status, const 
                                 service_->options_.vocab_size);
     } else {
       prefilled_ = *reply;
-      const double prompt_tokens = double(prepared_.prompt_token_ids.size());
-      service_->metrics_->prompt_tokens.Inc(prompt_tokens);
-      service_->metrics_->request_prompt_tokens.Observe(prompt_tokens);
       return StartDecode();
     }
   }
@@ -688,11 +808,6 @@ void RouterService::GenerateCall::OnDecodeMessage(grpc::ByteBuffer* bytes) {
     stream_->StopReading();
     return;
   }
-  if (stage_ == Stage::kWaiting) {  // the first message: the request is streaming now
-    stage_ = Stage::kStreaming;
-    service_->metrics_->num_requests_waiting.Dec();
-    service_->metrics_->num_requests_running.Inc();
-  }
   out_.set_request_id(prepared_.client_request_id);
   if (!prompt_sent_) {
     if (out_.prompt_token_ids().empty()) {
@@ -719,11 +834,13 @@ void RouterService::GenerateCall::OnWriteDone(bool ok) {
     // Tokens relayed to the client: the first ends the time to first token, the rest are spaced
     // by the inter-token latency.
     const auto now = std::chrono::steady_clock::now();
-    service_->metrics_->generation_tokens.Inc(out_.token_ids_size());
-    if (last_token_at_ == std::chrono::steady_clock::time_point{}) {
+    if (first_token_at_ == std::chrono::steady_clock::time_point{}) {
+      first_token_at_ = now;
       service_->metrics_->time_to_first_token_seconds.Observe(Seconds(now - active_->arrival));
     } else {
-      service_->metrics_->inter_token_latency_seconds.Observe(Seconds(now - last_token_at_));
+      const double gap = Seconds(now - last_token_at_);
+      service_->metrics_->inter_token_latency_seconds.Observe(gap);
+      service_->metrics_->time_per_output_token_seconds.Observe(gap);
     }
     last_token_at_ = now;
   }
@@ -738,12 +855,7 @@ void RouterService::GenerateCall::OnDecodeDone(const grpc::Status& status) {
     return End(stream_error_);
   }
   if (finished_ && !client_write_failed_) {
-    if (std::optional<FinishReason> reason = StreamFinishReason(finish_reason_)) {
-      service_->metrics_->request_success(*reason).Inc();
-    }
-    service_->metrics_->request_generation_tokens.Observe(completion_tokens_);
-    service_->metrics_->e2e_request_latency_seconds.Observe(
-        Seconds(std::chrono::steady_clock::now() - active_->arrival));
+    if (std::optional<FinishReason> reason = StreamFinishReason(finish_reason_)) RecordFinished(*reason);
     return End(grpc::Status::OK);
   }
   if (client_write_failed_) {
@@ -810,8 +922,7 @@ void RouterService::GenerateCall::EndWithAbortMessage() {
   if (!prompt_sent_) {
     last_.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
   }
-  service_->metrics_->request_success(FinishReason::kAbort).Inc();
-  service_->metrics_->e2e_request_latency_seconds.Observe(Seconds(std::chrono::steady_clock::now() - active_->arrival));
+  RecordFinished(FinishReason::kAbort);
   Release();
   StartWriteAndFinish(&last_, grpc::WriteOptions(), grpc::Status::OK);
 }
@@ -829,10 +940,25 @@ void RouterService::GenerateCall::Release() {
     absl::MutexLock lock(&service_->mu_);
     service_->active_.erase(active_key_);
   }
-  if (stage_ == Stage::kWaiting) service_->metrics_->num_requests_waiting.Dec();
-  if (stage_ == Stage::kStreaming) service_->metrics_->num_requests_running.Dec();
-  if (stage_ != Stage::kNotAdmitted) service_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
+  const bool held_slot = stage_ == Stage::kWaiting || stage_ == Stage::kPlaced;
+  if (stage_ == Stage::kQueued || stage_ == Stage::kWaiting) service_->metrics_->num_requests_waiting.Dec();
+  if (stage_ != Stage::kNotAdmitted && stage_ != Stage::kEnded) {
+    service_->in_flight_.fetch_sub(1, std::memory_order_acq_rel);
+  }
   stage_ = Stage::kEnded;
+  if (held_slot) service_->admission_->Leave();  // the next queued request may start on this thread
+}
+
+void RouterService::GenerateCall::RecordFinished(FinishReason reason) {
+  metrics::FinishedRequest finished;
+  finished.reason = reason;
+  finished.prompt_tokens = int64_t(prepared_.prompt_token_ids.size());
+  finished.generation_tokens = completion_tokens_;
+  finished.max_tokens = prepared_.params.max_tokens;
+  finished.e2e_seconds = Seconds(std::chrono::steady_clock::now() - active_->arrival);
+  finished.queue_seconds = stage_ == Stage::kPlaced ? queue_seconds_ : finished.e2e_seconds;
+  finished.decode_seconds = Seconds(last_token_at_ - first_token_at_);
+  service_->metrics_->RecordFinished(finished);
 }
 
 RouterService::RouterService(RouterServiceOptions options, const Tokenizer* tokenizer, WorkerRegistry* registry,
@@ -847,8 +973,9 @@ RouterService::RouterService(RouterServiceOptions options, const Tokenizer* toke
     own_metrics_registry_ = std::make_unique<metrics::Registry>();
     metrics_registry_ = own_metrics_registry_.get();
   }
-  metrics_ = std::make_unique<metrics::DuetMetrics>(*metrics_registry_, options_.model_name, metrics::Role::kRouter,
-                                                    std::max<int64_t>(1, options_.max_model_len));
+  metrics_ = std::make_unique<metrics::RouterMetrics>(*metrics_registry_, options_.model_name,
+                                                      std::max<int64_t>(1, options_.max_model_len));
+  admission_ = std::make_unique<AdmissionQueue>(options_.max_concurrent_requests, options_.max_queued_requests);
   prefill_gate_ = std::make_unique<PrefillGate>(options_.max_prefill_tokens_per_worker, registry_);
   absl::BitGen gen;
   next_transfer_id_.store(absl::Uniform<uint64_t>(gen) | 1);

@@ -44,7 +44,11 @@ struct RouterServiceOptions {
   std::string model_name;
   int64_t vocab_size = 0;     // token ids must be in [0, vocab_size)
   int64_t max_model_len = 0;  // prompt + max_tokens must fit
+  // Requests placed on workers or waiting for their turn at the prefill workers, at most; the
+  // next ones wait in the router's queue, in arrival order, up to max_queued_requests (counted
+  // in num_requests_waiting). Beyond that a request is refused with RESOURCE_EXHAUSTED (HTTP 429).
   int max_concurrent_requests = 256;
+  int max_queued_requests = 1024;
   int kv_lease_ms = 30000;
   absl::Duration reserve_timeout = absl::Seconds(10);   // ReserveKv
   absl::Duration prefill_timeout = absl::Seconds(600);  // Prefill (liveness comes from keepalive)
@@ -73,9 +77,10 @@ class RouterService final : public v1::Duet::CallbackService {
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const v1::GetModelInfoRequest* request, v1::ModelInfo* response) override;
 
-  // Requests admitted and not yet ended.
+  // Requests admitted (queued included) and not yet ended.
   int num_in_flight() const { return in_flight_.load(std::memory_order_acquire); }
-  const metrics::DuetMetrics& metrics() const { return *metrics_; }
+  const metrics::RouterMetrics& metrics() const { return *metrics_; }
+  metrics::RouterMetrics& metrics() { return *metrics_; }
   metrics::Registry& metrics_registry() { return *metrics_registry_; }
 
   // A request after validation: what the workers are sent.
@@ -95,6 +100,7 @@ class RouterService final : public v1::Duet::CallbackService {
  private:
   class GenerateCall;  // the reactor of one Generate and its downstream calls
   class PrefillGate;   // the bound on requests reserving and prefilling at once
+  class AdmissionQueue;  // max_concurrent_requests and the queue behind it
 
   uint64_t NewTransferId();
   // GenerateCall objects alive (each may still have calls to workers in flight).
@@ -111,7 +117,8 @@ class RouterService final : public v1::Duet::CallbackService {
 
   std::unique_ptr<metrics::Registry> own_metrics_registry_;  // when the options give none
   metrics::Registry* metrics_registry_;
-  std::unique_ptr<metrics::DuetMetrics> metrics_;
+  std::unique_ptr<metrics::RouterMetrics> metrics_;
+  std::unique_ptr<AdmissionQueue> admission_;
   std::unique_ptr<PrefillGate> prefill_gate_;
 
   absl::Mutex mu_;

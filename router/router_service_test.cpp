@@ -4,13 +4,18 @@
 #include <functional>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/finish_reason.h"
 #include "gmock/gmock.h"
 #include "grpc/grpc.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "gtest/gtest.h"
 #include "model/model_config.h"
 #include "router/fake_workers.h"
 #include "router/router.h"
+#include "metrics/test_http_client.h"
 #include "rpc/rpc_util.h"
 
 namespace duet::router {
@@ -232,21 +237,175 @@ TEST_F(RouterServiceTest, InvalidRequests) {
   EXPECT_EQ(decode_[0]->num_reserved, 1);
 }
 
-TEST_F(RouterServiceTest, AtCapacityIsResourceExhausted) {
+// Beyond max_concurrent_requests requests wait in the router's queue (num_requests_waiting),
+// holding nothing on the workers, and run in arrival order as slots free.
+TEST_F(RouterServiceTest, BeyondCapacityRequestsQueueInArrivalOrder) {
   RouterServiceOptions options;
   options.max_concurrent_requests = 1;
+  options.max_queued_requests = 3;
+  Start(1, 1, options);
+  decode_[0]->token_delay_ms = 20;
+  const metrics::RouterMetrics& m = service_->metrics();
+  absl::Mutex mu;
+  std::vector<int> finished;  // prompts, in the order their requests ended
+  std::vector<Result> results(4);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([&, i] {
+      results[i] = Generate(TokenRequest({i + 1}, i == 0 ? 25 : 3));
+      absl::MutexLock lock(&mu);
+      finished.push_back(i + 1);
+    });
+    // One at a time, so the arrival order is known: the first runs, the others queue.
+    ASSERT_TRUE(WaitFor([&] { return service_->num_in_flight() == i + 1; }));
+    EXPECT_EQ(m.num_requests_waiting.Value(), i);
+  }
+  EXPECT_EQ(decode_[0]->num_reserved, 1);  // the queued ones hold no reservation
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(results[i].status.ok()) << i << ": " << results[i].status.error_message();
+    EXPECT_EQ(results[i].tokens().size(), i == 0 ? 25u : 3u);
+  }
+  EXPECT_EQ(finished, (std::vector<int>{1, 2, 3, 4}));
+  EXPECT_EQ(m.num_requests_waiting.Value(), 0);
+  EXPECT_EQ(service_->num_in_flight(), 0);
+  EXPECT_EQ(m.request_queue_time_seconds.Collect().count, 4u);
+  EXPECT_EQ(m.request_success(FinishReason::kLength).Value(), 4);
+}
+
+// Only a full queue turns a request away: RESOURCE_EXHAUSTED (HTTP 429).
+TEST_F(RouterServiceTest, FullQueueIsResourceExhausted) {
+  RouterServiceOptions options;
+  options.max_concurrent_requests = 1;
+  options.max_queued_requests = 1;
+  Start(1, 1, options);
+  decode_[0]->token_delay_ms = 20;
+  Result first, queued;
+  std::thread slow([&] { first = Generate(TokenRequest({1}, 25)); });
+  ASSERT_TRUE(WaitFor([&] { return service_->num_in_flight() == 1; }));
+  std::thread waiting([&] { queued = Generate(TokenRequest({2}, 2)); });
+  ASSERT_TRUE(WaitFor([&] { return service_->metrics().num_requests_waiting.Value() == 1; }));
+  Result refused = Generate(TokenRequest({3}, 2));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.status.error_message(),
+              HasSubstr("server is at capacity: 1 requests in flight (max_concurrent_requests) and 1 waiting "
+                        "(max_queued_requests); retry later"));
+  slow.join();
+  waiting.join();
+  EXPECT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_EQ(first.tokens().size(), 25u);
+  EXPECT_TRUE(queued.status.ok()) << queued.status.error_message();
+  EXPECT_TRUE(Generate(TokenRequest({1}, 2)).status.ok());  // room again
+  EXPECT_EQ(service_->metrics().num_requests_waiting.Value(), 0);
+}
+
+// max_queued_requests 0: no queue, a request beyond the cap is refused at once.
+TEST_F(RouterServiceTest, NoQueueMeansAtCapacityIsResourceExhausted) {
+  RouterServiceOptions options;
+  options.max_concurrent_requests = 1;
+  options.max_queued_requests = 0;
   Start(1, 1, options);
   decode_[0]->token_delay_ms = 20;
   Result first;
   std::thread slow([&] { first = Generate(TokenRequest({1}, 25)); });
   ASSERT_TRUE(WaitFor([&] { return service_->num_in_flight() == 1; }));
-  Result second = Generate(TokenRequest({1}, 2));
-  EXPECT_EQ(second.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_THAT(second.status.error_message(), HasSubstr("server is at capacity: 1 requests in flight"));
+  EXPECT_EQ(Generate(TokenRequest({1}, 2)).status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   slow.join();
   EXPECT_TRUE(first.status.ok()) << first.status.error_message();
-  EXPECT_EQ(first.tokens().size(), 25u);
-  EXPECT_TRUE(Generate(TokenRequest({1}, 2)).status.ok());  // room again
+  EXPECT_EQ(service_->metrics().num_requests_waiting.Value(), 0);
+}
+
+// A queued request can be cancelled by its client or aborted; it leaves the queue, reaches no
+// worker, and the ones behind it move up.
+TEST_F(RouterServiceTest, QueuedRequestsCanBeCancelledAndAborted) {
+  RouterServiceOptions options;
+  options.max_concurrent_requests = 1;
+  Start(1, 1, options);
+  decode_[0]->token_delay_ms = 20;
+  const metrics::RouterMetrics& m = service_->metrics();
+  Result first, aborted, last;
+  std::thread a([&] { first = Generate(TokenRequest({1}, 30, "q1")); });
+  ASSERT_TRUE(WaitFor([&] { return service_->num_in_flight() == 1; }));
+  grpc::ClientContext cancelled_context;
+  auto cancelled = stub_->Generate(&cancelled_context, TokenRequest({2}, 3, "q2"));
+  ASSERT_TRUE(WaitFor([&] { return m.num_requests_waiting.Value() == 1; }));
+  std::thread b([&] { aborted = Generate(TokenRequest({3, 4}, 3, "q3")); });
+  ASSERT_TRUE(WaitFor([&] { return m.num_requests_waiting.Value() == 2; }));
+  std::thread c([&] { last = Generate(TokenRequest({5}, 3, "q4")); });
+  ASSERT_TRUE(WaitFor([&] { return m.num_requests_waiting.Value() == 3; }));
+  cancelled_context.TryCancel();
+  v1::GenerateResponse message;
+  EXPECT_FALSE(cancelled->Read(&message));
+  EXPECT_EQ(cancelled->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  grpc::ClientContext abort_context;
+  v1::AbortRequest abort;
+  abort.set_request_id("q3");
+  v1::AbortResponse abort_response;
+  ASSERT_TRUE(stub_->Abort(&abort_context, abort, &abort_response).ok());
+  EXPECT_TRUE(abort_response.found());
+  b.join();
+  ASSERT_TRUE(aborted.status.ok()) << aborted.status.error_message();
+  ASSERT_EQ(aborted.messages.size(), 1u);
+  EXPECT_EQ(aborted.messages[0].finish_reason(), "abort");
+  EXPECT_EQ(m.num_requests_waiting.Value(), 1);
+  a.join();
+  c.join();
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  ASSERT_TRUE(last.status.ok()) << last.status.error_message();
+  EXPECT_EQ(decode_[0]->num_reserved, 2);  // the cancelled and the aborted never got there
+  EXPECT_EQ(prefill_[0]->num_prefills, 2);
+  EXPECT_EQ(service_->num_in_flight(), 0);
+  EXPECT_EQ(m.num_requests_waiting.Value(), 0);
+}
+
+// The router's request metrics follow one request as the client saw it.
+TEST_F(RouterServiceTest, MetricsFollowARequest) {
+  Start(1, 1);
+  decode_[0]->token_delay_ms = 5;
+  const metrics::RouterMetrics& m = service_->metrics();
+  const auto start = std::chrono::steady_clock::now();
+  Result result = Generate(TokenRequest({1, 2, 3}, 10));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  ASSERT_EQ(result.tokens().size(), 10u);
+  EXPECT_EQ(m.request_success(FinishReason::kLength).Value(), 1);
+  EXPECT_EQ(m.time_to_first_token_seconds.Collect().count, 1u);
+  EXPECT_EQ(m.inter_token_latency_seconds.Collect().count, 9u);  // one per gap between messages
+  EXPECT_EQ(m.time_per_output_token_seconds.Collect().count, 9u);
+  EXPECT_EQ(m.time_per_output_token_seconds.Collect().sum, m.inter_token_latency_seconds.Collect().sum);
+  EXPECT_LE(m.time_to_first_token_seconds.Collect().sum + m.inter_token_latency_seconds.Collect().sum,
+            m.e2e_request_latency_seconds.Collect().sum);
+  EXPECT_LE(m.e2e_request_latency_seconds.Collect().sum, seconds);
+  // The per-request time per output token is the mean of the gaps.
+  EXPECT_DOUBLE_EQ(m.request_time_per_output_token_seconds.Collect().sum,
+                   m.inter_token_latency_seconds.Collect().sum / 9);
+  EXPECT_EQ(m.request_prompt_tokens.Collect().sum, 3);
+  EXPECT_EQ(m.request_generation_tokens.Collect().sum, 10);
+  EXPECT_EQ(m.request_max_num_generation_tokens.Collect().sum, 10);
+  EXPECT_EQ(m.request_params_n.Collect().sum, 1);
+  EXPECT_EQ(m.request_params_max_tokens.Collect().sum, 10);
+  EXPECT_EQ(m.request_queue_time_seconds.Collect().count, 1u);
+  EXPECT_DOUBLE_EQ(m.request_inference_time_seconds.Collect().sum,
+                   m.e2e_request_latency_seconds.Collect().sum - m.request_queue_time_seconds.Collect().sum);
+}
+
+// An OpenAI request's n choices are n Generate calls that say so in "duet-choice" metadata: the
+// group's n counts once.
+TEST_F(RouterServiceTest, RequestParamsNCountsAChoiceGroupOnce) {
+  Start(1, 1);
+  for (int i = 0; i < 3; ++i) {
+    grpc::ClientContext context;
+    context.AddMetadata("duet-choice", absl::StrCat(i, "/3"));
+    auto reader = stub_->Generate(&context, TokenRequest({1}, 2));
+    v1::GenerateResponse message;
+    while (reader->Read(&message)) {
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  EXPECT_EQ(service_->metrics().request_params_n.Collect().count, 1u);
+  EXPECT_EQ(service_->metrics().request_params_n.Collect().sum, 3);
+  EXPECT_EQ(service_->metrics().request_params_max_tokens.Collect().count, 1u);
+  EXPECT_EQ(service_->metrics().request_generation_tokens.Collect().count, 3u);  // each choice is a request
 }
 
 TEST_F(RouterServiceTest, NoWorkersIsUnavailable) {
@@ -406,37 +565,34 @@ TEST_F(RouterServiceTest, MalformedDecodeMessageEndsTheRequestPromptly) {
     EXPECT_THAT(malformed_decode_->aborted().back(), ::testing::StartsWith(id + "@"));
     EXPECT_EQ(service_->num_in_flight(), 0);
     EXPECT_TRUE(WaitFor([&] { return registry_->decode_workers()[0]->in_flight() == 0; }, 3000));
-    EXPECT_EQ(service_->metrics().num_requests_running.Value(), 0);
+    EXPECT_EQ(service_->metrics().num_requests_waiting.Value(), 0);
     EXPECT_TRUE(registry_->decode_workers()[0]->up());  // it answers GetStats: not down
   }
 }
 
-// duet:num_requests_waiting on the router: admitted, not streaming yet (placed on workers,
-// prefilling). Running from the first relayed message to the end.
-TEST_F(RouterServiceTest, NumRequestsWaitingCountsAdmittedRequestsNotYetStreaming) {
+// duet:num_requests_waiting on the router counts only the requests waiting in the router: those
+// on the workers are the workers' to count.
+TEST_F(RouterServiceTest, NumRequestsWaitingCountsOnlyRequestsWaitingInTheRouter) {
   Start(1, 1);
   prefill_[0]->prefill_delay_ms = 300;
   decode_[0]->token_delay_ms = 30;
-  const metrics::DuetMetrics& m = service_->metrics();
+  const metrics::RouterMetrics& m = service_->metrics();
   Result first, second;
   std::thread a([&] { first = Generate(TokenRequest({1}, 20)); });
   std::thread b([&] { second = Generate(TokenRequest({2}, 20)); });
-  EXPECT_TRUE(WaitFor([&] { return m.num_requests_waiting.Value() == 2; }));
-  EXPECT_EQ(m.num_requests_running.Value(), 0);
-  EXPECT_TRUE(WaitFor([&] { return m.num_requests_running.Value() == 2; }));
+  EXPECT_TRUE(WaitFor([&] { return prefill_[0]->num_prefills == 2; }));
+  EXPECT_EQ(service_->num_in_flight(), 2);
   EXPECT_EQ(m.num_requests_waiting.Value(), 0);
   a.join();
   b.join();
   EXPECT_TRUE(first.status.ok() && second.status.ok());
   EXPECT_EQ(m.num_requests_waiting.Value(), 0);
-  EXPECT_EQ(m.num_requests_running.Value(), 0);
 
   // Rejected requests are never counted.
   EXPECT_EQ(Generate(TokenRequest({}, 4)).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   registry_->MarkDown(registry_->prefill_workers()[0], "test");
   EXPECT_EQ(Generate(TokenRequest({1}, 4)).status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(m.num_requests_waiting.Value(), 0);
-  EXPECT_EQ(m.num_requests_running.Value(), 0);
 }
 
 // With a prefill budget of 1 token per worker, requests reserve KV and prefill one at a time; the
@@ -447,21 +603,21 @@ TEST_F(RouterServiceTest, PrefillGateHoldsRequestsInTheRouterUntilAPrefillEnds) 
   options.max_prefill_tokens_per_worker = 1;
   Start(1, 1, options);
   prefill_[0]->prefill_delay_ms = 1000;
-  const metrics::DuetMetrics& m = service_->metrics();
+  const metrics::RouterMetrics& m = service_->metrics();
   Result first, second;
   std::thread a([&] { first = Generate(TokenRequest({1}, 3, "g1")); });
   ASSERT_TRUE(WaitFor([&] { return prefill_[0]->num_prefills == 1; }));
   std::thread b([&] { second = Generate(TokenRequest({2}, 3, "g2")); });
-  ASSERT_TRUE(WaitFor([&] { return m.num_requests_waiting.Value() == 2; }));
+  ASSERT_TRUE(WaitFor([&] { return m.num_requests_waiting.Value() == 1; }));
   EXPECT_EQ(decode_[0]->num_reserved, 1);  // the second holds no reservation while it waits
 
   // A third, cancelled by its client while waiting, and a fourth, aborted while waiting.
   grpc::ClientContext cancelled_context;
   auto cancelled = stub_->Generate(&cancelled_context, TokenRequest({3}, 3, "g3"));
-  ASSERT_TRUE(WaitFor([&] { return m.num_requests_waiting.Value() == 3; }));
+  ASSERT_TRUE(WaitFor([&] { return m.num_requests_waiting.Value() == 2; }));
   Result aborted;
   std::thread d([&] { aborted = Generate(TokenRequest({4, 5}, 3, "g4")); });
-  ASSERT_TRUE(WaitFor([&] { return m.num_requests_waiting.Value() == 4; }));
+  ASSERT_TRUE(WaitFor([&] { return m.num_requests_waiting.Value() == 3; }));
   cancelled_context.TryCancel();
   v1::GenerateResponse message;
   EXPECT_FALSE(cancelled->Read(&message));
@@ -487,6 +643,7 @@ TEST_F(RouterServiceTest, PrefillGateHoldsRequestsInTheRouterUntilAPrefillEnds) 
   EXPECT_EQ(service_->num_in_flight(), 0);
   EXPECT_EQ(m.num_requests_waiting.Value(), 0);
   EXPECT_EQ(m.request_queue_time_seconds.Collect().count, 2u);  // observed when let through
+  EXPECT_EQ(m.request_success(FinishReason::kAbort).Value(), 1);
 }
 
 // The gate counts prompt tokens: with 5 per worker, 3 + 2 prefill together and 1 more waits.
@@ -501,7 +658,7 @@ TEST_F(RouterServiceTest, PrefillGateCountsPromptTokens) {
   std::thread tb([&] { b = Generate(TokenRequest({4, 5}, 2)); });
   ASSERT_TRUE(WaitFor([&] { return prefill_[0]->num_prefills == 2; }));
   std::thread tc([&] { c = Generate(TokenRequest({6}, 2)); });
-  ASSERT_TRUE(WaitFor([&] { return service_->metrics().num_requests_waiting.Value() == 3; }));
+  ASSERT_TRUE(WaitFor([&] { return service_->metrics().num_requests_waiting.Value() == 1; }));
   EXPECT_EQ(prefill_[0]->num_prefills, 2);
   EXPECT_EQ(decode_[0]->num_reserved, 2);
   ta.join();
@@ -802,6 +959,81 @@ TEST(RouterTest, StartsWithTheModelAndServesHealthAndModelInfo) {
   bad = options;
   bad.max_model_len = config->max_position_embeddings + 1;
   EXPECT_FALSE(Router::Start(bad).ok());
+}
+
+grpc::health::v1::HealthCheckResponse::ServingStatus Health(grpc::health::v1::Health::Stub& stub,
+                                                            const std::string& service, grpc::Status* status) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  *status = stub.Check(&context, request, &response);
+  return response.status();
+}
+
+// gRPC health and HTTP /health tell the same truth: NOT_SERVING / 503 while no worker is up,
+// SERVING / 200 once a prefill and a decode worker are, NOT_SERVING / 503 again during the drain;
+// for the whole server ("") and for duet.v1.Duet (which is never NOT_FOUND).
+TEST(RouterTest, HealthSaysWhetherRequestsCanBeServed) {
+  using grpc::health::v1::HealthCheckResponse;
+  int prefill_port, decode_port;
+  {
+    // Two free ports, with nothing listening on them when the router starts.
+    FakePrefillWorker prefill;
+    FakeDecodeWorker decode;
+    FakeServer prefill_server(&prefill);
+    FakeServer decode_server(&decode);
+    prefill_port = prefill_server.port();
+    decode_port = decode_server.port();
+  }
+  RouterOptions options;
+  options.model_dir = kModelDir;
+  options.prefill_addresses = {"127.0.0.1:" + std::to_string(prefill_port)};
+  options.decode_addresses = {"127.0.0.1:" + std::to_string(decode_port)};
+  options.http_port = 0;
+  absl::StatusOr<std::unique_ptr<Router>> router = Router::Start(options);
+  ASSERT_TRUE(router.ok()) << router.status();
+  auto health = grpc::health::v1::Health::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string((*router)->port()), grpc::InsecureChannelCredentials()));
+  const uint16_t http_port = uint16_t((*router)->http_port());
+  auto http_health = [&] { return metrics::testing::HttpGet(http_port, "/health", std::chrono::seconds(5)).status; };
+  auto expect_both = [&](HealthCheckResponse::ServingStatus want, int want_http) {
+    for (const std::string service : {"", "duet.v1.Duet"}) {
+      grpc::Status status;
+      EXPECT_EQ(Health(*health, service, &status), want) << "service '" << service << "'";
+      EXPECT_TRUE(status.ok()) << "service '" << service << "': " << status.error_message();
+    }
+    EXPECT_EQ(http_health(), want_http);
+  };
+  expect_both(HealthCheckResponse::NOT_SERVING, 503);
+  grpc::Status unknown;
+  Health(*health, "no.such.Service", &unknown);
+  EXPECT_EQ(unknown.error_code(), grpc::StatusCode::NOT_FOUND);
+
+  // Only a decode worker: still nothing can be served.
+  FakeDecodeWorker decode;
+  FakeServer decode_server(&decode, decode_port);
+  ASSERT_EQ(decode_server.port(), decode_port);
+  auto duet = v1::Duet::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string((*router)->port()),
+                                                   grpc::InsecureChannelCredentials()));
+  ASSERT_TRUE(WaitFor([&] {
+    grpc::ClientContext context;
+    v1::ModelInfo info;
+    return duet->GetModelInfo(&context, v1::GetModelInfoRequest(), &info).ok() && info.num_decode_workers() == 1;
+  }, 10000));
+  expect_both(HealthCheckResponse::NOT_SERVING, 503);
+
+  FakePrefillWorker prefill;
+  FakeServer prefill_server(&prefill, prefill_port);
+  ASSERT_EQ(prefill_server.port(), prefill_port);
+  grpc::Status status;
+  ASSERT_TRUE(WaitFor([&] { return Health(*health, "", &status) == HealthCheckResponse::SERVING; }, 10000));
+  expect_both(HealthCheckResponse::SERVING, 200);
+
+  (*router)->StartDraining();
+  expect_both(HealthCheckResponse::NOT_SERVING, 503);
+  (*router)->Shutdown(100);
 }
 
 }  // namespace

@@ -299,12 +299,15 @@ void WorkerRegistry::SetUp(Worker* worker, bool up, std::string_view reason) {
   absl::MutexLock lock(&members_mu_);  // against a retirement between the check and the store
   if (worker->retired_) return;
   const bool was = worker->up_.exchange(up, std::memory_order_acq_rel);
-  if (was == up || !options_.log_state_changes) return;
-  if (up) {
-    DUET_LOG(INFO) << worker->name() << " is up";
-  } else {
-    DUET_LOG(WARNING) << worker->name() << " is down: " << reason;
+  if (was == up) return;
+  if (options_.log_state_changes) {
+    if (up) {
+      DUET_LOG(INFO) << worker->name() << " is up";
+    } else {
+      DUET_LOG(WARNING) << worker->name() << " is down: " << reason;
+    }
   }
+  if (options_.on_state_change) options_.on_state_change();
 }
 
 }  // namespace duet::router

@@ -139,6 +139,9 @@ struct RegistryOptions {
   absl::Duration discovery_interval = absl::Seconds(2);
   // Resolves the discovery targets; null: MakeSystemResolver(). Tests substitute a fake.
   std::shared_ptr<AddressResolver> resolver;
+  // Runs after a worker went up or down (on the thread that saw it: the poller or a gRPC callback
+  // thread), e.g. to update the router's health status.
+  std::function<void()> on_state_change;
 };
 
 // Channel arguments for a connection from the router to a worker (keepalive, backoff).

@@ -85,11 +85,23 @@ void FillWorkerStats(const EngineStats& stats, const std::string& role, int32_t 
   out->set_block_size(block_size);
 }
 
-void RecordEngineStats(const EngineStats& stats, metrics::DuetMetrics& metrics, int64_t* preemptions_seen) {
+metrics::CacheConfig CacheConfigOf(LlmEngine& engine) {
+  const KvCacheShape& shape = engine.kv_cache().shape();
+  metrics::CacheConfig config;
+  config.block_size = shape.block_size;
+  config.num_gpu_blocks = shape.num_blocks;
+  config.cache_dtype = shape.dtype == KvDtype::kFloat32 ? "float32" : "bfloat16";
+  config.gpu_memory_utilization = engine.config().gpu_memory_utilization;
+  return config;
+}
+
+double KvCacheUsage(const EngineStats& stats) {
+  return stats.num_kv_blocks > 0 ? double(stats.num_kv_blocks - stats.num_free_kv_blocks) / stats.num_kv_blocks : 0.0;
+}
+
+void RecordEngineStats(const EngineStats& stats, metrics::EngineMetrics& metrics, int64_t* preemptions_seen) {
   metrics.num_requests_running.Set(stats.num_running);
   metrics.num_requests_waiting.Set(stats.num_waiting);
-  metrics.kv_cache_usage_perc.Set(
-      stats.num_kv_blocks > 0 ? double(stats.num_kv_blocks - stats.num_free_kv_blocks) / stats.num_kv_blocks : 0.0);
   if (stats.num_preemptions > *preemptions_seen) {
     metrics.num_preemptions.Inc(double(stats.num_preemptions - *preemptions_seen));
     *preemptions_seen = stats.num_preemptions;

@@ -35,7 +35,11 @@ void FillWorkerStats(const EngineStats& stats, const std::string& role, int32_t 
                      v1::WorkerStats* out);
 // Brings a worker's scheduler gauges and preemption counter up to `stats`; `preemptions_seen`
 // is the engine total already counted (the caller serializes calls).
-void RecordEngineStats(const EngineStats& stats, metrics::DuetMetrics& metrics, int64_t* preemptions_seen);
+void RecordEngineStats(const EngineStats& stats, metrics::EngineMetrics& metrics, int64_t* preemptions_seen);
+// The engine's KV-cache configuration, for cache_config_info.
+metrics::CacheConfig CacheConfigOf(LlmEngine& engine);
+// The share of the engine's KV blocks in use, 0..1 (the decode worker's kv_cache_usage_perc).
+double KvCacheUsage(const EngineStats& stats);
 
 // Server-side channel arguments so the router's keepalive pings (every second, also on idle
 // connections, to notice dead workers at once) are accepted rather than answered with GOAWAY

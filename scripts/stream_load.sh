@@ -94,7 +94,8 @@ while kill -0 "$bench_pid" 2>/dev/null; do
     [ "${t:-0}" -gt "${peak_threads[$name]}" ] && peak_threads[$name]=$t
     [ "${r:-0}" -gt "${peak_rss[$name]}" ] && peak_rss[$name]=$r
   done
-  n=$(gauge "$router_metrics" duet:num_requests_running duet:num_requests_waiting)
+  # Open streams: waiting in the router plus those at the decode worker (each role counts its own).
+  n=$(( $(gauge "$router_metrics" duet:num_requests_waiting) + $(gauge "$decode_metrics" duet:num_requests_running duet:num_requests_waiting) ))
   [ "$n" -gt "$peak_open" ] && peak_open=$n
   n=$(gauge "$decode_metrics" duet:num_requests_running)
   [ "$n" -gt "$peak_decoding" ] && peak_decoding=$n

@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
     else if (flag == "--prefill") options.prefill_addresses = absl::StrSplit(value, ',', absl::SkipEmpty());
     else if (flag == "--decode") options.decode_addresses = absl::StrSplit(value, ',', absl::SkipEmpty());
     else if (flag == "--max-concurrent-requests") options.max_concurrent_requests = std::atoi(value.c_str());
+    else if (flag == "--max-queued-requests") options.max_queued_requests = std::atoi(value.c_str());
     else if (flag == "--max-model-len") options.max_model_len = std::atoll(value.c_str());
     else if (flag == "--http-port") options.http_port = std::atoi(value.c_str());
     else if (flag == "--api-key") options.api_key = value;

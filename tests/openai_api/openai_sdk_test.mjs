@@ -1,6 +1,6 @@
 // The official `openai` npm SDK against Duet's OpenAI-compatible API (a running local cluster).
 // Env: OPENAI_BASE_URL (…/v1), OPENAI_AUTH_BASE_URL (a router with --api-key test-key and
-// --max-concurrent-requests 1), OPENAI_DOWN_BASE_URL (a router none of whose workers is up),
+// --max-concurrent-requests 1, --max-queued-requests 0), OPENAI_DOWN_BASE_URL (a router none of whose workers is up),
 // OPENAI_FAULT_BASE_URL (a router whose decode worker sends two tokens, then a message that is no
 // GenerateResponse), MODEL_NAME.
 import assert from 'node:assert/strict';
@@ -241,7 +241,7 @@ await test('errors: APIConnectionError', async () => {
   await expectError(OpenAI.APIConnectionError, () => dead.completions.create({ model, prompt: 'x' }));
 });
 
-await test('errors: AuthenticationError, then RateLimitError over --max-concurrent-requests 1', async () => {
+await test('errors: AuthenticationError, then RateLimitError over --max-concurrent-requests 1 without a queue', async () => {
   const wrong = new OpenAI({ baseURL: authBaseURL, apiKey: 'wrong-key', maxRetries: 0 });
   await expectError(OpenAI.AuthenticationError, () => wrong.completions.create({ model, prompt: 'x', max_tokens: 1 }), 401);
   await expectError(OpenAI.AuthenticationError, () => wrong.models.list(), 401);

@@ -5,7 +5,8 @@
 #      not, n > 1, stop strings, usage, logprobs, error classes;
 #   2. curl -N: the exact SSE framing;
 #   3. greedy parity: HTTP completions equal `duet generate` for the same prompt_token_ids;
-#   4. a second router with --api-key and --max-concurrent-requests 1: AuthenticationError and
+#   4. a second router with --api-key, --max-concurrent-requests 1 and no queue
+#      (--max-queued-requests 0): AuthenticationError and
 #      RateLimitError (in the SDK test);
 #   5. a router whose workers are all down: InternalServerError with status 503;
 #   6. a router whose decode worker sends a message it cannot parse (FAULT_ROUTER_BINARY):
@@ -76,7 +77,7 @@ HTTP_PORT=$PORT
 # shellcheck disable=SC2086
 start router_auth "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --http-port 0 \
   --prefill "127.0.0.1:$PREFILL_PORT" --decode "127.0.0.1:$DECODE_PORT" --api-key test-key \
-  --max-concurrent-requests 1
+  --max-concurrent-requests 1 --max-queued-requests 0
 AUTH_PORT=$PORT
 # Port 1 refuses connections: no worker is ever up.
 # shellcheck disable=SC2086
