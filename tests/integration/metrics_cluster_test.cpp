@@ -187,6 +187,20 @@ double UnixSeconds(std::chrono::system_clock::time_point t) {
   return std::chrono::duration<double>(t.time_since_epoch()).count();
 }
 
+// The times of the first and the last sample of the range selector `selector` (one series) at
+// `unix_seconds`: the span a rate() over it measures; (0, 0) when there is none.
+std::pair<double, double> SampleSpan(uint16_t port, const std::string& selector, double unix_seconds) {
+  auto r = metrics::testing::HttpGet(
+      port, absl::StrCat("/api/v1/query?query=", UrlEncode(selector), absl::StrFormat("&time=%.3f", unix_seconds)),
+      std::chrono::seconds(2));
+  auto json = nlohmann::json::parse(r.body, nullptr, /*allow_exceptions=*/false);
+  if (r.status != 200 || json.is_discarded() || json.value("status", "") != "success") return {0, 0};
+  const auto& result = json["data"]["result"];
+  if (!result.is_array() || result.size() != 1 || result[0]["values"].size() < 2) return {0, 0};
+  const auto& values = result[0]["values"];
+  return {values.front()[0].get<double>(), values.back()[0].get<double>()};
+}
+
 std::string ReadFile(const std::filesystem::path& path) {
   std::ifstream in(path);
   std::stringstream ss;
@@ -369,18 +383,20 @@ struct ClientStream {
   int tokens = 0;
 };
 
-// A whole `duet serve` cluster (1 prefill, 2 decode workers) scraped the way its docs say: the
+// A whole `duet serve` cluster (a prefill and a decode worker) scraped the way its docs say: the
 // router on its HTTP port, every worker on its metrics port. Under a steady load the standard
 // vLLM dashboard queries, summed over every target without a role filter, give what the client
-// measured: the token rate and the mean inter-token latency within 5%, and the totals exactly.
+// measured: the token rate and the mean inter-token latency within 5% (the client's over the span
+// of the scrapes the rate() covers: one decode worker, so one series and one span), and the totals
+// exactly.
 TEST(MetricsClusterTest, VllmDashboardQueriesOverADuetServeClusterMatchTheClient) {
   if (::access(kPrometheus, X_OK) != 0) GTEST_SKIP() << "prometheus not installed";
   auto serve = Subprocess::Start({testing::DuetBinary(), "serve", "--model", std::string(DUET_MODELS_DIR) + "/tiny-code-llama",
                                   "--backend", "cpu", "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
-                                  "--prefill-workers", "1", "--decode-workers", "2"});
+                                  "--prefill-workers", "1", "--decode-workers", "1"});
   ASSERT_TRUE(serve.ok()) << serve.status();
   std::vector<std::string> targets;
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < 2; ++i) {
     absl::StatusOr<std::string> worker = (*serve)->WaitForLine("DUET_WORKER ", std::chrono::seconds(120));
     ASSERT_TRUE(worker.ok()) << worker.status();
     ASSERT_NE(Field(*worker, "metrics_port"), "") << *worker;
@@ -401,10 +417,10 @@ TEST(MetricsClusterTest, VllmDashboardQueriesOverADuetServeClusterMatchTheClient
   const uint16_t prom_port = FreePort();
   auto prometheus = StartPrometheus(dir, targets, prom_port);
   ASSERT_TRUE(prometheus.ok()) << prometheus.status();
-  for (int i = 0; i < 120 && Query(prom_port, "sum(up{job=\"duet\"})") != "4"; ++i) {
+  for (int i = 0; i < 120 && Query(prom_port, "sum(up{job=\"duet\"})") != "3"; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(250));
   }
-  ASSERT_EQ(Query(prom_port, "sum(up{job=\"duet\"})"), "4") << ReadFile(dir / "prometheus.log");
+  ASSERT_EQ(Query(prom_port, "sum(up{job=\"duet\"})"), "3") << ReadFile(dir / "prometheus.log");
 
   // The HTTP API counts responses by status: a 404, a 400, a /health 200.
   EXPECT_EQ(metrics::testing::HttpGet(uint16_t(http_port), "/no/such/path", std::chrono::seconds(5)).status, 404);
@@ -452,24 +468,9 @@ TEST(MetricsClusterTest, VllmDashboardQueriesOverADuetServeClusterMatchTheClient
     prompt_tokens += s.prompt_tokens;
   }
 
-  // The client's truth over the dashboard's window: (eval - kWindow, eval], inside the load.
+  // The dashboard's window: (eval - kWindow, eval], inside the load.
   constexpr int kWindow = 10;
-  const auto eval = load_end - std::chrono::seconds(1);
-  const auto window_start = eval - std::chrono::seconds(kWindow);
-  int64_t window_tokens = 0, gaps = 0;
-  double gap_seconds = 0;
-  for (const ClientStream& s : streams) {
-    for (size_t i = 0; i < s.arrivals.size(); ++i) {
-      if (s.arrivals[i] <= window_start || s.arrivals[i] > eval) continue;
-      ++window_tokens;  // one token per message (no speculation)
-      if (i > 0) {
-        ++gaps;
-        gap_seconds += std::chrono::duration<double>(s.arrivals[i] - s.arrivals[i - 1]).count();
-      }
-    }
-  }
-  const double client_rate = double(window_tokens) / kWindow;
-  const double client_itl = gap_seconds / double(gaps);
+  const double eval = UnixSeconds(load_end - std::chrono::seconds(1));
 
   // Totals, once Prometheus has scraped the end of the load.
   const std::string want_tokens = std::to_string(tokens), want_prompt = std::to_string(prompt_tokens),
@@ -490,23 +491,42 @@ TEST(MetricsClusterTest, VllmDashboardQueriesOverADuetServeClusterMatchTheClient
   }
   // The dashboard's panels (vLLM's grafana.json), summed over the cluster.
   const std::string window = absl::StrCat("[", kWindow, "s]");
-  const std::string rate = Query(prom_port, "sum(rate(duet:generation_tokens_total" + window + "))", UnixSeconds(eval));
+  const std::string rate = Query(prom_port, "sum(rate(duet:generation_tokens_total" + window + "))", eval);
   const std::string itl = Query(prom_port,
                                 "sum(rate(duet:inter_token_latency_seconds_sum" + window +
                                     ")) / sum(rate(duet:inter_token_latency_seconds_count" + window + "))",
-                                UnixSeconds(eval));
+                                eval);
   const std::string tpot = Query(prom_port,
                                  "sum(rate(duet:time_per_output_token_seconds_sum" + window +
                                      ")) / sum(rate(duet:time_per_output_token_seconds_count" + window + "))",
-                                 UnixSeconds(eval));
+                                 eval);
+  // The client's truth over what rate() measures: the span of the scrapes inside the window.
+  const auto [rate_from, rate_to] = SampleSpan(prom_port, "duet:generation_tokens_total" + window, eval);
+  const auto [itl_from, itl_to] = SampleSpan(prom_port, "duet:inter_token_latency_seconds_count" + window, eval);
+  int64_t span_tokens = 0, gaps = 0;
+  double gap_seconds = 0;
+  for (const ClientStream& s : streams) {
+    for (size_t i = 0; i < s.arrivals.size(); ++i) {
+      const double at = UnixSeconds(s.arrivals[i]);
+      if (at > rate_from && at <= rate_to) ++span_tokens;  // one token per message (no speculation)
+      if (i > 0 && at > itl_from && at <= itl_to) {
+        ++gaps;
+        gap_seconds += std::chrono::duration<double>(s.arrivals[i] - s.arrivals[i - 1]).count();
+      }
+    }
+  }
+  const double client_rate = double(span_tokens) / (rate_to - rate_from);
+  const double client_itl = gap_seconds / double(gaps);
   const std::string not_found = Query(prom_port, "sum(http_requests_total{handler=\"none\",status=\"404\"})");
   const std::string health_ok = Query(prom_port, "sum(http_requests_total{handler=\"/health\",status=\"200\"})");
   std::printf(
-      "%zu requests, %lld tokens, %lld prompt tokens; window of %d s: client %.1f tok/s, ITL %.2f ms (%lld gaps)\n"
+      "%zu requests, %lld tokens, %lld prompt tokens; window of %d s (scrapes over %.2f s): client %.1f tok/s, "
+      "ITL %.2f ms (%lld gaps)\n"
       "PromQL: sum(rate(generation_tokens_total))=%s, ITL=%s s, TPOT=%s s; sum(generation_tokens_total)=%s "
       "sum(prompt_tokens_total)=%s sum(request_success_total)=%s sum(e2e count)=%s running=%s waiting=%s "
       "http 404=%s /health 200=%s\n",
-      streams.size(), (long long)tokens, (long long)prompt_tokens, kWindow, client_rate, client_itl * 1e3,
+      streams.size(), (long long)tokens, (long long)prompt_tokens, kWindow, rate_to - rate_from, client_rate,
+      client_itl * 1e3,
       (long long)gaps, rate.c_str(), itl.c_str(), tpot.c_str(), generated.c_str(), prompted.c_str(),
       successes.c_str(), e2e_count.c_str(), running.c_str(), waiting.c_str(), not_found.c_str(), health_ok.c_str());
   StopPrometheus(**prometheus);
@@ -523,6 +543,8 @@ TEST(MetricsClusterTest, VllmDashboardQueriesOverADuetServeClusterMatchTheClient
   EXPECT_EQ(health_ok, "1");
   ASSERT_FALSE(rate.empty());
   ASSERT_FALSE(itl.empty());
+  ASSERT_GT(rate_to - rate_from, kWindow / 2);
+  ASSERT_GT(gaps, 0);
   EXPECT_NEAR(std::stod(rate) / client_rate, 1.0, 0.05) << rate << " vs " << client_rate;
   EXPECT_NEAR(std::stod(itl) / client_itl, 1.0, 0.05) << itl << " vs " << client_itl;
   EXPECT_EQ(tpot, itl);
