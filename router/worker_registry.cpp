@@ -99,20 +99,25 @@ void WorkerRegistry::RefreshDiscovery() {
       t.error = std::move(error);
     }
   }
-  absl::MutexLock lock(&members_mu_);
-  for (WorkerRole role : {WorkerRole::kPrefill, WorkerRole::kDecode}) {
-    std::vector<std::string> addresses;
-    for (const Target& t : targets_) {
-      if (t.role != role) continue;
-      for (const std::string& a : t.addresses) {
-        if (std::find(addresses.begin(), addresses.end(), a) == addresses.end()) addresses.push_back(a);
+  bool retired_an_up_worker = false;
+  {
+    absl::MutexLock lock(&members_mu_);
+    for (WorkerRole role : {WorkerRole::kPrefill, WorkerRole::kDecode}) {
+      std::vector<std::string> addresses;
+      for (const Target& t : targets_) {
+        if (t.role != role) continue;
+        for (const std::string& a : t.addresses) {
+          if (std::find(addresses.begin(), addresses.end(), a) == addresses.end()) addresses.push_back(a);
+        }
       }
+      retired_an_up_worker |= ApplyDiscovered(role, addresses);
     }
-    ApplyDiscovered(role, addresses);
   }
+  if (retired_an_up_worker && options_.on_state_change) options_.on_state_change();
 }
 
-void WorkerRegistry::ApplyDiscovered(WorkerRole role, const std::vector<std::string>& addresses) {
+bool WorkerRegistry::ApplyDiscovered(WorkerRole role, const std::vector<std::string>& addresses) {
+  bool retired_an_up_worker = false;
   Members& m = members(role);
   auto listed = [&](const std::string& address) {
     return std::find(addresses.begin(), addresses.end(), address) != addresses.end();
@@ -124,7 +129,7 @@ void WorkerRegistry::ApplyDiscovered(WorkerRole role, const std::vector<std::str
       continue;
     }
     worker->retired_ = true;
-    worker->up_.store(false, std::memory_order_release);
+    retired_an_up_worker |= worker->up_.exchange(false, std::memory_order_acq_rel);
     if (options_.log_state_changes) {
       DUET_LOG(INFO) << "router: " << worker->name() << " left discovery; retired (requests on it go on)";
     }
@@ -144,6 +149,7 @@ void WorkerRegistry::ApplyDiscovered(WorkerRole role, const std::vector<std::str
     }
     if (options_.log_state_changes) DUET_LOG(INFO) << "router: discovered " << worker->name();
   }
+  return retired_an_up_worker;
 }
 
 std::vector<Worker*> WorkerRegistry::workers(WorkerRole role) const {
@@ -296,17 +302,20 @@ void WorkerRegistry::ConfirmDown(Worker* worker, std::string reason, std::functi
 }
 
 void WorkerRegistry::SetUp(Worker* worker, bool up, std::string_view reason) {
-  absl::MutexLock lock(&members_mu_);  // against a retirement between the check and the store
-  if (worker->retired_) return;
-  const bool was = worker->up_.exchange(up, std::memory_order_acq_rel);
-  if (was == up) return;
-  if (options_.log_state_changes) {
-    if (up) {
-      DUET_LOG(INFO) << worker->name() << " is up";
-    } else {
-      DUET_LOG(WARNING) << worker->name() << " is down: " << reason;
+  {
+    absl::MutexLock lock(&members_mu_);  // against a retirement between the check and the store
+    if (worker->retired_) return;
+    const bool was = worker->up_.exchange(up, std::memory_order_acq_rel);
+    if (was == up) return;
+    if (options_.log_state_changes) {
+      if (up) {
+        DUET_LOG(INFO) << worker->name() << " is up";
+      } else {
+        DUET_LOG(WARNING) << worker->name() << " is down: " << reason;
+      }
     }
   }
+  // Outside the lock: the listener may ask how many workers are up.
   if (options_.on_state_change) options_.on_state_change();
 }
 

@@ -139,8 +139,9 @@ struct RegistryOptions {
   absl::Duration discovery_interval = absl::Seconds(2);
   // Resolves the discovery targets; null: MakeSystemResolver(). Tests substitute a fake.
   std::shared_ptr<AddressResolver> resolver;
-  // Runs after a worker went up or down (on the thread that saw it: the poller or a gRPC callback
-  // thread), e.g. to update the router's health status.
+  // Runs after a worker went up or down or an up worker left discovery (on the thread that saw
+  // it: the poller, the discovery thread or a gRPC callback thread; no registry lock held), e.g.
+  // to update the router's health status.
   std::function<void()> on_state_change;
 };
 
@@ -204,8 +205,9 @@ class WorkerRegistry {
   }
   Worker* AddWorker(WorkerRole role, const std::string& address, bool is_static)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(members_mu_);
-  // Makes the discovered workers of `role` exactly `addresses` (static workers stay).
-  void ApplyDiscovered(WorkerRole role, const std::vector<std::string>& addresses)
+  // Makes the discovered workers of `role` exactly `addresses` (static workers stay); true when a
+  // worker that was up left.
+  bool ApplyDiscovered(WorkerRole role, const std::vector<std::string>& addresses)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(members_mu_);
   void SetUp(Worker* worker, bool up, std::string_view reason);
   void PollLoop();

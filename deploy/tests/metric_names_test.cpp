@@ -45,15 +45,17 @@ void AddExposition(const std::string& text, Exported* out) {
 
 Exported WhatDuetExports() {
   Exported exported;
-  for (metrics::Role role : {metrics::Role::kRouter, metrics::Role::kPrefill, metrics::Role::kDecode}) {
-    metrics::Registry registry;
-    metrics::DuetMetrics m(registry, "tiny", role);
-    m.kv_transfer_bytes_total("ucx_shm").Inc(1);
-    m.kv_transfer_seconds("ucx_shm").Observe(0.01);
-    m.spec_decode_num_accepted_tokens_per_pos(0).Inc();
-    m.request_success(FinishReason::kStop).Inc();
-    AddExposition(registry.Render(), &exported);
-  }
+  metrics::Registry registry;
+  metrics::RouterMetrics router(registry, "tiny");
+  router.request_success(FinishReason::kStop).Inc();
+  router.RecordHttpRequest("/v1/completions", "POST", 200, 0.1);
+  metrics::PrefillMetrics prefill(registry, "tiny");
+  prefill.SetCacheConfig({16, 64, "float32", 0.9, false});
+  prefill.kv_transfer_bytes_total("ucx_shm").Inc(1);
+  prefill.kv_transfer_seconds("ucx_shm").Observe(0.01);
+  metrics::DecodeMetrics decode(registry, "tiny");
+  decode.spec_decode_num_accepted_tokens_per_pos(0).Inc();
+  AddExposition(registry.Render(), &exported);
   AddExposition(metrics::RenderProcessMetrics(), &exported);
   exported["up"] = {};  // Prometheus's own series for each target
   return exported;
