@@ -18,10 +18,12 @@ using json = nlohmann::ordered_json;  // properties keep the schema's order
 const std::map<std::string, std::string>& PrimitiveRules() {
   static const auto* rules = new std::map<std::string, std::string>{
       {"ws", R"(| " " | "\n" [ \t]{0,20})"},
-      {"json-char", R"([^"\\\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}))"},
-      {"json-string", R"("\"" ([^"\\\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}))* "\"")"},
+      {"json-char", R"([^"\\\x00-\x1F] | "\\" (["\\/bfnrt] | "u" json-hex4))"},
+      {"json-string", R"("\"" ([^"\\\x00-\x1F] | "\\" (["\\/bfnrt] | "u" json-hex4))* "\"")"},
+      // \uXXXX but no surrogate (a lone one is not valid Unicode and JSON parsers reject it).
+      {"json-hex4", R"([0-9a-cA-CeEfF] [0-9a-fA-F]{3} | [dD] [0-7] [0-9a-fA-F]{2})"},
       {"json-int", R"("-"? ("0" | [1-9] [0-9]{0,15}))"},
-      {"json-number", R"("-"? ("0" | [1-9] [0-9]{0,15}) ("." [0-9]{1,16})? ([eE] [-+]? [0-9]{1,3})?)"},
+      {"json-number", R"("-"? ("0" | [1-9] [0-9]{0,15}) ("." [0-9]{1,16})? ([eE] [-+]? [0-9]{1,2})?)"},
       {"json-boolean", R"("true" | "false")"},
       {"json-null", R"("null")"},
       {"json-value", "json-object | json-array | json-string | json-number | json-boolean | json-null"},
@@ -36,6 +38,8 @@ const std::set<std::string>& PrimitiveDependencies(const std::string& name) {
       {"json-value", {"json-object", "json-array", "json-string", "json-number", "json-boolean", "json-null"}},
       {"json-object", {"ws", "json-string", "json-value"}},
       {"json-array", {"ws", "json-value"}},
+      {"json-char", {"json-hex4"}},
+      {"json-string", {"json-hex4"}},
   };
   static const std::set<std::string> none;
   auto it = deps->find(name);

@@ -13,8 +13,8 @@
 //
 // Layout: no whitespace at the top level; between tokens of objects and arrays "", " ", or a
 // newline and up to 20 spaces or tabs (so pretty-printed output is allowed but whitespace
-// cannot run on forever). Numbers: at most 16 integer digits, 16 fraction digits and 3
-// exponent digits.
+// cannot run on forever). Numbers: at most 16 integer digits, 16 fraction digits and 2
+// exponent digits (so every number is a finite double: parsers reject 1e400).
 #pragma once
 
 #include <memory>
