@@ -2,8 +2,9 @@
 //
 // 1. Token masks (no model): per grammar, the time to build it, to classify every grammar
 //    position against the vocabulary (the one-time token-mask cache), and per decoded token the
-//    mask (FillNextTokenMask) and the advance (AcceptToken), along random paths that draw a
-//    token uniformly from each mask. The vocabulary is the model's, or --tokenizer's
+//    mask (FillNextTokenMask: median, p99, mean, max — the max is a state's first visit, whose
+//    uncertain tokens are checked; later visits reuse its mask) and the advance (AcceptToken),
+//    along random paths that draw a token uniformly from each mask. The vocabulary is the model's, or --tokenizer's
 //    tokenizer.json (e.g. Llama 3's 128k vocabulary).
 // 2. Decode speed on the CPU engine at each --batch: unconstrained vs constrained by a grammar
 //    of JSON objects, one per line, that never ends (so both run exactly --gen-len tokens), at
@@ -69,8 +70,8 @@ void BenchMasks(const duet::Tokenizer& tokenizer, const std::string& label, int 
   const auto vocab = VocabOf(tokenizer, eos);
   std::printf("\n## Token masks: %s vocabulary (%d tokens), %d random paths of up to %d tokens\n\n", label.c_str(),
               vocab->size(), paths, path_len);
-  std::printf("| grammar | build ms | cache fill ms (all positions) | mask µs/token median | p99 | accept µs/token |\n");
-  std::printf("|---|---|---|---|---|---|\n");
+  std::printf("| grammar | build ms | cache fill ms (all positions) | mask µs/token median | p99 | mean | max | accept µs/token |\n");
+  std::printf("|---|---|---|---|---|---|---|---|\n");
   std::mt19937 rng(1);
   for (const auto& [name, constraint] : MaskGrammars()) {
     duet::grammar::GrammarCompiler compiler(vocab);
@@ -107,9 +108,23 @@ void BenchMasks(const duet::Tokenizer& tokenizer, const std::string& label, int 
     const auto ms = duet::bench::Summarize(mask_us);
     std::sort(mask_us.begin(), mask_us.end());
     const double p99 = mask_us[std::min(mask_us.size() - 1, size_t(0.99 * double(mask_us.size())))];
-    std::printf("| %s | %.2f | %.1f | %.1f | %.1f | %.2f |\n", name.c_str(), build_ms, cache_ms, ms.median, p99,
-                duet::bench::Summarize(accept_us).median);
+    double sum = 0;
+    for (double us : mask_us) sum += us;
+    std::printf("| %s | %.2f | %.1f | %.1f | %.1f | %.1f | %.0f | %.2f |\n", name.c_str(), build_ms, cache_ms, ms.median,
+                p99, sum / double(mask_us.size()), mask_us.back(), duet::bench::Summarize(accept_us).median);
   }
+}
+
+// The tokens one engine step produced (aborts on an engine error: a benchmark has no recovery).
+int64_t StepTokens(duet::LlmEngine& e) {
+  absl::StatusOr<std::vector<duet::RequestOutput>> out = e.Step();
+  if (!out.ok()) {
+    std::fprintf(stderr, "step failed: %s\n", std::string(out.status().message()).c_str());
+    std::abort();
+  }
+  int64_t tokens = 0;
+  for (const auto& o : *out) tokens += int64_t(o.new_token_ids.size());
+  return tokens;
 }
 
 // Generated tokens per second for `batch` requests of `gen_len` tokens, all submitted at once.
@@ -126,14 +141,10 @@ double DecodeTokensPerSecond(duet::LlmEngine& e, int batch, int gen_len, bool co
   }
   // Prefill first (untimed), then time the decode steps.
   int64_t tokens = 0;
-  while (tokens < batch) {
-    for (const auto& o : *e.Step()) tokens += int64_t(o.new_token_ids.size());
-  }
+  while (tokens < batch) tokens += StepTokens(e);
   tokens = 0;
   const auto start = Clock::now();
-  while (e.HasUnfinished()) {
-    for (const auto& o : *e.Step()) tokens += int64_t(o.new_token_ids.size());
-  }
+  while (e.HasUnfinished()) tokens += StepTokens(e);
   const double s = Since(start);
   for (int i = 0; i < batch; ++i) e.Release("r" + std::to_string(i));
   return double(tokens) / s;

@@ -159,9 +159,10 @@ size_t CommonPrefix(const std::string& a, const std::string& b) {
 // Calls on_token(id, accepted, ended_early) for each: accepted when some path consumes all its
 // bytes; ended_early when a path reached an empty stack with bytes of the token left (for a
 // start that is one frame alone: the rules below it would have to match the rest).
+// `follow`, when given, limits ended_early to paths whose next byte it contains.
 template <typename OnToken>
 void WalkTokens(const Grammar& g, const TokenVocabulary& vocab, const StackSet& start,
-                absl::Span<const int32_t> tokens, OnToken on_token) {
+                absl::Span<const int32_t> tokens, const ByteClass* follow, OnToken on_token) {
   std::vector<StackSet> states(vocab.max_token_bytes() + 1);
   std::vector<char> ended(vocab.max_token_bytes() + 1, 0);
   states[0] = start;
@@ -172,7 +173,8 @@ void WalkTokens(const Grammar& g, const TokenVocabulary& vocab, const StackSet& 
     size_t depth = prev ? std::min(valid, CommonPrefix(*prev, tok)) : 0;
     bool dead = false;
     while (depth < tok.size()) {
-      ended[depth + 1] = ended[depth] || HasEmpty(states[depth]);
+      ended[depth + 1] = ended[depth] ||
+                         (HasEmpty(states[depth]) && (follow == nullptr || follow->Contains(uint8_t(tok[depth]))));
       Advance(g, states[depth], uint8_t(tok[depth]), states[depth + 1]);
       ++depth;
       if (states[depth].empty()) {
@@ -198,6 +200,63 @@ void WalkTokens(const Grammar& g, const TokenVocabulary& vocab, const StackSet& 
   }
 }
 
+void Union(ByteClass& into, const ByteClass& from, bool& changed) {
+  for (size_t w = 0; w < 4; ++w) {
+    const uint64_t merged = into.bits[w] | from.bits[w];
+    changed |= merged != into.bits[w];
+    into.bits[w] = merged;
+  }
+}
+
+// FOLLOW of every rule: the bytes that may come right after it (FIRST, nullable, FOLLOW as in
+// LL parsing, over bytes), found by iterating to a fixed point.
+std::vector<ByteClass> FollowSets(const Grammar& g) {
+  const size_t n = size_t(g.num_rules());
+  std::vector<ByteClass> first(n), follow(n);
+  std::vector<bool> nullable(n, false);
+  // FIRST of the sequence from `pos` to its alternative's end, and whether all of it is nullable.
+  auto first_of = [&](int32_t pos, ByteClass& out) {
+    bool dummy = false;
+    for (; g.at(pos).kind != Element::kEnd; ++pos) {
+      const Element& e = g.at(pos);
+      if (e.kind == Element::kBytes) {
+        Union(out, g.byte_class(pos), dummy);
+        return false;
+      }
+      Union(out, first[size_t(e.id)], dummy);
+      if (!nullable[size_t(e.id)]) return false;
+    }
+    return true;
+  };
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (size_t r = 0; r < n; ++r) {
+      for (int32_t start : g.alternatives(int32_t(r))) {
+        ByteClass f;
+        const bool all_nullable = first_of(start, f);
+        Union(first[r], f, changed);
+        if (all_nullable && !nullable[r]) nullable[r] = changed = true;
+      }
+    }
+  }
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (size_t r = 0; r < n; ++r) {
+      for (int32_t start : g.alternatives(int32_t(r))) {
+        for (int32_t p = start; g.at(p).kind != Element::kEnd; ++p) {
+          if (g.at(p).kind != Element::kRule) continue;
+          ByteClass rest;
+          const bool rest_nullable = first_of(p + 1, rest);
+          ByteClass& target = follow[size_t(g.at(p).id)];
+          Union(target, rest, changed);
+          if (rest_nullable) Union(target, follow[r], changed);
+        }
+      }
+    }
+  }
+  return follow;
+}
+
 }  // namespace
 
 StackSet AdvanceBytes(const Grammar& g, const StackSet& start, std::string_view bytes) {
@@ -216,6 +275,13 @@ CompiledGrammar::CompiledGrammar(std::shared_ptr<const Grammar> grammar, std::sh
     : grammar_(std::move(grammar)), vocab_(std::move(vocab)), masks_(grammar_->elements().size()) {
   for (int32_t alt : grammar_->alternatives(grammar_->root())) Close(*grammar_, Stack(), alt, initial_);
   Dedupe(initial_);
+  const std::vector<ByteClass> follow = FollowSets(*grammar_);
+  follow_of_position_.resize(grammar_->elements().size());
+  for (int32_t r = 0; r < grammar_->num_rules(); ++r) {
+    for (int32_t start : grammar_->alternatives(r)) {
+      for (int32_t p = start; grammar_->at(p).kind != Element::kEnd; ++p) follow_of_position_[size_t(p)] = follow[size_t(r)];
+    }
+  }
 }
 
 const CompiledGrammar::PositionMasks& CompiledGrammar::MasksAt(int32_t pos) const {
@@ -225,7 +291,8 @@ const CompiledGrammar::PositionMasks& CompiledGrammar::MasksAt(int32_t pos) cons
   slot = std::make_unique<PositionMasks>();
   slot->accepted.assign(size_t(vocab_->mask_words()), 0);
   const StackSet start = {Stack{pos}};
-  WalkTokens(*grammar_, *vocab_, start, vocab_->sorted(), [&](int32_t id, bool accepted, bool ended_early) {
+  WalkTokens(*grammar_, *vocab_, start, vocab_->sorted(), &follow_of_position_[size_t(pos)],
+             [&](int32_t id, bool accepted, bool ended_early) {
     if (accepted) {
       slot->accepted[size_t(id) / 32] |= uint32_t(1) << (id % 32);
     } else if (ended_early) {
@@ -233,6 +300,26 @@ const CompiledGrammar::PositionMasks& CompiledGrammar::MasksAt(int32_t pos) cons
     }
   });
   return *slot;
+}
+
+bool CompiledGrammar::LookUpStateMask(const std::string& state, absl::Span<uint32_t> mask) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = state_index_.find(state);
+  if (it == state_index_.end()) return false;
+  state_masks_.splice(state_masks_.begin(), state_masks_, it->second);
+  std::copy(it->second->second.begin(), it->second->second.end(), mask.begin());
+  return true;
+}
+
+void CompiledGrammar::RememberStateMask(std::string state, absl::Span<const uint32_t> mask) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (state_index_.count(state)) return;
+  state_masks_.emplace_front(state, std::vector<uint32_t>(mask.begin(), mask.end()));
+  state_index_.emplace(std::move(state), state_masks_.begin());
+  if (state_masks_.size() > kMaxStateMasks) {
+    state_index_.erase(state_masks_.back().first);
+    state_masks_.pop_back();
+  }
 }
 
 void CompiledGrammar::PrecomputeAllPositions() const {
@@ -269,6 +356,18 @@ bool GrammarMatcher::IsTerminated() const {
 }
 
 void GrammarMatcher::FillNextTokenMask(absl::Span<uint32_t> mask) const {
+  // A state seen before (every character of a JSON string leaves the same one) has its mask kept.
+  std::string key;
+  for (const Stack& s : stacks_) {
+    key.append(reinterpret_cast<const char*>(s.data()), s.size() * sizeof(int32_t));
+    key.append(4, '\xFF');  // no position is -1
+  }
+  if (grammar_->LookUpStateMask(key, mask)) return;
+  ComputeNextTokenMask(mask);
+  grammar_->RememberStateMask(std::move(key), mask);
+}
+
+void GrammarMatcher::ComputeNextTokenMask(absl::Span<uint32_t> mask) const {
   const TokenVocabulary& vocab = grammar_->vocab();
   std::fill(mask.begin(), mask.end(), 0u);
   std::vector<const std::vector<int32_t>*> uncertain;
@@ -292,7 +391,7 @@ void GrammarMatcher::FillNextTokenMask(absl::Span<uint32_t> mask) const {
     to_check.erase(std::unique(to_check.begin(), to_check.end()), to_check.end());
   }
   if (!to_check.empty()) {
-    WalkTokens(grammar_->grammar(), vocab, stacks_, to_check, [&](int32_t id, bool accepted, bool) {
+    WalkTokens(grammar_->grammar(), vocab, stacks_, to_check, nullptr, [&](int32_t id, bool accepted, bool) {
       if (accepted) mask[size_t(id) / 32] |= uint32_t(1) << (id % 32);
     });
   }

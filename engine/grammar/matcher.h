@@ -11,18 +11,24 @@
 // tokens accepted whatever the context (some path consumes the token inside P's rule), tokens
 // rejected whatever the context, and uncertain ones (a path reaches the end of P's rule with
 // bytes left, which the rules below must match). A step's mask is the union of the accepted
-// sets of the state's stack tops plus the uncertain tokens that the full state accepts; those
+// sets of the state's stack tops plus the uncertain tokens that the full state accepts (a token
+// counts as uncertain only when the byte after the rule's end may follow the rule somewhere in
+// the grammar, its FOLLOW set, which rejects most of them up front); those
 // are checked by walking them in byte order, sharing the work for common prefixes. The
 // vocabulary walk that classifies a position also shares prefixes and skips every token behind
-// a dead prefix. Positions are classified on first use and kept for the grammar's life.
+// a dead prefix. Positions are classified on first use and kept for the grammar's life; the
+// masks of the most recent whole states are kept too (inside a JSON string every character
+// leaves the matcher in the same state).
 #pragma once
 
 #include <cstdint>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
@@ -82,12 +88,22 @@ class CompiledGrammar {
   const TokenVocabulary& vocab() const { return *vocab_; }
   const StackSet& initial_stacks() const { return initial_; }
 
+  // The most recent states' masks (a state is its stacks, serialized), shared by the requests.
+  bool LookUpStateMask(const std::string& state, absl::Span<uint32_t> mask) const;
+  void RememberStateMask(std::string state, absl::Span<const uint32_t> mask) const;
+
  private:
+  static constexpr size_t kMaxStateMasks = 256;
   std::shared_ptr<const Grammar> grammar_;
   std::shared_ptr<const TokenVocabulary> vocab_;
   StackSet initial_;
+  // Per position, the bytes that may follow the end of its rule in any context (FOLLOW): a
+  // token whose rest starts with another byte is rejected, not uncertain.
+  std::vector<ByteClass> follow_of_position_;
   mutable std::mutex mu_;
   mutable std::vector<std::unique_ptr<PositionMasks>> masks_;
+  mutable std::list<std::pair<std::string, std::vector<uint32_t>>> state_masks_;  // most recent first
+  mutable std::unordered_map<std::string, decltype(state_masks_)::iterator> state_index_;
 };
 
 // One request's position in its grammar.
@@ -106,6 +122,8 @@ class GrammarMatcher {
   const CompiledGrammar& compiled() const { return *grammar_; }
 
  private:
+  void ComputeNextTokenMask(absl::Span<uint32_t> mask) const;
+
   std::shared_ptr<const CompiledGrammar> grammar_;
   StackSet stacks_;
 };
