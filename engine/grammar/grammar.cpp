@@ -110,6 +110,7 @@ class GrammarLowering {
  private:
   static constexpr size_t kMaxInlinedAlternatives = 32;  // per alternative list, before a helper rule
   static constexpr size_t kMaxElements = size_t(1) << 22;
+  static constexpr size_t kMaxCopiedElements = 16;
 
   int32_t RuleId(const std::string& name) {
     auto [it, inserted] = rule_index_.emplace(name, int32_t(names_.size()));
@@ -151,7 +152,15 @@ class GrammarLowering {
   // Every sequence of `a` followed by every sequence of `b`; `b` goes into a helper rule first
   // when the product would be too large.
   Alternatives Concat(Alternatives a, Alternatives b) {
+    if (!error_.ok()) return {};
     if (b.size() > 1 && a.size() * b.size() > kMaxInlinedAlternatives) b = {{Ref(NewHelperRule(std::move(b)))}};
+    size_t size = 0;
+    for (const Sequence& x : a) size += x.size() * b.size();
+    for (const Sequence& y : b) size += y.size() * a.size();
+    if (size > kMaxElements) {
+      error_ = absl::InvalidArgumentError("grammar: too large (over 4M elements once expanded)");
+      return {};
+    }
     Alternatives out;
     out.reserve(a.size() * b.size());
     for (const Sequence& x : a) {
@@ -224,7 +233,14 @@ class GrammarLowering {
       error_ = absl::InvalidArgumentError(absl::StrCat("grammar: bad repetition {", min, ",", max, "}"));
       return {};
     }
-    const Alternatives body = Lower(x);
+    Alternatives body = Lower(x);
+    // A body that is copied many times goes into a rule once, so copies cost one element each
+    // (else `(a{1000}){1000}` would expand to a million elements, quadratically).
+    size_t body_size = 0;
+    for (const Sequence& s : body) body_size += s.size() + 1;
+    if (body_size > kMaxCopiedElements && (min > 1 || max == -1 || max - min > 1)) {
+      body = {{Ref(NewHelperRule(std::move(body)))}};
+    }
     Alternatives out = {{}};
     for (int32_t i = 0; i < min && error_.ok(); ++i) out = Concat(std::move(out), body);
     if (max == -1) {
