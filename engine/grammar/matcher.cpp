@@ -90,8 +90,6 @@ std::shared_ptr<const TokenVocabulary> TokenVocabulary::FromTokenStrings(
   }
   std::sort(v->sorted_.begin(), v->sorted_.end(),
             [&](int32_t a, int32_t b) { return v->bytes_[size_t(a)] < v->bytes_[size_t(b)] || (v->bytes_[size_t(a)] == v->bytes_[size_t(b)] && a < b); });
-  v->rank_.assign(n, -1);
-  for (size_t r = 0; r < v->sorted_.size(); ++r) v->rank_[size_t(v->sorted_[r])] = int32_t(r);
   std::erase_if(eos_ids, [n](int32_t id) { return id < 0 || size_t(id) >= n; });
   v->eos_ids_ = std::move(eos_ids);
   return v;
@@ -316,7 +314,7 @@ void CompiledGrammar::RememberStateMask(std::string state, absl::Span<const uint
   if (state_index_.count(state)) return;
   state_masks_.emplace_front(state, std::vector<uint32_t>(mask.begin(), mask.end()));
   state_index_.emplace(std::move(state), state_masks_.begin());
-  if (state_masks_.size() > kMaxStateMasks) {
+  if (state_masks_.size() * mask.size() * sizeof(uint32_t) > kStateMaskBytes) {
     state_index_.erase(state_masks_.back().first);
     state_masks_.pop_back();
   }
@@ -370,28 +368,32 @@ void GrammarMatcher::FillNextTokenMask(absl::Span<uint32_t> mask) const {
 void GrammarMatcher::ComputeNextTokenMask(absl::Span<uint32_t> mask) const {
   const TokenVocabulary& vocab = grammar_->vocab();
   std::fill(mask.begin(), mask.end(), 0u);
-  std::vector<const std::vector<int32_t>*> uncertain;
-  absl::InlinedVector<int32_t, 8> tops;
+  // The stacks by their top position: a stack accepts a token only if the token is accepted or
+  // uncertain at its top, so each top's uncertain tokens are checked against its stacks alone.
+  std::vector<std::pair<int32_t, StackSet>> by_top;
   for (const Stack& s : stacks_) {
-    if (s.empty() || std::find(tops.begin(), tops.end(), s.back()) != tops.end()) continue;
-    tops.push_back(s.back());
-    const CompiledGrammar::PositionMasks& m = grammar_->MasksAt(s.back());
-    for (size_t w = 0; w < mask.size(); ++w) mask[w] |= m.accepted[w];
-    if (!m.uncertain.empty()) uncertain.push_back(&m.uncertain);
+    if (s.empty()) continue;
+    auto it = std::find_if(by_top.begin(), by_top.end(), [&](const auto& t) { return t.first == s.back(); });
+    if (it == by_top.end()) {
+      by_top.push_back({s.back(), {}});
+      it = by_top.end() - 1;
+    }
+    it->second.push_back(s);
+  }
+  std::vector<const CompiledGrammar::PositionMasks*> masks;
+  for (const auto& [top, stacks] : by_top) {
+    masks.push_back(&grammar_->MasksAt(top));
+    for (size_t w = 0; w < mask.size(); ++w) mask[w] |= masks.back()->accepted[w];
   }
   auto is_set = [&](int32_t id) { return (mask[size_t(id) / 32] >> (id % 32)) & 1; };
   std::vector<int32_t> to_check;
-  for (const std::vector<int32_t>* list : uncertain) {
-    for (int32_t id : *list) {
+  for (size_t i = 0; i < by_top.size(); ++i) {
+    to_check.clear();
+    for (int32_t id : masks[i]->uncertain) {
       if (!is_set(id)) to_check.push_back(id);
     }
-  }
-  if (uncertain.size() > 1) {
-    std::sort(to_check.begin(), to_check.end(), [&](int32_t a, int32_t b) { return vocab.rank(a) < vocab.rank(b); });
-    to_check.erase(std::unique(to_check.begin(), to_check.end()), to_check.end());
-  }
-  if (!to_check.empty()) {
-    WalkTokens(grammar_->grammar(), vocab, stacks_, to_check, nullptr, [&](int32_t id, bool accepted, bool) {
+    if (to_check.empty()) continue;
+    WalkTokens(grammar_->grammar(), vocab, by_top[i].second, to_check, nullptr, [&](int32_t id, bool accepted, bool) {
       if (accepted) mask[size_t(id) / 32] |= uint32_t(1) << (id % 32);
     });
   }

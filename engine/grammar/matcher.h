@@ -11,7 +11,7 @@
 // tokens accepted whatever the context (some path consumes the token inside P's rule), tokens
 // rejected whatever the context, and uncertain ones (a path reaches the end of P's rule with
 // bytes left, which the rules below must match). A step's mask is the union of the accepted
-// sets of the state's stack tops plus the uncertain tokens that the full state accepts (a token
+// sets of the state's stack tops plus the uncertain tokens that their stacks accept (a token
 // counts as uncertain only when the byte after the rule's end may follow the rule somewhere in
 // the grammar, its FOLLOW set, which rejects most of them up front); those
 // are checked by walking them in byte order, sharing the work for common prefixes. The
@@ -52,9 +52,8 @@ class TokenVocabulary {
   const std::string& bytes(int32_t id) const { return bytes_[size_t(id)]; }
   bool is_text(int32_t id) const { return is_text_[size_t(id)]; }
   const std::vector<int32_t>& eos_ids() const { return eos_ids_; }
-  // Text tokens in byte order, and each text token's rank in it.
+  // Text tokens in byte order.
   const std::vector<int32_t>& sorted() const { return sorted_; }
-  int32_t rank(int32_t id) const { return rank_[size_t(id)]; }
   size_t max_token_bytes() const { return max_token_bytes_; }
   int32_t mask_words() const { return (size() + 31) / 32; }
 
@@ -63,7 +62,6 @@ class TokenVocabulary {
   std::vector<bool> is_text_;
   std::vector<int32_t> eos_ids_;
   std::vector<int32_t> sorted_;
-  std::vector<int32_t> rank_;
   size_t max_token_bytes_ = 0;
 };
 
@@ -93,7 +91,7 @@ class CompiledGrammar {
   void RememberStateMask(std::string state, absl::Span<const uint32_t> mask) const;
 
  private:
-  static constexpr size_t kMaxStateMasks = 256;
+  static constexpr size_t kStateMaskBytes = size_t(16) << 20;  // the kept states' masks, in all
   std::shared_ptr<const Grammar> grammar_;
   std::shared_ptr<const TokenVocabulary> vocab_;
   StackSet initial_;
