@@ -4,7 +4,7 @@
 # A new library gets a layer here.
 set(DUET_LAYERS
   "duet_common duet_proto duet_kernels duet_test_process"               # 0: leaves
-  "duet_tokenizer duet_chat_template duet_model duet_kv_cache duet_kvtransfer duet_metrics duet_parallel"  # 1
+  "duet_tokenizer duet_chat_template duet_model duet_kv_cache duet_kvtransfer duet_metrics duet_parallel duet_grammar"  # 1
   "duet_engine duet_parallel_nccl"                                      # 2: the engine loop; the NCCL communicator
   "duet_cpu_backend duet_cuda_backend"                                  # 3: ModelExecutor implementations
   "duet_backends"                                                       # 4: the one place that knows them all

@@ -109,10 +109,46 @@ absl::StatusOr<std::unique_ptr<Request>> LlmEngine::NewRequest(const std::string
     if (!resolved.ok()) return resolved.status();
     mode = *resolved;
   }
+  std::unique_ptr<grammar::GrammarMatcher> matcher;
+  if (params.structured_output.active()) {
+    DUET_ASSIGN_OR_RETURN(matcher, NewGrammarMatcher(params.structured_output));
+    mode = SpeculationMode::kNone;  // drafts are not checked against the grammar (yet)
+  }
   auto request = std::make_unique<Request>(id, seq_id, std::move(prompt), std::move(params));
   request->spec.mode = mode;
+  request->grammar = std::move(matcher);
   request->decoder = std::make_unique<StreamingDecoder>(*tokenizer_, request->prompt, true);
   return request;
+}
+
+absl::StatusOr<std::unique_ptr<grammar::GrammarMatcher>> LlmEngine::NewGrammarMatcher(
+    const grammar::StructuredOutput& constraint) {
+  if (!grammar_compiler_) {
+    const int32_t vocab = int32_t(model_->config().vocab_size);
+    std::vector<std::optional<std::string>> strings(static_cast<size_t>(vocab));
+    for (int32_t id = 0; id < vocab; ++id) {
+      if (!tokenizer_->IsSpecial(id)) strings[size_t(id)] = tokenizer_->IdToToken(id);
+    }
+    std::vector<int32_t> eos(eos_token_ids_.begin(), eos_token_ids_.end());
+    grammar_compiler_ = std::make_unique<grammar::GrammarCompiler>(
+        grammar::TokenVocabulary::FromTokenStrings(strings, std::move(eos)));
+  }
+  absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> compiled = grammar_compiler_->Compile(constraint);
+  if (!compiled.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        grammar::StructuredOutput::KindName(constraint.kind), ": ", compiled.status().message()));
+  }
+  return std::make_unique<grammar::GrammarMatcher>(std::move(*compiled));
+}
+
+bool LlmEngine::FillTokenMask(Request& r) {
+  const grammar::TokenVocabulary& vocab = r.grammar->compiled().vocab();
+  r.token_mask.resize(size_t(vocab.mask_words()));
+  r.grammar->FillNextTokenMask(absl::MakeSpan(r.token_mask));
+  if (r.params.ignore_eos) {
+    for (int32_t id : vocab.eos_ids()) r.token_mask[size_t(id) / 32] &= ~(uint32_t(1) << (id % 32));
+  }
+  return std::any_of(r.token_mask.begin(), r.token_mask.end(), [](uint32_t w) { return w != 0; });
 }
 
 absl::Status LlmEngine::AddRequest(const std::string& id, std::vector<int32_t> prompt,
@@ -216,10 +252,18 @@ void LlmEngine::AppendToken(Request& r, const SampledToken& token, RequestOutput
       std::find(eos_token_ids_.begin(), eos_token_ids_.end(), token.token) != eos_token_ids_.end();
   const bool is_stop_id =
       std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token.token) != p.stop_token_ids.end();
+  if (r.grammar && !is_eos && !r.grammar->AcceptToken(token.token)) {
+    // Only a token sampled elsewhere (a prefill worker's first token) can get here.
+    FinishWithError(r, absl::InvalidArgumentError(absl::StrCat(
+                           "token ", token.token, " does not continue the request's structured output")), out);
+    return;
+  }
   if (is_eos || is_stop_id) {
     reason = FinishReason::kStop;  // the stop token is in token_ids but not in the text
   } else {
     r.text += r.decoder->Push(token.token);
+    // A complete grammar that allows nothing more ends the request without waiting for EOS.
+    if (r.grammar && r.grammar->IsTerminated()) reason = FinishReason::kStop;
   }
   if (reason == FinishReason::kNone) {
     // A new match must end in the newly decoded text, so it starts after the emitted part.
@@ -236,7 +280,7 @@ void LlmEngine::AppendToken(Request& r, const SampledToken& token, RequestOutput
     reason = FinishReason::kLength;
   }
   if (reason != FinishReason::kNone) {
-    if (reason == FinishReason::kLength) r.text += r.decoder->Flush();
+    if (reason == FinishReason::kLength || (r.grammar && !is_eos && !is_stop_id)) r.text += r.decoder->Flush();
     FinishRequest(r, reason);
     out.finished = true;
     out.finish_reason = reason;
@@ -386,7 +430,9 @@ std::optional<std::vector<DeviceSamplingRow>> LlmEngine::DeviceSamplingRows(cons
     if (!sc.samples) continue;
     Request& r = *sc.request;
     const SamplingParams& p = r.params;
-    if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f || p.logprobs > 0) {
+    // Grammar masks are applied on the host too (see docs/ARCHITECTURE.md, structured outputs).
+    if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f || p.logprobs > 0 ||
+        r.grammar) {
       return std::nullopt;
     }
     // Each draw is keyed by a number from the request's own generator (seeded when the request
@@ -441,6 +487,11 @@ std::vector<RequestOutput> LlmEngine::ApplySamples(const SchedulerOutput& plan, 
       logit_row += int64_t(batch.tokens[i].size());
       continue;
     }
+    if (r.grammar && !FillTokenMask(r)) {
+      ++logit_row;
+      FinishWithError(r, absl::InvalidArgumentError("no token of the vocabulary continues the structured output"), out);
+      continue;
+    }
     const SampledToken token = SampleRow(r, logit_row++, on_device);
     if (r.spec.mode != SpeculationMode::kNone && !r.output.empty()) ScorePlannedGuess(r, token.token);
     AppendToken(r, token, out);
@@ -455,7 +506,8 @@ SampledToken LlmEngine::SampleRow(Request& r, int64_t row, bool on_device) {
   }
   const int64_t vocab = model_->config().vocab_size;
   absl::Span<float> logits(logits_.data() + row * vocab, size_t(vocab));
-  return Sampler::Sample(logits, r.params, r.prompt, r.output, r.rng);
+  return Sampler::Sample(logits, r.params, r.prompt, r.output, r.rng,
+                         r.grammar ? absl::Span<const uint32_t>(r.token_mask) : absl::Span<const uint32_t>());
 }
 
 void LlmEngine::ScorePlannedGuess(Request& r, int32_t token) {

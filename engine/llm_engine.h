@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "engine/grammar/structured_output.h"
 #include "engine/kv/block_manager.h"
 #include "engine/kv/kv_cache.h"
 #include "engine/model_executor.h"
@@ -155,6 +156,10 @@ class LlmEngine {
   // unused slots.
   void VerifyDraft(Request& r, const std::vector<int32_t>& tokens, const std::vector<int32_t>& parents,
                    const std::function<SampledToken(int32_t node)>& draw, RequestOutput& out);
+  // Compiles the request's constraint (the compiler and its vocabulary are made on first use).
+  absl::StatusOr<std::unique_ptr<grammar::GrammarMatcher>> NewGrammarMatcher(const grammar::StructuredOutput& c);
+  // Fills r.token_mask from its grammar; false when no token of the vocabulary may follow.
+  bool FillTokenMask(Request& r);
   absl::StatusOr<std::unique_ptr<Request>> NewRequest(const std::string& id, std::vector<int32_t> prompt,
                                                       SamplingParams params, SequenceId seq_id);
 
@@ -172,6 +177,7 @@ class LlmEngine {
   std::vector<float> logits_;
   std::vector<DeviceSample> device_samples_;
   std::unique_ptr<SpeculativeDecoder> spec_;  // null: no request speculates
+  std::unique_ptr<grammar::GrammarCompiler> grammar_compiler_;
 };
 
 }  // namespace duet

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/finish_reason.h"
+#include "engine/grammar/matcher.h"
 #include "engine/kv/block_manager.h"
 #include "engine/sampler.h"
 #include "engine/sampling_params.h"
@@ -61,6 +62,9 @@ struct Request {
   std::vector<float> output_logprobs;
   std::vector<std::vector<TokenLogprob>> output_top_logprobs;
   SpeculationState spec;
+  // With params.structured_output: the grammar's state after `output`, and its token mask.
+  std::unique_ptr<grammar::GrammarMatcher> grammar;
+  std::vector<uint32_t> token_mask;
 
   Clock::time_point arrival_time = Clock::now();
   Clock::time_point first_scheduled_time{};

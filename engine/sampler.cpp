@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <unordered_map>
 
@@ -157,13 +158,28 @@ std::vector<TokenLogprob> Sampler::LogSoftmaxTopN(absl::Span<const float> logits
   return top;
 }
 
+void Sampler::ApplyTokenMask(absl::Span<float> logits, absl::Span<const uint32_t> allowed) {
+  const size_t vocab = logits.size();
+  DUET_CHECK(allowed.size() * 32 >= vocab);
+  for (size_t w = 0; w * 32 < vocab; ++w) {
+    const uint32_t bits = allowed[w];
+    if (bits == ~0u) continue;
+    const size_t end = std::min(vocab, w * 32 + 32);
+    for (size_t t = w * 32; t < end; ++t) {
+      if (!((bits >> (t - w * 32)) & 1)) logits[t] = -std::numeric_limits<float>::infinity();
+    }
+  }
+}
+
 SampledToken Sampler::Sample(absl::Span<float> logits, const SamplingParams& params,
                              absl::Span<const int32_t> prompt, absl::Span<const int32_t> output,
-                             SamplerRng& rng) {
+                             SamplerRng& rng, absl::Span<const uint32_t> allowed) {
   SampledToken result;
   std::vector<float> raw;
   if (params.logprobs >= 0) raw.assign(logits.begin(), logits.end());
+  // The mask goes last so that no penalty can lift a disallowed token off -infinity.
   ApplyPenalties(logits, params, prompt, output);
+  if (!allowed.empty()) ApplyTokenMask(logits, allowed);
   if (params.greedy()) {
     result.token = Argmax(logits);
   } else {

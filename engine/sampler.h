@@ -34,16 +34,20 @@ class SamplerRng {
 
 class Sampler {
  public:
-  // `logits` is modified in place. `prompt` and `output` feed the penalties.
+  // `logits` is modified in place. `prompt` and `output` feed the penalties. `allowed`, when not
+  // empty, is a bitmask (bit t of word t/32) of the tokens a grammar allows; it must allow one.
+  // Logprobs stay those of the raw distribution.
   static SampledToken Sample(absl::Span<float> logits, const SamplingParams& params,
                              absl::Span<const int32_t> prompt, absl::Span<const int32_t> output,
-                             SamplerRng& rng);
+                             SamplerRng& rng, absl::Span<const uint32_t> allowed = {});
 
   // The steps of Sample, exposed for tests and for speculative verification.
   static void ApplyPenalties(absl::Span<float> logits, const SamplingParams& params,
                              absl::Span<const int32_t> prompt, absl::Span<const int32_t> output);
   // Temperature, min-p, top-k, top-p → the probability of every token (zero where filtered).
   static std::vector<float> Probabilities(absl::Span<const float> logits, const SamplingParams& params);
+  // Sets the logit of every token whose bit in `allowed` is clear to -infinity.
+  static void ApplyTokenMask(absl::Span<float> logits, absl::Span<const uint32_t> allowed);
   static int32_t Argmax(absl::Span<const float> logits);
   static std::vector<TokenLogprob> LogSoftmaxTopN(absl::Span<const float> logits, int32_t chosen,
                                                   int32_t n, float* chosen_logprob);

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <map>
 #include <numeric>
+#include <set>
 
 #include "gtest/gtest.h"
 
@@ -172,6 +173,31 @@ TEST(SamplerTest, SamplingMatchesTargetDistributionChiSquare) {
     EXPECT_LT(chi, critical[dof]) << "temperature " << c.temperature << " top_p " << c.top_p
                                   << " top_k " << c.top_k << " min_p " << c.min_p;
   }
+}
+
+TEST(SamplerTest, TokenMaskLimitsEveryDrawAndKeepsRawLogprobs) {
+  // 40 tokens, the most likely ones masked out; only 3 and 37 allowed.
+  std::vector<uint32_t> allowed = {uint32_t(1) << 3, uint32_t(1) << (37 - 32)};
+  SamplingParams p;
+  p.temperature = 1.5f;
+  p.presence_penalty = -2.0f;  // a penalty must not lift a masked token
+  p.logprobs = 2;
+  SamplerRng rng(3);
+  std::set<int32_t> drawn;
+  for (int i = 0; i < 200; ++i) {
+    std::vector<float> l(40, 0.0f);
+    l[0] = 10.0f, l[1] = 9.0f, l[37] = 1.0f;
+    const std::vector<int32_t> output = {0, 1};
+    const SampledToken t = Sampler::Sample(absl::MakeSpan(l), p, {}, output, rng, allowed);
+    drawn.insert(t.token);
+    ASSERT_EQ(t.top_logprobs.size(), 2u);
+    EXPECT_EQ(t.top_logprobs[0].token, 0);  // of the raw distribution
+  }
+  EXPECT_EQ(drawn, (std::set<int32_t>{3, 37}));
+  p.temperature = 0.0f;
+  std::vector<float> l(40, 0.0f);
+  l[0] = 10.0f, l[37] = 1.0f;
+  EXPECT_EQ(Sampler::Sample(absl::MakeSpan(l), p, {}, {}, rng, allowed).token, 37);
 }
 
 TEST(SamplerTest, ValidateRejectsOutOfRange) {

@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "engine/grammar/structured_output.h"
 
 namespace duet {
 
@@ -37,6 +38,9 @@ struct SamplingParams {
   bool ignore_eos = false;
   int32_t logprobs = -1;  // -1: none; N >= 0: chosen token's logprob plus top-N
   std::optional<SpeculationMode> speculation;  // unset: the server's default
+  // Grammar-constrained decoding (JSON schema, regex, choice, GBNF). A constrained request never
+  // speculates: drafts are not checked against the grammar yet.
+  grammar::StructuredOutput structured_output;
 
   bool greedy() const { return temperature == 0.0f; }
   // InvalidArgument naming the field for out-of-range values.

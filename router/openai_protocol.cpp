@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "engine/grammar/structured_output.h"
 #include "router/request_id.h"
 #include "rpc/rpc_util.h"
 
@@ -213,6 +214,138 @@ absl::Status CheckUnsupportedFields(const Json& j, const ProtocolContext& contex
   return absl::OkStatus();
 }
 
+// Tool calling is not implemented: a request that asks for it is refused, naming the field,
+// rather than answered with unconstrained text. (tool_choice "none" and an empty tools list
+// ask for nothing.)
+absl::Status RejectToolCalling(const Json& j) {
+  if (auto it = j.find("tools"); it != j.end() && !it->is_null() && !(it->is_array() && it->empty())) {
+    return BadRequest("'tools' is not supported: tool calling is not implemented", "tools");
+  }
+  if (auto it = j.find("tool_choice"); it != j.end() && !it->is_null() && !(it->is_string() && *it == "none")) {
+    return BadRequest("'tool_choice' is not supported: tool calling is not implemented", "tool_choice");
+  }
+  for (const char* legacy : {"functions", "function_call"}) {
+    if (auto it = j.find(legacy); it != j.end() && !it->is_null()) {
+      return BadRequest(absl::StrCat("'", legacy, "' is not supported: function calling is not implemented"), legacy);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// One constraint of structured outputs (`field` names it in errors) onto `s`.
+absl::Status SetConstraint(const std::string& field, const std::string& kind, const Json& value,
+                           v1::StructuredOutput* s) {
+  if (kind == "json") {
+    if (value.is_string()) {
+      s->set_json_schema(value.get<std::string>());
+    } else if (value.is_object() || value.is_boolean()) {
+      s->set_json_schema(value.dump());
+    } else {
+      return WrongType(field, "a JSON schema (an object, or a string holding one)", value);
+    }
+  } else if (kind == "json_object") {
+    if (!value.is_boolean()) return WrongType(field, "a boolean", value);
+    if (!value.get<bool>()) return absl::OkStatus();
+    s->set_json_object(true);
+  } else if (kind == "regex" || kind == "grammar") {
+    if (!value.is_string()) return WrongType(field, "a string", value);
+    kind == "regex" ? s->set_regex(value.get<std::string>()) : s->set_grammar(value.get<std::string>());
+  } else if (kind == "choice") {
+    if (!value.is_array() || value.empty()) return WrongType(field, "a non-empty list of strings", value);
+    for (const Json& c : value) {
+      if (!c.is_string()) return WrongType(field, "a non-empty list of strings", value);
+      s->mutable_choice()->add_choices(c.get<std::string>());
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Structured outputs, from OpenAI's `response_format` or vLLM's `guided_json`, `guided_regex`,
+// `guided_choice`, `guided_grammar` (and `structured_outputs`, vLLM's newer spelling); at most
+// one constraint. The grammar is built here so that a bad schema, regex or grammar is a 400
+// naming the field before anything runs.
+absl::Status ParseStructuredOutput(const Json& j, v1::SamplingOptions* sampling) {
+  v1::StructuredOutput s;
+  std::vector<std::string> given;
+  auto set = [&](const std::string& field, const std::string& kind, const Json& value) -> absl::Status {
+    v1::StructuredOutput one;
+    DUET_RETURN_IF_ERROR(SetConstraint(field, kind, value, &one));
+    if (one.constraint_case() == v1::StructuredOutput::CONSTRAINT_NOT_SET) return absl::OkStatus();
+    given.push_back(field);
+    s = std::move(one);
+    return absl::OkStatus();
+  };
+  if (auto it = j.find("response_format"); it != j.end() && !it->is_null()) {
+    if (!it->is_object()) return WrongType("response_format", "an object", *it);
+    auto type = it->find("type");
+    if (type == it->end() || !type->is_string()) {
+      return BadRequest("'response_format.type' must be \"text\", \"json_object\" or \"json_schema\"",
+                        "response_format");
+    }
+    const std::string t = type->get<std::string>();
+    if (t == "json_object") {
+      DUET_RETURN_IF_ERROR(set("response_format", "json_object", true));
+    } else if (t == "json_schema") {
+      auto js = it->find("json_schema");
+      if (js == it->end() || !js->is_object()) {
+        return BadRequest("'response_format.json_schema' must be an object with a 'schema'", "response_format");
+      }
+      auto schema = js->find("schema");
+      if (schema == js->end() || schema->is_null()) {
+        return BadRequest("'response_format.json_schema.schema' is required", "response_format");
+      }
+      if (auto strict = js->find("strict"); strict != js->end() && !strict->is_null() && !strict->is_boolean()) {
+        return WrongType("response_format.json_schema.strict", "a boolean", *strict);
+      }
+      // strict or not, the output follows the schema exactly.
+      DUET_RETURN_IF_ERROR(set("response_format", "json", *schema));
+    } else if (t != "text") {
+      return BadRequest(absl::StrCat("'response_format.type' \"", t,
+                                     "\" is not supported (text, json_object and json_schema are)"),
+                        "response_format");
+    }
+  }
+  for (const auto& [field, kind] : std::vector<std::pair<std::string, std::string>>{
+           {"guided_json", "json"}, {"guided_regex", "regex"}, {"guided_choice", "choice"}, {"guided_grammar", "grammar"}}) {
+    if (auto it = j.find(field); it != j.end() && !it->is_null()) DUET_RETURN_IF_ERROR(set(field, kind, *it));
+  }
+  if (auto it = j.find("structured_outputs"); it != j.end() && !it->is_null()) {
+    if (!it->is_object()) return WrongType("structured_outputs", "an object", *it);
+    for (const auto& [key, value] : it->items()) {
+      if (value.is_null()) continue;
+      const std::string field = absl::StrCat("structured_outputs.", key);
+      if (key == "json" || key == "regex" || key == "choice" || key == "grammar" || key == "json_object") {
+        DUET_RETURN_IF_ERROR(set(field, key, value));
+      } else if (key != "disable_fallback" && key != "disable_any_whitespace" && key != "disable_additional_properties") {
+        return BadRequest(absl::StrCat("'", field, "' is not supported"), field);
+      }
+    }
+  }
+  if (auto it = j.find("guided_whitespace_pattern"); it != j.end() && !it->is_null()) {
+    return BadRequest("'guided_whitespace_pattern' is not supported", "guided_whitespace_pattern");
+  }
+  if (auto it = j.find("guided_decoding_backend"); it != j.end() && !it->is_null() && !it->is_string()) {
+    return WrongType("guided_decoding_backend", "a string", *it);  // any backend name: Duet has one
+  }
+  if (given.size() > 1) {
+    return BadRequest(absl::StrCat("only one structured-output constraint may be given, got ", absl::StrJoin(given, ", ")),
+                      given[1]);
+  }
+  if (given.empty()) return absl::OkStatus();
+  absl::StatusOr<SamplingParams> converted = [&] {
+    v1::SamplingOptions only;
+    *only.mutable_structured_output() = s;
+    return rpc::ToSamplingParams(only);
+  }();
+  if (!converted.ok()) return BadRequest(converted.status().message(), given[0]);
+  if (absl::StatusOr<std::shared_ptr<const grammar::Grammar>> g = grammar::BuildGrammar(converted->structured_output);
+      !g.ok()) {
+    return BadRequest(absl::StrCat(given[0], ": ", g.status().message()), given[0]);
+  }
+  *sampling->mutable_structured_output() = std::move(s);
+  return absl::OkStatus();
+}
+
 // `stream` and `stream_options`.
 absl::Status ParseStreaming(const Json& j, ParsedRequest* out) {
   DUET_RETURN_IF_ERROR(GetBool(j, "stream", &out->stream));
@@ -233,6 +366,8 @@ absl::Status ParseCommon(const Json& j, const ProtocolContext& context, ParsedRe
   DUET_RETURN_IF_ERROR(ParseSampling(j, context, out));
   DUET_RETURN_IF_ERROR(ParseStops(j, &out->sampling));
   DUET_RETURN_IF_ERROR(CheckUnsupportedFields(j, context, out->n));
+  DUET_RETURN_IF_ERROR(RejectToolCalling(j));
+  DUET_RETURN_IF_ERROR(ParseStructuredOutput(j, &out->sampling));
   DUET_RETURN_IF_ERROR(ParseStreaming(j, out));
   if (auto it = j.find("request_id"); it != j.end() && !it->is_null()) {
     if (!it->is_string()) return WrongType("request_id", "a string", *it);

@@ -4,6 +4,8 @@
 
 #include "frontend/chat_template/chat_template.h"
 #include "frontend/tokenizer/tokenizer.h"
+#include "absl/strings/str_cat.h"
+#include "rpc/rpc_util.h"
 
 namespace duet::router::openai {
 namespace {
@@ -148,6 +150,78 @@ TEST_F(ProtocolTest, CompletionErrors) {
   EXPECT_EQ(CompletionError(R"({"prompt":"x","model":"gpt-4"})").code, "model_not_found");
   // Deep nesting is refused before parsing.
   EXPECT_EQ(CompletionError(std::string(100000, '[') + std::string(100000, ']')).status, 400);
+}
+
+TEST_F(ProtocolTest, StructuredOutputsTravelInTheSamplingOptions) {
+  ParsedRequest r = Completion(R"({"prompt":"x","guided_regex":"[0-9]+"})");
+  EXPECT_EQ(r.sampling.structured_output().regex(), "[0-9]+");
+  r = Completion(R"({"prompt":"x","guided_choice":["yes","no"]})");
+  ASSERT_EQ(r.sampling.structured_output().choice().choices_size(), 2);
+  EXPECT_EQ(r.sampling.structured_output().choice().choices(1), "no");
+  r = Completion(R"({"prompt":"x","guided_json":{"type":"object","properties":{"a":{"type":"integer"}}}})");
+  EXPECT_EQ(r.sampling.structured_output().json_schema(), R"({"type":"object","properties":{"a":{"type":"integer"}}})");
+  r = Completion(R"({"prompt":"x","guided_json":"{\"type\": \"string\"}"})");
+  EXPECT_EQ(r.sampling.structured_output().json_schema(), R"({"type": "string"})");
+  r = Completion(R"({"prompt":"x","guided_grammar":"root ::= \"a\"+"})");
+  EXPECT_EQ(r.sampling.structured_output().grammar(), R"(root ::= "a"+)");
+  r = Completion(R"({"prompt":"x","structured_outputs":{"regex":"a|b"}})");
+  EXPECT_EQ(r.sampling.structured_output().regex(), "a|b");
+  r = Completion(R"({"prompt":"x","response_format":{"type":"text"}})");
+  EXPECT_FALSE(r.sampling.has_structured_output());
+  absl::StatusOr<ParsedRequest> chat =
+      ParseChatRequest(R"({"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_object"}})", context_);
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  EXPECT_TRUE(chat->sampling.structured_output().json_object());
+  chat = ParseChatRequest(R"({"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_schema",
+      "json_schema":{"name":"x","strict":true,"schema":{"type":"array","items":{"type":"boolean"}}}}})", context_);
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  EXPECT_EQ(chat->sampling.structured_output().json_schema(), R"({"type":"array","items":{"type":"boolean"}})");
+  // It survives the conversion the router and workers make.
+  absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(chat->sampling);
+  ASSERT_TRUE(params.ok());
+  EXPECT_EQ(params->structured_output.kind, grammar::StructuredOutput::Kind::kJsonSchema);
+  EXPECT_EQ(rpc::ToSamplingOptions(*params).structured_output().json_schema(),
+            chat->sampling.structured_output().json_schema());
+}
+
+TEST_F(ProtocolTest, BadStructuredOutputsAndToolCallsAre400NamingTheField) {
+  struct Case {
+    const char* extra;
+    const char* param;
+  };
+  const Case cases[] = {
+      {R"("guided_regex":"(a")", "guided_regex"},
+      {R"("guided_regex":5)", "guided_regex"},
+      {R"("guided_choice":[])", "guided_choice"},
+      {R"("guided_choice":["a",1])", "guided_choice"},
+      {R"("guided_json":{"type":"integer","minimum":1})", "guided_json"},
+      {R"("guided_json":"{bad")", "guided_json"},
+      {R"("guided_grammar":"root ::= undefined")", "guided_grammar"},
+      {R"("guided_whitespace_pattern":" ")", "guided_whitespace_pattern"},
+      {R"("response_format":{"type":"json_schema"})", "response_format"},
+      {R"("response_format":{"type":"json_schema","json_schema":{"name":"x"}})", "response_format"},
+      {R"("response_format":{"type":"structural_tag"})", "response_format"},
+      {R"("response_format":"json")", "response_format"},
+      {R"("guided_regex":"a","guided_choice":["b"])", "guided_choice"},
+      {R"("response_format":{"type":"json_object"},"guided_regex":"a")", "guided_regex"},
+      {R"("structured_outputs":{"whitespace_pattern":"x"})", "structured_outputs.whitespace_pattern"},
+      {R"("tools":[{"type":"function","function":{"name":"f","parameters":{}}}])", "tools"},
+      {R"("tool_choice":"required")", "tool_choice"},
+      {R"("tool_choice":{"type":"function","function":{"name":"f"}})", "tool_choice"},
+      {R"("functions":[{"name":"f"}])", "functions"},
+      {R"("function_call":"auto")", "function_call"},
+  };
+  for (const Case& c : cases) {
+    const std::string chat = absl::StrCat(R"({"messages":[{"role":"user","content":"hi"}],)", c.extra, "}");
+    ApiError e = ChatError(chat);
+    EXPECT_EQ(e.status, 400) << chat;
+    EXPECT_EQ(e.param.value_or(""), c.param) << chat << " → " << e.message;
+    e = CompletionError(absl::StrCat(R"({"prompt":"x",)", c.extra, "}"));
+    EXPECT_EQ(e.param.value_or(""), c.param) << c.extra << " → " << e.message;
+  }
+  // Asking for no tools is not asking for tool calls.
+  EXPECT_TRUE(ParseChatRequest(R"({"messages":[{"role":"user","content":"hi"}],"tools":[],"tool_choice":"none"})",
+                               context_).ok());
 }
 
 TEST_F(ProtocolTest, ErrorBodyShape) {

@@ -15,6 +15,7 @@
 #include "common/finish_reason.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "engine/grammar/structured_output.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "router/request_id.h"
 #include "router/request_limits.h"
@@ -1034,6 +1035,10 @@ absl::StatusOr<RouterService::Prepared> RouterService::Prepare(const v1::Generat
   }
   absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(request.sampling());
   if (!params.ok()) return absl::InvalidArgumentError(params.status().message());
+  if (params->structured_output.active()) {  // a bad constraint fails here, before any worker runs
+    absl::StatusOr<std::shared_ptr<const grammar::Grammar>> g = grammar::BuildGrammar(params->structured_output);
+    if (!g.ok()) return absl::InvalidArgumentError(absl::StrCat("structured_output: ", g.status().message()));
+  }
   prepared.params = *std::move(params);
   for (int32_t id : prepared.params.stop_token_ids) {
     if (id < 0 || id >= options_.vocab_size) {

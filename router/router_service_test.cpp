@@ -232,6 +232,12 @@ TEST_F(RouterServiceTest, InvalidRequests) {
   expect_invalid(TokenRequest(std::vector<int32_t>(250, 5), 16),
                  "This model's maximum context length is 256 tokens. However, you requested 266 tokens "
                  "(250 in the messages, 16 in the completion)");
+  v1::GenerateRequest bad_regex = TokenRequest({1, 2}, 4);
+  bad_regex.mutable_sampling()->mutable_structured_output()->set_regex("(a");
+  expect_invalid(bad_regex, "structured_output: regex: missing ')'");
+  v1::GenerateRequest bad_schema = TokenRequest({1, 2}, 4);
+  bad_schema.mutable_sampling()->mutable_structured_output()->set_json_schema(R"({"type": "number", "minimum": 0})");
+  expect_invalid(bad_schema, "'minimum' is not supported");
   EXPECT_TRUE(Generate(TokenRequest(std::vector<int32_t>(240, 5), 16)).status.ok());  // exactly fits
   EXPECT_EQ(prefill_[0]->num_prefills, 1);
   EXPECT_EQ(decode_[0]->num_reserved, 1);

@@ -34,6 +34,23 @@ absl::StatusOr<SamplingParams> ToSamplingParams(const v1::SamplingOptions& o) {
     if (!mode.ok()) return mode.status();
     p.speculation = *mode;
   }
+  if (o.has_structured_output()) {
+    const v1::StructuredOutput& so = o.structured_output();
+    grammar::StructuredOutput& c = p.structured_output;
+    using Kind = grammar::StructuredOutput::Kind;
+    switch (so.constraint_case()) {
+      case v1::StructuredOutput::kJsonSchema: c = {Kind::kJsonSchema, so.json_schema(), {}}; break;
+      case v1::StructuredOutput::kJsonObject:
+        if (so.json_object()) c.kind = Kind::kJsonObject;
+        break;
+      case v1::StructuredOutput::kRegex: c = {Kind::kRegex, so.regex(), {}}; break;
+      case v1::StructuredOutput::kChoice:
+        c = {Kind::kChoice, "", {so.choice().choices().begin(), so.choice().choices().end()}};
+        break;
+      case v1::StructuredOutput::kGrammar: c = {Kind::kGrammar, so.grammar(), {}}; break;
+      case v1::StructuredOutput::CONSTRAINT_NOT_SET: break;
+    }
+  }
   if (absl::Status s = p.Validate(); !s.ok()) return s;
   return p;
 }
@@ -54,6 +71,18 @@ v1::SamplingOptions ToSamplingOptions(const SamplingParams& p) {
   o.set_ignore_eos(p.ignore_eos);
   if (p.logprobs >= 0) o.set_logprobs(p.logprobs);
   if (p.speculation) o.set_speculation(SpeculationModeName(*p.speculation));
+  const grammar::StructuredOutput& c = p.structured_output;
+  using Kind = grammar::StructuredOutput::Kind;
+  switch (c.kind) {
+    case Kind::kNone: break;
+    case Kind::kJsonSchema: o.mutable_structured_output()->set_json_schema(c.spec); break;
+    case Kind::kJsonObject: o.mutable_structured_output()->set_json_object(true); break;
+    case Kind::kRegex: o.mutable_structured_output()->set_regex(c.spec); break;
+    case Kind::kGrammar: o.mutable_structured_output()->set_grammar(c.spec); break;
+    case Kind::kChoice:
+      for (const std::string& s : c.choices) o.mutable_structured_output()->mutable_choice()->add_choices(s);
+      break;
+  }
   return o;
 }
 

@@ -3,6 +3,8 @@
 # router as separate processes):
 #   1. the official `openai` npm SDK (openai_sdk_test.mjs): completions and chat, streaming and
 #      not, n > 1, stop strings, usage, logprobs, error classes;
+#   1b. structured outputs (structured_outputs_test.mjs): every constrained output of
+#      tests/structured_outputs/cases.json parses and validates; tools is a 400;
 #   2. curl -N: the exact SSE framing;
 #   3. greedy parity: HTTP completions equal `duet generate` for the same prompt_token_ids;
 #   4. a second router with --api-key, --max-concurrent-requests 1 and no queue
@@ -99,6 +101,10 @@ done
 OPENAI_BASE_URL=$BASE/v1 OPENAI_AUTH_BASE_URL=http://127.0.0.1:$AUTH_PORT/v1 \
   OPENAI_DOWN_BASE_URL=http://127.0.0.1:$DOWN_PORT/v1 OPENAI_FAULT_BASE_URL=http://127.0.0.1:$FAULT_PORT/v1 \
   MODEL_NAME=$MODEL_NAME NODE_DEPS_DIR=$NODE_DIR node "$HERE/openai_sdk_test.mjs"
+
+# 1b. Structured outputs through the SDK: every constrained output parses and validates.
+OPENAI_BASE_URL=$BASE/v1 MODEL_NAME=$MODEL_NAME NODE_DEPS_DIR=$NODE_DIR \
+  CASES=$HERE/../structured_outputs/cases.json node "$HERE/structured_outputs_test.mjs"
 
 # 2. curl -N: exact SSE framing.
 curl -sN "$BASE/v1/completions" -H 'Content-Type: application/json' \
