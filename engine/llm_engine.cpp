@@ -61,6 +61,7 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineConfig&
   DUET_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache,
                         model->CreateKvCache(resolved.num_kv_blocks, resolved.block_size));
   auto engine = std::make_unique<LlmEngine>(std::move(model), std::move(tokenizer), std::move(cache), resolved);
+  DUET_RETURN_IF_ERROR(engine->SetUpPrefixCache());
   absl::StatusOr<std::unique_ptr<SpeculativeDecoder>> spec = SpeculativeDecoder::Create(
       engine->config_.speculation, *engine->model_, engine->blocks_, *engine->cache_, *engine->tokenizer_,
       [&config, &load_executor](const std::string& dir) {
@@ -91,6 +92,23 @@ LlmEngine::LlmEngine(std::unique_ptr<ModelExecutor> model, std::unique_ptr<Token
   }
 }
 
+absl::Status LlmEngine::SetUpPrefixCache() {
+  if (!config_.enable_prefix_caching) {
+    if (config_.host_kv_cache_bytes > 0) return absl::InvalidArgumentError("a host KV cache needs prefix caching on");
+    return absl::OkStatus();
+  }
+  if (config_.host_kv_cache_bytes > 0) {
+    DUET_ASSIGN_OR_RETURN(host_tier_, HostKvTier::Create(*cache_, config_.host_kv_cache_bytes));
+  }
+  blocks_.EnablePrefixCaching(host_tier_.get());
+  return absl::OkStatus();
+}
+
+absl::Status LlmEngine::FlushTierCopies() {
+  if (host_tier_ == nullptr || !host_tier_->HasPendingCopies()) return absl::OkStatus();
+  return host_tier_->Flush();
+}
+
 absl::StatusOr<std::unique_ptr<Request>> LlmEngine::NewRequest(const std::string& id,
                                                                std::vector<int32_t> prompt,
                                                                SamplingParams params, SequenceId seq_id) {
@@ -115,6 +133,7 @@ absl::StatusOr<std::unique_ptr<Request>> LlmEngine::NewRequest(const std::string
     mode = SpeculationMode::kNone;  // drafts are not checked against the grammar (yet)
   }
   auto request = std::make_unique<Request>(id, seq_id, std::move(prompt), std::move(params));
+  request->prefix_seed = PrefixSeed("", request->params.cache_salt);
   request->spec.mode = mode;
   request->grammar = std::move(matcher);
   request->decoder = std::make_unique<StreamingDecoder>(*tokenizer_, request->prompt, true);
@@ -170,6 +189,29 @@ absl::StatusOr<SequenceId> LlmEngine::ReserveKv(int64_t num_tokens) {
   return seq;
 }
 
+absl::StatusOr<LlmEngine::KvReservation> LlmEngine::ReserveKv(absl::Span<const int32_t> prompt,
+                                                              const std::string& cache_salt) {
+  const int64_t num_tokens = int64_t(prompt.size());
+  if (num_tokens <= 0 || num_tokens > config_.scheduler.max_model_len) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot reserve KV for ", num_tokens, " tokens"));
+  }
+  KvReservation r{next_seq_id_++, 0};
+  // At least the last block is written by the prefill worker, so a transfer is never empty.
+  r.num_cached_tokens = blocks_.AttachCachedPrefix(r.seq, PrefixSeed("", cache_salt), prompt,
+                                                   blocks_.BlocksForTokens(num_tokens) - 1);
+  if (absl::Status s = blocks_.Reserve(r.seq, num_tokens, r.num_cached_tokens, nullptr); !s.ok()) {
+    blocks_.Free(r.seq);
+    return s;
+  }
+  // The prefill worker writes into these blocks before the next step: evicted ones must reach
+  // the host tier, and hits must be in place, now.
+  if (absl::Status s = FlushTierCopies(); !s.ok()) {
+    blocks_.Free(r.seq);
+    return s;
+  }
+  return r;
+}
+
 void LlmEngine::ReleaseKv(SequenceId reservation) { blocks_.Free(reservation); }
 
 absl::StatusOr<RequestOutput> LlmEngine::AddPrefilledRequest(const std::string& id,
@@ -187,6 +229,8 @@ absl::StatusOr<RequestOutput> LlmEngine::AddPrefilledRequest(const std::string& 
   Request& r = **request;
   if (absl::Status s = scheduler_.Add(&r); !s.ok()) return s;
   r.num_computed_tokens = prompt_len;
+  // The prompt's blocks are written now (the transfer finished): cache them for later turns.
+  blocks_.CommitFullBlocks(reservation, r.prefix_seed, prompt_len, [&r](int64_t i) { return r.TokenAt(i); });
   // The prefill worker drew one number from this request's stream to sample the first token.
   if (!r.params.greedy()) r.rng.Uniform();
   r.first_scheduled_time = r.arrival_time;
@@ -216,9 +260,19 @@ void LlmEngine::Release(const std::string& id) {
 }
 
 EngineStats LlmEngine::Stats() const {
-  return EngineStats{int32_t(scheduler_.num_running()), int32_t(scheduler_.num_waiting()),
-                     blocks_.num_blocks(), blocks_.num_free_blocks(), num_preemptions_,
-                     spec_ ? spec_->stats() : SpecDecodeStats{}, model_->num_one_time_setups()};
+  EngineStats stats{int32_t(scheduler_.num_running()), int32_t(scheduler_.num_waiting()),
+                    blocks_.num_blocks(), blocks_.num_free_blocks(), num_preemptions_,
+                    spec_ ? spec_->stats() : SpecDecodeStats{}, model_->num_one_time_setups()};
+  stats.prefix_cache_queries = scheduler_.num_prefix_queries();
+  stats.prefix_cache_hits = scheduler_.num_prefix_hits();
+  stats.num_cached_kv_blocks = blocks_.num_cached_blocks();
+  stats.num_kv_evictions = blocks_.num_evictions();
+  if (host_tier_ != nullptr) {
+    stats.host_tier = host_tier_->stats();
+    stats.host_tier_slots = host_tier_->num_slots();
+    stats.host_tier_used_slots = host_tier_->num_used_slots();
+  }
+  return stats;
 }
 
 bool LlmEngine::RunIdleWork() {
@@ -357,6 +411,10 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
   num_preemptions_ += plan.num_preempted;
   last_step_num_tokens_ = 0;
   if (plan.empty()) return std::vector<RequestOutput>();
+  if (absl::Status s = FlushTierCopies(); !s.ok()) {
+    scheduler_.OnStepDone(plan);
+    return FailStep(plan, s);
+  }
   cache_->CopyBlocks(plan.block_copies);
   DraftScheduled(plan);
   const StepBatch batch = BuildBatch(plan);
@@ -367,6 +425,7 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
                   : model_->Forward(batch.chunks, *cache_, logits_, on_layer_done);
   scheduler_.OnStepDone(plan);
   if (!forward.ok()) return FailStep(plan, forward);
+  scheduler_.CommitComputedBlocks(plan);
   std::vector<RequestOutput> outputs = ApplySamples(plan, batch, device_rows.has_value());
   // What the step cost teaches the planner, unless it paid a one-time setup (a graph capture).
   if (spec_ && model_->num_one_time_setups() == setups_before) {

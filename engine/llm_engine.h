@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "engine/grammar/structured_output.h"
 #include "engine/kv/block_manager.h"
+#include "engine/kv/host_kv_tier.h"
 #include "engine/kv/kv_cache.h"
 #include "engine/model_executor.h"
 #include "engine/request.h"
@@ -27,6 +28,10 @@ struct EngineConfig {
   // "cpu", "cuda", or "auto": cuda when this build has it and a GPU is visible, else cpu.
   std::string backend = "cpu";
   int32_t block_size = 16;
+  // Prefix caching: computed full blocks stay cached for later requests that begin with the
+  // same tokens; blocks the device evicts go to a host tier of `host_kv_cache_bytes` (0: none).
+  bool enable_prefix_caching = false;
+  int64_t host_kv_cache_bytes = 0;
   // KV-cache size: explicit block count, else from a byte budget.
   int32_t num_kv_blocks = 0;
   int64_t kv_cache_bytes = int64_t(1) << 30;  // host backends
@@ -66,6 +71,14 @@ struct EngineStats {
   int64_t num_preemptions = 0;
   SpecDecodeStats spec_decode;
   int64_t num_one_time_setups = 0;  // the executor's (e.g. CUDA graph captures)
+  // Prefix caching: tokens looked up and found, cached blocks, evictions; the host tier's.
+  int64_t prefix_cache_queries = 0;
+  int64_t prefix_cache_hits = 0;
+  int32_t num_cached_kv_blocks = 0;
+  int64_t num_kv_evictions = 0;
+  HostKvTierStats host_tier;
+  int64_t host_tier_slots = 0;
+  int64_t host_tier_used_slots = 0;
 };
 
 // Makes the executor for a model directory (`config.model_dir`, on `config.backend`); the
@@ -95,6 +108,14 @@ class LlmEngine {
   // request to the batch with those blocks and the first token the prefill worker sampled.
   // ReleaseKv returns a reservation that will not be used (cancelled, transfer failed).
   absl::StatusOr<SequenceId> ReserveKv(int64_t num_tokens);
+  // With prefix caching, a reservation for `prompt` starts with the cached blocks it begins
+  // with (all but its last block at most); the prefill worker then writes only the blocks after
+  // `num_cached_tokens`.
+  struct KvReservation {
+    SequenceId seq = 0;
+    int64_t num_cached_tokens = 0;
+  };
+  absl::StatusOr<KvReservation> ReserveKv(absl::Span<const int32_t> prompt, const std::string& cache_salt);
   void ReleaseKv(SequenceId reservation);
   const std::vector<int32_t>& BlockTable(SequenceId seq) const { return blocks_.BlockTable(seq); }
   absl::StatusOr<RequestOutput> AddPrefilledRequest(const std::string& id, std::vector<int32_t> prompt,
@@ -160,6 +181,10 @@ class LlmEngine {
   absl::StatusOr<std::unique_ptr<grammar::GrammarMatcher>> NewGrammarMatcher(const grammar::StructuredOutput& c);
   // Fills r.token_mask from its grammar; false when no token of the vocabulary may follow.
   bool FillTokenMask(Request& r);
+  // Creates the host tier and turns the block manager's prefix cache on, as configured.
+  absl::Status SetUpPrefixCache();
+  // The host tier's copies for this step's evictions and hits, before anything uses the blocks.
+  absl::Status FlushTierCopies();
   absl::StatusOr<std::unique_ptr<Request>> NewRequest(const std::string& id, std::vector<int32_t> prompt,
                                                       SamplingParams params, SequenceId seq_id);
 
@@ -170,6 +195,7 @@ class LlmEngine {
   BlockManager blocks_;
   std::unique_ptr<KvCache> cache_;
   Scheduler scheduler_;
+  std::unique_ptr<HostKvTier> host_tier_;  // null: no host tier
   std::map<std::string, std::unique_ptr<Request>> requests_;
   SequenceId next_seq_id_ = 1;
   int64_t num_preemptions_ = 0;

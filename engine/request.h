@@ -9,6 +9,7 @@
 
 #include "common/finish_reason.h"
 #include "engine/grammar/matcher.h"
+#include "engine/kv/block_hash.h"
 #include "engine/kv/block_manager.h"
 #include "engine/sampler.h"
 #include "engine/sampling_params.h"
@@ -53,6 +54,10 @@ struct Request {
   RequestState state = RequestState::kWaiting;
   FinishReason finish_reason = FinishReason::kNone;
   int64_t num_computed_tokens = 0;  // tokens whose K/V are in the cache
+  // Prefix caching: the chain seed of its blocks (the cache salt's), and the prompt tokens its
+  // first admission found cached.
+  BlockHash prefix_seed = 0;
+  int64_t num_cached_tokens = 0;
   int32_t num_preemptions = 0;
 
   // Detokenized output so far (stop strings are checked against it).

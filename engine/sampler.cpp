@@ -48,6 +48,10 @@ absl::Status SamplingParams::Validate() const {
     return bad("frequency_penalty", frequency_penalty, "in [-2, 2]");
   }
   if (max_tokens < 1) return bad("max_tokens", max_tokens, ">= 1");
+  if (cache_salt.size() > kMaxCacheSaltBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cache_salt is ", cache_salt.size(), " bytes; at most ", kMaxCacheSaltBytes, " are allowed"));
+  }
   if (logprobs < -1 || logprobs > 20) return bad("logprobs", logprobs, "in [0, 20]");
   for (const std::string& s : stop) {
     if (s.empty()) return absl::InvalidArgumentError("stop strings must not be empty");

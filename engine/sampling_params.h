@@ -41,6 +41,9 @@ struct SamplingParams {
   // Grammar-constrained decoding (JSON schema, regex, choice, GBNF). A constrained request never
   // speculates: drafts are not checked against the grammar yet.
   grammar::StructuredOutput structured_output;
+  // Prefix caching: KV is shared only among requests with the same salt.
+  std::string cache_salt;
+  static constexpr size_t kMaxCacheSaltBytes = 256;
 
   bool greedy() const { return temperature == 0.0f; }
   // InvalidArgument naming the field for out-of-range values.

@@ -34,6 +34,7 @@ absl::StatusOr<SamplingParams> ToSamplingParams(const v1::SamplingOptions& o) {
     if (!mode.ok()) return mode.status();
     p.speculation = *mode;
   }
+  if (o.has_cache_salt()) p.cache_salt = o.cache_salt();
   if (o.has_structured_output()) {
     const v1::StructuredOutput& so = o.structured_output();
     grammar::StructuredOutput& c = p.structured_output;
@@ -71,6 +72,7 @@ v1::SamplingOptions ToSamplingOptions(const SamplingParams& p) {
   o.set_ignore_eos(p.ignore_eos);
   if (p.logprobs >= 0) o.set_logprobs(p.logprobs);
   if (p.speculation) o.set_speculation(SpeculationModeName(*p.speculation));
+  if (!p.cache_salt.empty()) o.set_cache_salt(p.cache_salt);
   const grammar::StructuredOutput& c = p.structured_output;
   using Kind = grammar::StructuredOutput::Kind;
   switch (c.kind) {

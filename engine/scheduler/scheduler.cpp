@@ -98,11 +98,22 @@ SchedulerOutput Scheduler::Schedule() {
   while (out.num_preempted == 0 && !waiting_.empty() && token_budget > 0 &&
          int32_t(running_.size()) < config_.max_num_seqs) {
     Request* r = waiting_.front();
+    const bool attached = blocks_.prefix_caching() && !blocks_.HasSequence(r->seq_id);
+    if (attached) AttachCachedPrefix(r);
     const int64_t remaining = r->num_tokens() - r->num_computed_tokens;
     const int64_t n = std::min(remaining, token_budget);
     if (!blocks_.Reserve(r->seq_id, r->num_computed_tokens + n, r->num_computed_tokens,
                          &out.block_copies).ok()) {
+      if (attached) {  // it waits without them; they stay cached
+        blocks_.Free(r->seq_id);
+        r->num_computed_tokens = 0;
+      }
       break;  // first come, first served: no overtaking by smaller requests
+    }
+    if (attached) {
+      num_prefix_queries_ += r->num_tokens();
+      num_prefix_hits_ += r->num_computed_tokens;
+      if (r->first_scheduled_time == Clock::time_point{}) r->num_cached_tokens = r->num_computed_tokens;
     }
     waiting_.pop_front();
     r->spec.lookahead_slots = 0;
@@ -113,6 +124,27 @@ SchedulerOutput Scheduler::Schedule() {
     token_budget -= n;
   }
   return out;
+}
+
+void Scheduler::AttachCachedPrefix(Request* r) {
+  // At most all but the last token: the step that computes it produces the logits to sample.
+  const int32_t max_blocks = int32_t((r->num_tokens() - 1) / blocks_.block_size());
+  if (r->output.empty()) {
+    r->num_computed_tokens = blocks_.AttachCachedPrefix(r->seq_id, r->prefix_seed, r->prompt, max_blocks);
+    return;
+  }
+  std::vector<int32_t> tokens(r->prompt);  // a preempted request: prompt and output so far
+  tokens.insert(tokens.end(), r->output.begin(), r->output.end());
+  r->num_computed_tokens = blocks_.AttachCachedPrefix(r->seq_id, r->prefix_seed, tokens, max_blocks);
+}
+
+void Scheduler::CommitComputedBlocks(const SchedulerOutput& output) {
+  if (!blocks_.prefix_caching()) return;
+  for (const ScheduledChunk& c : output.chunks) {
+    const Request* r = c.request;
+    blocks_.CommitFullBlocks(r->seq_id, r->prefix_seed, r->num_computed_tokens,
+                             [r](int64_t i) { return r->TokenAt(i); });
+  }
 }
 
 void Scheduler::OnStepDone(const SchedulerOutput& output) {

@@ -5,7 +5,9 @@
 //             most recently admitted running request is preempted (blocks freed, recomputed
 //             later from its prompt and output so far);
 //   micro-batch: waiting requests are admitted oldest first within max_num_seqs and the token
-//             budget; a long prompt is split into chunks across steps (chunked prefill).
+//             budget; a long prompt is split into chunks across steps (chunked prefill). With
+//             prefix caching, an admitted request starts with the cached blocks of its tokens
+//             and computes only the rest.
 #pragma once
 
 #include <cstdint>
@@ -54,18 +56,29 @@ class Scheduler {
   // Removes a request (finished or aborted) and frees its blocks.
   void Remove(Request* request);
 
+  // Registers the full blocks the step computed in the prefix cache (after a successful step).
+  void CommitComputedBlocks(const SchedulerOutput& output);
+
   bool HasWork() const { return !running_.empty() || !waiting_.empty(); }
+  // Prefix caching: tokens of admitted requests looked up, and those found cached (vLLM's
+  // prefix_cache_queries / hits).
+  int64_t num_prefix_queries() const { return num_prefix_queries_; }
+  int64_t num_prefix_hits() const { return num_prefix_hits_; }
   size_t num_running() const { return running_.size(); }
   size_t num_waiting() const { return waiting_.size(); }
   const SchedulerConfig& config() const { return config_; }
 
  private:
   void Preempt(Request* request);
+  // Gives a request that holds no blocks the cached blocks its tokens begin with.
+  void AttachCachedPrefix(Request* request);
 
   SchedulerConfig config_;
   BlockManager& blocks_;
   std::vector<Request*> running_;  // admission order
   std::deque<Request*> waiting_;   // preempted requests go to the front
+  int64_t num_prefix_queries_ = 0;
+  int64_t num_prefix_hits_ = 0;
 };
 
 }  // namespace duet
