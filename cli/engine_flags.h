@@ -10,6 +10,7 @@ namespace duet {
 struct EngineFlags {
   duet::EngineConfig* config;
   double kv_cache_gib = 1.0;
+  double host_kv_cache_gib = 0.0;
   std::string speculation = "none";
 
   void Add(CLI::App* app, bool model_required = true) {
@@ -27,6 +28,13 @@ struct EngineFlags {
                     "cuda: fraction of the GPU's memory this process may use; the KV cache gets what the "
                     "weights and activations leave (like vLLM)")
         ->check(CLI::Range(0.01, 1.0));
+    // On by default, as in vLLM.
+    config->enable_prefix_caching = true;
+    app->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", config->enable_prefix_caching,
+                  "Reuse the KV of cached prompt prefixes (on by default)");
+    app->add_option("--host-kv-cache-gib", host_kv_cache_gib,
+                    "Host memory in GiB for KV blocks evicted from the cache (prefix caching's second tier; 0: none)")
+        ->check(CLI::Range(0.0, 65536.0));
     app->add_option("--max-num-seqs", config->scheduler.max_num_seqs, "Requests per batch")->check(CLI::Range(1, 65536));
     app->add_option("--max-num-batched-tokens", config->scheduler.max_num_batched_tokens, "Tokens per step")
         ->check(CLI::Range(1, 1 << 24));
@@ -54,6 +62,7 @@ struct EngineFlags {
   }
   void Finish() {
     config->kv_cache_bytes = static_cast<int64_t>(kv_cache_gib * double(1ull << 30));
+    config->host_kv_cache_bytes = static_cast<int64_t>(host_kv_cache_gib * double(1ull << 30));
     config->speculation.default_mode = *duet::ParseSpeculationMode(speculation);  // checked by IsMember
   }
 };

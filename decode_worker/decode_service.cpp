@@ -304,7 +304,7 @@ grpc::Status DecodeService::Reserve(LlmEngine& engine, const v1::ReserveKvReques
   const std::vector<int32_t>& landing = staging_ != nullptr ? r->staging_blocks : r->cache_blocks;
   kvtransfer::ExpectedRequest expected;
   expected.request_id = r->transfer_id;
-  expected.num_tokens = uint32_t(r->num_tokens);
+  expected.num_tokens = uint32_t(r->num_tokens - r->first_token);
   expected.dst_block_ids.assign(landing.begin(), landing.end());
   if (device_kv_ != nullptr) expected.device_block_ids.assign(r->cache_blocks.begin(), r->cache_blocks.end());
   expected.lease_ttl = r->lease;
@@ -320,6 +320,7 @@ grpc::Status DecodeService::Reserve(LlmEngine& engine, const v1::ReserveKvReques
   }
   target->set_receiver_descriptor(receiver_->descriptor());
   target->set_transfer_id(r->transfer_id);
+  target->set_first_token(uint32_t(r->first_token));
   rpc::SignKvTarget(options_.kv_target_key, target);  // the prefill worker writes only into this
   *made = std::move(r);
   return grpc::Status::OK;
@@ -328,30 +329,47 @@ grpc::Status DecodeService::Reserve(LlmEngine& engine, const v1::ReserveKvReques
 absl::StatusOr<std::shared_ptr<DecodeService::Reservation>> DecodeService::NewReservation(
     LlmEngine& engine, const v1::ReserveKvRequest& request) {
   const int32_t num_tokens = request.num_prompt_tokens();
-  absl::StatusOr<SequenceId> seq = engine.ReserveKv(num_tokens);
-  if (!seq.ok()) {
-    if (seq.status().code() != absl::StatusCode::kResourceExhausted) return seq.status();
-    return absl::ResourceExhaustedError(absl::StrCat("decode worker has no free KV blocks for ", num_tokens,
-                                                     " prompt tokens: ", seq.status().message()));
+  const bool with_ids = request.prompt_token_ids_size() > 0;
+  if (with_ids && request.prompt_token_ids_size() != num_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("ReserveKv has ", request.prompt_token_ids_size(),
+                                                   " prompt token ids for num_prompt_tokens ", num_tokens));
   }
-  const std::vector<int32_t>& table = engine.BlockTable(*seq);
+  if (request.prefix_alignment_tokens() < 0) {
+    return absl::InvalidArgumentError("prefix_alignment_tokens must not be negative");
+  }
+  // Without the ids, a reservation of that many tokens that reuses nothing.
+  const std::vector<int32_t> ids = with_ids ? std::vector<int32_t>(request.prompt_token_ids().begin(),
+                                                                   request.prompt_token_ids().end())
+                                            : std::vector<int32_t>(size_t(std::max(num_tokens, 0)), 0);
+  absl::StatusOr<LlmEngine::KvReservation> reserved =
+      engine.ReserveKv(ids, request.cache_salt(), with_ids ? request.prefix_alignment_tokens() : 0);
+  if (!reserved.ok()) {
+    if (reserved.status().code() != absl::StatusCode::kResourceExhausted) return reserved.status();
+    return absl::ResourceExhaustedError(absl::StrCat("decode worker has no free KV blocks for ", num_tokens,
+                                                     " prompt tokens: ", reserved.status().message()));
+  }
+  const SequenceId seq = reserved->seq;
+  const std::vector<int32_t>& table = engine.BlockTable(seq);
   const size_t num_blocks = (size_t(num_tokens) + size_t(block_size_) - 1) / size_t(block_size_);
-  DUET_CHECK(table.size() >= num_blocks);
+  const size_t first_block = size_t(reserved->num_cached_tokens) / size_t(block_size_);
+  DUET_CHECK(table.size() >= num_blocks && first_block < num_blocks);
   auto r = std::make_shared<Reservation>();
   r->request_id = request.request_id();
   r->transfer_id = request.transfer_id();
-  r->seq = *seq;
+  r->seq = seq;
   r->num_tokens = num_tokens;
+  r->first_token = int32_t(reserved->num_cached_tokens);
+  r->cached_prefix.assign(ids.begin(), ids.begin() + r->first_token);
   r->lease = std::min(request.lease_ms() > 0 ? absl::Milliseconds(request.lease_ms()) : options_.default_lease,
                       options_.max_lease);
-  r->cache_blocks.assign(table.begin(), table.begin() + num_blocks);
+  r->cache_blocks.assign(table.begin() + int64_t(first_block), table.begin() + int64_t(num_blocks));
   if (staging_ != nullptr) {
-    absl::StatusOr<std::vector<int32_t>> staged = staging_->Allocate(int64_t(num_blocks));
+    absl::StatusOr<std::vector<int32_t>> staged = staging_->Allocate(int64_t(r->cache_blocks.size()));
     if (!staged.ok() && device_kv_ != nullptr) {
       return r;  // a prefill worker on this host can still write the cache blocks directly
     }
     if (!staged.ok()) {
-      engine.ReleaseKv(*seq);
+      engine.ReleaseKv(seq);
       return absl::ResourceExhaustedError(absl::StrCat("decode worker has no free KV staging blocks for ",
                                                        num_tokens, " prompt tokens: ", staged.status().message()));
     }
@@ -460,6 +478,9 @@ void DecodeService::DecodeCall::Start() {
     invalid = absl::InvalidArgumentError(absl::StrCat("the prompt has ", prompt_.size(),
                                                       " tokens but the KV reservation was for ",
                                                       reservation_->num_tokens));
+  }
+  if (invalid.ok() && !std::equal(reservation_->cached_prefix.begin(), reservation_->cached_prefix.end(), prompt_.begin())) {
+    invalid = absl::InvalidArgumentError("the prompt differs from the one the KV reservation reused a cached prefix for");
   }
   if (!invalid.ok()) {
     service_->CancelReservation(reservation_, invalid);
@@ -672,7 +693,7 @@ grpc::ServerUnaryReactor* DecodeService::Abort(grpc::CallbackServerContext* cont
 void DecodeService::RefreshMetrics() {
   const EngineStats stats = loop_->Stats();
   absl::MutexLock lock(&metrics_mu_);
-  rpc::RecordEngineStats(stats, *metrics_, &preemptions_seen_);
+  rpc::RecordEngineStats(stats, *metrics_, &recorded_stats_);
   // Speculative decoding: the engine's cumulative counters, exported as increments.
   const SpecDecodeStats& spec = stats.spec_decode;
   metrics_->kv_cache_usage_perc.Set(rpc::KvCacheUsage(stats));

@@ -92,6 +92,9 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
     uint64_t transfer_id = 0;
     SequenceId seq = 0;
     int32_t num_tokens = 0;
+    // Prefix caching: tokens [0, first_token) were already cached here; only the rest move.
+    int32_t first_token = 0;
+    std::vector<int32_t> cached_prefix;  // those tokens' ids: the Decode call's prompt must begin with them
     absl::Duration lease;
     // Guarded by DecodeService::mu_.
     ReservationState state = ReservationState::kTransferring;
@@ -100,7 +103,7 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
     // The Decode call waiting for the transfer: told once the state leaves kTransferring.
     std::function<void()> on_settled;
     bool owns_blocks = true;  // the reservation (not a request) still holds its engine blocks
-    std::vector<int32_t> cache_blocks;    // the engine blocks reserved for the prompt
+    std::vector<int32_t> cache_blocks;    // the engine blocks the transfer fills (from first_token on)
     std::vector<int32_t> staging_blocks;  // with staging: where the transfer lands
   };
 
@@ -145,7 +148,7 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
   metrics::Registry metrics_registry_;
   std::unique_ptr<metrics::DecodeMetrics> metrics_;
   absl::Mutex metrics_mu_;
-  int64_t preemptions_seen_ ABSL_GUARDED_BY(metrics_mu_) = 0;
+  EngineStats recorded_stats_ ABSL_GUARDED_BY(metrics_mu_);
   SpecDecodeStats spec_seen_ ABSL_GUARDED_BY(metrics_mu_);  // spec-decode counters already exported
 
   std::unique_ptr<EngineLoop> loop_;

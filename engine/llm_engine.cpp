@@ -180,25 +180,32 @@ absl::Status LlmEngine::AddRequest(const std::string& id, std::vector<int32_t> p
   return absl::OkStatus();
 }
 
-absl::StatusOr<SequenceId> LlmEngine::ReserveKv(int64_t num_tokens) {
-  if (num_tokens <= 0 || num_tokens > config_.scheduler.max_model_len) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot reserve KV for ", num_tokens, " tokens"));
-  }
-  const SequenceId seq = next_seq_id_++;
-  if (absl::Status s = blocks_.Reserve(seq, num_tokens, 0, nullptr); !s.ok()) return s;
-  return seq;
-}
-
 absl::StatusOr<LlmEngine::KvReservation> LlmEngine::ReserveKv(absl::Span<const int32_t> prompt,
-                                                              const std::string& cache_salt) {
+                                                              const std::string& cache_salt,
+                                                              int64_t alignment_tokens) {
   const int64_t num_tokens = int64_t(prompt.size());
   if (num_tokens <= 0 || num_tokens > config_.scheduler.max_model_len) {
     return absl::InvalidArgumentError(absl::StrCat("cannot reserve KV for ", num_tokens, " tokens"));
   }
+  if (cache_salt.size() > SamplingParams::kMaxCacheSaltBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("cache_salt is ", cache_salt.size(), " bytes; at most ",
+                                                   SamplingParams::kMaxCacheSaltBytes, " are allowed"));
+  }
   KvReservation r{next_seq_id_++, 0};
-  // At least the last block is written by the prefill worker, so a transfer is never empty.
-  r.num_cached_tokens = blocks_.AttachCachedPrefix(r.seq, PrefixSeed("", cache_salt), prompt,
-                                                   blocks_.BlocksForTokens(num_tokens) - 1);
+  if (alignment_tokens > 0) {
+    // At least the last block is written by the prefill worker, so a transfer is never empty;
+    // the prefix ends where both sides' blocks end.
+    const int64_t unit = std::lcm(alignment_tokens, int64_t(blocks_.block_size()));
+    const BlockHash seed = PrefixSeed("", cache_salt);
+    int32_t max_blocks = blocks_.BlocksForTokens(num_tokens) - 1;
+    r.num_cached_tokens = blocks_.AttachCachedPrefix(r.seq, seed, prompt, max_blocks);
+    if (r.num_cached_tokens % unit != 0) {
+      blocks_.Free(r.seq);
+      max_blocks = int32_t(r.num_cached_tokens / unit * unit / blocks_.block_size());
+      r.num_cached_tokens = blocks_.AttachCachedPrefix(r.seq, seed, prompt, max_blocks);
+    }
+    scheduler_.RecordPrefixLookup(num_tokens, r.num_cached_tokens);
+  }
   if (absl::Status s = blocks_.Reserve(r.seq, num_tokens, r.num_cached_tokens, nullptr); !s.ok()) {
     blocks_.Free(r.seq);
     return s;

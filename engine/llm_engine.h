@@ -103,19 +103,20 @@ class LlmEngine {
   // `on_layer_done` sees each layer's K/V as soon as the step has written it.
   absl::StatusOr<std::vector<RequestOutput>> Step(const LayerDoneCallback& on_layer_done = nullptr);
 
-  // Disaggregated decode. ReserveKv sets aside blocks for `num_tokens` prompt tokens that a
-  // prefill worker will write (BlockTable gives their ids); AddPrefilledRequest then joins the
-  // request to the batch with those blocks and the first token the prefill worker sampled.
-  // ReleaseKv returns a reservation that will not be used (cancelled, transfer failed).
-  absl::StatusOr<SequenceId> ReserveKv(int64_t num_tokens);
-  // With prefix caching, a reservation for `prompt` starts with the cached blocks it begins
-  // with (all but its last block at most); the prefill worker then writes only the blocks after
+  // Disaggregated decode. ReserveKv sets aside blocks for the prompt's tokens that a prefill
+  // worker will write (BlockTable gives their ids); AddPrefilledRequest then joins the request
+  // to the batch with those blocks and the first token the prefill worker sampled. ReleaseKv
+  // returns a reservation that will not be used (cancelled, transfer failed). With prefix
+  // caching, the reservation starts with the cached blocks the prompt begins with (all but its
+  // last block at most), and the prefill worker writes only the blocks after
   // `num_cached_tokens`.
   struct KvReservation {
     SequenceId seq = 0;
     int64_t num_cached_tokens = 0;
   };
-  absl::StatusOr<KvReservation> ReserveKv(absl::Span<const int32_t> prompt, const std::string& cache_salt);
+  // The cached prefix is rounded down to a multiple of `alignment_tokens` (0: none is used).
+  absl::StatusOr<KvReservation> ReserveKv(absl::Span<const int32_t> prompt, const std::string& cache_salt,
+                                          int64_t alignment_tokens);
   void ReleaseKv(SequenceId reservation);
   const std::vector<int32_t>& BlockTable(SequenceId seq) const { return blocks_.BlockTable(seq); }
   absl::StatusOr<RequestOutput> AddPrefilledRequest(const std::string& id, std::vector<int32_t> prompt,

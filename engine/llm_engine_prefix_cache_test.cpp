@@ -209,7 +209,7 @@ TEST(LlmEnginePrefixCacheTest, DecodeReservationReusesThePreviousTurn) {
     const std::string id = "t" + std::to_string(turn);
     ASSERT_TRUE(local->AddRequest(id, prompt, p).ok());
     RunToCompletion(*local);
-    absl::StatusOr<LlmEngine::KvReservation> reservation = decode->ReserveKv(prompt, "");
+    absl::StatusOr<LlmEngine::KvReservation> reservation = decode->ReserveKv(prompt, "", 16);
     ASSERT_TRUE(reservation.ok()) << reservation.status();
     if (turn > 0) {
       EXPECT_GT(reservation->num_cached_tokens, 0) << "turn " << turn;

@@ -140,14 +140,14 @@ TEST(LlmEngineTest, PrefilledHandoffMatchesLocalGeneration) {
     std::unique_ptr<LlmEngine> prefill = NewEngine();
     std::unique_ptr<LlmEngine> decode = NewEngine();
     const std::vector<int32_t> prompt = Prompt(*prefill);
-    absl::StatusOr<SequenceId> reservation = decode->ReserveKv(int64_t(prompt.size()));
+    absl::StatusOr<LlmEngine::KvReservation> reservation = decode->ReserveKv(prompt, "", 0);
     ASSERT_TRUE(reservation.ok());
     SamplingParams first = p;
     first.max_tokens = 1;
     ASSERT_TRUE(prefill->AddRequest("x", prompt, first).ok());
     // Copy each layer's blocks as soon as the prefill step has written them.
     const KvCacheShape shape = prefill->kv_cache().shape();
-    const std::vector<int32_t> dst = decode->BlockTable(*reservation);
+    const std::vector<int32_t> dst = decode->BlockTable(reservation->seq);
     auto ship = [&](int64_t layer, absl::Span<const SequenceChunk> chunks) {
       for (const SequenceChunk& c : chunks) {
         for (size_t b = 0; b < c.block_table.size(); ++b) {
@@ -162,7 +162,7 @@ TEST(LlmEngineTest, PrefilledHandoffMatchesLocalGeneration) {
     ASSERT_EQ(step->size(), 1u);
     const Request* pre = prefill->Find("x");
     SampledToken token{pre->output[0]};
-    absl::StatusOr<RequestOutput> joined = decode->AddPrefilledRequest("x", prompt, p, *reservation, token);
+    absl::StatusOr<RequestOutput> joined = decode->AddPrefilledRequest("x", prompt, p, reservation->seq, token);
     ASSERT_TRUE(joined.ok()) << joined.status();
     RunToCompletion(*decode);
     EXPECT_EQ(decode->Find("x")->output, local->Find("x")->output) << (greedy ? "greedy" : "sampled");

@@ -129,6 +129,27 @@ EngineMetrics::EngineMetrics(Registry& registry, std::string_view model_name, Ro
                                .WithLabels(Values(model_name, role))),
       num_preemptions(registry.AddCounter("duet:num_preemptions_total", "Cumulative number of preemption from the engine.", kLabels)
                           .WithLabels(Values(model_name, role))),
+      prefix_cache_queries(registry.AddCounter("duet:prefix_cache_queries_total",
+                                               "Prefix cache queries, in terms of number of queried tokens.", kLabels)
+                               .WithLabels(Values(model_name, role))),
+      prefix_cache_hits(registry.AddCounter("duet:prefix_cache_hits_total",
+                                            "Prefix cache hits, in terms of number of cached tokens.", kLabels)
+                            .WithLabels(Values(model_name, role))),
+      kv_cache_evictions(registry.AddCounter("duet:kv_cache_evictions_total",
+                                             "Cached KV blocks evicted from the device cache for reuse.", kLabels)
+                             .WithLabels(Values(model_name, role))),
+      host_kv_cache_offloaded_blocks(registry.AddCounter("duet:host_kv_cache_offloaded_blocks_total",
+                                                         "KV blocks copied into the host tier as the device evicted them.", kLabels)
+                                         .WithLabels(Values(model_name, role))),
+      host_kv_cache_hit_blocks(registry.AddCounter("duet:host_kv_cache_hit_blocks_total",
+                                                   "KV blocks a prefix found in the host tier and copied back.", kLabels)
+                                   .WithLabels(Values(model_name, role))),
+      host_kv_cache_evictions(registry.AddCounter("duet:host_kv_cache_evictions_total",
+                                                  "KV blocks evicted from the host tier.", kLabels)
+                                  .WithLabels(Values(model_name, role))),
+      host_kv_cache_usage_perc(registry.AddGauge("duet:host_kv_cache_usage_perc",
+                                                 "Share of the host tier's KV blocks in use (1 means 100 percent).", kLabels)
+                                   .WithLabels(Values(model_name, role))),
       iteration_tokens_total(registry
                                  .AddHistogram("duet:iteration_tokens_total",
                                                "Histogram of number of tokens per engine_step.", kLabels,

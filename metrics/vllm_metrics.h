@@ -137,6 +137,16 @@ class EngineMetrics {
   Gauge& num_requests_running;  // requests in the engine's execution batches
   Gauge& num_requests_waiting;  // requests waiting in the worker to be scheduled
   Counter& num_preemptions;
+  // Prefix caching: prompt tokens looked up at admission and those found cached (vLLM's
+  // prefix_cache_queries / hits), cached blocks evicted from the device cache; the host tier's
+  // blocks offloaded into it, served back (hits), evicted, and its share in use.
+  Counter& prefix_cache_queries;
+  Counter& prefix_cache_hits;
+  Counter& kv_cache_evictions;
+  Counter& host_kv_cache_offloaded_blocks;
+  Counter& host_kv_cache_hit_blocks;
+  Counter& host_kv_cache_evictions;
+  Gauge& host_kv_cache_usage_perc;
   // Tokens in each engine step's forward pass (prompt chunks, decode tokens, verified drafts).
   Histogram& iteration_tokens_total;
 

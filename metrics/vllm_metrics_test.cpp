@@ -107,7 +107,10 @@ TEST(VllmMetricsTest, EachRoleExportsWhatItOwns) {
                                    "http_request_duration_seconds", "http_requests_total"}));
   const std::set<std::string> engine = {"duet:cache_config_info", "duet:iteration_tokens_total",
                                         "duet:num_preemptions_total", "duet:num_requests_running",
-                                        "duet:num_requests_waiting"};
+                                        "duet:num_requests_waiting", "duet:prefix_cache_queries_total",
+                                        "duet:prefix_cache_hits_total", "duet:kv_cache_evictions_total",
+                                        "duet:host_kv_cache_offloaded_blocks_total", "duet:host_kv_cache_hit_blocks_total",
+                                        "duet:host_kv_cache_evictions_total", "duet:host_kv_cache_usage_perc"};
   std::set<std::string> want_prefill = engine;
   want_prefill.insert({"duet:prompt_tokens_total", "duet:request_prefill_time_seconds", "duet:kv_transfer_bytes",
                        "duet:kv_transfer_bytes_total", "duet:kv_transfer_failures_total", "duet:kv_transfer_seconds",

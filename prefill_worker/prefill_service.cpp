@@ -192,7 +192,17 @@ void PrefillService::PrefillCall::Start() {
                                   " path this prefill worker uses to that decode worker")));
   }
   transfer_->dst_block_ids.assign(dst.begin(), dst.end());
-  num_blocks_ = (int64_t(request_.prompt_token_ids_size()) + service_->block_size_ - 1) / service_->block_size_;
+  const int64_t prompt_len = request_.prompt_token_ids_size();
+  if (target.first_token() >= prompt_len || target.first_token() % uint32_t(service_->block_size_) != 0) {
+    (void)service_->sender_->Abort(transfer_->peer, transfer_->transfer_id);
+    return End(Error(grpc::StatusCode::FAILED_PRECONDITION,
+                     absl::StrCat("the KV target starts at token ", target.first_token(), " of ", prompt_len,
+                                  ": not before the prompt's end on a boundary of this worker's ",
+                                  service_->block_size_, "-token blocks")));
+  }
+  transfer_->first_token = target.first_token();
+  num_blocks_ = (prompt_len + service_->block_size_ - 1) / service_->block_size_ -
+                int64_t(transfer_->first_token) / service_->block_size_;
   // Over CUDA IPC the copies read the cache, ordered on its stream before any later reuse: no
   // staging, no admission queue.
   if (transfer_->device()) return Admitted({});
@@ -425,13 +435,17 @@ void PrefillService::OnLayerDone(int64_t layer, absl::Span<const SequenceChunk> 
 
 bool PrefillService::BeginShipment(const std::shared_ptr<Transfer>& t, const SequenceChunk& chunk) {
   t->stage = Transfer::Stage::kSending;
-  t->num_tokens = uint32_t(chunk.start_position + int64_t(chunk.tokens.size()));
-  const size_t num_blocks = (t->num_tokens + uint32_t(block_size_) - 1) / uint32_t(block_size_);
-  if (chunk.block_table.size() < num_blocks || (!t->device() && t->staging_block_ids.size() != num_blocks)) {
+  const uint32_t prompt_len = uint32_t(chunk.start_position + int64_t(chunk.tokens.size()));
+  const size_t end_block = (prompt_len + uint32_t(block_size_) - 1) / uint32_t(block_size_);
+  const size_t first_block = t->first_token / uint32_t(block_size_);
+  t->num_tokens = prompt_len - t->first_token;
+  if (chunk.block_table.size() < end_block ||
+      (!t->device() && t->staging_block_ids.size() != end_block - first_block)) {
     FinishShipment(t, absl::InternalError("the prefill sequence's block table does not cover its prompt"));
     return false;
   }
-  t->cache_block_ids.assign(chunk.block_table.begin(), chunk.block_table.begin() + num_blocks);
+  t->cache_block_ids.assign(chunk.block_table.begin() + int64_t(first_block),
+                            chunk.block_table.begin() + int64_t(end_block));
   t->send_start = std::chrono::steady_clock::now();
   return true;
 }
@@ -545,7 +559,7 @@ grpc::ServerUnaryReactor* PrefillService::Abort(grpc::CallbackServerContext* con
 void PrefillService::RefreshMetrics() {
   const EngineStats stats = loop_->Stats();
   absl::MutexLock lock(&metrics_mu_);
-  rpc::RecordEngineStats(stats, *metrics_, &preemptions_seen_);
+  rpc::RecordEngineStats(stats, *metrics_, &recorded_stats_);
   // Waiting in the worker: in the engine's queue, or for staging blocks before it.
   absl::MutexLock admission(&admission_mu_);
   metrics_->num_requests_waiting.Set(double(stats.num_waiting) + double(waiting_.size()));

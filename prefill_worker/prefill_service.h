@@ -87,12 +87,14 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
     kvtransfer::TransferPath path = kvtransfer::TransferPath::kUcxNetwork;
     bool device() const { return path == kvtransfer::TransferPath::kCudaIpc; }
     std::vector<uint32_t> dst_block_ids;
+    // Prefix caching: the decode worker holds tokens [0, first_token); only the rest are sent.
+    uint32_t first_token = 0;
     std::vector<int32_t> staging_block_ids;  // taken at admission, freed when the shipment ends
     std::shared_ptr<PrefillCall> call;       // told how the shipment ended
     // Engine thread only, until the stage is kEnded.
     Stage stage = Stage::kUnsent;
-    uint32_t num_tokens = 0;
-    std::vector<int32_t> cache_block_ids;  // staged into staging_block_ids layer by layer
+    uint32_t num_tokens = 0;               // tokens sent: [first_token, prompt length)
+    std::vector<int32_t> cache_block_ids;  // their blocks, staged into staging_block_ids layer by layer
     std::chrono::steady_clock::time_point send_start{};  // the first SendLayer
   };
 
@@ -135,7 +137,7 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
   metrics::Registry metrics_registry_;
   std::unique_ptr<metrics::PrefillMetrics> metrics_;
   absl::Mutex metrics_mu_;
-  int64_t preemptions_seen_ ABSL_GUARDED_BY(metrics_mu_) = 0;
+  EngineStats recorded_stats_ ABSL_GUARDED_BY(metrics_mu_);
 
   absl::Mutex peers_mu_;
   std::map<std::string, kvtransfer::PeerId> peers_ ABSL_GUARDED_BY(peers_mu_);

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <deque>
 #include <functional>
+#include <numeric>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -246,6 +247,9 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
 
   void BeginReserve();
   void ReserveNext();
+  // The prefix-alignment a decode worker's reservation must honour: the LCM of the prefill
+  // workers' block sizes (0 while one of them has not reported its own).
+  int32_t PrefillBlockAlignment() const;
   void OnReserved(const grpc::Status& status, const v1::ReserveKvResponse* reply);
   void ReserveFailed();
   void StartPrefill();
@@ -633,11 +637,30 @@ void RouterService::GenerateCall::ReserveNext() {
   request.set_transfer_id(transfer_id_);
   request.set_num_prompt_tokens(static_cast<int32_t>(prepared_.prompt_token_ids.size()));
   request.set_lease_ms(service_->options_.kv_lease_ms);
+  // Prefix caching on the decode worker: it may already hold the start of this prompt (the
+  // previous turn of a chat); then only the rest of the KV moves.
+  if (const int32_t alignment = PrefillBlockAlignment(); alignment > 0) {
+    request.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
+    if (prepared_.sampling.has_cache_salt()) request.set_cache_salt(prepared_.sampling.cache_salt());
+    request.set_prefix_alignment_tokens(alignment);
+  }
   CallWorker<v1::ReserveKvResponse>(
       *decode, ReserveKvMethod(), Downstream(service_->options_.reserve_timeout), std::move(request),
       [self = shared_from_this()](const grpc::Status& status, const v1::ReserveKvResponse* reply) {
         self->OnReserved(status, reply);
       });
+}
+
+int32_t RouterService::GenerateCall::PrefillBlockAlignment() const {
+  // The reused prefix must end on a block boundary of whichever prefill worker sends the rest.
+  int64_t alignment = 1;
+  for (const Worker* w : service_->registry_->prefill_workers()) {
+    const std::optional<v1::WorkerStats> stats = w->stats();
+    if (!stats || stats->block_size() <= 0) return 0;  // not known yet: reuse nothing
+    alignment = std::lcm(alignment, int64_t(stats->block_size()));
+    if (alignment > (int64_t(1) << 20)) return 0;
+  }
+  return int32_t(alignment);
 }
 
 void RouterService::GenerateCall::OnReserved(const grpc::Status& status, const v1::ReserveKvResponse* reply) {

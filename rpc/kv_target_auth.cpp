@@ -35,6 +35,7 @@ std::string SignedBytes(const v1::KvTarget& target) {
   out += target.receiver_descriptor();
   PutIds(out, target.block_ids());
   PutIds(out, target.device_block_ids());
+  PutU64(out, target.first_token());
   return out;
 }
 

@@ -22,7 +22,7 @@ TEST(KvTargetAuthTest, SignedTargetsVerifyAndAnyChangeIsRefused) {
   EXPECT_EQ(signed_target.authenticator().size(), 32u);
   EXPECT_TRUE(VerifyKvTarget(key, signed_target).ok());
 
-  std::vector<v1::KvTarget> tampered(7, signed_target);
+  std::vector<v1::KvTarget> tampered(8, signed_target);
   tampered[0].set_transfer_id(43);
   tampered[1].set_block_ids(2, 10);
   tampered[2].add_block_ids(10);
@@ -34,6 +34,7 @@ TEST(KvTargetAuthTest, SignedTargetsVerifyAndAnyChangeIsRefused) {
   tampered[6].clear_device_block_ids();
   for (uint32_t id : {3u, 4u, 9u, 7u}) tampered[6].add_block_ids(id);
   tampered[6].add_device_block_ids(8);
+  tampered[7].set_first_token(16);  // the blocks would land one block off
   for (size_t i = 0; i < tampered.size(); ++i) {
     EXPECT_EQ(VerifyKvTarget(key, tampered[i]).code(), absl::StatusCode::kPermissionDenied) << i;
   }

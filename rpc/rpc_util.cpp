@@ -1,5 +1,7 @@
 #include "rpc/rpc_util.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -114,6 +116,8 @@ void FillWorkerStats(const EngineStats& stats, const std::string& role, int32_t 
   out->set_num_free_kv_blocks(stats.num_free_kv_blocks);
   out->set_num_preemptions(stats.num_preemptions);
   out->set_block_size(block_size);
+  out->set_prefix_cache_queries(stats.prefix_cache_queries);
+  out->set_prefix_cache_hits(stats.prefix_cache_hits);
 }
 
 metrics::CacheConfig CacheConfigOf(LlmEngine& engine) {
@@ -123,6 +127,7 @@ metrics::CacheConfig CacheConfigOf(LlmEngine& engine) {
   config.num_gpu_blocks = shape.num_blocks;
   config.cache_dtype = shape.dtype == KvDtype::kFloat32 ? "float32" : "bfloat16";
   config.gpu_memory_utilization = engine.config().gpu_memory_utilization;
+  config.enable_prefix_caching = engine.config().enable_prefix_caching;
   return config;
 }
 
@@ -130,13 +135,23 @@ double KvCacheUsage(const EngineStats& stats) {
   return stats.num_kv_blocks > 0 ? double(stats.num_kv_blocks - stats.num_free_kv_blocks) / stats.num_kv_blocks : 0.0;
 }
 
-void RecordEngineStats(const EngineStats& stats, metrics::EngineMetrics& metrics, int64_t* preemptions_seen) {
+void RecordEngineStats(const EngineStats& stats, metrics::EngineMetrics& metrics, EngineStats* recorded) {
   metrics.num_requests_running.Set(stats.num_running);
   metrics.num_requests_waiting.Set(stats.num_waiting);
-  if (stats.num_preemptions > *preemptions_seen) {
-    metrics.num_preemptions.Inc(double(stats.num_preemptions - *preemptions_seen));
-    *preemptions_seen = stats.num_preemptions;
-  }
+  auto advance = [](metrics::Counter& counter, int64_t total, int64_t& seen) {
+    if (total > seen) counter.Inc(double(total - seen));
+    seen = std::max(seen, total);
+  };
+  advance(metrics.num_preemptions, stats.num_preemptions, recorded->num_preemptions);
+  advance(metrics.prefix_cache_queries, stats.prefix_cache_queries, recorded->prefix_cache_queries);
+  advance(metrics.prefix_cache_hits, stats.prefix_cache_hits, recorded->prefix_cache_hits);
+  advance(metrics.kv_cache_evictions, stats.num_kv_evictions, recorded->num_kv_evictions);
+  advance(metrics.host_kv_cache_offloaded_blocks, stats.host_tier.offloaded_blocks,
+          recorded->host_tier.offloaded_blocks);
+  advance(metrics.host_kv_cache_hit_blocks, stats.host_tier.loaded_blocks, recorded->host_tier.loaded_blocks);
+  advance(metrics.host_kv_cache_evictions, stats.host_tier.evicted_blocks, recorded->host_tier.evicted_blocks);
+  metrics.host_kv_cache_usage_perc.Set(
+      stats.host_tier_slots > 0 ? double(stats.host_tier_used_slots) / double(stats.host_tier_slots) : 0.0);
 }
 
 std::vector<std::pair<std::string, int>> KeepaliveServerArgs() {

@@ -33,9 +33,10 @@ SampledToken FromProto(int32_t token_id, const v1::TokenLogprobs& logprobs);
 // A worker's GetStats answer from its engine counters (leases are the caller's to add).
 void FillWorkerStats(const EngineStats& stats, const std::string& role, int32_t block_size,
                      v1::WorkerStats* out);
-// Brings a worker's scheduler gauges and preemption counter up to `stats`; `preemptions_seen`
-// is the engine total already counted (the caller serializes calls).
-void RecordEngineStats(const EngineStats& stats, metrics::EngineMetrics& metrics, int64_t* preemptions_seen);
+// Brings a worker's scheduler gauges and engine counters (preemptions, prefix cache) up to
+// `stats`; `recorded` holds the totals already counted and is advanced (the caller serializes
+// calls).
+void RecordEngineStats(const EngineStats& stats, metrics::EngineMetrics& metrics, EngineStats* recorded);
 // The engine's KV-cache configuration, for cache_config_info.
 metrics::CacheConfig CacheConfigOf(LlmEngine& engine);
 // The share of the engine's KV blocks in use, 0..1 (the decode worker's kv_cache_usage_perc).

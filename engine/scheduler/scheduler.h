@@ -64,6 +64,11 @@ class Scheduler {
   // prefix_cache_queries / hits).
   int64_t num_prefix_queries() const { return num_prefix_queries_; }
   int64_t num_prefix_hits() const { return num_prefix_hits_; }
+  // Counts a lookup made outside admission (a decode worker's reservation).
+  void RecordPrefixLookup(int64_t tokens, int64_t hits) {
+    num_prefix_queries_ += tokens;
+    num_prefix_hits_ += hits;
+  }
   size_t num_running() const { return running_.size(); }
   size_t num_waiting() const { return waiting_.size(); }
   const SchedulerConfig& config() const { return config_; }

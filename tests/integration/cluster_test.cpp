@@ -196,6 +196,52 @@ TEST(ClusterTest, SampledRequestsEqualDuetGenerate) {
   }
 }
 
+// Chats of several turns (each turn's prompt: the last prompt, its output, a new message)
+// through a cluster with prefix caching (the default) and one without: the same tokens, while
+// the decode worker reuses each previous turn's KV (only the rest moves) and the prefill worker
+// computes only the uncached suffix.
+TEST(ClusterTest, MultiTurnChatsWithPrefixCachingEqualCacheOff) {
+  LocalCluster on({1, 1});
+  ASSERT_TRUE(on.ok()) << on.error();
+  LocalCluster off({1, 1, {"--no-enable-prefix-caching"}});
+  ASSERT_TRUE(off.ok()) << off.error();
+  const json ref = Reference();
+  std::vector<std::vector<int32_t>> history;
+  for (int s = 0; s < 3; ++s) history.push_back(ref["cases"][size_t(s)]["prompt_ids"].get<std::vector<int32_t>>());
+  const std::vector<int32_t> message = {13, 1753, 1243, 2989, 1125, 13};  // a short user turn
+  for (int turn = 0; turn < 3; ++turn) {
+    std::vector<std::future<StreamResult>> a, b;
+    std::vector<v1::GenerateRequest> requests;
+    for (std::vector<int32_t>& h : history) {
+      h.insert(h.end(), message.begin(), message.end());
+      v1::GenerateRequest r = TokenRequest(h, 24);
+      if (turn == 1) {  // seeded sampling too
+        r.mutable_sampling()->set_temperature(0.8f);
+        r.mutable_sampling()->set_seed(uint64_t(42 + h.size()));
+      }
+      requests.push_back(r);
+      a.push_back(std::async(std::launch::async, [&on, r] { return RunGenerate(on.router(), r); }));
+      b.push_back(std::async(std::launch::async, [&off, r] { return RunGenerate(off.router(), r); }));
+    }
+    for (size_t i = 0; i < history.size(); ++i) {
+      StreamResult x = a[i].get(), y = b[i].get();
+      ASSERT_TRUE(x.status.ok()) << x.status.error_message();
+      ASSERT_TRUE(y.status.ok()) << y.status.error_message();
+      ASSERT_EQ(x.token_ids, y.token_ids) << "turn " << turn << " chat " << i;
+      history[i].insert(history[i].end(), x.token_ids.begin(), x.token_ids.end());
+    }
+  }
+  const std::vector<v1::WorkerStats> decode = on.DecodeStats(), prefill = on.PrefillStats();
+  ASSERT_EQ(decode.size(), 1u);
+  ASSERT_EQ(prefill.size(), 1u);
+  // Turns 2 and 3 find the earlier turns in both workers' caches.
+  EXPECT_GT(decode[0].prefix_cache_hits(), decode[0].prefix_cache_queries() / 2) << decode[0].ShortDebugString();
+  EXPECT_GT(prefill[0].prefix_cache_hits(), prefill[0].prefix_cache_queries() / 2) << prefill[0].ShortDebugString();
+  EXPECT_EQ(off.DecodeStats()[0].prefix_cache_hits(), 0);
+  std::string detail;
+  EXPECT_TRUE(WaitForIdleKv(on, 1, &detail)) << detail;
+}
+
 TEST(ClusterTest, SixtyFourConcurrentStreamsOnTwoPlusTwoWorkers) {
   LocalCluster cluster({2, 2});
   ASSERT_TRUE(cluster.ok()) << cluster.error();
