@@ -43,7 +43,7 @@ struct ServeOptions {
   int prefill_sp_ranks = 1;   // sequence-parallel ranks of each prefill worker (--sp-ranks there)
   int shutdown_grace_seconds = 30;  // on SIGTERM/SIGINT: how long running requests may take to finish
   std::string routing_policy = "prefix-aware";  // the router's --routing-policy
-  double prefix_affinity = 2.0;                 // the router's --prefix-affinity
+  double prefix_affinity = 4.0;                 // the router's --prefix-affinity
 };
 int RunServe(const ServeOptions& options);
 

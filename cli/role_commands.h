@@ -21,7 +21,7 @@ inline constexpr char kRoutingPolicyHelp[] =
     "least-loaded (fewest requests in flight)";
 inline constexpr char kPrefixAffinityHelp[] =
     "prefix-aware: how many more requests in flight a worker holding the whole prompt may have and still be "
-    "chosen (0: least-loaded; default 2)";
+    "chosen (0: least-loaded; default 4)";
 
 class RoleCommands {
  public:

@@ -28,8 +28,11 @@
 namespace duet::router {
 
 struct PrefixAwareOptions {
-  // Requests in flight a whole cached prompt is worth (>= 0).
-  double prefix_affinity = 2.0;
+  // Requests in flight a whole cached prompt is worth (>= 0). 4: on the CPU cluster's
+  // shared-prefix workload (docs/BENCHMARKS.md) 2 kept less of the prefixes on their worker (the
+  // predicted hit rate 0.71 against 0.80 at 4) and 8 unbalanced the workers (63/37 of the prompt
+  // tokens against 54/46 at 4) without more hits.
+  double prefix_affinity = 4.0;
 };
 
 class PrefixAwarePolicy : public AssignmentPolicy {
