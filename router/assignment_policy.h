@@ -17,7 +17,7 @@ namespace duet::router {
 struct RequestInfo {
   std::string_view request_id;
   absl::Span<const int32_t> prompt_token_ids;
-  // The prompt's block hashes (its model and cache salt folded in), for a prefix-aware policy;
+  // The prompt's block hashes (its cache salt folded in), for a prefix-aware policy;
   // null: none (the policy then sees no cached prefix).
   BlockHashChain* block_hashes = nullptr;
   int32_t max_tokens = 0;

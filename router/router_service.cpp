@@ -547,8 +547,9 @@ void RouterService::GenerateCall::Start(const v1::GenerateRequest& request) {
   }
   info_.request_id = prepared_.request_id;
   info_.prompt_token_ids = prepared_.prompt_token_ids;
-  block_hashes_.emplace(PrefixSeed(service_->options_.model_name, request.sampling().cache_salt()),
-                        prepared_.prompt_token_ids);
+  // The seed the engines use (one router, like one engine, serves one model), so the router's
+  // hashes name the blocks the workers cache.
+  block_hashes_.emplace(PrefixSeed("", prepared_.params.cache_salt), prepared_.prompt_token_ids);
   info_.block_hashes = &*block_hashes_;
   info_.max_tokens = prepared_.params.max_tokens;
   // Interrupted while waiting in the queue or at the gate (no call to cancel): leave and end here.
