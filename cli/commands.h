@@ -42,6 +42,8 @@ struct ServeOptions {
   bool kv_checksums = false;  // passed to every worker (--kv-checksums)
   int prefill_sp_ranks = 1;   // sequence-parallel ranks of each prefill worker (--sp-ranks there)
   int shutdown_grace_seconds = 30;  // on SIGTERM/SIGINT: how long running requests may take to finish
+  std::string routing_policy = "prefix-aware";  // the router's --routing-policy
+  double prefix_affinity = 4.0;                 // the router's --prefix-affinity
 };
 int RunServe(const ServeOptions& options);
 

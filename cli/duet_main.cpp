@@ -65,6 +65,10 @@ int main(int argc, char** argv) {
                         "Prometheus /metrics of the workers: decode worker i on P+i, prefill worker j on P+M+j "
                         "(M decode workers; 0: free ports, announced; -1: off). The router's are on --http-port")
       ->check(CLI::Range(-1, 65535));
+  serve_cmd->add_option("--routing-policy", serve.routing_policy, duet::kRoutingPolicyHelp)
+      ->check(CLI::IsMember({"prefix-aware", "least-loaded"}));
+  serve_cmd->add_option("--prefix-affinity", serve.prefix_affinity, duet::kPrefixAffinityHelp)
+      ->check(CLI::Range(0.0, 1e6));
   serve_cmd->add_option("--shutdown-grace-seconds", serve.shutdown_grace_seconds,
                         "On SIGTERM/SIGINT: how long running requests may take to finish while new ones get "
                         "UNAVAILABLE / HTTP 503 (default 30)")

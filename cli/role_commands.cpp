@@ -65,6 +65,10 @@ RoleCommands::RoleCommands(CLI::App& app) {
                           "Prompt tokens in prefill at once per prefill worker; more wait in the router "
                           "(before their decode KV is reserved)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  router_cmd_->add_option("--routing-policy", router_.routing_policy, kRoutingPolicyHelp)
+      ->check(CLI::IsMember({"prefix-aware", "least-loaded"}));
+  router_cmd_->add_option("--prefix-affinity", router_.prefix_affinity, kPrefixAffinityHelp)
+      ->check(CLI::Range(0.0, 1e6));
   router_cmd_->add_option("--api-key", router_.api_key, kApiKeyHelp);
   router_cmd_->add_option("--api-key-file", router_api_key_file_, kApiKeyFileHelp);
   router_cmd_->add_flag("--api-key-on-health-and-metrics", router_.api_key_on_health_and_metrics,

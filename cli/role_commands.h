@@ -14,6 +14,15 @@
 
 namespace duet {
 
+// The router's assignment flags, shared by `duet router` and `duet serve`.
+inline constexpr char kRoutingPolicyHelp[] =
+    "How the router places requests on workers: prefix-aware (default: the worker whose KV cache the router "
+    "predicts holds most of the prompt, unless it is busier by more than --prefix-affinity requests) or "
+    "least-loaded (fewest requests in flight)";
+inline constexpr char kPrefixAffinityHelp[] =
+    "prefix-aware: how many more requests in flight a worker holding the whole prompt may have and still be "
+    "chosen (0: least-loaded; default 4)";
+
 class RoleCommands {
  public:
   explicit RoleCommands(CLI::App& app);

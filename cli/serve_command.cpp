@@ -265,7 +265,9 @@ int RunServe(const ServeOptions& options) {
                                           "--max-concurrent-requests", std::to_string(options.max_concurrent_requests),
                                           "--max-queued-requests", std::to_string(options.max_queued_requests),
                                           "--http-port", std::to_string(options.http_port),
-                                          "--shutdown-grace-seconds", grace};
+                                          "--shutdown-grace-seconds", grace,
+                                          "--routing-policy", options.routing_policy,
+                                          "--prefix-affinity", absl::StrCat(options.prefix_affinity)};
   if (options.api_key_on_health_and_metrics) router_argv.push_back("--api-key-on-health-and-metrics");
   if (options.engine.scheduler.max_model_len > 0) {
     router_argv.insert(router_argv.end(), {"--max-model-len", std::to_string(options.engine.scheduler.max_model_len)});

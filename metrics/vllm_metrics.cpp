@@ -77,6 +77,20 @@ RouterMetrics::RouterMetrics(Registry& registry, std::string_view model_name, in
     request_success_[static_cast<size_t>(reason)] = &success.WithLabels(
         {std::string(model_name), std::string(RoleName(kRole)), FinishReasonName(reason)});
   }
+  auto& routed = registry.AddCounter("duet:routed_prompt_blocks_total",
+                                     "Full prompt KV blocks the router placed on workers, by worker role.",
+                                     {"model_name", "role", "worker_role"});
+  auto& cached = registry.AddCounter(
+      "duet:routed_prompt_blocks_cached_total",
+      "Full prompt KV blocks the router placed on workers that its prefix index predicted cached there, by worker "
+      "role.",
+      {"model_name", "role", "worker_role"});
+  for (int decode : {0, 1}) {
+    const std::vector<std::string> labels = {std::string(model_name), std::string(RoleName(kRole)),
+                                             decode ? "decode" : "prefill"};
+    routed_prompt_blocks_[size_t(decode)] = &routed.WithLabels(labels);
+    routed_prompt_blocks_cached_[size_t(decode)] = &cached.WithLabels(labels);
+  }
 }
 
 Counter& RouterMetrics::request_success(FinishReason reason) {

@@ -113,8 +113,17 @@ class RouterMetrics {
   Counter& http_requests_total(std::string_view handler, std::string_view method, int status);
   Histogram& http_request_duration_seconds(std::string_view handler, std::string_view method, int status);
 
+  // Prefix-aware routing, by the role of the worker a request was placed on (`worker_role`
+  // "prefill" or "decode"): the prompt's full KV blocks placed (routed_prompt_blocks_total) and
+  // those of them the router's prefix index predicted that worker had cached
+  // (routed_prompt_blocks_cached_total). Their ratio is the router's predicted hit rate.
+  Counter& routed_prompt_blocks(bool decode) { return *routed_prompt_blocks_[decode ? 1 : 0]; }
+  Counter& routed_prompt_blocks_cached(bool decode) { return *routed_prompt_blocks_cached_[decode ? 1 : 0]; }
+
  private:
   std::array<Counter*, 5> request_success_{};  // by FinishReason; null where it counts none
+  std::array<Counter*, 2> routed_prompt_blocks_{};         // prefill, decode
+  std::array<Counter*, 2> routed_prompt_blocks_cached_{};  // prefill, decode
   Family<Counter>* http_requests_;
   Family<Histogram>* http_durations_;
 };

@@ -103,6 +103,7 @@ TEST(VllmMetricsTest, EachRoleExportsWhatItOwns) {
                                    "duet:request_params_max_tokens", "duet:request_params_n",
                                    "duet:request_prompt_tokens", "duet:request_queue_time_seconds",
                                    "duet:request_success_total", "duet:request_time_per_output_token_seconds",
+                                   "duet:routed_prompt_blocks_cached_total", "duet:routed_prompt_blocks_total",
                                    "duet:time_per_output_token_seconds", "duet:time_to_first_token_seconds",
                                    "http_request_duration_seconds", "http_requests_total"}));
   const std::set<std::string> engine = {"duet:cache_config_info", "duet:iteration_tokens_total",
@@ -199,6 +200,23 @@ TEST(VllmMetricsTest, RouterRecordsParams) {
   EXPECT_EQ(n.cumulative[2], 2u);  // le=5
   EXPECT_EQ(m.request_params_max_tokens.Collect().sum, 107);
   EXPECT_THAT(registry.Render(), HasSubstr("duet:request_params_n_bucket{model_name=\"tiny\",role=\"router\",le=\"2.0\"} 1\n"));
+}
+
+TEST(VllmMetricsTest, RoutedPromptBlocksByWorkerRole) {
+  Registry registry;
+  RouterMetrics m(registry, "tiny");
+  m.routed_prompt_blocks(/*decode=*/false).Inc(10);
+  m.routed_prompt_blocks_cached(/*decode=*/false).Inc(7);
+  m.routed_prompt_blocks(/*decode=*/true).Inc(4);
+  const std::string text = registry.Render();
+  EXPECT_THAT(text, HasSubstr("duet:routed_prompt_blocks_total{model_name=\"tiny\",role=\"router\","
+                              "worker_role=\"prefill\"} 10\n"));
+  EXPECT_THAT(text, HasSubstr("duet:routed_prompt_blocks_cached_total{model_name=\"tiny\",role=\"router\","
+                              "worker_role=\"prefill\"} 7\n"));
+  EXPECT_THAT(text, HasSubstr("duet:routed_prompt_blocks_total{model_name=\"tiny\",role=\"router\","
+                              "worker_role=\"decode\"} 4\n"));
+  EXPECT_THAT(text, HasSubstr("duet:routed_prompt_blocks_cached_total{model_name=\"tiny\",role=\"router\","
+                              "worker_role=\"decode\"} 0\n"));
 }
 
 TEST(VllmMetricsTest, HttpRequestsByHandlerMethodAndStatus) {

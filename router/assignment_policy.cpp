@@ -9,65 +9,46 @@ bool RequestInfo::IsExcluded(const Worker* worker) const {
   return std::find(excluded.begin(), excluded.end(), worker) != excluded.end();
 }
 
-namespace {
-
-// Picks the worker with the smallest key, scanning from a rotating start so ties rotate.
-template <typename KeyFn>
-Worker* PickMin(const std::vector<Worker*>& workers, const RequestInfo& request,
-                std::atomic<uint64_t>* rotation, KeyFn key) {
-  const size_t n = workers.size();
-  if (n == 0) return nullptr;
-  const size_t start = rotation->fetch_add(1, std::memory_order_relaxed) % n;
-  Worker* best = nullptr;
-  decltype(key(nullptr)) best_key{};
-  for (size_t i = 0; i < n; ++i) {
-    Worker* worker = workers[(start + i) % n];
-    if (!worker->up() || request.IsExcluded(worker)) continue;
-    auto k = key(worker);
-    if (best == nullptr || k < best_key) {
-      best = worker;
-      best_key = k;
-    }
-  }
-  return best;
-}
-
-}  // namespace
-
-Worker* LeastLoadedPolicy::PickPrefill(const RequestInfo& request) {
-  // Long prompts (at least the shortest --sp-min-tokens of the sequence-parallel workers that are
-  // up) go to sequence-parallel workers first, the others to the rest, so long prompts get the
-  // ranks and short ones do not queue behind them; then fewest in flight.
+PrefillPreference::PrefillPreference(const WorkerRegistry& registry, const RequestInfo& request) {
   int64_t sp_threshold = -1;
-  for (const auto& w : registry_->prefill_workers()) {
+  for (const Worker* w : registry.prefill_workers()) {
     std::optional<v1::WorkerStats> stats = w->stats();
     if (!w->up() || !stats.has_value() || stats->sp_ranks() <= 1) continue;
     if (sp_threshold < 0 || stats->sp_min_tokens() < sp_threshold) sp_threshold = stats->sp_min_tokens();
   }
-  const bool long_prompt = sp_threshold >= 0 && int64_t(request.prompt_token_ids.size()) >= sp_threshold;
-  return PickMin(registry_->prefill_workers(), request, &prefill_rotation_, [long_prompt](const Worker* w) {
-    if (w == nullptr) return std::pair<int, int>{0, 0};
-    std::optional<v1::WorkerStats> stats = w->stats();
-    const bool sequence_parallel = stats.has_value() && stats->sp_ranks() > 1;
-    return std::pair<int, int>{sequence_parallel == long_prompt ? 0 : 1, w->in_flight()};
+  long_prompt_ = sp_threshold >= 0 && int64_t(request.prompt_token_ids.size()) >= sp_threshold;
+}
+
+int PrefillPreference::operator()(const Worker& worker) const {
+  std::optional<v1::WorkerStats> stats = worker.stats();
+  const bool sequence_parallel = stats.has_value() && stats->sp_ranks() > 1;
+  return sequence_parallel == long_prompt_ ? 0 : 1;
+}
+
+int DecodeRoomPreference(const Worker& worker, int64_t prompt_len, int64_t* free_blocks) {
+  *free_blocks = 0;
+  std::optional<v1::WorkerStats> stats = worker.stats();
+  if (!stats.has_value()) return 0;
+  *free_blocks = stats->num_free_kv_blocks();
+  if (stats->block_size() <= 0) return 0;
+  const int64_t needed = (prompt_len + stats->block_size() - 1) / stats->block_size();
+  return *free_blocks >= needed ? 0 : 1;
+}
+
+Worker* LeastLoadedPolicy::PickPrefill(const RequestInfo& request) {
+  const PrefillPreference preference(*registry_, request);
+  return PickMinKey(registry_->prefill_workers(), request, &prefill_rotation_, [&preference](const Worker& w) {
+    return std::pair<int, int>{preference(w), w.in_flight()};
   });
 }
 
 Worker* LeastLoadedPolicy::PickDecode(const RequestInfo& request) {
   const int64_t prompt_len = static_cast<int64_t>(request.prompt_token_ids.size());
-  return PickMin(registry_->decode_workers(), request, &decode_rotation_, [prompt_len](const Worker* w) {
-    // (cannot fit the prompt, in flight, -free blocks); unknown stats count as fitting, 0 free.
-    if (w == nullptr) return std::tuple<int, int, int64_t>{0, 0, 0};
+  return PickMinKey(registry_->decode_workers(), request, &decode_rotation_, [prompt_len](const Worker& w) {
+    // (cannot fit the prompt, in flight, -free blocks)
     int64_t free_blocks = 0;
-    bool fits = true;
-    if (std::optional<v1::WorkerStats> stats = w->stats()) {
-      free_blocks = stats->num_free_kv_blocks();
-      if (stats->block_size() > 0) {
-        const int64_t needed = (prompt_len + stats->block_size() - 1) / stats->block_size();
-        fits = free_blocks >= needed;
-      }
-    }
-    return std::tuple<int, int, int64_t>{fits ? 0 : 1, w->in_flight(), -free_blocks};
+    const int room = DecodeRoomPreference(w, prompt_len, &free_blocks);
+    return std::tuple<int, int, int64_t>{room, w.in_flight(), -free_blocks};
   });
 }
 

@@ -8,15 +8,18 @@
 #include <vector>
 
 #include "absl/types/span.h"
+#include "router/prefix_index.h"
 #include "router/worker_registry.h"
 
 namespace duet::router {
 
-// What a policy may look at to place a request. Prompt token ids are there for a
-// prefix-cache-aware policy.
+// What a policy may look at to place a request.
 struct RequestInfo {
   std::string_view request_id;
   absl::Span<const int32_t> prompt_token_ids;
+  // The prompt's block hashes (its cache salt folded in), for a prefix-aware policy;
+  // null: none (the policy then sees no cached prefix).
+  BlockHashChain* block_hashes = nullptr;
   int32_t max_tokens = 0;
   // Workers already tried for this request (failed or full); a policy never returns them.
   std::vector<const Worker*> excluded;
@@ -49,5 +52,44 @@ class LeastLoadedPolicy : public AssignmentPolicy {
 };
 
 std::unique_ptr<AssignmentPolicy> MakeLeastLoadedPolicy(const WorkerRegistry* registry);
+
+// The rules every policy keeps, as the first key of its choice (0 preferred, 1 not).
+//
+// Prefill: a prompt of at least the shortest --sp-min-tokens of the sequence-parallel workers up
+// is long and prefers them; a shorter one prefers the others (so long prompts get the ranks and
+// short ones do not queue behind them).
+class PrefillPreference {
+ public:
+  PrefillPreference(const WorkerRegistry& registry, const RequestInfo& request);
+  int operator()(const Worker& worker) const;
+
+ private:
+  bool long_prompt_ = false;
+};
+// Decode: 1 when the worker's last reported free KV blocks cannot hold the prompt (unknown stats
+// count as room); *free_blocks gets them (0 when unknown).
+int DecodeRoomPreference(const Worker& worker, int64_t prompt_len, int64_t* free_blocks);
+
+// The up, not excluded worker of `workers` with the smallest key(worker), scanning from a
+// rotating start so that ties rotate; nullptr when there is none.
+template <typename KeyFn>
+Worker* PickMinKey(const std::vector<Worker*>& workers, const RequestInfo& request, std::atomic<uint64_t>* rotation,
+                   KeyFn key) {
+  const size_t n = workers.size();
+  if (n == 0) return nullptr;
+  const size_t start = rotation->fetch_add(1, std::memory_order_relaxed) % n;
+  Worker* best = nullptr;
+  decltype(key(*workers[0])) best_key{};
+  for (size_t i = 0; i < n; ++i) {
+    Worker* worker = workers[(start + i) % n];
+    if (!worker->up() || request.IsExcluded(worker)) continue;
+    auto k = key(*worker);
+    if (best == nullptr || k < best_key) {
+      best = worker;
+      best_key = k;
+    }
+  }
+  return best;
+}
 
 }  // namespace duet::router

@@ -49,6 +49,9 @@ grpc::Status FakePrefillWorker::Abort(grpc::ServerContext*, const v1::WorkerAbor
 grpc::Status FakePrefillWorker::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
                                          v1::WorkerStats* response) {
   response->set_role("prefill");
+  response->set_num_kv_blocks(100);
+  response->set_num_free_kv_blocks(100);
+  response->set_block_size(16);
   return grpc::Status::OK;
 }
 

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
@@ -18,6 +19,8 @@
 #include "router/assignment_policy.h"
 #include "router/http_frontend.h"
 #include "router/openai_api_key.h"
+#include "router/prefix_aware_policy.h"
+#include "router/prefix_index.h"
 #include "router/request_limits.h"
 #include "router/router_service.h"
 #include "router/worker_registry.h"
@@ -90,6 +93,17 @@ class RouterImpl : public Router {
     service_options.kv_lease_ms = options.kv_lease_ms;
     service_options.max_prefill_tokens_per_worker = options.max_prefill_tokens_per_worker;
     service_options.metrics_registry = &metrics_registry_;
+    if (options.routing_policy != "prefix-aware" && options.routing_policy != "least-loaded") {
+      return absl::InvalidArgumentError(absl::StrCat("routing_policy must be prefix-aware or least-loaded, not \"",
+                                                     options.routing_policy, "\""));
+    }
+    if (!(options.prefix_affinity >= 0) || std::isinf(options.prefix_affinity)) {
+      return absl::InvalidArgumentError("prefix_affinity must be a finite number >= 0");
+    }
+    // Both policies feed the index (so the predicted hit rate can be compared); only
+    // prefix-aware reads it.
+    prefix_index_ = std::make_unique<PrefixIndex>();
+    service_options.prefix_index = prefix_index_.get();
 
     if ((options.prefill_addresses.empty() && options.prefill_services.empty()) ||
         (options.decode_addresses.empty() && options.decode_services.empty())) {
@@ -102,7 +116,10 @@ class RouterImpl : public Router {
     RegistryOptions registry_options;
     registry_options.internal_token = options.internal_token;
     registry_options.discovery_interval = absl::Milliseconds(options.discovery_interval_ms);
-    registry_options.on_state_change = [this] { UpdateHealth(); };
+    registry_options.on_state_change = [this] {
+      UpdateHealth();
+      ForgetWorkersNotUp();
+    };
     registry_ = std::make_unique<WorkerRegistry>(options.prefill_addresses, options.decode_addresses, registry_options);
     for (const auto& [role, specs] : {std::pair{WorkerRole::kPrefill, &options.prefill_services},
                                       std::pair{WorkerRole::kDecode, &options.decode_services}}) {
@@ -113,7 +130,12 @@ class RouterImpl : public Router {
       }
     }
     registry_->Start();
-    policy_ = MakeLeastLoadedPolicy(registry_.get());
+    if (options.routing_policy == "least-loaded") {
+      policy_ = MakeLeastLoadedPolicy(registry_.get());
+    } else {
+      policy_ = std::make_unique<PrefixAwarePolicy>(registry_.get(), prefix_index_.get(),
+                                                    PrefixAwareOptions{.prefix_affinity = options.prefix_affinity});
+    }
     service_ = std::make_unique<RouterService>(service_options, tokenizer_.get(), registry_.get(), policy_.get());
     v1::Duet::CallbackService* public_service = service_.get();
     if (!options.api_key.empty()) {  // --api-key: the Duet service needs "authorization: Bearer <key>"
@@ -217,6 +239,17 @@ class RouterImpl : public Router {
     return !draining_.load(std::memory_order_acquire) && registry_->NumUp(WorkerRole::kPrefill) > 0 &&
            registry_->NumUp(WorkerRole::kDecode) > 0;
   }
+  // A worker that went down (or left discovery) may come back with an empty cache: the prefix
+  // index forgets it. Runs on registry threads; the registry exists by then.
+  void ForgetWorkersNotUp() {
+    std::vector<Worker*> up;
+    for (WorkerRole role : {WorkerRole::kPrefill, WorkerRole::kDecode}) {
+      for (Worker* worker : registry_->workers(role)) {
+        if (worker->up()) up.push_back(worker);
+      }
+    }
+    prefix_index_->RetainOnly(up);
+  }
   // grpc.health.v1 for the whole server ("") and for duet.v1.Duet.
   void UpdateHealth() {
     absl::MutexLock lock(&health_mu_);
@@ -228,6 +261,7 @@ class RouterImpl : public Router {
 
   metrics::Registry metrics_registry_;  // first: outlives everything that updates it
   std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<PrefixIndex> prefix_index_;  // before the registry, whose threads use it
   std::unique_ptr<WorkerRegistry> registry_;
   std::unique_ptr<AssignmentPolicy> policy_;
   std::unique_ptr<RouterService> service_;

@@ -28,6 +28,9 @@ struct RouterOptions {
   int64_t max_model_len = 0;      // 0: the model's max_position_embeddings
   int kv_lease_ms = 30000;        // how long a decode worker holds a KV reservation for Decode
   int64_t max_prefill_tokens_per_worker = 8192;  // see RouterServiceOptions
+  // "prefix-aware" (router/prefix_aware_policy.h) or "least-loaded" (router/assignment_policy.h).
+  std::string routing_policy = "prefix-aware";
+  double prefix_affinity = 4.0;  // prefix-aware: requests in flight a whole cached prompt is worth
   // Prometheus /metrics on its own port (same host): -1 off, 0 a free port. When on, RunRouter
   // prints `DUET_METRICS_READY port=<port>` before DUET_READY.
   int metrics_port = -1;

@@ -280,6 +280,10 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   void Release();
   // A request that ends with stop, length or abort: its outcome, lengths and latencies.
   void RecordFinished(FinishReason reason);
+  // The prompt placed on `worker`: counted, and learnt by the prefix index.
+  void RecordPlacement(Worker* worker);
+  // The decode stream finished: the decode worker now holds the prompt and the output's KV.
+  void RecordDecoded();
 
   Live live_;
   RouterService* const service_;
@@ -295,7 +299,8 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   bool registered_ = false;  // in service_->active_
   bool in_gate_ = false;     // holds a place in service_->prefill_gate_
 
-  // Placement. `info_` points into `prepared_`.
+  // Placement. `info_` points into `prepared_` and `block_hashes_`.
+  std::optional<BlockHashChain> block_hashes_;  // of the prompt
   RequestInfo info_;
   std::vector<const Worker*> excluded_prefill_;
   int attempt_ = 0;
@@ -318,6 +323,7 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   bool finished_ = false;
   bool client_write_failed_ = false;
   int completion_tokens_ = 0;
+  std::vector<int32_t> output_token_ids_;  // for the prefix index only
   std::string finish_reason_;
   double queue_seconds_ = 0;  // arrival until the prefill gate let it through
   std::chrono::steady_clock::time_point first_token_at_{}, last_token_at_{};
@@ -545,6 +551,10 @@ void RouterService::GenerateCall::Start(const v1::GenerateRequest& request) {
   }
   info_.request_id = prepared_.request_id;
   info_.prompt_token_ids = prepared_.prompt_token_ids;
+  // The seed the engines use (one router, like one engine, serves one model), so the router's
+  // hashes name the blocks the workers cache.
+  block_hashes_.emplace(PrefixSeed("", prepared_.params.cache_salt), prepared_.prompt_token_ids);
+  info_.block_hashes = &*block_hashes_;
   info_.max_tokens = prepared_.params.max_tokens;
   // Interrupted while waiting in the queue or at the gate (no call to cancel): leave and end here.
   active_->SetOnInterrupt([weak = weak_from_this(), admission = service_->admission_.get(),
@@ -668,6 +678,7 @@ void RouterService::GenerateCall::OnReserved(const grpc::Status& status, const v
   if (status.ok()) {
     if (reply != nullptr && reply->target().transfer_id() == transfer_id_) {
       target_ = reply->target();
+      RecordPlacement(decode_);
       return StartPrefill();
     }
     AbortOnWorker(decode_);  // whatever it reserved
@@ -744,6 +755,7 @@ void RouterService::GenerateCall::StartPrefill() {
   }
   prefill_ = prefill;
   prefill_in_flight_ = InFlightGuard(prefill);
+  RecordPlacement(prefill);
   v1::PrefillRequest request;
   request.set_request_id(prepared_.request_id);
   request.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
@@ -840,6 +852,9 @@ void RouterService::GenerateCall::OnDecodeMessage(grpc::ByteBuffer* bytes) {
     prompt_sent_ = true;
   }
   completion_tokens_ += out_.token_ids_size();
+  if (service_->options_.prefix_index != nullptr) {
+    output_token_ids_.insert(output_token_ids_.end(), out_.token_ids().begin(), out_.token_ids().end());
+  }
   if (out_.finished()) {
     finished_ = true;
     finish_reason_ = out_.finish_reason();
@@ -880,6 +895,7 @@ void RouterService::GenerateCall::OnDecodeDone(const grpc::Status& status) {
   }
   if (finished_ && !client_write_failed_) {
     if (std::optional<FinishReason> reason = StreamFinishReason(finish_reason_)) RecordFinished(*reason);
+    RecordDecoded();
     return End(grpc::Status::OK);
   }
   if (client_write_failed_) {
@@ -983,6 +999,31 @@ void RouterService::GenerateCall::RecordFinished(FinishReason reason) {
   finished.queue_seconds = stage_ == Stage::kPlaced ? queue_seconds_ : finished.e2e_seconds;
   finished.decode_seconds = Seconds(last_token_at_ - first_token_at_);
   service_->metrics_->RecordFinished(finished);
+}
+
+void RouterService::GenerateCall::RecordPlacement(Worker* worker) {
+  std::optional<v1::WorkerStats> stats = worker->stats();
+  if (!stats.has_value() || stats->block_size() <= 0) return;  // not polled yet: no block size
+  const absl::Span<const BlockHash> chain = block_hashes_->ForBlockSize(stats->block_size());
+  const bool decode = worker->role() == WorkerRole::kDecode;
+  int64_t cached = 0;
+  if (service_->options_.prefix_index != nullptr) {
+    cached = service_->options_.prefix_index->Insert(worker, chain, stats->num_kv_blocks());
+  }
+  service_->metrics_->routed_prompt_blocks(decode).Inc(double(chain.size()));
+  service_->metrics_->routed_prompt_blocks_cached(decode).Inc(double(cached));
+}
+
+void RouterService::GenerateCall::RecordDecoded() {
+  PrefixIndex* index = service_->options_.prefix_index;
+  if (index == nullptr || output_token_ids_.empty()) return;
+  std::optional<v1::WorkerStats> stats = decode_->stats();
+  if (!stats.has_value() || stats->block_size() <= 0) return;
+  // The decode worker's cache holds the prompt and every output token but the last (whose K/V a
+  // next step would have written).
+  std::vector<int32_t> tokens = prepared_.prompt_token_ids;
+  tokens.insert(tokens.end(), output_token_ids_.begin(), output_token_ids_.end() - 1);
+  index->Insert(decode_, FullBlockHashes(block_hashes_->seed(), tokens, stats->block_size()), stats->num_kv_blocks());
 }
 
 RouterService::RouterService(RouterServiceOptions options, const Tokenizer* tokenizer, WorkerRegistry* registry,

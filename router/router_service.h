@@ -60,6 +60,11 @@ struct RouterServiceOptions {
   int64_t max_prefill_tokens_per_worker = 8192;
   // Where the router's metrics (role "router") are registered; null: a registry of its own.
   metrics::Registry* metrics_registry = nullptr;
+  // Learns what each placement leaves in the workers' KV caches (router/prefix_index.h): the
+  // prompt on the prefill worker when it is placed there, the prompt on the decode worker when it
+  // reserves the KV, and the prompt and output there when the stream finishes. Null: none (and
+  // duet:routed_prompt_blocks_cached_total stays 0).
+  PrefixIndex* prefix_index = nullptr;
 };
 
 class RouterService final : public v1::Duet::CallbackService {

@@ -14,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "model/model_config.h"
 #include "router/fake_workers.h"
+#include "router/prefix_aware_policy.h"
 #include "router/router.h"
 #include "metrics/test_http_client.h"
 #include "rpc/rpc_util.h"
@@ -106,7 +107,12 @@ class RouterServiceTest : public ::testing::Test {
         return false;
       }, 10000));
     }
-    policy_ = MakeLeastLoadedPolicy(registry_.get());
+    if (prefix_aware_) {
+      policy_ = std::make_unique<PrefixAwarePolicy>(registry_.get(), &prefix_index_);
+    } else {
+      policy_ = MakeLeastLoadedPolicy(registry_.get());
+    }
+    options.prefix_index = &prefix_index_;
     options.model_name = "tiny";
     options.vocab_size = 8192;
     if (options.max_model_len == 0) options.max_model_len = 4096;
@@ -154,6 +160,8 @@ class RouterServiceTest : public ::testing::Test {
   std::vector<std::unique_ptr<FakeServer>> decode_servers_;
   std::unique_ptr<MalformedDecodeWorker> malformed_decode_;
   std::unique_ptr<WorkerRegistry> registry_;
+  bool prefix_aware_ = false;  // PrefixAwarePolicy instead of LeastLoadedPolicy
+  PrefixIndex prefix_index_;
   std::unique_ptr<AssignmentPolicy> policy_;
   std::unique_ptr<RouterService> service_;
   std::unique_ptr<grpc::Server> server_;
@@ -181,6 +189,65 @@ TEST_F(RouterServiceTest, RelaysTokensInOrder) {
   EXPECT_EQ(registry_->prefill_workers()[0]->in_flight(), 0);
   EXPECT_EQ(registry_->decode_workers()[0]->in_flight(), 0);
   EXPECT_EQ(service_->num_in_flight(), 0);
+}
+
+std::vector<int32_t> Iota(int32_t first, int count) {
+  std::vector<int32_t> ids(static_cast<size_t>(count));
+  for (int i = 0; i < count; ++i) ids[size_t(i)] = first + i;
+  return ids;
+}
+
+// What the router learns from its placements: the prompt on both workers, and the prompt with the
+// output on the decode worker once the stream has finished; the next chat turn, which extends
+// them, is predicted cached that far. (The fake workers report 16-token blocks.)
+TEST_F(RouterServiceTest, PlacementsFeedThePrefixIndexAndItsCounters) {
+  Start(1, 1);
+  const Worker* prefill = registry_->prefill_workers()[0];
+  const Worker* decode = registry_->decode_workers()[0];
+  const std::vector<int32_t> turn1 = Iota(1, 40);  // 2 full blocks
+  Result first = Generate(TokenRequest(turn1, 30));  // output 1000..1029
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_EQ(prefix_index_.NumBlocks(prefill), 2);
+  EXPECT_EQ(prefix_index_.NumBlocks(decode), 4);  // 40 + 29 tokens with K/V: 4 full blocks
+  metrics::RouterMetrics& m = service_->metrics();
+  EXPECT_EQ(m.routed_prompt_blocks(false).Value(), 2);
+  EXPECT_EQ(m.routed_prompt_blocks_cached(false).Value(), 0);
+  EXPECT_EQ(m.routed_prompt_blocks(true).Value(), 2);
+  EXPECT_EQ(m.routed_prompt_blocks_cached(true).Value(), 0);
+
+  // The next turn: the first turn, its answer, a new message (100 tokens, 6 blocks).
+  std::vector<int32_t> turn2 = turn1;
+  const std::vector<int32_t> answer = first.tokens();
+  turn2.insert(turn2.end(), answer.begin(), answer.end());
+  const std::vector<int32_t> message = Iota(3000, 30);
+  turn2.insert(turn2.end(), message.begin(), message.end());
+  Result second = Generate(TokenRequest(turn2, 2));
+  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+  EXPECT_EQ(m.routed_prompt_blocks(false).Value(), 2 + 6);
+  EXPECT_EQ(m.routed_prompt_blocks_cached(false).Value(), 2);  // the prefill worker saw only turn 1's prompt
+  EXPECT_EQ(m.routed_prompt_blocks(true).Value(), 2 + 6);
+  EXPECT_EQ(m.routed_prompt_blocks_cached(true).Value(), 4);  // the decode worker also holds the answer
+  // A salted request shares nothing with unsalted ones.
+  v1::GenerateRequest salted = TokenRequest(turn1, 1);
+  salted.mutable_sampling()->set_cache_salt("tenant-b");
+  ASSERT_TRUE(Generate(salted).status.ok());
+  EXPECT_EQ(m.routed_prompt_blocks(false).Value(), 2 + 6 + 2);
+  EXPECT_EQ(m.routed_prompt_blocks_cached(false).Value(), 2);
+}
+
+// Requests that share a prefix follow it to the worker that has it, where least-loaded
+// assignment would alternate between idle workers.
+TEST_F(RouterServiceTest, PrefixAwarePolicySendsASharedPrefixToOneWorker) {
+  prefix_aware_ = true;
+  Start(2, 1);
+  const std::vector<int32_t> system = Iota(1, 64);
+  for (int i = 0; i < 6; ++i) {
+    std::vector<int32_t> prompt = system;
+    prompt.push_back(5000 + i);
+    ASSERT_TRUE(Generate(TokenRequest(prompt, 1)).status.ok());
+  }
+  EXPECT_EQ(std::max(prefill_[0]->num_prefills.load(), prefill_[1]->num_prefills.load()), 6);
+  EXPECT_EQ(service_->metrics().routed_prompt_blocks_cached(false).Value(), 5 * 4);
 }
 
 TEST_F(RouterServiceTest, TextPromptIsTokenizedWithSpecialTokens) {
@@ -251,7 +318,7 @@ TEST_F(RouterServiceTest, BeyondCapacityRequestsQueueInArrivalOrder) {
   options.max_queued_requests = 3;
   Start(1, 1, options);
   decode_[0]->token_delay_ms = 20;
-  const metrics::RouterMetrics& m = service_->metrics();
+  metrics::RouterMetrics& m = service_->metrics();
   absl::Mutex mu;
   std::vector<int> finished;  // prompts, in the order their requests ended
   std::vector<Result> results(4);
@@ -328,7 +395,7 @@ TEST_F(RouterServiceTest, QueuedRequestsCanBeCancelledAndAborted) {
   options.max_concurrent_requests = 1;
   Start(1, 1, options);
   decode_[0]->token_delay_ms = 20;
-  const metrics::RouterMetrics& m = service_->metrics();
+  metrics::RouterMetrics& m = service_->metrics();
   Result first, aborted, last;
   std::thread a([&] { first = Generate(TokenRequest({1}, 30, "q1")); });
   ASSERT_TRUE(WaitFor([&] { return service_->num_in_flight() == 1; }));
@@ -368,7 +435,7 @@ TEST_F(RouterServiceTest, QueuedRequestsCanBeCancelledAndAborted) {
 TEST_F(RouterServiceTest, MetricsFollowARequest) {
   Start(1, 1);
   decode_[0]->token_delay_ms = 5;
-  const metrics::RouterMetrics& m = service_->metrics();
+  metrics::RouterMetrics& m = service_->metrics();
   const auto start = std::chrono::steady_clock::now();
   Result result = Generate(TokenRequest({1, 2, 3}, 10));
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -582,7 +649,7 @@ TEST_F(RouterServiceTest, NumRequestsWaitingCountsOnlyRequestsWaitingInTheRouter
   Start(1, 1);
   prefill_[0]->prefill_delay_ms = 300;
   decode_[0]->token_delay_ms = 30;
-  const metrics::RouterMetrics& m = service_->metrics();
+  metrics::RouterMetrics& m = service_->metrics();
   Result first, second;
   std::thread a([&] { first = Generate(TokenRequest({1}, 20)); });
   std::thread b([&] { second = Generate(TokenRequest({2}, 20)); });
@@ -609,7 +676,7 @@ TEST_F(RouterServiceTest, PrefillGateHoldsRequestsInTheRouterUntilAPrefillEnds) 
   options.max_prefill_tokens_per_worker = 1;
   Start(1, 1, options);
   prefill_[0]->prefill_delay_ms = 1000;
-  const metrics::RouterMetrics& m = service_->metrics();
+  metrics::RouterMetrics& m = service_->metrics();
   Result first, second;
   std::thread a([&] { first = Generate(TokenRequest({1}, 3, "g1")); });
   ASSERT_TRUE(WaitFor([&] { return prefill_[0]->num_prefills == 1; }));

@@ -1,8 +1,10 @@
 #include "bench/serving/arrival.h"
 
 #include <chrono>
+#include <algorithm>
 #include <cmath>
 #include <condition_variable>
+#include <deque>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -50,6 +52,49 @@ void Dispatch(const std::vector<double>& schedule, int max_concurrency, const Se
   }
   std::unique_lock lock(mu);
   changed.wait(lock, [&] { return finished == schedule.size(); });
+}
+
+void DispatchSessions(const std::vector<double>& session_starts, int turns, int max_concurrency,
+                      const SessionSendFn& send) {
+  struct Turn {
+    int session, turn;
+  };
+  std::mutex mu;
+  std::condition_variable changed;
+  std::deque<Turn> ready;  // guarded by mu
+  int in_flight = 0;
+  size_t finished = 0;
+  const size_t total = session_starts.size() * size_t(std::max(turns, 0));
+  size_t started_sessions = 0;
+  const auto start = std::chrono::steady_clock::now();
+  auto start_of = [&](size_t session) { return start + std::chrono::duration<double>(session_starts[session]); };
+  std::unique_lock lock(mu);
+  while (finished < total) {
+    while (started_sessions < session_starts.size() && start_of(started_sessions) <= std::chrono::steady_clock::now()) {
+      ready.push_back({int(started_sessions++), 0});
+    }
+    if (!ready.empty() && (max_concurrency <= 0 || in_flight < max_concurrency)) {
+      const Turn next = ready.front();
+      ready.pop_front();
+      ++in_flight;
+      lock.unlock();  // `done` may run inside `send`
+      send(next.session, next.turn, [&, next] {
+        std::lock_guard done_lock(mu);
+        --in_flight;
+        ++finished;
+        if (next.turn + 1 < turns) ready.push_back({next.session, next.turn + 1});
+        changed.notify_all();
+      });
+      lock.lock();
+      continue;
+    }
+    // Wait for a turn to end or the next session's start.
+    if (started_sessions < session_starts.size()) {
+      changed.wait_until(lock, start_of(started_sessions));
+    } else {
+      changed.wait(lock);
+    }
+  }
 }
 
 }  // namespace duet::bench

@@ -31,4 +31,12 @@ absl::StatusOr<std::vector<double>> ArrivalSchedule(int count, const ArrivalOpti
 using SendFn = std::function<void(int index, std::function<void()> done)>;
 void Dispatch(const std::vector<double>& schedule, int max_concurrency, const SendFn& send);
 
+// Sessions of `turns` requests each (multi-turn chats): session s's turn 0 is sent no earlier
+// than session_starts[s] seconds after the call (the starts ascending), each later turn as soon
+// as the session's previous turn is done; requests ready to go wait, in the order they became
+// ready, while `max_concurrency` are in flight (0: no cap). Returns once every turn is done.
+using SessionSendFn = std::function<void(int session, int turn, std::function<void()> done)>;
+void DispatchSessions(const std::vector<double>& session_starts, int turns, int max_concurrency,
+                      const SessionSendFn& send);
+
 }  // namespace duet::bench

@@ -1,10 +1,12 @@
 #include "bench/serving/arrival.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -129,6 +131,74 @@ TEST(Dispatch, SendsNoEarlierThanTheSchedule) {
   const std::vector<double> sent = sender.send_times();
   ASSERT_EQ(sent.size(), schedule.size());
   for (size_t i = 0; i < schedule.size(); ++i) EXPECT_GE(sent[i], schedule[i]) << i;
+}
+
+// Records each (session, turn) sent and checks that a session's turns never overlap and come in
+// order; requests end on threads of their own after `work`, or inside Send when `work` is 0.
+class FakeSessions {
+ public:
+  FakeSessions(int sessions, std::chrono::milliseconds work)
+      : work_(work), next_turn_(size_t(sessions), 0), busy_(size_t(sessions), false),
+        start_(std::chrono::steady_clock::now()) {}
+  ~FakeSessions() {
+    for (std::thread& t : threads_) t.join();
+  }
+  void Send(int session, int turn, std::function<void()> done) {
+    {
+      std::lock_guard lock(mu_);
+      if (busy_[size_t(session)] || next_turn_[size_t(session)] != turn) ++violations_;
+      busy_[size_t(session)] = true;
+      first_send_.resize(std::max(first_send_.size(), size_t(session) + 1), -1);
+      if (turn == 0) first_send_[size_t(session)] = Now();
+      max_in_flight_ = std::max(max_in_flight_, ++in_flight_);
+    }
+    auto finish = [this, session, done = std::move(done)] {
+      {
+        std::lock_guard lock(mu_);
+        busy_[size_t(session)] = false;
+        ++next_turn_[size_t(session)];
+        --in_flight_;
+      }
+      done();
+    };
+    if (work_.count() == 0) return finish();
+    std::lock_guard lock(mu_);
+    threads_.emplace_back([this, finish = std::move(finish)] {
+      std::this_thread::sleep_for(work_);
+      finish();
+    });
+  }
+  double Now() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+
+  std::chrono::milliseconds work_;
+  std::mutex mu_;
+  std::vector<int> next_turn_;
+  std::vector<bool> busy_;
+  std::vector<double> first_send_;
+  int in_flight_ = 0, max_in_flight_ = 0, violations_ = 0;
+  std::chrono::steady_clock::time_point start_;
+  std::vector<std::thread> threads_;
+};
+
+TEST(DispatchSessions, EachSessionRunsItsTurnsInOrderOneAtATime) {
+  for (int work_ms : {0, 5}) {
+    FakeSessions fake(5, std::chrono::milliseconds(work_ms));
+    DispatchSessions(std::vector<double>(5, 0.0), 4, 0,
+                     [&](int s, int t, std::function<void()> done) { fake.Send(s, t, std::move(done)); });
+    EXPECT_EQ(fake.violations_, 0) << work_ms;
+    EXPECT_EQ(fake.next_turn_, std::vector<int>(5, 4)) << work_ms;  // every turn of every session, once
+    EXPECT_LE(fake.max_in_flight_, 5) << work_ms;                  // at most one turn per session
+  }
+}
+
+TEST(DispatchSessions, KeepsTheCapAndTheSessionStarts) {
+  const std::vector<double> starts = {0, 0, 0.02, 0.04};
+  FakeSessions fake(4, std::chrono::milliseconds(2));
+  DispatchSessions(starts, 3, 2, [&](int s, int t, std::function<void()> done) { fake.Send(s, t, std::move(done)); });
+  EXPECT_EQ(fake.violations_, 0);
+  EXPECT_EQ(fake.next_turn_, std::vector<int>(4, 3));
+  EXPECT_LE(fake.max_in_flight_, 2);
+  for (size_t s = 0; s < starts.size(); ++s) EXPECT_GE(fake.first_send_[s], starts[s]) << s;
 }
 
 }  // namespace

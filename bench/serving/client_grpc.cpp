@@ -41,6 +41,7 @@ class GenerateCall final : public grpc::ClientReadReactor<v1::GenerateResponse> 
       result_.chunk_times.push_back(now);
       result_.output_tokens += response_.token_ids_size();
     }
+    result_.output_text += response_.text();
     if (response_.prompt_token_ids_size() > 0) result_.prompt_tokens = response_.prompt_token_ids_size();
     if (response_.finished()) {
       finished_ = true;

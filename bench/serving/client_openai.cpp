@@ -116,6 +116,7 @@ absl::Status CompletionStream::OnEvent(std::string_view data, double now) {
   }
   if (text != nullptr && text->is_string() && !text->get_ref<const std::string&>().empty()) {
     result_.chunk_times.push_back(now);
+    result_.output_text += text->get_ref<const std::string&>();
   }
   return absl::OkStatus();
 }
@@ -139,7 +140,9 @@ std::string OpenAiClient::RequestBody(const OpenAiClientOptions& options, const 
   Json body = {{"model", options.model}, {"temperature", 0.0}, {"stream", true},
                {"stream_options", {{"include_usage", true}}}};
   if (options.chat) {
-    body["messages"] = Json::array({{{"role", "user"}, {"content", request.prompt}}});
+    body["messages"] = Json::array();
+    for (const ChatMessage& m : request.messages) body["messages"].push_back({{"role", m.role}, {"content", m.content}});
+    if (request.messages.empty()) body["messages"].push_back({{"role", "user"}, {"content", request.prompt}});
     body["max_completion_tokens"] = request.max_tokens;
   } else {
     body["prompt"] = request.prompt;

@@ -41,6 +41,7 @@ TEST(CompletionStream, CompletionsChunksUsageAndDone) {
   const RequestResult r = stream.Finish(0.3, absl::OkStatus());
   EXPECT_TRUE(r.success) << r.error;
   EXPECT_EQ(r.chunk_times, (std::vector<double>{0.1, 0.2}));
+  EXPECT_EQ(r.output_text, "def f(x)");
   EXPECT_EQ(r.prompt_tokens, 12);
   EXPECT_EQ(r.output_tokens, 5);
   EXPECT_DOUBLE_EQ(r.latency, 0.25);
@@ -56,6 +57,7 @@ TEST(CompletionStream, ChatDeltas) {
   const RequestResult r = stream.Finish(0.31, absl::OkStatus());
   EXPECT_TRUE(r.success) << r.error;
   EXPECT_EQ(r.chunk_times, std::vector<double>{0.2});
+  EXPECT_EQ(r.output_text, "Hello");
   EXPECT_EQ(r.output_tokens, 1);
 }
 
@@ -107,6 +109,11 @@ TEST(OpenAiClient, RequestBodies) {
   EXPECT_EQ(body["max_completion_tokens"], 9);
   EXPECT_FALSE(body.contains("prompt"));
   EXPECT_FALSE(body.contains("ignore_eos"));
+  // A multi-turn chat sends its conversation.
+  request.messages = {{"system", "be brief"}, {"user", "hi"}, {"assistant", "hello"}, {"user", "and?"}};
+  body = nlohmann::json::parse(OpenAiClient::RequestBody(options, request));
+  EXPECT_EQ(body["messages"], nlohmann::json::parse(R"([{"role":"system","content":"be brief"},
+      {"role":"user","content":"hi"},{"role":"assistant","content":"hello"},{"role":"user","content":"and?"}])"));
 }
 
 TEST(OpenAiClient, BadSettings) {

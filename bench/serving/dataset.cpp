@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/check.h"
 #include "nlohmann/json.hpp"
 
 namespace duet::bench {
@@ -265,14 +266,69 @@ absl::StatusOr<std::vector<BenchRequest>> Code(const DatasetOptions& o, std::mt1
 
 }  // namespace
 
+absl::StatusOr<std::vector<ChatSession>> LoadChatSessions(const DatasetOptions& o) {
+  if (o.kind != DatasetKind::kMultiTurn) return absl::InvalidArgumentError("LoadChatSessions is for multi-turn");
+  if (o.num_sessions < 1 || o.num_turns < 1) {
+    return absl::InvalidArgumentError("multi-turn needs --num-sessions >= 1 and --num-turns >= 1");
+  }
+  if (o.num_prefix_groups < 1 || o.prefix_len < 1 || o.input_len < 1 || o.output_len < 1) {
+    return absl::InvalidArgumentError(
+        "multi-turn needs --num-prefix-groups, --prefix-len, --input-len and --output-len >= 1");
+  }
+  if (!(o.range_ratio >= 0 && o.range_ratio < 1)) return absl::InvalidArgumentError("--range-ratio must be in [0, 1)");
+  if (o.tokenizer == nullptr) {
+    return absl::InvalidArgumentError("this dataset needs --tokenizer (a model directory with tokenizer.json)");
+  }
+  const std::vector<int32_t> vocabulary = OrdinaryTokenIds(*o.tokenizer);
+  if (vocabulary.empty()) return absl::InvalidArgumentError("the tokenizer has no ordinary tokens");
+  std::mt19937_64 rng(o.seed);
+  int unused = 0;
+  std::vector<std::string> system_prompts;
+  for (int g = 0; g < o.num_prefix_groups; ++g) {
+    system_prompts.push_back(RandomText(*o.tokenizer, vocabulary, o.prefix_len, rng, &unused));
+  }
+  std::vector<ChatSession> sessions(static_cast<size_t>(o.num_sessions));
+  for (int s = 0; s < o.num_sessions; ++s) {
+    ChatSession& session = sessions[size_t(s)];
+    session.system_prompt = system_prompts[size_t(s % o.num_prefix_groups)];
+    for (int t = 0; t < o.num_turns; ++t) {
+      session.user_messages.push_back(
+          RandomText(*o.tokenizer, vocabulary, SampleLength(o.input_len, o.range_ratio, rng), rng, &unused));
+      session.output_tokens.push_back(SampleLength(o.output_len, o.range_ratio, rng));
+    }
+  }
+  return sessions;
+}
+
+std::string ChatPrompt(const ChatSession& session, const std::vector<std::string>& answers) {
+  DUET_CHECK(answers.size() < session.user_messages.size());
+  std::string prompt = session.system_prompt;
+  for (size_t t = 0; t <= answers.size(); ++t) {
+    absl::StrAppend(&prompt, "\n\nUser: ", session.user_messages[t], "\n\nAssistant:");
+    if (t < answers.size()) prompt += answers[t];
+  }
+  return prompt;
+}
+
+std::vector<ChatMessage> ChatMessages(const ChatSession& session, const std::vector<std::string>& answers) {
+  DUET_CHECK(answers.size() < session.user_messages.size());
+  std::vector<ChatMessage> messages = {{"system", session.system_prompt}};
+  for (size_t t = 0; t <= answers.size(); ++t) {
+    messages.push_back({"user", session.user_messages[t]});
+    if (t < answers.size()) messages.push_back({"assistant", answers[t]});
+  }
+  return messages;
+}
+
 absl::StatusOr<DatasetKind> ParseDatasetKind(const std::string& name) {
   if (name == "random") return DatasetKind::kRandom;
   if (name == "jsonl") return DatasetKind::kJsonl;
   if (name == "sharegpt") return DatasetKind::kShareGpt;
   if (name == "shared-prefix") return DatasetKind::kSharedPrefix;
   if (name == "code") return DatasetKind::kCode;
+  if (name == "multi-turn") return DatasetKind::kMultiTurn;
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown dataset '", name, "' (random, jsonl, sharegpt, shared-prefix, code)"));
+      absl::StrCat("unknown dataset '", name, "' (random, jsonl, sharegpt, shared-prefix, code, multi-turn)"));
 }
 
 absl::StatusOr<std::vector<BenchRequest>> LoadDataset(const DatasetOptions& o) {
@@ -287,6 +343,8 @@ absl::StatusOr<std::vector<BenchRequest>> LoadDataset(const DatasetOptions& o) {
   std::mt19937_64 rng(o.seed);
   absl::StatusOr<std::vector<BenchRequest>> entries;
   switch (o.kind) {
+    case DatasetKind::kMultiTurn:
+      return absl::InvalidArgumentError("multi-turn prompts depend on the answers: use LoadChatSessions");
     case DatasetKind::kRandom: return Random(o, rng);
     case DatasetKind::kSharedPrefix: return SharedPrefix(o, rng);
     case DatasetKind::kCode: return Code(o, rng);

@@ -1,5 +1,6 @@
 #include "bench/serving/dataset.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -137,6 +138,76 @@ TEST_F(DatasetTest, SharedPrefixGroupsShareTheirSystemPrompt) {
   }
   ASSERT_EQ(by_prefix.size(), 3u);
   for (const auto& [prefix, count] : by_prefix) EXPECT_EQ(count, 4);
+}
+
+TEST_F(DatasetTest, MultiTurnSessionsShareSystemPromptsByGroup) {
+  DatasetOptions o = Options(DatasetKind::kMultiTurn);
+  o.num_sessions = 6;
+  o.num_turns = 3;
+  o.prefix_len = 48;
+  o.num_prefix_groups = 2;
+  auto sessions = LoadChatSessions(o);
+  ASSERT_TRUE(sessions.ok()) << sessions.status();
+  ASSERT_EQ(sessions->size(), 6u);
+  std::set<std::string> system_prompts, messages;
+  for (size_t s = 0; s < sessions->size(); ++s) {
+    const ChatSession& session = (*sessions)[s];
+    EXPECT_EQ(session.system_prompt, (*sessions)[s % 2].system_prompt) << s;
+    EXPECT_EQ(tokenizer_->Encode(session.system_prompt).size(), 48u);
+    system_prompts.insert(session.system_prompt);
+    ASSERT_EQ(session.user_messages.size(), 3u);
+    EXPECT_EQ(session.output_tokens, std::vector<int>(3, 8));
+    for (const std::string& m : session.user_messages) {
+      EXPECT_EQ(tokenizer_->Encode(m).size(), 24u);
+      messages.insert(m);
+    }
+  }
+  EXPECT_EQ(system_prompts.size(), 2u);
+  EXPECT_EQ(messages.size(), 18u);
+  auto again = LoadChatSessions(o);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->back().user_messages, sessions->back().user_messages);  // the seed decides
+  EXPECT_NE(Error(LoadDataset(o)).find("LoadChatSessions"), std::string::npos);
+  o.num_turns = 0;
+  EXPECT_FALSE(LoadChatSessions(o).ok());
+  o.num_turns = 2;
+  o.tokenizer = nullptr;
+  EXPECT_FALSE(LoadChatSessions(o).ok());
+}
+
+// Turn k's prompt is turn k-1's prompt, its answer and the next message, so a prefix cache (and
+// the router's prefix index) finds the earlier turn's tokens at its start.
+TEST_F(DatasetTest, AChatTurnExtendsThePreviousTurnAndItsAnswer) {
+  DatasetOptions o = Options(DatasetKind::kMultiTurn);
+  o.num_sessions = 1;
+  o.num_turns = 3;
+  o.prefix_len = 40;
+  auto sessions = LoadChatSessions(o);
+  ASSERT_TRUE(sessions.ok()) << sessions.status();
+  const ChatSession& session = sessions->front();
+  const std::vector<std::string> answers = {" return x + 1", "\n    pass"};
+  const std::string first = ChatPrompt(session, {});
+  const std::string second = ChatPrompt(session, {answers[0]});
+  const std::string third = ChatPrompt(session, answers);
+  EXPECT_EQ(first, session.system_prompt + "\n\nUser: " + session.user_messages[0] + "\n\nAssistant:");
+  EXPECT_EQ(second.rfind(first + answers[0], 0), 0u);
+  EXPECT_EQ(third.rfind(second + answers[1], 0), 0u);
+  EXPECT_NE(third.find(session.user_messages[2]), std::string::npos);
+  // In tokens too: all of the shorter prompt's tokens but the last start the longer one.
+  const std::vector<int32_t> a = tokenizer_->Encode(second), b = tokenizer_->Encode(third);
+  ASSERT_LT(a.size(), b.size());
+  EXPECT_TRUE(std::equal(a.begin(), a.end() - 1, b.begin()));
+
+  const std::vector<ChatMessage> chat = ChatMessages(session, {answers[0]});
+  ASSERT_EQ(chat.size(), 4u);
+  EXPECT_EQ(chat[0].role, "system");
+  EXPECT_EQ(chat[0].content, session.system_prompt);
+  EXPECT_EQ(chat[1].role, "user");
+  EXPECT_EQ(chat[1].content, session.user_messages[0]);
+  EXPECT_EQ(chat[2].role, "assistant");
+  EXPECT_EQ(chat[2].content, answers[0]);
+  EXPECT_EQ(chat[3].role, "user");
+  EXPECT_EQ(chat[3].content, session.user_messages[1]);
 }
 
 TEST_F(DatasetTest, JsonlReadsPromptsAndLengthsAndCycles) {

@@ -1,6 +1,6 @@
 // duet-bench: a serving benchmark client, after vLLM's benchmark_serving. Sends a workload to a
 // Duet router (gRPC) or any OpenAI-compatible HTTP server on an arrival schedule, and reports
-// throughput, TTFT, TPOT, ITL, E2EL and goodput.
+// throughput, TTFT, TPOT, ITL, E2EL and goodput (multi-turn chats: TTFT of first and later turns too).
 //
 //   duet-bench --backend duet-grpc --base-url 127.0.0.1:50051 --tokenizer models/tiny-code-llama
 //              --dataset random --input-len 128 --output-len 64 --num-prompts 100 --request-rate 4
@@ -45,6 +45,7 @@ struct Flags {
   std::string dataset_path, code_dir, tokenizer, api_key, result_json, save_requests;
   int input_len = 1024, output_len = 128, num_prompts = 1000, max_concurrency = 0;
   int prefix_len = 512, num_prefix_groups = 4;
+  int num_sessions = 16, num_turns = 4;
   double range_ratio = 0, request_rate = std::numeric_limits<double>::infinity(), burstiness = 1;
   uint64_t seed = 0;
   bool ignore_eos = false;
@@ -62,7 +63,8 @@ absl::StatusOr<std::unique_ptr<Client>> MakeClient(const Flags& f) {
     GrpcClientOptions o;
     o.address = f.base_url.empty() ? "127.0.0.1:50051" : f.base_url;
     o.api_key = f.api_key;
-    const int in_flight = f.max_concurrency > 0 ? std::min(f.max_concurrency, f.num_prompts) : f.num_prompts;
+    const int at_once = f.dataset == "multi-turn" ? f.num_sessions : f.num_prompts;  // a session: one turn at a time
+    const int in_flight = f.max_concurrency > 0 ? std::min(f.max_concurrency, at_once) : at_once;
     o.num_channels = std::clamp((in_flight + kStreamsPerChannel - 1) / kStreamsPerChannel, 1, kMaxChannels);
     absl::StatusOr<std::unique_ptr<GrpcClient>> client = GrpcClient::Create(o);
     if (!client.ok()) return client.status();
@@ -137,13 +139,31 @@ int Run(const Flags& f) {
   d.range_ratio = f.range_ratio;
   d.prefix_len = f.prefix_len;
   d.num_prefix_groups = f.num_prefix_groups;
+  d.num_sessions = f.num_sessions;
+  d.num_turns = f.num_turns;
   d.seed = f.seed;
   d.tokenizer = tokenizer.get();
-  absl::StatusOr<std::vector<BenchRequest>> requests = LoadDataset(d);
-  if (!requests.ok()) return Fail(requests.status());
-  if (!f.save_requests.empty()) return SaveRequests(f, *requests, tokenizer.get());
+  const bool multi_turn = *kind == DatasetKind::kMultiTurn;
+  std::vector<BenchRequest> requests;
+  std::vector<ChatSession> sessions;
+  if (multi_turn) {
+    absl::StatusOr<std::vector<ChatSession>> loaded = LoadChatSessions(d);
+    if (!loaded.ok()) return Fail(loaded.status());
+    sessions = *std::move(loaded);
+    if (!f.save_requests.empty()) {
+      return Fail(absl::InvalidArgumentError("--save-requests: multi-turn prompts depend on the server's answers"));
+    }
+  } else {
+    absl::StatusOr<std::vector<BenchRequest>> loaded = LoadDataset(d);
+    if (!loaded.ok()) return Fail(loaded.status());
+    requests = *std::move(loaded);
+    if (!f.save_requests.empty()) return SaveRequests(f, requests, tokenizer.get());
+  }
+  // multi-turn: the schedule is when each session starts; its later turns follow its answers.
+  const int num_requests = multi_turn ? f.num_sessions * f.num_turns : f.num_prompts;
   absl::StatusOr<std::vector<double>> schedule =
-      ArrivalSchedule(f.num_prompts, {.request_rate = f.request_rate, .burstiness = f.burstiness, .seed = f.seed});
+      ArrivalSchedule(multi_turn ? f.num_sessions : f.num_prompts,
+                      {.request_rate = f.request_rate, .burstiness = f.burstiness, .seed = f.seed});
   if (!schedule.ok()) return Fail(schedule.status());
   absl::StatusOr<std::unique_ptr<Client>> client = MakeClient(f);
   if (!client.ok()) return Fail(client.status());
@@ -151,41 +171,69 @@ int Run(const Flags& f) {
   auto to_send = [&](const BenchRequest& r) {
     return ClientRequest{.prompt = r.prompt, .max_tokens = r.output_tokens, .ignore_eos = f.ignore_eos};
   };
-  int64_t dataset_tokens = 0;
-  for (const BenchRequest& r : *requests) dataset_tokens += r.prompt_tokens;
-  if (tokenizer != nullptr) {
+  if (tokenizer != nullptr && !multi_turn) {
+    int64_t dataset_tokens = 0;
+    for (const BenchRequest& r : requests) dataset_tokens += r.prompt_tokens;
     std::fprintf(stderr, "duet-bench: %zu prompts, %lld prompt tokens by the tokenizer (servers may add special tokens)\n",
-                 requests->size(), static_cast<long long>(dataset_tokens));
+                 requests.size(), static_cast<long long>(dataset_tokens));
   }
-  std::fprintf(stderr, "duet-bench: warm-up request (the first prompt)\n");
-  const RequestResult warmup = SendAndWait(**client, to_send(requests->front()));
+  // multi-turn: the first user message alone, which shares no prefix with any turn's prompt.
+  const ClientRequest warmup_request =
+      multi_turn ? ClientRequest{.prompt = sessions.front().user_messages.front(), .max_tokens = 4,
+                                 .ignore_eos = f.ignore_eos}
+                 : to_send(requests.front());
+  std::fprintf(stderr, "duet-bench: warm-up request (%s)\n", multi_turn ? "a user message" : "the first prompt");
+  const RequestResult warmup = SendAndWait(**client, warmup_request);
   if (!warmup.success) {
     return Fail(absl::UnavailableError(absl::StrCat("the warm-up request failed: ", warmup.error)));
   }
-  std::fprintf(stderr, "duet-bench: %d requests, rate %s, burstiness %g, max concurrency %s\n", f.num_prompts,
-               std::isinf(f.request_rate) ? "inf" : absl::StrCat(f.request_rate).c_str(), f.burstiness,
+  std::fprintf(stderr, "duet-bench: %d requests%s, rate %s%s, burstiness %g, max concurrency %s\n", num_requests,
+               multi_turn ? absl::StrCat(" (", f.num_sessions, " sessions of ", f.num_turns, " turns)").c_str() : "",
+               std::isinf(f.request_rate) ? "inf" : absl::StrCat(f.request_rate).c_str(),
+               multi_turn ? " sessions/s" : "", f.burstiness,
                f.max_concurrency > 0 ? absl::StrCat(f.max_concurrency).c_str() : "none");
 
-  std::vector<RequestResult> results(size_t(f.num_prompts));
+  std::vector<RequestResult> results(static_cast<size_t>(num_requests));
+  std::vector<std::vector<std::string>> answers(sessions.size());  // each session's, in turn order
   std::mutex end_mu;
   Clock::time_point last_end;
   const Clock::time_point start = Clock::now();
   {
-    ProgressBar progress(f.num_prompts);
-    Dispatch(*schedule, f.max_concurrency, [&](int i, std::function<void()> done) {
-      const BenchRequest& request = (*requests)[size_t(i)];
-      (*client)->Send(to_send(request), [&, i, done = std::move(done)](RequestResult r) {
-        if (r.prompt_tokens == 0) r.prompt_tokens = request.prompt_tokens;  // the server did not say
-        const bool success = r.success;
-        results[size_t(i)] = std::move(r);
-        {
-          std::lock_guard lock(end_mu);
-          last_end = std::max(last_end, Clock::now());
-        }
-        progress.Finished(success);
-        done();
+    ProgressBar progress(num_requests);
+    // Request i ended with `r` (`prompt_tokens`: the dataset's count, if the server gave none).
+    auto record = [&](int i, int prompt_tokens, RequestResult r) {
+      if (r.prompt_tokens == 0) r.prompt_tokens = prompt_tokens;
+      const bool success = r.success;
+      results[size_t(i)] = std::move(r);
+      {
+        std::lock_guard lock(end_mu);
+        last_end = std::max(last_end, Clock::now());
+      }
+      progress.Finished(success);
+    };
+    if (multi_turn) {
+      DispatchSessions(*schedule, f.num_turns, f.max_concurrency, [&](int s, int turn, std::function<void()> done) {
+        const ChatSession& session = sessions[size_t(s)];
+        std::vector<std::string>& said = answers[size_t(s)];  // this session's turns run one at a time
+        ClientRequest request{.prompt = ChatPrompt(session, said), .max_tokens = session.output_tokens[size_t(turn)],
+                              .ignore_eos = f.ignore_eos};
+        if (f.backend == "openai-chat") request.messages = ChatMessages(session, said);
+        (*client)->Send(request, [&, s, turn, done = std::move(done)](RequestResult r) {
+          answers[size_t(s)].push_back(r.output_text);
+          r.turn = turn;
+          record(s * f.num_turns + turn, 0, std::move(r));
+          done();
+        });
       });
-    });
+    } else {
+      Dispatch(*schedule, f.max_concurrency, [&](int i, std::function<void()> done) {
+        const BenchRequest& request = requests[size_t(i)];
+        (*client)->Send(to_send(request), [&, i, done = std::move(done)](RequestResult r) {
+          record(i, request.prompt_tokens, std::move(r));
+          done();
+        });
+      });
+    }
   }
   const double duration = std::chrono::duration<double>(last_end - start).count();
 
@@ -201,7 +249,7 @@ int Run(const Flags& f) {
 
   const BenchmarkMetrics metrics = ComputeMetrics(results, duration, *slo);
   const RunInfo info{.backend = f.backend, .base_url = f.base_url, .model = f.model, .dataset = f.dataset,
-                     .num_prompts = f.num_prompts, .request_rate = f.request_rate, .burstiness = f.burstiness,
+                     .num_prompts = num_requests, .request_rate = f.request_rate, .burstiness = f.burstiness,
                      .max_concurrency = f.max_concurrency, .ignore_eos = f.ignore_eos, .seed = f.seed};
   std::fputs(FormatReport(info, metrics).c_str(), stdout);
   std::fflush(stdout);
@@ -225,18 +273,27 @@ int main(int argc, char** argv) {
                  "host:port for duet-grpc (default 127.0.0.1:50051); http://host:port for OpenAI (default "
                  "http://127.0.0.1:8000)");
   app.add_option("--model", f.model, "Model name sent to OpenAI servers (required there)");
-  app.add_option("--dataset", f.dataset, "random | jsonl | sharegpt | shared-prefix | code");
+  app.add_option("--dataset", f.dataset, "random | jsonl | sharegpt | shared-prefix | code | multi-turn");
   app.add_option("--dataset-path", f.dataset_path, "File for jsonl and sharegpt");
   app.add_option("--code-dir", f.code_dir, "Directory of source files for the code dataset");
   app.add_option("--tokenizer", f.tokenizer, "Model directory with tokenizer.json (random, shared-prefix, code)");
-  app.add_option("--input-len", f.input_len, "Prompt tokens (random, code; the question for shared-prefix)")
+  app.add_option("--input-len", f.input_len,
+                 "Prompt tokens (random, code; the question for shared-prefix; each user message for multi-turn)")
       ->check(CLI::PositiveNumber);
   CLI::Option* output_len = app.add_option("--output-len", f.output_len, "Output tokens to ask for")->check(CLI::PositiveNumber);
   app.add_option("--range-ratio", f.range_ratio, "Lengths uniform in len*(1-r)..len*(1+r)")->check(CLI::Range(0.0, 0.999));
-  app.add_option("--prefix-len", f.prefix_len, "shared-prefix: tokens of each shared system prompt")->check(CLI::PositiveNumber);
-  app.add_option("--num-prefix-groups", f.num_prefix_groups, "shared-prefix: number of shared prompts")->check(CLI::PositiveNumber);
-  app.add_option("--num-prompts", f.num_prompts, "Requests to send")->check(CLI::PositiveNumber);
-  app.add_option("--request-rate", f.request_rate, "Requests per second (inf: all at once)");
+  app.add_option("--prefix-len", f.prefix_len, "shared-prefix, multi-turn: tokens of each shared system prompt")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--num-prefix-groups", f.num_prefix_groups,
+                 "shared-prefix, multi-turn: number of system prompts (multi-turn: session s has prompt s mod this)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--num-sessions", f.num_sessions, "multi-turn: chat sessions, running side by side")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--num-turns", f.num_turns, "multi-turn: turns of each session (requests: sessions x turns)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--num-prompts", f.num_prompts, "Requests to send (not multi-turn)")->check(CLI::PositiveNumber);
+  app.add_option("--request-rate", f.request_rate,
+                 "Requests per second (multi-turn: sessions started per second; inf: all at once)");
   app.add_option("--burstiness", f.burstiness, "Gamma shape of the arrivals (1: Poisson)");
   app.add_option("--max-concurrency", f.max_concurrency, "Cap on requests in flight (0: none)")->check(CLI::NonNegativeNumber);
   app.add_option("--seed", f.seed, "Seed for the dataset and the arrivals");

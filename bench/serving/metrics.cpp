@@ -59,9 +59,11 @@ BenchmarkMetrics ComputeMetrics(const std::vector<RequestResult>& results, doubl
                                 const GoodputSlo& slo) {
   BenchmarkMetrics m;
   m.duration_s = duration_s;
-  std::vector<double> ttft, tpot, itl, e2el;
+  std::vector<double> ttft, tpot, itl, e2el, ttft_first_turn, ttft_later_turns;
+  bool multi_turn = false;
   int good = 0;
   for (const RequestResult& r : results) {
+    multi_turn = multi_turn || r.turn >= 0;
     if (!r.success) {
       ++m.failed;
       continue;
@@ -72,6 +74,7 @@ BenchmarkMetrics ComputeMetrics(const std::vector<RequestResult>& results, doubl
     const double first = r.chunk_times.empty() ? r.latency : r.chunk_times.front();
     const double per_token = TimePerOutputToken(r);
     ttft.push_back(first * 1e3);
+    if (r.turn >= 0) (r.turn == 0 ? ttft_first_turn : ttft_later_turns).push_back(first * 1e3);
     e2el.push_back(r.latency * 1e3);
     if (r.output_tokens > 1) tpot.push_back(per_token * 1e3);
     for (size_t i = 1; i < r.chunk_times.size(); ++i) itl.push_back((r.chunk_times[i] - r.chunk_times[i - 1]) * 1e3);
@@ -92,6 +95,10 @@ BenchmarkMetrics ComputeMetrics(const std::vector<RequestResult>& results, doubl
   m.tpot = SummarizeLatencies(std::move(tpot));
   m.itl = SummarizeLatencies(std::move(itl));
   m.e2el = SummarizeLatencies(std::move(e2el));
+  if (multi_turn) {
+    m.ttft_first_turn = SummarizeLatencies(std::move(ttft_first_turn));
+    m.ttft_later_turns = SummarizeLatencies(std::move(ttft_later_turns));
+  }
   return m;
 }
 

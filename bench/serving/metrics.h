@@ -22,6 +22,8 @@ struct RequestResult {
   int output_tokens = 0;             // from the server's usage or streamed token ids
   std::vector<double> chunk_times;   // arrival of each streamed chunk that carried output
   double latency = 0;                // end of the stream
+  std::string output_text;           // the streamed text (a multi-turn session's next turn needs it)
+  int turn = -1;                     // multi-turn: the turn of its session (0 first); else -1
 };
 
 // Service-level objectives for goodput, in milliseconds; unset ones are not checked.
@@ -50,6 +52,9 @@ struct BenchmarkMetrics {
   double output_throughput = 0;        // output tokens / s
   double total_token_throughput = 0;   // (input + output) tokens / s
   LatencyStats ttft, tpot, itl, e2el;  // ms
+  // multi-turn: TTFT of the sessions' first turns and of the later ones (whose prompts begin with
+  // an earlier turn's prompt and answer).
+  std::optional<LatencyStats> ttft_first_turn, ttft_later_turns;
 };
 
 // `duration_s`: from the first send to the last request's end.

@@ -1,6 +1,8 @@
 #include "bench/serving/metrics.h"
 
 #include <cmath>
+#include <utility>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -41,6 +43,22 @@ TEST(ComputeMetrics, OneKnownTimeline) {
   EXPECT_NEAR(m.itl.median, 50, 1e-9);
   EXPECT_NEAR(m.itl.max, 100, 1e-9);
   EXPECT_DOUBLE_EQ(m.e2el.mean, 300);
+}
+
+TEST(ComputeMetrics, MultiTurnSplitsTtftIntoFirstAndLaterTurns) {
+  EXPECT_FALSE(ComputeMetrics({Ok({0.1}, 1, 0.1)}, 1.0, {}).ttft_first_turn.has_value());
+  std::vector<RequestResult> results;
+  for (auto [turn, ttft] : {std::pair{0, 0.4}, std::pair{1, 0.1}, std::pair{0, 0.6}, std::pair{2, 0.2}}) {
+    results.push_back(Ok({ttft}, 1, ttft));
+    results.back().turn = turn;
+  }
+  const BenchmarkMetrics m = ComputeMetrics(results, 1.0, {});
+  ASSERT_TRUE(m.ttft_first_turn.has_value() && m.ttft_later_turns.has_value());
+  EXPECT_EQ(m.ttft_first_turn->count, 2);
+  EXPECT_NEAR(m.ttft_first_turn->median, 500, 1e-9);
+  EXPECT_EQ(m.ttft_later_turns->count, 2);
+  EXPECT_NEAR(m.ttft_later_turns->median, 150, 1e-9);
+  EXPECT_NEAR(m.ttft.median, 300, 1e-9);
 }
 
 TEST(ComputeMetrics, ChunksOfSeveralTokensGiveOneItlEach) {

@@ -1,6 +1,7 @@
 #include "bench/serving/report.h"
 
 #include <cmath>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -57,6 +58,12 @@ std::string FormatReport(const RunInfo& info, const BenchmarkMetrics& m) {
                     Row(absl::StrCat("Median ", s.short_name, " (ms):"), stats.median),
                     Row(absl::StrCat("P90 ", s.short_name, " (ms):"), stats.p90),
                     Row(absl::StrCat("P99 ", s.short_name, " (ms):"), stats.p99));
+    if (s.stats == &BenchmarkMetrics::ttft && m.ttft_first_turn && m.ttft_later_turns) {
+      absl::StrAppend(&out, Row("Median TTFT, first turns (ms):", m.ttft_first_turn->median),
+                      Row("P99 TTFT, first turns (ms):", m.ttft_first_turn->p99),
+                      Row("Median TTFT, later turns (ms):", m.ttft_later_turns->median),
+                      Row("P99 TTFT, later turns (ms):", m.ttft_later_turns->p99));
+    }
   }
   absl::StrAppend(&out, std::string(kWidth, '='), "\n");
   return out;
@@ -93,6 +100,12 @@ nlohmann::ordered_json ReportJson(const RunInfo& info, const BenchmarkMetrics& m
     j[absl::StrCat("p90_", s.key, "_ms")] = stats.p90;
     j[absl::StrCat("p99_", s.key, "_ms")] = stats.p99;
     j[absl::StrCat("max_", s.key, "_ms")] = stats.max;
+  }
+  for (const auto& [name, stats] : {std::pair{"first_turn", &m.ttft_first_turn}, std::pair{"later_turns", &m.ttft_later_turns}}) {
+    if (!stats->has_value()) continue;
+    j[absl::StrCat("mean_ttft_", name, "_ms")] = (*stats)->mean;
+    j[absl::StrCat("median_ttft_", name, "_ms")] = (*stats)->median;
+    j[absl::StrCat("p99_ttft_", name, "_ms")] = (*stats)->p99;
   }
   nlohmann::ordered_json input_lens = nlohmann::ordered_json::array(), output_lens = input_lens, ttfts = input_lens,
                          e2els = input_lens, errors = input_lens;

@@ -133,6 +133,42 @@ TEST_F(DuetBenchClusterTest, OpenAiChatCodeWorkload) {
   ExpectSane(10, kOutputLen);
 }
 
+// Chat sessions: each turn's prompt holds the earlier turns and the answers received, so a
+// session's prompts grow by at least the answer and the new message from turn to turn.
+TEST_F(DuetBenchClusterTest, MultiTurnSessionsOverGrpcAndChat) {
+  constexpr int kSessions = 3, kTurns = 3, kMessageLen = 16;
+  const std::string workload =
+      absl::StrCat(" --tokenizer ", Model(), " --dataset multi-turn --num-sessions ", kSessions, " --num-turns ", kTurns,
+                   " --prefix-len 32 --num-prefix-groups 1 --input-len ", kMessageLen, " --output-len ", kOutputLen,
+                   " --ignore-eos --request-rate 20 --seed 3");
+  ASSERT_EQ(Bench(absl::StrCat("--backend duet-grpc --base-url 127.0.0.1:", cluster_->router_port(), workload)), 0)
+      << stderr_;
+  ExpectSane(kSessions * kTurns, kOutputLen);
+  ASSERT_EQ(json_["input_lens"].size(), size_t(kSessions * kTurns));
+  for (int s = 0; s < kSessions; ++s) {
+    for (int t = 1; t < kTurns; ++t) {
+      const int before = json_["input_lens"][size_t(s * kTurns + t - 1)], now = json_["input_lens"][size_t(s * kTurns + t)];
+      // The answer may re-tokenize a token or two shorter; the message and the turn markers add more.
+      EXPECT_GE(now, before + kOutputLen + kMessageLen - 2) << "session " << s << " turn " << t;
+    }
+  }
+  for (const char* key : {"median_ttft_first_turn_ms", "p99_ttft_first_turn_ms", "median_ttft_later_turns_ms",
+                          "p99_ttft_later_turns_ms"}) {
+    EXPECT_GT(json_[key].get<double>(), 0) << key;
+  }
+  EXPECT_NE(report_.find("Median TTFT, later turns (ms):"), std::string::npos) << report_;
+
+  ASSERT_EQ(Bench(absl::StrCat("--backend openai-chat --model tiny-code-llama --base-url http://127.0.0.1:", http_port_,
+                               workload)),
+            0)
+      << stderr_;
+  ExpectSane(kSessions * kTurns, kOutputLen);
+  for (int s = 0; s < kSessions; ++s) {
+    EXPECT_GT(json_["input_lens"][size_t(s * kTurns + kTurns - 1)].get<int>(),
+              json_["input_lens"][size_t(s * kTurns)].get<int>() + kOutputLen);
+  }
+}
+
 TEST_F(DuetBenchClusterTest, UnknownModelFailsTheWarmUpClearly) {
   EXPECT_NE(Bench(absl::StrCat("--backend openai-completions --model no-such-model --base-url http://127.0.0.1:",
                                http_port_, RandomWorkload())),
