@@ -69,7 +69,8 @@ run() {  # name, serve flags...
     > "$OUT/$name.log" 2>&1 || echo "$name: duet-bench exit $?"
   if [[ $has_multiturn == 1 ]]; then
     duet-bench --backend duet-grpc --base-url 127.0.0.1:$port --dataset multi-turn --tokenizer "$MODEL" \
-      --output-len 64 --ignore-eos --seed 1 --max-concurrency 16 --result-json "$OUT/$name.mt.json" \
+      --num-sessions 16 --num-turns 4 --num-prefix-groups 4 --prefix-len 1024 --input-len 128 \
+      --output-len 64 --ignore-eos --seed 1 --result-json "$OUT/$name.mt.json" \
       > "$OUT/$name.mt.log" 2>&1 || echo "$name: multi-turn duet-bench exit $?"
   fi
   local q1 h1
