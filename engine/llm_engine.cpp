@@ -192,7 +192,7 @@ absl::StatusOr<LlmEngine::KvReservation> LlmEngine::ReserveKv(absl::Span<const i
                                                    SamplingParams::kMaxCacheSaltBytes, " are allowed"));
   }
   KvReservation r{next_seq_id_++, 0};
-  if (alignment_tokens > 0) {
+  if (alignment_tokens > 0 && blocks_.prefix_caching()) {
     // At least the last block is written by the prefill worker, so a transfer is never empty;
     // the prefix ends where both sides' blocks end.
     const int64_t unit = std::lcm(alignment_tokens, int64_t(blocks_.block_size()));

@@ -136,34 +136,24 @@ void RouterMetrics::RecordHttpRequest(std::string_view handler, std::string_view
   http_request_duration_seconds(handler, method, status).Observe(seconds);
 }
 
+// As DUET_GAUGE / DUET_COUNTER, for the families both worker roles export (the role is the
+// constructor's argument).
+#define DUET_ENGINE_GAUGE(member, help) \
+  member(registry.AddGauge("duet:" #member, help, kLabels).WithLabels(Values(model_name, role)))
+#define DUET_ENGINE_COUNTER(member, help) \
+  member(registry.AddCounter("duet:" #member "_total", help, kLabels).WithLabels(Values(model_name, role)))
+
 EngineMetrics::EngineMetrics(Registry& registry, std::string_view model_name, Role role)
-    : num_requests_running(registry.AddGauge("duet:num_requests_running", "Number of requests in model execution batches.", kLabels)
-                               .WithLabels(Values(model_name, role))),
-      num_requests_waiting(registry.AddGauge("duet:num_requests_waiting", "Number of requests waiting to be processed.", kLabels)
-                               .WithLabels(Values(model_name, role))),
-      num_preemptions(registry.AddCounter("duet:num_preemptions_total", "Cumulative number of preemption from the engine.", kLabels)
-                          .WithLabels(Values(model_name, role))),
-      prefix_cache_queries(registry.AddCounter("duet:prefix_cache_queries_total",
-                                               "Prefix cache queries, in terms of number of queried tokens.", kLabels)
-                               .WithLabels(Values(model_name, role))),
-      prefix_cache_hits(registry.AddCounter("duet:prefix_cache_hits_total",
-                                            "Prefix cache hits, in terms of number of cached tokens.", kLabels)
-                            .WithLabels(Values(model_name, role))),
-      kv_cache_evictions(registry.AddCounter("duet:kv_cache_evictions_total",
-                                             "Cached KV blocks evicted from the device cache for reuse.", kLabels)
-                             .WithLabels(Values(model_name, role))),
-      host_kv_cache_offloaded_blocks(registry.AddCounter("duet:host_kv_cache_offloaded_blocks_total",
-                                                         "KV blocks copied into the host tier as the device evicted them.", kLabels)
-                                         .WithLabels(Values(model_name, role))),
-      host_kv_cache_hit_blocks(registry.AddCounter("duet:host_kv_cache_hit_blocks_total",
-                                                   "KV blocks a prefix found in the host tier and copied back.", kLabels)
-                                   .WithLabels(Values(model_name, role))),
-      host_kv_cache_evictions(registry.AddCounter("duet:host_kv_cache_evictions_total",
-                                                  "KV blocks evicted from the host tier.", kLabels)
-                                  .WithLabels(Values(model_name, role))),
-      host_kv_cache_usage_perc(registry.AddGauge("duet:host_kv_cache_usage_perc",
-                                                 "Share of the host tier's KV blocks in use (1 means 100 percent).", kLabels)
-                                   .WithLabels(Values(model_name, role))),
+    : DUET_ENGINE_GAUGE(num_requests_running, "Number of requests in model execution batches."),
+      DUET_ENGINE_GAUGE(num_requests_waiting, "Number of requests waiting to be processed."),
+      DUET_ENGINE_COUNTER(num_preemptions, "Cumulative number of preemption from the engine."),
+      DUET_ENGINE_COUNTER(prefix_cache_queries, "Prefix cache queries, in terms of number of queried tokens."),
+      DUET_ENGINE_COUNTER(prefix_cache_hits, "Prefix cache hits, in terms of number of cached tokens."),
+      DUET_ENGINE_COUNTER(kv_cache_evictions, "Cached KV blocks evicted from the device cache for reuse."),
+      DUET_ENGINE_COUNTER(host_kv_cache_offloaded_blocks, "KV blocks copied into the host tier as the device evicted them."),
+      DUET_ENGINE_COUNTER(host_kv_cache_hit_blocks, "KV blocks a prefix found in the host tier and copied back."),
+      DUET_ENGINE_COUNTER(host_kv_cache_evictions, "KV blocks evicted from the host tier."),
+      DUET_ENGINE_GAUGE(host_kv_cache_usage_perc, "Share of the host tier's KV blocks in use (1 means 100 percent)."),
       iteration_tokens_total(registry
                                  .AddHistogram("duet:iteration_tokens_total",
                                                "Histogram of number of tokens per engine_step.", kLabels,

@@ -9,8 +9,9 @@
 #
 #   scripts/prefix_routing_bench.sh POLICY PREFILL_KV_BLOCKS [duet-bench flags...]
 # POLICY: least-loaded or prefix-aware; PREFILL_KV_BLOCKS: the prefill workers' --num-kv-blocks
-# (0: their default). PREFIX_AFFINITY sets the router's --prefix-affinity. Needs build/bin/duet
-# and build/bin/duet-bench.
+# (0: their default). PREFIX_AFFINITY sets the router's --prefix-affinity; WORKER_FLAGS adds flags
+# to every worker (e.g. --no-enable-prefix-caching, --host-kv-cache-gib 0.05). Needs
+# build/bin/duet and build/bin/duet-bench.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 POLICY=$1 BLOCKS=$2
@@ -42,9 +43,10 @@ announced() {
 }
 kv=()
 [ "$BLOCKS" != 0 ] && kv=(--num-kv-blocks "$BLOCKS")
-start decode decode-worker --model $MODEL --backend cpu --port 0 --metrics-port 0
-start prefill0 prefill-worker --model $MODEL --backend cpu --port 0 --metrics-port 0 "${kv[@]}"
-start prefill1 prefill-worker --model $MODEL --backend cpu --port 0 --metrics-port 0 "${kv[@]}"
+read -r -a extra <<< "${WORKER_FLAGS:-}"
+start decode decode-worker --model $MODEL --backend cpu --port 0 --metrics-port 0 "${extra[@]}"
+start prefill0 prefill-worker --model $MODEL --backend cpu --port 0 --metrics-port 0 "${kv[@]}" "${extra[@]}"
+start prefill1 prefill-worker --model $MODEL --backend cpu --port 0 --metrics-port 0 "${kv[@]}" "${extra[@]}"
 workers=(decode prefill0 prefill1)
 declare -A port metrics
 for w in "${workers[@]}"; do

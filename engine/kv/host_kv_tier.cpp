@@ -21,13 +21,7 @@ absl::StatusOr<std::unique_ptr<HostKvTier>> HostKvTier::Create(KvCache& cache, i
 
 HostKvTier::HostKvTier(KvCache& cache, int64_t num_slots, HostMemory memory)
     : cache_(cache), block_size_(cache.shape().block_size), memory_(std::move(memory)) {
-  const KvCacheShape& shape = cache.shape();
-  const size_t pool_bytes = size_t(num_slots) * size_t(shape.block_elems() * KvDtypeBytes(shape.dtype));
-  char* base = static_cast<char*>(memory_.get());
-  for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
-    pools_.keys.push_back(base + size_t(2 * layer) * pool_bytes);
-    pools_.values.push_back(base + size_t(2 * layer + 1) * pool_bytes);
-  }
+  pools_ = LayOutHostKvBlocks(cache.shape(), num_slots, memory_.get());
   slots_.resize(size_t(num_slots));
   slot_tokens_.assign(size_t(num_slots * block_size_), 0);
   for (int64_t s = num_slots - 1; s >= 0; --s) free_slots_.push_back(int32_t(s));

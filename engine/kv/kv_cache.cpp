@@ -6,6 +6,16 @@
 #include "absl/strings/str_cat.h"
 
 namespace duet {
+
+HostKvBlocks LayOutHostKvBlocks(const KvCacheShape& shape, int64_t num_blocks, void* base) {
+  const size_t pool_bytes = size_t(num_blocks) * size_t(shape.block_elems() * KvDtypeBytes(shape.dtype));
+  HostKvBlocks pools;
+  for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
+    pools.keys.push_back(static_cast<char*>(base) + size_t(2 * layer) * pool_bytes);
+    pools.values.push_back(static_cast<char*>(base) + size_t(2 * layer + 1) * pool_bytes);
+  }
+  return pools;
+}
 namespace {
 
 KvCacheShape WithFloat32(KvCacheShape shape) {

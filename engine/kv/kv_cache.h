@@ -49,6 +49,10 @@ struct HostKvBlocks {
   std::vector<void*> values;  // [num_layers]
 };
 
+// The pools of `num_blocks` blocks of `shape` in one host allocation at `base`, laid out
+// [num_layers][K, V][num_blocks * block bytes].
+HostKvBlocks LayOutHostKvBlocks(const KvCacheShape& shape, int64_t num_blocks, void* base);
+
 class KvCache {
  public:
   virtual ~KvCache() = default;

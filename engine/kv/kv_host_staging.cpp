@@ -19,13 +19,7 @@ absl::StatusOr<std::unique_ptr<KvHostStaging>> KvHostStaging::Create(KvCache& ca
 
 KvHostStaging::KvHostStaging(KvCache& cache, int64_t num_blocks, HostMemory memory)
     : cache_(cache), num_blocks_(num_blocks), memory_(std::move(memory)) {
-  const KvCacheShape& shape = cache.shape();
-  const size_t pool_bytes = size_t(num_blocks) * size_t(shape.block_elems() * KvDtypeBytes(shape.dtype));
-  char* base = static_cast<char*>(memory_.get());
-  for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
-    pools_.keys.push_back(base + size_t(2 * layer) * pool_bytes);
-    pools_.values.push_back(base + size_t(2 * layer + 1) * pool_bytes);
-  }
+  pools_ = LayOutHostKvBlocks(cache.shape(), num_blocks, memory_.get());
   absl::MutexLock lock(&mu_);
   in_use_.assign(size_t(num_blocks), false);
   for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(int32_t(b));

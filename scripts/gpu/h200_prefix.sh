@@ -8,6 +8,7 @@
 #   small        a KV cache too small for the prefixes (3,000 blocks per worker): evictions
 #   small+host   the same with an 8 GiB host tier per worker
 #   ll2 / pa2    2 prefill workers, least-loaded vs prefix-aware routing (if --routing-policy exists)
+#   ll2big / pa2big  the same with 96 system prompts, more than one prefill worker's cache holds
 # Each run prints duet-bench's TTFT p50/p99 and output tok/s and the workers' prefix-cache hit
 # rate from /metrics; the table is last. Logs and result JSON under $OUT (one archive).
 #
@@ -17,7 +18,7 @@
 #   RUNS="off on" limits the runs.
 set -uo pipefail
 OUT=${OUT:-/tmp/duet-prefix-out}
-RUNS=${RUNS:-"off on small small+host ll2 pa2"}
+RUNS=${RUNS:-"off on small small+host ll2 pa2 ll2big pa2big"}
 mkdir -p "$OUT"
 tar -xJf .devcluster/bundle.tar.xz -C /tmp || exit 1
 source /tmp/devbundle/env.sh
@@ -25,7 +26,7 @@ MODEL=/tmp/llama8b
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
 echo "== checkpoint (transformers, random weights)"
-python3 -c "
+[[ -f $MODEL/tokenizer_config.json ]] || python3 -c "
 import sys; sys.path.insert(0, 'scripts/gpu')
 from hf_reference import make_checkpoint
 make_checkpoint('$MODEL', 32)" 2>&1 | grep -v Warning | tail -2
@@ -33,14 +34,16 @@ cp /tmp/devbundle/tokenizer.json /tmp/devbundle/tokenizer_config.json "$MODEL/"
 
 WORKLOAD=(--dataset shared-prefix --tokenizer "$MODEL" --num-prefix-groups 16 --prefix-len 2048 --input-len 256
           --output-len 64 --ignore-eos --seed 1 --num-prompts 256 --max-concurrency 16)
-has_routing=0; duet serve --help 2>&1 | grep -q -- --routing-policy && has_routing=1
-has_multiturn=0; duet-bench --help 2>&1 | grep -q multi-turn && has_multiturn=1
+# (Whole help texts first: grep -q closing the pipe early would fail the pipeline.)
+has_routing=0; [[ $(duet serve --help 2>&1) == *--routing-policy* ]] && has_routing=1
+has_multiturn=0; [[ $(duet-bench --help 2>&1) == *multi-turn* ]] && has_multiturn=1
 
-# Sums a counter family over every worker's /metrics.
+# Sums a counter family over every worker's /metrics (ROLE=prefill|decode: that role's only).
 scrape() {  # family, ports...
   local family=$1; shift
   for p in "$@"; do curl -s "127.0.0.1:$p/metrics"; done |
-    awk -v f="$family" '$1 ~ "^"f"[{ ]" || $1 == f {s += $2} END {printf "%.0f", s}'
+    awk -v f="$family" -v r="${ROLE:-}" '($1 ~ "^"f"[{ ]" || $1 == f) && (r == "" || $1 ~ "role=\""r"\"") {s += $2}
+                                          END {printf "%.0f", s}'
 }
 
 run() {  # name, serve flags...
@@ -63,8 +66,10 @@ run() {  # name, serve flags...
   # Graphs and allocator warm-up on unrelated prompts (no shared prefix).
   duet-bench --backend duet-grpc --base-url 127.0.0.1:$port --dataset random --tokenizer "$MODEL" --input-len 256 \
     --output-len 16 --num-prompts 8 --max-concurrency 8 --seed 99 > "$OUT/$name.warmup.log" 2>&1
-  local q0 h0
+  local q0 h0 pq0 ph0
   q0=$(scrape duet:prefix_cache_queries_total $metrics_ports); h0=$(scrape duet:prefix_cache_hits_total $metrics_ports)
+  pq0=$(ROLE=prefill scrape duet:prefix_cache_queries_total $metrics_ports)
+  ph0=$(ROLE=prefill scrape duet:prefix_cache_hits_total $metrics_ports)
   duet-bench --backend duet-grpc --base-url 127.0.0.1:$port "${WORKLOAD[@]}" --result-json "$OUT/$name.json" \
     > "$OUT/$name.log" 2>&1 || echo "$name: duet-bench exit $?"
   if [[ $has_multiturn == 1 ]]; then
@@ -73,9 +78,11 @@ run() {  # name, serve flags...
       --output-len 64 --ignore-eos --seed 1 --result-json "$OUT/$name.mt.json" \
       > "$OUT/$name.mt.log" 2>&1 || echo "$name: multi-turn duet-bench exit $?"
   fi
-  local q1 h1
+  local q1 h1 pq1 ph1
   q1=$(scrape duet:prefix_cache_queries_total $metrics_ports); h1=$(scrape duet:prefix_cache_hits_total $metrics_ports)
-  echo "$name queries $((q1 - q0)) hits $((h1 - h0)) host_hits $(scrape duet:host_kv_cache_hit_blocks_total $metrics_ports) evictions $(scrape duet:kv_cache_evictions_total $metrics_ports)" | tee -a "$OUT/cache.txt"
+  pq1=$(ROLE=prefill scrape duet:prefix_cache_queries_total $metrics_ports)
+  ph1=$(ROLE=prefill scrape duet:prefix_cache_hits_total $metrics_ports)
+  echo "$name queries $((q1 - q0)) hits $((h1 - h0)) host_hits $(scrape duet:host_kv_cache_hit_blocks_total $metrics_ports) evictions $(scrape duet:kv_cache_evictions_total $metrics_ports) prefill_queries $((pq1 - pq0)) prefill_hits $((ph1 - ph0))" | tee -a "$OUT/cache.txt"
   grep -h -E "TTFT|Output token throughput" "$OUT/$name.log" | head -4
   kill -INT $pid; wait $pid
 }
@@ -88,6 +95,13 @@ for r in $RUNS; do
     small+host) run small+host --prefill-workers 1 --decode-workers 1 --num-kv-blocks 3000 --host-kv-cache-gib 8 ;;
     ll2) [[ $has_routing == 1 ]] && run ll2 --prefill-workers 2 --decode-workers 1 --routing-policy least-loaded ;;
     pa2) [[ $has_routing == 1 ]] && run pa2 --prefill-workers 2 --decode-workers 1 --routing-policy prefix-aware ;;
+    # More system prompts than one prefill worker's cache holds (96 x 2,048 tokens vs 8,000
+    # blocks = 128k tokens), half of them per worker: where routing decides the hit rate.
+    ll2big|pa2big)
+      policy=least-loaded; [[ $r == pa2big ]] && policy=prefix-aware
+      WORKLOAD=(--dataset shared-prefix --tokenizer "$MODEL" --num-prefix-groups 96 --prefix-len 2048 --input-len 256
+                --output-len 32 --ignore-eos --seed 1 --num-prompts 768 --max-concurrency 32)
+      has_multiturn=0 run $r --prefill-workers 2 --decode-workers 1 --num-kv-blocks 8000 --routing-policy $policy ;;
   esac
 done
 
@@ -98,19 +112,20 @@ out = sys.argv[1]
 cache = {}
 for line in open(os.path.join(out, "cache.txt")) if os.path.exists(os.path.join(out, "cache.txt")) else []:
     f = line.split()
-    cache[f[0]] = (int(f[2]), int(f[4]), f[6], f[8])
-print(f"{'run':<11} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'out tok/s':>10} {'hit rate':>8}  host hits / evictions")
+    cache[f[0]] = (int(f[2]), int(f[4]), f[6], f[8], int(f[10]), int(f[12]))
+print(f"{'run':<11} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'out tok/s':>10} {'hit rate':>8} {'prefill':>7}  host hits / evictions")
 base = None
-for name in ["off", "on", "small", "small+host", "ll2", "pa2"]:
+for name in ["off", "on", "small", "small+host", "ll2", "pa2", "ll2big", "pa2big"]:
     p = os.path.join(out, name + ".json")
     if not os.path.exists(p):
         continue
     j = json.load(open(p))
-    q, h, hh, ev = cache.get(name, (0, 0, "-", "-"))
+    q, h, hh, ev, pq, ph = cache.get(name, (0, 0, "-", "-", 0, 0))
     rate = f"{h / q:.2f}" if q else "-"
+    prate = f"{ph / pq:.2f}" if pq else "-"
     ttft = j.get("median_ttft_ms", 0)
     base = base or ttft
-    print(f"{name:<11} {ttft:>11.1f} {j.get('p99_ttft_ms', 0):>11.1f} {j.get('output_throughput', 0):>10.0f} {rate:>8}  {hh} / {ev}"
+    print(f"{name:<11} {ttft:>11.1f} {j.get('p99_ttft_ms', 0):>11.1f} {j.get('output_throughput', 0):>10.0f} {rate:>8} {prate:>7}  {hh} / {ev}"
           f"   (TTFT p50 {base / ttft if ttft else 0:.2f}x lower than off)")
     mt = os.path.join(out, name + ".mt.json")
     if os.path.exists(mt):
