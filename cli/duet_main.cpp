@@ -5,6 +5,7 @@
 #include <string>
 
 #include "CLI/CLI.hpp"
+#include "cli/api_flags.h"
 #include "cli/api_key.h"
 #include "cli/commands.h"
 #include "cli/engine_flags.h"
@@ -73,6 +74,7 @@ int main(int argc, char** argv) {
                         "On SIGTERM/SIGINT: how long running requests may take to finish while new ones get "
                         "UNAVAILABLE / HTTP 503 (default 30)")
       ->check(CLI::Range(0, 86400));
+  duet::AddToolCallFlags(serve_cmd, &serve.enable_auto_tool_choice, &serve.tool_call_parser);
 
   duet::CompleteOptions complete;
   CLI::App* complete_cmd = app.add_subcommand("complete", "Send one prompt to a running router and stream the text");

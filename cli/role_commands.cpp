@@ -2,6 +2,7 @@
 
 #include <tuple>
 
+#include "cli/api_flags.h"
 #include "cli/api_key.h"
 #include "common/logging.h"
 #include "rpc/internal_auth.h"
@@ -81,6 +82,7 @@ RoleCommands::RoleCommands(CLI::App& app) {
   router_cmd_->add_option("--internal-token-file", router_token_file_, kTokenFileHelp);
   router_cmd_->add_option("--shutdown-grace-seconds", router_.shutdown_grace_seconds, kGraceHelp)
       ->check(CLI::Range(0, 86400));
+  AddToolCallFlags(router_cmd_, &router_.enable_auto_tool_choice, &router_.tool_call_parser);
 
   prefill_cmd_ = AddWorkerCommand(app, "prefill-worker", "Run a prefill worker", prefill_, prefill_flags_,
                                   prefill_token_file_,

@@ -269,6 +269,8 @@ int RunServe(const ServeOptions& options) {
                                           "--routing-policy", options.routing_policy,
                                           "--prefix-affinity", absl::StrCat(options.prefix_affinity)};
   if (options.api_key_on_health_and_metrics) router_argv.push_back("--api-key-on-health-and-metrics");
+  if (options.enable_auto_tool_choice) router_argv.push_back("--enable-auto-tool-choice");
+  if (!options.tool_call_parser.empty()) router_argv.insert(router_argv.end(), {"--tool-call-parser", options.tool_call_parser});
   if (options.engine.scheduler.max_model_len > 0) {
     router_argv.insert(router_argv.end(), {"--max-model-len", std::to_string(options.engine.scheduler.max_model_len)});
   }

@@ -83,7 +83,19 @@ grpc::Status FakeDecodeWorker::Decode(grpc::ServerContext* context, const v1::De
                                       grpc::ServerWriter<v1::GenerateResponse>* writer) {
   ++num_decodes;
   in_decode = true;
-  const int max_tokens = request->sampling().max_tokens();
+  std::vector<std::string> script;
+  std::string finish_reason = "length";
+  {
+    absl::MutexLock lock(&mu_);
+    script = script_;
+    if (!script.empty()) finish_reason = script_finish_reason_;
+  }
+  int max_tokens = request->sampling().max_tokens();
+  if (!script.empty() && static_cast<int>(script.size()) <= max_tokens) {
+    max_tokens = static_cast<int>(script.size());
+  } else if (!script.empty()) {
+    finish_reason = "length";
+  }
   for (int i = 0; i < max_tokens; ++i) {
     if (!SleepUnlessCancelled(context, token_delay_ms)) {
       ++num_cancelled;
@@ -97,10 +109,10 @@ grpc::Status FakeDecodeWorker::Decode(grpc::ServerContext* context, const v1::De
     v1::GenerateResponse message;
     message.set_request_id("worker-side-id");
     message.add_token_ids(request->first_token_id() + i);
-    message.set_text("t" + std::to_string(i) + " ");
+    message.set_text(script.empty() ? "t" + std::to_string(i) + " " : script[static_cast<size_t>(i)]);
     if (i + 1 == max_tokens) {
       message.set_finished(true);
-      message.set_finish_reason("length");
+      message.set_finish_reason(finish_reason);
       message.mutable_usage()->set_prompt_tokens(request->prompt_token_ids_size());
       message.mutable_usage()->set_completion_tokens(max_tokens);
     }
@@ -112,6 +124,12 @@ grpc::Status FakeDecodeWorker::Decode(grpc::ServerContext* context, const v1::De
   }
   in_decode = false;
   return grpc::Status::OK;
+}
+
+void FakeDecodeWorker::SetScript(std::vector<std::string> texts, std::string finish_reason) {
+  absl::MutexLock lock(&mu_);
+  script_ = std::move(texts);
+  script_finish_reason_ = std::move(finish_reason);
 }
 
 grpc::Status FakeDecodeWorker::Abort(grpc::ServerContext*, const v1::WorkerAbortRequest* request,

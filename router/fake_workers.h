@@ -39,9 +39,12 @@ class FakePrefillWorker final : public v1::PrefillWorker::Service {
 };
 
 // Decode streams first_token_id, then first_token_id+1, ... (max_tokens in all), one token per
-// message, the last one finished with "length" and usage.
+// message with text "t<i> ", the last one finished with "length" and usage. With a script, the
+// texts are the script's (one token each, at most max_tokens) and the last finishes with its reason.
 class FakeDecodeWorker final : public v1::DecodeWorker::Service {
  public:
+  void SetScript(std::vector<std::string> texts, std::string finish_reason);
+
   grpc::Status ReserveKv(grpc::ServerContext* context, const v1::ReserveKvRequest* request,
                          v1::ReserveKvResponse* response) override;
   grpc::Status Decode(grpc::ServerContext* context, const v1::DecodeRequest* request,
@@ -71,6 +74,8 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
   mutable absl::Mutex mu_;
   std::vector<std::string> aborted_ ABSL_GUARDED_BY(mu_);
   uint64_t last_transfer_id_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::string> script_ ABSL_GUARDED_BY(mu_);
+  std::string script_finish_reason_ ABSL_GUARDED_BY(mu_);
 };
 
 // A decode worker whose Decode stream goes wrong the way a broken or mismatched worker could: it

@@ -76,6 +76,7 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const HttpFron
   api_options.api_key_on_health_and_metrics = options.api_key_on_health_and_metrics;
   api_options.metrics_body = options.metrics_body;
   api_options.healthy = options.healthy;
+  api_options.auto_tool_call_format = options.auto_tool_call_format;
   api_options.work_threads = options.work_threads;
   frontend->api_ = std::make_unique<OpenAiApi>(api_options, tokenizer, frontend->chat_.get(), std::move(channel));
   HttpServerOptions server_options;

@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -27,6 +28,7 @@ struct HttpFrontendOptions {
   bool api_key_on_health_and_metrics = false;  // OpenAiApiOptions'
   std::function<std::string()> metrics_body;  // none: /metrics is 404
   std::function<bool()> healthy;
+  std::optional<openai::ToolCallFormat> auto_tool_call_format;  // OpenAiApiOptions'
   // Each response once it ended (its last byte queued, or the client gone after its head): the
   // request's path and method, the status and the seconds since the request arrived.
   std::function<void(const std::string& path, const std::string& method, int status, double seconds)> on_response;

@@ -62,6 +62,7 @@ class Job : public std::enable_shared_from_this<Job> {
  private:
   struct Choice {
     openai::ChoiceResult result;
+    std::unique_ptr<openai::ToolCallParser> tool_calls;  // streaming chat that parses tool calls
     bool role_sent = false;
     bool echo_sent = false;
     size_t text_offset = 0;  // completions logprobs
@@ -171,6 +172,7 @@ void Job::Start() {
     remaining_ = static_cast<int>(generates.size());
     for (size_t index = 0; index < generates.size(); ++index) {
       choices_[index].result.index = static_cast<int>(index);
+      if (request_.stream) choices_[index].tool_calls = openai::NewToolCallParser(request_);
       auto context = std::make_unique<grpc::ClientContext>();
       if (!api_->options().api_key.empty()) {
         context->AddMetadata("authorization", absl::StrCat("Bearer ", api_->options().api_key));
@@ -220,15 +222,36 @@ void Job::OnMessage(int index, const v1::GenerateResponse& message) {
   if (request_.chat) {
     if (!choice.role_sent) {
       choice.role_sent = true;
-      out += openai::SseEvent(openai::ChatChunk(id_, request_, index, true, std::string(), Json(nullptr), std::nullopt));
+      openai::ChunkChoice role;
+      role.index = index;
+      role.role = true;
+      role.content = "";
+      out += openai::SseEvent(openai::ChatChunk(id_, request_, role));
     }
-    if (!message.text().empty() || finish || !new_ids.empty()) {
-      const Json logprobs = request_.logprobs
-                                ? openai::ChatLogprobs(api_->tokenizer(), new_ids, new_logprobs, *request_.logprobs)
-                                : Json(nullptr);
-      std::optional<std::string> content;
-      if (!message.text().empty() || !finish) content = message.text();
-      out += openai::SseEvent(openai::ChatChunk(id_, request_, index, false, content, logprobs, finish));
+    openai::ChunkChoice chunk;
+    chunk.index = index;
+    chunk.finish_reason = finish;
+    if (choice.tool_calls != nullptr) {
+      openai::OutputDelta delta;
+      choice.tool_calls->Push(message.text(), &delta);
+      if (finish) {
+        choice.tool_calls->Finish(&delta);
+        chunk.finish_reason = openai::ChatFinishReason(*finish, choice.tool_calls->num_calls());
+      }
+      if (!delta.content.empty()) chunk.content = std::move(delta.content);
+      chunk.tool_calls = std::move(delta.calls);
+      // Tokens whose text is held back still bring their logprobs.
+      if (!chunk.content && chunk.tool_calls.empty() && !finish && request_.logprobs && !new_ids.empty()) {
+        chunk.content = "";
+      }
+    } else if (!message.text().empty() || (!finish && !new_ids.empty())) {
+      chunk.content = message.text();
+    }
+    if (chunk.content || !chunk.tool_calls.empty() || finish) {
+      chunk.logprobs = request_.logprobs
+                           ? openai::ChatLogprobs(api_->tokenizer(), new_ids, new_logprobs, *request_.logprobs)
+                           : Json(nullptr);
+      out += openai::SseEvent(openai::ChatChunk(id_, request_, chunk));
     }
   } else {
     std::string text;
@@ -240,10 +263,14 @@ void Job::OnMessage(int index, const v1::GenerateResponse& message) {
     }
     text += message.text();
     if (!text.empty() || finish || !new_ids.empty()) {
-      const Json logprobs =
-          request_.logprobs ? openai::CompletionLogprobs(api_->tokenizer(), new_ids, new_logprobs, &choice.text_offset)
-                            : Json(nullptr);
-      out += openai::SseEvent(openai::CompletionChunk(id_, request_, index, text, logprobs, finish));
+      openai::ChunkChoice chunk;
+      chunk.index = index;
+      chunk.content = std::move(text);
+      chunk.logprobs = request_.logprobs ? openai::CompletionLogprobs(api_->tokenizer(), new_ids, new_logprobs,
+                                                                      &choice.text_offset)
+                                         : Json(nullptr);
+      chunk.finish_reason = finish;
+      out += openai::SseEvent(openai::CompletionChunk(id_, request_, chunk));
     }
   }
   responder_->Write(std::move(out));
@@ -312,6 +339,7 @@ OpenAiApi::OpenAiApi(OpenAiApiOptions options, const Tokenizer* tokenizer, const
   context_.tokenizer = tokenizer_;
   context_.chat = chat_;
   context_.max_model_len = options_.max_model_len;
+  context_.auto_tool_call_format = options_.auto_tool_call_format;
   stub_ = v1::Duet::NewStub(channel_);
   work_ = std::make_unique<WorkPool>(options_.work_threads, options_.max_queued_work);
 }

@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "duet/v1/duet.grpc.pb.h"
@@ -33,6 +34,9 @@ struct OpenAiApiOptions {
   std::function<std::string()> metrics_body;  // GET /metrics; none: 404
   std::string metrics_content_type = "text/plain; version=0.0.4; charset=utf-8";
   std::function<bool()> healthy;  // GET /health: 200 when true (no function: always 200)
+  // tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser): the calls' format; unset:
+  // "auto" is a 400.
+  std::optional<openai::ToolCallFormat> auto_tool_call_format;
   // The pool that parses, tokenizes, templates and detokenizes (never the HTTP io threads), and
   // how many requests may wait for it before new ones get 503.
   int work_threads = 4;

@@ -102,6 +102,8 @@ class OpenAiApiTest : public ::testing::Test {
     options.api_key = api_key;
     options.api_key_on_health_and_metrics = api_key_on_health_and_metrics_;
     options.max_concurrent_requests = max_concurrent_requests;
+    options.enable_auto_tool_choice = !tool_call_parser_.empty();
+    options.tool_call_parser = tool_call_parser_;
     options.metrics_body = [] { return std::string("duet:test 1\n"); };
     auto router = Router::Start(options);
     ASSERT_TRUE(router.ok()) << router.status();
@@ -125,6 +127,7 @@ class OpenAiApiTest : public ::testing::Test {
   }
 
   bool api_key_on_health_and_metrics_ = false;
+  std::string tool_call_parser_;  // non-empty: --enable-auto-tool-choice --tool-call-parser <it>
   FakePrefillWorker prefill_;
   FakeDecodeWorker decode_;
   std::unique_ptr<FakeServer> prefill_server_, decode_server_;
@@ -428,6 +431,74 @@ TEST_F(OpenAiApiTest, OversizedPromptIs413AndInvalidArgument) {
   const grpc::Status status = reader->Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
   EXPECT_EQ(decode_.num_decodes, 0);
+}
+
+// The data: payloads of an SSE body, [DONE] left out.
+std::vector<json> SseEvents(const std::string& body) {
+  std::vector<json> events;
+  size_t pos = 0;
+  while (pos < body.size()) {
+    const size_t end = body.find("\n\n", pos);
+    if (end == std::string::npos) break;
+    const std::string data = body.substr(pos + 6, end - pos - 6);
+    if (data != "[DONE]") events.push_back(json::parse(data));
+    pos = end + 2;
+  }
+  return events;
+}
+
+// tool_choice "auto" with the hermes parser: the calls in the model's text come back as
+// tool_calls, whole and as streaming deltas, with finish_reason "tool_calls".
+TEST_F(OpenAiApiTest, AutoToolCallsAreParsedWholeAndStreaming) {
+  tool_call_parser_ = "hermes";
+  StartRouter();
+  decode_.SetScript({"Sure.", "\n<tool", "_call>\n{\"name\": \"get_weather\", ",
+                     "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>", "\n"},
+                    "stop");
+  const std::string body =
+      R"({"messages":[{"role":"user","content":"Weather in Paris?"}],"max_tokens":20,
+          "tools":[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object"}}}]})";
+  Response r = Call("POST", "/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json whole = json::parse(r.body)["choices"][0];
+  EXPECT_EQ(whole["finish_reason"], "tool_calls");
+  EXPECT_EQ(whole["message"]["content"], "Sure.");
+  ASSERT_EQ(whole["message"]["tool_calls"].size(), 1u) << r.body;
+  EXPECT_EQ(whole["message"]["tool_calls"][0]["function"]["name"], "get_weather");
+  EXPECT_EQ(whole["message"]["tool_calls"][0]["function"]["arguments"], R"({"city":"Paris"})");
+
+  r = Call("POST", "/v1/chat/completions", body.substr(0, body.size() - 1) + R"(,"stream":true})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  std::string content;
+  std::vector<json> calls;
+  json finish;
+  for (const json& e : SseEvents(r.body)) {
+    const json& delta = e["choices"][0]["delta"];
+    if (delta.contains("content")) content += delta["content"].get<std::string>();
+    if (delta.contains("tool_calls")) {
+      for (const json& c : delta["tool_calls"]) calls.push_back(c);
+    }
+    if (!e["choices"][0]["finish_reason"].is_null()) finish = e["choices"][0]["finish_reason"];
+  }
+  EXPECT_EQ(content, "Sure.");
+  ASSERT_EQ(calls.size(), 1u) << r.body;
+  EXPECT_EQ(calls[0]["index"], 0);
+  EXPECT_EQ(calls[0]["id"].get<std::string>().rfind("chatcmpl-tool-", 0), 0u);
+  EXPECT_EQ(calls[0]["type"], "function");
+  EXPECT_EQ(calls[0]["function"]["name"], "get_weather");
+  EXPECT_EQ(calls[0]["function"]["arguments"], R"({"city":"Paris"})");
+  EXPECT_EQ(finish, "tool_calls");
+}
+
+TEST(RouterToolOptionsTest, AutoToolChoiceNeedsAParser) {
+  RouterOptions options;
+  options.model_dir = DUET_MODELS_DIR "/tiny-code-llama";
+  options.prefill_addresses = {"127.0.0.1:1"};
+  options.decode_addresses = {"127.0.0.1:1"};
+  options.enable_auto_tool_choice = true;
+  EXPECT_FALSE(Router::Start(options).ok());
+  options.tool_call_parser = "pythonic";
+  EXPECT_FALSE(Router::Start(options).ok());
 }
 
 // Tokenizing is not done on the HTTP io threads: while a big /tokenize waits for (or runs on)

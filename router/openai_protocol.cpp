@@ -214,19 +214,171 @@ absl::Status CheckUnsupportedFields(const Json& j, const ProtocolContext& contex
   return absl::OkStatus();
 }
 
-// Tool calling is not implemented: a request that asks for it is refused, naming the field,
-// rather than answered with unconstrained text. (tool_choice "none" and an empty tools list
-// ask for nothing.)
-absl::Status RejectToolCalling(const Json& j) {
-  if (auto it = j.find("tools"); it != j.end() && !it->is_null() && !(it->is_array() && it->empty())) {
-    return BadRequest("'tools' is not supported: tool calling is not implemented", "tools");
-  }
-  if (auto it = j.find("tool_choice"); it != j.end() && !it->is_null() && !(it->is_string() && *it == "none")) {
-    return BadRequest("'tool_choice' is not supported: tool calling is not implemented", "tool_choice");
-  }
+// The legacy function-calling fields (OpenAI's deprecated `functions` / `function_call`), which
+// vLLM does not take either: refused, naming the field.
+absl::Status RejectLegacyFunctions(const Json& j) {
   for (const char* legacy : {"functions", "function_call"}) {
     if (auto it = j.find(legacy); it != j.end() && !it->is_null()) {
-      return BadRequest(absl::StrCat("'", legacy, "' is not supported: function calling is not implemented"), legacy);
+      return BadRequest(absl::StrCat("'", legacy, "' is not supported: use 'tools' and 'tool_choice'"), legacy);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Completions have no tools: a request that asks for them is refused rather than answered with
+// unconstrained text. (tool_choice "none" and an empty tools list ask for nothing.)
+absl::Status RejectToolCalling(const Json& j) {
+  if (auto it = j.find("tools"); it != j.end() && !it->is_null() && !(it->is_array() && it->empty())) {
+    return BadRequest("'tools' is only supported in chat completions", "tools");
+  }
+  if (auto it = j.find("tool_choice"); it != j.end() && !it->is_null() && !(it->is_string() && *it == "none")) {
+    return BadRequest("'tool_choice' is only supported in chat completions", "tool_choice");
+  }
+  return RejectLegacyFunctions(j);
+}
+
+// A chat request's `tools` (function tools: name, optional description and parameters schema).
+absl::StatusOr<std::vector<ToolSpec>> ParseToolList(const Json& tools) {
+  if (!tools.is_array()) return WrongType("tools", "a list of tools", tools);
+  std::vector<ToolSpec> out;
+  for (size_t i = 0; i < tools.size(); ++i) {
+    const Json& tool = tools[i];
+    const std::string where = absl::StrCat("tools[", i, "]");
+    if (!tool.is_object()) return WrongType(where, "an object", tool);
+    if (auto type = tool.find("type"); type != tool.end() && !type->is_null() && *type != "function") {
+      return BadRequest(absl::StrCat("'", where, ".type' must be \"function\" (the only tool type)"), "tools");
+    }
+    auto function = tool.find("function");
+    if (function == tool.end() || !function->is_object()) {
+      return BadRequest(absl::StrCat("'", where, ".function' must be an object"), "tools");
+    }
+    auto name = function->find("name");
+    if (name == function->end() || !name->is_string() || name->get_ref<const std::string&>().empty()) {
+      return BadRequest(absl::StrCat("'", where, ".function.name' must be a non-empty string"), "tools");
+    }
+    if (auto d = function->find("description"); d != function->end() && !d->is_null() && !d->is_string()) {
+      return BadRequest(absl::StrCat("'", where, ".function.description' must be a string"), "tools");
+    }
+    ToolSpec spec{name->get<std::string>(), nullptr};
+    if (auto p = function->find("parameters"); p != function->end() && !p->is_null()) {
+      if (!p->is_object()) return BadRequest(absl::StrCat("'", where, ".function.parameters' must be an object"), "tools");
+      spec.parameters = *p;
+    }
+    out.push_back(std::move(spec));
+  }
+  return out;
+}
+
+// `tools`, `tool_choice` and `parallel_tool_calls` of a chat request, with vLLM's rules: tools
+// without tool_choice mean "auto"; "auto" needs the server's tool-call parser; "required" and a
+// named function are forced through the grammar engine (so they take no other structured-output
+// constraint). Call after ParseStructuredOutput.
+absl::Status ParseTools(const Json& j, const ProtocolContext& context, ParsedRequest* out) {
+  DUET_RETURN_IF_ERROR(RejectLegacyFunctions(j));
+  std::vector<ToolSpec> tools;
+  bool tools_given = false;
+  if (auto it = j.find("tools"); it != j.end() && !it->is_null()) {
+    DUET_ASSIGN_OR_RETURN(tools, ParseToolList(*it));
+    tools_given = true;
+  }
+  DUET_RETURN_IF_ERROR(GetBool(j, "parallel_tool_calls", &out->parallel_tool_calls));
+  auto choice = j.find("tool_choice");
+  const char* kChoices = "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}";
+  if (choice == j.end() || choice->is_null()) {
+    out->tool_choice = tools.empty() ? ToolChoice::kNone : ToolChoice::kAuto;
+  } else if (choice->is_string()) {
+    const std::string& c = choice->get_ref<const std::string&>();
+    if (c == "none") {
+      out->tool_choice = ToolChoice::kNone;
+    } else if (c == "auto" || c == "required") {
+      if (!tools_given) return BadRequest("When using `tool_choice`, `tools` must be set.", "tool_choice");
+      // Nothing to call: as "none" (OpenAI's behaviour for "required" with no tools).
+      out->tool_choice = tools.empty() ? ToolChoice::kNone : c == "auto" ? ToolChoice::kAuto : ToolChoice::kRequired;
+    } else {
+      return BadRequest(absl::StrCat("'tool_choice' must be ", kChoices, ", got \"", c, "\""), "tool_choice");
+    }
+  } else if (choice->is_object()) {
+    const Json function = choice->value("function", Json());
+    const Json name = function.is_object() ? function.value("name", Json()) : Json();
+    if (!name.is_string() || name.get_ref<const std::string&>().empty()) {
+      return BadRequest(absl::StrCat("'tool_choice' must be ", kChoices), "tool_choice");
+    }
+    if (!tools_given) return BadRequest("When using `tool_choice`, `tools` must be set.", "tool_choice");
+    out->tool_name = name.get<std::string>();
+    if (std::none_of(tools.begin(), tools.end(), [&](const ToolSpec& t) { return t.name == out->tool_name; })) {
+      return BadRequest(absl::StrCat("the tool '", out->tool_name, "' in `tool_choice` is not one of `tools`"),
+                        "tool_choice");
+    }
+    out->tool_choice = ToolChoice::kNamed;
+  } else {
+    return WrongType("tool_choice", kChoices, *choice);
+  }
+  if (out->tool_choice == ToolChoice::kAuto) {
+    if (!context.auto_tool_call_format) {
+      return BadRequest("\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set",
+                        "tool_choice");
+    }
+    out->tool_call_format = context.auto_tool_call_format;
+  }
+  if (out->tool_choice != ToolChoice::kRequired && out->tool_choice != ToolChoice::kNamed) return absl::OkStatus();
+  if (out->sampling.has_structured_output()) {
+    return BadRequest("'tool_choice' \"required\" or a named function forces the output's form and cannot be "
+                      "combined with response_format or guided_*",
+                      "tool_choice");
+  }
+  Json schema;
+  if (out->tool_choice == ToolChoice::kNamed) {
+    schema = NamedToolCallSchema(*std::find_if(tools.begin(), tools.end(),
+                                               [&](const ToolSpec& t) { return t.name == out->tool_name; }));
+  } else {
+    absl::StatusOr<Json> required = RequiredToolCallSchema(tools, out->parallel_tool_calls);
+    if (!required.ok()) return BadRequest(required.status().message(), "tools");
+    schema = *std::move(required);
+  }
+  v1::SamplingOptions forced;
+  forced.mutable_structured_output()->set_json_schema(schema.dump(-1, ' ', false, Json::error_handler_t::replace));
+  absl::StatusOr<SamplingParams> converted = rpc::ToSamplingParams(forced);
+  if (!converted.ok()) return BadRequest(converted.status().message(), "tools");
+  if (absl::StatusOr<std::shared_ptr<const grammar::Grammar>> g = grammar::BuildGrammar(converted->structured_output);
+      !g.ok()) {
+    return BadRequest(absl::StrCat("tools: the parameters cannot be enforced: ", g.status().message()), "tools");
+  }
+  *out->sampling.mutable_structured_output() = forced.structured_output();
+  return absl::OkStatus();
+}
+
+// An assistant message's tool_calls as chat templates expect them (as vLLM and Hugging Face pass
+// them): each call's `arguments`, a JSON string in the API, as the JSON value it holds.
+absl::Status NormalizeToolCalls(const std::string& where, Json* message) {
+  auto calls = message->find("tool_calls");
+  if (calls == message->end() || calls->is_null()) return absl::OkStatus();
+  const std::string field = where + ".tool_calls";
+  if (!calls->is_array()) return WrongType(field, "a list of tool calls", *calls);
+  for (size_t k = 0; k < calls->size(); ++k) {
+    Json& call = (*calls)[k];
+    const std::string at = absl::StrCat(field, "[", k, "]");
+    if (!call.is_object()) return WrongType(at, "an object", call);
+    auto function = call.find("function");
+    if (function == call.end() || !function->is_object()) {
+      return BadRequest(absl::StrCat("'", at, ".function' must be an object"), field);
+    }
+    auto name = function->find("name");
+    if (name == function->end() || !name->is_string()) {
+      return BadRequest(absl::StrCat("'", at, ".function.name' must be a string"), field);
+    }
+    auto arguments = function->find("arguments");
+    if (arguments == function->end() || arguments->is_null()) {
+      (*function)["arguments"] = Json::object();
+    } else if (arguments->is_string()) {
+      const std::string& text = arguments->get_ref<const std::string&>();
+      Json value = DepthWithin(text, kMaxJsonDepth) ? Json::parse(text, nullptr, /*allow_exceptions=*/false)
+                                                    : Json(Json::value_t::discarded);
+      if (value.is_discarded()) {
+        return BadRequest(absl::StrCat("'", at, ".function.arguments' is not valid JSON"), field);
+      }
+      *arguments = std::move(value);
+    } else if (!arguments->is_object()) {
+      return WrongType(at + ".function.arguments", "a JSON string", *arguments);
     }
   }
   return absl::OkStatus();
@@ -366,8 +518,9 @@ absl::Status ParseCommon(const Json& j, const ProtocolContext& context, ParsedRe
   DUET_RETURN_IF_ERROR(ParseSampling(j, context, out));
   DUET_RETURN_IF_ERROR(ParseStops(j, &out->sampling));
   DUET_RETURN_IF_ERROR(CheckUnsupportedFields(j, context, out->n));
-  DUET_RETURN_IF_ERROR(RejectToolCalling(j));
+  if (!out->chat) DUET_RETURN_IF_ERROR(RejectToolCalling(j));
   DUET_RETURN_IF_ERROR(ParseStructuredOutput(j, &out->sampling));
+  if (out->chat) DUET_RETURN_IF_ERROR(ParseTools(j, context, out));
   DUET_RETURN_IF_ERROR(ParseStreaming(j, out));
   if (auto it = j.find("request_id"); it != j.end() && !it->is_null()) {
     if (!it->is_string()) return WrongType("request_id", "a string", *it);
@@ -554,6 +707,7 @@ absl::StatusOr<std::string> RenderChat(const Json& j, const ProtocolContext& con
       return BadRequest(absl::StrCat("'", where, ".role' must be a string"), where + ".role");
     }
     Json copy = message;
+    DUET_RETURN_IF_ERROR(NormalizeToolCalls(where, &copy));
     auto content = message.find("content");
     if (content == message.end() || content->is_null()) {
       copy["content"] = nullptr;
@@ -816,11 +970,23 @@ Json ChatResponse(const std::string& id, const ParsedRequest& request, const Tok
     choice["index"] = c.index;
     Json message;
     message["role"] = "assistant";
-    message["content"] = c.text;
+    std::string finish_reason = c.finish_reason;
+    if (std::unique_ptr<ToolCallParser> parser = NewToolCallParser(request)) {
+      const ParsedOutput parsed = ParseToolCalls(*parser, c.text);
+      message["content"] = parsed.calls.empty() || !parsed.content.empty() ? Json(parsed.content) : Json(nullptr);
+      if (!parsed.calls.empty()) {
+        Json calls = Json::array();
+        for (const ToolCall& call : parsed.calls) calls.push_back(ToolCallJson(call));
+        message["tool_calls"] = std::move(calls);
+      }
+      finish_reason = ChatFinishReason(finish_reason, static_cast<int>(parsed.calls.size()));
+    } else {
+      message["content"] = c.text;
+    }
     choice["message"] = std::move(message);
     choice["logprobs"] = request.logprobs ? ChatLogprobs(tokenizer, c.token_ids, c.logprobs, *request.logprobs)
                                           : Json(nullptr);
-    choice["finish_reason"] = c.finish_reason.empty() ? Json(nullptr) : Json(c.finish_reason);
+    choice["finish_reason"] = finish_reason.empty() ? Json(nullptr) : Json(finish_reason);
     list.push_back(std::move(choice));
   }
   out["choices"] = std::move(list);
@@ -828,34 +994,83 @@ Json ChatResponse(const std::string& id, const ParsedRequest& request, const Tok
   return out;
 }
 
-Json CompletionChunk(const std::string& id, const ParsedRequest& request, int index, const std::string& text,
-                     const Json& logprobs, const std::optional<std::string>& finish_reason) {
+Json CompletionChunk(const std::string& id, const ParsedRequest& request, const ChunkChoice& c) {
   Json out = Header(id, "text_completion", request);
   Json choice;
-  choice["index"] = index;
-  choice["text"] = text;
-  choice["logprobs"] = logprobs;
-  choice["finish_reason"] = finish_reason ? Json(*finish_reason) : Json(nullptr);
+  choice["index"] = c.index;
+  choice["text"] = c.content.value_or("");
+  choice["logprobs"] = c.logprobs;
+  choice["finish_reason"] = c.finish_reason ? Json(*c.finish_reason) : Json(nullptr);
   out["choices"] = Json::array({std::move(choice)});
   if (request.include_usage) out["usage"] = nullptr;
   return out;
 }
 
-Json ChatChunk(const std::string& id, const ParsedRequest& request, int index, bool role,
-               const std::optional<std::string>& content, const Json& logprobs,
-               const std::optional<std::string>& finish_reason) {
+Json ChatChunk(const std::string& id, const ParsedRequest& request, const ChunkChoice& c) {
   Json out = Header(id, "chat.completion.chunk", request);
   Json choice;
-  choice["index"] = index;
+  choice["index"] = c.index;
   Json delta = Json::object();
-  if (role) delta["role"] = "assistant";
-  if (content) delta["content"] = *content;
+  if (c.role) delta["role"] = "assistant";
+  if (c.content) delta["content"] = *c.content;
+  if (!c.tool_calls.empty()) {
+    Json calls = Json::array();
+    for (const OutputDelta::Call& call : c.tool_calls) calls.push_back(ToolCallDeltaJson(call));
+    delta["tool_calls"] = std::move(calls);
+  }
   choice["delta"] = std::move(delta);
-  choice["logprobs"] = logprobs;
-  choice["finish_reason"] = finish_reason ? Json(*finish_reason) : Json(nullptr);
+  choice["logprobs"] = c.logprobs;
+  choice["finish_reason"] = c.finish_reason ? Json(*c.finish_reason) : Json(nullptr);
   out["choices"] = Json::array({std::move(choice)});
   if (request.include_usage) out["usage"] = nullptr;
   return out;
+}
+
+Json ToolCallDeltaJson(const OutputDelta::Call& call) {
+  Json out;
+  out["index"] = call.index;
+  Json function;
+  if (call.id) {
+    out["id"] = *call.id;
+    out["type"] = "function";
+    function["name"] = call.name;
+  }
+  function["arguments"] = call.arguments;
+  out["function"] = std::move(function);
+  return out;
+}
+
+Json ToolCallJson(const ToolCall& call) {
+  Json out;
+  out["id"] = call.id;
+  out["type"] = "function";
+  Json function;
+  function["name"] = call.name;
+  function["arguments"] = call.arguments;
+  out["function"] = std::move(function);
+  return out;
+}
+
+std::string ChatFinishReason(const std::string& finish_reason, int num_tool_calls) {
+  return num_tool_calls > 0 && finish_reason == "stop" ? "tool_calls" : finish_reason;
+}
+
+std::unique_ptr<ToolCallParser> NewToolCallParser(const ParsedRequest& request, ToolCallIdFn new_id) {
+  switch (request.tool_choice) {
+    case ToolChoice::kNone:
+      return nullptr;
+    case ToolChoice::kAuto:
+      return request.tool_call_format
+                 ? NewAutoToolCallParser(*request.tool_call_format,
+                                         request.parallel_tool_calls ? std::numeric_limits<int>::max() : 1,
+                                         std::move(new_id))
+                 : nullptr;
+    case ToolChoice::kRequired:
+      return NewRequiredToolCallParser(std::move(new_id));
+    case ToolChoice::kNamed:
+      return NewNamedToolCallParser(request.tool_name, std::move(new_id));
+  }
+  return nullptr;
 }
 
 Json UsageChunk(const std::string& id, const ParsedRequest& request, int prompt_tokens, int completion_tokens) {

@@ -22,6 +22,7 @@
 #include "frontend/tokenizer/tokenizer.h"
 #include "grpcpp/support/status.h"
 #include "nlohmann/json.hpp"
+#include "router/openai_tool_calls.h"
 
 namespace duet::router::openai {
 
@@ -59,7 +60,16 @@ struct ProtocolContext {
   int64_t max_model_len = 0;
   int max_n = 128;         // n above this is "absurd"
   int max_logprobs = 20;   // like vLLM's default max_logprobs
+  // --enable-auto-tool-choice with --tool-call-parser: tool_choice "auto" parses calls in this
+  // format; unset: "auto" is a 400 (as vLLM).
+  std::optional<ToolCallFormat> auto_tool_call_format;
 };
+
+// What a chat request asks of its `tools`. kNone: the tools reach the template (as vLLM's
+// default) but the output is content. kAuto: calls are parsed from the output in the server's
+// format. kRequired and kNamed: the grammar engine forces calls (a JSON schema made from the
+// tools' parameters).
+enum class ToolChoice { kNone, kAuto, kRequired, kNamed };
 
 // One prompt of a request: text (tokenized by the router, with special tokens) or token ids.
 struct PromptInput {
@@ -85,7 +95,16 @@ struct ParsedRequest {
   // The client's `request_id` (a vLLM extra field; at most kMaxRequestIdBytes): the response is
   // "cmpl-<request_id>" / "chatcmpl-<request_id>".
   std::optional<std::string> request_id;
+  // Chat: tool calling.
+  ToolChoice tool_choice = ToolChoice::kNone;
+  std::string tool_name;  // kNamed
+  bool parallel_tool_calls = true;
+  std::optional<ToolCallFormat> tool_call_format;  // kAuto
 };
+
+// The parser that splits a choice's output into content and tool calls; null when the request
+// does not parse tool calls.
+std::unique_ptr<ToolCallParser> NewToolCallParser(const ParsedRequest& request, ToolCallIdFn new_id = nullptr);
 
 absl::StatusOr<ParsedRequest> ParseCompletionRequest(std::string_view body, const ProtocolContext& context);
 absl::StatusOr<ParsedRequest> ParseChatRequest(std::string_view body, const ProtocolContext& context);
@@ -127,18 +146,30 @@ Json ChatLogprobs(const Tokenizer* tokenizer, const std::vector<int32_t>& ids,
                   const std::vector<v1::TokenLogprobs>& logprobs, int top_n);
 
 // Whole (non-streaming) responses. `echo_prefix[i]` is prepended to prompt i's choices (echo).
+// Chat: a request that parses tool calls (NewToolCallParser) answers them in message.tool_calls
+// (content null when only calls were made) and finish_reason "tool_calls" for a choice that made
+// calls and stopped.
 Json CompletionResponse(const std::string& id, const ParsedRequest& request, const Tokenizer* tokenizer,
                         const std::vector<ChoiceResult>& choices, const std::vector<std::string>& echo_prefix);
 Json ChatResponse(const std::string& id, const ParsedRequest& request, const Tokenizer* tokenizer,
                   const std::vector<ChoiceResult>& choices);
 
-// Streaming chunks (the JSON of one `data:` event).
-Json CompletionChunk(const std::string& id, const ParsedRequest& request, int index, const std::string& text,
-                     const Json& logprobs, const std::optional<std::string>& finish_reason);
-// `role`: the first chunk of a choice ({"role":"assistant","content":""}).
-Json ChatChunk(const std::string& id, const ParsedRequest& request, int index, bool role,
-               const std::optional<std::string>& content, const Json& logprobs,
-               const std::optional<std::string>& finish_reason);
+// One choice of a streaming chunk (the JSON of one `data:` event).
+struct ChunkChoice {
+  int index = 0;
+  bool role = false;                   // chat: the first chunk of a choice ({"role":"assistant","content":""})
+  std::optional<std::string> content;  // chat: delta.content (absent when unset); completions: text
+  std::vector<OutputDelta::Call> tool_calls;  // chat: delta.tool_calls
+  Json logprobs;                       // null: none
+  std::optional<std::string> finish_reason;
+};
+Json CompletionChunk(const std::string& id, const ParsedRequest& request, const ChunkChoice& choice);
+Json ChatChunk(const std::string& id, const ParsedRequest& request, const ChunkChoice& choice);
+// delta.tool_calls / message.tool_calls entries.
+Json ToolCallDeltaJson(const OutputDelta::Call& call);
+Json ToolCallJson(const ToolCall& call);
+// A chat choice's finish reason: "tool_calls" when it made calls and stopped.
+std::string ChatFinishReason(const std::string& finish_reason, int num_tool_calls);
 // The last chunk with include_usage: empty choices and the usage.
 Json UsageChunk(const std::string& id, const ParsedRequest& request, int prompt_tokens, int completion_tokens);
 

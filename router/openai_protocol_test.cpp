@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <sstream>
+
 #include "frontend/chat_template/chat_template.h"
 #include "frontend/tokenizer/tokenizer.h"
 #include "absl/strings/str_cat.h"
@@ -205,7 +208,6 @@ TEST_F(ProtocolTest, BadStructuredOutputsAndToolCallsAre400NamingTheField) {
       {R"("guided_regex":"a","guided_choice":["b"])", "guided_choice"},
       {R"("response_format":{"type":"json_object"},"guided_regex":"a")", "guided_regex"},
       {R"("structured_outputs":{"whitespace_pattern":"x"})", "structured_outputs.whitespace_pattern"},
-      {R"("tools":[{"type":"function","function":{"name":"f","parameters":{}}}])", "tools"},
       {R"("tool_choice":"required")", "tool_choice"},
       {R"("tool_choice":{"type":"function","function":{"name":"f"}})", "tool_choice"},
       {R"("functions":[{"name":"f"}])", "functions"},
@@ -222,6 +224,179 @@ TEST_F(ProtocolTest, BadStructuredOutputsAndToolCallsAre400NamingTheField) {
   // Asking for no tools is not asking for tool calls.
   EXPECT_TRUE(ParseChatRequest(R"({"messages":[{"role":"user","content":"hi"}],"tools":[],"tool_choice":"none"})",
                                context_).ok());
+}
+
+constexpr char kWeatherTool[] =
+    R"({"type":"function","function":{"name":"get_weather","description":"Weather in a city.",
+        "parameters":{"type":"object","properties":{"city":{"type":"string","maxLength":12}},"required":["city"]}}})";
+
+std::string ChatWithTools(const std::string& extra) {
+  return absl::StrCat(R"({"messages":[{"role":"user","content":"Weather in Paris?"}],"tools":[)", kWeatherTool,
+                      R"(,{"type":"function","function":{"name":"ping"}}])", extra, "}");
+}
+
+TEST_F(ProtocolTest, ToolChoiceModes) {
+  context_.auto_tool_call_format = ToolCallFormat::kHermes;
+  ParsedRequest r = *ParseChatRequest(ChatWithTools(""), context_);  // tools without tool_choice: auto
+  EXPECT_EQ(r.tool_choice, ToolChoice::kAuto);
+  EXPECT_EQ(r.tool_call_format, ToolCallFormat::kHermes);
+  EXPECT_FALSE(r.sampling.has_structured_output());
+  ASSERT_NE(NewToolCallParser(r), nullptr);
+
+  r = *ParseChatRequest(ChatWithTools(R"(,"tool_choice":"none")"), context_);
+  EXPECT_EQ(r.tool_choice, ToolChoice::kNone);
+  EXPECT_EQ(NewToolCallParser(r), nullptr);
+  EXPECT_FALSE(r.sampling.has_structured_output());
+
+  // required: an array of calls to one of the tools, forced by the grammar engine.
+  r = *ParseChatRequest(ChatWithTools(R"(,"tool_choice":"required","parallel_tool_calls":false)"), context_);
+  EXPECT_EQ(r.tool_choice, ToolChoice::kRequired);
+  EXPECT_FALSE(r.parallel_tool_calls);
+  const Json required = Json::parse(r.sampling.structured_output().json_schema());
+  EXPECT_EQ(required["type"], "array");
+  EXPECT_EQ(required["maxItems"], 1);
+  EXPECT_EQ(required["items"]["anyOf"][0]["properties"]["name"]["enum"][0], "get_weather");
+  EXPECT_EQ(required["items"]["anyOf"][1]["properties"]["name"]["enum"][0], "ping");
+
+  // A named function: its parameters are the schema.
+  r = *ParseChatRequest(ChatWithTools(R"(,"tool_choice":{"type":"function","function":{"name":"get_weather"}})"),
+                        context_);
+  EXPECT_EQ(r.tool_choice, ToolChoice::kNamed);
+  EXPECT_EQ(r.tool_name, "get_weather");
+  EXPECT_EQ(Json::parse(r.sampling.structured_output().json_schema()),
+            Json::parse(kWeatherTool)["function"]["parameters"]);
+
+  // Nothing to call: "required" with an empty list is "none" (as OpenAI and vLLM).
+  r = *ParseChatRequest(R"({"messages":[{"role":"user","content":"x"}],"tools":[],"tool_choice":"required"})", context_);
+  EXPECT_EQ(r.tool_choice, ToolChoice::kNone);
+}
+
+TEST_F(ProtocolTest, ToolErrorsAre400NamingTheField) {
+  // No --enable-auto-tool-choice: "auto" (also implied by tools alone) is refused, as in vLLM.
+  ApiError e = ChatError(ChatWithTools(""));
+  EXPECT_EQ(e.param, "tool_choice");
+  EXPECT_NE(e.message.find("--enable-auto-tool-choice"), std::string::npos) << e.message;
+  EXPECT_EQ(ChatError(ChatWithTools(R"(,"tool_choice":"auto")")).param, "tool_choice");
+  const struct {
+    std::string body;
+    const char* param;
+  } cases[] = {
+      {ChatWithTools(R"(,"tool_choice":"sometimes")"), "tool_choice"},
+      {ChatWithTools(R"(,"tool_choice":5)"), "tool_choice"},
+      {ChatWithTools(R"(,"tool_choice":{"type":"function"})"), "tool_choice"},
+      {ChatWithTools(R"(,"tool_choice":{"type":"function","function":{"name":"nope"}})"), "tool_choice"},
+      {ChatWithTools(R"(,"tool_choice":"required","response_format":{"type":"json_object"})"), "tool_choice"},
+      {ChatWithTools(R"(,"tool_choice":"required","parallel_tool_calls":"yes")"), "parallel_tool_calls"},
+      {R"({"messages":[{"role":"user","content":"x"}],"tool_choice":"required"})", "tool_choice"},
+      {R"({"messages":[{"role":"user","content":"x"}],"tools":5,"tool_choice":"none"})", "tools"},
+      {R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"code_interpreter"}],"tool_choice":"none"})",
+       "tools"},
+      {R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{}}],"tool_choice":"none"})",
+       "tools"},
+      {R"({"messages":[{"role":"user","content":"x"}],"tools":[{"function":{"name":"f","parameters":[]}}],"tool_choice":"none"})",
+       "tools"},
+      // A schema the grammar engine cannot enforce is refused when it is to be enforced.
+      {R"({"messages":[{"role":"user","content":"x"}],"tool_choice":"required",
+          "tools":[{"function":{"name":"f","parameters":{"type":"integer","minimum":3}}}]})",
+       "tools"},
+      // History: an assistant's tool call arguments must be JSON.
+      {R"({"messages":[{"role":"user","content":"x"},{"role":"assistant","content":null,
+          "tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{oops"}}]}]})",
+       "messages[1].tool_calls"},
+      {R"({"messages":[{"role":"assistant","tool_calls":[{"function":{}}]}]})", "messages[0].tool_calls"},
+      {R"({"messages":[{"role":"assistant","tool_calls":{}}]})", "messages[0].tool_calls"},
+  };
+  for (const auto& c : cases) {
+    ApiError error = ChatError(c.body);
+    EXPECT_EQ(error.status, 400) << c.body;
+    EXPECT_EQ(error.param.value_or(""), c.param) << c.body << " → " << error.message;
+  }
+  // The same schema with tool_choice "none" is only shown to the template.
+  EXPECT_TRUE(ParseChatRequest(R"({"messages":[{"role":"user","content":"x"}],"tool_choice":"none",
+      "tools":[{"function":{"name":"f","parameters":{"type":"integer","minimum":3}}}]})", context_).ok());
+  // Completions have no tools.
+  EXPECT_EQ(CompletionError(absl::StrCat(R"({"prompt":"x","tools":[)", kWeatherTool, "]}")).param, "tools");
+}
+
+// `tools` reach the template, and a history with tool calls (arguments as JSON strings, as the
+// API has them) and tool results renders, with the arguments as objects (as HF and vLLM pass them).
+TEST_F(ProtocolTest, ToolsAndToolHistoryRenderThroughTheTemplate) {
+  const std::string history = absl::StrCat(
+      R"({"messages":[{"role":"user","content":"Weather in Paris?"},
+          {"role":"assistant","content":null,"tool_calls":[{"id":"call-1","type":"function",
+            "function":{"name":"get_weather","arguments":"{\"city\": \"Paris\"}"}}]},
+          {"role":"tool","tool_call_id":"call-1","content":"21 C"}],"tool_choice":"none","tools":[)",
+      kWeatherTool, "]}");
+  // The bundled model's template (the fallback): Hermes-style.
+  absl::StatusOr<std::string> fallback = RenderChat(Json::parse(history), context_);
+  ASSERT_TRUE(fallback.ok()) << fallback.status();
+  EXPECT_NE(fallback->find(R"({"type": "function", "function": {"name": "get_weather")"), std::string::npos) << *fallback;
+  EXPECT_NE(fallback->find("<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": "
+                           "\"Paris\"}}\n</tool_call><|im_end|>\n<|im_start|>tool\n21 C<|im_end|>\n"),
+            std::string::npos)
+      << *fallback;
+  // Llama 3.1's template: tools in the user turn, the call as JSON, the result as ipython.
+  std::ifstream file(std::string(DUET_SOURCE_DIR) + "/tests/chat_template_parity/templates/llama3_1_tools.jinja");
+  std::stringstream source;
+  source << file.rdbuf();
+  absl::StatusOr<ChatTemplate> llama = ChatTemplate::Parse(source.str());
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  LoadedChatTemplate loaded{*std::move(llama), false, "<|begin_of_text|>", "<|eot_id|>"};
+  ProtocolContext context = context_;
+  context.chat = &loaded;
+  absl::StatusOr<std::string> rendered = RenderChat(Json::parse(history), context);
+  ASSERT_TRUE(rendered.ok()) << rendered.status();
+  EXPECT_NE(rendered->find(R"("name": "get_weather")"), std::string::npos) << *rendered;
+  EXPECT_NE(rendered->find(R"({"name": "get_weather", "parameters": {"city": "Paris"}})"), std::string::npos)
+      << *rendered;
+  EXPECT_NE(rendered->find("<|start_header_id|>ipython<|end_header_id|>\n\n\"21 C\""), std::string::npos) << *rendered;
+}
+
+TEST_F(ProtocolTest, ChatResponseToolCalls) {
+  context_.auto_tool_call_format = ToolCallFormat::kHermes;
+  ParsedRequest r = *ParseChatRequest(ChatWithTools(""), context_);
+  std::vector<ChoiceResult> choices(2);
+  choices[0].text = "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+  choices[0].finish_reason = "stop";
+  choices[1].index = 1;
+  choices[1].text = "<tool_call>{broken</tool_call>";
+  choices[1].finish_reason = "stop";
+  r.n = 2;
+  const Json out = ChatResponse("chatcmpl-t", r, tokenizer_.get(), choices);
+  const Json& called = out["choices"][0];
+  EXPECT_EQ(called["finish_reason"], "tool_calls");
+  EXPECT_EQ(called["message"]["content"], "Checking.");
+  ASSERT_EQ(called["message"]["tool_calls"].size(), 1u);
+  const Json& call = called["message"]["tool_calls"][0];
+  EXPECT_EQ(call["id"].get<std::string>().rfind("chatcmpl-tool-", 0), 0u);
+  EXPECT_EQ(call["type"], "function");
+  EXPECT_EQ(call["function"]["name"], "get_weather");
+  EXPECT_EQ(Json::parse(call["function"]["arguments"].get<std::string>()), Json::parse(R"({"city":"Paris"})"));
+  // Malformed: content as it was, no tool_calls, the engine's finish reason.
+  const Json& plain = out["choices"][1];
+  EXPECT_EQ(plain["finish_reason"], "stop");
+  EXPECT_EQ(plain["message"]["content"], "<tool_call>{broken</tool_call>");
+  EXPECT_FALSE(plain["message"].contains("tool_calls"));
+  // Only calls: content null. Cut short: "length" stays.
+  choices.resize(1);
+  choices[0].text = "<tool_call>{\"name\": \"ping\", \"arguments\": {}}</tool_call>";
+  r.n = 1;
+  EXPECT_TRUE(ChatResponse("c", r, tokenizer_.get(), choices)["choices"][0]["message"]["content"].is_null());
+  choices[0].finish_reason = "length";
+  EXPECT_EQ(ChatResponse("c", r, tokenizer_.get(), choices)["choices"][0]["finish_reason"], "length");
+
+  // Streaming: a delta opens a call with id, type and name; continuations carry arguments only.
+  OutputDelta::Call first{0, "chatcmpl-tool-1", "get_weather", "{\"ci"};
+  EXPECT_EQ(ToolCallDeltaJson(first).dump(),
+            R"({"index":0,"id":"chatcmpl-tool-1","type":"function","function":{"name":"get_weather","arguments":"{\"ci"}})");
+  OutputDelta::Call more{0, std::nullopt, "", "ty\"}"};
+  EXPECT_EQ(ToolCallDeltaJson(more).dump(), R"({"index":0,"function":{"arguments":"ty\"}"}})");
+  ChunkChoice chunk;
+  chunk.tool_calls = {first};
+  r.chat = true;
+  const Json delta = ChatChunk("c", r, chunk)["choices"][0]["delta"];
+  EXPECT_FALSE(delta.contains("content"));
+  EXPECT_EQ(delta["tool_calls"][0]["function"]["name"], "get_weather");
 }
 
 TEST_F(ProtocolTest, ErrorBodyShape) {
@@ -307,7 +482,9 @@ TEST_F(ProtocolTest, SseFramingAndChunks) {
   ParsedRequest r = Completion(R"({"prompt":"x","stream":true,"stream_options":{"include_usage":true}})");
   r.created = 123;
   r.model = "tiny";
-  const std::string event = SseEvent(CompletionChunk("cmpl-1", r, 0, "ab", Json(nullptr), std::nullopt));
+  ChunkChoice text;
+  text.content = "ab";
+  const std::string event = SseEvent(CompletionChunk("cmpl-1", r, text));
   EXPECT_EQ(event,
             "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"created\":123,\"model\":\"tiny\",\"choices\":"
             "[{\"index\":0,\"text\":\"ab\",\"logprobs\":null,\"finish_reason\":null}],\"usage\":null}\n\n");
@@ -316,10 +493,15 @@ TEST_F(ProtocolTest, SseFramingAndChunks) {
   EXPECT_TRUE(usage["choices"].empty());
   EXPECT_EQ(usage["usage"]["total_tokens"], 7);
   r.chat = true;
-  const Json first = ChatChunk("chatcmpl-1", r, 0, true, std::string(), Json(nullptr), std::nullopt);
+  ChunkChoice role;
+  role.role = true;
+  role.content = "";
+  const Json first = ChatChunk("chatcmpl-1", r, role);
   EXPECT_EQ(first["object"], "chat.completion.chunk");
   EXPECT_EQ(first["choices"][0]["delta"], Json::parse(R"({"role":"assistant","content":""})"));
-  const Json last = ChatChunk("chatcmpl-1", r, 0, false, std::nullopt, Json(nullptr), "length");
+  ChunkChoice finished;
+  finished.finish_reason = "length";
+  const Json last = ChatChunk("chatcmpl-1", r, finished);
   EXPECT_EQ(last["choices"][0]["delta"], Json::object());
   EXPECT_EQ(last["choices"][0]["finish_reason"], "length");
   EXPECT_EQ(NewId("cmpl-").size(), 5u + 32u);

@@ -70,6 +70,15 @@ class RouterImpl : public Router {
       return absl::InvalidArgumentError("max_concurrent_requests must be >= 1");
     }
     if (options.max_queued_requests < 0) return absl::InvalidArgumentError("max_queued_requests must be >= 0");
+    std::optional<openai::ToolCallFormat> tool_call_format;
+    if (!options.tool_call_parser.empty()) {
+      absl::StatusOr<openai::ToolCallFormat> format = openai::ParseToolCallFormat(options.tool_call_parser);
+      if (!format.ok()) return format.status();
+      tool_call_format = *format;
+    }
+    if (options.enable_auto_tool_choice && !tool_call_format) {
+      return absl::InvalidArgumentError("--enable-auto-tool-choice requires --tool-call-parser");
+    }
     absl::StatusOr<ModelConfig> config = LoadModelConfig(options.model_dir);
     if (!config.ok()) return config.status();
     absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(options.model_dir);
@@ -188,6 +197,7 @@ class RouterImpl : public Router {
       http_options.metrics_body = options.metrics_body;
       if (!http_options.metrics_body) http_options.metrics_body = [this] { return RenderMetrics(); };
       http_options.healthy = [this] { return Serving(); };
+      if (options.enable_auto_tool_choice) http_options.auto_tool_call_format = tool_call_format;
       http_options.on_response = [metrics = &service_->metrics()](const std::string& path, const std::string& method,
                                                                   int status, double seconds) {
         metrics->RecordHttpRequest(path, method, status, seconds);

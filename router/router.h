@@ -49,6 +49,10 @@ struct RouterOptions {
   std::string internal_token;
   // On a stop signal, how long RunRouter lets running requests finish (see StartDraining).
   int shutdown_grace_seconds = 30;
+  // Chat tool calling (vLLM's flags): tool_choice "auto" needs enable_auto_tool_choice and a
+  // tool_call_parser ("llama3_json" or "hermes", router/openai_tool_calls.h).
+  bool enable_auto_tool_choice = false;
+  std::string tool_call_parser;
   // GET /metrics on the HTTP port returns this; none: the router's own RenderMetrics().
   std::function<std::string()> metrics_body;
 };

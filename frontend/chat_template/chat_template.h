@@ -18,11 +18,28 @@ struct Node;
 }  // namespace jinja
 
 // For models whose tokenizer_config.json has no chat_template (e.g. the bundled tiny model):
-// ChatML turns, with an optional generation prompt.
+// ChatML turns, with an optional generation prompt. With `tools`, a system turn lists them and
+// asks for Hermes-style <tool_call>{"name": ..., "arguments": ...}</tool_call> calls (the
+// `hermes` tool-call parser reads them); an assistant turn's tool_calls are written that way.
 inline constexpr char kFallbackChatTemplate[] =
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' and messages[0]['content'] is string %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- 'You can call these functions (JSON signatures):\\n<tools>\\n' }}"
+    "{%- for tool in tools %}{{- (tool | tojson) + '\\n' }}{%- endfor %}"
+    "{{- '</tools>\\nTo call one, answer <tool_call>{\"name\": <function name>, \"arguments\": <arguments object>}</tool_call>.<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] if message['content'] is string else '') "
-    "+ '<|im_end|>\\n' }}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] if message['content'] is string else '') }}"
+    "{%- if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set function = call['function'] if call['function'] is defined else call %}"
+    "{{- '<tool_call>\\n{\"name\": ' + (function['name'] | tojson) + ', \"arguments\": ' + (function['arguments'] if function['arguments'] is string else function['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
 

@@ -6,6 +6,7 @@
 //   5 KV layout descriptor (kvtransfer::KvLayout::Deserialize)
 //   6 tokenizer.json (loaded, then encodes and decodes a sample)
 //   7 chat template source (parsed, then rendered with a conversation)
+//   8 model output through each tool-call parser (router/openai_tool_calls.h), whole and streamed
 // Whatever the bytes, a parser must return a status, never crash, and what it accepts must
 // satisfy the invariants checked below.
 #include <unistd.h>
@@ -14,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -37,7 +39,7 @@ namespace {
 namespace http = boost::beast::http;
 using router::openai::Json;
 
-constexpr int kTargets = 8;
+constexpr int kTargets = 9;
 const std::string kModelDir = std::string(DUET_MODELS_DIR) + "/tiny-code-llama";
 
 struct Model {
@@ -59,6 +61,7 @@ const Model& TheModel() {
     m->context.tokenizer = m->tokenizer.get();
     m->context.chat = m->chat.get();
     m->context.max_model_len = 2048;
+    m->context.auto_tool_call_format = router::openai::ToolCallFormat::kHermes;
     return m;
   }();
   return *model;
@@ -184,6 +187,44 @@ void CheckChatTemplate(const std::string& source) {
   if (!rendered.ok()) DUET_CHECK(!rendered.status().message().empty());
 }
 
+// Every parser: the whole text and the text streamed in pieces (cut where the text's own bytes
+// say) give the same content and calls; parsed calls' arguments are JSON objects.
+void CheckToolCallParsers(const std::string& text) {
+  using namespace router::openai;
+  const std::vector<std::function<std::unique_ptr<ToolCallParser>(ToolCallIdFn)>> parsers = {
+      [](ToolCallIdFn id) { return NewAutoToolCallParser(ToolCallFormat::kLlama3Json, 4, std::move(id)); },
+      [](ToolCallIdFn id) { return NewAutoToolCallParser(ToolCallFormat::kHermes, 1 << 20, std::move(id)); },
+      [](ToolCallIdFn id) { return NewRequiredToolCallParser(std::move(id)); },
+      [](ToolCallIdFn id) { return NewNamedToolCallParser("f", std::move(id)); },
+  };
+  for (size_t p = 0; p < parsers.size(); ++p) {
+    auto ids = [] {
+      auto next = std::make_shared<int>(0);
+      return ToolCallIdFn([next] { return std::to_string((*next)++); });
+    };
+    std::unique_ptr<ToolCallParser> whole_parser = parsers[p](ids());
+    const ParsedOutput whole = ParseToolCalls(*whole_parser, text);
+    std::unique_ptr<ToolCallParser> streaming = parsers[p](ids());
+    ParsedOutput streamed;
+    for (size_t at = 0; at < text.size();) {
+      const size_t piece = std::min<size_t>(text.size() - at, 1 + (static_cast<unsigned char>(text[at]) % 13));
+      OutputDelta delta;
+      streaming->Push(std::string_view(text).substr(at, piece), &delta);
+      Accumulate(delta, &streamed);
+      at += piece;
+    }
+    OutputDelta last;
+    streaming->Finish(&last);
+    Accumulate(last, &streamed);
+    DUET_CHECK(streamed.content == whole.content && streamed.calls.size() == whole.calls.size());
+    DUET_CHECK(static_cast<int>(whole.calls.size()) == whole_parser->num_calls());
+    for (size_t i = 0; i < whole.calls.size(); ++i) {
+      DUET_CHECK(streamed.calls[i].name == whole.calls[i].name && streamed.calls[i].arguments == whole.calls[i].arguments);
+      if (p < 3) DUET_CHECK(Json::parse(whole.calls[i].arguments, nullptr, /*allow_exceptions=*/false).is_object());
+    }
+  }
+}
+
 std::string ReadFileOrEmpty(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::stringstream text;
@@ -236,6 +277,8 @@ std::vector<std::string> Seeds() {
   add(0, R"({"prompt":["a","b"],"max_tokens":1,"frequency_penalty":0.5,"presence_penalty":-0.5,"repetition_penalty":1.1,"top_k":5,"min_p":0.1,"ignore_eos":true,"request_id":"r1"})");
   add(1, R"({"model":"tiny-code-llama","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"hi"}],"max_tokens":4,"logprobs":true,"top_logprobs":2})");
   add(1, R"({"messages":[{"role":"user","content":[{"type":"text","text":"hello"}]},{"role":"assistant","content":"yes"},{"role":"user","content":"more"}],"stream":true,"max_completion_tokens":3,"stop":"x"})");
+  add(1, R"({"messages":[{"role":"user","content":"w?"},{"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function","function":{"name":"get_weather","arguments":"{\"city\": \"Paris\"}"}}]},{"role":"tool","tool_call_id":"c","content":"21"}],"tools":[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}],"tool_choice":"required","parallel_tool_calls":false})");
+  add(1, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":{"type":"function","function":{"name":"f"}}})");
   add(2, R"({"prompt":"hello world <|begin_of_text|>","add_special_tokens":true})");
   add(2, R"({"messages":[{"role":"user","content":"hi"}],"add_generation_prompt":true})");
   add(3, R"({"tokens":[0,1,2,100,8000]})");
@@ -266,6 +309,9 @@ std::vector<std::string> Seeds() {
   add(7, "{% for m in messages %}{{ loop.index }}:{{ m.role|upper }}={{ m.content if m.content is string else "
          "m.content|tojson }}{% if not loop.last %}, {% endif %}{% endfor %}{% set x = [1, 2] %}{{ x|length }}"
          "{{ bos_token ~ (eos_token|default('?')) }}{% if tools is none %}-{% elif tools %}t{% endif %}");
+  add(8, "Sure.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": [1, \"}\"]}}\n</tool_call>\n<tool_call>{bad");
+  add(8, "<|python_tag|>{\"name\": \"f\", \"parameters\": {}}; {\"name\": \"g\", \"arguments\": \"{}\"}");
+  add(8, "[{\"name\": \"f\", \"parameters\": {\"x\": \"\\u00e9\\\"\"}}, {\"name\": \"g\", \"parameters\": {}}]");
   return seeds;
 }
 
@@ -283,7 +329,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 4: duet::CheckHttpRequest(payload); break;
     case 5: duet::CheckKvLayout(payload); break;
     case 6: duet::CheckTokenizerJson(payload); break;
-    default: duet::CheckChatTemplate(payload); break;
+    case 7: duet::CheckChatTemplate(payload); break;
+    default: duet::CheckToolCallParsers(payload); break;
   }
   return 0;
 }

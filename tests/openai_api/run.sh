@@ -4,7 +4,10 @@
 #   1. the official `openai` npm SDK (openai_sdk_test.mjs): completions and chat, streaming and
 #      not, n > 1, stop strings, usage, logprobs, error classes;
 #   1b. structured outputs (structured_outputs_test.mjs): every constrained output of
-#      tests/structured_outputs/cases.json parses and validates; tools is a 400;
+#      tests/structured_outputs/cases.json parses and validates; tools without
+#      --enable-auto-tool-choice is a 400;
+#   1c. tool calls (tool_calls_test.mjs) through two more routers, --tool-call-parser hermes and
+#      llama3_json: tool_choice required, named and auto (forced), streaming and not;
 #   2. curl -N: the exact SSE framing;
 #   3. greedy parity: HTTP completions equal `duet generate` for the same prompt_token_ids;
 #   4. a second router with --api-key, --max-concurrent-requests 1 and no queue
@@ -81,6 +84,13 @@ start router_auth "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --ht
   --prefill "127.0.0.1:$PREFILL_PORT" --decode "127.0.0.1:$DECODE_PORT" --api-key test-key \
   --max-concurrent-requests 1 --max-queued-requests 0
 AUTH_PORT=$PORT
+for parser in hermes llama3_json; do
+  # shellcheck disable=SC2086
+  start "router_$parser" "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --http-port 0 \
+    --prefill "127.0.0.1:$PREFILL_PORT" --decode "127.0.0.1:$DECODE_PORT" --enable-auto-tool-choice \
+    --tool-call-parser "$parser"
+  declare "TOOLS_PORT_$parser=$PORT"
+done
 # Port 1 refuses connections: no worker is ever up.
 # shellcheck disable=SC2086
 start router_down "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --http-port 0 \
@@ -105,6 +115,11 @@ OPENAI_BASE_URL=$BASE/v1 OPENAI_AUTH_BASE_URL=http://127.0.0.1:$AUTH_PORT/v1 \
 # 1b. Structured outputs through the SDK: every constrained output parses and validates.
 OPENAI_BASE_URL=$BASE/v1 MODEL_NAME=$MODEL_NAME NODE_DEPS_DIR=$NODE_DIR \
   CASES=$HERE/../structured_outputs/cases.json node "$HERE/structured_outputs_test.mjs"
+
+# 1c. Tool calls through the SDK, both formats.
+OPENAI_HERMES_BASE_URL=http://127.0.0.1:$TOOLS_PORT_hermes/v1 \
+  OPENAI_LLAMA_BASE_URL=http://127.0.0.1:$TOOLS_PORT_llama3_json/v1 MODEL_NAME=$MODEL_NAME NODE_DEPS_DIR=$NODE_DIR \
+  node "$HERE/tool_calls_test.mjs"
 
 # 2. curl -N: exact SSE framing.
 curl -sN "$BASE/v1/completions" -H 'Content-Type: application/json' \

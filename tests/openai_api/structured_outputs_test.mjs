@@ -2,7 +2,8 @@
 // case of tests/structured_outputs/cases.json, sampled at temperature > 0 with several seeds,
 // through completions (vLLM's guided_json / guided_regex / guided_choice / guided_grammar) and chat
 // completions (response_format json_schema / json_object), streaming and not; every output must
-// parse and validate. Unsupported parameters (tools) are a 400 naming the parameter.
+// parse and validate. Bad parameters are a 400 naming the parameter (tools, which mean
+// tool_choice "auto", too: this router has no --enable-auto-tool-choice).
 // Env: OPENAI_BASE_URL (…/v1), MODEL_NAME, NODE_DEPS_DIR, CASES (the cases.json path).
 import assert from 'node:assert/strict';
 import { readFileSync } from 'node:fs';
@@ -162,9 +163,9 @@ await test('chat: response_format json_schema (strict) and json_object, streamin
   await Promise.all(requests);
 });
 
-await test('unsupported and bad structured-output parameters are 400 naming the parameter', async () => {
+await test('bad structured-output and tool parameters are 400 naming the parameter', async () => {
   const bad = [
-    [{ tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object' } } }] }, 'tools'],
+    [{ tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object' } } }] }, 'tool_choice'],
     [{ tool_choice: 'required' }, 'tool_choice'],
     [{ guided_regex: '(unclosed' }, 'guided_regex'],
     [{ guided_json: { type: 'integer', minimum: 3 } }, 'guided_json'],

@@ -1,0 +1,22 @@
+// Flags of the OpenAI-compatible API that `duet router` and `duet serve` share (serve passes
+// them on to its router).
+#pragma once
+
+#include <string>
+
+#include "CLI/CLI.hpp"
+
+namespace duet {
+
+// --enable-auto-tool-choice and --tool-call-parser, as vLLM's.
+inline void AddToolCallFlags(CLI::App* cmd, bool* enable_auto_tool_choice, std::string* tool_call_parser) {
+  cmd->add_flag("--enable-auto-tool-choice", *enable_auto_tool_choice,
+                "Chat completions: tool_choice \"auto\" (also implied by tools alone) parses tool calls from the "
+                "output with --tool-call-parser (without it, \"auto\" is a 400, as in vLLM)");
+  cmd->add_option("--tool-call-parser", *tool_call_parser,
+                  "The tool-call format of the model's output: llama3_json (Llama 3.x JSON) or hermes "
+                  "(<tool_call> blocks: Hermes, Qwen, and the bundled model's built-in template)")
+      ->check(CLI::IsMember({"llama3_json", "hermes"}));
+}
+
+}  // namespace duet
