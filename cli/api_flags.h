@@ -3,10 +3,20 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "CLI/CLI.hpp"
 
 namespace duet {
+
+// --served-model-name NAME [NAME...], as vLLM's.
+inline void AddServedModelNameFlag(CLI::App* cmd, std::vector<std::string>* names) {
+  cmd->add_option("--served-model-name", *names,
+                  "The model's names: the first in responses and metrics, every one accepted as a request's "
+                  "`model` (default: the model directory's base name)")
+      ->expected(1, -1)
+      ->default_str("");
+}
 
 // --enable-auto-tool-choice and --tool-call-parser, as vLLM's.
 inline void AddToolCallFlags(CLI::App* cmd, bool* enable_auto_tool_choice, std::string* tool_call_parser) {

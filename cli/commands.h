@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "engine/llm_engine.h"
 
@@ -46,6 +47,8 @@ struct ServeOptions {
   double prefix_affinity = 4.0;                 // the router's --prefix-affinity
   bool enable_auto_tool_choice = false;  // the router's (cli/api_flags.h)
   std::string tool_call_parser;
+  std::vector<std::string> served_model_names;  // the router's (all) and the workers' (the first)
+  std::string host = "127.0.0.1";               // where the router listens (the workers stay on loopback)
 };
 int RunServe(const ServeOptions& options);
 

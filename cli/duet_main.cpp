@@ -11,9 +11,13 @@
 #include "cli/engine_flags.h"
 #include "cli/role_commands.h"
 #include "common/logging.h"
+#include "common/version.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"Duet: disaggregated LLM serving"};
+  app.set_version_flag("--version", std::string("duet ") + duet::DuetVersion());
+  // Every option's default in --help (subcommands inherit this).
+  app.option_defaults()->always_capture_default();
   app.require_subcommand(1);
   app.fallthrough();  // --log-level also after the subcommand
   std::string log_level;
@@ -72,9 +76,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 1e6));
   serve_cmd->add_option("--shutdown-grace-seconds", serve.shutdown_grace_seconds,
                         "On SIGTERM/SIGINT: how long running requests may take to finish while new ones get "
-                        "UNAVAILABLE / HTTP 503 (default 30)")
+                        "UNAVAILABLE / HTTP 503")
       ->check(CLI::Range(0, 86400));
   duet::AddToolCallFlags(serve_cmd, &serve.enable_auto_tool_choice, &serve.tool_call_parser);
+  duet::AddServedModelNameFlag(serve_cmd, &serve.served_model_names);
+  serve_cmd->add_option("--host", serve.host,
+                        "Address the router's HTTP and gRPC ports listen on (the workers stay on 127.0.0.1)");
 
   duet::CompleteOptions complete;
   CLI::App* complete_cmd = app.add_subcommand("complete", "Send one prompt to a running router and stream the text");

@@ -22,7 +22,8 @@ struct EngineFlags {
         ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
     app->add_option("--block-size", config->block_size, "Tokens per KV-cache block")->check(CLI::Range(1, 1024));
     app->add_option("--num-kv-blocks", config->num_kv_blocks, "KV-cache blocks (default: from --kv-cache-gib)")
-        ->check(CLI::Range(1, 1 << 28));
+        ->check(CLI::Range(1, 1 << 28))
+        ->default_str("");
     app->add_option("--kv-cache-gib", kv_cache_gib, "cpu: KV-cache memory in GiB")->check(CLI::Range(0.001, 4096.0));
     app->add_option("--gpu-memory-utilization", config->gpu_memory_utilization,
                     "cuda: fraction of the GPU's memory this process may use; the KV cache gets what the "
@@ -39,7 +40,8 @@ struct EngineFlags {
     app->add_option("--max-num-batched-tokens", config->scheduler.max_num_batched_tokens, "Tokens per step")
         ->check(CLI::Range(1, 1 << 24));
     app->add_option("--max-model-len", config->scheduler.max_model_len, "Context limit (default: the model's)")
-        ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+        ->default_str("");
     config->scheduler.max_model_len = 0;
     app->add_option("--speculation", speculation,
                     "Default speculative decoding for requests that do not choose (the request field "
@@ -49,7 +51,8 @@ struct EngineFlags {
                     "Draft model directory (same tokenizer) for speculation 'draft'");
     app->add_option("--self-spec-layers", config->speculation.self_spec_layers,
                     "Target layers that draft for speculation 'self' (default: half)")
-        ->check(CLI::Range(1, 1024));
+        ->check(CLI::Range(1, 1024))
+        ->default_str("");
     app->add_option("--max-draft-tokens", config->speculation.max_draft_tokens,
                     "Most draft tokens per request and step (the adaptive budget decides below it)")
         ->check(CLI::Range(0, 63));

@@ -20,7 +20,7 @@ constexpr char kServiceHelp[] =
     "(host:port a line); with or instead of the static list";
 
 constexpr char kGraceHelp[] =
-    "On SIGTERM/SIGINT: how long running requests may take to finish while new ones are turned away (default 30)";
+    "On SIGTERM/SIGINT: how long running requests may take to finish while new ones are turned away";
 
 // The role's internal token into *token; false (the reason logged) when the file is unusable.
 bool LoadToken(const std::string& file, std::string* token) {
@@ -38,17 +38,17 @@ bool LoadToken(const std::string& file, std::string* token) {
 RoleCommands::RoleCommands(CLI::App& app) {
   router_cmd_ = app.add_subcommand("router", "Run the router (public gRPC API) in front of its workers (listed or discovered)");
   router_cmd_->add_option("--model", router_.model_dir, "Model directory (tokenizer, config)")->required();
-  router_cmd_->add_option("--served-model-name", router_.served_model_name, "Model name in responses");
+  AddServedModelNameFlag(router_cmd_, &router_.served_model_names);
   router_cmd_->add_option("--host", router_.host, "Address to listen on");
   router_cmd_->add_option("--port", router_.port, "gRPC port (0: any free port)")->check(CLI::Range(0, 65535));
   router_cmd_->add_option("--prefill", router_.prefill_addresses, "Prefill workers, host:port,...")
-      ->delimiter(',');
+      ->delimiter(',')->default_str("");
   router_cmd_->add_option("--decode", router_.decode_addresses, "Decode workers, host:port,...")
-      ->delimiter(',');
-  router_cmd_->add_option("--prefill-service", router_.prefill_services, kServiceHelp)->delimiter(',');
-  router_cmd_->add_option("--decode-service", router_.decode_services, kServiceHelp)->delimiter(',');
+      ->delimiter(',')->default_str("");
+  router_cmd_->add_option("--prefill-service", router_.prefill_services, kServiceHelp)->delimiter(',')->default_str("");
+  router_cmd_->add_option("--decode-service", router_.decode_services, kServiceHelp)->delimiter(',')->default_str("");
   router_cmd_->add_option("--discovery-interval-ms", router_.discovery_interval_ms,
-                          "How often --prefill-service / --decode-service are resolved again (default 2000)")
+                          "How often --prefill-service / --decode-service are resolved again")
       ->check(CLI::Range(100, 3600000));
   router_cmd_->add_option("--max-concurrent-requests", router_.max_concurrent_requests,
                           "Requests placed on workers at once; more wait in the router's queue")
@@ -57,7 +57,8 @@ RoleCommands::RoleCommands(CLI::App& app) {
                           "Requests waiting beyond --max-concurrent-requests; more get RESOURCE_EXHAUSTED "
                           "(HTTP 429 with Retry-After)")
       ->check(CLI::Range(0, 1 << 20));
-  router_cmd_->add_option("--max-model-len", router_.max_model_len, "Context limit (default: the model's)");
+  router_cmd_->add_option("--max-model-len", router_.max_model_len, "Context limit (default: the model's)")
+      ->default_str("");
   router_cmd_->add_option("--kv-lease-ms", router_.kv_lease_ms, "How long a KV reservation waits for its decode call")
       ->check(CLI::Range(100, 3600000));
   router_cmd_->add_option("--http-port", router_.http_port, "OpenAI-compatible HTTP port (-1: none, 0: any free port)")
@@ -100,6 +101,11 @@ CLI::App* RoleCommands::AddWorkerCommand(CLI::App& app, const std::string& name,
                                          std::string& token_file, const std::string& staging_help) {
   CLI::App* cmd = app.add_subcommand(name, description);
   engine_flags.Add(cmd);
+  cmd->add_option_function<std::vector<std::string>>(
+         "--served-model-name", [&options](const std::vector<std::string>& names) { options.service.model_name = names[0]; },
+         "The model's names, the first as the model_name label of this worker's metrics (default: the model "
+         "directory's base name)")
+      ->expected(1, -1);
   cmd->add_option("--host", options.host, "Address to listen on");
   cmd->add_option("--port", options.port, "gRPC port (0: any free port)")->check(CLI::Range(0, 65535));
   cmd->add_option("--metrics-port", options.metrics_port, "Prometheus /metrics port (-1: off, 0: any free port)")
@@ -108,14 +114,17 @@ CLI::App* RoleCommands::AddWorkerCommand(CLI::App& app, const std::string& name,
   cmd->add_option_function<int>(
          "--shutdown-grace-seconds", [&options](int seconds) { options.shutdown_grace = absl::Seconds(seconds); },
          kGraceHelp)
-      ->check(CLI::Range(0, 86400));
+      ->check(CLI::Range(0, 86400))
+      ->default_str(std::to_string(absl::ToInt64Seconds(options.shutdown_grace)));
   cmd->add_option("--kv-staging-tokens", options.service.kv_pools.staging_tokens, staging_help)
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 26));
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 26))
+      ->default_str("");
   cmd->add_flag("--kv-checksums", options.service.verify_kv_checksums,
                 "Checksum every KV layer (prefill: send them; decode: ask for them and verify)");
   cmd->add_flag("!--no-kv-device-transfer", options.service.kv_pools.device_transfers,
                 "cuda: stage every KV transfer through host memory, even to a worker on this host "
-                "(default: CUDA IPC between device caches on one host)");
+                "(default: CUDA IPC between device caches on one host)")
+      ->default_str("");
   return cmd;
 }
 

@@ -239,6 +239,7 @@ int RunServe(const ServeOptions& options) {
         std::tuple{"prefill", options.num_prefill_workers, &prefill_addresses}}) {
     for (int i = 0; i < count; ++i) {
       std::vector<std::string> argv = {self, absl::StrCat(role, "-worker"), "--shutdown-grace-seconds", grace};
+      if (!options.served_model_names.empty()) argv.insert(argv.end(), {"--served-model-name", options.served_model_names[0]});
       for (std::string& f : EngineFlags(options)) argv.push_back(std::move(f));
       // Only prefill workers prefill: --sp-ranks (or --prefill-sp-ranks) is theirs.
       const int sp_ranks = std::max(options.prefill_sp_ranks, options.engine.sequence_parallel.ranks);
@@ -270,6 +271,11 @@ int RunServe(const ServeOptions& options) {
                                           "--prefix-affinity", absl::StrCat(options.prefix_affinity)};
   if (options.api_key_on_health_and_metrics) router_argv.push_back("--api-key-on-health-and-metrics");
   if (options.enable_auto_tool_choice) router_argv.push_back("--enable-auto-tool-choice");
+  router_argv.insert(router_argv.end(), {"--host", options.host});
+  if (!options.served_model_names.empty()) {
+    router_argv.push_back("--served-model-name");
+    router_argv.insert(router_argv.end(), options.served_model_names.begin(), options.served_model_names.end());
+  }
   if (!options.tool_call_parser.empty()) router_argv.insert(router_argv.end(), {"--tool-call-parser", options.tool_call_parser});
   if (options.engine.scheduler.max_model_len > 0) {
     router_argv.insert(router_argv.end(), {"--max-model-len", std::to_string(options.engine.scheduler.max_model_len)});
@@ -289,8 +295,8 @@ int RunServe(const ServeOptions& options) {
     stop_workers();
     return 1;
   }
-  DUET_LOG(INFO) << "router on 127.0.0.1:" << *grpc_port << " (gRPC duet.v1.Duet)"
-                 << (options.http_port >= 0 ? absl::StrCat(", OpenAI HTTP API on 127.0.0.1:", *http_port) : "")
+  DUET_LOG(INFO) << "router on " << options.host << ":" << *grpc_port << " (gRPC duet.v1.Duet)"
+                 << (options.http_port >= 0 ? absl::StrCat(", OpenAI HTTP API on ", options.host, ":", *http_port) : "")
                  << "; prefill " << absl::StrJoin(prefill_addresses, ",") << "; decode "
                  << absl::StrJoin(decode_addresses, ",");
   if (options.http_port >= 0) std::printf("DUET_HTTP_READY port=%s\n", http_port->c_str());

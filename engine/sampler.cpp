@@ -59,6 +59,12 @@ absl::Status SamplingParams::Validate() const {
   for (int32_t id : stop_token_ids) {
     if (id < 0) return bad("stop_token_ids", id, "non-negative");
   }
+  for (size_t i = 0; i < logit_bias.size(); ++i) {
+    const auto& [id, bias] = logit_bias[i];
+    if (id < 0) return bad("logit_bias", id, "a non-negative token id");
+    if (i > 0 && id <= logit_bias[i - 1].first) return absl::InvalidArgumentError("logit_bias: token ids must be sorted and unique");
+    if (!(bias >= -100.0f && bias <= 100.0f)) return bad("logit_bias", bias, "in [-100, 100]");
+  }
   return absl::OkStatus();
 }
 
@@ -66,6 +72,12 @@ SamplerRng::SamplerRng(std::optional<uint64_t> seed)
     : engine_(seed.has_value() ? *seed : std::random_device{}() * 0x9E3779B97F4A7C15ull ^ std::random_device{}()) {}
 
 double SamplerRng::Uniform() { return double(engine_() >> 11) * 0x1.0p-53; }
+
+void Sampler::ApplyLogitBias(absl::Span<float> logits, const SamplingParams& params) {
+  for (const auto& [id, bias] : params.logit_bias) {
+    if (id >= 0 && size_t(id) < logits.size()) logits[size_t(id)] += bias;  // ids past the vocabulary: none
+  }
+}
 
 void Sampler::ApplyPenalties(absl::Span<float> logits, const SamplingParams& params,
                              absl::Span<const int32_t> prompt, absl::Span<const int32_t> output) {
@@ -181,7 +193,8 @@ SampledToken Sampler::Sample(absl::Span<float> logits, const SamplingParams& par
   SampledToken result;
   std::vector<float> raw;
   if (params.logprobs >= 0) raw.assign(logits.begin(), logits.end());
-  // The mask goes last so that no penalty can lift a disallowed token off -infinity.
+  // The bias first (as vLLM); the mask last so that nothing can lift a disallowed token off -infinity.
+  ApplyLogitBias(logits, params);
   ApplyPenalties(logits, params, prompt, output);
   if (!allowed.empty()) ApplyTokenMask(logits, allowed);
   if (params.greedy()) {

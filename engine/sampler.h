@@ -1,4 +1,4 @@
-// Turns one row of logits into the next token: penalties, temperature, min-p, top-k, top-p,
+// Turns one row of logits into the next token: logit bias, penalties, temperature, min-p, top-k, top-p,
 // then a greedy pick or a draw from the request's own random stream. Also reports logprobs
 // (of the model's raw distribution, as vLLM does by default).
 #pragma once
@@ -42,6 +42,7 @@ class Sampler {
                              SamplerRng& rng, absl::Span<const uint32_t> allowed = {});
 
   // The steps of Sample, exposed for tests and for speculative verification.
+  static void ApplyLogitBias(absl::Span<float> logits, const SamplingParams& params);
   static void ApplyPenalties(absl::Span<float> logits, const SamplingParams& params,
                              absl::Span<const int32_t> prompt, absl::Span<const int32_t> output);
   // Temperature, min-p, top-k, top-p → the probability of every token (zero where filtered).

@@ -121,6 +121,28 @@ TEST(SamplerTest, LogprobsAreOfTheRawDistribution) {
   EXPECT_NEAR(t.top_logprobs[1].logprob, std::log(probs[4]), 1e-5);
 }
 
+// OpenAI's logit_bias: added to the logits before penalties and sampling; logprobs stay raw.
+TEST(SamplerTest, LogitBiasShiftsTheChoiceAndKeepsRawLogprobs) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.logprobs = 0;
+  p.logit_bias = {{1, -100.0f}, {3, 4.0f}};  // the argmax (1, logit 2.5) out; 3 (-1 + 4 = 3) wins
+  ASSERT_TRUE(p.Validate().ok());
+  std::vector<float> l = Logits();
+  SamplerRng rng(0);
+  const SampledToken t = Sampler::Sample(absl::MakeSpan(l), p, {}, {}, rng);
+  EXPECT_EQ(t.token, 3);
+  EXPECT_NEAR(t.logprob, std::log(Softmax(Logits(), 1.0f)[3]), 1e-5);
+  // Sampled: a -100 bias takes a token out of any draw.
+  p.temperature = 1.0f;
+  p.logit_bias = {{1, -100.0f}, {4, -100.0f}};
+  for (int i = 0; i < 200; ++i) {
+    std::vector<float> row = Logits();
+    const int32_t token = Sampler::Sample(absl::MakeSpan(row), p, {}, {}, rng).token;
+    EXPECT_TRUE(token != 1 && token != 4) << token;
+  }
+}
+
 // Draws many samples and checks the empirical distribution against the target with a
 // chi-square test (critical values at p = 0.001, so a correct sampler fails 1 in 1000 runs per
 // case; the seeds are fixed, so the outcome is reproducible).
@@ -210,6 +232,10 @@ TEST(SamplerTest, ValidateRejectsOutOfRange) {
   p = SamplingParams(); p.max_tokens = 0; EXPECT_FALSE(p.Validate().ok());
   p = SamplingParams(); p.stop = {""}; EXPECT_FALSE(p.Validate().ok());
   p = SamplingParams(); p.temperature = NAN; EXPECT_FALSE(p.Validate().ok());
+  p = SamplingParams(); p.logit_bias = {{-1, 1.0f}}; EXPECT_FALSE(p.Validate().ok());
+  p = SamplingParams(); p.logit_bias = {{1, 100.5f}}; EXPECT_FALSE(p.Validate().ok());
+  p = SamplingParams(); p.logit_bias = {{2, 1.0f}, {1, 1.0f}}; EXPECT_FALSE(p.Validate().ok());
+  p = SamplingParams(); p.logit_bias = {{1, NAN}}; EXPECT_FALSE(p.Validate().ok());
   EXPECT_TRUE(SamplingParams().Validate().ok());
 }
 

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -36,6 +37,9 @@ struct SamplingParams {
   std::vector<std::string> stop;
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
+  // (token id, bias) added to that token's logit before penalties (OpenAI's logit_bias), sorted
+  // by id, each id once, biases in [-100, 100].
+  std::vector<std::pair<int32_t, float>> logit_bias;
   int32_t logprobs = -1;  // -1: none; N >= 0: chosen token's logprob plus top-N
   std::optional<SpeculationMode> speculation;  // unset: the server's default
   // Grammar-constrained decoding (JSON schema, regex, choice, GBNF). A constrained request never

@@ -27,6 +27,7 @@ class ObservedResponder final : public HttpResponder, public std::enable_shared_
     status_.store(status, std::memory_order_release);
     inner_->StartStream(status, std::move(content_type));
   }
+  void AddHeader(std::string name, std::string value) override { inner_->AddHeader(std::move(name), std::move(value)); }
   void Write(std::string data) override { inner_->Write(std::move(data)); }
   void End() override {
     inner_->End();
@@ -71,6 +72,7 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const HttpFron
   }
   OpenAiApiOptions api_options;
   api_options.model_name = options.model_name;
+  api_options.model_aliases = options.model_aliases;
   api_options.max_model_len = options.max_model_len;
   api_options.api_key = options.api_key;
   api_options.api_key_on_health_and_metrics = options.api_key_on_health_and_metrics;
@@ -83,6 +85,7 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const HttpFron
   server_options.host = options.host;
   server_options.port = options.port;
   server_options.num_threads = options.num_threads;
+  server_options.on_rejected = options.on_response;
   OpenAiApi* api = frontend->api_.get();
   frontend->on_response_ = options.on_response;
   const OnResponse* on_response = frontend->on_response_ ? &frontend->on_response_ : nullptr;

@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "frontend/chat_template/chat_template.h"
@@ -23,6 +24,7 @@ struct HttpFrontendOptions {
   int work_threads = 4;  // parsing, tokenization, templating (OpenAiApiOptions::work_threads)
   std::string model_dir;   // for the chat template
   std::string model_name;
+  std::vector<std::string> model_aliases;  // OpenAiApiOptions'
   int64_t max_model_len = 0;
   std::string api_key;
   bool api_key_on_health_and_metrics = false;  // OpenAiApiOptions'
@@ -30,7 +32,9 @@ struct HttpFrontendOptions {
   std::function<bool()> healthy;
   std::optional<openai::ToolCallFormat> auto_tool_call_format;  // OpenAiApiOptions'
   // Each response once it ended (its last byte queued, or the client gone after its head): the
-  // request's path and method, the status and the seconds since the request arrived.
+  // request's path and method, the status and the seconds since the request arrived. Also the
+  // server's own answers to requests it cannot read (400, 413, 431; path and method empty when
+  // the header was not read).
   std::function<void(const std::string& path, const std::string& method, int status, double seconds)> on_response;
 };
 

@@ -61,6 +61,10 @@ class Responder final : public HttpResponder {
   void Respond(int status, std::string content_type, std::string body,
                std::vector<std::pair<std::string, std::string>> extra_headers) override;
   void StartStream(int status, std::string content_type) override;
+  void AddHeader(std::string name, std::string value) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    headers_.emplace_back(std::move(name), std::move(value));
+  }
   void Write(std::string data) override;
   void End() override;
   void SetCancelHandler(std::function<void()> on_cancel) override {
@@ -107,6 +111,7 @@ class Responder final : public HttpResponder {
   bool ended_ = false;
   bool cancelled_ = false;
   std::function<void()> on_cancel_;
+  std::vector<std::pair<std::string, std::string>> headers_;  // AddHeader's
 };
 
 class Session : public std::enable_shared_from_this<Session> {
@@ -144,6 +149,7 @@ class Session : public std::enable_shared_from_this<Session> {
   ServerImpl* const server_;
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
+  std::chrono::steady_clock::time_point request_start_;  // the first byte of the request being read
   net::steady_timer timer_;
   struct Out {
     std::string bytes;
@@ -287,14 +293,17 @@ void Responder::Post(std::string bytes, bool last) {
 
 void Responder::Respond(int status, std::string content_type, std::string body,
                         std::vector<std::pair<std::string, std::string>> extra_headers) {
+  std::vector<std::pair<std::string, std::string>> headers;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (ended_ || cancelled_ || started_) return;
     ended_ = true;
+    headers = headers_;
   }
   std::string out = StatusLine(status);
   absl::StrAppend(&out, "Content-Type: ", content_type, "\r\nContent-Length: ", body.size(),
                   "\r\nConnection: ", close_after ? "close" : "keep-alive", "\r\n");
+  for (const auto& [name, value] : headers) absl::StrAppend(&out, name, ": ", value, "\r\n");
   for (const auto& [name, value] : extra_headers) absl::StrAppend(&out, name, ": ", value, "\r\n");
   out += "\r\n";
   out += body;
@@ -302,15 +311,19 @@ void Responder::Respond(int status, std::string content_type, std::string body,
 }
 
 void Responder::StartStream(int status, std::string content_type) {
+  std::vector<std::pair<std::string, std::string>> headers;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (ended_ || cancelled_ || started_) return;
     started_ = true;
+    headers = headers_;
   }
   std::string out = StatusLine(status);
   absl::StrAppend(&out, "Content-Type: ", content_type, http10 ? "" : "\r\nTransfer-Encoding: chunked",
                   "\r\nCache-Control: no-cache\r\nX-Accel-Buffering: no\r\nConnection: ",
-                  close_after ? "close" : "keep-alive", "\r\n\r\n");
+                  close_after ? "close" : "keep-alive", "\r\n");
+  for (const auto& [name, value] : headers) absl::StrAppend(&out, name, ": ", value, "\r\n");
+  out += "\r\n";
   Post(std::move(out), false);
 }
 
@@ -372,6 +385,7 @@ void Session::DoRead() {
 }
 
 void Session::ReadRequest() {
+  request_start_ = std::chrono::steady_clock::now();
   if (Idle()) ArmTimer(server_->options().read_timeout);
   http::async_read_header(socket_, buffer_, *parser_, [self = shared_from_this()](error_code ec, size_t) {
     if (ec) {
@@ -384,6 +398,17 @@ void Session::ReadRequest() {
 }
 
 void Session::QueueError(int status, const std::string& payload) {
+  if (const auto& on_rejected = server_->options().on_rejected) {
+    std::string path, method;
+    if (parser_) {  // the request line, when it was read (a body too large is known after the header)
+      const auto& header = parser_->get();
+      method = std::string(header.method_string());
+      const std::string target(header.target());
+      path = target.substr(0, target.find('?'));
+    }
+    on_rejected(path, method, status,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - request_start_).count());
+  }
   std::string out = StatusLine(status);
   absl::StrAppend(&out, "Content-Type: ", kErrorContentType, "\r\nContent-Length: ", payload.size(),
                   "\r\nConnection: close\r\n\r\n", payload);

@@ -40,6 +40,9 @@ class HttpResponder {
                        std::vector<std::pair<std::string, std::string>> extra_headers = {}) = 0;
   // Starts a chunked response (e.g. text/event-stream); then Write() chunks and End().
   virtual void StartStream(int status, std::string content_type) = 0;
+  // A header for the response, whichever way it goes (before Respond or StartStream). `value`
+  // must be printable ASCII.
+  virtual void AddHeader(std::string name, std::string value) = 0;
   virtual void Write(std::string data) = 0;
   virtual void End() = 0;
   // `on_cancel` runs once (on an io thread) if the connection closes before the response ends.
@@ -61,6 +64,10 @@ struct HttpServerOptions {
   int max_pipelined_requests = 16;
   std::chrono::milliseconds read_timeout{30000};   // from the first byte of a request to its end
   std::chrono::milliseconds idle_timeout{120000};  // keep-alive connection without a request
+  // The server's own answers to requests it cannot read (413, 431, 400), which no handler sees:
+  // the request's path and method (empty when its header was not read), the status and the
+  // seconds since its first byte.
+  std::function<void(const std::string& path, const std::string& method, int status, double seconds)> on_rejected;
 };
 
 class HttpServer {

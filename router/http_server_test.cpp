@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <mutex>
+
 #include <atomic>
 #include <functional>
 #include <boost/asio/connect.hpp>
@@ -75,6 +77,15 @@ class HttpServerTest : public ::testing::Test {
       } else if (request.path == "/hang") {  // never answers; the cancel callback counts
         r->SetCancelHandler([this] { cancelled_++; });
         hung_ = r;
+      } else if (request.path == "/headers") {  // AddHeader, then a whole response (GET) or a stream
+        r->AddHeader("X-Request-Id", "abc");
+        if (request.method == "GET") {
+          r->Respond(200, "text/plain", "whole");
+        } else {
+          r->StartStream(200, "text/event-stream");
+          r->Write("data: 1\n\n");
+          r->End();
+        }
       } else if (request.path == "/throw") {
         throw std::runtime_error("boom");
       } else {
@@ -124,6 +135,56 @@ TEST_F(HttpServerTest, BodyTooLargeIs413) {
   std::string r = c.ReadUntil("}}");
   EXPECT_NE(r.find("HTTP/1.1 413"), std::string::npos) << r;
   EXPECT_NE(r.find("request_too_large"), std::string::npos) << r;
+}
+
+TEST_F(HttpServerTest, AddedHeadersGoWithWholeAndStreamedResponses) {
+  Start();
+  RawClient c(server_->port());
+  c.Send("GET /headers HTTP/1.1\r\nHost: x\r\n\r\n");
+  std::string r = c.ReadUntil("whole");
+  EXPECT_NE(r.find("\r\nX-Request-Id: abc\r\n"), std::string::npos) << r;
+  RawClient s(server_->port());
+  s.Send("POST /headers HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n");
+  r = s.ReadUntil("0\r\n\r\n");
+  const size_t header_end = r.find("\r\n\r\n");
+  EXPECT_LT(r.find("\r\nX-Request-Id: abc\r\n"), header_end) << r;
+  EXPECT_NE(r.find("data: 1"), std::string::npos) << r;
+}
+
+// Requests the server answers itself, before any handler: reported through on_rejected (for the
+// HTTP metrics), with the path and method when the header was read.
+TEST_F(HttpServerTest, RejectedRequestsAreReported) {
+  struct Rejected {
+    std::string path, method;
+    int status;
+  };
+  std::mutex mu;
+  std::vector<Rejected> rejected;
+  HttpServerOptions options;
+  options.max_body_bytes = 1000;
+  options.on_rejected = [&](const std::string& path, const std::string& method, int status, double seconds) {
+    EXPECT_GE(seconds, 0.0);
+    std::lock_guard<std::mutex> lock(mu);
+    rejected.push_back({path, method, status});
+  };
+  Start(options);
+  {
+    RawClient c(server_->port());
+    c.Send("POST /echo?x=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n" + std::string(5000, 'a'));
+    EXPECT_NE(c.ReadUntil("}}").find("HTTP/1.1 413"), std::string::npos);
+  }
+  {
+    RawClient c(server_->port());
+    c.Send("NOT HTTP AT ALL\r\n\r\n");
+    EXPECT_NE(c.ReadUntil("}}").find("HTTP/1.1 400"), std::string::npos);
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  ASSERT_EQ(rejected.size(), 2u);
+  EXPECT_EQ(rejected[0].path, "/echo");
+  EXPECT_EQ(rejected[0].method, "POST");
+  EXPECT_EQ(rejected[0].status, 413);
+  EXPECT_EQ(rejected[1].path, "");
+  EXPECT_EQ(rejected[1].status, 400);
 }
 
 TEST_F(HttpServerTest, MalformedRequestIs400AndServerStaysUp) {

@@ -1,11 +1,13 @@
 #include "router/openai_api.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <optional>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/version.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/support/client_callback.h"
@@ -28,6 +30,11 @@ void SendError(HttpResponder& responder, const ApiError& error) {
 }
 
 void SendError(HttpResponder& responder, const absl::Status& error) { SendError(responder, openai::ToApiError(error)); }
+
+// The X-Request-Id a response carries: `id` when it can go out as it is, else a new one.
+std::string EchoableRequestId(const std::string& id) {
+  return !id.empty() && id.size() <= kMaxRequestIdBytes && IsPrintableAscii(id) ? id : RandomHex(16);
+}
 
 void SendJson(HttpResponder& responder, const Json& json) {
   responder.Respond(200, kJson, json.dump(-1, ' ', false, Json::error_handler_t::replace));
@@ -202,9 +209,16 @@ void Job::OnMessage(int index, const v1::GenerateResponse& message) {
   const size_t first_new = r.token_ids.size();
   r.token_ids.insert(r.token_ids.end(), message.token_ids().begin(), message.token_ids().end());
   for (const v1::TokenLogprobs& lp : message.logprobs()) r.logprobs.push_back(lp);
-  r.text += message.text();
+  std::string text = message.text();
+  if (message.finished()) {
+    r.finish_reason = message.finish_reason();
+    if (r.finish_reason == "stop") {
+      r.stop_reason = openai::StopReason(request_.sampling, api_->tokenizer(), r.token_ids);
+      if (request_.include_stop_str_in_output && r.stop_reason.is_string()) text += r.stop_reason.get<std::string>();
+    }
+  }
+  r.text += text;
   r.completion_tokens = static_cast<int>(r.token_ids.size());
-  if (message.finished()) r.finish_reason = message.finish_reason();
   if (message.has_usage() && message.usage().completion_tokens() > 0) {
     r.completion_tokens = message.usage().completion_tokens();
   }
@@ -233,7 +247,7 @@ void Job::OnMessage(int index, const v1::GenerateResponse& message) {
     chunk.finish_reason = finish;
     if (choice.tool_calls != nullptr) {
       openai::OutputDelta delta;
-      choice.tool_calls->Push(message.text(), &delta);
+      choice.tool_calls->Push(text, &delta);
       if (finish) {
         choice.tool_calls->Finish(&delta);
         chunk.finish_reason = openai::ChatFinishReason(*finish, choice.tool_calls->num_calls());
@@ -244,9 +258,10 @@ void Job::OnMessage(int index, const v1::GenerateResponse& message) {
       if (!chunk.content && chunk.tool_calls.empty() && !finish && request_.logprobs && !new_ids.empty()) {
         chunk.content = "";
       }
-    } else if (!message.text().empty() || (!finish && !new_ids.empty())) {
-      chunk.content = message.text();
+    } else if (!text.empty() || (!finish && !new_ids.empty())) {
+      chunk.content = text;
     }
+    if (finish) chunk.stop_reason = r.stop_reason;
     if (chunk.content || !chunk.tool_calls.empty() || finish) {
       chunk.logprobs = request_.logprobs
                            ? openai::ChatLogprobs(api_->tokenizer(), new_ids, new_logprobs, *request_.logprobs)
@@ -254,18 +269,19 @@ void Job::OnMessage(int index, const v1::GenerateResponse& message) {
       out += openai::SseEvent(openai::ChatChunk(id_, request_, chunk));
     }
   } else {
-    std::string text;
+    std::string piece;
     if (request_.echo && !choice.echo_sent) {
       choice.echo_sent = true;
       const size_t p = static_cast<size_t>(index / request_.n);
-      if (p < echo_prefix_.size()) text = echo_prefix_[p];
-      choice.text_offset = text.size();
+      if (p < echo_prefix_.size()) piece = echo_prefix_[p];
+      choice.text_offset = piece.size();
     }
-    text += message.text();
-    if (!text.empty() || finish || !new_ids.empty()) {
+    piece += text;
+    if (!piece.empty() || finish || !new_ids.empty()) {
       openai::ChunkChoice chunk;
       chunk.index = index;
-      chunk.content = std::move(text);
+      chunk.content = std::move(piece);
+      if (finish) chunk.stop_reason = r.stop_reason;
       chunk.logprobs = request_.logprobs ? openai::CompletionLogprobs(api_->tokenizer(), new_ids, new_logprobs,
                                                                       &choice.text_offset)
                                          : Json(nullptr);
@@ -340,6 +356,7 @@ OpenAiApi::OpenAiApi(OpenAiApiOptions options, const Tokenizer* tokenizer, const
   context_.chat = chat_;
   context_.max_model_len = options_.max_model_len;
   context_.auto_tool_call_format = options_.auto_tool_call_format;
+  context_.model_aliases = options_.model_aliases;
   stub_ = v1::Duet::NewStub(channel_);
   work_ = std::make_unique<WorkPool>(options_.work_threads, options_.max_queued_work);
 }
@@ -372,9 +389,31 @@ bool OpenAiApi::WaitIdle(std::chrono::milliseconds timeout) {
   return idle_cv_.wait_for(lock, timeout, [this] { return active_jobs_.load() == 0; });
 }
 
+std::vector<std::string> OpenAiApi::ModelNames() const {
+  std::vector<std::string> names = {options_.model_name};
+  names.insert(names.end(), options_.model_aliases.begin(), options_.model_aliases.end());
+  return names;
+}
+
+Json OpenAiApi::ModelCard(const std::string& name) const {
+  Json model;
+  model["id"] = name;
+  model["object"] = "model";
+  model["created"] = 0;
+  model["owned_by"] = "duet";
+  model["root"] = options_.model_name;
+  model["parent"] = nullptr;
+  model["max_model_len"] = options_.max_model_len;
+  return model;
+}
+
 void OpenAiApi::Handle(HttpRequest request, std::shared_ptr<HttpResponder> responder) {
   const std::string& path = request.path;
   const std::string& method = request.method;
+  // X-Request-Id on every response: the client's (when it can be echoed as it is), else a new one,
+  // which also names a completion that has no id of its own.
+  const std::string request_id = EchoableRequestId(request.Header("x-request-id"));
+  responder->AddHeader("X-Request-Id", request_id);
   auto method_not_allowed = [&] {
     ApiError e;
     e.status = 405;
@@ -398,43 +437,37 @@ void OpenAiApi::Handle(HttpRequest request, std::shared_ptr<HttpResponder> respo
   if (path == "/v1/completions" || path == "/v1/chat/completions") {
     if (method != "POST") return method_not_allowed();
     const bool chat = path == "/v1/chat/completions";
-    Offload(responder, [this, chat, request = std::move(request), responder] {
-      Generate(chat, request, responder);
+    Offload(responder, [this, chat, request = std::move(request), responder, request_id] {
+      Generate(chat, request, request_id, responder);
     });
     return;
   }
   if (path == "/v1/models") {
     if (method != "GET") return method_not_allowed();
-    Json model;
-    model["id"] = options_.model_name;
-    model["object"] = "model";
-    model["created"] = 0;
-    model["owned_by"] = "duet";
-    model["root"] = options_.model_name;
-    model["parent"] = nullptr;
-    model["max_model_len"] = options_.max_model_len;
+    Json data = Json::array();
+    for (const std::string& name : ModelNames()) data.push_back(ModelCard(name));
     Json list;
     list["object"] = "list";
-    list["data"] = Json::array({model});
+    list["data"] = std::move(data);
     SendJson(*responder, list);
     return;
   }
   if (path.rfind("/v1/models/", 0) == 0) {
     if (method != "GET") return method_not_allowed();
     const std::string name = path.substr(std::string("/v1/models/").size());
-    if (name != options_.model_name) {
+    const std::vector<std::string> names = ModelNames();
+    if (std::find(names.begin(), names.end(), name) == names.end()) {
       SendError(*responder, openai::NotFound(absl::StrCat("The model `", name, "` does not exist."), "model_not_found"));
       return;
     }
-    Json model;
-    model["id"] = options_.model_name;
-    model["object"] = "model";
-    model["created"] = 0;
-    model["owned_by"] = "duet";
-    model["root"] = options_.model_name;
-    model["parent"] = nullptr;
-    model["max_model_len"] = options_.max_model_len;
-    SendJson(*responder, model);
+    SendJson(*responder, ModelCard(name));
+    return;
+  }
+  if (path == "/version") {
+    if (method != "GET") return method_not_allowed();
+    Json version;
+    version["version"] = DuetVersion();
+    SendJson(*responder, version);
     return;
   }
   if (path == "/health") {
@@ -467,7 +500,8 @@ void OpenAiApi::Handle(HttpRequest request, std::shared_ptr<HttpResponder> respo
   SendError(*responder, openai::NotFound(absl::StrCat("Not found: ", method, " ", path)));
 }
 
-void OpenAiApi::Generate(bool chat, const HttpRequest& request, const std::shared_ptr<HttpResponder>& responder) {
+void OpenAiApi::Generate(bool chat, const HttpRequest& request, const std::string& request_id,
+                         const std::shared_ptr<HttpResponder>& responder) {
   absl::StatusOr<openai::ParsedRequest> parsed = chat ? openai::ParseChatRequest(request.body, context_)
                                                      : openai::ParseCompletionRequest(request.body, context_);
   if (!parsed.ok()) {
@@ -481,6 +515,8 @@ void OpenAiApi::Generate(bool chat, const HttpRequest& request, const std::share
       return;
     }
     parsed->request_id = header;
+  } else if (!parsed->request_id) {
+    parsed->request_id = request_id;
   }
   auto job = std::make_shared<Job>(this, *std::move(parsed), responder);
   job->Start();

@@ -1,6 +1,7 @@
 // The OpenAI-compatible HTTP API of the router (served by router/http_server.h):
 //   POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
-//   GET /health, GET /metrics, POST /tokenize, POST /detokenize.
+//   GET /health, GET /metrics, GET /version, POST /tokenize, POST /detokenize.
+// Every response carries X-Request-Id: the client's, or one made for it.
 // Generation goes through the router's own duet.v1.Duet gRPC service over an in-process channel
 // with the callback API, so no thread waits per request and the HTTP and gRPC paths are the
 // same code. A client that disconnects cancels its calls (the router then aborts the request on
@@ -14,6 +15,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "duet/v1/duet.grpc.pb.h"
 #include "frontend/chat_template/chat_template.h"
@@ -25,7 +27,8 @@
 namespace duet::router {
 
 struct OpenAiApiOptions {
-  std::string model_name;
+  std::string model_name;                  // in responses
+  std::vector<std::string> model_aliases;  // also served (--served-model-name's other names)
   int64_t max_model_len = 0;
   // Non-empty: /v1/*, /tokenize and /detokenize need "Authorization: Bearer <key>" (sent on to
   // gRPC too); /health and /metrics as well when api_key_on_health_and_metrics.
@@ -68,7 +71,11 @@ class OpenAiApi {
   WorkPool* work_pool() { return work_.get(); }
 
  private:
-  void Generate(bool chat, const HttpRequest& request, const std::shared_ptr<HttpResponder>& responder);
+  // `request_id`: the response's X-Request-Id, which names a completion without an id of its own.
+  void Generate(bool chat, const HttpRequest& request, const std::string& request_id,
+                const std::shared_ptr<HttpResponder>& responder);
+  std::vector<std::string> ModelNames() const;  // model_name, then the aliases
+  openai::Json ModelCard(const std::string& name) const;  // an entry of /v1/models
   // Runs `work` on the pool (counted as a job for WaitIdle; skipped when the client has left by
   // then); 503 when the pool's queue is full.
   void Offload(const std::shared_ptr<HttpResponder>& responder, std::function<void()> work);

@@ -13,6 +13,8 @@
 #include "router/fake_workers.h"
 #include "router/http_frontend.h"
 #include "router/router.h"
+#include "common/version.h"
+#include "gmock/gmock.h"
 
 #include <future>
 
@@ -89,6 +91,20 @@ class Client {
   std::string raw_;
 };
 
+// The data: payloads of an SSE body, [DONE] left out.
+std::vector<json> SseEvents(const std::string& body) {
+  std::vector<json> events;
+  size_t pos = 0;
+  while (pos < body.size()) {
+    const size_t end = body.find("\n\n", pos);
+    if (end == std::string::npos) break;
+    const std::string data = body.substr(pos + 6, end - pos - 6);
+    if (data != "[DONE]") events.push_back(json::parse(data));
+    pos = end + 2;
+  }
+  return events;
+}
+
 class OpenAiApiTest : public ::testing::Test {
  protected:
   void StartRouter(const std::string& api_key = "", int max_concurrent_requests = 256) {
@@ -102,6 +118,7 @@ class OpenAiApiTest : public ::testing::Test {
     options.api_key = api_key;
     options.api_key_on_health_and_metrics = api_key_on_health_and_metrics_;
     options.max_concurrent_requests = max_concurrent_requests;
+    options.served_model_names = served_model_names_;
     options.enable_auto_tool_choice = !tool_call_parser_.empty();
     options.tool_call_parser = tool_call_parser_;
     options.metrics_body = [] { return std::string("duet:test 1\n"); };
@@ -128,6 +145,7 @@ class OpenAiApiTest : public ::testing::Test {
 
   bool api_key_on_health_and_metrics_ = false;
   std::string tool_call_parser_;  // non-empty: --enable-auto-tool-choice --tool-call-parser <it>
+  std::vector<std::string> served_model_names_;
   FakePrefillWorker prefill_;
   FakeDecodeWorker decode_;
   std::unique_ptr<FakeServer> prefill_server_, decode_server_;
@@ -371,6 +389,89 @@ TEST_F(OpenAiApiTest, RequestIdIsTakenAndItsLengthLimited) {
   EXPECT_EQ(decode_.num_decodes, 3);
 }
 
+// The header value of `name` in a response's headers, or empty.
+std::string HeaderValue(const Response& r, const std::string& name) {
+  const size_t at = r.headers.find("\r\n" + name + ": ");
+  if (at == std::string::npos) return "";
+  const size_t start = at + name.size() + 4;
+  return r.headers.substr(start, r.headers.find("\r\n", start) - start);
+}
+
+// Every response carries X-Request-Id: the client's, else a new one that also names the
+// completion ("cmpl-<it>").
+TEST_F(OpenAiApiTest, XRequestIdIsEchoedOrMade) {
+  StartRouter();
+  Response r = Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":1})", "X-Request-Id: my-id-7\r\n");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(HeaderValue(r, "X-Request-Id"), "my-id-7");
+  r = Call("POST", "/v1/chat/completions", R"({"messages":[{"role":"user","content":"hi"}],"max_tokens":1,"stream":true})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  const std::string made = HeaderValue(r, "X-Request-Id");
+  EXPECT_THAT(made, ::testing::MatchesRegex("[0-9a-f]{32}"));
+  EXPECT_NE(r.body.find("\"id\":\"chatcmpl-" + made + "\""), std::string::npos) << r.body;
+  for (const auto& [method, path] : std::vector<std::pair<std::string, std::string>>{
+           {"GET", "/v1/models"}, {"GET", "/nope"}, {"POST", "/v1/completions"}}) {
+    r = Call(method, path, "{", "X-Request-Id: other\r\n");
+    EXPECT_EQ(HeaderValue(r, "X-Request-Id"), "other") << path;
+  }
+  // An id that cannot be echoed as it is (too long) gets a new one; the request is a 400.
+  r = Call("POST", "/v1/completions", R"({"prompt":"x"})", "X-Request-Id: " + std::string(300, 'a') + "\r\n");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_THAT(HeaderValue(r, "X-Request-Id"), ::testing::MatchesRegex("[0-9a-f]{32}"));
+}
+
+TEST_F(OpenAiApiTest, VersionAndServedModelNames) {
+  served_model_names_ = {"first", "second"};
+  StartRouter();
+  Response r = Call("GET", "/version", "");
+  ASSERT_EQ(r.status, 200);
+  EXPECT_EQ(json::parse(r.body)["version"], DuetVersion());
+  r = Call("GET", "/v1/models", "");
+  ASSERT_EQ(r.status, 200);
+  const json data = json::parse(r.body)["data"];
+  ASSERT_EQ(data.size(), 2u);
+  EXPECT_EQ(data[0]["id"], "first");
+  EXPECT_EQ(data[1]["id"], "second");
+  EXPECT_EQ(Call("GET", "/v1/models/second", "").status, 200);
+  EXPECT_EQ(Call("GET", "/v1/models/tiny-code-llama", "").status, 404);
+  r = Call("POST", "/v1/completions", R"({"model":"second","prompt":"x","max_tokens":1})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["model"], "first");
+  EXPECT_EQ(Call("POST", "/v1/completions", R"({"model":"tiny-code-llama","prompt":"x"})").status, 404);
+}
+
+// stop_reason: the stop token that ended a choice (stop strings: the SDK test on the real model).
+TEST_F(OpenAiApiTest, StopReasonNamesTheStopToken) {
+  StartRouter();
+  decode_.SetScript({"a", "b", "c"}, "stop");  // tokens 1000, 1001, 1002
+  Response r = Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":8,"stop_token_ids":[1002]})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["choices"][0]["stop_reason"], 1002);
+  r = Call("POST", "/v1/chat/completions",
+           R"({"messages":[{"role":"user","content":"hi"}],"max_tokens":8,"stream":true,"stop_token_ids":[1002]})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  const std::vector<json> events = SseEvents(r.body);
+  ASSERT_GE(events.size(), 2u);
+  EXPECT_EQ(events.back()["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(events.back()["choices"][0]["stop_reason"], 1002);
+  EXPECT_FALSE(events[events.size() - 2]["choices"][0].contains("stop_reason"));
+  decode_.SetScript({"a"}, "stop");  // EOS
+  r = Call("POST", "/v1/completions", R"({"prompt":"x","max_tokens":8,"stop_token_ids":[1002]})");
+  EXPECT_TRUE(json::parse(r.body)["choices"][0]["stop_reason"].is_null()) << r.body;
+}
+
+// Requests the HTTP server refuses before the API sees them count in http_requests_total too.
+TEST_F(OpenAiApiTest, RequestsRefusedBeforeRoutingAreCounted) {
+  StartRouter();
+  Client c(router_->http_port());
+  c.SendRaw("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n");
+  EXPECT_EQ(c.ReadAll().status, 413);
+  const std::string metrics = router_->RenderMetrics();
+  EXPECT_NE(metrics.find(R"(http_requests_total{handler="/v1/completions",method="POST",status="413"} 1)"),
+            std::string::npos)
+      << metrics;
+}
+
 // --api-key covers /tokenize and /detokenize too; /health and /metrics stay public (as in vLLM)
 // unless api_key_on_health_and_metrics.
 TEST_F(OpenAiApiTest, ApiKeyCoversTokenizeAndDetokenize) {
@@ -431,20 +532,6 @@ TEST_F(OpenAiApiTest, OversizedPromptIs413AndInvalidArgument) {
   const grpc::Status status = reader->Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
   EXPECT_EQ(decode_.num_decodes, 0);
-}
-
-// The data: payloads of an SSE body, [DONE] left out.
-std::vector<json> SseEvents(const std::string& body) {
-  std::vector<json> events;
-  size_t pos = 0;
-  while (pos < body.size()) {
-    const size_t end = body.find("\n\n", pos);
-    if (end == std::string::npos) break;
-    const std::string data = body.substr(pos + 6, end - pos - 6);
-    if (data != "[DONE]") events.push_back(json::parse(data));
-    pos = end + 2;
-  }
-  return events;
 }
 
 // tool_choice "auto" with the hermes parser: the calls in the model's text come back as

@@ -1,11 +1,13 @@
 #include "router/openai_protocol.h"
 
 #include <chrono>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -169,6 +171,7 @@ absl::Status ParseSampling(const Json& j, const ProtocolContext& context, Parsed
   bool ignore_eos = false;
   DUET_RETURN_IF_ERROR(GetBool(j, "ignore_eos", &ignore_eos));
   s.set_ignore_eos(ignore_eos);
+  DUET_RETURN_IF_ERROR(GetBool(j, "include_stop_str_in_output", &out->include_stop_str_in_output));
   if (auto it = j.find("speculation"); it != j.end() && !it->is_null()) {  // vLLM-style extra field
     if (!it->is_string()) return WrongType("speculation", "one of \"none\", \"lookahead\", \"draft\", \"self\"", *it);
     s.set_speculation(it->get<std::string>());
@@ -199,18 +202,57 @@ absl::Status ParseStops(const Json& j, v1::SamplingOptions* s) {
   return absl::OkStatus();
 }
 
-// Fields accepted only in the forms that need nothing from Duet: `user` (ignored), an empty
-// `logit_bias`, `best_of` equal to n.
+// Fields accepted only in the forms that need nothing from Duet: `user` (ignored), `best_of`
+// equal to n.
 absl::Status CheckUnsupportedFields(const Json& j, const ProtocolContext& context, int n) {
   if (auto it = j.find("user"); it != j.end() && !it->is_null() && !it->is_string()) {
     return WrongType("user", "a string", *it);
   }
-  if (auto it = j.find("logit_bias"); it != j.end() && !it->is_null() && !(it->is_object() && it->empty())) {
-    return BadRequest("'logit_bias' is not supported", "logit_bias");
-  }
   std::optional<int64_t> best_of;
   DUET_RETURN_IF_ERROR(GetInt(j, "best_of", 1, context.max_n, &best_of));
   if (best_of && *best_of != n && *best_of != 1) return BadRequest("'best_of' other than n is not supported", "best_of");
+  return absl::OkStatus();
+}
+
+// OpenAI's `logit_bias`: {"<token id>": bias}, each bias clamped to [-100, 100] (as vLLM); ids
+// must be in the vocabulary.
+absl::Status ParseLogitBias(const Json& j, const ProtocolContext& context, v1::SamplingOptions* s) {
+  auto it = j.find("logit_bias");
+  if (it == j.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_object()) return WrongType("logit_bias", "an object mapping token ids to biases", *it);
+  const int64_t vocab = context.tokenizer != nullptr ? context.tokenizer->vocab_size() : 0;
+  for (const auto& [key, value] : it->items()) {
+    int64_t id = -1;
+    if (!absl::SimpleAtoi(key, &id) || id < 0 || id > std::numeric_limits<int32_t>::max() || (vocab > 0 && id >= vocab)) {
+      return BadRequest(absl::StrCat("'logit_bias' key '", key.substr(0, 32), "' is not a token id of the vocabulary",
+                                     vocab > 0 ? absl::StrCat(" (vocab size ", vocab, ")") : ""),
+                        "logit_bias");
+    }
+    if (!value.is_number() || !std::isfinite(value.get<double>())) {
+      return BadRequest(absl::StrCat("'logit_bias' values must be numbers, got ", value.type_name(), " for ", key),
+                        "logit_bias");
+    }
+    (*s->mutable_logit_bias())[static_cast<int32_t>(id)] =
+        static_cast<float>(std::clamp(value.get<double>(), -100.0, 100.0));
+  }
+  return absl::OkStatus();
+}
+
+// vLLM's `cache_salt`: prefix-cache sharing only among requests with the same salt (a non-empty
+// string of at most 256 bytes).
+absl::Status ParseCacheSalt(const Json& j, v1::SamplingOptions* s) {
+  auto it = j.find("cache_salt");
+  if (it == j.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_string() || it->get_ref<const std::string&>().empty()) {
+    return BadRequest("'cache_salt' must be a non-empty string", "cache_salt");
+  }
+  const std::string& salt = it->get_ref<const std::string&>();
+  if (salt.size() > kMaxCacheSaltBytes) {
+    return BadRequest(absl::StrCat("'cache_salt' is ", salt.size(), " bytes long; at most ", kMaxCacheSaltBytes,
+                                   " are allowed"),
+                      "cache_salt");
+  }
+  s->set_cache_salt(salt);
   return absl::OkStatus();
 }
 
@@ -518,6 +560,8 @@ absl::Status ParseCommon(const Json& j, const ProtocolContext& context, ParsedRe
   DUET_RETURN_IF_ERROR(ParseSampling(j, context, out));
   DUET_RETURN_IF_ERROR(ParseStops(j, &out->sampling));
   DUET_RETURN_IF_ERROR(CheckUnsupportedFields(j, context, out->n));
+  DUET_RETURN_IF_ERROR(ParseLogitBias(j, context, &out->sampling));
+  DUET_RETURN_IF_ERROR(ParseCacheSalt(j, &out->sampling));
   if (!out->chat) DUET_RETURN_IF_ERROR(RejectToolCalling(j));
   DUET_RETURN_IF_ERROR(ParseStructuredOutput(j, &out->sampling));
   if (out->chat) DUET_RETURN_IF_ERROR(ParseTools(j, context, out));
@@ -622,7 +666,9 @@ absl::Status CheckModel(const Json& j, const ProtocolContext& context) {
   auto it = j.find("model");
   if (it == j.end() || it->is_null()) return absl::OkStatus();  // vLLM: the served model
   if (!it->is_string()) return WrongType("model", "a string", *it);
-  if (it->get_ref<const std::string&>() != context.model_name) {
+  const std::string& model = it->get_ref<const std::string&>();
+  if (model != context.model_name &&
+      std::find(context.model_aliases.begin(), context.model_aliases.end(), model) == context.model_aliases.end()) {
     return NotFound(absl::StrCat("The model `", it->get<std::string>(), "` does not exist."), "model_not_found",
                     "model");
   }
@@ -854,7 +900,32 @@ Json UsageJson(int prompt_tokens, int completion_tokens) {
   usage["prompt_tokens"] = prompt_tokens;
   usage["completion_tokens"] = completion_tokens;
   usage["total_tokens"] = prompt_tokens + completion_tokens;
+  // Prefix-cache hits are not reported to the router yet: unknown, not 0.
+  usage["prompt_tokens_details"] = nullptr;
   return usage;
+}
+
+Json StopReason(const v1::SamplingOptions& sampling, const Tokenizer* tokenizer, const std::vector<int32_t>& token_ids) {
+  if (token_ids.empty()) return nullptr;
+  // A stop token is the last token (in token_ids, not in the text).
+  const int32_t last = token_ids.back();
+  if (std::find(sampling.stop_token_ids().begin(), sampling.stop_token_ids().end(), last) !=
+      sampling.stop_token_ids().end()) {
+    return last;
+  }
+  if (sampling.stop().empty() || tokenizer == nullptr) return nullptr;
+  // The engine cut the text where the first stop string began; the output's tokens still hold it.
+  const std::string decoded = tokenizer->Decode(token_ids, /*skip_special_tokens=*/true);
+  size_t best = std::string::npos;
+  Json reason = nullptr;
+  for (const std::string& stop : sampling.stop()) {
+    const size_t at = decoded.find(stop);
+    if (at < best) {
+      best = at;
+      reason = stop;
+    }
+  }
+  return reason;
 }
 
 std::string TokenString(const Tokenizer* tokenizer, int32_t id) {
@@ -954,6 +1025,7 @@ Json CompletionResponse(const std::string& id, const ParsedRequest& request, con
       choice["logprobs"] = nullptr;
     }
     choice["finish_reason"] = c.finish_reason.empty() ? Json(nullptr) : Json(c.finish_reason);
+    choice["stop_reason"] = c.stop_reason;
     list.push_back(std::move(choice));
   }
   out["choices"] = std::move(list);
@@ -987,6 +1059,7 @@ Json ChatResponse(const std::string& id, const ParsedRequest& request, const Tok
     choice["logprobs"] = request.logprobs ? ChatLogprobs(tokenizer, c.token_ids, c.logprobs, *request.logprobs)
                                           : Json(nullptr);
     choice["finish_reason"] = finish_reason.empty() ? Json(nullptr) : Json(finish_reason);
+    choice["stop_reason"] = c.stop_reason;
     list.push_back(std::move(choice));
   }
   out["choices"] = std::move(list);
@@ -1001,6 +1074,7 @@ Json CompletionChunk(const std::string& id, const ParsedRequest& request, const 
   choice["text"] = c.content.value_or("");
   choice["logprobs"] = c.logprobs;
   choice["finish_reason"] = c.finish_reason ? Json(*c.finish_reason) : Json(nullptr);
+  if (c.finish_reason) choice["stop_reason"] = c.stop_reason;
   out["choices"] = Json::array({std::move(choice)});
   if (request.include_usage) out["usage"] = nullptr;
   return out;
@@ -1021,6 +1095,7 @@ Json ChatChunk(const std::string& id, const ParsedRequest& request, const ChunkC
   choice["delta"] = std::move(delta);
   choice["logprobs"] = c.logprobs;
   choice["finish_reason"] = c.finish_reason ? Json(*c.finish_reason) : Json(nullptr);
+  if (c.finish_reason) choice["stop_reason"] = c.stop_reason;
   out["choices"] = Json::array({std::move(choice)});
   if (request.include_usage) out["usage"] = nullptr;
   return out;

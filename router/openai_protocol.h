@@ -54,7 +54,8 @@ std::string ErrorBody(const ApiError& error);
 
 // What parsing needs to know about the server.
 struct ProtocolContext {
-  std::string model_name;
+  std::string model_name;                  // in responses (--served-model-name's first)
+  std::vector<std::string> model_aliases;  // the other names a request's `model` may give
   const Tokenizer* tokenizer = nullptr;         // required for text and chat
   const LoadedChatTemplate* chat = nullptr;     // required for chat
   int64_t max_model_len = 0;
@@ -88,6 +89,7 @@ struct ParsedRequest {
   bool stream = false;
   bool include_usage = false;        // stream_options.include_usage
   bool echo = false;                 // completions
+  bool include_stop_str_in_output = false;  // the stop string that ended a choice ends its text
   // completions: `logprobs` (top-N); chat: `top_logprobs` when `logprobs` is true.
   std::optional<int> logprobs;
   bool chat_add_role_first = true;   // chat streaming: first chunk carries the role
@@ -129,9 +131,18 @@ struct ChoiceResult {
   std::vector<int32_t> token_ids;
   std::vector<v1::TokenLogprobs> logprobs;  // one per token id, when asked
   std::string finish_reason;
+  Json stop_reason;  // vLLM's: the stop string or stop token id that ended the choice, else null
   int prompt_tokens = 0;
   int completion_tokens = 0;
 };
+
+// The longest cache_salt, in bytes.
+inline constexpr size_t kMaxCacheSaltBytes = 256;
+
+// vLLM's stop_reason of a choice that finished with "stop": the stop string that ended it (of
+// those at the earliest place in the decoded output, the first listed), else the stop token id
+// that ended it, else null (EOS, a complete grammar).
+Json StopReason(const v1::SamplingOptions& sampling, const Tokenizer* tokenizer, const std::vector<int32_t>& token_ids);
 
 Json UsageJson(int prompt_tokens, int completion_tokens);
 
@@ -162,6 +173,7 @@ struct ChunkChoice {
   std::vector<OutputDelta::Call> tool_calls;  // chat: delta.tool_calls
   Json logprobs;                       // null: none
   std::optional<std::string> finish_reason;
+  Json stop_reason;                    // with finish_reason
 };
 Json CompletionChunk(const std::string& id, const ParsedRequest& request, const ChunkChoice& choice);
 Json ChatChunk(const std::string& id, const ParsedRequest& request, const ChunkChoice& choice);

@@ -139,7 +139,14 @@ TEST_F(ProtocolTest, CompletionErrors) {
       {R"({"prompt":"x","stream":true,"stream_options":{"include_usage":1}})", 400, "include_usage"},
       {R"({"prompt":"x","user":5})", 400, "user"},
       {R"({"prompt":"x","suffix":"s"})", 400, "suffix"},
-      {R"({"prompt":"x","logit_bias":{"1":5}})", 400, "logit_bias"},
+      {R"({"prompt":"x","logit_bias":{"x":5}})", 400, "logit_bias"},
+      {R"({"prompt":"x","logit_bias":{"-1":5}})", 400, "logit_bias"},
+      {R"({"prompt":"x","logit_bias":{"99999999":5}})", 400, "logit_bias"},
+      {R"({"prompt":"x","logit_bias":{"1":"5"}})", 400, "logit_bias"},
+      {R"({"prompt":"x","logit_bias":[1]})", 400, "logit_bias"},
+      {R"({"prompt":"x","cache_salt":""})", 400, "cache_salt"},
+      {R"({"prompt":"x","cache_salt":5})", 400, "cache_salt"},
+      {R"({"prompt":"x","include_stop_str_in_output":"yes"})", 400, "include_stop_str_in_output"},
       {R"({"prompt":"x","model":5})", 400, "model"},
       {R"({"prompt":"x","model":"gpt-4"})", 404, "model"},
   };
@@ -399,6 +406,53 @@ TEST_F(ProtocolTest, ChatResponseToolCalls) {
   EXPECT_EQ(delta["tool_calls"][0]["function"]["name"], "get_weather");
 }
 
+// vLLM's extra sampling fields: logit_bias (clamped to [-100, 100]), cache_salt (at most 256
+// bytes), include_stop_str_in_output; several served names.
+TEST_F(ProtocolTest, LogitBiasCacheSaltAndModelAliases) {
+  ParsedRequest r = Completion(R"({"prompt":"x","logit_bias":{"5":2.5,"7":-300,"9":1e9},"cache_salt":"tenant-a",
+                                   "include_stop_str_in_output":true})");
+  EXPECT_EQ(r.sampling.logit_bias().size(), 3u);
+  EXPECT_FLOAT_EQ(r.sampling.logit_bias().at(5), 2.5f);
+  EXPECT_FLOAT_EQ(r.sampling.logit_bias().at(7), -100.0f);
+  EXPECT_FLOAT_EQ(r.sampling.logit_bias().at(9), 100.0f);
+  EXPECT_EQ(r.sampling.cache_salt(), "tenant-a");
+  EXPECT_TRUE(r.include_stop_str_in_output);
+  absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(r.sampling);
+  ASSERT_TRUE(params.ok()) << params.status();
+  EXPECT_EQ(params->logit_bias, (std::vector<std::pair<int32_t, float>>{{5, 2.5f}, {7, -100.0f}, {9, 100.0f}}));
+  EXPECT_EQ(rpc::ToSamplingOptions(*params).logit_bias().at(7), -100.0f);
+  EXPECT_FALSE(Completion(R"({"prompt":"x"})").sampling.has_cache_salt());
+  EXPECT_EQ(CompletionError(absl::StrCat(R"({"prompt":"x","cache_salt":")", std::string(257, 's'), "\"}")).param,
+            "cache_salt");
+  EXPECT_TRUE(ParseCompletionRequest(absl::StrCat(R"({"prompt":"x","cache_salt":")", std::string(256, 's'), "\"}"),
+                                     context_).ok());
+  EXPECT_EQ(ChatError(R"({"messages":[{"role":"user","content":"x"}],"cache_salt":""})").param, "cache_salt");
+
+  context_.model_aliases = {"alias-1", "alias-2"};
+  r = Completion(R"({"prompt":"x","model":"alias-2"})");
+  EXPECT_EQ(r.model, "tiny");  // responses name the first
+  EXPECT_EQ(CompletionError(R"({"prompt":"x","model":"alias-3"})").status, 404);
+}
+
+// stop_reason: the stop string (the earliest in the output; of those there, the first listed) or
+// the stop token id that ended a "stop"; null for EOS.
+TEST_F(ProtocolTest, StopReason) {
+  v1::SamplingOptions sampling;
+  for (const char* stop : {"world", "o", "lo w"}) sampling.add_stop(stop);
+  sampling.add_stop_token_ids(7);
+  const std::vector<int32_t> hello = tokenizer_->Encode("hello world", false);
+  EXPECT_EQ(StopReason(sampling, tokenizer_.get(), hello), Json("lo w"));  // at 3: the earliest
+  sampling.clear_stop();
+  for (const char* stop : {"world", "wor"}) sampling.add_stop(stop);
+  EXPECT_EQ(StopReason(sampling, tokenizer_.get(), hello), Json("world"));  // both at 6: the first listed
+  std::vector<int32_t> with_stop_token = hello;
+  with_stop_token.push_back(7);
+  EXPECT_EQ(StopReason(sampling, tokenizer_.get(), with_stop_token), Json(7));
+  sampling.clear_stop();
+  EXPECT_TRUE(StopReason(sampling, tokenizer_.get(), hello).is_null());
+  EXPECT_TRUE(StopReason(sampling, tokenizer_.get(), {}).is_null());
+}
+
 TEST_F(ProtocolTest, ErrorBodyShape) {
   ApiError e = ToApiError(BadRequest("bad", "n"));
   EXPECT_EQ(ErrorBody(e), R"({"error":{"message":"bad","type":"invalid_request_error","param":"n","code":null}})");
@@ -534,7 +588,10 @@ TEST_F(ProtocolTest, ResponsesAndLogprobs) {
   const Json echoed = CompletionResponse("cmpl-y", echo, tokenizer_.get(), choices, {"p0", "p1"});
   EXPECT_EQ(echoed["choices"][3]["text"], "p1t");
   EXPECT_TRUE(echoed["choices"][3]["logprobs"].is_null());
-  EXPECT_EQ(out["usage"], Json::parse(R"({"prompt_tokens":4,"completion_tokens":4,"total_tokens":8})"));
+  EXPECT_EQ(out["usage"], Json::parse(R"({"prompt_tokens":4,"completion_tokens":4,"total_tokens":8,
+                                          "prompt_tokens_details":null})"));
+  EXPECT_TRUE(out["choices"][0].contains("stop_reason"));
+  EXPECT_TRUE(out["choices"][0]["stop_reason"].is_null());
   r.chat = true;
   r.logprobs = 1;
   const Json chat = ChatResponse("chatcmpl-x", r, tokenizer_.get(), choices);

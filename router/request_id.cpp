@@ -17,6 +17,13 @@ absl::Status CheckRequestIdLength(std::string_view id, std::string_view field) {
       absl::StrFormat("%s is %d bytes long; at most %d are allowed", field, id.size(), kMaxRequestIdBytes));
 }
 
+bool IsPrintableAscii(std::string_view id) {
+  for (char c : id) {
+    if (c < 0x20 || c > 0x7e) return false;
+  }
+  return true;
+}
+
 std::string RandomHex(size_t num_bytes) {
   std::vector<char> bytes(num_bytes);
   size_t filled = 0;

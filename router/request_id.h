@@ -16,6 +16,9 @@ inline constexpr size_t kMaxRequestIdBytes = 256;
 // InvalidArgument (naming the field `field`, not repeating the id) when `id` is too long.
 absl::Status CheckRequestIdLength(std::string_view id, std::string_view field = "request_id");
 
+// Whether `id` can go out as an HTTP header or gRPC metadata value as it is (printable ASCII).
+bool IsPrintableAscii(std::string_view id);
+
 // `num_bytes` bytes from the kernel's CSPRNG (getrandom(2)), in lower-case hex.
 std::string RandomHex(size_t num_bytes);
 

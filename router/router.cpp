@@ -86,7 +86,8 @@ class RouterImpl : public Router {
     tokenizer_ = *std::move(tokenizer);
 
     RouterServiceOptions service_options;
-    service_options.model_name = ServedModelName(options.served_model_name, options.model_dir);
+    service_options.model_name =
+        ServedModelName(options.served_model_names.empty() ? "" : options.served_model_names[0], options.model_dir);
     service_options.vocab_size = config->vocab_size;
     service_options.max_model_len = config->max_position_embeddings;
     if (options.max_model_len > 0) {
@@ -191,6 +192,9 @@ class RouterImpl : public Router {
       http_options.work_threads = options.http_work_threads;
       http_options.model_dir = options.model_dir;
       http_options.model_name = service_options.model_name;
+      if (options.served_model_names.size() > 1) {
+        http_options.model_aliases.assign(options.served_model_names.begin() + 1, options.served_model_names.end());
+      }
       http_options.max_model_len = service_options.max_model_len;
       http_options.api_key = options.api_key;
       http_options.api_key_on_health_and_metrics = options.api_key_on_health_and_metrics;

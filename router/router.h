@@ -13,7 +13,10 @@ namespace duet::router {
 
 struct RouterOptions {
   std::string model_dir;
-  std::string served_model_name;  // empty: the model directory's base name
+  // The model's names (vLLM's --served-model-name): the first in responses and metrics, all of
+  // them accepted as a request's `model` and listed by /v1/models; none: the model directory's
+  // base name.
+  std::vector<std::string> served_model_names;
   std::string host = "127.0.0.1";
   int port = 0;                   // 0: any free port (printed in DUET_READY)
   std::vector<std::string> prefill_addresses;  // host:port each

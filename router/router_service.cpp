@@ -538,6 +538,11 @@ void RouterService::GenerateCall::Start(const v1::GenerateRequest& request) {
   absl::StatusOr<Prepared> prepared = service_->Prepare(request);
   if (!prepared.ok()) return Finish(rpc::ToGrpc(prepared.status()));
   prepared_ = *std::move(prepared);
+  // The request id in the response's initial metadata too, as HTTP's X-Request-Id (when it can go
+  // there as it is: printable ASCII).
+  if (IsPrintableAscii(prepared_.client_request_id)) {
+    context_->AddInitialMetadata("x-request-id", prepared_.client_request_id);
+  }
 
   active_key_ = {ClientOf(*context_), prepared_.client_request_id};
   {
@@ -1108,6 +1113,12 @@ absl::StatusOr<RouterService::Prepared> RouterService::Prepare(const v1::Generat
     if (id < 0 || id >= options_.vocab_size) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "stop_token_ids: token id %d is out of vocabulary (vocab size %d)", id, options_.vocab_size));
+    }
+  }
+  for (const auto& [id, bias] : prepared.params.logit_bias) {
+    if (id >= options_.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "logit_bias: token id %d is out of vocabulary (vocab size %d)", id, options_.vocab_size));
     }
   }
   const int64_t prompt_len = static_cast<int64_t>(prepared.prompt_token_ids.size());

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <functional>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -43,6 +44,7 @@ bool WaitFor(const std::function<bool()>& condition, int timeout_ms = 5000) {
 struct Result {
   grpc::Status status;
   std::vector<v1::GenerateResponse> messages;
+  std::optional<std::string> metadata_request_id;  // the response's x-request-id metadata
   std::vector<int32_t> tokens() const {
     std::vector<int32_t> ids;
     for (const auto& m : messages) ids.insert(ids.end(), m.token_ids().begin(), m.token_ids().end());
@@ -150,6 +152,10 @@ class RouterServiceTest : public ::testing::Test {
       if (on_message) on_message(static_cast<int>(result.messages.size()), &context);
     }
     result.status = reader->Finish();
+    const auto& metadata = context.GetServerInitialMetadata();
+    if (auto it = metadata.find("x-request-id"); it != metadata.end()) {
+      result.metadata_request_id = std::string(it->second.data(), it->second.size());
+    }
     return result;
   }
 
@@ -179,6 +185,7 @@ TEST_F(RouterServiceTest, RelaysTokensInOrder) {
   EXPECT_EQ(result.tokens(), (std::vector<int32_t>{1000, 1001, 1002, 1003, 1004}));
   ASSERT_EQ(result.messages.size(), 5u);
   for (const auto& m : result.messages) EXPECT_EQ(m.request_id(), "req-1");
+  EXPECT_EQ(result.metadata_request_id, "req-1");
   EXPECT_THAT(result.messages[0].prompt_token_ids(), ::testing::ElementsAre(1, 2, 3));
   EXPECT_TRUE(result.messages.back().finished());
   EXPECT_EQ(result.messages.back().finish_reason(), "length");
@@ -305,6 +312,12 @@ TEST_F(RouterServiceTest, InvalidRequests) {
   v1::GenerateRequest bad_schema = TokenRequest({1, 2}, 4);
   bad_schema.mutable_sampling()->mutable_structured_output()->set_json_schema(R"({"type": "number", "minimum": 0})");
   expect_invalid(bad_schema, "'minimum' is not supported");
+  v1::GenerateRequest bad_bias = TokenRequest({1, 2}, 4);
+  (*bad_bias.mutable_sampling()->mutable_logit_bias())[8192] = 1.0f;
+  expect_invalid(bad_bias, "logit_bias: token id 8192 is out of vocabulary");
+  bad_bias.mutable_sampling()->mutable_logit_bias()->erase(8192);
+  (*bad_bias.mutable_sampling()->mutable_logit_bias())[3] = 101.0f;
+  expect_invalid(bad_bias, "logit_bias");
   EXPECT_TRUE(Generate(TokenRequest(std::vector<int32_t>(240, 5), 16)).status.ok());  // exactly fits
   EXPECT_EQ(prefill_[0]->num_prefills, 1);
   EXPECT_EQ(decode_[0]->num_reserved, 1);
@@ -867,6 +880,7 @@ TEST_F(RouterServiceTest, RouterMadeRequestIdsAreRandom128BitHex) {
     Result r = Generate(TokenRequest({1}, 1));
     ASSERT_TRUE(r.status.ok()) << r.status.error_message();
     ids.push_back(r.messages[0].request_id());
+    EXPECT_EQ(r.metadata_request_id, ids.back());  // also in the response metadata
   }
   for (size_t i = 0; i < ids.size(); ++i) {
     EXPECT_THAT(ids[i], ::testing::MatchesRegex("cmpl-[0-9a-f]{32}"));

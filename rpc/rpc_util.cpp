@@ -30,6 +30,8 @@ absl::StatusOr<SamplingParams> ToSamplingParams(const v1::SamplingOptions& o) {
   p.stop.assign(o.stop().begin(), o.stop().end());
   p.stop_token_ids.assign(o.stop_token_ids().begin(), o.stop_token_ids().end());
   p.ignore_eos = o.ignore_eos();
+  p.logit_bias.assign(o.logit_bias().begin(), o.logit_bias().end());
+  std::sort(p.logit_bias.begin(), p.logit_bias.end());  // a map has unique keys
   if (o.has_logprobs()) p.logprobs = o.logprobs();
   if (o.has_speculation()) {
     absl::StatusOr<SpeculationMode> mode = ParseSpeculationMode(o.speculation());
@@ -71,6 +73,7 @@ v1::SamplingOptions ToSamplingOptions(const SamplingParams& p) {
   o.set_max_tokens(p.max_tokens);
   for (const std::string& s : p.stop) o.add_stop(s);
   for (int32_t id : p.stop_token_ids) o.add_stop_token_ids(id);
+  for (const auto& [id, bias] : p.logit_bias) (*o.mutable_logit_bias())[id] = bias;
   o.set_ignore_eos(p.ignore_eos);
   if (p.logprobs >= 0) o.set_logprobs(p.logprobs);
   if (p.speculation) o.set_speculation(SpeculationModeName(*p.speculation));

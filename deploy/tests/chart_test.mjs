@@ -265,6 +265,8 @@ test('2 prefill + 4 decode GPUs', async () => {
   assert.match(keda.spec.triggers[0].metadata.query, /duet:num_requests_waiting\{role="decode",namespace="inference"/);
   assert.equal(flag(decode, 'speculation'), 'lookahead');
   assert.equal(flag(component(objects, 'router'), 'served-model-name'), 'llama-3.1-8b');
+  assert.equal(flag(prefill, 'served-model-name'), 'llama-3.1-8b');  // the workers' metrics say it too
+  assert.equal(flag(decode, 'served-model-name'), 'llama-3.1-8b');
   assert.equal(find(objects, 'ConfigMap', 'duet-env').data.UCX_TLS, 'tcp,cuda_copy,cuda_ipc');
   const rule = find(objects, 'PrometheusRule', 'duet');
   const alerts = rule.spec.groups.flatMap((g) => g.rules.map((r) => r.alert));

@@ -17,7 +17,7 @@ int main(int argc, char** argv) {
     }
     const std::string value = argv[++i];
     if (flag == "--model") options.model_dir = value;
-    else if (flag == "--served-model-name") options.served_model_name = value;
+    else if (flag == "--served-model-name") options.served_model_names = {value};
     else if (flag == "--host") options.host = value;
     else if (flag == "--port") options.port = std::atoi(value.c_str());
     else if (flag == "--prefill") options.prefill_addresses = absl::StrSplit(value, ',', absl::SkipEmpty());

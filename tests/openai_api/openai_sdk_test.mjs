@@ -109,6 +109,24 @@ await test('completions: stop strings, echo, logprobs', async () => {
   assert.equal(stopped.choices[0].finish_reason, 'stop');
   assert.ok(!stopped.choices[0].text.includes(stop), JSON.stringify(stopped.choices[0].text));
   assert.ok(text.startsWith(stopped.choices[0].text));
+  // vLLM's stop_reason names the stop string; include_stop_str_in_output keeps it, streaming too.
+  assert.equal(stopped.choices[0].stop_reason, stop);
+  const kept = await client.completions.create({
+    model, prompt: 'def fib(n):', max_tokens: 16, temperature: 0, stop: ['never', stop], include_stop_str_in_output: true,
+  });
+  assert.equal(kept.choices[0].text, stopped.choices[0].text + stop);
+  assert.equal(kept.choices[0].stop_reason, stop);
+  let streamedText = '';
+  let last = null;
+  for await (const chunk of await client.completions.create({
+    model, prompt: 'def fib(n):', max_tokens: 16, temperature: 0, stop: [stop], include_stop_str_in_output: true, stream: true,
+  })) {
+    streamedText += chunk.choices[0]?.text ?? '';
+    if (chunk.choices[0]?.finish_reason) last = chunk.choices[0];
+  }
+  assert.equal(streamedText, kept.choices[0].text);
+  assert.equal(last.stop_reason, stop);
+  assert.equal(base.choices[0].stop_reason, null);  // finished by length
   const echoed = await client.completions.create({ model, prompt: 'def fib(n):', max_tokens: 4, ...greedy, echo: true });
   assert.ok(echoed.choices[0].text.startsWith('def fib(n):'));
   const lp = await client.completions.create({ model, prompt: 'def fib(n):', max_tokens: 4, ...greedy, logprobs: 2 });
@@ -120,6 +138,33 @@ await test('completions: stop strings, echo, logprobs', async () => {
   assert.ok(Object.keys(l.top_logprobs[0]).length >= 1);
   assert.equal(l.text_offset.length, 4);
   assert.equal(l.tokens.join(''), lp.choices[0].text);
+});
+
+await test('logit_bias, X-Request-Id, /version, usage.prompt_tokens_details', async () => {
+  const prompt = 'def fib(n):';
+  const first = await client.completions.create({ model, prompt, max_tokens: 1, temperature: 0, logprobs: 1 });
+  const firstText = first.choices[0].text;
+  const tokenized = await fetch(baseURL.replace(/\/v1$/, '/tokenize'), {
+    method: 'POST', headers: { 'Content-Type': 'application/json' },
+    body: JSON.stringify({ model, prompt: firstText, add_special_tokens: false }),
+  }).then((r) => r.json());
+  assert.equal(tokenized.tokens.length, 1, JSON.stringify(tokenized));
+  const greedyId = tokenized.tokens[0];
+  // -100 on the greedy token: another one comes first; +100 on a token: it does.
+  const banned = await client.completions.create({ model, prompt, max_tokens: 1, temperature: 0, logit_bias: { [greedyId]: -100 } });
+  assert.notEqual(banned.choices[0].text, firstText);
+  const forced = await client.completions.create({ model, prompt, max_tokens: 3, temperature: 0.8, seed: 4, logit_bias: { [greedyId]: 100 } });
+  assert.equal(forced.choices[0].text, firstText.repeat(3));
+  // X-Request-Id: echoed, or made (and then the completion's id).
+  const echoed = await client.completions.create({ model, prompt, max_tokens: 1 }, { headers: { 'X-Request-Id': 'sdk-req-1' } }).withResponse();
+  assert.equal(echoed.response.headers.get('x-request-id'), 'sdk-req-1');
+  assert.equal(echoed.data.id, 'cmpl-sdk-req-1');
+  const made = await client.chat.completions.create({ model, messages: [{ role: 'user', content: 'hi' }], max_tokens: 1 }).withResponse();
+  assert.match(made.response.headers.get('x-request-id'), /^[0-9a-f]{32}$/);
+  assert.equal(made.data.id, `chatcmpl-${made.response.headers.get('x-request-id')}`);
+  assert.equal(made.data.usage.prompt_tokens_details, null);
+  const version = await fetch(baseURL.replace(/\/v1$/, '/version')).then((r) => r.json());
+  assert.match(version.version, /^\d+\.\d+\.\d+/);
 });
 
 await test('chat: non-streaming and streaming, logprobs, n', async () => {

@@ -175,6 +175,12 @@ assert error["type"] == "server_error" and "not a valid duet.v1.GenerateResponse
 print("openai_api: curl SSE error event ok")
 PY
 echo "openai_api: curl error cases ok"
+# The version: `duet --version` and GET /version agree; --help shows the defaults.
+version=$("$DUET" --version)
+[[ $version == "duet $(curl -s "$BASE/version" | python3 -c 'import json,sys; print(json.load(sys.stdin)["version"])')" ]] \
+  || { echo "duet --version ($version) and /version disagree" >&2; exit 1; }
+help=$("$DUET" serve --help)
+[[ $help == *"--grpc-port INT:INT in [0 - 65535]=50051"* ]] || { echo "duet serve --help shows no defaults" >&2; exit 1; }
 
 # 3. Greedy parity with `duet generate` (same prompt_token_ids).
 python3 - "$TMP/in.jsonl" "$BASE" <<'PY'

@@ -1,0 +1,7 @@
+#include "common/version.h"
+
+namespace duet {
+
+const char* DuetVersion() { return DUET_VERSION; }
+
+}  // namespace duet
