@@ -54,7 +54,6 @@ struct OutputDelta {
   };
   std::string content;
   std::vector<Call> calls;
-  bool empty() const { return content.empty() && calls.empty(); }
 };
 
 // Makes the id of each new call ("chatcmpl-tool-<32 hex>" by default, as vLLM's).
