@@ -498,7 +498,7 @@ std::optional<std::vector<DeviceSamplingRow>> LlmEngine::DeviceSamplingRows(cons
     const SamplingParams& p = r.params;
     // Grammar masks are applied on the host too (see docs/ARCHITECTURE.md, structured outputs).
     if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f || p.logprobs > 0 ||
-        r.grammar) {
+        !p.logit_bias.empty() || r.grammar) {
       return std::nullopt;
     }
     // Each draw is keyed by a number from the request's own generator (seeded when the request
