@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "engine/grammar/structured_output.h"
+#include "router/json_depth.h"
 #include "router/request_id.h"
 #include "rpc/rpc_util.h"
 
@@ -25,33 +26,8 @@ constexpr char kParamPayload[] = "duet.router.openai/param";
 constexpr char kCodePayload[] = "duet.router.openai/code";
 constexpr int kMaxChoices = 1024;  // prompts × n
 
-// Nesting depth of a JSON text (strings skipped), so a hostile body cannot exhaust the stack.
-bool DepthWithin(std::string_view text, int limit) {
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\') {
-        ++i;
-      } else if (c == '"') {
-        in_string = false;
-      }
-      continue;
-    }
-    if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > limit) return false;
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return true;
-}
-
 absl::StatusOr<Json> ParseBody(std::string_view body) {
-  if (!DepthWithin(body, kMaxJsonDepth)) {
+  if (!JsonDepthWithin(body, kMaxJsonDepth)) {
     return BadRequest(absl::StrCat("JSON nesting deeper than ", kMaxJsonDepth, " levels"));
   }
   Json json = Json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
@@ -413,7 +389,7 @@ absl::Status NormalizeToolCalls(const std::string& where, Json* message) {
       (*function)["arguments"] = Json::object();
     } else if (arguments->is_string()) {
       const std::string& text = arguments->get_ref<const std::string&>();
-      Json value = DepthWithin(text, kMaxJsonDepth) ? Json::parse(text, nullptr, /*allow_exceptions=*/false)
+      Json value = JsonDepthWithin(text, kMaxJsonDepth) ? Json::parse(text, nullptr, /*allow_exceptions=*/false)
                                                     : Json(Json::value_t::discarded);
       if (value.is_discarded()) {
         return BadRequest(absl::StrCat("'", at, ".function.arguments' is not valid JSON"), field);

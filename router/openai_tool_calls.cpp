@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "router/json_depth.h"
 #include "router/request_id.h"
 
 namespace duet::router::openai {
@@ -32,29 +33,6 @@ size_t PartialSuffix(std::string_view text, std::string_view token) {
   return 0;
 }
 
-// Nesting depth of a JSON text within `limit` (strings skipped), so parsing cannot recurse deep.
-bool DepthWithin(std::string_view text, int limit) {
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\') {
-        ++i;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      if (++depth > limit) return false;
-    } else if (c == '}' || c == ']') {
-      --depth;
-    }
-  }
-  return true;
-}
-
 struct CallText {
   std::string name;
   std::string arguments;
@@ -64,7 +42,7 @@ struct CallText {
 // text; nullopt for anything else. Arguments given as a string holding a JSON object are taken.
 std::optional<CallText> CallOf(std::string_view text) {
   text = Trimmed(text);
-  if (text.empty() || text.front() != '{' || !DepthWithin(text, kMaxCallDepth)) return std::nullopt;
+  if (text.empty() || text.front() != '{' || !JsonDepthWithin(text, kMaxCallDepth)) return std::nullopt;
   const Json j = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (!j.is_object()) return std::nullopt;
   auto name = j.find("name");
@@ -77,7 +55,7 @@ std::optional<CallText> CallOf(std::string_view text) {
     }
     if (args->is_string()) {
       const std::string& s = args->get_ref<const std::string&>();
-      if (!DepthWithin(s, kMaxCallDepth)) return std::nullopt;
+      if (!JsonDepthWithin(s, kMaxCallDepth)) return std::nullopt;
       const Json parsed = Json::parse(s, nullptr, /*allow_exceptions=*/false);
       if (parsed.is_object()) return CallText{name->get<std::string>(), parsed.dump(-1, ' ', false, Json::error_handler_t::replace)};
     }
