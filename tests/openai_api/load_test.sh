@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # Benchmark (not a ctest): STREAMS (default 1000) concurrent SSE streams against a local CPU
 # cluster's OpenAI API; prints the router's peak RSS and thread count.
-# Usage: load_test.sh DUET_BINARY MODEL_DIR [ROUTER_BINARY]   (env: STREAMS, MAX_TOKENS)
+# Usage: load_test.sh DUET_BINARY MODEL_DIR   (env: STREAMS, MAX_TOKENS)
 set -euo pipefail
 DUET=$1
 MODEL=$2
-ROUTER_BIN=${3:-}
 HERE=$(cd "$(dirname "$0")" && pwd)
 STREAMS=${STREAMS:-1000}
 TMP=$(mktemp -d)
@@ -34,7 +33,7 @@ start() {
   done
   echo "$name did not start" >&2; cat "$TMP/$name.err" >&2; return 1
 }
-if "$DUET" router --help 2>&1 | grep -q -- --http-port; then ROUTER="$DUET router"; else ROUTER=$ROUTER_BIN; fi
+ROUTER="$DUET router"
 
 start decode "DUET_READY port=" "$DUET" decode-worker --model "$MODEL" --backend cpu --port 0 --max-num-seqs 1024
 DECODE_PORT=$PORT

@@ -17,13 +17,11 @@
 #   6. a router whose decode worker sends a message it cannot parse (FAULT_ROUTER_BINARY):
 #      InternalServerError 500, and once the stream has started, an SSE error event (curl sees
 #      the framing, the SDK raises it).
-# Usage: run.sh DUET_BINARY MODEL_DIR [ROUTER_BINARY] FAULT_ROUTER_BINARY
-#   ROUTER_BINARY: runs the router when `duet router` has no --http-port yet (same flags; may be "").
+# Usage: run.sh DUET_BINARY MODEL_DIR FAULT_ROUTER_BINARY
 set -euo pipefail
 DUET=$1
 MODEL=$2
-ROUTER_BIN=${3:-}
-FAULT_ROUTER_BIN=${4:?run.sh: the fault router binary is required}
+FAULT_ROUTER_BIN=${3:?run.sh: the fault router binary is required}
 HERE=$(cd "$(dirname "$0")" && pwd)
 NODE_DIR=$HERE/../node
 TMP=$(mktemp -d)
@@ -59,22 +57,11 @@ start() {
   return 1
 }
 
-router_cmd() {
-  if "$DUET" router --help 2>&1 | grep -q -- --http-port; then
-    echo "$DUET router"
-  elif [[ -n $ROUTER_BIN ]]; then
-    echo "$ROUTER_BIN"
-  else
-    echo "openai_api: no router with --http-port" >&2
-    return 1
-  fi
-}
-
 start decode "DUET_READY port=" "$DUET" decode-worker --model "$MODEL" --backend cpu --port 0
 DECODE_PORT=$PORT
 start prefill "DUET_READY port=" "$DUET" prefill-worker --model "$MODEL" --backend cpu --port 0
 PREFILL_PORT=$PORT
-ROUTER=$(router_cmd)
+ROUTER="$DUET router"
 # shellcheck disable=SC2086
 start router "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --http-port 0 \
   --prefill "127.0.0.1:$PREFILL_PORT" --decode "127.0.0.1:$DECODE_PORT"
