@@ -104,6 +104,11 @@ int RunGenerate(const GenerateOptions& options) {
     DUET_LOG(INFO) << absl::StrFormat("warm-up: %zu requests, %lld tokens in %.2f s (not timed below)", n,
                                       static_cast<long long>(generated), Seconds(start, Clock::now()));
     for (size_t i = 0; i < n; ++i) e.Release(requests[i].id);
+    // The timed run submits the warm-up's requests again: they must not find their KV cached.
+    if (absl::Status reset = e.ResetPrefixCache(); !reset.ok()) {
+      DUET_LOG(ERROR) << reset.message();
+      return 1;
+    }
     generated = 0;
   }
   const int64_t preemptions_before = e.Stats().num_preemptions;

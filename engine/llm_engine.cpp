@@ -282,6 +282,16 @@ EngineStats LlmEngine::Stats() const {
   return stats;
 }
 
+absl::Status LlmEngine::ResetPrefixCache() {
+  if (HasUnfinished()) return absl::FailedPreconditionError("the prefix cache cannot be reset while requests run");
+  if (host_tier_ != nullptr) {
+    DUET_RETURN_IF_ERROR(host_tier_->Flush());
+    host_tier_->Clear();
+  }
+  blocks_.ResetPrefixCache();
+  return absl::OkStatus();
+}
+
 bool LlmEngine::RunIdleWork() {
   constexpr int64_t kIndexedPerSlice = 4096;  // tokens: tens of microseconds
   return spec_ != nullptr && spec_->IndexQueuedOutputs(kIndexedPerSlice);

@@ -126,6 +126,10 @@ class LlmEngine {
   bool HasUnfinished() const { return scheduler_.HasWork(); }
   // Tokens in the last Step's forward pass (0 when it ran none).
   int64_t last_step_num_tokens() const { return last_step_num_tokens_; }
+  // Forgets the prefix cache's blocks on the device and in the host tier (vLLM's
+  // reset_prefix_cache), e.g. after a warm-up whose requests run again. FailedPrecondition while
+  // requests are unfinished.
+  absl::Status ResetPrefixCache();
   // Work that waits for the engine to idle (indexing finished outputs for lookahead), done in
   // slices short enough not to delay an arriving request; returns whether more remains.
   bool RunIdleWork();

@@ -244,5 +244,36 @@ TEST(LlmEnginePrefixCacheTest, DecodeReservationReusesThePreviousTurn) {
   EXPECT_GT(prefill->Stats().prefix_cache_hits, 0);
 }
 
+// A reset forgets every cached block on the device and in the host tier: the same prompt then
+// finds nothing (without the reset it would), and its output is unchanged.
+TEST(LlmEnginePrefixCacheTest, ResetForgetsCachedBlocks) {
+  std::vector<int32_t> prompt(20), other(20);  // each a full 16-token block and a partial one
+  for (int32_t i = 0; i < 20; ++i) prompt[size_t(i)] = 100 + i, other[size_t(i)] = 300 + i;
+  for (Cache cache : {Cache::kOn, Cache::kOnWithHostTier}) {
+    for (bool reset : {false, true}) {
+      // 2 blocks with the host tier: the second prompt evicts the first one's full block there.
+      std::unique_ptr<LlmEngine> e = NewEngine(cache, /*num_blocks=*/cache == Cache::kOn ? 4 : 2);
+      const auto first = RunWaves(*e, {{{prompt, Params(4, true)}}, {{other, Params(4, true)}}});
+      if (cache == Cache::kOnWithHostTier) ASSERT_EQ(e->Stats().host_tier_used_slots, 1);
+      if (reset) {
+        ASSERT_TRUE(e->ResetPrefixCache().ok());
+        EXPECT_EQ(e->Stats().host_tier_used_slots, 0);
+      }
+      const int64_t hits_before = e->Stats().prefix_cache_hits;
+      const auto again = RunWaves(*e, {{{prompt, Params(4, true)}}});
+      EXPECT_EQ(e->Stats().prefix_cache_hits - hits_before, reset ? 0 : 16) << "reset " << reset;
+      EXPECT_EQ(again[0], first[0]);
+    }
+  }
+}
+
+TEST(LlmEnginePrefixCacheTest, ResetRefusedWhileRequestsRun) {
+  std::unique_ptr<LlmEngine> e = NewEngine(Cache::kOn);
+  ASSERT_TRUE(e->AddRequest("r", Tokens(*e, "import os"), Params(4, true)).ok());
+  EXPECT_EQ(e->ResetPrefixCache().code(), absl::StatusCode::kFailedPrecondition);
+  RunToCompletion(*e);
+  EXPECT_TRUE(e->ResetPrefixCache().ok());
+}
+
 }  // namespace
 }  // namespace duet

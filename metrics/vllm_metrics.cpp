@@ -91,6 +91,16 @@ RouterMetrics::RouterMetrics(Registry& registry, std::string_view model_name, in
     routed_prompt_blocks_[size_t(decode)] = &routed.WithLabels(labels);
     routed_prompt_blocks_cached_[size_t(decode)] = &cached.WithLabels(labels);
   }
+  auto& calls = registry.AddHistogram(
+      "duet:router_worker_call_seconds",
+      "Histogram of the router's waits on worker calls, in seconds, by call: reserve_kv, prefill (forward pass and KV "
+      "transfer), decode_first_message.",
+      {"model_name", "role", "call"}, KvTransferSecondsBuckets());
+  const char* const call_names[] = {"reserve_kv", "prefill", "decode_first_message"};
+  for (size_t i = 0; i < worker_call_seconds_.size(); ++i) {
+    worker_call_seconds_[i] =
+        &calls.WithLabels({std::string(model_name), std::string(RoleName(kRole)), call_names[i]});
+  }
 }
 
 Counter& RouterMetrics::request_success(FinishReason reason) {

@@ -22,8 +22,8 @@
 //   iteration_tokens_total             IterationTokensBuckets()    (1, 8, 16, ... 16384)
 // vLLM has no KV-transfer histograms of its own in this shape; Duet's are
 //   kv_transfer_bytes   KvTransferBytesBuckets():   1 KiB * 4^k up to 4 GiB
-//   kv_transfer_seconds, kv_transfer_wait_seconds KvTransferSecondsBuckets(): 1-2-5 steps from
-//                       100 us to 50 s
+//   kv_transfer_seconds, kv_transfer_wait_seconds, the router's worker_call_seconds
+//                       KvTransferSecondsBuckets(): 1-2-5 steps from 100 us to 50 s
 // The prefill worker (the sender, which chooses the path) labels its transfer bytes counter and
 // seconds histogram with `path` (kvtransfer::TransferPathName: cuda_ipc, ucx_shm, ucx_net).
 //
@@ -118,12 +118,19 @@ class RouterMetrics {
   // those of them the router's prefix index predicted that worker had cached
   // (routed_prompt_blocks_cached_total). Their ratio is the router's predicted hit rate.
   Counter& routed_prompt_blocks(bool decode) { return *routed_prompt_blocks_[decode ? 1 : 0]; }
+  // Disaggregation's share of the time to first token, per worker call the router waits on
+  // (`call`): reserve_kv (the decode worker's ReserveKv round trip), prefill (the Prefill round
+  // trip: the prompt's forward pass and its KV transfer) and decode_first_message (the Decode
+  // call's start to its first message). Successful calls only.
+  enum class WorkerCall { kReserveKv, kPrefill, kDecodeFirstMessage };
+  Histogram& worker_call_seconds(WorkerCall call) { return *worker_call_seconds_[size_t(call)]; }
   Counter& routed_prompt_blocks_cached(bool decode) { return *routed_prompt_blocks_cached_[decode ? 1 : 0]; }
 
  private:
   std::array<Counter*, 5> request_success_{};  // by FinishReason; null where it counts none
   std::array<Counter*, 2> routed_prompt_blocks_{};         // prefill, decode
   std::array<Counter*, 2> routed_prompt_blocks_cached_{};  // prefill, decode
+  std::array<Histogram*, 3> worker_call_seconds_{};        // by WorkerCall
   Family<Counter>* http_requests_;
   Family<Histogram>* http_durations_;
 };

@@ -104,7 +104,7 @@ TEST(VllmMetricsTest, EachRoleExportsWhatItOwns) {
                                    "duet:request_prompt_tokens", "duet:request_queue_time_seconds",
                                    "duet:request_success_total", "duet:request_time_per_output_token_seconds",
                                    "duet:routed_prompt_blocks_cached_total", "duet:routed_prompt_blocks_total",
-                                   "duet:time_per_output_token_seconds", "duet:time_to_first_token_seconds",
+                                   "duet:router_worker_call_seconds", "duet:time_per_output_token_seconds", "duet:time_to_first_token_seconds",
                                    "http_request_duration_seconds", "http_requests_total"}));
   const std::set<std::string> engine = {"duet:cache_config_info", "duet:iteration_tokens_total",
                                         "duet:num_preemptions_total", "duet:num_requests_running",
@@ -217,6 +217,20 @@ TEST(VllmMetricsTest, RoutedPromptBlocksByWorkerRole) {
                               "worker_role=\"decode\"} 4\n"));
   EXPECT_THAT(text, HasSubstr("duet:routed_prompt_blocks_cached_total{model_name=\"tiny\",role=\"router\","
                               "worker_role=\"decode\"} 0\n"));
+}
+
+TEST(VllmMetricsTest, WorkerCallSecondsByCall) {
+  Registry registry;
+  RouterMetrics m(registry, "tiny");
+  m.worker_call_seconds(RouterMetrics::WorkerCall::kPrefill).Observe(0.0125);
+  m.worker_call_seconds(RouterMetrics::WorkerCall::kDecodeFirstMessage).Observe(0.0004);
+  const std::string text = registry.Render();
+  EXPECT_THAT(text, HasSubstr("duet:router_worker_call_seconds_sum{model_name=\"tiny\",role=\"router\","
+                              "call=\"prefill\"} 0.0125\n"));
+  EXPECT_THAT(text, HasSubstr("duet:router_worker_call_seconds_count{model_name=\"tiny\",role=\"router\","
+                              "call=\"decode_first_message\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("duet:router_worker_call_seconds_count{model_name=\"tiny\",role=\"router\","
+                              "call=\"reserve_kv\"} 0\n"));
 }
 
 TEST(VllmMetricsTest, HttpRequestsByHandlerMethodAndStatus) {

@@ -284,6 +284,7 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   void RecordPlacement(Worker* worker);
   // The decode stream finished: the decode worker now holds the prompt and the output's KV.
   void RecordDecoded();
+  void RecordWorkerCall(metrics::RouterMetrics::WorkerCall call);
 
   Live live_;
   RouterService* const service_;
@@ -327,6 +328,8 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   std::string finish_reason_;
   double queue_seconds_ = 0;  // arrival until the prefill gate let it through
   std::chrono::steady_clock::time_point first_token_at_{}, last_token_at_{};
+  // When the worker call in progress began (router_worker_call_seconds).
+  std::chrono::steady_clock::time_point call_started_at_{};
   v1::GenerateResponse last_;  // the closing "abort" message
 };
 
@@ -647,6 +650,7 @@ void RouterService::GenerateCall::ReserveNext() {
   decode_ = decode;
   decode_in_flight_ = InFlightGuard(decode);
   transfer_id_ = service_->NewTransferId();
+  call_started_at_ = std::chrono::steady_clock::now();
   v1::ReserveKvRequest request;
   request.set_request_id(prepared_.request_id);
   request.set_transfer_id(transfer_id_);
@@ -682,6 +686,7 @@ void RouterService::GenerateCall::OnReserved(const grpc::Status& status, const v
   NoteDeadline(status);
   if (status.ok()) {
     if (reply != nullptr && reply->target().transfer_id() == transfer_id_) {
+      RecordWorkerCall(metrics::RouterMetrics::WorkerCall::kReserveKv);
       target_ = reply->target();
       RecordPlacement(decode_);
       return StartPrefill();
@@ -766,6 +771,7 @@ void RouterService::GenerateCall::StartPrefill() {
   request.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
   *request.mutable_sampling() = prepared_.sampling;
   *request.mutable_target() = target_;
+  call_started_at_ = std::chrono::steady_clock::now();
   CallWorker<v1::PrefillResponse>(
       *prefill, PrefillMethod(), Downstream(service_->options_.prefill_timeout), std::move(request),
       [self = shared_from_this()](const grpc::Status& status, const v1::PrefillResponse* reply) {
@@ -784,6 +790,7 @@ void RouterService::GenerateCall::OnPrefilled(const grpc::Status& status, const 
       invalid = absl::StrFormat("first token id %d, out of vocabulary (vocab size %d)", reply->first_token_id(),
                                 service_->options_.vocab_size);
     } else {
+      RecordWorkerCall(metrics::RouterMetrics::WorkerCall::kPrefill);
       prefilled_ = *reply;
       return StartDecode();
     }
@@ -831,6 +838,7 @@ void RouterService::GenerateCall::StartDecode() {
   request.set_first_token_id(prefilled_.first_token_id());
   *request.mutable_first_token_logprobs() = prefilled_.first_token_logprobs();
   stream_context_ = Downstream(absl::InfiniteDuration());
+  call_started_at_ = std::chrono::steady_clock::now();
   stream_ = new DecodeStream(shared_from_this(), stream_context_, std::move(request));
   stream_->Start(*decode_);  // its callbacks may already be running: nothing after this
 }
@@ -851,6 +859,7 @@ void RouterService::GenerateCall::OnDecodeMessage(grpc::ByteBuffer* bytes) {
   }
   out_.set_request_id(prepared_.client_request_id);
   if (!prompt_sent_) {
+    RecordWorkerCall(metrics::RouterMetrics::WorkerCall::kDecodeFirstMessage);
     if (out_.prompt_token_ids().empty()) {
       out_.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
     }
@@ -1017,6 +1026,10 @@ void RouterService::GenerateCall::RecordPlacement(Worker* worker) {
   }
   service_->metrics_->routed_prompt_blocks(decode).Inc(double(chain.size()));
   service_->metrics_->routed_prompt_blocks_cached(decode).Inc(double(cached));
+}
+
+void RouterService::GenerateCall::RecordWorkerCall(metrics::RouterMetrics::WorkerCall call) {
+  service_->metrics_->worker_call_seconds(call).Observe(Seconds(std::chrono::steady_clock::now() - call_started_at_));
 }
 
 void RouterService::GenerateCall::RecordDecoded() {

@@ -147,6 +147,16 @@ void BlockManager::Register(int32_t block, BlockHash hash, absl::Span<const int3
   cached_.emplace(hash, block);
 }
 
+void BlockManager::ResetPrefixCache() {
+  for (int32_t block : evictable_) {
+    CachedBlock& e = cache_entries_[size_t(block)];
+    cached_.erase(e.hash);
+    e.registered = false;
+    free_blocks_.push_back(block);
+  }
+  evictable_.clear();
+}
+
 void BlockManager::Evict(int32_t block) {
   CachedBlock& e = cache_entries_[size_t(block)];
   DUET_CHECK(e.registered && ref_counts_[block] == 0);

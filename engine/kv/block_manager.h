@@ -106,6 +106,9 @@ class BlockManager {
   // registered are skipped. A no-op with caching off.
   void CommitFullBlocks(SequenceId seq, BlockHash seed, int64_t num_tokens,
                         const std::function<int32_t(int64_t)>& token_at);
+  // Forgets every cached block no sequence holds (vLLM's reset_prefix_cache): they become plain
+  // free blocks. Blocks sequences hold stay registered.
+  void ResetPrefixCache();
   // Blocks registered in the cache (held by sequences or evictable), and evictions so far.
   int32_t num_cached_blocks() const { return static_cast<int32_t>(cached_.size()); }
   int64_t num_evictions() const { return num_evictions_; }

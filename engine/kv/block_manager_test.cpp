@@ -158,6 +158,27 @@ TEST(BlockManagerPrefixCacheTest, FinishedBlocksAreSharedByTheNextSequence) {
   EXPECT_EQ(bm.AttachCachedPrefix(6, seed, tokens, 1), 4);
 }
 
+TEST(BlockManagerPrefixCacheTest, ResetForgetsUnheldBlocksOnly) {
+  BlockManager bm(8, 4);
+  bm.EnablePrefixCaching();
+  const BlockHash seed = PrefixSeed("m", "");
+  const std::vector<int32_t> a = Iota(8, 0), b = Iota(8, 100);
+  for (SequenceId seq : {1, 2}) {
+    ASSERT_TRUE(bm.Reserve(seq, 8, 0, nullptr).ok());
+    bm.CommitFullBlocks(seq, seed, 8, TokenAt(seq == 1 ? a : b));
+  }
+  bm.Free(1);  // a's blocks are unheld; b's are still held by sequence 2
+  bm.ResetPrefixCache();
+  EXPECT_EQ(bm.num_cached_blocks(), 2);
+  EXPECT_EQ(bm.num_free_blocks(), 6);
+  EXPECT_EQ(bm.AttachCachedPrefix(3, seed, a, 2), 0);
+  EXPECT_EQ(bm.AttachCachedPrefix(4, seed, b, 2), 8);
+  bm.Free(2);
+  bm.Free(4);
+  EXPECT_EQ(bm.num_free_blocks(), 8);
+  EXPECT_EQ(bm.num_evictions(), 0);  // a reset is not an eviction
+}
+
 TEST(BlockManagerPrefixCacheTest, EvictsLeastRecentlyUsedAndTailsFirst) {
   BlockManager bm(4, 2);
   bm.EnablePrefixCaching();

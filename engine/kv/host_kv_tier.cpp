@@ -34,6 +34,16 @@ int32_t HostKvTier::Find(BlockHash hash, absl::Span<const int32_t> tokens) const
   return std::equal(tokens.begin(), tokens.end(), slot_tokens_.begin() + int64_t(slot) * block_size_) ? slot : -1;
 }
 
+void HostKvTier::Clear() {
+  DUET_CHECK(!HasPendingCopies());
+  for (int32_t slot : lru_) {
+    slots_[size_t(slot)] = Slot{};
+    free_slots_.push_back(slot);
+  }
+  lru_.clear();
+  by_hash_.clear();
+}
+
 void HostKvTier::Touch(int32_t slot) { lru_.splice(lru_.end(), lru_, slots_[size_t(slot)].lru); }
 
 int32_t HostKvTier::TakeSlot() {

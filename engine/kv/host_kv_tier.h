@@ -40,6 +40,8 @@ class HostKvTier : public KvBlockTier {
   // Runs the copies asked for since the last Flush; held slots become evictable again.
   absl::Status Flush();
   bool HasPendingCopies() const { return !to_host_.empty() || !to_device_.empty(); }
+  // Forgets every block the tier holds. No copy may be pending.
+  void Clear();
 
   int64_t num_slots() const { return int64_t(slots_.size()); }
   int64_t num_used_slots() const { return int64_t(by_hash_.size()); }

@@ -14,7 +14,7 @@ import statistics
 import sys
 
 LLAMA_CPP_64 = 6016  # llama.cpp output tok/s, 64 sequences of 512 + 128 tokens, H200 (DESIGN.md)
-RUNS = ["conc1", "conc8", "conc32", "conc64", "rate4", "rate16", "rate64", "rateinf"]
+RUNS = ["conc1_short", "conc1", "conc8", "conc32", "conc64", "rate4", "rate16", "rate64", "rateinf"]
 
 
 def load_json(path):
