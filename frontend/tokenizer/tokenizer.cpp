@@ -270,7 +270,7 @@ std::string HfTokenizer::Decode(absl::Span<const int32_t> ids, bool skip_special
 }
 
 std::optional<int32_t> HfTokenizer::TokenToId(std::string_view token) const {
-  auto it = added_token_id_by_content_.find(token);
+  auto it = added_token_id_by_content_.find(AsKey(token));
   if (it != added_token_id_by_content_.end()) return it->second;
   return model_->TokenToId(token);
 }

@@ -95,7 +95,7 @@ absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::FromJson(const nlohmann::jso
 }
 
 std::optional<int32_t> BpeModel::TokenToId(std::string_view token) const {
-  auto it = token_to_id_.find(token);
+  auto it = token_to_id_.find(AsKey(token));
   if (it == token_to_id_.end()) return std::nullopt;
   return it->second;
 }
@@ -105,7 +105,7 @@ const std::string* BpeModel::IdToToken(int32_t id) const {
   const std::string& token = id_to_token_[id];
   // An empty slot is a gap in the id space, unless "" really is a token with this id.
   if (token.empty()) {
-    auto it = token_to_id_.find(std::string_view());
+    auto it = token_to_id_.find(absl::string_view());
     if (it == token_to_id_.end() || it->second != id) return nullptr;
   }
   return &token;
@@ -192,7 +192,7 @@ void BpeModel::Tokenize(std::string_view word, std::vector<int32_t>& ids) const 
   const bool cacheable = word.size() <= kMaxCachedWordBytes;
   if (cacheable) {
     std::lock_guard<std::mutex> lock(cache_mutex_);
-    auto it = cache_.find(word);
+    auto it = cache_.find(AsKey(word));
     if (it != cache_.end()) {
       ids.insert(ids.end(), it->second.begin(), it->second.end());
       return;

@@ -8,20 +8,20 @@
 #include <optional>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "nlohmann/json_fwd.hpp"
 
 namespace duet {
 
-// Hash/equality allowing std::string_view lookups in maps keyed by std::string.
-struct StringHash {
-  using is_transparent = void;
-  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
-};
-using TokenIdMap = std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>>;
+// Open addressing (absl): a lookup touches one slot, and a token of up to 15 bytes lies in it
+// (std::string's inline buffer). Lookups by std::string_view need no copy.
+using TokenIdMap = absl::flat_hash_map<std::string, int32_t>;
+// The key type those lookups take (this build's absl::string_view is not std::string_view).
+inline absl::string_view AsKey(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 class BpeModel {
  public:
@@ -50,7 +50,7 @@ class BpeModel {
 
   TokenIdMap token_to_id_;
   std::vector<std::string> id_to_token_;  // "" for ids not in the vocabulary
-  std::unordered_map<uint64_t, Merge> merges_;
+  absl::flat_hash_map<uint64_t, Merge> merges_;
   std::optional<int32_t> unk_id_;
   bool fuse_unk_ = false;
   bool byte_fallback_ = false;
@@ -60,7 +60,7 @@ class BpeModel {
   static constexpr size_t kCacheCapacity = 20000;
   static constexpr size_t kMaxCachedWordBytes = 256;
   mutable std::mutex cache_mutex_;
-  mutable std::unordered_map<std::string, std::vector<int32_t>, StringHash, std::equal_to<>> cache_;
+  mutable absl::flat_hash_map<std::string, std::vector<int32_t>> cache_;
 };
 
 }  // namespace duet
