@@ -104,9 +104,9 @@ absl::Status LlmEngine::SetUpPrefixCache() {
   return absl::OkStatus();
 }
 
-absl::Status LlmEngine::FlushTierCopies() {
+absl::Status LlmEngine::FlushTierCopies(HostKvTier::FlushMode mode) {
   if (host_tier_ == nullptr || !host_tier_->HasPendingCopies()) return absl::OkStatus();
-  return host_tier_->Flush();
+  return host_tier_->Flush(mode);
 }
 
 absl::StatusOr<std::unique_ptr<Request>> LlmEngine::NewRequest(const std::string& id,
@@ -212,7 +212,7 @@ absl::StatusOr<LlmEngine::KvReservation> LlmEngine::ReserveKv(absl::Span<const i
   }
   // The prefill worker writes into these blocks before the next step: evicted ones must reach
   // the host tier, and hits must be in place, now.
-  if (absl::Status s = FlushTierCopies(); !s.ok()) {
+  if (absl::Status s = FlushTierCopies(HostKvTier::FlushMode::kWait); !s.ok()) {
     blocks_.Free(r.seq);
     return s;
   }
@@ -285,7 +285,7 @@ EngineStats LlmEngine::Stats() const {
 absl::Status LlmEngine::ResetPrefixCache() {
   if (HasUnfinished()) return absl::FailedPreconditionError("the prefix cache cannot be reset while requests run");
   if (host_tier_ != nullptr) {
-    DUET_RETURN_IF_ERROR(host_tier_->Flush());
+    DUET_RETURN_IF_ERROR(host_tier_->Flush(HostKvTier::FlushMode::kWait));
     host_tier_->Clear();
   }
   blocks_.ResetPrefixCache();
@@ -428,7 +428,8 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
   num_preemptions_ += plan.num_preempted;
   last_step_num_tokens_ = 0;
   if (plan.empty()) return std::vector<RequestOutput>();
-  if (absl::Status s = FlushTierCopies(); !s.ok()) {
+  // Ordered ahead of the step's kernels, not waited for here.
+  if (absl::Status s = FlushTierCopies(HostKvTier::FlushMode::kOrdered); !s.ok()) {
     scheduler_.OnStepDone(plan);
     return FailStep(plan, s);
   }

@@ -189,7 +189,7 @@ class LlmEngine {
   // Creates the host tier and turns the block manager's prefix cache on, as configured.
   absl::Status SetUpPrefixCache();
   // The host tier's copies for this step's evictions and hits, before anything uses the blocks.
-  absl::Status FlushTierCopies();
+  absl::Status FlushTierCopies(HostKvTier::FlushMode mode);
   absl::StatusOr<std::unique_ptr<Request>> NewRequest(const std::string& id, std::vector<int32_t> prompt,
                                                       SamplingParams params, SequenceId seq_id);
 

@@ -39,6 +39,11 @@ class DeviceKvCache : public KvCache {
                                 const HostKvBlocks& host) override;
   absl::Status CopyBlocksFromHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
                                   const HostKvBlocks& host) override;
+  // On the same copy stream, behind the executor's stream and ahead of its later work (events
+  // both ways): the caller does not wait, the next step does, on the GPU.
+  absl::Status EnqueueHostCopies(absl::Span<const BlockCopy> to_host, absl::Span<const BlockCopy> from_host,
+                                 const HostKvBlocks& host) override;
+  absl::Status WaitForHostCopies() override;
 
   // Speculative decoding: one token's K/V moves from slot `from` to slot `to` (block id *
   // block_size + offset) in every layer. Moves are queued and applied in order on the
@@ -57,7 +62,16 @@ class DeviceKvCache : public KvCache {
 
  private:
   DeviceKvCache(const KvCacheShape& shape, DeviceAllocation pool, cudaStream_t stream, cudaStream_t copy_stream,
-                cudaEvent_t produced);
+                cudaEvent_t produced, cudaEvent_t copied);
+  // One batched copy's arrays.
+  struct CopyList {
+    std::vector<void*> dsts;
+    std::vector<const void*> srcs;
+    std::vector<size_t> sizes;
+  };
+  void AppendHostCopies(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
+                        const HostKvBlocks& host, bool to_host, CopyList& list);
+  cudaError_t EnqueueOnCopyStream(CopyList& list);  // copy_mu_ held
   absl::Status CopyWithHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
                             const HostKvBlocks& host, bool to_host);
 
@@ -66,7 +80,8 @@ class DeviceKvCache : public KvCache {
   cudaStream_t stream_;
   std::mutex copy_mu_;       // one staging copy at a time on copy_stream_
   cudaStream_t copy_stream_;  // owned
-  cudaEvent_t produced_;      // owned: orders a to-host copy after the executor's stream
+  cudaEvent_t produced_;      // owned: orders copies after the executor's stream
+  cudaEvent_t copied_;        // owned: orders the executor's stream after host-tier copies
   kernels::KvSlotMoveParams pending_moves_{};  // num_moves queued, not yet launched
 };
 

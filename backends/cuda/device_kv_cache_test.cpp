@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "engine/kv/host_kv_tier.h"
 #include "engine/kv/kv_host_staging.h"
 #include "gtest/gtest.h"
 #include "kernels/kernel_test_util.h"
@@ -89,6 +90,45 @@ TEST_F(DeviceKvCacheTest, BlocksRoundTripThroughPinnedStaging) {
       EXPECT_EQ(std::memcmp(untouched.data(), Pool(layer, kv) + 25 * block_bytes_, block_bytes_), 0);
     }
   }
+}
+
+// The host tier's copies are ordered on the GPU, not waited for: a block written by work still
+// queued on the executor's stream is offloaded with those bytes, loaded back into another block
+// before the stream's later work runs, and that later work (overwriting the first block) does not
+// reach the host copy.
+TEST_F(DeviceKvCacheTest, HostTierCopiesAreStreamOrdered) {
+  auto tier = HostKvTier::Create(*cache_, int64_t(4) * cache_->shape().bytes_per_block());
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  void* scratch = nullptr;  // a long memset ahead of the block's write: a copy that did not wait would race it
+  const size_t scratch_bytes = size_t(1) << 30;
+  ASSERT_EQ(cudaMalloc(&scratch, scratch_bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(scratch, 1, scratch_bytes, stream_), cudaSuccess);
+  const int32_t written = 7, loaded = 9;
+  for (int64_t layer = 0; layer < 3; ++layer) {
+    ASSERT_EQ(cudaMemsetAsync(cache_->keys(layer) + written * cache_->shape().block_elems(), 0x5A, block_bytes_, stream_),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(cache_->values(layer) + written * cache_->shape().block_elems(), 0xA5, block_bytes_, stream_),
+              cudaSuccess);
+  }
+  const std::vector<int32_t> tokens(size_t(cache_->shape().block_size), 3);
+  (*tier)->Offload(written, /*hash=*/42, tokens);
+  ASSERT_TRUE((*tier)->Flush(HostKvTier::FlushMode::kOrdered).ok());
+  ASSERT_TRUE((*tier)->Hold(42, tokens));
+  (*tier)->Load(42, loaded);
+  ASSERT_TRUE((*tier)->Flush(HostKvTier::FlushMode::kOrdered).ok());
+  for (int64_t layer = 0; layer < 3; ++layer) {  // later work on the stream: after the copies
+    ASSERT_EQ(cudaMemsetAsync(cache_->keys(layer) + written * cache_->shape().block_elems(), 0, block_bytes_, stream_),
+              cudaSuccess);
+  }
+  ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+  cudaFree(scratch);
+  for (int64_t layer = 0; layer < 3; ++layer) {
+    EXPECT_EQ(DeviceBlock(layer, 0, loaded), std::vector<uint8_t>(block_bytes_, 0x5A)) << "layer " << layer;
+    EXPECT_EQ(DeviceBlock(layer, 1, loaded), std::vector<uint8_t>(block_bytes_, 0xA5)) << "layer " << layer;
+    EXPECT_EQ(DeviceBlock(layer, 0, written), std::vector<uint8_t>(block_bytes_, 0)) << "layer " << layer;
+  }
+  // The copy back went from the host slot the offload filled: it still holds the block.
+  ASSERT_TRUE((*tier)->Hold(42, tokens));
 }
 
 TEST_F(DeviceKvCacheTest, OutOfRangeBlocksAreRefused) {

@@ -265,7 +265,7 @@ TEST(BlockManagerPrefixCacheTest, RandomOperationsNeverLeakOrHandOutWrongKv) {
     SequenceId next = 1;
     int64_t hits = 0;
     auto compute = [&](SequenceId seq, Live& l, int64_t upto) {
-      ASSERT_TRUE((*tier)->Flush().ok());  // evictions out, hits in, before the writes
+      ASSERT_TRUE((*tier)->Flush(HostKvTier::FlushMode::kWait).ok());  // evictions out, hits in, before the writes
       for (int64_t p = 0; p < l.computed; ++p) {
         ASSERT_EQ(content.Read(bm.BlockTable(seq), p), ContentCache::Value(l.tokens[size_t(p)], p))
             << "trial " << trial << " seq " << seq << " position " << p;
@@ -298,7 +298,7 @@ TEST(BlockManagerPrefixCacheTest, RandomOperationsNeverLeakOrHandOutWrongKv) {
           const int64_t n = int64_t(l.tokens.size()) + 1 + int64_t(rng() % 4);
           std::vector<BlockCopy> copies;
           if (!bm.Reserve(it->first, n, l.computed, &copies).ok()) continue;
-          ASSERT_TRUE((*tier)->Flush().ok());  // as a step runs them: tier copies, then copy-on-write
+          ASSERT_TRUE((*tier)->Flush(HostKvTier::FlushMode::kOrdered).ok());  // as a step runs them: tier copies, then copy-on-write
           content.cache().CopyBlocks(copies);
           while (int64_t(l.tokens.size()) < n) l.tokens.push_back(int32_t(rng() % 50));
           compute(it->first, l, n);
@@ -308,7 +308,7 @@ TEST(BlockManagerPrefixCacheTest, RandomOperationsNeverLeakOrHandOutWrongKv) {
         } else if (kind == 3) {  // speculative slots reserved, then given back
           std::vector<BlockCopy> copies;
           if (bm.Reserve(it->first, l.computed + 1 + int64_t(rng() % 5), l.computed, &copies).ok()) {
-            ASSERT_TRUE((*tier)->Flush().ok());  // as a step runs them: tier copies, then copy-on-write
+            ASSERT_TRUE((*tier)->Flush(HostKvTier::FlushMode::kOrdered).ok());  // as a step runs them: tier copies, then copy-on-write
           content.cache().CopyBlocks(copies);
             bm.Truncate(it->first, l.computed);
           }

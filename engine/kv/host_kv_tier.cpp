@@ -100,11 +100,10 @@ void HostKvTier::Load(BlockHash hash, int32_t block) {
   ++stats_.loaded_blocks;
 }
 
-absl::Status HostKvTier::Flush() {
-  const int64_t num_layers = cache_.shape().num_layers;
-  absl::Status status;
-  if (!to_host_.empty()) status = cache_.CopyBlocksToHost(0, num_layers, to_host_, pools_);
-  if (!status.ok()) {  // those slots hold nothing usable
+absl::Status HostKvTier::Flush(FlushMode mode) {
+  absl::Status status = cache_.EnqueueHostCopies(to_host_, to_device_, pools_);
+  if (status.ok() && mode == FlushMode::kWait) status = cache_.WaitForHostCopies();
+  if (!status.ok()) {  // the slots being filled hold nothing usable
     for (const BlockCopy& c : to_host_) {
       Slot& s = slots_[size_t(c.dst)];
       if (!s.used || s.held) continue;
@@ -114,7 +113,6 @@ absl::Status HostKvTier::Flush() {
       free_slots_.push_back(c.dst);
     }
   }
-  if (status.ok() && !to_device_.empty()) status = cache_.CopyBlocksFromHost(0, num_layers, to_device_, pools_);
   to_host_.clear();
   to_device_.clear();
   for (int32_t slot : held_) slots_[size_t(slot)].held = false;

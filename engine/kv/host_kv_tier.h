@@ -37,8 +37,14 @@ class HostKvTier : public KvBlockTier {
   void Offload(int32_t block, BlockHash hash, absl::Span<const int32_t> tokens) override;
   bool Hold(BlockHash hash, absl::Span<const int32_t> tokens) override;
   void Load(BlockHash hash, int32_t block) override;
-  // Runs the copies asked for since the last Flush; held slots become evictable again.
-  absl::Status Flush();
+  // Issues the copies asked for since the last Flush (evictions to the host first, then hits
+  // back), ordered before the cache's later work (KvCache::EnqueueHostCopies); held slots
+  // become evictable again. kOrdered returns at once: the next step's work on the cache runs
+  // after the copies (on a device cache the GPU orders them, so the step's launch does not wait).
+  // kWait returns once the bytes are in place, for a writer the cache's order does not cover (a
+  // prefill worker writing into a reservation).
+  enum class FlushMode { kOrdered, kWait };
+  absl::Status Flush(FlushMode mode);
   bool HasPendingCopies() const { return !to_host_.empty() || !to_device_.empty(); }
   // Forgets every block the tier holds. No copy may be pending.
   void Clear();

@@ -4,6 +4,7 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace duet {
 
@@ -29,6 +30,14 @@ absl::StatusOr<HostMemory> KvCache::AllocateHostStaging(size_t bytes) {
   void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
   if (p == nullptr) return absl::ResourceExhaustedError("cannot allocate host memory for KV staging");
   return HostMemory(p, [](void* q) { std::free(q); });
+}
+
+absl::Status KvCache::EnqueueHostCopies(absl::Span<const BlockCopy> to_host, absl::Span<const BlockCopy> from_host,
+                                        const HostKvBlocks& host) {
+  const int64_t num_layers = shape_.num_layers;
+  if (!to_host.empty()) DUET_RETURN_IF_ERROR(CopyBlocksToHost(0, num_layers, to_host, host));
+  if (!from_host.empty()) DUET_RETURN_IF_ERROR(CopyBlocksFromHost(0, num_layers, from_host, host));
+  return absl::OkStatus();
 }
 
 absl::Status KvCache::CheckHostCopies(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,

@@ -80,6 +80,14 @@ class KvCache {
                                         const HostKvBlocks& host) = 0;
   virtual absl::Status CopyBlocksFromHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
                                           const HostKvBlocks& host) = 0;
+  // The host tier's copies, every layer: `to_host` (cache .src into host .dst) first, then
+  // `from_host` (host .src into cache .dst), ordered after the work already issued on the cache
+  // and before the work issued after this call, without waiting for them (a device cache orders
+  // them on the GPU; this default copies at once). Copies into the same host memory must all go
+  // through here, which keeps them in order; WaitForHostCopies returns once they are done.
+  virtual absl::Status EnqueueHostCopies(absl::Span<const BlockCopy> to_host, absl::Span<const BlockCopy> from_host,
+                                         const HostKvBlocks& host);
+  virtual absl::Status WaitForHostCopies() { return absl::OkStatus(); }
 
   // Element offset of (block, head, slot) within a layer's K or V pool.
   int64_t Offset(int64_t block, int64_t head, int64_t slot) const {
