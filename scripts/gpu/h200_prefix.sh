@@ -7,6 +7,8 @@
 #   on           prefix caching, the whole GPU share as cache
 #   small        a KV cache too small for the prefixes (3,000 blocks per worker): evictions
 #   small+host   the same with an 8 GiB host tier per worker
+#   big / big+host  64 system prompts (8,192 blocks of prefix) on 3,000 device blocks, without and
+#                with a 20 GiB host tier per worker
 #   ll2 / pa2    2 prefill workers, least-loaded vs prefix-aware routing (if --routing-policy exists)
 #   ll2big / pa2big  the same with 96 system prompts, more than one prefill worker's cache holds
 # Each run prints duet-bench's TTFT p50/p99 and output tok/s and the workers' prefix-cache hit
@@ -18,7 +20,7 @@
 #   RUNS="off on" limits the runs.
 set -uo pipefail
 OUT=${OUT:-/tmp/duet-prefix-out}
-RUNS=${RUNS:-"off on small small+host ll2 pa2 ll2big pa2big"}
+RUNS=${RUNS:-"off on small small+host big big+host ll2 pa2 ll2big pa2big"}
 mkdir -p "$OUT"
 tar -xJf .devcluster/bundle.tar.xz -C /tmp || exit 1
 source /tmp/devbundle/env.sh
@@ -93,6 +95,13 @@ for r in $RUNS; do
     on) run on --prefill-workers 1 --decode-workers 1 ;;
     small) run small --prefill-workers 1 --decode-workers 1 --num-kv-blocks 3000 ;;
     small+host) run small+host --prefill-workers 1 --decode-workers 1 --num-kv-blocks 3000 --host-kv-cache-gib 8 ;;
+    # More system prompts than the device cache holds (64 x 2,048 tokens = 8,192 blocks vs 3,000):
+    # without the host tier most prefixes are gone when they come back; with it they load from host.
+    big|big+host)
+      host=(); [[ $r == big+host ]] && host=(--host-kv-cache-gib 20)
+      WORKLOAD=(--dataset shared-prefix --tokenizer "$MODEL" --num-prefix-groups 64 --prefix-len 2048 --input-len 256
+                --output-len 32 --ignore-eos --seed 1 --num-prompts 512 --max-concurrency 16)
+      has_multiturn=0 run $r --prefill-workers 1 --decode-workers 1 --num-kv-blocks 3000 "${host[@]}" ;;
     ll2) [[ $has_routing == 1 ]] && run ll2 --prefill-workers 2 --decode-workers 1 --routing-policy least-loaded ;;
     pa2) [[ $has_routing == 1 ]] && run pa2 --prefill-workers 2 --decode-workers 1 --routing-policy prefix-aware ;;
     # More system prompts than one prefill worker's cache holds (96 x 2,048 tokens vs 8,000
@@ -115,7 +124,7 @@ for line in open(os.path.join(out, "cache.txt")) if os.path.exists(os.path.join(
     cache[f[0]] = (int(f[2]), int(f[4]), f[6], f[8], int(f[10]), int(f[12]))
 print(f"{'run':<11} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'out tok/s':>10} {'hit rate':>8} {'prefill':>7}  host hits / evictions")
 base = None
-for name in ["off", "on", "small", "small+host", "ll2", "pa2", "ll2big", "pa2big"]:
+for name in ["off", "on", "small", "small+host", "big", "big+host", "ll2", "pa2", "ll2big", "pa2big"]:
     p = os.path.join(out, name + ".json")
     if not os.path.exists(p):
         continue
