@@ -7,6 +7,8 @@
 //   6 tokenizer.json (loaded, then encodes and decodes a sample)
 //   7 chat template source (parsed, then rendered with a conversation)
 //   8 model output through each tool-call parser (router/openai_tool_calls.h), whole and streamed
+//   9 a KV receiver descriptor from a decode worker (kvtransfer::ReceiverDescriptor::Parse)
+//  10 a KV transfer notice from a prefill worker (kvtransfer::Notice::Parse)
 // Whatever the bytes, a parser must return a status, never crash, and what it accepts must
 // satisfy the invariants checked below.
 #include <unistd.h>
@@ -29,6 +31,7 @@
 #include "frontend/chat_template/chat_template.h"
 #include "frontend/tokenizer/tokenizer.h"
 #include "kvtransfer/kv_layout.h"
+#include "kvtransfer/ucx_protocol.h"
 #include "nlohmann/json.hpp"
 #include "router/openai_protocol.h"
 #include "tests/fuzz/mutation_driver.h"
@@ -39,7 +42,7 @@ namespace {
 namespace http = boost::beast::http;
 using router::openai::Json;
 
-constexpr int kTargets = 9;
+constexpr int kTargets = 11;
 const std::string kModelDir = std::string(DUET_MODELS_DIR) + "/tiny-code-llama";
 
 struct Model {
@@ -148,6 +151,33 @@ void CheckKvLayout(const std::string& bytes) {
   absl::StatusOr<kvtransfer::LayoutMatch> match = kvtransfer::CheckCompatible(*layout, *layout);
   DUET_CHECK(match.ok() && *match == kvtransfer::LayoutMatch::kSameShape);
   (void)layout->DebugString();
+}
+
+// What a prefill worker accepts as a decode worker's descriptor is self-consistent: a valid
+// layout, one region per pool, and it serializes back to a blob that parses to the same.
+void CheckReceiverDescriptor(const std::string& blob) {
+  absl::StatusOr<kvtransfer::ReceiverDescriptor> d = kvtransfer::ReceiverDescriptor::Parse(blob);
+  if (!d.ok()) {
+    DUET_CHECK(!d.status().message().empty());
+    return;
+  }
+  DUET_CHECK(d->layout.Validate().ok());
+  DUET_CHECK(d->regions.size() == 2 * size_t{d->layout.num_layers});
+  const std::string again = d->Serialize();
+  absl::StatusOr<kvtransfer::ReceiverDescriptor> reparsed = kvtransfer::ReceiverDescriptor::Parse(again);
+  DUET_CHECK(reparsed.ok() && reparsed->Serialize() == again);
+}
+
+// A notice the receiver accepts has its magic, version and a known type.
+void CheckNotice(const std::string& bytes) {
+  absl::StatusOr<kvtransfer::Notice> n = kvtransfer::Notice::Parse(bytes.data(), bytes.size());
+  if (!n.ok()) {
+    DUET_CHECK(!n.status().message().empty());
+    return;
+  }
+  DUET_CHECK(n->magic == kvtransfer::Notice::kMagic && n->version == kvtransfer::Notice::kVersion);
+  DUET_CHECK(n->type == kvtransfer::NoticeType::kLayerDone || n->type == kvtransfer::NoticeType::kFinish ||
+             n->type == kvtransfer::NoticeType::kAbort);
 }
 
 void CheckTokenizerJson(const std::string& text) {
@@ -312,6 +342,20 @@ std::vector<std::string> Seeds() {
   add(8, "Sure.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": [1, \"}\"]}}\n</tool_call>\n<tool_call>{bad");
   add(8, "<|python_tag|>{\"name\": \"f\", \"parameters\": {}}; {\"name\": \"g\", \"arguments\": \"{}\"}");
   add(8, "[{\"name\": \"f\", \"parameters\": {\"x\": \"\\u00e9\\\"\"}}, {\"name\": \"g\", \"parameters\": {}}]");
+  kvtransfer::ReceiverDescriptor descriptor;
+  descriptor.layout = kvtransfer::KvLayout{2, 16, 4, 64, kvtransfer::KvDtype::kBFloat16};
+  descriptor.num_blocks = 8;
+  descriptor.host_id = "host/boot-id";
+  descriptor.worker_address = std::string("\x01\x02ucx-address", 13);
+  for (int i = 0; i < 4; ++i) descriptor.regions.push_back({0x7f0000000000u + uint64_t(i) * 0x10000, 0x10000, "rkey"});
+  add(9, descriptor.Serialize());
+  kvtransfer::Notice notice;
+  notice.type = kvtransfer::NoticeType::kLayerDone;
+  notice.flags = kvtransfer::Notice::kHasChecksums;
+  notice.request_id = 7;
+  notice.layer = 1;
+  notice.num_tokens = 20;
+  add(10, std::string(reinterpret_cast<const char*>(&notice), sizeof(notice)));
   return seeds;
 }
 
@@ -330,7 +374,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 5: duet::CheckKvLayout(payload); break;
     case 6: duet::CheckTokenizerJson(payload); break;
     case 7: duet::CheckChatTemplate(payload); break;
-    default: duet::CheckToolCallParsers(payload); break;
+    case 8: duet::CheckToolCallParsers(payload); break;
+    case 9: duet::CheckReceiverDescriptor(payload); break;
+    default: duet::CheckNotice(payload); break;
   }
   return 0;
 }
