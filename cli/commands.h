@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/generate_progress.h"
 #include "engine/llm_engine.h"
 
 namespace duet {
@@ -16,6 +17,8 @@ struct GenerateOptions {
   // The first `warmup` requests run once, untimed and unsaved, before the batch: one-time costs
   // (lazy kernel loading, library heuristics, first allocations) stay out of the timings.
   int warmup = 0;
+  // The progress line on stderr (cli/generate_progress.h); auto: when stderr is a terminal.
+  ProgressMode progress = ProgressMode::kAuto;
 };
 int RunGenerate(const GenerateOptions& options);
 

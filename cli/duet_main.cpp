@@ -35,6 +35,12 @@ int main(int argc, char** argv) {
   generate->add_option("--output", gen.output_path, "Output JSONL")->required();
   generate->add_option("--warmup", gen.warmup, "Run the first N requests once, untimed, before the batch")
       ->check(CLI::Range(0, 1 << 20));
+  bool gen_progress = false;
+  CLI::Option* gen_progress_flag =
+      generate->add_flag("--progress,!--no-progress", gen_progress,
+                         "A progress line on stderr (requests done, tok/s, elapsed and ETA), like vLLM's; "
+                         "default: when stderr is a terminal")
+          ->default_str("auto");
 
   duet::TokenizeOptions tok;
   CLI::App* tokenize = app.add_subcommand("tokenize", "Tokenize texts (JSONL {\"text\"} → {\"ids\"})");
@@ -99,6 +105,7 @@ int main(int argc, char** argv) {
   }
   if (generate->parsed()) {
     gen_flags.Finish();
+    if (gen_progress_flag->count() > 0) gen.progress = gen_progress ? duet::ProgressMode::kOn : duet::ProgressMode::kOff;
     return duet::RunGenerate(gen);
   }
   if (tokenize->parsed()) return duet::RunTokenize(tok);
