@@ -52,6 +52,7 @@ struct ServeOptions {
   std::string tool_call_parser;
   std::vector<std::string> served_model_names;  // the router's (all) and the workers' (the first)
   std::string host = "127.0.0.1";               // where the router listens (the workers stay on loopback)
+  double log_stats_interval_s = 10;             // every process's stats lines (cli/log_stats_flags.h); 0: none
 };
 int RunServe(const ServeOptions& options);
 

@@ -9,6 +9,7 @@
 #include "cli/api_key.h"
 #include "cli/commands.h"
 #include "cli/engine_flags.h"
+#include "cli/log_stats_flags.h"
 #include "cli/role_commands.h"
 #include "common/logging.h"
 #include "common/version.h"
@@ -88,6 +89,8 @@ int main(int argc, char** argv) {
   duet::AddServedModelNameFlag(serve_cmd, &serve.served_model_names);
   serve_cmd->add_option("--host", serve.host,
                         "Address the router's HTTP and gRPC ports listen on (the workers stay on 127.0.0.1)");
+  duet::LogStatsFlags serve_log_stats;
+  serve_log_stats.Add(serve_cmd);
 
   duet::CompleteOptions complete;
   CLI::App* complete_cmd = app.add_subcommand("complete", "Send one prompt to a running router and stream the text");
@@ -111,6 +114,7 @@ int main(int argc, char** argv) {
   if (tokenize->parsed()) return duet::RunTokenize(tok);
   if (serve_cmd->parsed()) {
     serve_flags.Finish();
+    serve.log_stats_interval_s = serve_log_stats.seconds();
     return duet::RunServe(serve);
   }
   if (complete_cmd->parsed()) return duet::RunComplete(complete);

@@ -13,6 +13,7 @@
 #include "cli/generate_request.h"
 #include "cli/jsonl.h"
 #include "common/logging.h"
+#include "worker/engine_stats_log.h"
 
 namespace duet {
 namespace {
@@ -71,6 +72,7 @@ int RunGenerate(const GenerateOptions& options) {
     return 1;
   }
   LlmEngine& e = **engine;
+  DUET_LOG(INFO) << "generate: " << EngineConfigSummary(e);
   std::vector<std::vector<int32_t>> prompts;
   for (const GenerateRequest& req : requests) {
     prompts.push_back(req.prompt ? e.tokenizer().Encode(*req.prompt, /*add_special_tokens=*/true)
