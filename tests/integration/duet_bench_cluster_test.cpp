@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/subprocess.h"
@@ -176,12 +177,19 @@ TEST_F(DuetBenchClusterTest, MultiTurnSessionsOverGrpcAndChat) {
   }
 }
 
-// Completions the router has answered 200, from its /metrics.
-int CompletionsServed(int http_port) {
-  const std::string body = metrics::testing::HttpGet(static_cast<uint16_t>(http_port), "/metrics").body;
+// Completions the router has answered 200, from its /metrics, read again until there are at
+// least `want` (for at most 10 s): a response is counted right after its last byte went out, so
+// its client may have seen it, and exited, a moment before.
+int CompletionsServed(int http_port, int want = 0) {
   const std::string series = R"(http_requests_total{handler="/v1/completions",method="POST",status="200"} )";
-  const size_t at = body.find(series);
-  return at == std::string::npos ? 0 : std::atoi(body.c_str() + at + series.size());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (;;) {
+    const std::string body = metrics::testing::HttpGet(static_cast<uint16_t>(http_port), "/metrics").body;
+    const size_t at = body.find(series);
+    const int served = at == std::string::npos ? 0 : std::atoi(body.c_str() + at + series.size());
+    if (served >= want || std::chrono::steady_clock::now() >= deadline) return served;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
 }
 
 // vLLM bench serve's flags and result file: --host/--port/--endpoint, --dataset-name and
@@ -199,7 +207,8 @@ TEST_F(DuetBenchClusterTest, VllmBenchServeFlagsAndResultKeys) {
       " --metric-percentiles 50,99.9 --save-result --save-detailed --result-dir ", results,
       " --result-filename r.json --label ci --metadata run=ci --disable-tqdm > ", dir_, "/report.txt");
   ASSERT_EQ(testing::RunCommand(command, dir_ + "/stderr.txt"), 0) << testing::ReadText(dir_ + "/stderr.txt");
-  EXPECT_EQ(CompletionsServed(http_port_) - served_before, 1 + 2 + 6);  // the first request, 2 warm-ups, the run
+  constexpr int kSent = 1 + 2 + 6;  // the first request, 2 warm-ups, the run
+  EXPECT_EQ(CompletionsServed(http_port_, served_before + kSent) - served_before, kSent);
   const nlohmann::json j = nlohmann::json::parse(testing::ReadText(results + "/r.json"), nullptr, false);
   ASSERT_TRUE(j.is_object()) << testing::ReadText(dir_ + "/stderr.txt");
   EXPECT_EQ(j["completed"], 6);
