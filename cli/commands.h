@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/generate_progress.h"
 #include "engine/llm_engine.h"
 
 namespace duet {
@@ -16,6 +17,8 @@ struct GenerateOptions {
   // The first `warmup` requests run once, untimed and unsaved, before the batch: one-time costs
   // (lazy kernel loading, library heuristics, first allocations) stay out of the timings.
   int warmup = 0;
+  // The progress line on stderr (cli/generate_progress.h); auto: when stderr is a terminal.
+  ProgressMode progress = ProgressMode::kAuto;
 };
 int RunGenerate(const GenerateOptions& options);
 
@@ -49,6 +52,7 @@ struct ServeOptions {
   std::string tool_call_parser;
   std::vector<std::string> served_model_names;  // the router's (all) and the workers' (the first)
   std::string host = "127.0.0.1";               // where the router listens (the workers stay on loopback)
+  double log_stats_interval_s = 10;             // every process's stats lines (cli/log_stats_flags.h); 0: none
 };
 int RunServe(const ServeOptions& options);
 

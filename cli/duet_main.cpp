@@ -9,6 +9,7 @@
 #include "cli/api_key.h"
 #include "cli/commands.h"
 #include "cli/engine_flags.h"
+#include "cli/log_stats_flags.h"
 #include "cli/role_commands.h"
 #include "common/logging.h"
 #include "common/version.h"
@@ -35,6 +36,12 @@ int main(int argc, char** argv) {
   generate->add_option("--output", gen.output_path, "Output JSONL")->required();
   generate->add_option("--warmup", gen.warmup, "Run the first N requests once, untimed, before the batch")
       ->check(CLI::Range(0, 1 << 20));
+  bool gen_progress = false;
+  CLI::Option* gen_progress_flag =
+      generate->add_flag("--progress,!--no-progress", gen_progress,
+                         "A progress line on stderr (requests done, tok/s, elapsed and ETA), like vLLM's; "
+                         "default: when stderr is a terminal")
+          ->default_str("auto");
 
   duet::TokenizeOptions tok;
   CLI::App* tokenize = app.add_subcommand("tokenize", "Tokenize texts (JSONL {\"text\"} → {\"ids\"})");
@@ -82,6 +89,8 @@ int main(int argc, char** argv) {
   duet::AddServedModelNameFlag(serve_cmd, &serve.served_model_names);
   serve_cmd->add_option("--host", serve.host,
                         "Address the router's HTTP and gRPC ports listen on (the workers stay on 127.0.0.1)");
+  duet::LogStatsFlags serve_log_stats;
+  serve_log_stats.Add(serve_cmd);
 
   duet::CompleteOptions complete;
   CLI::App* complete_cmd = app.add_subcommand("complete", "Send one prompt to a running router and stream the text");
@@ -99,11 +108,13 @@ int main(int argc, char** argv) {
   }
   if (generate->parsed()) {
     gen_flags.Finish();
+    if (gen_progress_flag->count() > 0) gen.progress = gen_progress ? duet::ProgressMode::kOn : duet::ProgressMode::kOff;
     return duet::RunGenerate(gen);
   }
   if (tokenize->parsed()) return duet::RunTokenize(tok);
   if (serve_cmd->parsed()) {
     serve_flags.Finish();
+    serve.log_stats_interval_s = serve_log_stats.seconds();
     return duet::RunServe(serve);
   }
   if (complete_cmd->parsed()) return duet::RunComplete(complete);

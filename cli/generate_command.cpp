@@ -9,9 +9,11 @@
 #include "absl/strings/str_format.h"
 #include "backends/executor_factory.h"
 #include "cli/commands.h"
+#include "cli/generate_progress.h"
 #include "cli/generate_request.h"
 #include "cli/jsonl.h"
 #include "common/logging.h"
+#include "worker/engine_stats_log.h"
 
 namespace duet {
 namespace {
@@ -70,14 +72,15 @@ int RunGenerate(const GenerateOptions& options) {
     return 1;
   }
   LlmEngine& e = **engine;
+  DUET_LOG(INFO) << "generate: " << EngineConfigSummary(e);
   std::vector<std::vector<int32_t>> prompts;
   for (const GenerateRequest& req : requests) {
     prompts.push_back(req.prompt ? e.tokenizer().Encode(*req.prompt, /*add_special_tokens=*/true)
                                  : req.prompt_token_ids);
   }
-  // Queues requests [0, n) and steps until they all finish, counting the generated tokens;
-  // returns 0 or the exit code.
-  auto run = [&](size_t n, int64_t* generated, Clock::time_point* start) {
+  // Queues requests [0, n) and steps until they all finish, counting the generated tokens
+  // (and showing them on `progress`, if any); returns 0 or the exit code.
+  auto run = [&](size_t n, int64_t* generated, Clock::time_point* start, GenerateProgress* progress) {
     for (size_t i = 0; i < n; ++i) {
       if (absl::Status s = e.AddRequest(requests[i].id, prompts[i], requests[i].params); !s.ok()) {
         DUET_LOG(ERROR) << options.input_path << ": request " << i + 1 << " (id " << requests[i].id
@@ -86,13 +89,21 @@ int RunGenerate(const GenerateOptions& options) {
       }
     }
     *start = Clock::now();
+    int64_t done = 0, done_prompt_tokens = 0;
     while (e.HasUnfinished()) {
       absl::StatusOr<std::vector<RequestOutput>> step = e.Step();
       if (!step.ok()) {
         DUET_LOG(ERROR) << step.status().message();
         return 1;
       }
-      for (const RequestOutput& out : *step) *generated += int64_t(out.new_token_ids.size());
+      for (const RequestOutput& out : *step) {
+        *generated += int64_t(out.new_token_ids.size());
+        if (out.finished) {
+          ++done;
+          done_prompt_tokens += int64_t(e.Find(out.id)->prompt.size());
+        }
+      }
+      if (progress != nullptr) progress->Update(done, done_prompt_tokens, *generated);
     }
     return 0;
   };
@@ -100,7 +111,7 @@ int RunGenerate(const GenerateOptions& options) {
   Clock::time_point start;
   int64_t generated = 0;
   if (const size_t n = std::min(requests.size(), size_t(std::max(options.warmup, 0))); n > 0) {
-    if (int rc = run(n, &generated, &start); rc != 0) return rc;
+    if (int rc = run(n, &generated, &start, nullptr); rc != 0) return rc;
     DUET_LOG(INFO) << absl::StrFormat("warm-up: %zu requests, %lld tokens in %.2f s (not timed below)", n,
                                       static_cast<long long>(generated), Seconds(start, Clock::now()));
     for (size_t i = 0; i < n; ++i) e.Release(requests[i].id);
@@ -112,7 +123,10 @@ int RunGenerate(const GenerateOptions& options) {
     generated = 0;
   }
   const int64_t preemptions_before = e.Stats().num_preemptions;
-  if (int rc = run(requests.size(), &generated, &start); rc != 0) return rc;
+  {
+    GenerateProgress progress(int64_t(requests.size()), options.progress);
+    if (int rc = run(requests.size(), &generated, &start, &progress); rc != 0) return rc;
+  }
   const double elapsed = Seconds(start, Clock::now());
 
   std::vector<nlohmann::json> out_rows;

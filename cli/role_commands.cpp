@@ -84,13 +84,14 @@ RoleCommands::RoleCommands(CLI::App& app) {
   router_cmd_->add_option("--shutdown-grace-seconds", router_.shutdown_grace_seconds, kGraceHelp)
       ->check(CLI::Range(0, 86400));
   AddToolCallFlags(router_cmd_, &router_.enable_auto_tool_choice, &router_.tool_call_parser);
+  router_log_stats_.Add(router_cmd_);
 
   prefill_cmd_ = AddWorkerCommand(app, "prefill-worker", "Run a prefill worker", prefill_, prefill_flags_,
-                                  prefill_token_file_,
+                                  prefill_log_stats_, prefill_token_file_,
                                   "Host staging for outgoing KV, in tokens (default: twice the longest prompt a "
                                   "step can finish)");
   decode_cmd_ = AddWorkerCommand(app, "decode-worker", "Run a decode worker", decode_, decode_flags_,
-                                 decode_token_file_,
+                                 decode_log_stats_, decode_token_file_,
                                  "cuda: pinned host staging for incoming KV, in tokens (default: twice "
                                  "max(max-model-len, max-num-batched-tokens))");
 }
@@ -98,9 +99,11 @@ RoleCommands::RoleCommands(CLI::App& app) {
 template <typename ServiceOptions>
 CLI::App* RoleCommands::AddWorkerCommand(CLI::App& app, const std::string& name, const std::string& description,
                                          WorkerProcessOptions<ServiceOptions>& options, EngineFlags& engine_flags,
-                                         std::string& token_file, const std::string& staging_help) {
+                                         LogStatsFlags& log_stats, std::string& token_file,
+                                         const std::string& staging_help) {
   CLI::App* cmd = app.add_subcommand(name, description);
   engine_flags.Add(cmd);
+  log_stats.Add(cmd);
   cmd->add_option_function<std::vector<std::string>>(
          "--served-model-name", [&options](const std::vector<std::string>& names) { options.service.model_name = names[0]; },
          "The model's names, the first as the model_name label of this worker's metrics (default: the model "
@@ -145,15 +148,18 @@ std::optional<int> RoleCommands::RunParsed() {
       return 1;
     }
     router_.api_key = *std::move(api_key);
+    router_.log_stats_interval_s = router_log_stats_.seconds();
     return router::RunRouter(router_);
   }
   if (prefill_cmd_->parsed()) {
     prefill_flags_.Finish();
+    prefill_.log_stats_interval = absl::Seconds(prefill_log_stats_.seconds());
     if (!LoadToken(prefill_token_file_, &prefill_.internal_token)) return 1;
     return RunWorkerProcess<PrefillService>("prefill worker", prefill_);
   }
   if (decode_cmd_->parsed()) {
     decode_flags_.Finish();
+    decode_.log_stats_interval = absl::Seconds(decode_log_stats_.seconds());
     if (!LoadToken(decode_token_file_, &decode_.internal_token)) return 1;
     return RunWorkerProcess<DecodeService>("decode worker", decode_);
   }

@@ -7,6 +7,7 @@
 
 #include "CLI/CLI.hpp"
 #include "cli/engine_flags.h"
+#include "cli/log_stats_flags.h"
 #include "decode_worker/decode_service.h"
 #include "prefill_worker/prefill_service.h"
 #include "router/router.h"
@@ -34,7 +35,8 @@ class RoleCommands {
   template <typename ServiceOptions>
   static CLI::App* AddWorkerCommand(CLI::App& app, const std::string& name, const std::string& description,
                                     WorkerProcessOptions<ServiceOptions>& options, EngineFlags& engine_flags,
-                                    std::string& token_file, const std::string& staging_help);
+                                    LogStatsFlags& log_stats, std::string& token_file,
+                                    const std::string& staging_help);
 
   // --internal-token-file of each role (else DUET_INTERNAL_TOKEN; rpc/internal_auth.h).
   std::string router_token_file_, prefill_token_file_, decode_token_file_;
@@ -42,6 +44,7 @@ class RoleCommands {
   router::RouterOptions router_;
   WorkerProcessOptions<PrefillServiceOptions> prefill_;
   WorkerProcessOptions<DecodeServiceOptions> decode_;
+  LogStatsFlags router_log_stats_, prefill_log_stats_, decode_log_stats_;
   EngineFlags prefill_flags_{&prefill_.engine};
   EngineFlags decode_flags_{&decode_.engine};
   CLI::App* router_cmd_ = nullptr;

@@ -224,6 +224,7 @@ int RunServe(const ServeOptions& options) {
   const Subprocess::Environment env = {{rpc::kInternalTokenEnv, *token}, {kApiKeyEnv, ""}};
   const Subprocess::Environment router_env = {{rpc::kInternalTokenEnv, *token}, {kApiKeyEnv, *api_key}};
   const std::string grace = std::to_string(options.shutdown_grace_seconds);
+  const std::string log_stats_interval = absl::StrCat(options.log_stats_interval_s);
 
   const std::string self = SelfPath();
   std::vector<std::unique_ptr<WorkerSlot>> workers;
@@ -238,7 +239,8 @@ int RunServe(const ServeOptions& options) {
        {std::tuple{"decode", options.num_decode_workers, &decode_addresses},
         std::tuple{"prefill", options.num_prefill_workers, &prefill_addresses}}) {
     for (int i = 0; i < count; ++i) {
-      std::vector<std::string> argv = {self, absl::StrCat(role, "-worker"), "--shutdown-grace-seconds", grace};
+      std::vector<std::string> argv = {self, absl::StrCat(role, "-worker"), "--shutdown-grace-seconds", grace,
+                                       "--log-stats-interval", log_stats_interval};
       if (!options.served_model_names.empty()) argv.insert(argv.end(), {"--served-model-name", options.served_model_names[0]});
       for (std::string& f : EngineFlags(options)) argv.push_back(std::move(f));
       // Only prefill workers prefill: --sp-ranks (or --prefill-sp-ranks) is theirs.
@@ -267,6 +269,7 @@ int RunServe(const ServeOptions& options) {
                                           "--max-queued-requests", std::to_string(options.max_queued_requests),
                                           "--http-port", std::to_string(options.http_port),
                                           "--shutdown-grace-seconds", grace,
+                                          "--log-stats-interval", log_stats_interval,
                                           "--routing-policy", options.routing_policy,
                                           "--prefix-affinity", absl::StrCat(options.prefix_affinity)};
   if (options.api_key_on_health_and_metrics) router_argv.push_back("--api-key-on-health-and-metrics");

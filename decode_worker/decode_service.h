@@ -75,6 +75,7 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
   // text exposition; serve it with metrics::HttpExporter. Thread-safe.
   std::string RenderMetrics() ABSL_LOCKS_EXCLUDED(metrics_mu_);
   void RefreshMetrics() ABSL_LOCKS_EXCLUDED(metrics_mu_);
+  EngineStats engine_stats() const { return loop_->Stats(); }  // the engine's counters, from any thread
   const metrics::DecodeMetrics& metrics() const { return *metrics_; }
 
  private:

@@ -274,6 +274,8 @@ EngineStats LlmEngine::Stats() const {
   stats.prefix_cache_hits = scheduler_.num_prefix_hits();
   stats.num_cached_kv_blocks = blocks_.num_cached_blocks();
   stats.num_kv_evictions = blocks_.num_evictions();
+  stats.num_prompt_tokens = num_prompt_tokens_;
+  stats.num_generation_tokens = num_generation_tokens_;
   if (host_tier_ != nullptr) {
     stats.host_tier = host_tier_->stats();
     stats.host_tier_slots = host_tier_->num_slots();
@@ -443,8 +445,13 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
                   : model_->Forward(batch.chunks, *cache_, logits_, on_layer_done);
   scheduler_.OnStepDone(plan);
   if (!forward.ok()) return FailStep(plan, forward);
+  for (const ScheduledChunk& sc : plan.chunks) {  // OnStepDone has counted the chunk computed
+    const int64_t first = sc.request->num_computed_tokens - sc.num_new_tokens;
+    num_prompt_tokens_ += std::clamp<int64_t>(int64_t(sc.request->prompt.size()) - first, 0, sc.num_new_tokens);
+  }
   scheduler_.CommitComputedBlocks(plan);
   std::vector<RequestOutput> outputs = ApplySamples(plan, batch, device_rows.has_value());
+  for (const RequestOutput& out : outputs) num_generation_tokens_ += int64_t(out.new_token_ids.size());
   // What the step cost teaches the planner, unless it paid a one-time setup (a graph capture).
   if (spec_ && model_->num_one_time_setups() == setups_before) {
     const bool verification = std::any_of(batch.parents.begin(), batch.parents.end(),

@@ -79,6 +79,10 @@ struct EngineStats {
   HostKvTierStats host_tier;
   int64_t host_tier_slots = 0;
   int64_t host_tier_used_slots = 0;
+  // Since the engine started: prompt tokens its forward passes computed (cached ones not
+  // included), and tokens it sampled (not the first token a prefill worker sampled for it).
+  int64_t num_prompt_tokens = 0;
+  int64_t num_generation_tokens = 0;
 };
 
 // Makes the executor for a model directory (`config.model_dir`, on `config.backend`); the
@@ -204,6 +208,8 @@ class LlmEngine {
   std::map<std::string, std::unique_ptr<Request>> requests_;
   SequenceId next_seq_id_ = 1;
   int64_t num_preemptions_ = 0;
+  int64_t num_prompt_tokens_ = 0;      // EngineStats'
+  int64_t num_generation_tokens_ = 0;  // EngineStats'
   int64_t last_step_num_tokens_ = 0;
   std::vector<float> logits_;
   std::vector<DeviceSample> device_samples_;

@@ -168,7 +168,43 @@ TEST(LlmEngineTest, PrefilledHandoffMatchesLocalGeneration) {
     EXPECT_EQ(decode->Find("x")->output, local->Find("x")->output) << (greedy ? "greedy" : "sampled");
     EXPECT_EQ(decode->Find("x")->text, local->Find("x")->text);
     EXPECT_EQ(decode->Stats().num_free_kv_blocks, decode->Stats().num_kv_blocks);
+    // The prompt was computed where it was prefilled; each engine counts the tokens it sampled.
+    const int64_t prompt_len = int64_t(prompt.size());
+    EXPECT_EQ(local->Stats().num_prompt_tokens, prompt_len);
+    EXPECT_EQ(local->Stats().num_generation_tokens, 20);
+    EXPECT_EQ(prefill->Stats().num_prompt_tokens, prompt_len);
+    EXPECT_EQ(prefill->Stats().num_generation_tokens, 1);
+    EXPECT_EQ(decode->Stats().num_prompt_tokens, 0);
+    EXPECT_EQ(decode->Stats().num_generation_tokens, 19);
   }
+}
+
+// Prompt tokens count as computed once per forward pass that ran them: a prefix the cache
+// already holds is not computed again.
+TEST(LlmEngineTest, CountsComputedPromptTokensNotCachedOnes) {
+  EngineConfig config;
+  config.model_dir = kModel;
+  config.num_kv_blocks = 64;
+  config.enable_prefix_caching = true;
+  absl::StatusOr<std::unique_ptr<LlmEngine>> e = CreateEngine(config);
+  ASSERT_TRUE(e.ok()) << e.status();
+  SamplingParams p;
+  p.max_tokens = 3;
+  p.ignore_eos = true;
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 4; ++i) {  // long enough to fill blocks of 16 tokens
+    const std::vector<int32_t> part = Prompt(**e);
+    prompt.insert(prompt.end(), part.begin(), part.end());
+  }
+  ASSERT_TRUE((*e)->AddRequest("first", prompt, p).ok());
+  RunToCompletion(**e);
+  EXPECT_EQ((*e)->Stats().num_prompt_tokens, int64_t(prompt.size()));
+  ASSERT_TRUE((*e)->AddRequest("again", prompt, p).ok());
+  RunToCompletion(**e);
+  const EngineStats stats = (*e)->Stats();
+  ASSERT_GT(stats.prefix_cache_hits, 0);
+  EXPECT_EQ(stats.num_prompt_tokens, 2 * int64_t(prompt.size()) - stats.prefix_cache_hits);
+  EXPECT_EQ(stats.num_generation_tokens, 6);
 }
 
 }  // namespace

@@ -73,6 +73,7 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
   // exposition; serve it with metrics::HttpExporter. Thread-safe.
   std::string RenderMetrics() ABSL_LOCKS_EXCLUDED(metrics_mu_);
   void RefreshMetrics() ABSL_LOCKS_EXCLUDED(metrics_mu_);
+  EngineStats engine_stats() const { return loop_->Stats(); }  // the engine's counters, from any thread
   const metrics::PrefillMetrics& metrics() const { return *metrics_; }
 
  private:

@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -227,6 +228,13 @@ class RouterImpl : public Router {
     UpdateHealth();
   }
   int num_in_flight() const override { return service_ != nullptr ? service_->num_in_flight() : 0; }
+  RouterTotals totals() const override {
+    const metrics::RouterMetrics& m = service_->metrics();
+    return {.prompt_tokens = static_cast<int64_t>(m.request_prompt_tokens.Collect().sum),
+            .generation_tokens = static_cast<int64_t>(m.request_generation_tokens.Collect().sum),
+            .in_flight = num_in_flight(),
+            .waiting = static_cast<int64_t>(m.num_requests_waiting.Value())};
+  }
 
   void Shutdown(int grace_ms) override {
     {
@@ -293,6 +301,14 @@ class RouterImpl : public Router {
 
 }  // namespace
 
+IntervalStats RouterIntervalStats(const RouterTotals& before, const RouterTotals& now, double seconds) {
+  return {.seconds = seconds,
+          .prompt_tokens = now.prompt_tokens - before.prompt_tokens,
+          .generation_tokens = now.generation_tokens - before.generation_tokens,
+          .running = std::max<int64_t>(now.in_flight - now.waiting, 0),  // two reads, not one snapshot
+          .waiting = now.waiting};
+}
+
 absl::StatusOr<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
   auto router = std::make_unique<RouterImpl>();
   if (absl::Status status = router->Init(options); !status.ok()) return status;
@@ -315,6 +331,17 @@ int RunRouter(const RouterOptions& options) {
   if ((*router)->http_port() >= 0) std::printf("DUET_HTTP_READY port=%d\n", (*router)->http_port());
   std::printf("DUET_READY port=%d\n", (*router)->port());
   std::fflush(stdout);
+  std::unique_ptr<PeriodicStatsLogger> stats_logger;  // until the router has drained
+  if (options.log_stats_interval_s > 0) {
+    stats_logger = std::make_unique<PeriodicStatsLogger>(
+        "router", std::chrono::milliseconds(std::llround(options.log_stats_interval_s * 1e3)),
+        [router = router->get(), before = RouterTotals()](double seconds) mutable {
+          const RouterTotals now = router->totals();
+          const IntervalStats interval = RouterIntervalStats(before, now, seconds);
+          before = now;
+          return interval;
+        });
+  }
 
   int signal = 0;
   while (sigwait(&signals, &signal) != 0) {
@@ -335,6 +362,7 @@ int RunRouter(const RouterOptions& options) {
       break;
     }
   }
+  stats_logger.reset();
   // The last messages of requests that just ended are still being written.
   (*router)->Shutdown(1000);
   DUET_LOG(INFO) << "router: stopped";

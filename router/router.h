@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/stats_log.h"
 
 namespace duet::router {
 
@@ -58,7 +59,20 @@ struct RouterOptions {
   std::string tool_call_parser;
   // GET /metrics on the HTTP port returns this; none: the router's own RenderMetrics().
   std::function<std::string()> metrics_body;
+  // RunRouter logs vLLM's stats line (common/stats_log.h) this often, in seconds; 0: never.
+  double log_stats_interval_s = 10;
 };
+
+// The router's side of the stats line: its requests, and the tokens of those that finished (the
+// router sees a request's token counts when it ends; the workers' lines count tokens as computed).
+struct RouterTotals {
+  int64_t prompt_tokens = 0;      // of the requests finished so far
+  int64_t generation_tokens = 0;  // of the requests finished so far
+  int64_t in_flight = 0;          // admitted and not yet ended
+  int64_t waiting = 0;            // of those, waiting in the router (its queue, their prefill turn)
+};
+// The interval from `before` to `now`, `seconds` long (running: in flight and not waiting).
+IntervalStats RouterIntervalStats(const RouterTotals& before, const RouterTotals& now, double seconds);
 
 // A running router (server, registry poller). Tests can run one in-process.
 class Router {
@@ -80,6 +94,7 @@ class Router {
   virtual void StartDraining() = 0;
   // Requests admitted and not yet ended.
   virtual int num_in_flight() const = 0;
+  virtual RouterTotals totals() const = 0;
   // Stops accepting calls, cancels the ones still running after `grace_ms`, stops the poller.
   virtual void Shutdown(int grace_ms = 2000) = 0;
 };

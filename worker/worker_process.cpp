@@ -93,6 +93,11 @@ int Serve(const WorkerServeOptions& options, const std::function<absl::StatusOr<
   }
   std::printf("DUET_READY port=%d\n", port);
   std::fflush(stdout);
+  std::unique_ptr<PeriodicStatsLogger> stats_logger;  // until the worker has drained
+  if (options.log_stats_interval > absl::ZeroDuration() && served->log_stats) {
+    stats_logger = std::make_unique<PeriodicStatsLogger>(options.role, absl::ToChronoMilliseconds(options.log_stats_interval),
+                                                         served->log_stats);
+  }
   int signal_number = 0;
   sigwait(&signals, &signal_number);
   DUET_LOG(INFO) << role << ": signal " << signal_number << ", draining (up to "
@@ -101,6 +106,7 @@ int Serve(const WorkerServeOptions& options, const std::function<absl::StatusOr<
   gate.StartDraining();
   (*server)->GetHealthCheckService()->SetServingStatus(false);
   Drain(role, (*server)->InProcessChannel(grpc::ChannelArguments()), served->stats, deadline, signals);
+  stats_logger.reset();
   // Calls still open (the last writes of finished streams, prompts between admission and the
   // engine) end or are cancelled by then.
   (*server)->Shutdown(absl::ToChronoTime(std::max(deadline, absl::Now() + absl::Seconds(1))));

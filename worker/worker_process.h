@@ -19,11 +19,14 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "backends/executor_factory.h"
+#include "common/logging.h"
+#include "common/stats_log.h"
 #include "common/status_macros.h"
 #include "duet/v1/worker.grpc.pb.h"
 #include "engine/llm_engine.h"
 #include "grpcpp/grpcpp.h"
 #include "rpc/kv_target_auth.h"
+#include "worker/engine_stats_log.h"
 
 namespace duet {
 
@@ -44,6 +47,8 @@ struct WorkerProcessOptions {
   std::string internal_token;
   // How long a stop signal waits for the worker's requests to finish.
   absl::Duration shutdown_grace = absl::Seconds(30);
+  // vLLM's periodic stats line in the log (worker/engine_stats_log.h) this often; 0: none.
+  absl::Duration log_stats_interval = absl::Seconds(10);
   ServiceOptions service;
 };
 
@@ -52,6 +57,8 @@ struct ServedService {
   std::function<std::string()> metrics_body;  // Prometheus text for /metrics
   // The service's GetStats over `channel` (the server's in-process channel), for the drain.
   std::function<absl::StatusOr<v1::WorkerStats>(const std::shared_ptr<grpc::Channel>& channel)> stats;
+  // The periodic stats line's figures (PeriodicStatsLogger, on its thread); none: no line.
+  PeriodicStatsLogger::Sample log_stats;
 };
 
 struct WorkerServeOptions {
@@ -61,6 +68,7 @@ struct WorkerServeOptions {
   int metrics_port = -1;  // -1: no /metrics; 0: a free port
   std::string internal_token;
   absl::Duration shutdown_grace = absl::Seconds(30);
+  absl::Duration log_stats_interval = absl::ZeroDuration();  // 0: no periodic stats line
 };
 
 // `create` runs after the signals are blocked and must keep the service alive until this returns.
@@ -81,21 +89,25 @@ absl::StatusOr<v1::WorkerStats> WorkerStatsOver(const std::shared_ptr<grpc::Chan
   return stats;
 }
 
-// Builds the engine and `Service` (its static Create(engine, options)), then serves it as above.
-// Call it from the main thread before starting other threads.
+// Builds the engine (its configuration summary logged) and `Service` (its static
+// Create(engine, options); engine_stats() feeds the stats line), then serves it as above. Call it
+// from the main thread before starting other threads.
 template <typename Service>
 int RunWorkerProcess(const std::string& role, const WorkerProcessOptions<typename Service::Options>& options) {
   std::unique_ptr<Service> service;  // lives until the process stops serving
   typename Service::Options service_options = options.service;
   service_options.kv_target_key = rpc::KvTargetKey(options.internal_token);
   return ServeUntilSignal({role, options.host, options.port, options.metrics_port, options.internal_token,
-                           options.shutdown_grace},
+                           options.shutdown_grace, options.log_stats_interval},
                           [&]() -> absl::StatusOr<ServedService> {
                             DUET_ASSIGN_OR_RETURN(std::unique_ptr<LlmEngine> engine, CreateEngine(options.engine));
+                            DUET_LOG(INFO) << role << ": " << EngineConfigSummary(*engine);
+                            const EngineStatsLabels labels = EngineStatsLabelsOf(*engine);
                             DUET_ASSIGN_OR_RETURN(service, Service::Create(std::move(engine), service_options));
                             Service* raw = service.get();
                             return ServedService{raw, [raw] { return raw->RenderMetrics(); },
-                                                 &WorkerStatsOver<Service>};
+                                                 &WorkerStatsOver<Service>,
+                                                 EngineStatsSample([raw] { return raw->engine_stats(); }, labels)};
                           });
 }
 

@@ -2,7 +2,9 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench/serving/metrics.h"
@@ -14,7 +16,17 @@ struct ChatMessage {
   std::string content;
 };
 
-// One request as sent: greedy (temperature 0), streamed, as vLLM's benchmark does.
+// A run's sampling settings (vLLM bench serve's --temperature, --top-p, ...): unset ones are the
+// server's, except the temperature, greedy (0) unless given.
+struct SamplingFlags {
+  std::optional<double> temperature, top_p, min_p, frequency_penalty, presence_penalty, repetition_penalty;
+  std::optional<int> top_k;
+};
+
+// Extra HTTP headers / gRPC metadata (--header KEY=VALUE) sent with every request.
+using Headers = std::vector<std::pair<std::string, std::string>>;
+
+// One request as sent, streamed, as vLLM's benchmark does.
 struct ClientRequest {
   std::string prompt;
   // openai-chat: the conversation, sent instead of one user message holding `prompt`.

@@ -17,14 +17,22 @@ double SecondsSince(Clock::time_point start) {
 // One Generate stream; deletes itself when the call is over.
 class GenerateCall final : public grpc::ClientReadReactor<v1::GenerateResponse> {
  public:
-  GenerateCall(const ClientRequest& request, const std::string& api_key, std::function<void(RequestResult)> done)
+  GenerateCall(const ClientRequest& request, const GrpcClientOptions& options, std::function<void(RequestResult)> done)
       : done_(std::move(done)) {
     request_.set_text(request.prompt);
     v1::SamplingOptions* sampling = request_.mutable_sampling();
-    sampling->set_temperature(0);
+    const SamplingFlags& flags = options.sampling;
+    sampling->set_temperature(static_cast<float>(flags.temperature.value_or(0)));
+    if (flags.top_p) sampling->set_top_p(static_cast<float>(*flags.top_p));
+    if (flags.top_k) sampling->set_top_k(*flags.top_k);
+    if (flags.min_p) sampling->set_min_p(static_cast<float>(*flags.min_p));
+    if (flags.frequency_penalty) sampling->set_frequency_penalty(static_cast<float>(*flags.frequency_penalty));
+    if (flags.presence_penalty) sampling->set_presence_penalty(static_cast<float>(*flags.presence_penalty));
+    if (flags.repetition_penalty) sampling->set_repetition_penalty(static_cast<float>(*flags.repetition_penalty));
     sampling->set_max_tokens(request.max_tokens);
     sampling->set_ignore_eos(request.ignore_eos);
-    if (!api_key.empty()) context_.AddMetadata("authorization", absl::StrCat("Bearer ", api_key));
+    if (!options.api_key.empty()) context_.AddMetadata("authorization", absl::StrCat("Bearer ", options.api_key));
+    for (const auto& [key, value] : options.headers) context_.AddMetadata(key, value);
   }
 
   void Start(v1::Duet::Stub& stub) {
@@ -39,6 +47,7 @@ class GenerateCall final : public grpc::ClientReadReactor<v1::GenerateResponse> 
     const double now = SecondsSince(start_);
     if (response_.token_ids_size() > 0) {
       result_.chunk_times.push_back(now);
+      result_.chunk_tokens.push_back(response_.token_ids_size());
       result_.output_tokens += response_.token_ids_size();
     }
     result_.output_text += response_.text();
@@ -95,7 +104,7 @@ absl::StatusOr<std::unique_ptr<GrpcClient>> GrpcClient::Create(const GrpcClientO
 }
 
 void GrpcClient::Send(const ClientRequest& request, std::function<void(RequestResult)> done) {
-  auto* call = new GenerateCall(request, options_.api_key, std::move(done));
+  auto* call = new GenerateCall(request, options_, std::move(done));
   call->Start(*stubs_[next_stub_.fetch_add(1) % stubs_.size()]);
 }
 

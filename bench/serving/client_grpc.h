@@ -19,6 +19,8 @@ struct GrpcClientOptions {
   // Streams are spread over this many channels (own connections), as one HTTP/2 connection
   // caps the streams in flight on it.
   int num_channels = 1;
+  SamplingFlags sampling;
+  Headers headers;  // metadata (keys in lower case)
 };
 
 class GrpcClient final : public Client {

@@ -116,6 +116,7 @@ absl::Status CompletionStream::OnEvent(std::string_view data, double now) {
   }
   if (text != nullptr && text->is_string() && !text->get_ref<const std::string&>().empty()) {
     result_.chunk_times.push_back(now);
+    result_.chunk_tokens.push_back(1);  // the stream does not say how many
     result_.output_text += text->get_ref<const std::string&>();
   }
   return absl::OkStatus();
@@ -137,8 +138,15 @@ RequestResult CompletionStream::Finish(double now, absl::Status error) {
 }
 
 std::string OpenAiClient::RequestBody(const OpenAiClientOptions& options, const ClientRequest& request) {
-  Json body = {{"model", options.model}, {"temperature", 0.0}, {"stream", true},
+  const SamplingFlags& sampling = options.sampling;
+  Json body = {{"model", options.model}, {"temperature", sampling.temperature.value_or(0.0)}, {"stream", true},
                {"stream_options", {{"include_usage", true}}}};
+  if (sampling.top_p) body["top_p"] = *sampling.top_p;
+  if (sampling.top_k) body["top_k"] = *sampling.top_k;
+  if (sampling.min_p) body["min_p"] = *sampling.min_p;
+  if (sampling.frequency_penalty) body["frequency_penalty"] = *sampling.frequency_penalty;
+  if (sampling.presence_penalty) body["presence_penalty"] = *sampling.presence_penalty;
+  if (sampling.repetition_penalty) body["repetition_penalty"] = *sampling.repetition_penalty;
   if (options.chat) {
     body["messages"] = Json::array();
     for (const ChatMessage& m : request.messages) body["messages"].push_back({{"role", m.role}, {"content", m.content}});
@@ -149,6 +157,9 @@ std::string OpenAiClient::RequestBody(const OpenAiClientOptions& options, const 
     body["max_tokens"] = request.max_tokens;
   }
   if (request.ignore_eos) body["ignore_eos"] = true;  // a vLLM extension: only sent when asked
+  if (options.extra_body.is_object()) {
+    for (const auto& [key, value] : options.extra_body.items()) body[key] = value;
+  }
   return body.dump(-1, ' ', false, Json::error_handler_t::replace);
 }
 
@@ -187,6 +198,7 @@ struct OpenAiClient::Impl {
     message.set(http::field::content_type, "application/json");
     message.set(http::field::accept, "text/event-stream");
     if (!options.api_key.empty()) message.set(http::field::authorization, absl::StrCat("Bearer ", options.api_key));
+    for (const auto& [name, value] : options.headers) message.set(name, value);
     message.keep_alive(true);
     message.body() = RequestBody(options, request);
     message.prepare_payload();
@@ -258,7 +270,15 @@ absl::StatusOr<std::unique_ptr<OpenAiClient>> OpenAiClient::Create(const OpenAiC
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->url = *url;
-  impl->target = absl::StrCat(url->path_prefix, options.chat ? "/v1/chat/completions" : "/v1/completions");
+  if (!options.endpoint.empty() && !options.endpoint.starts_with('/')) {
+    return absl::InvalidArgumentError(absl::StrCat("--endpoint must be a path starting with '/', got '", options.endpoint, "'"));
+  }
+  if (!options.extra_body.is_null() && !options.extra_body.is_object()) {
+    return absl::InvalidArgumentError("--extra-body must be a JSON object");
+  }
+  impl->target = absl::StrCat(url->path_prefix, !options.endpoint.empty() ? options.endpoint
+                                                 : options.chat           ? "/v1/chat/completions"
+                                                                          : "/v1/completions");
   beast::error_code ec;
   tcp::resolver resolver(impl->io);
   impl->endpoints = resolver.resolve(url->host, url->port, ec);

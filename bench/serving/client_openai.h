@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "bench/serving/client.h"
+#include "nlohmann/json.hpp"
 
 namespace duet::bench {
 
@@ -47,10 +48,15 @@ class CompletionStream {
 
 struct OpenAiClientOptions {
   std::string base_url;   // http://host:port, optionally with a path prefix
-  bool chat = false;      // /v1/chat/completions instead of /v1/completions
+  bool chat = false;      // chat completions' request and stream instead of completions'
+  // The path after base_url's (vLLM's --endpoint); empty: /v1/chat/completions or /v1/completions.
+  std::string endpoint;
   std::string model;
   std::string api_key;    // sent as "Authorization: Bearer <key>" when not empty
   int num_io_threads = 2;
+  SamplingFlags sampling;
+  Headers headers;
+  nlohmann::json extra_body;  // an object merged into every request body last (null: none)
 };
 
 class OpenAiClient final : public Client {

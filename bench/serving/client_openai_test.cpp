@@ -41,6 +41,7 @@ TEST(CompletionStream, CompletionsChunksUsageAndDone) {
   const RequestResult r = stream.Finish(0.3, absl::OkStatus());
   EXPECT_TRUE(r.success) << r.error;
   EXPECT_EQ(r.chunk_times, (std::vector<double>{0.1, 0.2}));
+  EXPECT_EQ(r.chunk_tokens, (std::vector<int>{1, 1}));
   EXPECT_EQ(r.output_text, "def f(x)");
   EXPECT_EQ(r.prompt_tokens, 12);
   EXPECT_EQ(r.output_tokens, 5);
@@ -109,6 +110,18 @@ TEST(OpenAiClient, RequestBodies) {
   EXPECT_EQ(body["max_completion_tokens"], 9);
   EXPECT_FALSE(body.contains("prompt"));
   EXPECT_FALSE(body.contains("ignore_eos"));
+  EXPECT_FALSE(body.contains("top_p"));
+  // vLLM bench serve's sampling flags, then --extra-body over everything.
+  options.sampling.temperature = 0.7;
+  options.sampling.top_k = 5;
+  options.sampling.repetition_penalty = 1.1;
+  options.extra_body = nlohmann::json::parse(R"({"top_k": 7, "seed": 3})");
+  body = nlohmann::json::parse(OpenAiClient::RequestBody(options, request));
+  EXPECT_EQ(body["temperature"], 0.7);
+  EXPECT_EQ(body["top_k"], 7);
+  EXPECT_EQ(body["repetition_penalty"], 1.1);
+  EXPECT_EQ(body["seed"], 3);
+  EXPECT_FALSE(body.contains("min_p"));
   // A multi-turn chat sends its conversation.
   request.messages = {{"system", "be brief"}, {"user", "hi"}, {"assistant", "hello"}, {"user", "and?"}};
   body = nlohmann::json::parse(OpenAiClient::RequestBody(options, request));

@@ -2,10 +2,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <map>
 #include <numeric>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "common/check.h"
 
 namespace duet::bench {
@@ -34,8 +39,16 @@ absl::StatusOr<GoodputSlo> ParseGoodput(const std::vector<std::string>& specs) {
   return slo;
 }
 
-LatencyStats SummarizeLatencies(std::vector<double> samples_ms) {
+double LatencyStats::Percentile(double p) const {
+  for (const auto& [q, value] : percentiles) {
+    if (q == p) return value;
+  }
+  return 0;
+}
+
+LatencyStats SummarizeLatencies(std::vector<double> samples_ms, const std::vector<double>& percentiles) {
   LatencyStats s;
+  for (double p : percentiles) s.percentiles.emplace_back(p, 0.0);
   if (samples_ms.empty()) return s;
   std::sort(samples_ms.begin(), samples_ms.end());
   s.count = int(samples_ms.size());
@@ -43,20 +56,52 @@ LatencyStats SummarizeLatencies(std::vector<double> samples_ms) {
   double squares = 0;
   for (double x : samples_ms) squares += (x - s.mean) * (x - s.mean);
   s.stddev = std::sqrt(squares / double(s.count));  // population std, as numpy.std
-  s.median = Percentile(samples_ms, 50);
-  s.p90 = Percentile(samples_ms, 90);
-  s.p99 = Percentile(samples_ms, 99);
+  s.median = bench::Percentile(samples_ms, 50);
+  for (auto& [p, value] : s.percentiles) value = bench::Percentile(samples_ms, p);
   s.max = samples_ms.back();
   return s;
 }
+
+namespace {
+
+// Output tokens per whole second since the first send, at the busiest second.
+double PeakOutputTokensPerSecond(const std::vector<RequestResult>& results, double first_start) {
+  std::map<int64_t, double> per_second;
+  for (const RequestResult& r : results) {
+    if (!r.success) continue;
+    for (size_t i = 0; i < r.chunk_times.size(); ++i) {
+      const int tokens = i < r.chunk_tokens.size() ? r.chunk_tokens[i] : 1;
+      per_second[int64_t(std::floor(r.start_time + r.chunk_times[i] - first_start))] += tokens;
+    }
+  }
+  double peak = 0;
+  for (const auto& [second, tokens] : per_second) peak = std::max(peak, tokens);
+  return peak;
+}
+
+// The most requests in flight at once, over the half-open intervals [start, start + latency).
+int PeakConcurrency(const std::vector<RequestResult>& results) {
+  std::vector<std::pair<double, int>> events;
+  for (const RequestResult& r : results) {
+    if (!r.success) continue;
+    events.emplace_back(r.start_time, 1);
+    events.emplace_back(r.start_time + r.latency, -1);
+  }
+  std::sort(events.begin(), events.end());  // at one time, an end (-1) before a start (+1)
+  int now = 0, peak = 0;
+  for (const auto& [time, delta] : events) peak = std::max(peak, now += delta);
+  return peak;
+}
+
+}  // namespace
 
 double TimePerOutputToken(const RequestResult& result) {
   if (result.output_tokens <= 1 || result.chunk_times.empty()) return 0;
   return (result.latency - result.chunk_times.front()) / double(result.output_tokens - 1);
 }
 
-BenchmarkMetrics ComputeMetrics(const std::vector<RequestResult>& results, double duration_s,
-                                const GoodputSlo& slo) {
+BenchmarkMetrics ComputeMetrics(const std::vector<RequestResult>& results, double duration_s, const GoodputSlo& slo,
+                                const std::vector<double>& percentiles) {
   BenchmarkMetrics m;
   m.duration_s = duration_s;
   std::vector<double> ttft, tpot, itl, e2el, ttft_first_turn, ttft_later_turns;
@@ -91,15 +136,51 @@ BenchmarkMetrics ComputeMetrics(const std::vector<RequestResult>& results, doubl
   } else if (slo.any()) {
     m.request_goodput = 0.0;
   }
-  m.ttft = SummarizeLatencies(std::move(ttft));
-  m.tpot = SummarizeLatencies(std::move(tpot));
-  m.itl = SummarizeLatencies(std::move(itl));
-  m.e2el = SummarizeLatencies(std::move(e2el));
+  m.ttft = SummarizeLatencies(std::move(ttft), percentiles);
+  m.tpot = SummarizeLatencies(std::move(tpot), percentiles);
+  m.itl = SummarizeLatencies(std::move(itl), percentiles);
+  m.e2el = SummarizeLatencies(std::move(e2el), percentiles);
   if (multi_turn) {
-    m.ttft_first_turn = SummarizeLatencies(std::move(ttft_first_turn));
-    m.ttft_later_turns = SummarizeLatencies(std::move(ttft_later_turns));
+    m.ttft_first_turn = SummarizeLatencies(std::move(ttft_first_turn), percentiles);
+    m.ttft_later_turns = SummarizeLatencies(std::move(ttft_later_turns), percentiles);
+  }
+  double first_start = std::numeric_limits<double>::infinity();
+  for (const RequestResult& r : results) {
+    if (r.success) first_start = std::min(first_start, r.start_time);
+  }
+  if (m.completed > 0) {
+    m.max_output_tokens_per_s = PeakOutputTokensPerSecond(results, first_start);
+    m.max_concurrent_requests = PeakConcurrency(results);
   }
   return m;
 }
+
+absl::StatusOr<std::vector<std::string>> ParsePercentileMetrics(const std::string& list) {
+  std::vector<std::string> metrics;
+  for (absl::string_view part : absl::StrSplit(list, ',')) {
+    const std::string name(absl::StripAsciiWhitespace(part));
+    if (name != "ttft" && name != "tpot" && name != "itl" && name != "e2el") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--percentile-metrics: unknown metric '", name, "' (ttft, tpot, itl, e2el)"));
+    }
+    if (std::find(metrics.begin(), metrics.end(), name) == metrics.end()) metrics.push_back(name);
+  }
+  return metrics;
+}
+
+absl::StatusOr<std::vector<double>> ParseMetricPercentiles(const std::string& list) {
+  std::vector<double> percentiles;
+  for (absl::string_view part : absl::StrSplit(list, ',')) {
+    double p = 0;
+    if (!absl::SimpleAtod(absl::StripAsciiWhitespace(part), &p) || !(p >= 0 && p <= 100)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--metric-percentiles wants numbers in [0, 100] separated by commas, got '", list, "'"));
+    }
+    percentiles.push_back(p);
+  }
+  return percentiles;
+}
+
+std::string PercentileName(double p) { return absl::StrFormat("%g", p); }
 
 }  // namespace duet::bench

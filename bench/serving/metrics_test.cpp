@@ -25,11 +25,45 @@ TEST(SummarizeLatencies, MeanMedianStdAndTails) {
   EXPECT_DOUBLE_EQ(s.mean, 2.5);
   EXPECT_DOUBLE_EQ(s.median, 2.5);
   EXPECT_DOUBLE_EQ(s.stddev, std::sqrt(1.25));  // population std, as numpy.std
-  EXPECT_DOUBLE_EQ(s.p90, 3.7);
-  EXPECT_DOUBLE_EQ(s.p99, 3.97);
+  EXPECT_DOUBLE_EQ(s.Percentile(90), 3.7);
+  EXPECT_DOUBLE_EQ(s.Percentile(99), 3.97);
   EXPECT_DOUBLE_EQ(s.max, 4);
   EXPECT_EQ(SummarizeLatencies({}).count, 0);
-  EXPECT_EQ(SummarizeLatencies({}).p99, 0);
+  EXPECT_EQ(SummarizeLatencies({}).Percentile(99), 0);
+  // Asked-for percentiles, in the order asked.
+  const LatencyStats t = SummarizeLatencies({3, 1, 2, 4}, {50, 99.9, 25});
+  ASSERT_EQ(t.percentiles.size(), 3u);
+  EXPECT_EQ(t.percentiles[1].first, 99.9);
+  EXPECT_DOUBLE_EQ(t.percentiles[1].second, 3.997);
+  EXPECT_DOUBLE_EQ(t.Percentile(25), 1.75);
+  EXPECT_EQ(t.Percentile(90), 0);  // not asked
+}
+
+// vLLM's peaks: output tokens in the busiest whole second since the first send (a chunk's tokens
+// at its arrival), and requests in flight at once.
+TEST(ComputeMetrics, PeakTokensPerSecondAndConcurrency) {
+  RequestResult a = Ok({0.5, 0.9, 1.2}, 6, 1.5);  // sent at 0: chunks at 0.5, 0.9 (second 0), 1.2 (second 1)
+  a.chunk_tokens = {1, 3, 2};
+  RequestResult b = Ok({0.4, 0.6}, 2, 0.8);  // sent at 0.5: chunks at 0.9, 1.1
+  b.start_time = 0.5;
+  RequestResult c = Ok({0.1}, 1, 0.2);  // sent at 1.5 (a ended then): [1.5, 1.7), chunk 1.6
+  c.start_time = 1.5;
+  RequestResult failed;  // not counted
+  failed.start_time = 0.1;
+  failed.latency = 5;
+  const BenchmarkMetrics m = ComputeMetrics({a, b, c, failed}, 2.0, {});
+  EXPECT_DOUBLE_EQ(m.max_output_tokens_per_s, 5);  // second 0: 1 + 3 (a) + 1 (b)
+  EXPECT_EQ(m.max_concurrent_requests, 2);         // a and b; c starts as a ends
+  EXPECT_EQ(ComputeMetrics({failed}, 1.0, {}).max_concurrent_requests, 0);
+}
+
+TEST(ParsePercentiles, MetricsAndPercentiles) {
+  EXPECT_EQ(*ParsePercentileMetrics("ttft,itl, e2el,ttft"), (std::vector<std::string>{"ttft", "itl", "e2el"}));
+  EXPECT_FALSE(ParsePercentileMetrics("ttft,latency").ok());
+  EXPECT_EQ(*ParseMetricPercentiles("50, 99.9,100"), (std::vector<double>{50, 99.9, 100}));
+  for (const char* bad : {"", "101", "-1", "x", "50,,90"}) EXPECT_FALSE(ParseMetricPercentiles(bad).ok()) << bad;
+  EXPECT_EQ(PercentileName(99), "99");
+  EXPECT_EQ(PercentileName(99.9), "99.9");
 }
 
 TEST(ComputeMetrics, OneKnownTimeline) {

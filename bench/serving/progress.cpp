@@ -11,8 +11,8 @@ constexpr int kBarWidth = 40;
 constexpr auto kRedrawEvery = std::chrono::milliseconds(100);
 }  // namespace
 
-ProgressBar::ProgressBar(int total)
-    : total_(total), enabled_(::isatty(STDERR_FILENO) == 1), start_(std::chrono::steady_clock::now()) {
+ProgressBar::ProgressBar(int total, bool enabled)
+    : total_(total), enabled_(enabled && ::isatty(STDERR_FILENO) == 1), start_(std::chrono::steady_clock::now()) {
   std::lock_guard lock(mu_);
   Draw();
 }

@@ -1,4 +1,4 @@
-// A progress bar on stderr, drawn only when stderr is a terminal. Thread-safe.
+// A progress bar on stderr, drawn only when stderr is a terminal (and `enabled`). Thread-safe.
 #pragma once
 
 #include <chrono>
@@ -8,7 +8,7 @@ namespace duet::bench {
 
 class ProgressBar {
  public:
-  explicit ProgressBar(int total);
+  explicit ProgressBar(int total, bool enabled = true);
   ~ProgressBar();  // ends the bar's line
   void Finished(bool success);  // one request more is done
 

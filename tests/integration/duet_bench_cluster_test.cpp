@@ -2,12 +2,15 @@
 // prompts through the gRPC API and through the OpenAI HTTP API (completions and chat), each run
 // completing every request with sane figures in --result-json.
 #include <chrono>
+#include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/subprocess.h"
 #include "gtest/gtest.h"
+#include "metrics/test_http_client.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/local_cluster.h"
 #include "tests/integration/process.h"
@@ -138,9 +141,9 @@ TEST_F(DuetBenchClusterTest, OpenAiChatCodeWorkload) {
 TEST_F(DuetBenchClusterTest, MultiTurnSessionsOverGrpcAndChat) {
   constexpr int kSessions = 3, kTurns = 3, kMessageLen = 16;
   const std::string workload =
-      absl::StrCat(" --tokenizer ", Model(), " --dataset multi-turn --num-sessions ", kSessions, " --num-turns ", kTurns,
+      absl::StrCat(" --tokenizer ", Model(), " --dataset-name multi-turn --num-sessions ", kSessions, " --num-turns ", kTurns,
                    " --prefix-len 32 --num-prefix-groups 1 --input-len ", kMessageLen, " --output-len ", kOutputLen,
-                   " --ignore-eos --request-rate 20 --seed 3");
+                   " --ignore-eos --request-rate 20 --seed 3 --metric-percentiles 50,90,99");
   ASSERT_EQ(Bench(absl::StrCat("--backend duet-grpc --base-url 127.0.0.1:", cluster_->router_port(), workload)), 0)
       << stderr_;
   ExpectSane(kSessions * kTurns, kOutputLen);
@@ -152,11 +155,16 @@ TEST_F(DuetBenchClusterTest, MultiTurnSessionsOverGrpcAndChat) {
       EXPECT_GE(now, before + kOutputLen + kMessageLen - 2) << "session " << s << " turn " << t;
     }
   }
-  for (const char* key : {"median_ttft_first_turn_ms", "p99_ttft_first_turn_ms", "median_ttft_later_turns_ms",
-                          "p99_ttft_later_turns_ms"}) {
+  for (const char* key : {"median_ttft_first_turn_ms", "p50_ttft_first_turn_ms", "p99_ttft_first_turn_ms",
+                          "median_ttft_later_turns_ms", "p50_ttft_later_turns_ms", "p99_ttft_later_turns_ms"}) {
     EXPECT_GT(json_[key].get<double>(), 0) << key;
   }
   EXPECT_NE(report_.find("Median TTFT, later turns (ms):"), std::string::npos) << report_;
+  EXPECT_NE(report_.find("P50 TTFT, later turns (ms):"), std::string::npos) << report_;
+  // A session's turns run one at a time, each answer fed into its next prompt.
+  EXPECT_LE(json_["max_concurrent_requests"].get<int>(), kSessions);
+  ASSERT_EQ(json_["generated_texts"].size(), size_t(kSessions * kTurns));
+  for (const auto& text : json_["generated_texts"]) EXPECT_FALSE(text.get<std::string>().empty());
 
   ASSERT_EQ(Bench(absl::StrCat("--backend openai-chat --model tiny-code-llama --base-url http://127.0.0.1:", http_port_,
                                workload)),
@@ -167,6 +175,78 @@ TEST_F(DuetBenchClusterTest, MultiTurnSessionsOverGrpcAndChat) {
     EXPECT_GT(json_["input_lens"][size_t(s * kTurns + kTurns - 1)].get<int>(),
               json_["input_lens"][size_t(s * kTurns)].get<int>() + kOutputLen);
   }
+}
+
+// Completions the router has answered 200, from its /metrics, read again until there are at
+// least `want` (for at most 10 s): a response is counted right after its last byte went out, so
+// its client may have seen it, and exited, a moment before.
+int CompletionsServed(int http_port, int want = 0) {
+  const std::string series = R"(http_requests_total{handler="/v1/completions",method="POST",status="200"} )";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (;;) {
+    const std::string body = metrics::testing::HttpGet(static_cast<uint16_t>(http_port), "/metrics").body;
+    const size_t at = body.find(series);
+    const int served = at == std::string::npos ? 0 : std::atoi(body.c_str() + at + series.size());
+    if (served >= want || std::chrono::steady_clock::now() >= deadline) return served;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+// vLLM bench serve's flags and result file: --host/--port/--endpoint, --dataset-name and
+// --random-*-len, --num-warmups, --header, --extra-body, --percentile-metrics and
+// --metric-percentiles, --save-result with --result-dir/--result-filename (and vLLM's own file
+// name), --save-detailed, --label, --metadata; and its result keys.
+TEST_F(DuetBenchClusterTest, VllmBenchServeFlagsAndResultKeys) {
+  const std::string results = dir_ + "/results";
+  const int served_before = CompletionsServed(http_port_);
+  const std::string command = absl::StrCat(
+      DUET_BIN_DIR, "/duet-bench --backend openai --host 127.0.0.1 --port ", http_port_,
+      " --endpoint /v1/completions --model tiny-code-llama --tokenizer ", Model(),
+      " --dataset-name random --random-input-len 16 --random-output-len 8 --num-prompts 6 --ignore-eos --seed 1",
+      " --num-warmups 2 --header X-Bench=1 --extra-body '{\"max_tokens\": 3}' --percentile-metrics ttft,itl",
+      " --metric-percentiles 50,99.9 --save-result --save-detailed --result-dir ", results,
+      " --result-filename r.json --label ci --metadata run=ci --disable-tqdm > ", dir_, "/report.txt");
+  ASSERT_EQ(testing::RunCommand(command, dir_ + "/stderr.txt"), 0) << testing::ReadText(dir_ + "/stderr.txt");
+  constexpr int kSent = 1 + 2 + 6;  // the first request, 2 warm-ups, the run
+  EXPECT_EQ(CompletionsServed(http_port_, served_before + kSent) - served_before, kSent);
+  const nlohmann::json j = nlohmann::json::parse(testing::ReadText(results + "/r.json"), nullptr, false);
+  ASSERT_TRUE(j.is_object()) << testing::ReadText(dir_ + "/stderr.txt");
+  EXPECT_EQ(j["completed"], 6);
+  EXPECT_EQ(j["label"], "ci");
+  EXPECT_EQ(j["run"], "ci");
+  EXPECT_EQ(j["model_id"], "tiny-code-llama");
+  EXPECT_EQ(j["tokenizer_id"], Model());
+  EXPECT_EQ(j["endpoint_type"], "openai");
+  EXPECT_EQ(j["total_output_tokens"], 6 * 3);  // --extra-body's max_tokens won
+  ASSERT_EQ(j["itls"].size(), 6u);
+  ASSERT_EQ(j["generated_texts"].size(), 6u);
+  for (const auto& text : j["generated_texts"]) EXPECT_FALSE(text.get<std::string>().empty());
+  EXPECT_GT(j["max_output_tokens_per_s"].get<double>(), 0);
+  EXPECT_GE(j["max_concurrent_requests"].get<int>(), 1);
+  EXPECT_LE(j["p50_itl_ms"].get<double>(), j["p99.9_itl_ms"].get<double>());
+  EXPECT_TRUE(j.contains("median_ttft_ms"));
+  EXPECT_FALSE(j.contains("mean_tpot_ms") || j.contains("p99_ttft_ms"));
+  const std::string report = testing::ReadText(dir_ + "/report.txt");
+  EXPECT_NE(report.find("P99.9 ITL (ms):"), std::string::npos) << report;
+
+  // gRPC from --host/--port, vLLM's file name, not detailed; a bad --header is refused.
+  const std::string grpc = absl::StrCat(DUET_BIN_DIR, "/duet-bench --backend duet-grpc --port ", cluster_->router_port(),
+                                        " --model tiny-code-llama --tokenizer ", Model(),
+                                        " --dataset-name random --random-input-len 16 --random-output-len 4 --num-prompts 3",
+                                        " --temperature 0.5 --top-k 3 --header x-bench=1 --save-result --result-dir ",
+                                        results, "/grpc > /dev/null");
+  ASSERT_EQ(testing::RunCommand(grpc, dir_ + "/stderr.txt"), 0) << testing::ReadText(dir_ + "/stderr.txt");
+  std::vector<std::filesystem::path> files;
+  for (const auto& entry : std::filesystem::directory_iterator(results + "/grpc")) files.push_back(entry.path());
+  ASSERT_EQ(files.size(), 1u);
+  EXPECT_TRUE(files[0].filename().string().starts_with("duet-grpc-infqps-tiny-code-llama-")) << files[0];
+  const nlohmann::json g = nlohmann::json::parse(testing::ReadText(files[0].string()), nullptr, false);
+  EXPECT_EQ(g["completed"], 3);
+  EXPECT_FALSE(g.contains("itls") || g.contains("generated_texts"));
+  EXPECT_NE(testing::RunCommand(absl::StrCat(DUET_BIN_DIR, "/duet-bench --port 1 --header novalue --num-prompts 1"),
+                                dir_ + "/stderr.txt"),
+            0);
+  EXPECT_NE(testing::ReadText(dir_ + "/stderr.txt").find("--header wants KEY=VALUE"), std::string::npos);
 }
 
 TEST_F(DuetBenchClusterTest, UnknownModelFailsTheWarmUpClearly) {

@@ -28,10 +28,12 @@ class GenerateReferenceTest : public ::testing::Test {
   }
 
   // Runs duet generate with `flags` and checks every case's tokens against the reference.
-  void ExpectReference(const std::string& flags) {
-    const std::string out = dir_ + "/out.jsonl", log = dir_ + "/log.txt";
+  // `output`: where the flags have the JSONL written (default: --output there).
+  void ExpectReference(const std::string& flags, std::string output = "") {
+    const std::string out = output.empty() ? dir_ + "/out.jsonl" : output, log = dir_ + "/log.txt";
     const std::string cmd = testing::DuetBinary() + " generate --backend cpu --model " DUET_MODELS_DIR
-                            "/tiny-code-llama --input " + dir_ + "/in.jsonl --output " + out + " " + flags;
+                            "/tiny-code-llama --input " + dir_ + "/in.jsonl " +
+                            (output.empty() ? "--output " + out + " " : "") + flags;
     ASSERT_EQ(testing::RunCommand(cmd, log), 0) << testing::ReadText(log);
     std::vector<json> rows = testing::ReadJsonlFile(out);
     ASSERT_EQ(rows.size(), reference_["cases"].size());
@@ -67,6 +69,37 @@ TEST_F(GenerateReferenceTest, SequenceParallelPrefillOnTwoThreeAndFourRanks) {
 
 // The warm-up runs the first cases once and releases them; the batch then reuses their ids.
 TEST_F(GenerateReferenceTest, AfterAWarmUpOfTheFirstCases) { ExpectReference("--warmup 3"); }
+
+// --progress draws vLLM's "Processed prompts" line on stderr even when it is a file; the JSONL,
+// written to stdout here, holds the reference rows and nothing else.
+TEST_F(GenerateReferenceTest, ProgressOnStderrLeavesTheJsonlAlone) {
+  const std::string stdout_path = dir_ + "/stdout.jsonl";
+  ExpectReference("--progress --output /dev/stdout > " + stdout_path, stdout_path);
+  const std::string log = testing::ReadText(dir_ + "/log.txt");
+  const std::string cases = std::to_string(reference_["cases"].size());
+  EXPECT_NE(log.find("Processed prompts: 100%|"), std::string::npos) << log;
+  EXPECT_NE(log.find("| " + cases + "/" + cases + " ["), std::string::npos) << log;
+  EXPECT_NE(log.find("toks/s]"), std::string::npos) << log;
+}
+
+// On a terminal (a pseudo-terminal from script(1)) the line comes by itself and is redrawn in
+// place; --no-progress turns it off. Without a terminal and without --progress there is none.
+TEST_F(GenerateReferenceTest, ProgressByDefaultOnlyOnATerminal) {
+  ExpectReference("");
+  EXPECT_EQ(testing::ReadText(dir_ + "/log.txt").find("Processed prompts"), std::string::npos);
+  const std::string generate = testing::DuetBinary() + " generate --backend cpu --model " DUET_MODELS_DIR
+                               "/tiny-code-llama --input " + dir_ + "/in.jsonl --output " + dir_ + "/tty.jsonl";
+  for (const bool off : {false, true}) {
+    const std::string tty = dir_ + "/tty.txt";
+    ASSERT_EQ(testing::RunCommand("script -qec '" + generate + (off ? " --no-progress" : "") + "' /dev/null > " + tty,
+                                  dir_ + "/script.log"),
+              0)
+        << testing::ReadText(dir_ + "/script.log");
+    const std::string text = testing::ReadText(tty);
+    EXPECT_EQ(text.find("\rProcessed prompts: 100%|") != std::string::npos, !off) << text;
+    EXPECT_EQ(testing::ReadJsonlFile(dir_ + "/tty.jsonl").size(), reference_["cases"].size());
+  }
+}
 
 // A small cache and token budget force chunked prefill and preemption with recomputation.
 TEST_F(GenerateReferenceTest, UnderKvPressureWithChunkedPrefill) {

@@ -1,0 +1,64 @@
+// vLLM's periodic stats line in the log of a long-running process (its LoggingStatLogger):
+//
+//   decode worker: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 412.3 tokens/s,
+//   Running: 12 reqs, Waiting: 0 reqs, CPU KV cache usage: 37.5%, Prefix cache hit rate: 61.2%
+//
+// written every interval by a thread that waits on a condition with a deadline (so it stops at
+// once). As in vLLM, an interval with no tokens after another with none is logged at DEBUG only,
+// so an idle server does not fill its log.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+namespace duet {
+
+// What a process did over one interval, and its state at the end of it.
+struct IntervalStats {
+  double seconds = 0;
+  int64_t prompt_tokens = 0;      // in the interval
+  int64_t generation_tokens = 0;  // in the interval
+  int64_t running = 0;
+  int64_t waiting = 0;
+  // The KV cache's share in use (0..1) and whose memory it is ("GPU", "CPU"); none: no cache.
+  std::optional<double> kv_cache_usage;
+  std::string kv_cache_device;
+  // Prompt tokens found cached over those looked up in the interval; none: no prefix caching.
+  std::optional<double> prefix_cache_hit_rate;
+
+  bool idle() const { return prompt_tokens == 0 && generation_tokens == 0; }
+};
+
+// The line after "<label>: " (percentages and rates with one decimal, as vLLM prints them).
+std::string FormatStatsLine(const IntervalStats& stats);
+
+// Logs "<label>: FormatStatsLine(sample(seconds))" every `interval` on its own thread, where
+// `seconds` is the time since the previous sample (since the start for the first). `sample`
+// runs on that thread only.
+class PeriodicStatsLogger {
+ public:
+  using Sample = std::function<IntervalStats(double seconds)>;
+  PeriodicStatsLogger(std::string label, std::chrono::milliseconds interval, Sample sample);
+  ~PeriodicStatsLogger();  // stops without waiting for the interval to end
+  PeriodicStatsLogger(const PeriodicStatsLogger&) = delete;
+  PeriodicStatsLogger& operator=(const PeriodicStatsLogger&) = delete;
+
+ private:
+  void Run();
+
+  const std::string label_;
+  const std::chrono::milliseconds interval_;
+  const Sample sample_;
+  std::mutex mu_;
+  std::condition_variable stop_;
+  bool stopping_ = false;  // guarded by mu_
+  std::thread thread_;     // last: started once the rest exists
+};
+
+}  // namespace duet

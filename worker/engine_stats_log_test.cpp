@@ -1,0 +1,68 @@
+#include "worker/engine_stats_log.h"
+
+#include "backends/executor_factory.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace duet {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(EngineIntervalStats, TokensAndLookupsInTheIntervalStateAtItsEnd) {
+  EngineStats before, now;
+  before.num_prompt_tokens = 1000;
+  before.num_generation_tokens = 50;
+  before.prefix_cache_queries = 400;
+  before.prefix_cache_hits = 100;
+  now.num_prompt_tokens = 3000;
+  now.num_generation_tokens = 550;
+  now.prefix_cache_queries = 1200;
+  now.prefix_cache_hits = 700;
+  now.num_running = 5;
+  now.num_waiting = 2;
+  now.num_kv_blocks = 200;
+  now.num_free_kv_blocks = 150;
+  const IntervalStats s = EngineIntervalStats(before, now, 4.0, {.kv_cache_device = "GPU", .prefix_caching = true});
+  EXPECT_EQ(s.prompt_tokens, 2000);
+  EXPECT_EQ(s.generation_tokens, 500);
+  EXPECT_EQ(s.running, 5);
+  EXPECT_EQ(s.waiting, 2);
+  EXPECT_DOUBLE_EQ(*s.kv_cache_usage, 0.25);
+  EXPECT_DOUBLE_EQ(*s.prefix_cache_hit_rate, 0.75);  // 600 of 800 looked up in the interval
+  EXPECT_EQ(FormatStatsLine(s),
+            "Avg prompt throughput: 500.0 tokens/s, Avg generation throughput: 125.0 tokens/s, Running: 5 reqs, "
+            "Waiting: 2 reqs, GPU KV cache usage: 25.0%, Prefix cache hit rate: 75.0%");
+  // No lookups in the interval: 0%; prefix caching off: no hit rate at all.
+  EXPECT_EQ(*EngineIntervalStats(now, now, 1.0, {.prefix_caching = true}).prefix_cache_hit_rate, 0.0);
+  EXPECT_FALSE(EngineIntervalStats(before, now, 1.0, {}).prefix_cache_hit_rate.has_value());
+}
+
+TEST(EngineStatsSample, EachCallTheIntervalSinceThePreviousOne) {
+  EngineStats stats;
+  PeriodicStatsLogger::Sample sample = EngineStatsSample([&] { return stats; }, {});
+  stats.num_generation_tokens = 30;
+  EXPECT_EQ(sample(1.0).generation_tokens, 30);
+  stats.num_generation_tokens = 45;
+  EXPECT_EQ(sample(1.0).generation_tokens, 15);
+  EXPECT_EQ(sample(1.0).generation_tokens, 0);
+}
+
+// The bundled model with 64 blocks of 16 tokens and a 256-token context: 16 blocks a request,
+// so the cache holds 4 such requests at once.
+TEST(EngineConfigSummary, ModelKvCapacityAndConcurrency) {
+  EngineConfig config;
+  config.model_dir = DUET_MODELS_DIR "/tiny-code-llama";
+  config.num_kv_blocks = 64;
+  config.scheduler.max_model_len = 256;
+  absl::StatusOr<std::unique_ptr<LlmEngine>> engine = CreateEngine(config);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const std::string summary = EngineConfigSummary(**engine);
+  EXPECT_THAT(summary, HasSubstr("model tiny-code-llama (LlamaForCausalLM), backend cpu, dtype float32, block size 16, "
+                                 "64 KV blocks (1024 tokens, "));
+  EXPECT_THAT(summary, HasSubstr(" MiB), max model len 256: max concurrency 4.00x, prefix caching off"));
+  EXPECT_EQ(EngineStatsLabelsOf(**engine).kv_cache_device, "CPU");
+}
+
+}  // namespace
+}  // namespace duet
