@@ -84,6 +84,11 @@ class RouterImpl : public Router {
     absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(options.model_dir);
     if (!tokenizer.ok()) return tokenizer.status();
     tokenizer_ = *std::move(tokenizer);
+    if (absl::StatusOr<LoadedChatTemplate> chat = LoadChatTemplate(options.model_dir); chat.ok()) {
+      chat_template_ = std::make_unique<LoadedChatTemplate>(*std::move(chat));
+    } else {
+      DUET_LOG(WARNING) << "no chat template (chat requests are refused): " << chat.status().message();
+    }
 
     RouterServiceOptions service_options;
     service_options.model_name =
@@ -103,6 +108,8 @@ class RouterImpl : public Router {
     service_options.kv_lease_ms = options.kv_lease_ms;
     service_options.max_prefill_tokens_per_worker = options.max_prefill_tokens_per_worker;
     service_options.metrics_registry = &metrics_registry_;
+    service_options.chat_template = chat_template_.get();
+    if (options.enable_auto_tool_choice) service_options.auto_tool_call_format = tool_call_format;
     if (options.routing_policy != "prefix-aware" && options.routing_policy != "least-loaded") {
       return absl::InvalidArgumentError(absl::StrCat("routing_policy must be prefix-aware or least-loaded, not \"",
                                                      options.routing_policy, "\""));
@@ -190,7 +197,7 @@ class RouterImpl : public Router {
       http_options.port = options.http_port;
       http_options.num_threads = options.http_threads;
       http_options.work_threads = options.http_work_threads;
-      http_options.model_dir = options.model_dir;
+      http_options.chat_template = chat_template_.get();
       http_options.model_name = service_options.model_name;
       if (options.served_model_names.size() > 1) {
         http_options.model_aliases.assign(options.served_model_names.begin() + 1, options.served_model_names.end());
@@ -275,6 +282,7 @@ class RouterImpl : public Router {
 
   metrics::Registry metrics_registry_;  // first: outlives everything that updates it
   std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<LoadedChatTemplate> chat_template_;  // null: the model has none
   std::unique_ptr<PrefixIndex> prefix_index_;  // before the registry, whose threads use it
   std::unique_ptr<WorkerRegistry> registry_;
   std::unique_ptr<AssignmentPolicy> policy_;
