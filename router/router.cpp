@@ -17,10 +17,12 @@
 #include "model/model_config.h"
 #include "model/served_model_name.h"
 #include "router/assignment_policy.h"
+#include "router/choices_service.h"
 #include "router/http_frontend.h"
 #include "router/openai_api_key.h"
 #include "router/prefix_aware_policy.h"
 #include "router/prefix_index.h"
+#include "router/rejected_stream.h"
 #include "router/request_limits.h"
 #include "router/router_service.h"
 #include "router/worker_registry.h"
@@ -38,7 +40,10 @@ class DrainingDuetService final : public v1::Duet::CallbackService {
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(grpc::CallbackServerContext* context,
                                                            const v1::GenerateRequest* request) override {
-    if (draining_->load(std::memory_order_acquire)) return new RejectedStream();
+    if (draining_->load(std::memory_order_acquire)) {
+      return new RejectedStream(
+          grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is shutting down and takes no new requests"));
+    }
     return inner_->Generate(context, request);
   }
   grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context, const v1::AbortRequest* request,
@@ -51,14 +56,6 @@ class DrainingDuetService final : public v1::Duet::CallbackService {
   }
 
  private:
-  class RejectedStream final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
-   public:
-    RejectedStream() {
-      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is shutting down and takes no new requests"));
-    }
-    void OnDone() override { delete this; }
-  };
-
   v1::Duet::CallbackService* const inner_;
   const std::atomic<bool>* const draining_;
 };
@@ -154,9 +151,10 @@ class RouterImpl : public Router {
                                                     PrefixAwareOptions{.prefix_affinity = options.prefix_affinity});
     }
     service_ = std::make_unique<RouterService>(service_options, tokenizer_.get(), registry_.get(), policy_.get());
-    v1::Duet::CallbackService* public_service = service_.get();
+    choices_service_ = std::make_unique<ChoicesDuetService>(service_.get());
+    v1::Duet::CallbackService* public_service = choices_service_.get();
     if (!options.api_key.empty()) {  // --api-key: the Duet service needs "authorization: Bearer <key>"
-      api_key_service_ = std::make_unique<ApiKeyDuetService>(service_.get(), options.api_key);
+      api_key_service_ = std::make_unique<ApiKeyDuetService>(choices_service_.get(), options.api_key);
       public_service = api_key_service_.get();
     }
     draining_service_ = std::make_unique<DrainingDuetService>(public_service, &draining_);
@@ -173,6 +171,7 @@ class RouterImpl : public Router {
       return server.status();
     }
     server_ = *std::move(server);
+    choices_service_->SetChannel(server_->InProcessChannel(grpc::ChannelArguments()));
     {
       absl::MutexLock lock(&health_mu_);
       health_ = server_->GetHealthCheckService();
@@ -247,6 +246,8 @@ class RouterImpl : public Router {
     }
     if (http_ != nullptr) http_->Stop();  // after the gRPC server: its calls have ended
     http_.reset();
+    // Its calls have ended; its in-process channel goes before the server, on this thread.
+    choices_service_.reset();
     server_.reset();
     if (registry_ != nullptr) registry_->Stop();
   }
@@ -287,6 +288,7 @@ class RouterImpl : public Router {
   std::unique_ptr<WorkerRegistry> registry_;
   std::unique_ptr<AssignmentPolicy> policy_;
   std::unique_ptr<RouterService> service_;
+  std::unique_ptr<ChoicesDuetService> choices_service_;  // until Shutdown
   rpc::ReflectionV1Relay reflection_v1_;  // before the server: outlives it
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<metrics::HttpExporter> exporter_;

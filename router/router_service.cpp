@@ -117,17 +117,6 @@ std::optional<FinishReason> StreamFinishReason(const std::string& name) {
 
 double Seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-// Who sent a call, as far as request ids are concerned: its connection (the peer's address and
-// port) and the credential it presented.
-std::string ClientOf(const grpc::CallbackServerContext& context) {
-  std::string client = context.peer();
-  auto range = context.client_metadata().equal_range("authorization");
-  for (auto it = range.first; it != range.second; ++it) {
-    absl::StrAppend(&client, "\n", absl::string_view(it->second.data(), it->second.size()));
-  }
-  return client;
-}
-
 // Full method names for the generic stubs (they outlive every call).
 const std::string& ReserveKvMethod() {
   static const std::string name = absl::StrCat("/", v1::DecodeWorker::service_full_name(), "/ReserveKv");
