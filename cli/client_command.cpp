@@ -1,5 +1,5 @@
-// `duet complete`: a minimal gRPC client for the router — sends one prompt to Generate and
-// prints the streamed text as it arrives.
+// `duet complete`: a minimal gRPC client for the router — sends one prompt (or, with --chat,
+// one user message) to Generate and prints the streamed text as it arrives.
 #include <cstdio>
 
 #include "cli/commands.h"
@@ -11,7 +11,18 @@ namespace duet {
 int RunComplete(const CompleteOptions& options) {
   auto stub = v1::Duet::NewStub(grpc::CreateChannel(options.address, grpc::InsecureChannelCredentials()));
   v1::GenerateRequest request;
-  request.set_text(options.prompt);
+  if (options.chat) {
+    if (!options.system.empty()) {
+      v1::ChatMessage* system = request.mutable_chat()->add_messages();
+      system->set_role("system");
+      system->set_content(options.system);
+    }
+    v1::ChatMessage* user = request.mutable_chat()->add_messages();
+    user->set_role("user");
+    user->set_content(options.prompt);
+  } else {
+    request.set_text(options.prompt);
+  }
   request.mutable_sampling()->set_max_tokens(options.max_tokens);
   request.mutable_sampling()->set_temperature(options.temperature);
   grpc::ClientContext ctx;

@@ -62,6 +62,8 @@ struct CompleteOptions {
   int max_tokens = 64;
   float temperature = 0.0f;
   int timeout_s = 120;
+  bool chat = false;   // the prompt as a chat's user message (the router applies the template)
+  std::string system;  // chat: a system message first, when not empty
 };
 int RunComplete(const CompleteOptions& options);
 

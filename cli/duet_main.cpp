@@ -98,6 +98,10 @@ int main(int argc, char** argv) {
   complete_cmd->add_option("--prompt", complete.prompt, "Prompt text")->required();
   complete_cmd->add_option("--max-tokens", complete.max_tokens)->check(CLI::Range(1, 1 << 20));
   complete_cmd->add_option("--temperature", complete.temperature)->check(CLI::Range(0.0, 100.0));
+  CLI::Option* chat_flag = complete_cmd->add_flag(
+      "--chat", complete.chat, "Send the prompt as a user message, through the model's chat template");
+  complete_cmd->add_option("--system", complete.system, "With --chat: a system message before the prompt")
+      ->needs(chat_flag);
 
   duet::RoleCommands roles(app);
 

@@ -89,6 +89,7 @@ grpc::Status FakeDecodeWorker::Decode(grpc::ServerContext* context, const v1::De
     absl::MutexLock lock(&mu_);
     script = script_;
     if (!script.empty()) finish_reason = script_finish_reason_;
+    decoded_sampling_.push_back(request->sampling());
   }
   int max_tokens = request->sampling().max_tokens();
   if (!script.empty() && static_cast<int>(script.size()) <= max_tokens) {
@@ -124,6 +125,11 @@ grpc::Status FakeDecodeWorker::Decode(grpc::ServerContext* context, const v1::De
   }
   in_decode = false;
   return grpc::Status::OK;
+}
+
+std::vector<v1::SamplingOptions> FakeDecodeWorker::decoded_sampling() const {
+  absl::MutexLock lock(&mu_);
+  return decoded_sampling_;
 }
 
 void FakeDecodeWorker::SetScript(std::vector<std::string> texts, std::string finish_reason) {

@@ -69,11 +69,13 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
 
   std::vector<std::string> aborted() const;
   uint64_t last_transfer_id() const;
+  std::vector<v1::SamplingOptions> decoded_sampling() const;  // each Decode's, in arrival order
 
  private:
   mutable absl::Mutex mu_;
   std::vector<std::string> aborted_ ABSL_GUARDED_BY(mu_);
   uint64_t last_transfer_id_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<v1::SamplingOptions> decoded_sampling_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> script_ ABSL_GUARDED_BY(mu_);
   std::string script_finish_reason_ ABSL_GUARDED_BY(mu_);
 };

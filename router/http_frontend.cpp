@@ -64,12 +64,6 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const HttpFron
                                                                   const Tokenizer* tokenizer,
                                                                   std::shared_ptr<grpc::Channel> channel) {
   std::unique_ptr<HttpFrontend> frontend(new HttpFrontend());
-  absl::StatusOr<LoadedChatTemplate> chat = LoadChatTemplate(options.model_dir);
-  if (chat.ok()) {
-    frontend->chat_ = std::make_unique<LoadedChatTemplate>(*std::move(chat));
-  } else {
-    DUET_LOG(WARNING) << "no chat template (chat completions answer 400): " << chat.status().message();
-  }
   OpenAiApiOptions api_options;
   api_options.model_name = options.model_name;
   api_options.model_aliases = options.model_aliases;
@@ -80,7 +74,7 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const HttpFron
   api_options.healthy = options.healthy;
   api_options.auto_tool_call_format = options.auto_tool_call_format;
   api_options.work_threads = options.work_threads;
-  frontend->api_ = std::make_unique<OpenAiApi>(api_options, tokenizer, frontend->chat_.get(), std::move(channel));
+  frontend->api_ = std::make_unique<OpenAiApi>(api_options, tokenizer, options.chat_template, std::move(channel));
   HttpServerOptions server_options;
   server_options.host = options.host;
   server_options.port = options.port;

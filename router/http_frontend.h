@@ -22,7 +22,8 @@ struct HttpFrontendOptions {
   int port = 0;
   int num_threads = 2;   // io threads
   int work_threads = 4;  // parsing, tokenization, templating (OpenAiApiOptions::work_threads)
-  std::string model_dir;   // for the chat template
+  // Chat completions render with it (outlives the front end); null: they answer 400.
+  const LoadedChatTemplate* chat_template = nullptr;
   std::string model_name;
   std::vector<std::string> model_aliases;  // OpenAiApiOptions'
   int64_t max_model_len = 0;
@@ -53,7 +54,6 @@ class HttpFrontend {
 
  private:
   HttpFrontend() = default;
-  std::unique_ptr<LoadedChatTemplate> chat_;
   std::unique_ptr<OpenAiApi> api_;
   std::function<void(const std::string&, const std::string&, int, double)> on_response_;
   std::unique_ptr<HttpServer> server_;

@@ -5,6 +5,9 @@
 
 namespace duet::router {
 
+// The deepest nesting a request's JSON (a body, a schema, a call's arguments) may have.
+inline constexpr int kMaxRequestJsonDepth = 128;
+
 // Whether `text`'s bracket nesting stays within `limit` (brackets inside strings skipped), so a
 // hostile text cannot exhaust the stack when parsed.
 inline bool JsonDepthWithin(std::string_view text, int limit) {

@@ -179,7 +179,7 @@ void Job::Start() {
     remaining_ = static_cast<int>(generates.size());
     for (size_t index = 0; index < generates.size(); ++index) {
       choices_[index].result.index = static_cast<int>(index);
-      if (request_.stream) choices_[index].tool_calls = openai::NewToolCallParser(request_);
+      if (request_.stream) choices_[index].tool_calls = openai::NewToolCallParser(request_.tools);
       auto context = std::make_unique<grpc::ClientContext>();
       if (!api_->options().api_key.empty()) {
         context->AddMetadata("authorization", absl::StrCat("Bearer ", api_->options().api_key));

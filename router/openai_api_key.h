@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "duet/v1/duet.grpc.pb.h"
+#include "router/rejected_stream.h"
 
 namespace duet::router {
 
@@ -40,13 +41,6 @@ class ApiKeyDuetService final : public v1::Duet::CallbackService {
   }
 
  private:
-  // A stream finished at once with `status`.
-  class RejectedStream final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
-   public:
-    explicit RejectedStream(grpc::Status status) { Finish(std::move(status)); }
-    void OnDone() override { delete this; }
-  };
-
   static grpc::Status Unauthenticated() {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "missing or wrong API key: send metadata \"authorization: Bearer <key>\"");

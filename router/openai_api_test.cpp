@@ -593,10 +593,12 @@ TEST(RouterToolOptionsTest, AutoToolChoiceNeedsAParser) {
 TEST(HttpFrontendTest, HealthIsAnsweredWhileABigTokenizeIsInFlight) {
   absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(DUET_MODELS_DIR "/tiny-code-llama");
   ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  absl::StatusOr<LoadedChatTemplate> chat = LoadChatTemplate(DUET_MODELS_DIR "/tiny-code-llama");
+  ASSERT_TRUE(chat.ok()) << chat.status();
   HttpFrontendOptions options;
   options.num_threads = 1;
   options.work_threads = 1;
-  options.model_dir = DUET_MODELS_DIR "/tiny-code-llama";
+  options.chat_template = &*chat;
   options.model_name = "tiny-code-llama";
   options.max_model_len = 2048;
   // No generation here: the channel is never used.

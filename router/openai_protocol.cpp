@@ -20,15 +20,14 @@
 namespace duet::router::openai {
 namespace {
 
-constexpr int kMaxJsonDepth = 128;
 // Status payloads that carry the OpenAI error object's `param` and `code` to ToApiError.
 constexpr char kParamPayload[] = "duet.router.openai/param";
 constexpr char kCodePayload[] = "duet.router.openai/code";
 constexpr int kMaxChoices = 1024;  // prompts × n
 
 absl::StatusOr<Json> ParseBody(std::string_view body) {
-  if (!JsonDepthWithin(body, kMaxJsonDepth)) {
-    return BadRequest(absl::StrCat("JSON nesting deeper than ", kMaxJsonDepth, " levels"));
+  if (!JsonDepthWithin(body, kMaxRequestJsonDepth)) {
+    return BadRequest(absl::StrCat("JSON nesting deeper than ", kMaxRequestJsonDepth, " levels"));
   }
   Json json = Json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
   if (json.is_discarded()) return BadRequest("the request body is not valid JSON");
@@ -291,7 +290,8 @@ absl::StatusOr<std::vector<ToolSpec>> ParseToolList(const Json& tools) {
 // without tool_choice mean "auto"; "auto" needs the server's tool-call parser; "required" and a
 // named function are forced through the grammar engine (so they take no other structured-output
 // constraint). Call after ParseStructuredOutput.
-absl::Status ParseTools(const Json& j, const ProtocolContext& context, ParsedRequest* out) {
+absl::Status ParseTools(const Json& j, const ProtocolContext& context, v1::SamplingOptions* sampling,
+                        ToolCalling* out) {
   DUET_RETURN_IF_ERROR(RejectLegacyFunctions(j));
   std::vector<ToolSpec> tools;
   bool tools_given = false;
@@ -299,19 +299,19 @@ absl::Status ParseTools(const Json& j, const ProtocolContext& context, ParsedReq
     DUET_ASSIGN_OR_RETURN(tools, ParseToolList(*it));
     tools_given = true;
   }
-  DUET_RETURN_IF_ERROR(GetBool(j, "parallel_tool_calls", &out->parallel_tool_calls));
+  DUET_RETURN_IF_ERROR(GetBool(j, "parallel_tool_calls", &out->parallel));
   auto choice = j.find("tool_choice");
   const char* kChoices = "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}";
   if (choice == j.end() || choice->is_null()) {
-    out->tool_choice = tools.empty() ? ToolChoice::kNone : ToolChoice::kAuto;
+    out->choice = tools.empty() ? ToolChoice::kNone : ToolChoice::kAuto;
   } else if (choice->is_string()) {
     const std::string& c = choice->get_ref<const std::string&>();
     if (c == "none") {
-      out->tool_choice = ToolChoice::kNone;
+      out->choice = ToolChoice::kNone;
     } else if (c == "auto" || c == "required") {
       if (!tools_given) return BadRequest("When using `tool_choice`, `tools` must be set.", "tool_choice");
       // Nothing to call: as "none" (OpenAI's behaviour for "required" with no tools).
-      out->tool_choice = tools.empty() ? ToolChoice::kNone : c == "auto" ? ToolChoice::kAuto : ToolChoice::kRequired;
+      out->choice = tools.empty() ? ToolChoice::kNone : c == "auto" ? ToolChoice::kAuto : ToolChoice::kRequired;
     } else {
       return BadRequest(absl::StrCat("'tool_choice' must be ", kChoices, ", got \"", c, "\""), "tool_choice");
     }
@@ -322,34 +322,34 @@ absl::Status ParseTools(const Json& j, const ProtocolContext& context, ParsedReq
       return BadRequest(absl::StrCat("'tool_choice' must be ", kChoices), "tool_choice");
     }
     if (!tools_given) return BadRequest("When using `tool_choice`, `tools` must be set.", "tool_choice");
-    out->tool_name = name.get<std::string>();
-    if (std::none_of(tools.begin(), tools.end(), [&](const ToolSpec& t) { return t.name == out->tool_name; })) {
-      return BadRequest(absl::StrCat("the tool '", out->tool_name, "' in `tool_choice` is not one of `tools`"),
+    out->name = name.get<std::string>();
+    if (std::none_of(tools.begin(), tools.end(), [&](const ToolSpec& t) { return t.name == out->name; })) {
+      return BadRequest(absl::StrCat("the tool '", out->name, "' in `tool_choice` is not one of `tools`"),
                         "tool_choice");
     }
-    out->tool_choice = ToolChoice::kNamed;
+    out->choice = ToolChoice::kNamed;
   } else {
     return WrongType("tool_choice", kChoices, *choice);
   }
-  if (out->tool_choice == ToolChoice::kAuto) {
+  if (out->choice == ToolChoice::kAuto) {
     if (!context.auto_tool_call_format) {
       return BadRequest("\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set",
                         "tool_choice");
     }
-    out->tool_call_format = context.auto_tool_call_format;
+    out->format = context.auto_tool_call_format;
   }
-  if (out->tool_choice != ToolChoice::kRequired && out->tool_choice != ToolChoice::kNamed) return absl::OkStatus();
-  if (out->sampling.has_structured_output()) {
+  if (out->choice != ToolChoice::kRequired && out->choice != ToolChoice::kNamed) return absl::OkStatus();
+  if (sampling->has_structured_output()) {
     return BadRequest("'tool_choice' \"required\" or a named function forces the output's form and cannot be "
                       "combined with response_format or guided_*",
                       "tool_choice");
   }
   Json schema;
-  if (out->tool_choice == ToolChoice::kNamed) {
+  if (out->choice == ToolChoice::kNamed) {
     schema = NamedToolCallSchema(*std::find_if(tools.begin(), tools.end(),
-                                               [&](const ToolSpec& t) { return t.name == out->tool_name; }));
+                                               [&](const ToolSpec& t) { return t.name == out->name; }));
   } else {
-    absl::StatusOr<Json> required = RequiredToolCallSchema(tools, out->parallel_tool_calls);
+    absl::StatusOr<Json> required = RequiredToolCallSchema(tools, out->parallel);
     if (!required.ok()) return BadRequest(required.status().message(), "tools");
     schema = *std::move(required);
   }
@@ -361,7 +361,7 @@ absl::Status ParseTools(const Json& j, const ProtocolContext& context, ParsedReq
       !g.ok()) {
     return BadRequest(absl::StrCat("tools: the parameters cannot be enforced: ", g.status().message()), "tools");
   }
-  *out->sampling.mutable_structured_output() = forced.structured_output();
+  *sampling->mutable_structured_output() = forced.structured_output();
   return absl::OkStatus();
 }
 
@@ -389,7 +389,7 @@ absl::Status NormalizeToolCalls(const std::string& where, Json* message) {
       (*function)["arguments"] = Json::object();
     } else if (arguments->is_string()) {
       const std::string& text = arguments->get_ref<const std::string&>();
-      Json value = JsonDepthWithin(text, kMaxJsonDepth) ? Json::parse(text, nullptr, /*allow_exceptions=*/false)
+      Json value = JsonDepthWithin(text, kMaxRequestJsonDepth) ? Json::parse(text, nullptr, /*allow_exceptions=*/false)
                                                     : Json(Json::value_t::discarded);
       if (value.is_discarded()) {
         return BadRequest(absl::StrCat("'", at, ".function.arguments' is not valid JSON"), field);
@@ -540,7 +540,6 @@ absl::Status ParseCommon(const Json& j, const ProtocolContext& context, ParsedRe
   DUET_RETURN_IF_ERROR(ParseCacheSalt(j, &out->sampling));
   if (!out->chat) DUET_RETURN_IF_ERROR(RejectToolCalling(j));
   DUET_RETURN_IF_ERROR(ParseStructuredOutput(j, &out->sampling));
-  if (out->chat) DUET_RETURN_IF_ERROR(ParseTools(j, context, out));
   DUET_RETURN_IF_ERROR(ParseStreaming(j, out));
   if (auto it = j.find("request_id"); it != j.end() && !it->is_null()) {
     if (!it->is_string()) return WrongType("request_id", "a string", *it);
@@ -783,6 +782,16 @@ absl::StatusOr<std::string> RenderChat(const Json& j, const ProtocolContext& con
   return *std::move(rendered);
 }
 
+absl::StatusOr<ChatInput> ParseChatInput(const Json& j, const ProtocolContext& context, v1::SamplingOptions* sampling) {
+  ChatInput out;
+  DUET_RETURN_IF_ERROR(ParseTools(j, context, sampling, &out.tools));
+  DUET_ASSIGN_OR_RETURN(const std::string prompt, RenderChat(j, context));
+  if (context.tokenizer == nullptr) return BadRequest("chat needs a tokenizer");
+  out.prompt_token_ids = context.tokenizer->Encode(prompt, /*add_special_tokens=*/false);
+  if (out.prompt_token_ids.empty()) return BadRequest("the chat prompt has no tokens", "messages");
+  return out;
+}
+
 absl::StatusOr<ParsedRequest> ParseChatRequest(std::string_view body, const ProtocolContext& context) {
   DUET_ASSIGN_OR_RETURN(const Json j, ParseBody(body));
   ParsedRequest out;
@@ -799,11 +808,10 @@ absl::StatusOr<ParsedRequest> ParseChatRequest(std::string_view body, const Prot
     out.logprobs = static_cast<int>(top.value_or(0));
     out.sampling.set_logprobs(*out.logprobs);
   }
-  DUET_ASSIGN_OR_RETURN(const std::string prompt, RenderChat(j, context));
-  if (context.tokenizer == nullptr) return BadRequest("chat needs a tokenizer");
+  DUET_ASSIGN_OR_RETURN(ChatInput chat, ParseChatInput(j, context, &out.sampling));
+  out.tools = std::move(chat.tools);
   PromptInput input;
-  input.token_ids = context.tokenizer->Encode(prompt, /*add_special_tokens=*/false);
-  if (input.token_ids.empty()) return BadRequest("the chat prompt has no tokens", "messages");
+  input.token_ids = std::move(chat.prompt_token_ids);
   if (!out.sampling.has_max_tokens()) {
     // vLLM: what is left of the context.
     const int64_t left = context.max_model_len - static_cast<int64_t>(input.token_ids.size());
@@ -1019,7 +1027,7 @@ Json ChatResponse(const std::string& id, const ParsedRequest& request, const Tok
     Json message;
     message["role"] = "assistant";
     std::string finish_reason = c.finish_reason;
-    if (std::unique_ptr<ToolCallParser> parser = NewToolCallParser(request)) {
+    if (std::unique_ptr<ToolCallParser> parser = NewToolCallParser(request.tools)) {
       const ParsedOutput parsed = ParseToolCalls(*parser, c.text);
       message["content"] = parsed.calls.empty() || !parsed.content.empty() ? Json(parsed.content) : Json(nullptr);
       if (!parsed.calls.empty()) {
@@ -1106,20 +1114,18 @@ std::string ChatFinishReason(const std::string& finish_reason, int num_tool_call
   return num_tool_calls > 0 && finish_reason == "stop" ? "tool_calls" : finish_reason;
 }
 
-std::unique_ptr<ToolCallParser> NewToolCallParser(const ParsedRequest& request, ToolCallIdFn new_id) {
-  switch (request.tool_choice) {
+std::unique_ptr<ToolCallParser> NewToolCallParser(const ToolCalling& tools, ToolCallIdFn new_id) {
+  switch (tools.choice) {
     case ToolChoice::kNone:
       return nullptr;
     case ToolChoice::kAuto:
-      return request.tool_call_format
-                 ? NewAutoToolCallParser(*request.tool_call_format,
-                                         request.parallel_tool_calls ? std::numeric_limits<int>::max() : 1,
-                                         std::move(new_id))
-                 : nullptr;
+      return tools.format ? NewAutoToolCallParser(*tools.format, tools.parallel ? std::numeric_limits<int>::max() : 1,
+                                                  std::move(new_id))
+                          : nullptr;
     case ToolChoice::kRequired:
       return NewRequiredToolCallParser(std::move(new_id));
     case ToolChoice::kNamed:
-      return NewNamedToolCallParser(request.tool_name, std::move(new_id));
+      return NewNamedToolCallParser(tools.name, std::move(new_id));
   }
   return nullptr;
 }

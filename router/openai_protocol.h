@@ -23,6 +23,7 @@
 #include "grpcpp/support/status.h"
 #include "nlohmann/json.hpp"
 #include "router/openai_tool_calls.h"
+#include "router/request_limits.h"
 
 namespace duet::router::openai {
 
@@ -59,7 +60,7 @@ struct ProtocolContext {
   const Tokenizer* tokenizer = nullptr;         // required for text and chat
   const LoadedChatTemplate* chat = nullptr;     // required for chat
   int64_t max_model_len = 0;
-  int max_n = 128;         // n above this is "absurd"
+  int max_n = kMaxCompletionsPerRequest;  // n above this is "absurd"
   int max_logprobs = 20;   // like vLLM's default max_logprobs
   // --enable-auto-tool-choice with --tool-call-parser: tool_choice "auto" parses calls in this
   // format; unset: "auto" is a 400 (as vLLM).
@@ -71,6 +72,14 @@ struct ProtocolContext {
 // format. kRequired and kNamed: the grammar engine forces calls (a JSON schema made from the
 // tools' parameters).
 enum class ToolChoice { kNone, kAuto, kRequired, kNamed };
+
+// What a chat request asks of its tools' output.
+struct ToolCalling {
+  ToolChoice choice = ToolChoice::kNone;
+  std::string name;  // kNamed
+  bool parallel = true;  // parallel_tool_calls
+  std::optional<ToolCallFormat> format;  // kAuto
+};
 
 // One prompt of a request: text (tokenized by the router, with special tokens) or token ids.
 struct PromptInput {
@@ -97,19 +106,26 @@ struct ParsedRequest {
   // The client's `request_id` (a vLLM extra field; at most kMaxRequestIdBytes): the response is
   // "cmpl-<request_id>" / "chatcmpl-<request_id>".
   std::optional<std::string> request_id;
-  // Chat: tool calling.
-  ToolChoice tool_choice = ToolChoice::kNone;
-  std::string tool_name;  // kNamed
-  bool parallel_tool_calls = true;
-  std::optional<ToolCallFormat> tool_call_format;  // kAuto
+  ToolCalling tools;  // chat
 };
 
 // The parser that splits a choice's output into content and tool calls; null when the request
 // does not parse tool calls.
-std::unique_ptr<ToolCallParser> NewToolCallParser(const ParsedRequest& request, ToolCallIdFn new_id = nullptr);
+std::unique_ptr<ToolCallParser> NewToolCallParser(const ToolCalling& tools, ToolCallIdFn new_id = nullptr);
 
 absl::StatusOr<ParsedRequest> ParseCompletionRequest(std::string_view body, const ProtocolContext& context);
 absl::StatusOr<ParsedRequest> ParseChatRequest(std::string_view body, const ProtocolContext& context);
+
+// The chat part of a request, which HTTP chat completions and gRPC Generate's `chat` share: the
+// fields `tools`, `tool_choice` and `parallel_tool_calls` of `request` (a forced call's schema
+// becomes `sampling`'s structured output, which must not have one of its own then), and
+// `messages` rendered through the chat template (RenderChat) and tokenized.
+struct ChatInput {
+  std::vector<int32_t> prompt_token_ids;
+  ToolCalling tools;
+};
+absl::StatusOr<ChatInput> ParseChatInput(const Json& request, const ProtocolContext& context,
+                                         v1::SamplingOptions* sampling);
 
 // The request's `model` check alone (unknown → 404 model_not_found).
 absl::Status CheckModel(const Json& request, const ProtocolContext& context);

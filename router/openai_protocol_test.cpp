@@ -245,20 +245,20 @@ std::string ChatWithTools(const std::string& extra) {
 TEST_F(ProtocolTest, ToolChoiceModes) {
   context_.auto_tool_call_format = ToolCallFormat::kHermes;
   ParsedRequest r = *ParseChatRequest(ChatWithTools(""), context_);  // tools without tool_choice: auto
-  EXPECT_EQ(r.tool_choice, ToolChoice::kAuto);
-  EXPECT_EQ(r.tool_call_format, ToolCallFormat::kHermes);
+  EXPECT_EQ(r.tools.choice, ToolChoice::kAuto);
+  EXPECT_EQ(r.tools.format, ToolCallFormat::kHermes);
   EXPECT_FALSE(r.sampling.has_structured_output());
-  ASSERT_NE(NewToolCallParser(r), nullptr);
+  ASSERT_NE(NewToolCallParser(r.tools), nullptr);
 
   r = *ParseChatRequest(ChatWithTools(R"(,"tool_choice":"none")"), context_);
-  EXPECT_EQ(r.tool_choice, ToolChoice::kNone);
-  EXPECT_EQ(NewToolCallParser(r), nullptr);
+  EXPECT_EQ(r.tools.choice, ToolChoice::kNone);
+  EXPECT_EQ(NewToolCallParser(r.tools), nullptr);
   EXPECT_FALSE(r.sampling.has_structured_output());
 
   // required: an array of calls to one of the tools, forced by the grammar engine.
   r = *ParseChatRequest(ChatWithTools(R"(,"tool_choice":"required","parallel_tool_calls":false)"), context_);
-  EXPECT_EQ(r.tool_choice, ToolChoice::kRequired);
-  EXPECT_FALSE(r.parallel_tool_calls);
+  EXPECT_EQ(r.tools.choice, ToolChoice::kRequired);
+  EXPECT_FALSE(r.tools.parallel);
   const Json required = Json::parse(r.sampling.structured_output().json_schema());
   EXPECT_EQ(required["type"], "array");
   EXPECT_EQ(required["maxItems"], 1);
@@ -268,14 +268,14 @@ TEST_F(ProtocolTest, ToolChoiceModes) {
   // A named function: its parameters are the schema.
   r = *ParseChatRequest(ChatWithTools(R"(,"tool_choice":{"type":"function","function":{"name":"get_weather"}})"),
                         context_);
-  EXPECT_EQ(r.tool_choice, ToolChoice::kNamed);
-  EXPECT_EQ(r.tool_name, "get_weather");
+  EXPECT_EQ(r.tools.choice, ToolChoice::kNamed);
+  EXPECT_EQ(r.tools.name, "get_weather");
   EXPECT_EQ(Json::parse(r.sampling.structured_output().json_schema()),
             Json::parse(kWeatherTool)["function"]["parameters"]);
 
   // Nothing to call: "required" with an empty list is "none" (as OpenAI and vLLM).
   r = *ParseChatRequest(R"({"messages":[{"role":"user","content":"x"}],"tools":[],"tool_choice":"required"})", context_);
-  EXPECT_EQ(r.tool_choice, ToolChoice::kNone);
+  EXPECT_EQ(r.tools.choice, ToolChoice::kNone);
 }
 
 TEST_F(ProtocolTest, ToolErrorsAre400NamingTheField) {

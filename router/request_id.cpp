@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/check.h"
 
@@ -34,6 +35,15 @@ std::string RandomHex(size_t num_bytes) {
     filled += size_t(n);
   }
   return absl::BytesToHexString(absl::string_view(bytes.data(), bytes.size()));
+}
+
+std::string ClientOf(const grpc::CallbackServerContext& context) {
+  std::string client = context.peer();
+  auto range = context.client_metadata().equal_range("authorization");
+  for (auto it = range.first; it != range.second; ++it) {
+    absl::StrAppend(&client, "\n", absl::string_view(it->second.data(), it->second.size()));
+  }
+  return client;
 }
 
 }  // namespace duet::router

@@ -1,4 +1,5 @@
-// Request ids: the longest one a client may choose, and the router's own, unguessable ones.
+// Request ids: the longest one a client may choose, the router's own, unguessable ones, and whose
+// an id is.
 #pragma once
 
 #include <cstddef>
@@ -6,6 +7,7 @@
 #include <string_view>
 
 #include "absl/status/status.h"
+#include "grpcpp/server_context.h"
 
 namespace duet::router {
 
@@ -21,5 +23,9 @@ bool IsPrintableAscii(std::string_view id);
 
 // `num_bytes` bytes from the kernel's CSPRNG (getrandom(2)), in lower-case hex.
 std::string RandomHex(size_t num_bytes);
+
+// Who sent a call, as far as request ids are concerned (a client's ids are its own, for Abort
+// and duplicates): its connection (the peer's address and port) and the credential it presented.
+std::string ClientOf(const grpc::CallbackServerContext& context);
 
 }  // namespace duet::router

@@ -13,5 +13,7 @@ inline constexpr size_t kMaxGenerateRequestBytes = size_t{4} << 20;
 // The router's gRPC server takes messages up to this size, so that requests between the two
 // limits get the clear error above; beyond it gRPC itself answers RESOURCE_EXHAUSTED.
 inline constexpr int kMaxGrpcReceiveBytes = 16 << 20;
+// The most completions one request may ask for (gRPC's and HTTP's n).
+inline constexpr int kMaxCompletionsPerRequest = 128;
 
 }  // namespace duet::router

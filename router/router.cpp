@@ -18,10 +18,12 @@
 #include "model/model_config.h"
 #include "model/served_model_name.h"
 #include "router/assignment_policy.h"
+#include "router/choices_service.h"
 #include "router/http_frontend.h"
 #include "router/openai_api_key.h"
 #include "router/prefix_aware_policy.h"
 #include "router/prefix_index.h"
+#include "router/rejected_stream.h"
 #include "router/request_limits.h"
 #include "router/router_service.h"
 #include "router/worker_registry.h"
@@ -39,7 +41,10 @@ class DrainingDuetService final : public v1::Duet::CallbackService {
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(grpc::CallbackServerContext* context,
                                                            const v1::GenerateRequest* request) override {
-    if (draining_->load(std::memory_order_acquire)) return new RejectedStream();
+    if (draining_->load(std::memory_order_acquire)) {
+      return new RejectedStream(
+          grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is shutting down and takes no new requests"));
+    }
     return inner_->Generate(context, request);
   }
   grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context, const v1::AbortRequest* request,
@@ -52,14 +57,6 @@ class DrainingDuetService final : public v1::Duet::CallbackService {
   }
 
  private:
-  class RejectedStream final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
-   public:
-    RejectedStream() {
-      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the router is shutting down and takes no new requests"));
-    }
-    void OnDone() override { delete this; }
-  };
-
   v1::Duet::CallbackService* const inner_;
   const std::atomic<bool>* const draining_;
 };
@@ -85,6 +82,11 @@ class RouterImpl : public Router {
     absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(options.model_dir);
     if (!tokenizer.ok()) return tokenizer.status();
     tokenizer_ = *std::move(tokenizer);
+    if (absl::StatusOr<LoadedChatTemplate> chat = LoadChatTemplate(options.model_dir); chat.ok()) {
+      chat_template_ = std::make_unique<LoadedChatTemplate>(*std::move(chat));
+    } else {
+      DUET_LOG(WARNING) << "no chat template (chat requests are refused): " << chat.status().message();
+    }
 
     RouterServiceOptions service_options;
     service_options.model_name =
@@ -104,6 +106,8 @@ class RouterImpl : public Router {
     service_options.kv_lease_ms = options.kv_lease_ms;
     service_options.max_prefill_tokens_per_worker = options.max_prefill_tokens_per_worker;
     service_options.metrics_registry = &metrics_registry_;
+    service_options.chat_template = chat_template_.get();
+    if (options.enable_auto_tool_choice) service_options.auto_tool_call_format = tool_call_format;
     if (options.routing_policy != "prefix-aware" && options.routing_policy != "least-loaded") {
       return absl::InvalidArgumentError(absl::StrCat("routing_policy must be prefix-aware or least-loaded, not \"",
                                                      options.routing_policy, "\""));
@@ -148,9 +152,10 @@ class RouterImpl : public Router {
                                                     PrefixAwareOptions{.prefix_affinity = options.prefix_affinity});
     }
     service_ = std::make_unique<RouterService>(service_options, tokenizer_.get(), registry_.get(), policy_.get());
-    v1::Duet::CallbackService* public_service = service_.get();
+    choices_service_ = std::make_unique<ChoicesDuetService>(service_.get());
+    v1::Duet::CallbackService* public_service = choices_service_.get();
     if (!options.api_key.empty()) {  // --api-key: the Duet service needs "authorization: Bearer <key>"
-      api_key_service_ = std::make_unique<ApiKeyDuetService>(service_.get(), options.api_key);
+      api_key_service_ = std::make_unique<ApiKeyDuetService>(choices_service_.get(), options.api_key);
       public_service = api_key_service_.get();
     }
     draining_service_ = std::make_unique<DrainingDuetService>(public_service, &draining_);
@@ -167,6 +172,7 @@ class RouterImpl : public Router {
       return server.status();
     }
     server_ = *std::move(server);
+    choices_service_->SetChannel(server_->InProcessChannel(grpc::ChannelArguments()));
     {
       absl::MutexLock lock(&health_mu_);
       health_ = server_->GetHealthCheckService();
@@ -191,7 +197,7 @@ class RouterImpl : public Router {
       http_options.port = options.http_port;
       http_options.num_threads = options.http_threads;
       http_options.work_threads = options.http_work_threads;
-      http_options.model_dir = options.model_dir;
+      http_options.chat_template = chat_template_.get();
       http_options.model_name = service_options.model_name;
       if (options.served_model_names.size() > 1) {
         http_options.model_aliases.assign(options.served_model_names.begin() + 1, options.served_model_names.end());
@@ -248,6 +254,8 @@ class RouterImpl : public Router {
     }
     if (http_ != nullptr) http_->Stop();  // after the gRPC server: its calls have ended
     http_.reset();
+    // Its calls have ended; its in-process channel goes before the server, on this thread.
+    choices_service_.reset();
     server_.reset();
     if (registry_ != nullptr) registry_->Stop();
   }
@@ -283,10 +291,12 @@ class RouterImpl : public Router {
 
   metrics::Registry metrics_registry_;  // first: outlives everything that updates it
   std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<LoadedChatTemplate> chat_template_;  // null: the model has none
   std::unique_ptr<PrefixIndex> prefix_index_;  // before the registry, whose threads use it
   std::unique_ptr<WorkerRegistry> registry_;
   std::unique_ptr<AssignmentPolicy> policy_;
   std::unique_ptr<RouterService> service_;
+  std::unique_ptr<ChoicesDuetService> choices_service_;  // until Shutdown
   rpc::ReflectionV1Relay reflection_v1_;  // before the server: outlives it
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<metrics::HttpExporter> exporter_;

@@ -18,6 +18,7 @@
 #include "common/status_macros.h"
 #include "engine/grammar/structured_output.h"
 #include "grpcpp/generic/generic_stub.h"
+#include "router/grpc_chat.h"
 #include "router/request_id.h"
 #include "router/request_limits.h"
 #include "rpc/rpc_util.h"
@@ -115,17 +116,6 @@ std::optional<FinishReason> StreamFinishReason(const std::string& name) {
 }
 
 double Seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
-// Who sent a call, as far as request ids are concerned: its connection (the peer's address and
-// port) and the credential it presented.
-std::string ClientOf(const grpc::CallbackServerContext& context) {
-  std::string client = context.peer();
-  auto range = context.client_metadata().equal_range("authorization");
-  for (auto it = range.first; it != range.second; ++it) {
-    absl::StrAppend(&client, "\n", absl::string_view(it->second.data(), it->second.size()));
-  }
-  return client;
-}
 
 // Full method names for the generic stubs (they outlive every call).
 const std::string& ReserveKvMethod() {
@@ -325,6 +315,7 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   bool client_write_failed_ = false;
   int completion_tokens_ = 0;
   std::vector<int32_t> output_token_ids_;  // for the prefix index only
+  std::unique_ptr<ResponseAnnotator> annotator_;  // every message to the client goes through it
   std::string finish_reason_;
   double queue_seconds_ = 0;  // arrival until the prefill gate let it through
   std::chrono::steady_clock::time_point first_token_at_{}, last_token_at_{};
@@ -541,6 +532,7 @@ void RouterService::GenerateCall::Start(const v1::GenerateRequest& request) {
   absl::StatusOr<Prepared> prepared = service_->Prepare(request);
   if (!prepared.ok()) return Finish(rpc::ToGrpc(prepared.status()));
   prepared_ = *std::move(prepared);
+  annotator_ = std::make_unique<ResponseAnnotator>(prepared_.tools);
   // The request id in the response's initial metadata too, as HTTP's X-Request-Id (when it can go
   // there as it is: printable ASCII).
   if (IsPrintableAscii(prepared_.client_request_id)) {
@@ -873,6 +865,7 @@ void RouterService::GenerateCall::OnDecodeMessage(grpc::ByteBuffer* bytes) {
     finished_ = true;
     finish_reason_ = out_.finish_reason();
   }
+  annotator_->Annotate(&out_);
   StartWrite(&out_);
 }
 
@@ -978,6 +971,7 @@ void RouterService::GenerateCall::EndWithAbortMessage() {
   }
   RecordFinished(FinishReason::kAbort);
   Release();
+  annotator_->Annotate(&last_);
   StartWriteAndFinish(&last_, grpc::WriteOptions(), grpc::Status::OK);
 }
 
@@ -1062,6 +1056,11 @@ RouterService::RouterService(RouterServiceOptions options, const Tokenizer* toke
   prefill_gate_ = std::make_unique<PrefillGate>(options_.max_prefill_tokens_per_worker, registry_);
   absl::BitGen gen;
   next_transfer_id_.store(absl::Uniform<uint64_t>(gen) | 1);
+  chat_context_.model_name = options_.model_name;
+  chat_context_.tokenizer = tokenizer_;
+  chat_context_.chat = options_.chat_template;
+  chat_context_.max_model_len = options_.max_model_len;
+  chat_context_.auto_tool_call_format = options_.auto_tool_call_format;
 }
 
 RouterService::~RouterService() {
@@ -1092,7 +1091,13 @@ absl::StatusOr<RouterService::Prepared> RouterService::Prepare(const v1::Generat
     return absl::InvalidArgumentError(absl::StrCat("the request is too large: ", bytes, " bytes, more than ",
                                                    kMaxGenerateRequestBytes));
   }
+  if (request.n() < 0 || request.n() > 1) {
+    return absl::InvalidArgumentError(
+        request.n() < 0 ? absl::StrCat("n must be between 1 and ", kMaxCompletionsPerRequest, ", got ", request.n())
+                        : "n > 1 is served in front of this service (ChoicesDuetService), not by it");
+  }
   Prepared prepared;
+  v1::SamplingOptions sampling = request.sampling();
   switch (request.prompt_case()) {
     case v1::GenerateRequest::kText:
       if (request.text().empty()) return absl::InvalidArgumentError("prompt is empty: text has no characters");
@@ -1104,8 +1109,14 @@ absl::StatusOr<RouterService::Prepared> RouterService::Prepare(const v1::Generat
     case v1::GenerateRequest::kTokenIds:
       prepared.prompt_token_ids.assign(request.token_ids().ids().begin(), request.token_ids().ids().end());
       break;
+    case v1::GenerateRequest::kChat: {
+      DUET_ASSIGN_OR_RETURN(openai::ChatInput chat, PrepareChat(request.chat(), chat_context_, &sampling));
+      prepared.prompt_token_ids = std::move(chat.prompt_token_ids);
+      prepared.tools = std::move(chat.tools);
+      break;
+    }
     case v1::GenerateRequest::PROMPT_NOT_SET:
-      return absl::InvalidArgumentError("prompt is required: set text or token_ids");
+      return absl::InvalidArgumentError("prompt is required: set text, token_ids or chat");
   }
   if (prepared.prompt_token_ids.empty()) return absl::InvalidArgumentError("prompt is empty: no token ids");
   for (size_t i = 0; i < prepared.prompt_token_ids.size(); ++i) {
@@ -1115,7 +1126,7 @@ absl::StatusOr<RouterService::Prepared> RouterService::Prepare(const v1::Generat
           "token id %d at prompt position %d is out of vocabulary (vocab size %d)", id, i, options_.vocab_size));
     }
   }
-  absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(request.sampling());
+  absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(sampling);
   if (!params.ok()) return absl::InvalidArgumentError(params.status().message());
   if (params->structured_output.active()) {  // a bad constraint fails here, before any worker runs
     absl::StatusOr<std::shared_ptr<const grammar::Grammar>> g = grammar::BuildGrammar(params->structured_output);

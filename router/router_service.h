@@ -1,6 +1,8 @@
-// The public duet.v1.Duet service: validates and tokenizes requests, admits them up to a limit,
-// places each on a decode worker (KV reservation) and a prefill worker, and relays the decode
-// worker's token stream to the client. The client's deadline and cancellation reach every
+// The public duet.v1.Duet service: validates and tokenizes requests (a chat through the model's
+// chat template, its tool calls parsed in the response: router/grpc_chat.h; n > 1 is served in
+// front of it, router/choices_service.h), admits them up to a limit, places each on a decode
+// worker (KV reservation) and a prefill worker, and relays the decode worker's token stream to the
+// client. The client's deadline and cancellation reach every
 // downstream call; Abort(request_id) cancels a request wherever it is.
 //
 // Everything runs on gRPC's callback API, on both sides: a request in flight is a reactor and a
@@ -21,6 +23,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,6 +39,7 @@
 #include "metrics/registry.h"
 #include "metrics/vllm_metrics.h"
 #include "router/assignment_policy.h"
+#include "router/openai_protocol.h"
 #include "router/worker_registry.h"
 
 namespace duet::router {
@@ -65,6 +69,11 @@ struct RouterServiceOptions {
   // reserves the KV, and the prompt and output there when the stream finishes. Null: none (and
   // duet:routed_prompt_blocks_cached_total stays 0).
   PrefixIndex* prefix_index = nullptr;
+  // A request's `chat`: rendered with this template (null: chat is INVALID_ARGUMENT), tool_choice
+  // "auto" parsing calls in auto_tool_call_format (unset: "auto" is INVALID_ARGUMENT), as HTTP's
+  // chat completions (router/grpc_chat.h).
+  const LoadedChatTemplate* chat_template = nullptr;
+  std::optional<openai::ToolCallFormat> auto_tool_call_format;
 };
 
 class RouterService final : public v1::Duet::CallbackService {
@@ -95,6 +104,7 @@ class RouterService final : public v1::Duet::CallbackService {
     std::vector<int32_t> prompt_token_ids;
     SamplingParams params;
     v1::SamplingOptions sampling;  // `params` written out in full
+    openai::ToolCalling tools;     // a chat's: the tool calls its output is parsed for
   };
   // Validation and tokenization alone (InvalidArgument with a clear message).
   absl::StatusOr<Prepared> Prepare(const v1::GenerateRequest& request) const;
@@ -114,6 +124,7 @@ class RouterService final : public v1::Duet::CallbackService {
 
   const RouterServiceOptions options_;
   const Tokenizer* const tokenizer_;
+  openai::ProtocolContext chat_context_;  // for PrepareChat
   WorkerRegistry* const registry_;
   AssignmentPolicy* const policy_;
 
