@@ -5,6 +5,7 @@
 // GenerateResponse), MODEL_NAME.
 import assert from 'node:assert/strict';
 import { createRequire } from 'node:module';
+import { passed, test } from './test_runner.mjs';
 
 // tests/node holds the test dependencies (NODE_DEPS_DIR).
 const require = createRequire(`${process.env.NODE_DEPS_DIR}/package.json`);
@@ -17,18 +18,6 @@ const faultBaseURL = process.env.OPENAI_FAULT_BASE_URL;
 const model = process.env.MODEL_NAME;
 const client = new OpenAI({ baseURL, apiKey: 'unused', maxRetries: 0, timeout: 60000 });
 
-let passed = 0;
-async function test(name, fn) {
-  const start = Date.now();
-  try {
-    await fn();
-    passed++;
-    console.log(`ok   ${name} (${Date.now() - start} ms)`);
-  } catch (e) {
-    console.error(`FAIL ${name}:`, e);
-    process.exitCode = 1;
-  }
-}
 
 async function expectError(cls, fn, status) {
   try {
@@ -317,4 +306,4 @@ await test('errors: AuthenticationError, then RateLimitError over --max-concurre
   assert.ok(freed, 'the slot is freed after the client disconnected');
 });
 
-console.log(`openai_sdk_test: ${passed} passed${process.exitCode ? ', some FAILED' : ''}`);
+console.log(`openai_sdk_test: ${passed()} passed${process.exitCode ? ', some FAILED' : ''}`);

@@ -8,6 +8,7 @@
 import assert from 'node:assert/strict';
 import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
+import { passed, test } from './test_runner.mjs';
 
 const require = createRequire(`${process.env.NODE_DEPS_DIR}/package.json`);
 const OpenAI = require('openai');
@@ -16,18 +17,6 @@ const model = process.env.MODEL_NAME;
 const cases = JSON.parse(readFileSync(process.env.CASES, 'utf8'));
 const SEEDS = [1000, 1001, 1002];
 
-let passed = 0;
-async function test(name, fn) {
-  const start = Date.now();
-  try {
-    await fn();
-    passed++;
-    console.log(`ok   ${name} (${Date.now() - start} ms)`);
-  } catch (e) {
-    console.error(`FAIL ${name}:`, e);
-    process.exitCode = 1;
-  }
-}
 
 // JSON Schema validation for the test set's keywords, from the specification (as
 // tests/structured_outputs/schema_validator.h): '' when valid, else where and why not.
@@ -184,4 +173,4 @@ await test('bad structured-output and tool parameters are 400 naming the paramet
   }
 });
 
-console.log(`structured_outputs: ${passed} tests passed, ${outputs} constrained outputs parsed and validated`);
+console.log(`structured_outputs: ${passed()} tests passed, ${outputs} constrained outputs parsed and validated`);

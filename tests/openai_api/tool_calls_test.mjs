@@ -11,6 +11,7 @@
 // Env: OPENAI_HERMES_BASE_URL, OPENAI_LLAMA_BASE_URL (…/v1), MODEL_NAME, NODE_DEPS_DIR.
 import assert from 'node:assert/strict';
 import { createRequire } from 'node:module';
+import { passed, test } from './test_runner.mjs';
 
 const require = createRequire(`${process.env.NODE_DEPS_DIR}/package.json`);
 const OpenAI = require('openai');
@@ -20,18 +21,6 @@ const routers = {
   llama3_json: new OpenAI({ baseURL: process.env.OPENAI_LLAMA_BASE_URL, apiKey: 'unused', maxRetries: 0, timeout: 120000 }),
 };
 
-let passed = 0;
-async function test(name, fn) {
-  const start = Date.now();
-  try {
-    await fn();
-    passed++;
-    console.log(`ok   ${name} (${Date.now() - start} ms)`);
-  } catch (e) {
-    console.error(`FAIL ${name}:`, e);
-    process.exitCode = 1;
-  }
-}
 
 const weatherParameters = {
   type: 'object',
@@ -177,4 +166,4 @@ await Promise.all(Object.entries(routers).map(async ([format, client]) => {
   });
 }));
 
-console.log(`tool_calls: ${passed} tests passed`);
+console.log(`tool_calls: ${passed()} tests passed`);
