@@ -6,12 +6,14 @@
 //    uncertain tokens are checked; later visits reuse its mask) and the advance (AcceptToken),
 //    along random paths that draw a token uniformly from each mask. The vocabulary is the model's, or --tokenizer's
 //    tokenizer.json (e.g. Llama 3's 128k vocabulary).
-// 2. Decode speed on the CPU engine at each --batch: unconstrained vs constrained by a grammar
-//    of JSON objects, one per line, that never ends (so both run exactly --gen-len tokens), at
-//    temperature 0.8, median of --repeat rounds.
+// 2. Decode speed on the engine (--backend cpu or cuda) at each --batch: unconstrained vs
+//    constrained by a grammar of JSON objects, one per line, that never ends (so both run exactly
+//    --gen-len tokens), at temperature 0.8, median of --repeat rounds after an untimed round of
+//    each (CUDA graphs captured, the grammar's cache warm). On cuda, constrained rows sample on
+//    the device, their masks filled while the step runs.
 //
-//   build/bin/structured_output_bench [--model DIR] [--tokenizer tokenizer.json] [--batch 1,8,32]
-//                                     [--gen-len 64] [--repeat 3] [--paths 20]
+//   build/bin/structured_output_bench [--model DIR] [--backend cpu|cuda] [--tokenizer tokenizer.json]
+//                                     [--batch 1,8,32] [--gen-len 64] [--repeat 3] [--paths 20]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -154,10 +156,11 @@ double DecodeTokensPerSecond(duet::LlmEngine& e, int batch, int gen_len, bool co
 
 int main(int argc, char** argv) {
   CLI::App app{"Duet structured outputs: token masks and constrained decode speed"};
-  std::string model_dir = DUET_MODELS_DIR "/tiny-code-llama", extra_tokenizer;
+  std::string model_dir = DUET_MODELS_DIR "/tiny-code-llama", extra_tokenizer, backend = "cpu";
   std::vector<int> batches = {1, 8, 32};
   int gen_len = 64, repeat = 3, paths = 20, path_len = 200;
   app.add_option("--model", model_dir);
+  app.add_option("--backend", backend)->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--tokenizer", extra_tokenizer, "a tokenizer.json for a second token-mask table");
   app.add_option("--batch", batches)->delimiter(',');
   app.add_option("--gen-len", gen_len)->check(CLI::Range(2, 100000));
@@ -182,6 +185,7 @@ int main(int argc, char** argv) {
 
   duet::EngineConfig config;
   config.model_dir = model_dir;
+  config.backend = backend;
   config.num_kv_blocks = 4096;
   config.scheduler.max_num_seqs = 256;
   auto engine = duet::CreateEngine(config);
@@ -191,11 +195,13 @@ int main(int argc, char** argv) {
   }
   duet::LlmEngine& e = **engine;
   DecodeTokensPerSecond(e, 2, 8, true, 0);  // warm-up: weights paged in, the grammar's cache filled
-  std::printf("\n## Decode on the CPU engine (%s): %d tokens per request, JSON-lines grammar, median of %d\n\n",
-              model_dir.substr(model_dir.find_last_of('/') + 1).c_str(), gen_len, repeat);
+  std::printf("\n## Decode on the %s engine (%s): %d tokens per request, JSON-lines grammar, median of %d\n\n",
+              backend.c_str(), model_dir.substr(model_dir.find_last_of('/') + 1).c_str(), gen_len, repeat);
   std::printf("| batch | unconstrained tok/s | constrained tok/s | constrained / unconstrained |\n|---|---|---|---|\n");
   for (int batch : batches) {
     std::vector<double> free_tps, constrained_tps;
+    DecodeTokensPerSecond(e, batch, gen_len, false, repeat);
+    DecodeTokensPerSecond(e, batch, gen_len, true, repeat);
     for (int r = 0; r < repeat; ++r) {
       free_tps.push_back(DecodeTokensPerSecond(e, batch, gen_len, false, r));
       constrained_tps.push_back(DecodeTokensPerSecond(e, batch, gen_len, true, r));

@@ -441,7 +441,8 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
   last_step_num_tokens_ = batch.num_tokens;
   const std::optional<std::vector<DeviceSamplingRow>> device_rows = DeviceSamplingRows(plan, batch);
   const absl::Status forward =
-      device_rows ? model_->ForwardSample(batch.chunks, *cache_, *device_rows, device_samples_, on_layer_done)
+      device_rows ? model_->ForwardSample(batch.chunks, *cache_, *device_rows, device_samples_, on_layer_done,
+                                          DeviceMaskFiller(plan))
                   : model_->Forward(batch.chunks, *cache_, logits_, on_layer_done);
   scheduler_.OnStepDone(plan);
   if (!forward.ok()) return FailStep(plan, forward);
@@ -502,11 +503,27 @@ LlmEngine::StepBatch LlmEngine::BuildBatch(const SchedulerOutput& plan) const {
 }
 
 // Sample on the executor's device when it can and no request needs host-side processing
-// (penalties, top-N logprobs): then only token ids cross back, not [rows, vocab] logits. A
-// draft tree samples every node's row, each node keyed by the output index it would fill.
+// (penalties, logit bias, top-N logprobs): then only token ids cross back, not [rows, vocab]
+// logits. A draft tree samples every node's row, each node keyed by the output index it would
+// fill. A constrained request's row carries its grammar mask, sized here and filled by
+// FillDeviceMasks while the device runs the step (draft trees of constrained requests sample on
+// the host: each node has a mask of its own).
 std::optional<std::vector<DeviceSamplingRow>> LlmEngine::DeviceSamplingRows(const SchedulerOutput& plan,
                                                                            const StepBatch& batch) {
   if (!model_->CanSampleOnDevice()) return std::nullopt;
+  // Decided for the whole step before any request's generator is drawn from, so a request's
+  // draws do not depend on what it is batched with.
+  for (size_t i = 0; i < plan.chunks.size(); ++i) {
+    const ScheduledChunk& sc = plan.chunks[i];
+    if (!sc.samples) continue;
+    Request& r = *sc.request;
+    const SamplingParams& p = r.params;
+    if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f || p.logprobs > 0 ||
+        !p.logit_bias.empty()) {
+      return std::nullopt;
+    }
+    if (r.grammar && !batch.parents[i].empty()) return std::nullopt;
+  }
   std::vector<DeviceSamplingRow> rows;
   std::vector<int32_t> depths;
   for (size_t i = 0; i < plan.chunks.size(); ++i) {
@@ -514,17 +531,14 @@ std::optional<std::vector<DeviceSamplingRow>> LlmEngine::DeviceSamplingRows(cons
     if (!sc.samples) continue;
     Request& r = *sc.request;
     const SamplingParams& p = r.params;
-    // Grammar masks are applied on the host too (see docs/ARCHITECTURE.md, structured outputs).
-    if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f || p.logprobs > 0 ||
-        !p.logit_bias.empty() || r.grammar) {
-      return std::nullopt;
-    }
+    const std::vector<int32_t>& parents = batch.parents[i];
     // Each draw is keyed by a number from the request's own generator (seeded when the request
     // has a seed) and the token index, so seeded requests repeat exactly.
     const auto key = static_cast<uint64_t>(r.rng.Uniform() * 9007199254740992.0);
+    if (r.grammar) r.token_mask.resize(size_t(r.grammar->compiled().vocab().mask_words()));
     const DeviceSamplingRow row{p.greedy() ? 0.0f : p.temperature, p.top_k, p.top_p, p.min_p, key,
-                                uint64_t(r.output.size())};
-    const std::vector<int32_t>& parents = batch.parents[i];
+                                uint64_t(r.output.size()),
+                                r.grammar ? absl::Span<const uint32_t>(r.token_mask) : absl::Span<const uint32_t>()};
     if (parents.empty()) {
       rows.push_back(row);
       continue;
@@ -537,6 +551,17 @@ std::optional<std::vector<DeviceSamplingRow>> LlmEngine::DeviceSamplingRows(cons
     }
   }
   return rows;
+}
+
+FillMasksCallback LlmEngine::DeviceMaskFiller(const SchedulerOutput& plan) {
+  std::vector<Request*> constrained;
+  for (const ScheduledChunk& sc : plan.chunks) {
+    if (sc.samples && sc.request->grammar) constrained.push_back(sc.request);
+  }
+  if (constrained.empty()) return nullptr;
+  return [this, constrained = std::move(constrained)] {
+    for (Request* r : constrained) FillTokenMask(*r);  // in place: DeviceSamplingRows sized each mask
+  };
 }
 
 std::vector<RequestOutput> LlmEngine::FailStep(const SchedulerOutput& plan, const absl::Status& error) {
@@ -571,7 +596,11 @@ std::vector<RequestOutput> LlmEngine::ApplySamples(const SchedulerOutput& plan, 
       logit_row += int64_t(batch.tokens[i].size());
       continue;
     }
-    if (r.grammar && !FillTokenMask(r)) {
+    // On the device the mask was filled during the step.
+    const bool mask_allows_a_token =
+        !r.grammar || (on_device ? std::any_of(r.token_mask.begin(), r.token_mask.end(), [](uint32_t w) { return w != 0; })
+                                 : FillTokenMask(r));
+    if (!mask_allows_a_token) {
       ++logit_row;
       FinishWithError(r, absl::InvalidArgumentError("no token of the vocabulary continues the structured output"), out);
       continue;

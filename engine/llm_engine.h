@@ -188,6 +188,8 @@ class LlmEngine {
                    const std::function<SampledToken(int32_t node)>& draw, RequestOutput& out);
   // Compiles the request's constraint (the compiler and its vocabulary are made on first use).
   absl::StatusOr<std::unique_ptr<grammar::GrammarMatcher>> NewGrammarMatcher(const grammar::StructuredOutput& c);
+  // What fills the step's device-sampled grammar masks while the device computes (null: none).
+  FillMasksCallback DeviceMaskFiller(const SchedulerOutput& plan);
   // Fills r.token_mask from its grammar; false when no token of the vocabulary may follow.
   bool FillTokenMask(Request& r);
   // Creates the host tier and turns the block manager's prefix cache on, as configured.

@@ -25,6 +25,10 @@ struct SequenceChunk;
 // waits for it, sees them), so a prefill worker can ship that layer's blocks while later layers
 // compute.
 using LayerDoneCallback = std::function<void(int64_t layer, absl::Span<const SequenceChunk> chunks)>;
+// Called by ForwardSample once the step's model work is on the device and before its sampling
+// is: the caller fills the rows' grammar masks (DeviceSamplingRow::allowed_tokens, already
+// sized) while the device computes.
+using FillMasksCallback = std::function<void()>;
 
 // One sequence's share of a step: `tokens` are new tokens at positions
 // [start_position, start_position + tokens.size()); their K/V are written into the cache and
@@ -61,6 +65,10 @@ struct DeviceSamplingRow {
   float min_p = 0.0f;
   uint64_t seed = 0;         // with `offset`, keys the draw: same (seed, offset), same token
   uint64_t offset = 0;
+  // A grammar's token bitmask (bit t % 32 of word t / 32 set: token t allowed), read during the
+  // call only (after FillMasksCallback, when one is given); empty: every token. A mask that
+  // allows nothing gives an unspecified token.
+  absl::Span<const uint32_t> allowed_tokens;
 };
 
 struct DeviceSample {
@@ -98,7 +106,8 @@ class ModelExecutor {
   virtual bool CanSampleOnDevice() const { return false; }
   virtual absl::Status ForwardSample(absl::Span<const SequenceChunk> chunks, KvCache& cache,
                                      absl::Span<const DeviceSamplingRow> rows, std::vector<DeviceSample>& samples,
-                                     const LayerDoneCallback& on_layer_done = nullptr) {
+                                     const LayerDoneCallback& on_layer_done = nullptr,
+                                     const FillMasksCallback& fill_masks = nullptr) {
     return absl::UnimplementedError("this executor samples on the host");
   }
 

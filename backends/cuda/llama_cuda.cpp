@@ -366,7 +366,7 @@ void LlamaCuda::EnqueueSampling(int first_row, int rows) {
   const int r = first_row;
   kernels::SampleTokens({logits_.as<float>(), rows, int(config_.vocab_size), m.temperature() + r, m.top_k() + r,
                          m.top_p() + r, m.min_p() + r, m.seeds() + r, m.offsets() + r, m.sampled_tokens() + r,
-                         m.sampled_logprobs() + r},
+                         m.sampled_logprobs() + r, m.token_bitmasks(), m.bitmask_index() + r, m.bitmask_words()},
                         stream_);
 }
 
@@ -417,7 +417,8 @@ absl::Status LlamaCuda::CopySamplesToHost(int rows, std::vector<DeviceSample>& s
 
 absl::Status LlamaCuda::RunLayers(absl::Span<const SequenceChunk> chunks, KvCache& kv_cache,
                                   absl::Span<const DeviceSamplingRow> sampling, const LayerDoneCallback& on_layer_done,
-                                  std::vector<float>* logits, std::vector<DeviceSample>* samples, int num_layers) {
+                                  std::vector<float>* logits, std::vector<DeviceSample>* samples, int num_layers,
+                                  const FillMasksCallback& fill_masks) {
   DUET_CHECK(num_layers >= 1 && num_layers <= int(weights_.num_layers()));
   DUET_ASSIGN_OR_RETURN(cuda::DeviceKvCache* const cache, OwnCache(kv_cache));
   DUET_ASSIGN_OR_RETURN(cuda::StepPlan plan, metadata_->Plan(chunks));
@@ -440,14 +441,25 @@ absl::Status LlamaCuda::RunLayers(absl::Span<const SequenceChunk> chunks, KvCach
   }
   const bool use_graph = !sp_step_ && PadForGraphIfEligible(plan, bool(on_layer_done));
   cache->FlushSlotMoves();
-  metadata_->Upload(plan, sampling, stream_);
+  // Masks filled by the caller go up once the model's work is enqueued, before the sampling.
+  const bool masks_later = sample && fill_masks != nullptr;
+  metadata_->Upload(plan, sampling, stream_, /*with_bitmasks=*/!masks_later);
+  auto upload_masks = [&] {
+    fill_masks();
+    metadata_->UploadBitmasks(sampling, stream_);
+  };
 
   if (!sample) logits->resize(size_t(real_rows) * size_t(config_.vocab_size));
-  if (use_graph) {
+  if (use_graph && masks_later) {  // the logits graph, then the sampling outside it
+    DUET_RETURN_IF_ERROR(LaunchGraph(plan, *cache, /*sample=*/false, num_layers));
+    upload_masks();
+    EnqueueSampling(0, plan.num_logit_rows);
+  } else if (use_graph) {
     DUET_RETURN_IF_ERROR(LaunchGraph(plan, *cache, sample, num_layers));
     if (!sample) DUET_RETURN_IF_ERROR(CopyLogitsToHost(real_rows, logits->data()));
   } else {
     Enqueue(plan, *cache, sample, chunks, on_layer_done, num_layers);
+    if (masks_later) upload_masks();
     DUET_RETURN_IF_ERROR(EagerHead(plan, sample, logits));
   }
   if (sample) return CopySamplesToHost(real_rows, *samples);
@@ -480,8 +492,8 @@ absl::Status LlamaCuda::Forward(absl::Span<const SequenceChunk> chunks, KvCache&
 
 absl::Status LlamaCuda::ForwardSample(absl::Span<const SequenceChunk> chunks, KvCache& cache,
                                       absl::Span<const DeviceSamplingRow> rows, std::vector<DeviceSample>& samples,
-                                      const LayerDoneCallback& on_layer_done) {
-  return RunLayers(chunks, cache, rows, on_layer_done, nullptr, &samples, int(weights_.num_layers()));
+                                      const LayerDoneCallback& on_layer_done, const FillMasksCallback& fill_masks) {
+  return RunLayers(chunks, cache, rows, on_layer_done, nullptr, &samples, int(weights_.num_layers()), fill_masks);
 }
 
 absl::Status LlamaCuda::MoveKvSlots(KvCache& kv_cache, absl::Span<const int32_t> block_table,
@@ -552,8 +564,9 @@ class LlamaCudaLayerPrefix : public ModelExecutor {
   bool CanSampleOnDevice() const override { return true; }
   absl::Status ForwardSample(absl::Span<const SequenceChunk> chunks, KvCache& cache,
                              absl::Span<const DeviceSamplingRow> rows, std::vector<DeviceSample>& samples,
-                             const LayerDoneCallback& on_layer_done = nullptr) override {
-    return model_.RunLayers(chunks, cache, rows, on_layer_done, nullptr, &samples, num_layers_);
+                             const LayerDoneCallback& on_layer_done = nullptr,
+                             const FillMasksCallback& fill_masks = nullptr) override {
+    return model_.RunLayers(chunks, cache, rows, on_layer_done, nullptr, &samples, num_layers_, fill_masks);
   }
   bool SupportsTreeAttention() const override { return true; }
   absl::Status MoveKvSlots(KvCache& cache, absl::Span<const int32_t> block_table,

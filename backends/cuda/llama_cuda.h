@@ -67,7 +67,8 @@ class LlamaCuda : public ModelExecutor {
   bool CanSampleOnDevice() const override { return true; }
   absl::Status ForwardSample(absl::Span<const SequenceChunk> chunks, KvCache& cache,
                              absl::Span<const DeviceSamplingRow> rows, std::vector<DeviceSample>& samples,
-                             const LayerDoneCallback& on_layer_done = nullptr) override;
+                             const LayerDoneCallback& on_layer_done = nullptr,
+                             const FillMasksCallback& fill_masks = nullptr) override;
 
   // Speculative verification: draft trees attend through per-token ancestor masks (at most 64
   // tokens per tree); the accepted path's K/V move on the device, stream-ordered.
@@ -89,7 +90,8 @@ class LlamaCuda : public ModelExecutor {
   // LayerPrefix's executor calls). Either logits or samples is null.
   absl::Status RunLayers(absl::Span<const SequenceChunk> chunks, KvCache& cache,
                          absl::Span<const DeviceSamplingRow> sampling, const LayerDoneCallback& on_layer_done,
-                         std::vector<float>* logits, std::vector<DeviceSample>* samples, int num_layers);
+                         std::vector<float>* logits, std::vector<DeviceSample>* samples, int num_layers,
+                         const FillMasksCallback& fill_masks = nullptr);
 
   // Sequence-parallel prefill on `ranks` virtual ranks of this one device
   // (backends/cuda/ring_attention.h): a step that is one whole prompt of at least min_tokens

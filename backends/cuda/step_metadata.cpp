@@ -26,7 +26,7 @@ StepMetadataLayout::StepMetadataLayout(int max_tokens, int max_seqs, int max_row
   logit_rows = take(max_tokens);
   block_tables = take(size_t(max_seqs) * max_blocks_per_seq);
   tree_masks = take(2 * size_t(max_tokens));
-  // The six per-row sampling arrays sit sampling_pitch units apart (room for 8-byte rows),
+  // The seven per-row sampling arrays sit sampling_pitch units apart (room for 8-byte rows),
   // so one 2-D copy uploads the used rows of all of them.
   sampling_pitch = (2 * size_t(max_rows) + 3) / 4 * 4;
   temperature = take(sampling_pitch);
@@ -35,6 +35,7 @@ StepMetadataLayout::StepMetadataLayout(int max_tokens, int max_seqs, int max_row
   min_p = take(sampling_pitch);
   seeds = take(sampling_pitch);
   offsets = take(sampling_pitch);
+  bitmask_index = take(sampling_pitch);
   sampled_tokens = take(max_rows);
   sampled_logprobs = take(max_rows);
   total = take(0);
@@ -44,7 +45,8 @@ StepMetadata::StepMetadata(const StepLimits& limits, int block_size, int max_blo
     : limits_(limits),
       block_size_(block_size),
       max_blocks_per_seq_(max_blocks_per_seq),
-      layout_(limits.max_num_batched_tokens, limits.max_num_seqs, limits.max_num_batched_tokens, max_blocks_per_seq) {}
+      layout_(limits.max_num_batched_tokens, limits.max_num_seqs, limits.max_num_batched_tokens, max_blocks_per_seq),
+      bitmask_words_(int((limits.vocab_size + 31) / 32)) {}
 
 absl::StatusOr<std::unique_ptr<StepMetadata>> StepMetadata::Create(const StepLimits& limits, int block_size,
                                                                    DeviceArena& arena) {
@@ -54,6 +56,9 @@ absl::StatusOr<std::unique_ptr<StepMetadata>> StepMetadata::Create(const StepLim
   DUET_ASSIGN_OR_RETURN(m->device_, arena.Allocate(bytes, "step metadata"));
   DUET_RETURN_IF_ERROR(m->host_.Resize(bytes));
   std::memset(m->host(), 0, bytes);
+  const size_t mask_bytes = size_t(limits.max_num_seqs) * size_t(m->bitmask_words_) * 4;
+  DUET_ASSIGN_OR_RETURN(m->bitmasks_device_, arena.Allocate(mask_bytes, "grammar token masks"));
+  DUET_RETURN_IF_ERROR(m->bitmasks_host_.Resize(mask_bytes));
   return m;
 }
 
@@ -210,7 +215,8 @@ StepPlan StepMetadata::PaddingOnly(int batch, int tree_tokens) {
   return plan;
 }
 
-void StepMetadata::Upload(const StepPlan& plan, absl::Span<const DeviceSamplingRow> sampling, cudaStream_t stream) {
+void StepMetadata::Upload(const StepPlan& plan, absl::Span<const DeviceSamplingRow> sampling, cudaStream_t stream,
+                          bool with_bitmasks) {
   const StepMetadataLayout& layout = layout_;
   int32_t* host_meta = host();
   int32_t* dev = device();
@@ -236,21 +242,43 @@ void StepMetadata::Upload(const StepPlan& plan, absl::Span<const DeviceSamplingR
     auto* min_p = reinterpret_cast<float*>(host_meta + layout.min_p);
     auto* seeds = reinterpret_cast<uint64_t*>(host_meta + layout.seeds);
     auto* offsets = reinterpret_cast<uint64_t*>(host_meta + layout.offsets);
+    int32_t* bitmask_index = host_meta + layout.bitmask_index;
+    int num_masks = 0;
     for (int i = 0; i < rows; ++i) {
+      bitmask_index[i] = -1;
       if (size_t(i) >= sampling.size()) {  // graph padding rows: greedy
         temperature[i] = 0.0f;
         continue;
       }
-      temperature[i] = sampling[i].temperature;
-      top_k[i] = sampling[i].top_k;
-      top_p[i] = sampling[i].top_p;
-      min_p[i] = sampling[i].min_p;
-      seeds[i] = sampling[i].seed;
-      offsets[i] = sampling[i].offset;
+      const DeviceSamplingRow& row = sampling[size_t(i)];
+      temperature[i] = row.temperature;
+      top_k[i] = row.top_k;
+      top_p[i] = row.top_p;
+      min_p[i] = row.min_p;
+      seeds[i] = row.seed;
+      offsets[i] = row.offset;
+      if (row.allowed_tokens.empty()) continue;
+      DUET_CHECK(num_masks < limits_.max_num_seqs && row.allowed_tokens.size() == size_t(bitmask_words_));
+      bitmask_index[i] = num_masks++;
     }
     const size_t sampling_pitch = layout.sampling_pitch * 4;
     DUET_CHECK_CUDA(cudaMemcpy2DAsync(dev + layout.temperature, sampling_pitch, host_meta + layout.temperature,
-                                      sampling_pitch, size_t(rows) * 8, 6, cudaMemcpyHostToDevice, stream));
+                                      sampling_pitch, size_t(rows) * 8, 7, cudaMemcpyHostToDevice, stream));
+    if (with_bitmasks) UploadBitmasks(sampling, stream);
+  }
+}
+
+void StepMetadata::UploadBitmasks(absl::Span<const DeviceSamplingRow> sampling, cudaStream_t stream) {
+  // In row order, as Upload numbered them.
+  auto* bitmasks = bitmasks_host_.as<uint32_t>();
+  size_t num_masks = 0;
+  for (const DeviceSamplingRow& row : sampling) {
+    if (row.allowed_tokens.empty()) continue;
+    std::memcpy(bitmasks + num_masks++ * size_t(bitmask_words_), row.allowed_tokens.data(), size_t(bitmask_words_) * 4);
+  }
+  if (num_masks > 0) {
+    DUET_CHECK_CUDA(cudaMemcpyAsync(bitmasks_device_.as<uint32_t>(), bitmasks, num_masks * size_t(bitmask_words_) * 4,
+                                    cudaMemcpyHostToDevice, stream));
   }
 }
 

@@ -26,6 +26,7 @@ struct StepMetadataLayout {
   size_t tokens, positions, slots, q_start, context_lens, logit_rows, block_tables;
   size_t tree_masks;  // uint64 (2 units) per token
   size_t temperature, top_k, top_p, min_p, seeds, offsets;  // seeds/offsets: uint64 (2 units)
+  size_t bitmask_index;  // per row: its grammar mask in the step's bitmasks, or -1
   size_t sampling_pitch;
   size_t sampled_tokens, sampled_logprobs;
   size_t total;
@@ -77,8 +78,12 @@ class StepMetadata {
   // A step of `batch` padding sequences only (decode, or draft trees of `tree_tokens` rows when
   // > 0): what graph warm-up captures; it writes and reads nothing.
   StepPlan PaddingOnly(int batch, int tree_tokens);
-  // Copies what `plan` uses (and the sampling rows, when given) to the device on `stream`.
-  void Upload(const StepPlan& plan, absl::Span<const DeviceSamplingRow> sampling, cudaStream_t stream);
+  // Copies what `plan` uses (and the sampling rows with their grammar masks, when given) to the
+  // device on `stream`. At most max_num_seqs rows have masks. with_bitmasks false: the masks'
+  // contents follow later, through UploadBitmasks with the same rows.
+  void Upload(const StepPlan& plan, absl::Span<const DeviceSamplingRow> sampling, cudaStream_t stream,
+              bool with_bitmasks = true);
+  void UploadBitmasks(absl::Span<const DeviceSamplingRow> sampling, cudaStream_t stream);
 
   // The device arrays.
   const int32_t* tokens() const { return device() + layout_.tokens; }
@@ -95,6 +100,10 @@ class StepMetadata {
   const float* min_p() const { return reinterpret_cast<const float*>(device() + layout_.min_p); }
   const uint64_t* seeds() const { return reinterpret_cast<const uint64_t*>(device() + layout_.seeds); }
   const uint64_t* offsets() const { return reinterpret_cast<const uint64_t*>(device() + layout_.offsets); }
+  const int32_t* bitmask_index() const { return device() + layout_.bitmask_index; }
+  // [max_num_seqs, bitmask_words()]: the step's grammar masks, in the order of their rows.
+  const uint32_t* token_bitmasks() const { return bitmasks_device_.as<uint32_t>(); }
+  int bitmask_words() const { return bitmask_words_; }
   int32_t* sampled_tokens() const { return device() + layout_.sampled_tokens; }
   float* sampled_logprobs() const { return reinterpret_cast<float*>(device() + layout_.sampled_logprobs); }
 
@@ -109,6 +118,9 @@ class StepMetadata {
   StepMetadataLayout layout_;
   DeviceAllocation device_;
   PinnedBuffer host_;
+  int bitmask_words_;
+  DeviceAllocation bitmasks_device_;
+  PinnedBuffer bitmasks_host_;
 };
 
 }  // namespace duet::cuda

@@ -93,6 +93,18 @@ __device__ __forceinline__ void ForEachLogit(const float* __restrict__ row, int 
   }
 }
 
+__device__ __forceinline__ bool IsAllowed(const uint32_t* __restrict__ allowed, int token) {
+  return (__ldg(allowed + (token >> 5)) >> (token & 31)) & 1u;
+}
+// ForEachLogit over the tokens `allowed` (a bitmask; nullptr: every token) lets through, in the same order.
+template <int kVec, typename F>
+__device__ __forceinline__ void ForEachAllowedLogit(const float* __restrict__ row, int vocab,
+                                                    const uint32_t* __restrict__ allowed, F&& f) {
+  ForEachLogit<kVec>(row, vocab, [&](float logit, int token) {
+    if (allowed == nullptr || IsAllowed(allowed, token)) f(logit, token);
+  });
+}
+
 // Running softmax statistics of raw logits: max, sum of exp(logit - max), first index of the max.
 struct RowStats {
   float max;
@@ -190,26 +202,37 @@ __global__ void __launch_bounds__(kThreads, 1) SampleKernel(SamplingParams p) {
     uniform = float(curand(&rng) >> 8) * (1.f / 16777216.f);  // [0, 1), 24 bits
   }
 
+  // A grammar's mask: the row is sampled among the tokens it allows only (the logprob stays that of
+  // the raw logits, as on the host sampler).
+  const int mask_index = p.bitmask_index != nullptr ? p.bitmask_index[r] : -1;
+  const uint32_t* allowed = mask_index >= 0 ? p.token_bitmask + int64_t(mask_index) * p.bitmask_words : nullptr;
+
   // 1. Softmax statistics and argmax of the raw logits.
-  RowStats stats{-FLT_MAX, 0.f, INT_MAX};
-  ForEachLogit<kVec>(row, vocab, [&](float logit, int token) {
-    if (logit > stats.max) {
-      stats.sum = stats.sum * __expf(stats.max - logit) + 1.f;
-      stats.max = logit;
-      stats.argmax = token;
-    } else {
-      stats.sum += __expf(logit - stats.max);
-    }
-  });
-  stats = BlockMergeStats(stats, stats_scratch);
-  const float max_logit = stats.max;
-  const float log_normalizer = max_logit + __logf(stats.sum);
+  auto row_stats = [&](const uint32_t* mask) {
+    RowStats stats{-FLT_MAX, 0.f, INT_MAX};
+    ForEachAllowedLogit<kVec>(row, vocab, mask, [&](float logit, int token) {
+      if (logit > stats.max) {
+        stats.sum = stats.sum * __expf(stats.max - logit) + 1.f;
+        stats.max = logit;
+        stats.argmax = token;
+      } else {
+        stats.sum += __expf(logit - stats.max);
+      }
+    });
+    return BlockMergeStats(stats, stats_scratch);
+  };
+  const RowStats stats = row_stats(nullptr);
+  const float log_normalizer = stats.max + __logf(stats.sum);
+  // The largest allowed logit and its token: a second pass over a masked row.
+  const RowStats allowed_stats = allowed != nullptr ? row_stats(allowed) : stats;
+  const float max_logit = allowed_stats.max;
   auto finish = [&](int token) {  // called by exactly one thread
     p.tokens_out[r] = token;
     if (p.logprobs_out != nullptr) p.logprobs_out[r] = row[token] - log_normalizer;
   };
-  if (greedy) {
-    if (tid == 0) finish(stats.argmax == INT_MAX ? 0 : stats.argmax);
+  // No allowed token with a finite logit (a mask that allows nothing): token 0, whatever the mode.
+  if (greedy || allowed_stats.argmax == INT_MAX) {
+    if (tid == 0) finish(allowed_stats.argmax == INT_MAX ? 0 : allowed_stats.argmax);
     return;
   }
 
@@ -224,7 +247,7 @@ __global__ void __launch_bounds__(kThreads, 1) SampleKernel(SamplingParams p) {
   // proportional to its weight (see the file comment).
   auto sample_with_threshold = [&](uint32_t min_key) {
     float partial = 0.f;
-    ForEachLogit<kVec>(row, vocab, [&](float logit, int) {
+    ForEachAllowedLogit<kVec>(row, vocab, allowed, [&](float logit, int) {
       if (AscendingKey(logit) < min_key) return;
       const float w = WeightOf(Distance(logit, max_logit, s.inv_temperature));
       if (w >= s.min_p) partial += w;
@@ -236,7 +259,7 @@ __global__ void __launch_bounds__(kThreads, 1) SampleKernel(SamplingParams p) {
     if (tid != owner) return;
     float cumulative = start;
     int chosen = -1, last = -1;
-    ForEachLogit<kVec>(row, vocab, [&](float logit, int token) {
+    ForEachAllowedLogit<kVec>(row, vocab, allowed, [&](float logit, int token) {
       if (chosen >= 0 || AscendingKey(logit) < min_key) return;
       const float w = WeightOf(Distance(logit, max_logit, s.inv_temperature));
       if (!(w >= s.min_p) || w == 0.f) return;
@@ -256,7 +279,7 @@ __global__ void __launch_bounds__(kThreads, 1) SampleKernel(SamplingParams p) {
   for (int b = 0; b < kBuckets; ++b) histogram[b * kThreads + tid] = 0;
   int survivors = 0;
   float survivor_mass = 0.f;
-  ForEachLogit<kVec>(row, vocab, [&](float logit, int) {
+  ForEachAllowedLogit<kVec>(row, vocab, allowed, [&](float logit, int) {
     const float d = Distance(logit, max_logit, s.inv_temperature);
     ++histogram[BucketOf(d) * kThreads + tid];
     const float w = WeightOf(d);
@@ -313,7 +336,7 @@ __global__ void __launch_bounds__(kThreads, 1) SampleKernel(SamplingParams p) {
     int unused_total;
     int slot = BlockExclusiveScan(mine, int_scratch, &unused_total);
     uint64_t* candidates = dynamic_smem;
-    ForEachLogit<kVec>(row, vocab, [&](float logit, int token) {
+    ForEachAllowedLogit<kVec>(row, vocab, allowed, [&](float logit, int token) {
       if (BucketOf(Distance(logit, max_logit, s.inv_temperature)) <= cut && slot < kCandidateCapacity) {
         candidates[slot++] = PackCandidate(logit, token);
       }
@@ -365,7 +388,7 @@ __global__ void __launch_bounds__(kThreads, 1) SampleKernel(SamplingParams p) {
   auto count_mass = [&](uint32_t min_key, int* count, float* mass) {
     int c = 0;
     float m = 0.f;
-    ForEachLogit<kVec>(row, vocab, [&](float logit, int) {
+    ForEachAllowedLogit<kVec>(row, vocab, allowed, [&](float logit, int) {
       if (AscendingKey(logit) < min_key) return;
       const float w = WeightOf(Distance(logit, max_logit, s.inv_temperature));
       if (w >= s.min_p) {
@@ -445,6 +468,8 @@ void SampleTokens(const SamplingParams& p, cudaStream_t stream) {
   // Histogram columns count at most ceil(vocab / kThreads) (+3) tokens each in 16 bits.
   DUET_KERNEL_CHECK(p.vocab <= 60000 * kThreads);
   DUET_KERNEL_CHECK(p.logits != nullptr && p.tokens_out != nullptr);
+  DUET_KERNEL_CHECK(p.bitmask_index == nullptr ||
+                    (p.token_bitmask != nullptr && int64_t(p.bitmask_words) * 32 >= p.vocab));
   if (p.rows == 0) return;
   if (p.vocab % 4 == 0 && IsAligned(p.logits, 16)) {
     Launch<4>(p, stream);

@@ -21,6 +21,10 @@ namespace duet::kernels {
 // ascending) order, as in the CPU engine's sampler; on rows whose candidate set exceeds
 // 16384 tokens (flat distributions with a large top_k or top_p) the filters become thresholds
 // and every token tied with the boundary is kept (as vLLM does).
+// Grammar masks: when bitmask_index is not null and bitmask_index[r] = m >= 0, row r is drawn
+// (or its argmax taken) among the tokens t whose bit (t % 32) of token_bitmask[m * bitmask_words
+// + t / 32] is set only, as if every other logit were -infinity (a mask that allows nothing gives token 0).
+// bitmask_index[r] < 0 or bitmask_index == nullptr: no mask. The logprob stays the raw one.
 // Graph-capturable; the first call on each device also sets a kernel attribute (a CUDA API call
 // outside the stream), so make one call before capturing, as a warm-up step does.
 struct SamplingParams {
@@ -35,6 +39,9 @@ struct SamplingParams {
   const uint64_t* offsets;
   int32_t* tokens_out;
   float* logprobs_out;
+  const uint32_t* token_bitmask = nullptr;  // [masks, bitmask_words]
+  const int32_t* bitmask_index = nullptr;   // [rows]
+  int bitmask_words = 0;                    // >= ceil(vocab / 32) when masks are given
 };
 void SampleTokens(const SamplingParams&, cudaStream_t);
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -57,10 +58,37 @@ struct SampleOutput {
   std::vector<float> logprobs;
 };
 
+// Grammar masks for SampleTokens: `bitmask` [masks, words], `index` [rows] (-1: none).
+struct Masks {
+  int words = 0;
+  std::vector<uint32_t> bitmask;
+  std::vector<int32_t> index;
+};
+
+// A mask allowing each token with probability `density` (and token `always`, so it allows one).
+std::vector<uint32_t> RandomMask(int vocab, double density, uint64_t seed, int always) {
+  std::mt19937_64 rng(seed);
+  std::bernoulli_distribution allow(density);
+  std::vector<uint32_t> mask((vocab + 31) / 32, 0);
+  for (int t = 0; t < vocab; ++t) {
+    if (allow(rng) || t == always) mask[t / 32] |= 1u << (t % 32);
+  }
+  return mask;
+}
+bool Allowed(const std::vector<uint32_t>& mask, int t) { return (mask[t / 32] >> (t % 32)) & 1; }
+// The row as the kernel should see it under `mask`: disallowed logits at -infinity.
+std::vector<float> MaskedRow(const float* row, int vocab, const std::vector<uint32_t>& mask) {
+  std::vector<float> out(row, row + vocab);
+  for (int t = 0; t < vocab; ++t) {
+    if (!Allowed(mask, t)) out[t] = -INFINITY;
+  }
+  return out;
+}
+
 // SampleTokens over device logits [rows, vocab] with one Filters per row, seed `seed` for every
-// row and offsets first_offset + r.
+// row and offsets first_offset + r, and grammar masks when given.
 SampleOutput Sample(const float* logits, int vocab, const std::vector<Filters>& filters, uint64_t seed,
-                    uint64_t first_offset) {
+                    uint64_t first_offset, const Masks* masks = nullptr) {
   const int rows = int(filters.size());
   std::vector<float> temperature(rows), top_p(rows), min_p(rows);
   std::vector<int32_t> top_k(rows);
@@ -81,14 +109,23 @@ SampleOutput Sample(const float* logits, int vocab, const std::vector<Filters>& 
   d_logprobs.Poison();
   SamplingParams p{logits,        rows,          vocab,           d_temperature.get(), d_top_k.get(), d_top_p.get(),
                    d_min_p.get(), d_seeds.get(), d_offsets.get(), d_tokens.get(),      d_logprobs.get()};
+  std::optional<DeviceBuffer<uint32_t>> d_bitmask;
+  std::optional<DeviceBuffer<int32_t>> d_index;
+  if (masks != nullptr) {
+    d_bitmask.emplace(masks->bitmask);
+    d_index.emplace(masks->index);
+    p.token_bitmask = d_bitmask->get();
+    p.bitmask_index = d_index->get();
+    p.bitmask_words = masks->words;
+  }
   SampleTokens(p, nullptr);
   DUET_CUDA_CHECK(cudaDeviceSynchronize());
   return {d_tokens.Download(), d_logprobs.Download()};
 }
 SampleOutput Sample(const std::vector<float>& logits, int vocab, const std::vector<Filters>& filters, uint64_t seed,
-                    uint64_t first_offset) {
+                    uint64_t first_offset, const Masks* masks = nullptr) {
   const DeviceBuffer<float> d_logits(logits);
-  return Sample(d_logits.get(), vocab, filters, seed, first_offset);
+  return Sample(d_logits.get(), vocab, filters, seed, first_offset, masks);
 }
 
 // Draws `draws` tokens from copies of one row (seed 77, offsets 0 .. draws - 1), uploading at
@@ -476,6 +513,86 @@ TEST(SampleTokens, Fp32NullArraysMeanGreedyAndNoFilters) {
   DUET_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<int32_t> tokens = d_tokens.Download();
   for (int r = 0; r < rows; ++r) EXPECT_EQ(tokens[r], reference::Argmax(logits.data() + size_t(r) * kTinyVocab, kTinyVocab));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grammar masks.
+
+TEST(SampleTokens, Fp32MaskedGreedyTakesTheBestAllowedToken) {
+  DUET_SKIP_WITHOUT_GPU();
+  // Rows 0-3 masked (sparse, dense, one token, the argmax disallowed), rows 4-5 not: one batch.
+  const int rows = 6, vocab = kLlamaVocab;
+  const std::vector<float> logits = NormalLogits(size_t(rows) * vocab, 1100, 3.f);
+  Masks masks;
+  masks.words = (vocab + 31) / 32;
+  const std::vector<std::vector<uint32_t>> each = {RandomMask(vocab, 0.01, 1, 5), RandomMask(vocab, 0.9, 2, 5),
+                                                   RandomMask(vocab, 0.0, 3, 127999), RandomMask(vocab, 0.5, 4, 7)};
+  for (const auto& m : each) masks.bitmask.insert(masks.bitmask.end(), m.begin(), m.end());
+  // The last mask disallows row 3's own argmax.
+  const int argmax3 = reference::Argmax(logits.data() + 3 * size_t(vocab), vocab);
+  masks.bitmask[3 * size_t(masks.words) + argmax3 / 32] &= ~(1u << (argmax3 % 32));
+  masks.index = {0, 1, 2, 3, -1, -1};
+  const SampleOutput out = Sample(logits, vocab, std::vector<Filters>(rows, Filters{0.f}), 1, 0, &masks);
+  for (int r = 0; r < rows; ++r) {
+    const float* row = logits.data() + size_t(r) * vocab;
+    const int expected = r < 4 ? reference::Argmax(MaskedRow(row, vocab, each[r]).data(), vocab)
+                               : reference::Argmax(row, vocab);
+    EXPECT_EQ(out.tokens[r], expected) << "row " << r;
+    EXPECT_NEAR(out.logprobs[r], reference::LogSoftmax(row, vocab, out.tokens[r]), 2e-4) << "row " << r;
+  }
+  EXPECT_EQ(out.tokens[2], 127999);
+  EXPECT_NE(out.tokens[3], argmax3);
+}
+
+TEST(SampleTokens, Fp32MaskedDrawsFollowTheMaskedDistribution) {
+  DUET_SKIP_WITHOUT_GPU();
+  // Chi-square against the reference over the masked row, for each filter kind, on a small vocabulary.
+  const int vocab = 96, draws = 40000;
+  const std::vector<Filters> settings = {{1.f}, {0.7f, 10}, {1.3f, 0, 0.8f}, {1.f, 0, 1.f, 0.05f}, {0.9f, 20, 0.9f, 0.01f}};
+  for (size_t k = 0; k < settings.size(); ++k) {
+    const Filters& f = settings[k];
+    const std::vector<uint32_t> mask = RandomMask(vocab, 0.5, 10 + k, 0);
+    // The kernel gets the raw logits (finite everywhere) and the mask; the reference the masked row.
+    uint64_t seed = 1200 + 10 * k;
+    std::vector<float> raw, row;
+    for (int tries = 0;; ++tries) {
+      ASSERT_LT(tries, 100);
+      raw = NormalLogits(vocab, seed++, 1.5f);
+      row = MaskedRow(raw.data(), vocab, mask);
+      if (WellConditioned(row, f)) break;
+    }
+    Masks masks{(vocab + 31) / 32, mask, std::vector<int32_t>(draws, 0)};
+    const SampleOutput out = Sample(Repeat(raw, draws), vocab, std::vector<Filters>(draws, f), 77, 0, &masks);
+    for (int32_t t : out.tokens) ASSERT_TRUE(Allowed(mask, t)) << "setting " << k << " drew disallowed " << t;
+    const std::vector<double> support = Support(row, f);
+    ExpectDistribution(out.tokens, Reference(row, f), &support);
+  }
+}
+
+TEST(SampleTokens, Fp32MaskedRowsNeverLeakLlama8bVocab) {
+  DUET_SKIP_WITHOUT_GPU();
+  // Every path of the kernel (threshold only, sorted candidates, bisection past the candidate
+  // buffer) draws only allowed tokens; near-flat logits make top_p 0.999 exceed the buffer.
+  const int rows = 64, vocab = kLlamaVocab;
+  const std::vector<Filters> kinds = {{1.f}, {0.8f, 50}, {1.f, 0, 0.9f}, {1.f, 0, 0.999f}, {1.f, 60000}, {1.f, 0, 1.f, 0.1f}};
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    const std::vector<float> logits = NormalLogits(size_t(rows) * vocab, 1300 + k, k >= 3 ? 0.05f : 3.f);
+    Masks masks;
+    masks.words = (vocab + 31) / 32;
+    for (int r = 0; r < rows; ++r) {
+      const std::vector<uint32_t> m = RandomMask(vocab, r % 2 ? 0.8 : 0.02, 50 * k + r, r);
+      masks.bitmask.insert(masks.bitmask.end(), m.begin(), m.end());
+      masks.index.push_back(r);
+    }
+    const SampleOutput out = Sample(logits, vocab, std::vector<Filters>(rows, kinds[k]), 5, 0, &masks);
+    for (int r = 0; r < rows; ++r) {
+      const int t = out.tokens[r];
+      ASSERT_TRUE(t >= 0 && t < vocab);
+      const uint32_t word = masks.bitmask[size_t(r) * masks.words + t / 32];
+      EXPECT_TRUE((word >> (t % 32)) & 1) << "kind " << k << " row " << r << " drew disallowed " << t;
+      EXPECT_NEAR(out.logprobs[r], reference::LogSoftmax(logits.data() + size_t(r) * vocab, vocab, t), 2e-4);
+    }
+  }
 }
 
 TEST(SampleTokens, Fp32GraphCaptureMatchesEager) {
