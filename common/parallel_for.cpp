@@ -2,12 +2,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <string>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
 #include "common/check.h"
+#include "common/logging.h"
 
 namespace duet {
 namespace {
@@ -16,6 +19,18 @@ void CpuRelax() {
 #if defined(__x86_64__)
   _mm_pause();
 #endif
+}
+
+// DUET_CPU_THREADS (1-64) if set and valid, else one thread per core, at most 8.
+int SharedPoolThreads() {
+  const char* env = std::getenv("DUET_CPU_THREADS");
+  if (env != nullptr) {
+    char* end = nullptr;
+    const long n = std::strtol(env, &end, 10);
+    if (end != env && *end == '\0' && n >= 1 && n <= 64) return int(n);
+    DUET_LOG(WARNING) << "DUET_CPU_THREADS=" << env << " is not a thread count in [1, 64]; using the default";
+  }
+  return int(std::clamp(std::thread::hardware_concurrency(), 1u, 8u));
 }
 
 }  // namespace
@@ -35,7 +50,7 @@ ParallelFor::~ParallelFor() {
 }
 
 ParallelFor& ParallelFor::Shared() {
-  static ParallelFor* pool = new ParallelFor(int(std::clamp(std::thread::hardware_concurrency(), 1u, 8u)));
+  static ParallelFor* pool = new ParallelFor(SharedPoolThreads());
   return *pool;
 }
 

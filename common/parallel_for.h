@@ -22,7 +22,8 @@ class ParallelFor {
   ParallelFor(const ParallelFor&) = delete;
   ParallelFor& operator=(const ParallelFor&) = delete;
 
-  // The process's pool: one thread per core, at most 8.
+  // The process's pool: one thread per core, at most 8, or $DUET_CPU_THREADS (1-64) when set
+  // (1: every call runs on its caller; test runs that fill every core with processes use it).
   static ParallelFor& Shared();
 
   // Calls fn(part) for every part in [0, num_threads()), the caller running part 0, and

@@ -9,4 +9,7 @@ if [ -f tests/node/package-lock.json ]; then
 fi
 scripts/build.sh
 cd "${BUILD_DIR:-build}"
+# ctest already runs a test per core: one compute thread per process (the CPU backend's pool
+# would otherwise spin on cores the other tests need).
+export DUET_CPU_THREADS=${DUET_CPU_THREADS:-1}
 ctest --output-on-failure -j "${JOBS:-$(nproc)}" --timeout 600 "$@"
