@@ -525,12 +525,12 @@ TEST(SampleTokens, Fp32MaskedGreedyTakesTheBestAllowedToken) {
   const std::vector<float> logits = NormalLogits(size_t(rows) * vocab, 1100, 3.f);
   Masks masks;
   masks.words = (vocab + 31) / 32;
-  const std::vector<std::vector<uint32_t>> each = {RandomMask(vocab, 0.01, 1, 5), RandomMask(vocab, 0.9, 2, 5),
-                                                   RandomMask(vocab, 0.0, 3, 127999), RandomMask(vocab, 0.5, 4, 7)};
-  for (const auto& m : each) masks.bitmask.insert(masks.bitmask.end(), m.begin(), m.end());
+  std::vector<std::vector<uint32_t>> each = {RandomMask(vocab, 0.01, 1, 5), RandomMask(vocab, 0.9, 2, 5),
+                                             RandomMask(vocab, 0.0, 3, 127999), RandomMask(vocab, 0.5, 4, 7)};
   // The last mask disallows row 3's own argmax.
   const int argmax3 = reference::Argmax(logits.data() + 3 * size_t(vocab), vocab);
-  masks.bitmask[3 * size_t(masks.words) + argmax3 / 32] &= ~(1u << (argmax3 % 32));
+  each[3][argmax3 / 32] &= ~(1u << (argmax3 % 32));
+  for (const auto& m : each) masks.bitmask.insert(masks.bitmask.end(), m.begin(), m.end());
   masks.index = {0, 1, 2, 3, -1, -1};
   const SampleOutput out = Sample(logits, vocab, std::vector<Filters>(rows, Filters{0.f}), 1, 0, &masks);
   for (int r = 0; r < rows; ++r) {
