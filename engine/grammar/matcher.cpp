@@ -320,6 +320,29 @@ void CompiledGrammar::RememberStateMask(std::string state, absl::Span<const uint
   }
 }
 
+std::shared_ptr<const CompiledGrammar::SuffixMasks> CompiledGrammar::MasksOfSuffix(
+    absl::Span<const int32_t> frames, absl::Span<const int32_t> parent_uncertain) const {
+  std::string key(reinterpret_cast<const char*>(frames.data()), frames.size() * sizeof(int32_t));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = suffix_masks_.find(key);
+    if (it != suffix_masks_.end()) return it->second;
+  }
+  // Computed outside the lock (two threads may both compute one; the first kept wins).
+  auto masks = std::make_shared<SuffixMasks>();
+  const StackSet start = {Stack(frames.begin(), frames.end())};
+  WalkTokens(*grammar_, *vocab_, start, parent_uncertain, nullptr, [&](int32_t id, bool accepted, bool ended_early) {
+    if (accepted) {
+      masks->accepted.push_back(id);
+    } else if (ended_early) {
+      masks->uncertain.push_back(id);
+    }
+  });
+  std::lock_guard<std::mutex> lock(mu_);
+  if (suffix_masks_.size() >= kMaxSuffixes) suffix_masks_.clear();
+  return suffix_masks_.emplace(std::move(key), std::move(masks)).first->second;
+}
+
 void CompiledGrammar::PrecomputeAllPositions() const {
   for (int32_t pos = 0; pos < int32_t(grammar_->elements().size()); ++pos) {
     if (grammar_->at(pos).kind == Element::kBytes) MasksAt(pos);
@@ -368,34 +391,21 @@ void GrammarMatcher::FillNextTokenMask(absl::Span<uint32_t> mask) const {
 void GrammarMatcher::ComputeNextTokenMask(absl::Span<uint32_t> mask) const {
   const TokenVocabulary& vocab = grammar_->vocab();
   std::fill(mask.begin(), mask.end(), 0u);
-  // The stacks by their top position: a stack accepts a token only if the token is accepted or
-  // uncertain at its top, so each top's uncertain tokens are checked against its stacks alone.
-  std::vector<std::pair<int32_t, StackSet>> by_top;
+  auto allow = [&](int32_t id) { mask[size_t(id) / 32] |= uint32_t(1) << (id % 32); };
+  // A state accepts a token when one of its stacks does. A stack: its top's accepted tokens, then
+  // its top's uncertain ones decided by longer and longer suffixes (two frames, three, ...); what
+  // is still uncertain at the whole stack would need bytes past the grammar's end: rejected.
   for (const Stack& s : stacks_) {
     if (s.empty()) continue;
-    auto it = std::find_if(by_top.begin(), by_top.end(), [&](const auto& t) { return t.first == s.back(); });
-    if (it == by_top.end()) {
-      by_top.push_back({s.back(), {}});
-      it = by_top.end() - 1;
+    const CompiledGrammar::PositionMasks& top = grammar_->MasksAt(s.back());
+    for (size_t w = 0; w < mask.size(); ++w) mask[w] |= top.accepted[w];
+    absl::Span<const int32_t> uncertain = top.uncertain;
+    std::shared_ptr<const CompiledGrammar::SuffixMasks> level;  // owns `uncertain` below the top
+    for (size_t k = 2; k <= s.size() && !uncertain.empty(); ++k) {
+      level = grammar_->MasksOfSuffix(absl::MakeConstSpan(s.data() + s.size() - k, k), uncertain);
+      for (int32_t id : level->accepted) allow(id);
+      uncertain = level->uncertain;
     }
-    it->second.push_back(s);
-  }
-  std::vector<const CompiledGrammar::PositionMasks*> masks;
-  for (const auto& [top, stacks] : by_top) {
-    masks.push_back(&grammar_->MasksAt(top));
-    for (size_t w = 0; w < mask.size(); ++w) mask[w] |= masks.back()->accepted[w];
-  }
-  auto is_set = [&](int32_t id) { return (mask[size_t(id) / 32] >> (id % 32)) & 1; };
-  std::vector<int32_t> to_check;
-  for (size_t i = 0; i < by_top.size(); ++i) {
-    to_check.clear();
-    for (int32_t id : masks[i]->uncertain) {
-      if (!is_set(id)) to_check.push_back(id);
-    }
-    if (to_check.empty()) continue;
-    WalkTokens(grammar_->grammar(), vocab, by_top[i].second, to_check, nullptr, [&](int32_t id, bool accepted, bool) {
-      if (accepted) mask[size_t(id) / 32] |= uint32_t(1) << (id % 32);
-    });
   }
   if (CanEnd()) {
     for (int32_t id : vocab.eos_ids()) mask[size_t(id) / 32] |= uint32_t(1) << (id % 32);

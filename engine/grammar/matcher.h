@@ -13,8 +13,11 @@
 // bytes left, which the rules below must match). A step's mask is the union of the accepted
 // sets of the state's stack tops plus the uncertain tokens that their stacks accept (a token
 // counts as uncertain only when the byte after the rule's end may follow the rule somewhere in
-// the grammar, its FOLLOW set, which rejects most of them up front); those
-// are checked by walking them in byte order, sharing the work for common prefixes. The
+// the grammar, its FOLLOW set, which rejects most of them up front). Those are decided frame by
+// frame: the top two frames of a stack accept some of them, reject others and leave the rest to
+// the frames below, and so on down the stack; each suffix of frames has its verdict kept, so a
+// state seen for the first time (a new nesting of the same rules) mostly reuses its suffixes'.
+// A verdict walks the tokens in byte order, sharing the work for common prefixes. The
 // vocabulary walk that classifies a position also shares prefixes and skips every token behind
 // a dead prefix. Positions are classified on first use and kept for the grammar's life; the
 // masks of the most recent whole states are kept too (inside a JSON string every character
@@ -86,12 +89,23 @@ class CompiledGrammar {
   const TokenVocabulary& vocab() const { return *vocab_; }
   const StackSet& initial_stacks() const { return initial_; }
 
+  // Of the tokens `parent_uncertain` (the uncertain tokens of the suffix one frame shorter),
+  // which the stack suffix `frames` (bottom first; two or more) accepts, and which it leaves to
+  // the frames below it (they end it with bytes left).
+  struct SuffixMasks {
+    std::vector<int32_t> accepted;   // in byte order
+    std::vector<int32_t> uncertain;  // in byte order
+  };
+  std::shared_ptr<const SuffixMasks> MasksOfSuffix(absl::Span<const int32_t> frames,
+                                                   absl::Span<const int32_t> parent_uncertain) const;
+
   // The most recent states' masks (a state is its stacks, serialized), shared by the requests.
   bool LookUpStateMask(const std::string& state, absl::Span<uint32_t> mask) const;
   void RememberStateMask(std::string state, absl::Span<const uint32_t> mask) const;
 
  private:
   static constexpr size_t kStateMaskBytes = size_t(16) << 20;  // the kept states' masks, in all
+  static constexpr size_t kMaxSuffixes = size_t(1) << 16;       // kept suffix verdicts; then start over
   std::shared_ptr<const Grammar> grammar_;
   std::shared_ptr<const TokenVocabulary> vocab_;
   StackSet initial_;
@@ -102,6 +116,7 @@ class CompiledGrammar {
   mutable std::vector<std::unique_ptr<PositionMasks>> masks_;
   mutable std::list<std::pair<std::string, std::vector<uint32_t>>> state_masks_;  // most recent first
   mutable std::unordered_map<std::string, decltype(state_masks_)::iterator> state_index_;
+  mutable std::unordered_map<std::string, std::shared_ptr<const SuffixMasks>> suffix_masks_;
 };
 
 // One request's position in its grammar.
