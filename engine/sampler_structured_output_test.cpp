@@ -173,7 +173,7 @@ TEST(StructuredOutputTest, BadConstraintsAreInvalidArgument) {
   const std::vector<int32_t> prompt = e->tokenizer().Encode("x = ");
   const std::vector<StructuredOutput> bad = {
       {StructuredOutput::Kind::kJsonSchema, "{not json", {}},
-      {StructuredOutput::Kind::kJsonSchema, R"({"type": "integer", "maximum": 3})", {}},
+      {StructuredOutput::Kind::kJsonSchema, R"({"type": "integer", "multipleOf": 3})", {}},
       {StructuredOutput::Kind::kRegex, "(a", {}},
       {StructuredOutput::Kind::kGrammar, "root ::= missing", {}},
       {StructuredOutput::Kind::kChoice, "", {}},

@@ -204,7 +204,7 @@ TEST_F(ProtocolTest, BadStructuredOutputsAndToolCallsAre400NamingTheField) {
       {R"("guided_regex":5)", "guided_regex"},
       {R"("guided_choice":[])", "guided_choice"},
       {R"("guided_choice":["a",1])", "guided_choice"},
-      {R"("guided_json":{"type":"integer","minimum":1})", "guided_json"},
+      {R"("guided_json":{"type":"integer","multipleOf":2})", "guided_json"},
       {R"("guided_json":"{bad")", "guided_json"},
       {R"("guided_grammar":"root ::= undefined")", "guided_grammar"},
       {R"("guided_whitespace_pattern":" ")", "guided_whitespace_pattern"},
@@ -304,7 +304,7 @@ TEST_F(ProtocolTest, ToolErrorsAre400NamingTheField) {
        "tools"},
       // A schema the grammar engine cannot enforce is refused when it is to be enforced.
       {R"({"messages":[{"role":"user","content":"x"}],"tool_choice":"required",
-          "tools":[{"function":{"name":"f","parameters":{"type":"integer","minimum":3}}}]})",
+          "tools":[{"function":{"name":"f","parameters":{"type":"integer","multipleOf":3}}}]})",
        "tools"},
       // History: an assistant's tool call arguments must be JSON.
       {R"({"messages":[{"role":"user","content":"x"},{"role":"assistant","content":null,
@@ -320,7 +320,7 @@ TEST_F(ProtocolTest, ToolErrorsAre400NamingTheField) {
   }
   // The same schema with tool_choice "none" is only shown to the template.
   EXPECT_TRUE(ParseChatRequest(R"({"messages":[{"role":"user","content":"x"}],"tool_choice":"none",
-      "tools":[{"function":{"name":"f","parameters":{"type":"integer","minimum":3}}}]})", context_).ok());
+      "tools":[{"function":{"name":"f","parameters":{"type":"integer","multipleOf":3}}}]})", context_).ok());
   // Completions have no tools.
   EXPECT_EQ(CompletionError(absl::StrCat(R"({"prompt":"x","tools":[)", kWeatherTool, "]}")).param, "tools");
 }

@@ -311,7 +311,7 @@ TEST_F(RouterServiceTest, InvalidRequests) {
   expect_invalid(bad_regex, "structured_output: regex: missing ')'");
   v1::GenerateRequest bad_schema = TokenRequest({1, 2}, 4);
   bad_schema.mutable_sampling()->mutable_structured_output()->set_json_schema(R"({"type": "number", "minimum": 0})");
-  expect_invalid(bad_schema, "'minimum' is not supported");
+  expect_invalid(bad_schema, "minimum on a number (integers only) is not supported");
   v1::GenerateRequest bad_bias = TokenRequest({1, 2}, 4);
   (*bad_bias.mutable_sampling()->mutable_logit_bias())[8192] = 1.0f;
   expect_invalid(bad_bias, "logit_bias: token id 8192 is out of vocabulary");

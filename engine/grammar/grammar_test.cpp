@@ -155,6 +155,46 @@ TEST(JsonSchema, StringsEnumsConstNumbersAnyOf) {
   EXPECT_FALSE(Matches(g, R"({"s": "a\q", "e": "red", "c": "fixed\"q", "n": 0, "u": true, "t": 7})"));
 }
 
+// Integer bounds: every integer of a window around each range matches exactly when it is inside.
+TEST(JsonSchema, IntegerBoundsMatchExactlyTheRange) {
+  struct Range {
+    std::string bounds;
+    int64_t lo, hi;
+  };
+  const std::vector<Range> ranges = {
+      {R"("minimum": 0, "maximum": 9)", 0, 9},
+      {R"("minimum": 10, "maximum": 99)", 10, 99},
+      {R"("minimum": -37, "maximum": 1205)", -37, 1205},
+      {R"("minimum": 5, "maximum": 5)", 5, 5},
+      {R"("minimum": -100, "maximum": -3)", -100, -3},
+      {R"("minimum": 190, "maximum": 2001)", 190, 2001},
+      {R"("exclusiveMinimum": 7, "exclusiveMaximum": 100)", 8, 99},
+      {R"("minimum": 2.5, "maximum": 30.5)", 3, 30},
+      {R"("minimum": 123)", 123, 9'999'999'999'999'999},
+      {R"("maximum": -12)", -9'999'999'999'999'999, -12},
+  };
+  for (const Range& r : ranges) {
+    auto g = Schema(R"({"type": "integer", )" + r.bounds + "}");
+    ASSERT_NE(g, nullptr) << r.bounds;
+    auto window = [&](int64_t center) {
+      for (int64_t v = center - 150; v <= center + 150; ++v) {
+        EXPECT_EQ(Matches(g, std::to_string(v)), v >= r.lo && v <= r.hi) << r.bounds << ": " << v;
+      }
+    };
+    if (r.lo > -1'000'000) window(r.lo);
+    if (r.hi < 1'000'000) window(r.hi);
+    EXPECT_FALSE(Matches(g, "0" + std::to_string(std::max<int64_t>(r.lo, 1)))) << r.bounds;  // leading zero
+    EXPECT_FALSE(Matches(g, "-0")) << r.bounds;
+  }
+  EXPECT_TRUE(Matches(Schema(R"({"type": "integer", "minimum": 123})"), "9999999999999999"));
+  EXPECT_FALSE(Matches(Schema(R"({"type": "integer", "minimum": 123})"), "99999999999999999"));
+  for (const char* bad : {R"({"type": "integer", "minimum": 5, "maximum": 4})", R"({"type": "integer", "minimum": "1"})",
+                          R"({"type": "number", "minimum": 1})", R"({"minimum": 1})",
+                          R"({"type": "integer", "maximum": 1e20})"}) {
+    EXPECT_FALSE(JsonSchemaToGrammar(bad).ok()) << bad;
+  }
+}
+
 TEST(JsonSchema, ArraysRefsAndPatterns) {
   auto g = Schema(R"({"$defs": {"node": {"type": "object", "properties": {
         "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
@@ -179,13 +219,13 @@ TEST(JsonSchema, AnyObjectAndErrors) {
   EXPECT_TRUE(Matches(any, "{}"));
   EXPECT_FALSE(Matches(any, "[1]"));
   EXPECT_FALSE(Matches(any, R"({"a": 1,})"));
-  for (const char* bad : {R"({"type": "integer", "minimum": 3})", R"({"type": "strin"})", "not json",
+  for (const char* bad : {R"({"type": "integer", "multipleOf": 3})", R"({"type": "strin"})", "not json",
                           R"({"type": "object", "properties": {"a": {}}, "required": ["b"]})",
                           R"({"$ref": "#/$defs/missing"})", R"({"not": {}})", "false"}) {
     EXPECT_FALSE(JsonSchemaToGrammar(bad).ok()) << bad;
   }
-  EXPECT_THAT(JsonSchemaToGrammar(R"({"type": "integer", "minimum": 3})").status().message(),
-              testing::HasSubstr("'minimum'"));
+  EXPECT_THAT(JsonSchemaToGrammar(R"({"type": "integer", "multipleOf": 3})").status().message(),
+              testing::HasSubstr("'multipleOf'"));
 }
 
 // --- token masks -------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 #include "engine/grammar/json_schema.h"
 
+#include <cmath>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -151,7 +153,8 @@ class SchemaConverter {
     static const std::set<std::string> kHandled = {"type", "properties", "required", "additionalProperties",
                                                    "items", "prefixItems", "minItems", "maxItems", "enum", "const",
                                                    "anyOf", "oneOf", "allOf", "$ref", "minLength", "maxLength",
-                                                   "pattern"};
+                                                   "pattern", "minimum", "maximum", "exclusiveMinimum",
+                                                   "exclusiveMaximum"};
     for (const auto& [key, value] : schema.items()) {
       if (!kAnnotations.count(key) && !kHandled.count(key)) return Unsupported(absl::StrCat("keyword '", key, "'"));
     }
@@ -182,6 +185,9 @@ class SchemaConverter {
       return Visit(Merged(schema, list[0], "allOf"), depth + 1);
     }
     if (!schema.contains("type")) {
+      for (const char* key : {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}) {
+        if (schema.contains(key)) return Unsupported(absl::StrCat(key, " without \"type\": \"integer\""));
+      }
       if (schema.contains("properties")) return Object(schema, depth);
       if (schema.contains("items") || schema.contains("prefixItems")) return Array(schema, depth);
       return Use("json-value");
@@ -204,8 +210,13 @@ class SchemaConverter {
     if (t == "object") return Object(schema, depth);
     if (t == "array") return Array(schema, depth);
     if (t == "string") return String(schema);
-    if (t == "number") return Use("json-number");
-    if (t == "integer") return Use("json-int");
+    if (t == "number") {
+      for (const char* key : {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}) {
+        if (schema.contains(key)) return Unsupported(absl::StrCat(key, " on a number (integers only)"));
+      }
+      return Use("json-number");
+    }
+    if (t == "integer") return Integer(schema);
     if (t == "boolean") return Use("json-boolean");
     if (t == "null") return Use("json-null");
     return absl::InvalidArgumentError(absl::StrCat("json schema: unknown type '", t, "'"));
@@ -245,6 +256,91 @@ class SchemaConverter {
     if (!body.ok()) return body;
     rules_[slot].second = *body;
     return name;
+  }
+
+  // An integer, within minimum / maximum / exclusiveMinimum / exclusiveMaximum when given (at
+  // most 16 digits either way, as json-int).
+  absl::StatusOr<std::string> Integer(const json& schema) {
+    constexpr int64_t kLimit = 9'999'999'999'999'999;
+    int64_t lo = -kLimit, hi = kLimit;
+    bool bounded = false;
+    for (const auto& [key, is_min, exclusive] : {std::tuple{"minimum", true, false}, std::tuple{"maximum", false, false},
+                                                 std::tuple{"exclusiveMinimum", true, true},
+                                                 std::tuple{"exclusiveMaximum", false, true}}) {
+      if (!schema.contains(key)) continue;
+      const json& v = schema[key];
+      if (!v.is_number()) return absl::InvalidArgumentError(absl::StrCat("json schema: ", key, " must be a number"));
+      const double x = v.get<double>();
+      if (!(std::fabs(x) <= double(kLimit))) return Unsupported(absl::StrCat(key, " beyond 16 digits"));
+      // The smallest (largest) integer the bound lets through.
+      const double d = is_min ? (exclusive ? std::floor(x) + 1 : std::ceil(x)) : (exclusive ? std::ceil(x) - 1 : std::floor(x));
+      const int64_t bound = v.is_number_integer() && !exclusive ? v.get<int64_t>() : int64_t(d);
+      if (is_min) {
+        lo = std::max(lo, bound);
+      } else {
+        hi = std::min(hi, bound);
+      }
+      bounded = true;
+    }
+    if (!bounded) return Use("json-int");
+    if (lo > hi) return absl::InvalidArgumentError("json schema: no integer satisfies the bounds");
+    std::vector<std::string> alts;
+    if (lo < 0) {
+      for (const std::string& a : NonNegativeRange(hi < 0 ? -hi : 1, -lo)) alts.push_back(absl::StrCat("\"-\" ", a));
+    }
+    if (hi >= 0) {
+      for (const std::string& a : NonNegativeRange(std::max<int64_t>(lo, 0), hi)) alts.push_back(a);
+    }
+    return NewRule("int", absl::StrJoin(alts, " | "));
+  }
+
+  // GBNF sequences matching the decimal numerals (no leading zeros) of [lo, hi], 0 <= lo <= hi.
+  static std::vector<std::string> NonNegativeRange(int64_t lo, int64_t hi) {
+    std::vector<std::string> out;
+    const std::string hi_digits = std::to_string(hi);
+    for (size_t length = std::to_string(lo).size(); length <= hi_digits.size(); ++length) {
+      const int64_t smallest = length == 1 ? 0 : Pow10(length - 1), largest = Pow10(length) - 1;
+      const std::string a = std::to_string(std::max(lo, smallest)), b = std::to_string(std::min(hi, largest));
+      for (const std::string& seq : SameLengthRange(a, b)) out.push_back(seq);
+    }
+    return out;
+  }
+  static int64_t Pow10(size_t n) {
+    int64_t p = 1;
+    while (n-- > 0) p *= 10;
+    return p;
+  }
+  // Sequences matching the digit strings in [a, b], both of one length (a <= b).
+  static std::vector<std::string> SameLengthRange(const std::string& a, const std::string& b) {
+    if (a.empty()) return {""};
+    const size_t rest = a.size() - 1;
+    auto digits = [](char from, char to) {
+      return from == to ? absl::StrCat("\"", std::string(1, from), "\"")
+                        : absl::StrCat("[", std::string(1, from), "-", std::string(1, to), "]");
+    };
+    auto any = [&](size_t n) { return n == 0 ? std::string() : absl::StrCat(" [0-9]{", n, "}"); };
+    auto join = [](const std::string& head, const std::string& tail) {
+      return tail.empty() ? head : absl::StrCat(head, " ", tail);
+    };
+    if (a[0] == b[0]) {
+      std::vector<std::string> out;
+      for (const std::string& t : SameLengthRange(a.substr(1), b.substr(1))) out.push_back(join(digits(a[0], a[0]), t));
+      return out;
+    }
+    const bool a_rest_zeros = a.find_first_not_of('0', 1) == std::string::npos;
+    const bool b_rest_nines = b.find_first_not_of('9', 1) == std::string::npos;
+    std::vector<std::string> out;
+    char first = a[0], last = b[0];
+    if (!a_rest_zeros) {
+      for (const std::string& t : SameLengthRange(a.substr(1), std::string(rest, '9'))) out.push_back(join(digits(a[0], a[0]), t));
+      ++first;
+    }
+    if (!b_rest_nines) --last;
+    if (first <= last) out.push_back(digits(first, last) + any(rest));
+    if (!b_rest_nines) {
+      for (const std::string& t : SameLengthRange(std::string(rest, '0'), b.substr(1))) out.push_back(join(digits(b[0], b[0]), t));
+    }
+    return out;
   }
 
   absl::StatusOr<std::string> String(const json& schema) {

@@ -6,10 +6,11 @@
 // mode; true or a schema allows more members after the listed ones), `items`, `prefixItems`,
 // `minItems`, `maxItems`, `enum`, `const`, `anyOf`, `oneOf` (as anyOf), `allOf` of one schema,
 // `$ref` to `#`, `#/$defs/...` or `#/definitions/...` (recursion allowed), `minLength`,
-// `maxLength`, `pattern` (outputs are limited to strings that need no escape), and the
-// annotations (title, description, default, examples, format, $schema, $id, $comment).
-// Keywords that constrain in other ways (minimum, maximum, multipleOf, uniqueItems, not, ...)
-// are InvalidArgument naming the keyword, never ignored.
+// `maxLength`, `pattern` (outputs are limited to strings that need no escape), `minimum`,
+// `maximum`, `exclusiveMinimum` and `exclusiveMaximum` on integers (the range as digit
+// classes, no leading zeros), and the annotations (title, description, default, examples,
+// format, $schema, $id, $comment). Keywords that constrain in other ways (bounds on numbers,
+// multipleOf, uniqueItems, not, ...) are InvalidArgument naming the keyword, never ignored.
 //
 // Layout: no whitespace at the top level; between tokens of objects and arrays "", " ", or a
 // newline and up to 20 spaces or tabs (so pretty-printed output is allowed but whitespace

@@ -157,7 +157,7 @@ await test('bad structured-output and tool parameters are 400 naming the paramet
     [{ tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object' } } }] }, 'tool_choice'],
     [{ tool_choice: 'required' }, 'tool_choice'],
     [{ guided_regex: '(unclosed' }, 'guided_regex'],
-    [{ guided_json: { type: 'integer', minimum: 3 } }, 'guided_json'],
+    [{ guided_json: { type: 'integer', multipleOf: 3 } }, 'guided_json'],
     [{ response_format: { type: 'json_schema', json_schema: { name: 'x' } } }, 'response_format'],
     [{ guided_regex: 'a', guided_choice: ['b'] }, 'guided_choice'],
   ];
