@@ -2,6 +2,7 @@
 // so they share the continuously batched steps.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,29 @@ namespace {
 
 double Seconds(Clock::time_point from, Clock::time_point to) {
   return std::chrono::duration<double>(to - from).count();
+}
+
+// vLLM's prompt_logprobs, as the HTTP API answers them: null for the first prompt token, then per
+// token {"<token id>": {"logprob", "rank", "decoded_token"}}, the token's own entry and the top-K.
+nlohmann::json PromptLogprobsJson(const Request& r, const Tokenizer& tokenizer) {
+  auto entry = [&](float logprob, int32_t rank, int32_t id) {
+    return nlohmann::json{{"logprob", std::isfinite(logprob) ? double(logprob) : -9999.0},
+                          {"rank", rank},
+                          {"decoded_token", tokenizer.Decode(absl::MakeConstSpan(&id, 1), /*skip_special_tokens=*/false)}};
+  };
+  nlohmann::json out = nlohmann::json::array({nullptr});
+  for (size_t i = 0; i < r.prompt_logprobs.size() && i + 1 < r.prompt.size(); ++i) {
+    const ScoredToken& scored = r.prompt_logprobs[i];
+    const int32_t id = r.prompt[i + 1];
+    nlohmann::json position = nlohmann::json::object();
+    position[std::to_string(id)] = entry(scored.logprob, scored.rank, id);
+    for (size_t t = 0; t < scored.top.size(); ++t) {
+      if (scored.top[t].token == id) continue;
+      position[std::to_string(scored.top[t].token)] = entry(scored.top[t].logprob, int32_t(t + 1), scored.top[t].token);
+    }
+    out.push_back(std::move(position));
+  }
+  return out;
 }
 
 nlohmann::json OutputRow(const Request& r, const Tokenizer& tokenizer) {
@@ -45,6 +69,7 @@ nlohmann::json OutputRow(const Request& r, const Tokenizer& tokenizer) {
     }
     row["logprobs"] = logprobs;
   }
+  if (r.params.prompt_logprobs >= 0) row["prompt_logprobs"] = PromptLogprobsJson(r, tokenizer);
   return row;
 }
 

@@ -61,7 +61,7 @@ absl::StatusOr<GenerateRequest> ParseGenerateRequest(const json& row) {
   static const std::set<std::string> kFields = {
       "id", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p",
       "seed", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty",
-      "frequency_penalty", "logprobs"};
+      "frequency_penalty", "logprobs", "prompt_logprobs"};
   for (const auto& [key, value] : row.items()) {
     if (!kFields.count(key)) return absl::InvalidArgumentError(absl::StrCat("unknown field '", key, "'"));
   }
@@ -90,11 +90,12 @@ absl::StatusOr<GenerateRequest> ParseGenerateRequest(const json& row) {
   if (has_ids && req.prompt_token_ids.empty()) return absl::InvalidArgumentError("'prompt_token_ids' is empty");
 
   SamplingParams& p = req.params;
-  int64_t max_tokens = p.max_tokens, top_k = p.top_k, logprobs = p.logprobs;
+  int64_t max_tokens = p.max_tokens, top_k = p.top_k, logprobs = p.logprobs, prompt_logprobs = p.prompt_logprobs;
   absl::Status s;
   if (s.ok()) s = ReadInt(row, "max_tokens", 1, std::numeric_limits<int32_t>::max(), &max_tokens);
   if (s.ok()) s = ReadInt(row, "top_k", -1, std::numeric_limits<int32_t>::max(), &top_k);
-  if (s.ok()) s = ReadInt(row, "logprobs", 0, 20, &logprobs);
+  if (s.ok()) s = ReadInt(row, "logprobs", 0, SamplingParams::kMaxLogprobs, &logprobs);
+  if (s.ok()) s = ReadInt(row, "prompt_logprobs", 0, SamplingParams::kMaxLogprobs, &prompt_logprobs);
   if (s.ok()) s = ReadFloat(row, "temperature", &p.temperature);
   if (s.ok()) s = ReadFloat(row, "top_p", &p.top_p);
   if (s.ok()) s = ReadFloat(row, "min_p", &p.min_p);
@@ -106,6 +107,7 @@ absl::StatusOr<GenerateRequest> ParseGenerateRequest(const json& row) {
   p.max_tokens = static_cast<int32_t>(max_tokens);
   p.top_k = static_cast<int32_t>(top_k);
   p.logprobs = static_cast<int32_t>(logprobs);
+  p.prompt_logprobs = static_cast<int32_t>(prompt_logprobs);
 
   if (auto seed = row.find("seed"); seed != row.end() && !seed->is_null()) {
     if (!seed->is_number_integer()) return TypeError("seed", "an integer");

@@ -11,7 +11,7 @@ TEST(GenerateRequestTest, ParsesEveryField) {
   json row = json::parse(R"({"id": "a", "prompt": "def f():", "max_tokens": 7, "temperature": 0.5,
       "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 123, "stop": ["\n\n", "return"],
       "stop_token_ids": [1, 2], "ignore_eos": true, "repetition_penalty": 1.1,
-      "presence_penalty": 0.5, "frequency_penalty": -0.5, "logprobs": 3})");
+      "presence_penalty": 0.5, "frequency_penalty": -0.5, "logprobs": 3, "prompt_logprobs": 2})");
   absl::StatusOr<GenerateRequest> r = ParseGenerateRequest(row);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->id, "a");
@@ -27,6 +27,7 @@ TEST(GenerateRequestTest, ParsesEveryField) {
   EXPECT_EQ(p.stop_token_ids, (std::vector<int32_t>{1, 2}));
   EXPECT_TRUE(p.ignore_eos);
   EXPECT_EQ(p.logprobs, 3);
+  EXPECT_EQ(p.prompt_logprobs, 2);
 }
 
 TEST(GenerateRequestTest, TokenIdsAndIntegerId) {
@@ -61,6 +62,8 @@ TEST(GenerateRequestTest, RejectsBadInputWithTheFieldName) {
       {R"({"id": "a", "prompt": "x", "stop": [""]})", "stop"},
       {R"({"id": "a", "prompt": "x", "ignore_eos": 1})", "ignore_eos"},
       {R"({"id": "a", "prompt": "x", "logprobs": 50})", "logprobs"},
+      {R"({"id": "a", "prompt": "x", "prompt_logprobs": 21})", "prompt_logprobs"},
+      {R"({"id": "a", "prompt": "x", "prompt_logprobs": -1})", "prompt_logprobs"},
       {R"({"id": "a", "prompt": "x", "temprature": 0})", "temprature"},
       {R"({"id": [1], "prompt": "x"})", "id"},
   };

@@ -230,6 +230,8 @@ absl::StatusOr<RequestOutput> LlmEngine::AddPrefilledRequest(const std::string& 
   if (blocks_.Capacity(reservation) < prompt_len) {
     return absl::FailedPreconditionError("the KV reservation does not cover the prompt");
   }
+  // The prompt was scored where it was prefilled; a recompute here (preemption) scores nothing.
+  params.prompt_logprobs = -1;
   absl::StatusOr<std::unique_ptr<Request>> request =
       NewRequest(id, std::move(prompt), std::move(params), reservation);
   if (!request.ok()) return request.status();
@@ -316,6 +318,7 @@ void LlmEngine::AppendToken(Request& r, const SampledToken& token, RequestOutput
     out.new_logprobs.push_back(token.logprob);
     out.new_top_logprobs.push_back(token.top_logprobs);
   }
+  if (p.prompt_logprobs >= 0 && r.output.size() == 1) out.prompt_logprobs = r.prompt_logprobs;
   out.num_prompt_tokens = int32_t(r.prompt.size());
   out.num_output_tokens = int32_t(r.output.size());
   if (r.first_token_time == Clock::time_point{}) r.first_token_time = Clock::now();
@@ -478,6 +481,7 @@ LlmEngine::StepBatch LlmEngine::BuildBatch(const SchedulerOutput& plan) const {
   batch.tokens.resize(plan.chunks.size());
   batch.parents.resize(plan.chunks.size());
   batch.chunks.resize(plan.chunks.size());
+  batch.num_prompt_logprob_rows.resize(plan.chunks.size());
   for (size_t i = 0; i < plan.chunks.size(); ++i) {
     const ScheduledChunk& sc = plan.chunks[i];
     const Request& r = *sc.request;
@@ -493,6 +497,20 @@ LlmEngine::StepBatch LlmEngine::BuildBatch(const SchedulerOutput& plan) const {
     }
     SequenceChunk& chunk = batch.chunks[i];
     chunk = SequenceChunk{tokens, r.num_computed_tokens, blocks_.BlockTable(r.seq_id), r.seq_id, sc.samples ? 1 : 0};
+    if (r.params.prompt_logprobs >= 0) {
+      // Position p's logits score prompt token p + 1: the chunk's positions before the prompt's
+      // last that are not scored yet (the scheduler attaches no cached block past those scored).
+      const int64_t chunk_end = r.num_computed_tokens + sc.num_new_tokens;
+      const int64_t first = int64_t(r.prompt_logprobs.size());
+      const int64_t end = std::min(chunk_end, int64_t(r.prompt.size()) - 1);
+      if (end > first) {
+        DUET_CHECK(first >= r.num_computed_tokens);
+        // They are the chunk's last rows, or all but its last (the sampled) one.
+        DUET_CHECK(end == chunk_end - (sc.samples ? 1 : 0));
+        batch.num_prompt_logprob_rows[i] = int32_t(end - first);
+        chunk.num_logits += int32_t(end - first);
+      }
+    }
     if (!parents.empty()) {  // a tree: every node's logits
       chunk.tree_parents = parents;
       chunk.num_logits = int32_t(tokens.size());
@@ -511,6 +529,10 @@ LlmEngine::StepBatch LlmEngine::BuildBatch(const SchedulerOutput& plan) const {
 std::optional<std::vector<DeviceSamplingRow>> LlmEngine::DeviceSamplingRows(const SchedulerOutput& plan,
                                                                            const StepBatch& batch) {
   if (!model_->CanSampleOnDevice()) return std::nullopt;
+  // Prompt logprobs need the rows' logits on the host.
+  for (int32_t rows : batch.num_prompt_logprob_rows) {
+    if (rows > 0) return std::nullopt;
+  }
   // Decided for the whole step before any request's generator is drawn from, so a request's
   // draws do not depend on what it is batched with.
   for (size_t i = 0; i < plan.chunks.size(); ++i) {
@@ -586,8 +608,12 @@ std::vector<RequestOutput> LlmEngine::ApplySamples(const SchedulerOutput& plan, 
   int64_t logit_row = 0;
   for (size_t i = 0; i < plan.chunks.size(); ++i) {
     const ScheduledChunk& sc = plan.chunks[i];
-    if (!sc.samples) continue;
     Request& r = *sc.request;
+    if (const int32_t rows = batch.num_prompt_logprob_rows[i]; rows > 0) {
+      ScorePromptRows(r, logit_row, rows);
+      logit_row += rows;
+    }
+    if (!sc.samples) continue;
     RequestOutput& out = outputs.emplace_back(RequestOutput{r.id});
     if (!batch.parents[i].empty()) {
       const int64_t first_row = logit_row;
@@ -621,6 +647,15 @@ SampledToken LlmEngine::SampleRow(Request& r, int64_t row, bool on_device) {
   absl::Span<float> logits(logits_.data() + row * vocab, size_t(vocab));
   return Sampler::Sample(logits, r.params, r.prompt, r.output, r.rng,
                          r.grammar ? absl::Span<const uint32_t>(r.token_mask) : absl::Span<const uint32_t>());
+}
+
+void LlmEngine::ScorePromptRows(Request& r, int64_t first_row, int32_t num_rows) {
+  const int64_t vocab = model_->config().vocab_size;
+  for (int32_t j = 0; j < num_rows; ++j) {
+    const size_t scored = r.prompt_logprobs.size() + 1;  // the prompt token this row scores
+    absl::Span<const float> logits(logits_.data() + (first_row + j) * vocab, size_t(vocab));
+    r.prompt_logprobs.push_back(Sampler::ScoreToken(logits, r.prompt[scored], r.params.prompt_logprobs));
+  }
 }
 
 void LlmEngine::ScorePlannedGuess(Request& r, int32_t token) {

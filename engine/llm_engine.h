@@ -56,6 +56,9 @@ struct RequestOutput {
   // With params.logprobs >= 0: per new token, its logprob and the top-N alternatives.
   std::vector<float> new_logprobs;
   std::vector<std::vector<TokenLogprob>> new_top_logprobs;
+  // With params.prompt_logprobs >= 0, on the output that carries the first token:
+  // Request::prompt_logprobs (one per prompt token after the first).
+  std::vector<ScoredToken> prompt_logprobs;
   bool finished = false;
   FinishReason finish_reason = FinishReason::kNone;
   std::string error;  // with FinishReason::kError
@@ -149,11 +152,13 @@ class LlmEngine {
 
  private:
   // One step's batch as the executor runs it: per scheduled chunk its tokens (new tokens, or
-  // the root and drafts of a draft tree it verifies) and the tree's parents (empty: no tree).
+  // the root and drafts of a draft tree it verifies), the tree's parents (empty: no tree) and
+  // its logits rows that score prompt tokens (prompt_logprobs; they come before a sampled row).
   // `chunks` point into `tokens` and `parents`.
   struct StepBatch {
     std::vector<std::vector<int32_t>> tokens;
     std::vector<std::vector<int32_t>> parents;
+    std::vector<int32_t> num_prompt_logprob_rows;
     std::vector<SequenceChunk> chunks;
     int64_t num_tokens = 0;
   };
@@ -170,6 +175,8 @@ class LlmEngine {
   std::vector<RequestOutput> FailStep(const SchedulerOutput& plan, const absl::Status& error);
   // The target's token for logits row `row` of this step.
   SampledToken SampleRow(Request& r, int64_t row, bool on_device);
+  // Scores the request's next `num_rows` prompt tokens from logits rows [first_row, + num_rows).
+  void ScorePromptRows(Request& r, int64_t first_row, int32_t num_rows);
   // A speculating request that verified no drafts this step: tells the decoder whether its
   // planned guess (lookahead's tree, kept for this) foresaw `token`.
   void ScorePlannedGuess(Request& r, int32_t token);

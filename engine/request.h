@@ -66,6 +66,9 @@ struct Request {
   size_t num_emitted_text = 0;  // bytes of `text` already streamed out
   std::vector<float> output_logprobs;
   std::vector<std::vector<TokenLogprob>> output_top_logprobs;
+  // With params.prompt_logprobs >= 0: entry i scores prompt[i + 1] (from position i's logits),
+  // appended as the prompt's chunks run; complete (prompt.size() - 1 entries) by the first token.
+  std::vector<ScoredToken> prompt_logprobs;
   SpeculationState spec;
   // With params.structured_output: the grammar's state after `output`, and its token mask.
   std::unique_ptr<grammar::GrammarMatcher> grammar;

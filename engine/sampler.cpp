@@ -52,7 +52,10 @@ absl::Status SamplingParams::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("cache_salt is ", cache_salt.size(), " bytes; at most ", kMaxCacheSaltBytes, " are allowed"));
   }
-  if (logprobs < -1 || logprobs > 20) return bad("logprobs", logprobs, "in [0, 20]");
+  if (logprobs < -1 || logprobs > kMaxLogprobs) return bad("logprobs", logprobs, "in [0, 20]");
+  if (prompt_logprobs < -1 || prompt_logprobs > kMaxLogprobs) {
+    return bad("prompt_logprobs", prompt_logprobs, "in [0, 20]");
+  }
   for (const std::string& s : stop) {
     if (s.empty()) return absl::InvalidArgumentError("stop strings must not be empty");
   }
@@ -172,6 +175,15 @@ std::vector<TokenLogprob> Sampler::LogSoftmaxTopN(absl::Span<const float> logits
   });
   for (size_t i = 0; i < count; ++i) top.push_back({order[i], logits[size_t(order[i])] - log_norm});
   return top;
+}
+
+ScoredToken Sampler::ScoreToken(absl::Span<const float> logits, int32_t token, int32_t k) {
+  DUET_CHECK(token >= 0 && size_t(token) < logits.size());
+  ScoredToken scored;
+  scored.top = LogSoftmaxTopN(logits, token, k, &scored.logprob);
+  const float own = logits[size_t(token)];
+  scored.rank = 1 + int32_t(std::count_if(logits.begin(), logits.end(), [own](float l) { return l > own; }));
+  return scored;
 }
 
 void Sampler::ApplyTokenMask(absl::Span<float> logits, absl::Span<const uint32_t> allowed) {

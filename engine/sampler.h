@@ -23,6 +23,14 @@ struct SampledToken {
   std::vector<TokenLogprob> top_logprobs; // params.logprobs entries, most likely first
 };
 
+// A token the model was given rather than sampled (a prompt token, vLLM's prompt_logprobs),
+// scored under the raw distribution of the position before it.
+struct ScoredToken {
+  float logprob = 0.0f;
+  int32_t rank = 0;              // 1: the most likely token (1 + the tokens more likely than it)
+  std::vector<TokenLogprob> top; // the distribution's top-K, most likely first
+};
+
 // A request's random stream: seeded for reproducibility, else from the OS entropy source.
 class SamplerRng {
  public:
@@ -52,6 +60,8 @@ class Sampler {
   static int32_t Argmax(absl::Span<const float> logits);
   static std::vector<TokenLogprob> LogSoftmaxTopN(absl::Span<const float> logits, int32_t chosen,
                                                   int32_t n, float* chosen_logprob);
+  // `token`'s logprob (log-softmax at temperature 1 of the raw logits), rank, and the top `k`.
+  static ScoredToken ScoreToken(absl::Span<const float> logits, int32_t token, int32_t k);
 };
 
 }  // namespace duet

@@ -41,6 +41,11 @@ struct SamplingParams {
   // by id, each id once, biases in [-100, 100].
   std::vector<std::pair<int32_t, float>> logit_bias;
   int32_t logprobs = -1;  // -1: none; N >= 0: chosen token's logprob plus top-N
+  // vLLM's prompt_logprobs. -1: none; K >= 0: every prompt token after the first gets its
+  // logprob, rank and the top-K of the distribution before it (Request::prompt_logprobs). The
+  // prompt is then computed whole: a cached prefix has no logits.
+  int32_t prompt_logprobs = -1;
+  static constexpr int32_t kMaxLogprobs = 20;  // for both, as vLLM's default max_logprobs
   std::optional<SpeculationMode> speculation;  // unset: the server's default
   // Grammar-constrained decoding (JSON schema, regex, choice, GBNF). A constrained request never
   // speculates: drafts are not checked against the grammar yet.

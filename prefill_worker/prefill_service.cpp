@@ -201,6 +201,7 @@ void PrefillService::PrefillCall::Start() {
                                   service_->block_size_, "-token blocks")));
   }
   transfer_->first_token = target.first_token();
+  transfer_->prompt_len = uint32_t(prompt_len);
   num_blocks_ = (prompt_len + service_->block_size_ - 1) / service_->block_size_ -
                 int64_t(transfer_->first_token) / service_->block_size_;
   // Over CUDA IPC the copies read the cache, ordered on its stream before any later reuse: no
@@ -341,6 +342,8 @@ grpc::Status PrefillService::PrefillCall::Reply(const RequestOutput& out, const 
                        out.new_top_logprobs.empty() ? std::vector<TokenLogprob>{} : out.new_top_logprobs[0]};
     rpc::ToProto(token, reply->mutable_first_token_logprobs());
   }
+  reply->mutable_prompt_logprobs()->Reserve(int(out.prompt_logprobs.size()));
+  for (const ScoredToken& scored : out.prompt_logprobs) rpc::ToProto(scored, reply->add_prompt_logprobs());
   reply->set_prefill_seconds(Seconds(std::chrono::steady_clock::now() - start_));
   return grpc::Status::OK;
 }
@@ -423,11 +426,11 @@ std::shared_ptr<PrefillService::PrefillCall> PrefillService::LeaveAdmission(cons
 void PrefillService::OnLayerDone(int64_t layer, absl::Span<const SequenceChunk> chunks) {
   if (stopping_ || transfers_.empty()) return;
   for (const SequenceChunk& chunk : chunks) {
-    // Only the chunk that completes the prompt ships (chunked prefill: all blocks at once).
-    if (chunk.num_logits <= 0) continue;
     auto it = transfers_.find(chunk.sequence_id);
     if (it == transfers_.end()) continue;
     const std::shared_ptr<Transfer>& t = it->second;
+    // Only the chunk that completes the prompt ships (chunked prefill: all blocks at once).
+    if (chunk.start_position + int64_t(chunk.tokens.size()) != int64_t(t->prompt_len)) continue;
     if (t->stage == Transfer::Stage::kUnsent && (layer != 0 || !BeginShipment(t, chunk))) continue;
     if (t->stage == Transfer::Stage::kSending) ShipLayer(t, layer);
   }

@@ -90,6 +90,7 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
     std::vector<uint32_t> dst_block_ids;
     // Prefix caching: the decode worker holds tokens [0, first_token); only the rest are sent.
     uint32_t first_token = 0;
+    uint32_t prompt_len = 0;  // the step whose chunk ends here completes the prompt and ships it
     std::vector<int32_t> staging_block_ids;  // taken at admission, freed when the shipment ends
     std::shared_ptr<PrefillCall> call;       // told how the shipment ended
     // Engine thread only, until the stage is kEnded.

@@ -203,6 +203,10 @@ void Job::OnMessage(int index, const v1::GenerateResponse& message) {
   Choice& choice = choices_[index];
   openai::ChoiceResult& r = choice.result;
   if (message.prompt_token_ids_size() > 0) r.prompt_tokens = message.prompt_token_ids_size();
+  if (request_.sampling.has_prompt_logprobs() && message.prompt_token_ids_size() > 0) {
+    r.prompt_token_ids.assign(message.prompt_token_ids().begin(), message.prompt_token_ids().end());
+    r.prompt_logprobs.assign(message.prompt_logprobs().begin(), message.prompt_logprobs().end());
+  }
   if (message.has_usage()) {
     if (message.usage().prompt_tokens() > 0) r.prompt_tokens = message.usage().prompt_tokens();
   }
@@ -270,20 +274,29 @@ void Job::OnMessage(int index, const v1::GenerateResponse& message) {
     }
   } else {
     std::string piece;
+    std::vector<int32_t> ids = new_ids;
+    size_t num_unscored = 0;
     if (request_.echo && !choice.echo_sent) {
       choice.echo_sent = true;
       const size_t p = static_cast<size_t>(index / request_.n);
       if (p < echo_prefix_.size()) piece = echo_prefix_[p];
       choice.text_offset = piece.size();
+      if (request_.logprobs) {
+        // The echoed prompt's tokens lead this chunk's logprobs, offsets counted from the first.
+        ids.insert(ids.begin(), r.prompt_token_ids.begin(), r.prompt_token_ids.end());
+        new_logprobs.insert(new_logprobs.begin(), r.prompt_logprobs.begin(), r.prompt_logprobs.end());
+        num_unscored = r.prompt_token_ids.empty() ? 0 : 1;
+        choice.text_offset = 0;
+      }
     }
     piece += text;
-    if (!piece.empty() || finish || !new_ids.empty()) {
+    if (!piece.empty() || finish || !ids.empty()) {
       openai::ChunkChoice chunk;
       chunk.index = index;
       chunk.content = std::move(piece);
       if (finish) chunk.stop_reason = r.stop_reason;
-      chunk.logprobs = request_.logprobs ? openai::CompletionLogprobs(api_->tokenizer(), new_ids, new_logprobs,
-                                                                      &choice.text_offset)
+      chunk.logprobs = request_.logprobs ? openai::CompletionLogprobs(api_->tokenizer(), ids, new_logprobs,
+                                                                      &choice.text_offset, num_unscored)
                                          : Json(nullptr);
       chunk.finish_reason = finish;
       out += openai::SseEvent(openai::CompletionChunk(id_, request_, chunk));

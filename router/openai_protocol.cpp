@@ -529,6 +529,21 @@ absl::Status ParseStreaming(const Json& j, ParsedRequest* out) {
   return absl::OkStatus();
 }
 
+// vLLM's `prompt_logprobs` (after `stream`): 0 to max_logprobs, not with streaming (as vLLM,
+// which takes 0 there and returns nothing).
+absl::Status ParsePromptLogprobs(const Json& j, const ProtocolContext& context, ParsedRequest* out) {
+  std::optional<int64_t> k;
+  DUET_RETURN_IF_ERROR(GetInt(j, "prompt_logprobs", 0, context.max_logprobs, &k));
+  if (!k) return absl::OkStatus();
+  if (out->stream) {
+    if (*k == 0) return absl::OkStatus();
+    return BadRequest("'prompt_logprobs' are not available when 'stream' is true", "prompt_logprobs");
+  }
+  out->prompt_logprobs = static_cast<int>(*k);
+  out->sampling.set_prompt_logprobs(static_cast<int32_t>(*k));
+  return absl::OkStatus();
+}
+
 // The fields both endpoints share, checked in this order (the first bad one is the error).
 absl::Status ParseCommon(const Json& j, const ProtocolContext& context, ParsedRequest* out) {
   DUET_RETURN_IF_ERROR(CheckModel(j, context));
@@ -541,6 +556,7 @@ absl::Status ParseCommon(const Json& j, const ProtocolContext& context, ParsedRe
   if (!out->chat) DUET_RETURN_IF_ERROR(RejectToolCalling(j));
   DUET_RETURN_IF_ERROR(ParseStructuredOutput(j, &out->sampling));
   DUET_RETURN_IF_ERROR(ParseStreaming(j, out));
+  DUET_RETURN_IF_ERROR(ParsePromptLogprobs(j, context, out));
   if (auto it = j.find("request_id"); it != j.end() && !it->is_null()) {
     if (!it->is_string()) return WrongType("request_id", "a string", *it);
     const std::string& id = it->get_ref<const std::string&>();
@@ -693,14 +709,8 @@ absl::StatusOr<ParsedRequest> ParseCompletionRequest(std::string_view body, cons
     out.logprobs = static_cast<int>(*n);
     out.sampling.set_logprobs(out.logprobs.value());
   }
-  if (out.echo && out.logprobs) {
-    // Prompt logprobs would need the prefill worker to score every prompt position, which it does
-    // not do: refuse (as OpenAI does for such models) rather than answer logprobs that cover the
-    // completion but not the echoed prompt.
-    return BadRequest(
-        "Setting 'echo' and 'logprobs' at the same time is not supported: prompt logprobs are not computed",
-        "echo");
-  }
+  // The echoed prompt's tokens get logprobs too (vLLM: prompt_logprobs defaults to logprobs).
+  if (out.echo && out.logprobs && !out.sampling.has_prompt_logprobs()) out.sampling.set_prompt_logprobs(*out.logprobs);
   if (auto sx = j.find("suffix"); sx != j.end() && !sx->is_null()) {
     return BadRequest("'suffix' is not supported", "suffix");
   }
@@ -918,30 +928,62 @@ std::string TokenString(const Tokenizer* tokenizer, int32_t id) {
 }
 
 Json CompletionLogprobs(const Tokenizer* tokenizer, const std::vector<int32_t>& ids,
-                        const std::vector<v1::TokenLogprobs>& logprobs, size_t* offset) {
+                        const std::vector<v1::TokenLogprobs>& logprobs, size_t* offset, size_t num_unscored) {
   Json tokens = Json::array(), token_logprobs = Json::array(), top_logprobs = Json::array(),
        text_offset = Json::array();
-  for (size_t k = 0; k < ids.size() && k < logprobs.size(); ++k) {
+  for (size_t k = 0; k < ids.size() && k < logprobs.size() + num_unscored; ++k) {
     const std::string token = TokenString(tokenizer, ids[k]);
     tokens.push_back(token);
+    text_offset.push_back(*offset);
+    *offset += token.size();
+    if (k < num_unscored) {
+      token_logprobs.push_back(nullptr);
+      top_logprobs.push_back(nullptr);
+      continue;
+    }
+    const v1::TokenLogprobs& scored = logprobs[k - num_unscored];
     Json lp;
-    ClampLogprob(&lp, logprobs[k].logprob());
+    ClampLogprob(&lp, scored.logprob());
     token_logprobs.push_back(lp);
     Json top = Json::object();
-    for (const v1::TopLogprob& t : logprobs[k].top()) {
+    for (const v1::TopLogprob& t : scored.top()) {
       Json v;
       ClampLogprob(&v, t.logprob());
       top[TokenString(tokenizer, t.token_id())] = v;
     }
     top_logprobs.push_back(std::move(top));
-    text_offset.push_back(*offset);
-    *offset += token.size();
   }
   Json out;
   out["tokens"] = std::move(tokens);
   out["token_logprobs"] = std::move(token_logprobs);
   out["top_logprobs"] = std::move(top_logprobs);
   out["text_offset"] = std::move(text_offset);
+  return out;
+}
+
+Json PromptLogprobsJson(const Tokenizer* tokenizer, const std::vector<int32_t>& prompt_ids,
+                        const std::vector<v1::TokenLogprobs>& logprobs) {
+  auto entry = [&](float logprob, int32_t rank, int32_t id) {
+    Json e;
+    ClampLogprob(&e["logprob"], logprob);
+    e["rank"] = rank;
+    e["decoded_token"] = TokenString(tokenizer, id);
+    return e;
+  };
+  Json out = Json::array();
+  if (prompt_ids.empty()) return out;
+  out.push_back(nullptr);  // the first token is not predicted
+  for (size_t i = 0; i < logprobs.size() && i + 1 < prompt_ids.size(); ++i) {
+    const int32_t id = prompt_ids[i + 1];
+    const v1::TokenLogprobs& lp = logprobs[i];
+    Json position = Json::object();
+    position[std::to_string(id)] = entry(lp.logprob(), lp.rank(), id);
+    for (int t = 0; t < lp.top_size(); ++t) {
+      if (lp.top(t).token_id() == id) continue;  // its own entry, already first
+      position[std::to_string(lp.top(t).token_id())] = entry(lp.top(t).logprob(), t + 1, lp.top(t).token_id());
+    }
+    out.push_back(std::move(position));
+  }
   return out;
 }
 
@@ -1002,7 +1044,15 @@ Json CompletionResponse(const std::string& id, const ParsedRequest& request, con
     Json choice;
     choice["index"] = c.index;
     choice["text"] = prefix + c.text;
-    if (request.logprobs) {
+    if (request.logprobs && request.echo) {
+      // The echoed prompt's tokens, then the output's, offsets counted from the first (as vLLM).
+      std::vector<int32_t> ids = c.prompt_token_ids;
+      ids.insert(ids.end(), c.token_ids.begin(), c.token_ids.end());
+      std::vector<v1::TokenLogprobs> logprobs = c.prompt_logprobs;
+      logprobs.insert(logprobs.end(), c.logprobs.begin(), c.logprobs.end());
+      size_t offset = 0;
+      choice["logprobs"] = CompletionLogprobs(tokenizer, ids, logprobs, &offset, /*num_unscored=*/1);
+    } else if (request.logprobs) {
       size_t offset = prefix.size();
       choice["logprobs"] = CompletionLogprobs(tokenizer, c.token_ids, c.logprobs, &offset);
     } else {
@@ -1010,6 +1060,9 @@ Json CompletionResponse(const std::string& id, const ParsedRequest& request, con
     }
     choice["finish_reason"] = c.finish_reason.empty() ? Json(nullptr) : Json(c.finish_reason);
     choice["stop_reason"] = c.stop_reason;
+    if (request.prompt_logprobs) {
+      choice["prompt_logprobs"] = PromptLogprobsJson(tokenizer, c.prompt_token_ids, c.prompt_logprobs);
+    }
     list.push_back(std::move(choice));
   }
   out["choices"] = std::move(list);
@@ -1048,6 +1101,12 @@ Json ChatResponse(const std::string& id, const ParsedRequest& request, const Tok
   }
   out["choices"] = std::move(list);
   out["usage"] = TotalUsage(request, choices);
+  // vLLM: the prompt's, once for the response (every choice has the same prompt).
+  if (request.prompt_logprobs) {
+    out["prompt_logprobs"] = choices.empty() ? Json(nullptr)
+                                             : PromptLogprobsJson(tokenizer, choices[0].prompt_token_ids,
+                                                                  choices[0].prompt_logprobs);
+  }
   return out;
 }
 

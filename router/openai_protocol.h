@@ -101,6 +101,10 @@ struct ParsedRequest {
   bool include_stop_str_in_output = false;  // the stop string that ended a choice ends its text
   // completions: `logprobs` (top-N); chat: `top_logprobs` when `logprobs` is true.
   std::optional<int> logprobs;
+  // vLLM's `prompt_logprobs` (both endpoints, not streaming): the choices' `prompt_logprobs`
+  // (chat: the response's). Completions with `echo` and `logprobs` score the prompt too (top
+  // `prompt_logprobs`, else `logprobs`), for the echoed tokens' logprobs.
+  std::optional<int> prompt_logprobs;
   bool chat_add_role_first = true;   // chat streaming: first chunk carries the role
   int64_t created = 0;
   // The client's `request_id` (a vLLM extra field; at most kMaxRequestIdBytes): the response is
@@ -146,6 +150,10 @@ struct ChoiceResult {
   std::string text;
   std::vector<int32_t> token_ids;
   std::vector<v1::TokenLogprobs> logprobs;  // one per token id, when asked
+  // When the prompt was scored (sampling.prompt_logprobs): its ids, and one entry per id after
+  // the first.
+  std::vector<int32_t> prompt_token_ids;
+  std::vector<v1::TokenLogprobs> prompt_logprobs;
   std::string finish_reason;
   Json stop_reason;  // vLLM's: the stop string or stop token id that ended the choice, else null
   int prompt_tokens = 0;
@@ -165,9 +173,15 @@ Json UsageJson(int prompt_tokens, int completion_tokens);
 // A token as a string for logprobs (its own decoded text, special tokens kept).
 std::string TokenString(const Tokenizer* tokenizer, int32_t id);
 // Completions logprobs: {tokens, token_logprobs, top_logprobs, text_offset}; `offset` is the
-// text offset of the first token (grows as tokens are added).
+// text offset of the first token (grows as tokens are added). The first `num_unscored` ids have
+// none (null; echo: the prompt's first token), logprobs[k] is that of ids[num_unscored + k].
 Json CompletionLogprobs(const Tokenizer* tokenizer, const std::vector<int32_t>& ids,
-                        const std::vector<v1::TokenLogprobs>& logprobs, size_t* offset);
+                        const std::vector<v1::TokenLogprobs>& logprobs, size_t* offset, size_t num_unscored = 0);
+// vLLM's prompt_logprobs: null for the first prompt token, then per token an object
+// {"<token id>": {"logprob", "rank", "decoded_token"}} with the prompt token's own entry first
+// and then the top-K (ranks 1..K) other than it. `logprobs[i]` is prompt_ids[i + 1]'s.
+Json PromptLogprobsJson(const Tokenizer* tokenizer, const std::vector<int32_t>& prompt_ids,
+                        const std::vector<v1::TokenLogprobs>& logprobs);
 // Chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}.
 Json ChatLogprobs(const Tokenizer* tokenizer, const std::vector<int32_t>& ids,
                   const std::vector<v1::TokenLogprobs>& logprobs, int top_n);

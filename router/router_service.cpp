@@ -165,6 +165,28 @@ void CallWorker(const Worker& worker, const std::string& method, std::shared_ptr
                  });
 }
 
+// Why a prefill worker's prompt logprobs cannot be relayed for a prompt of `prompt_len` tokens
+// that asked for the top `k` (-1: none asked); empty when they can.
+std::string InvalidPromptLogprobs(const v1::PrefillResponse& reply, int64_t prompt_len, int32_t k, int64_t vocab_size) {
+  if (k < 0) return reply.prompt_logprobs().empty() ? "" : "prompt logprobs that were not asked for";
+  if (reply.prompt_logprobs_size() != prompt_len - 1) {
+    return absl::StrFormat("%d prompt logprobs for a prompt of %d tokens", reply.prompt_logprobs_size(), prompt_len);
+  }
+  for (const v1::TokenLogprobs& lp : reply.prompt_logprobs()) {
+    if (lp.top_size() != k || lp.rank() < 1 || lp.rank() > vocab_size) {
+      return absl::StrFormat("a prompt logprob with rank %d and %d top entries (asked for %d)", lp.rank(),
+                             lp.top_size(), k);
+    }
+    for (const v1::TopLogprob& top : lp.top()) {
+      if (top.token_id() < 0 || top.token_id() >= vocab_size) {
+        return absl::StrFormat("prompt logprob token id %d, out of vocabulary (vocab size %d)", top.token_id(),
+                               vocab_size);
+      }
+    }
+  }
+  return "";
+}
+
 // Why a decode worker's stream message cannot be relayed; empty when it can.
 std::string InvalidDecodeMessage(const v1::GenerateResponse& message, int64_t vocab_size, bool finished_before) {
   if (finished_before) return "a message after the request had finished";
@@ -782,6 +804,10 @@ void RouterService::GenerateCall::OnPrefilled(const grpc::Status& status, const 
       invalid = absl::StrFormat("first token id %d, out of vocabulary (vocab size %d)", reply->first_token_id(),
                                 service_->options_.vocab_size);
     } else {
+      invalid = InvalidPromptLogprobs(*reply, int64_t(prepared_.prompt_token_ids.size()),
+                                      prepared_.params.prompt_logprobs, service_->options_.vocab_size);
+    }
+    if (invalid.empty()) {
       RecordWorkerCall(metrics::RouterMetrics::WorkerCall::kPrefill);
       prefilled_ = *reply;
       return StartDecode();
@@ -855,6 +881,8 @@ void RouterService::GenerateCall::OnDecodeMessage(grpc::ByteBuffer* bytes) {
     if (out_.prompt_token_ids().empty()) {
       out_.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
     }
+    // The prefill worker scored the prompt: its logprobs go out with the prompt's ids.
+    out_.mutable_prompt_logprobs()->Swap(prefilled_.mutable_prompt_logprobs());
     prompt_sent_ = true;
   }
   completion_tokens_ += out_.token_ids_size();

@@ -33,6 +33,7 @@ absl::StatusOr<SamplingParams> ToSamplingParams(const v1::SamplingOptions& o) {
   p.logit_bias.assign(o.logit_bias().begin(), o.logit_bias().end());
   std::sort(p.logit_bias.begin(), p.logit_bias.end());  // a map has unique keys
   if (o.has_logprobs()) p.logprobs = o.logprobs();
+  if (o.has_prompt_logprobs()) p.prompt_logprobs = o.prompt_logprobs();
   if (o.has_speculation()) {
     absl::StatusOr<SpeculationMode> mode = ParseSpeculationMode(o.speculation());
     if (!mode.ok()) return mode.status();
@@ -76,6 +77,7 @@ v1::SamplingOptions ToSamplingOptions(const SamplingParams& p) {
   for (const auto& [id, bias] : p.logit_bias) (*o.mutable_logit_bias())[id] = bias;
   o.set_ignore_eos(p.ignore_eos);
   if (p.logprobs >= 0) o.set_logprobs(p.logprobs);
+  if (p.prompt_logprobs >= 0) o.set_prompt_logprobs(p.prompt_logprobs);
   if (p.speculation) o.set_speculation(SpeculationModeName(*p.speculation));
   if (!p.cache_salt.empty()) o.set_cache_salt(p.cache_salt);
   const grammar::StructuredOutput& c = p.structured_output;
@@ -96,6 +98,16 @@ v1::SamplingOptions ToSamplingOptions(const SamplingParams& p) {
 void ToProto(const SampledToken& token, v1::TokenLogprobs* out) {
   out->set_logprob(token.logprob);
   for (const TokenLogprob& t : token.top_logprobs) {
+    v1::TopLogprob* top = out->add_top();
+    top->set_token_id(t.token);
+    top->set_logprob(t.logprob);
+  }
+}
+
+void ToProto(const ScoredToken& token, v1::TokenLogprobs* out) {
+  out->set_logprob(token.logprob);
+  out->set_rank(token.rank);
+  for (const TokenLogprob& t : token.top) {
     v1::TopLogprob* top = out->add_top();
     top->set_token_id(t.token);
     top->set_logprob(t.logprob);

@@ -28,6 +28,7 @@ absl::StatusOr<SamplingParams> ToSamplingParams(const v1::SamplingOptions& optio
 v1::SamplingOptions ToSamplingOptions(const SamplingParams& params);
 
 void ToProto(const SampledToken& token, v1::TokenLogprobs* out);
+void ToProto(const ScoredToken& token, v1::TokenLogprobs* out);  // with its rank
 SampledToken FromProto(int32_t token_id, const v1::TokenLogprobs& logprobs);
 
 // A worker's GetStats answer from its engine counters (leases are the caller's to add).

@@ -128,7 +128,12 @@ SchedulerOutput Scheduler::Schedule() {
 
 void Scheduler::AttachCachedPrefix(Request* r) {
   // At most all but the last token: the step that computes it produces the logits to sample.
-  const int32_t max_blocks = int32_t((r->num_tokens() - 1) / blocks_.block_size());
+  int32_t max_blocks = int32_t((r->num_tokens() - 1) / blocks_.block_size());
+  // Prompt logprobs need the logits of every prompt position not scored yet: a cached block has
+  // none, so those positions are computed again (as vLLM does).
+  if (r->params.prompt_logprobs >= 0) {
+    max_blocks = std::min(max_blocks, int32_t(int64_t(r->prompt_logprobs.size()) / blocks_.block_size()));
+  }
   if (r->output.empty()) {
     r->num_computed_tokens = blocks_.AttachCachedPrefix(r->seq_id, r->prefix_seed, r->prompt, max_blocks);
     return;
