@@ -36,6 +36,18 @@ grpc::Status FakePrefillWorker::Prefill(grpc::ServerContext* context, const v1::
     return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
   }
   response->set_first_token_id(first_token);
+  if (request->sampling().has_prompt_logprobs()) {
+    for (int i = 0; i + 1 + missing_prompt_logprobs < request->prompt_token_ids_size(); ++i) {
+      v1::TokenLogprobs* lp = response->add_prompt_logprobs();
+      lp->set_logprob(-float(i + 1));
+      lp->set_rank(i + 2);
+      for (int k = 0; k < request->sampling().prompt_logprobs(); ++k) {
+        v1::TopLogprob* top = lp->add_top();
+        top->set_token_id(k);
+        top->set_logprob(-0.1f * float(k + 1));
+      }
+    }
+  }
   return grpc::Status::OK;
 }
 
@@ -111,6 +123,15 @@ grpc::Status FakeDecodeWorker::Decode(grpc::ServerContext* context, const v1::De
     message.set_request_id("worker-side-id");
     message.add_token_ids(request->first_token_id() + i);
     message.set_text(script.empty() ? "t" + std::to_string(i) + " " : script[static_cast<size_t>(i)]);
+    if (request->sampling().has_logprobs()) {  // -0.5 each, top ids 0..N-1
+      v1::TokenLogprobs* lp = message.add_logprobs();
+      lp->set_logprob(-0.5f);
+      for (int k = 0; k < request->sampling().logprobs(); ++k) {
+        v1::TopLogprob* top = lp->add_top();
+        top->set_token_id(k);
+        top->set_logprob(-0.5f);
+      }
+    }
     if (i + 1 == max_tokens) {
       message.set_finished(true);
       message.set_finish_reason(finish_reason);

@@ -28,6 +28,9 @@ class FakePrefillWorker final : public v1::PrefillWorker::Service {
   std::atomic<bool> fail_unavailable{false};  // Prefill returns UNAVAILABLE
   std::atomic<int> num_prefills{0};
   std::atomic<int> num_cancelled{0};          // Prefill calls that saw their cancellation
+  // With sampling.prompt_logprobs K: entry i (prompt token i + 1) has logprob -(i + 1), rank
+  // i + 2 and top ids 0..K-1; this many entries fewer (a broken worker).
+  std::atomic<int> missing_prompt_logprobs{0};
 
   std::vector<int32_t> last_prompt() const;
   std::vector<std::string> aborted() const;
@@ -39,7 +42,8 @@ class FakePrefillWorker final : public v1::PrefillWorker::Service {
 };
 
 // Decode streams first_token_id, then first_token_id+1, ... (max_tokens in all), one token per
-// message with text "t<i> ", the last one finished with "length" and usage. With a script, the
+// message with text "t<i> " (and, with sampling.logprobs N, logprob -0.5 and top ids 0..N-1),
+// the last one finished with "length" and usage. With a script, the
 // texts are the script's (one token each, at most max_tokens) and the last finishes with its reason.
 class FakeDecodeWorker final : public v1::DecodeWorker::Service {
  public:

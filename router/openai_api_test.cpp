@@ -176,6 +176,72 @@ TEST_F(OpenAiApiTest, CompletionNAndEcho) {
   EXPECT_EQ(j["usage"]["completion_tokens"], 8);
 }
 
+// echo + logprobs: the prompt's tokens (scored by the prefill worker) lead the choice's logprobs,
+// whole and streamed; prompt_logprobs comes in vLLM's shape.
+TEST_F(OpenAiApiTest, EchoWithLogprobsAndPromptLogprobs) {
+  StartRouter();
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(DUET_MODELS_DIR "/tiny-code-llama");
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  const std::vector<int32_t> prompt = (*tokenizer)->Encode("import os", /*add_special_tokens=*/true);
+  ASSERT_GE(prompt.size(), 2u);
+  Response r = Call("POST", "/v1/completions", R"({"prompt":"import os","max_tokens":2,"echo":true,"logprobs":1})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  json l = json::parse(r.body)["choices"][0]["logprobs"];
+  ASSERT_EQ(l["tokens"].size(), prompt.size() + 2) << l.dump();
+  EXPECT_TRUE(l["token_logprobs"][0].is_null());
+  EXPECT_TRUE(l["top_logprobs"][0].is_null());
+  for (size_t i = 1; i < prompt.size(); ++i) {
+    EXPECT_EQ(l["token_logprobs"][i], -double(i)) << i;  // the fake prefill worker's
+    EXPECT_EQ(l["top_logprobs"][i].size(), 1u) << i;
+  }
+  EXPECT_EQ(l["token_logprobs"][prompt.size()], -0.5);  // the fake decode worker's
+  EXPECT_EQ(l["text_offset"][0], 0);
+  ASSERT_EQ(prefill_.last_prompt(), prompt);
+
+  // Streamed: the first chunk has the echoed prompt and its logprobs, the next ones continue.
+  r = Call("POST", "/v1/completions",
+           R"({"prompt":"import os","max_tokens":2,"echo":true,"logprobs":1,"stream":true})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  std::vector<json> events = SseEvents(r.body);
+  ASSERT_GE(events.size(), 2u);
+  json streamed_tokens = json::array(), streamed_offsets = json::array(), streamed_logprobs = json::array();
+  for (const json& e : events) {
+    const json& lp = e["choices"][0]["logprobs"];
+    for (size_t i = 0; i < lp["tokens"].size(); ++i) {
+      streamed_tokens.push_back(lp["tokens"][i]);
+      streamed_offsets.push_back(lp["text_offset"][i]);
+      streamed_logprobs.push_back(lp["token_logprobs"][i]);
+    }
+  }
+  EXPECT_EQ(streamed_tokens, l["tokens"]);
+  EXPECT_EQ(streamed_offsets, l["text_offset"]);
+  EXPECT_EQ(streamed_logprobs, l["token_logprobs"]);
+  EXPECT_EQ(events[0]["choices"][0]["text"].get<std::string>().rfind("import os", 0), 0u);
+
+  // prompt_logprobs by name: vLLM's list on the choice (chat: on the response).
+  r = Call("POST", "/v1/completions", R"({"prompt":"import os","max_tokens":1,"prompt_logprobs":2})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json pl = json::parse(r.body)["choices"][0]["prompt_logprobs"];
+  ASSERT_EQ(pl.size(), prompt.size());
+  EXPECT_TRUE(pl[0].is_null());
+  const json own = pl[1][std::to_string(prompt[1])];
+  EXPECT_EQ(own["logprob"], -1.0);
+  EXPECT_EQ(own["rank"], 2);
+  EXPECT_EQ(own["decoded_token"], (*tokenizer)->Decode(std::vector<int32_t>{prompt[1]}, false));
+  EXPECT_EQ(pl[1]["1"]["rank"], 2);  // top ids 0 and 1 from the fake worker
+  r = Call("POST", "/v1/chat/completions",
+           R"({"messages":[{"role":"user","content":"hi"}],"max_tokens":1,"prompt_logprobs":0})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json chat = json::parse(r.body);
+  ASSERT_TRUE(chat["prompt_logprobs"].is_array()) << r.body;
+  EXPECT_TRUE(chat["prompt_logprobs"][0].is_null());
+  EXPECT_EQ(chat["prompt_logprobs"][1].size(), 1u);  // K = 0: the token's own entry alone
+
+  r = Call("POST", "/v1/completions", R"({"prompt":"import os","prompt_logprobs":21})");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(json::parse(r.body)["error"]["param"], "prompt_logprobs");
+}
+
 TEST_F(OpenAiApiTest, ChatStreamFraming) {
   StartRouter();
   Response r = Call("POST", "/v1/chat/completions",

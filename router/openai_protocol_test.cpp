@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "frontend/chat_template/chat_template.h"
@@ -132,7 +133,13 @@ TEST_F(ProtocolTest, CompletionErrors) {
       {R"({"prompt":"x","logprobs":21})", 400, "logprobs"},
       {R"({"prompt":"x","logprobs":-1})", 400, "logprobs"},
       {R"({"prompt":"x","echo":"yes"})", 400, "echo"},
-      {R"({"prompt":"x","echo":true,"logprobs":0})", 400, "echo"},  // prompt logprobs
+      {R"({"prompt":"x","prompt_logprobs":21})", 400, "prompt_logprobs"},
+      {R"({"prompt":"x","prompt_logprobs":-1})", 400, "prompt_logprobs"},
+      {R"({"prompt":"x","prompt_logprobs":true})", 400, "prompt_logprobs"},
+      {R"({"prompt":"x","prompt_logprobs":"2"})", 400, "prompt_logprobs"},
+      {R"({"prompt":"x","prompt_logprobs":1.5})", 400, "prompt_logprobs"},
+      {R"({"prompt":"x","prompt_logprobs":1,"stream":true})", 400, "prompt_logprobs"},
+      {R"({"prompt":"x","echo":true,"logprobs":21})", 400, "logprobs"},
       {R"({"prompt":"x","ignore_eos":1})", 400, "ignore_eos"},
       {R"({"prompt":"x","stream":"true"})", 400, "stream"},
       {R"({"prompt":"x","stream_options":{"include_usage":true}})", 400, "stream_options"},
@@ -559,6 +566,137 @@ TEST_F(ProtocolTest, SseFramingAndChunks) {
   EXPECT_EQ(last["choices"][0]["delta"], Json::object());
   EXPECT_EQ(last["choices"][0]["finish_reason"], "length");
   EXPECT_EQ(NewId("cmpl-").size(), 5u + 32u);
+}
+
+// vLLM: echo with logprobs scores the prompt with logprobs' top-N unless prompt_logprobs says
+// otherwise; prompt_logprobs alone asks for the prompt's on both endpoints; 0 with a stream is
+// taken and gives nothing (vLLM too).
+TEST_F(ProtocolTest, PromptLogprobsRequests) {
+  ParsedRequest echo = Completion(R"({"prompt":"x","echo":true,"logprobs":2})");
+  EXPECT_EQ(echo.sampling.prompt_logprobs(), 2);
+  EXPECT_FALSE(echo.prompt_logprobs.has_value());  // no prompt_logprobs field in the choices
+  echo = Completion(R"({"prompt":"x","echo":true,"logprobs":0,"stream":true})");
+  EXPECT_EQ(echo.sampling.prompt_logprobs(), 0);
+  echo = Completion(R"({"prompt":"x","echo":true,"logprobs":2,"prompt_logprobs":4})");
+  EXPECT_EQ(echo.sampling.prompt_logprobs(), 4);
+  EXPECT_EQ(echo.prompt_logprobs, 4);
+  EXPECT_FALSE(Completion(R"({"prompt":"x","echo":true})").sampling.has_prompt_logprobs());
+  EXPECT_FALSE(Completion(R"({"prompt":"x","logprobs":3})").sampling.has_prompt_logprobs());
+  EXPECT_FALSE(Completion(R"({"prompt":"x","prompt_logprobs":0,"stream":true})").sampling.has_prompt_logprobs());
+  const ParsedRequest k = Completion(R"({"prompt":"x","prompt_logprobs":20})");
+  EXPECT_EQ(k.prompt_logprobs, 20);
+  EXPECT_EQ(k.sampling.prompt_logprobs(), 20);
+  absl::StatusOr<ParsedRequest> chat =
+      ParseChatRequest(R"({"messages":[{"role":"user","content":"x"}],"prompt_logprobs":3})", context_);
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  EXPECT_EQ(chat->sampling.prompt_logprobs(), 3);
+  for (const char* bad : {R"({"messages":[{"role":"user","content":"x"}],"prompt_logprobs":21})",
+                          R"({"messages":[{"role":"user","content":"x"}],"prompt_logprobs":2,"stream":true})"}) {
+    const ApiError e = ChatError(bad);
+    EXPECT_EQ(e.status, 400) << bad;
+    EXPECT_EQ(e.param.value_or(""), "prompt_logprobs") << bad;
+  }
+}
+
+// The prompt's scores as a router choice result holds them: token ids and one TokenLogprobs per
+// token after the first.
+void SetPromptScores(ChoiceResult* c, const std::vector<int32_t>& prompt) {
+  c->prompt_token_ids = prompt;
+  c->prompt_logprobs.clear();
+  for (size_t i = 1; i < prompt.size(); ++i) {
+    v1::TokenLogprobs lp;
+    lp.set_logprob(-1.0f * float(i));
+    lp.set_rank(int32_t(i) + 1);
+    v1::TopLogprob* top = lp.add_top();  // the most likely: another token
+    top->set_token_id(prompt[i] + 1);
+    top->set_logprob(-0.25f);
+    top = lp.add_top();
+    top->set_token_id(prompt[i]);  // the prompt token itself is the second most likely
+    top->set_logprob(-1.0f * float(i));
+    c->prompt_logprobs.push_back(lp);
+  }
+}
+
+TEST_F(ProtocolTest, EchoWithLogprobsCoversThePromptThenTheOutput) {
+  const ParsedRequest r = Completion(R"({"prompt":"def f","echo":true,"logprobs":2})");
+  const std::vector<int32_t> prompt = tokenizer_->Encode("def f", true);
+  ASSERT_GE(prompt.size(), 2u);
+  ChoiceResult c;
+  c.text = "()";
+  c.token_ids = {tokenizer_->Encode("()", false)[0]};
+  v1::TokenLogprobs lp;
+  lp.set_logprob(-0.5f);
+  v1::TopLogprob* top = lp.add_top();
+  top->set_token_id(c.token_ids[0]);
+  top->set_logprob(-0.5f);
+  c.logprobs = {lp};
+  c.finish_reason = "length";
+  SetPromptScores(&c, prompt);
+  const Json out = CompletionResponse("cmpl-e", r, tokenizer_.get(), {c}, {"def f"});
+  const Json& choice = out["choices"][0];
+  EXPECT_EQ(choice["text"], "def f()");
+  EXPECT_FALSE(choice.contains("prompt_logprobs"));  // not asked for by name
+  const Json& l = choice["logprobs"];
+  const size_t n = prompt.size() + 1;
+  ASSERT_EQ(l["tokens"].size(), n);
+  ASSERT_EQ(l["token_logprobs"].size(), n);
+  ASSERT_EQ(l["top_logprobs"].size(), n);
+  ASSERT_EQ(l["text_offset"].size(), n);
+  EXPECT_TRUE(l["token_logprobs"][0].is_null());
+  EXPECT_TRUE(l["top_logprobs"][0].is_null());
+  size_t offset = 0;
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    EXPECT_EQ(l["tokens"][i], TokenString(tokenizer_.get(), prompt[i])) << i;
+    EXPECT_EQ(l["text_offset"][i], offset) << i;
+    offset += TokenString(tokenizer_.get(), prompt[i]).size();
+    if (i == 0) continue;
+    EXPECT_EQ(l["token_logprobs"][i], -1.0 * double(i)) << i;
+    EXPECT_EQ(l["top_logprobs"][i].size(), 2u) << i;
+    EXPECT_EQ(l["top_logprobs"][i][TokenString(tokenizer_.get(), prompt[i] + 1)], -0.25) << i;
+  }
+  EXPECT_EQ(l["tokens"][n - 1], TokenString(tokenizer_.get(), c.token_ids[0]));
+  EXPECT_EQ(l["token_logprobs"][n - 1], -0.5);
+  EXPECT_EQ(l["text_offset"][n - 1], offset);
+}
+
+TEST_F(ProtocolTest, PromptLogprobsFollowVllmsShape) {
+  const std::vector<int32_t> prompt = tokenizer_->Encode("import os", true);
+  ASSERT_GE(prompt.size(), 2u);
+  ChoiceResult c;
+  c.text = "x";
+  c.finish_reason = "length";
+  SetPromptScores(&c, prompt);
+  // vLLM: [null, {"<id>": {logprob, rank, decoded_token}, ...}, ...], the prompt token's own
+  // entry first, then the top-K without it.
+  Json want = Json::array({nullptr});
+  for (size_t i = 1; i < prompt.size(); ++i) {
+    Json position = Json::object();
+    position[std::to_string(prompt[i])] = {{"logprob", -1.0 * double(i)},
+                                           {"rank", int(i) + 1},
+                                           {"decoded_token", TokenString(tokenizer_.get(), prompt[i])}};
+    position[std::to_string(prompt[i] + 1)] = {
+        {"logprob", -0.25}, {"rank", 1}, {"decoded_token", TokenString(tokenizer_.get(), prompt[i] + 1)}};
+    want.push_back(position);
+  }
+  const ParsedRequest r = Completion(R"({"prompt":"import os","prompt_logprobs":2})");
+  const Json out = CompletionResponse("cmpl-p", r, tokenizer_.get(), {c}, {});
+  EXPECT_EQ(out["choices"][0]["prompt_logprobs"], want);
+  EXPECT_EQ(out["choices"][0]["prompt_logprobs"].dump(), want.dump());  // the own entry first
+  EXPECT_TRUE(out["choices"][0]["logprobs"].is_null());
+  // Chat: once, at the top of the response (as vLLM).
+  absl::StatusOr<ParsedRequest> chat =
+      ParseChatRequest(R"({"messages":[{"role":"user","content":"x"}],"prompt_logprobs":2})", context_);
+  ASSERT_TRUE(chat.ok());
+  const Json chat_out = ChatResponse("chatcmpl-p", *chat, tokenizer_.get(), {c});
+  EXPECT_EQ(chat_out["prompt_logprobs"], want);
+  EXPECT_FALSE(chat_out["choices"][0].contains("prompt_logprobs"));
+  // Unasked, none.
+  EXPECT_FALSE(CompletionResponse("cmpl-q", Completion(R"({"prompt":"x"})"), tokenizer_.get(), {c}, {})["choices"][0]
+                   .contains("prompt_logprobs"));
+  // -inf becomes -9999.0, as vLLM's clamp.
+  c.prompt_logprobs[0].set_logprob(-std::numeric_limits<float>::infinity());
+  const Json clamped = CompletionResponse("cmpl-r", r, tokenizer_.get(), {c}, {});
+  EXPECT_EQ(clamped["choices"][0]["prompt_logprobs"][1][std::to_string(prompt[1])]["logprob"], -9999.0);
 }
 
 TEST_F(ProtocolTest, ResponsesAndLogprobs) {

@@ -207,6 +207,45 @@ std::vector<int32_t> Iota(int32_t first, int count) {
 // What the router learns from its placements: the prompt on both workers, and the prompt with the
 // output on the decode worker once the stream has finished; the next chat turn, which extends
 // them, is predicted cached that far. (The fake workers report 16-token blocks.)
+// The prefill worker's prompt logprobs reach the client on the first message, with the prompt's
+// ids; a reply without them all is an error, not a silent gap.
+TEST_F(RouterServiceTest, RelaysPromptLogprobsOnTheFirstMessage) {
+  Start(1, 1);
+  v1::GenerateRequest request = TokenRequest({5, 6, 7, 8}, 3);
+  request.mutable_sampling()->set_prompt_logprobs(2);
+  Result result = Generate(request);
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  ASSERT_EQ(result.messages.size(), 3u);
+  const v1::GenerateResponse& first = result.messages[0];
+  EXPECT_THAT(first.prompt_token_ids(), ::testing::ElementsAre(5, 6, 7, 8));
+  ASSERT_EQ(first.prompt_logprobs_size(), 3);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(first.prompt_logprobs(i).logprob(), -float(i + 1));
+    EXPECT_EQ(first.prompt_logprobs(i).rank(), i + 2);
+    EXPECT_EQ(first.prompt_logprobs(i).top_size(), 2);
+  }
+  for (size_t i = 1; i < result.messages.size(); ++i) EXPECT_EQ(result.messages[i].prompt_logprobs_size(), 0);
+  // Not asked: none.
+  result = Generate(TokenRequest({5, 6, 7, 8}, 2));
+  ASSERT_TRUE(result.status.ok());
+  EXPECT_EQ(result.messages[0].prompt_logprobs_size(), 0);
+  // Too many asked: INVALID_ARGUMENT naming the field, before any worker runs.
+  const int prefills = prefill_[0]->num_prefills;
+  request.mutable_sampling()->set_prompt_logprobs(21);
+  result = Generate(request);
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(result.status.error_message(), HasSubstr("prompt_logprobs"));
+  EXPECT_EQ(prefill_[0]->num_prefills, prefills);
+  // A prefill worker that leaves one out: INTERNAL, and the decode worker's blocks are released.
+  prefill_[0]->missing_prompt_logprobs = 1;
+  request.mutable_sampling()->set_prompt_logprobs(2);
+  result = Generate(request);
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_THAT(result.status.error_message(), HasSubstr("prompt logprobs"));
+  EXPECT_TRUE(WaitFor([&] { return !decode_[0]->aborted().empty(); }));
+  EXPECT_EQ(service_->num_in_flight(), 0);
+}
+
 TEST_F(RouterServiceTest, PlacementsFeedThePrefixIndexAndItsCounters) {
   Start(1, 1);
   const Worker* prefill = registry_->prefill_workers()[0];
