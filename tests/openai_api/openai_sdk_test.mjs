@@ -129,6 +129,51 @@ await test('completions: stop strings, echo, logprobs', async () => {
   assert.equal(l.tokens.join(''), lp.choices[0].text);
 });
 
+await test('completions: echo + logprobs score the prompt; prompt_logprobs (vLLM)', async () => {
+  const prompt = 'def fib(n):';
+  const plain = await client.completions.create({ model, prompt, max_tokens: 4, ...greedy, logprobs: 2 });
+  const r = await client.completions.create({ model, prompt, max_tokens: 4, ...greedy, echo: true, logprobs: 2 });
+  const c = r.choices[0];
+  assert.equal(c.text, prompt + plain.choices[0].text);
+  const l = c.logprobs;
+  const numPrompt = l.tokens.length - 4;
+  assert.ok(numPrompt >= 2, `the prompt's tokens lead: ${JSON.stringify(l.tokens)}`);
+  assert.equal(l.token_logprobs[0], null);  // the first token is not predicted
+  assert.equal(l.top_logprobs[0], null);
+  assert.ok(l.token_logprobs.slice(1).every((x) => typeof x === 'number' && x <= 0));
+  assert.ok(l.top_logprobs.slice(1).every((t) => Object.keys(t).length === 2));
+  assert.deepEqual(l.token_logprobs.slice(numPrompt), plain.choices[0].logprobs.token_logprobs);
+  assert.equal(l.text_offset[0], 0);
+  for (let i = 1; i < l.tokens.length; ++i) assert.equal(l.text_offset[i], l.text_offset[i - 1] + l.tokens[i - 1].length);
+  // Streamed: the same tokens and logprobs, the prompt's in the first chunk.
+  const tokens = [];
+  const logprobs = [];
+  for await (const chunk of await client.completions.create({
+    model, prompt, max_tokens: 4, ...greedy, echo: true, logprobs: 2, stream: true,
+  })) {
+    const cl = chunk.choices[0]?.logprobs;
+    if (cl) { tokens.push(...cl.tokens); logprobs.push(...cl.token_logprobs); }
+  }
+  assert.deepEqual(tokens, l.tokens);
+  assert.deepEqual(logprobs, l.token_logprobs);
+  // vLLM's prompt_logprobs: [null, {"<id>": {logprob, rank, decoded_token}}, ...], the same numbers.
+  const p = await client.completions.create({ model, prompt, max_tokens: 1, ...greedy, prompt_logprobs: 2 });
+  const pl = p.choices[0].prompt_logprobs;
+  assert.equal(pl.length, numPrompt);
+  assert.equal(pl[0], null);
+  for (let i = 1; i < numPrompt; ++i) {
+    const [own] = Object.values(pl[i]);  // the prompt token's own entry comes first
+    assert.equal(own.logprob, l.token_logprobs[i]);
+    assert.equal(own.decoded_token, l.tokens[i]);
+    assert.ok(Number.isInteger(own.rank) && own.rank >= 1);
+    assert.ok(Object.keys(pl[i]).length >= 2 && Object.keys(pl[i]).length <= 3);
+  }
+  await expectError(OpenAI.BadRequestError,
+    () => client.completions.create({ model, prompt, max_tokens: 1, prompt_logprobs: 21 }), 400);
+  await expectError(OpenAI.BadRequestError,
+    () => client.completions.create({ model, prompt, max_tokens: 1, prompt_logprobs: 1, stream: true }), 400);
+});
+
 await test('logit_bias, X-Request-Id, /version, usage.prompt_tokens_details', async () => {
   const prompt = 'def fib(n):';
   const first = await client.completions.create({ model, prompt, max_tokens: 1, temperature: 0, logprobs: 1 });
