@@ -21,6 +21,7 @@
 #include "router/grpc_chat.h"
 #include "router/request_id.h"
 #include "router/request_limits.h"
+#include "router/worker_replies.h"
 #include "rpc/rpc_util.h"
 
 namespace duet::router {
@@ -106,15 +107,6 @@ std::string WorkerError(const Worker& worker, const grpc::Status& status, const 
   return absl::StrCat(worker.label(), " failed");
 }
 
-// A worker's stream finishes with stop, length or abort (a failure ends it with an error status).
-std::optional<FinishReason> StreamFinishReason(const std::string& name) {
-  const std::optional<FinishReason> reason = ParseFinishReason(name);
-  if (reason == FinishReason::kStop || reason == FinishReason::kLength || reason == FinishReason::kAbort) {
-    return reason;
-  }
-  return std::nullopt;
-}
-
 double Seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 // Full method names for the generic stubs (they outlive every call).
@@ -163,45 +155,6 @@ void CallWorker(const Worker& worker, const std::string& method, std::shared_ptr
                    done(status, parsed ? &response : nullptr);
                    pending.reset();  // the context before what `done` keeps alive
                  });
-}
-
-// Why a prefill worker's prompt logprobs cannot be relayed for a prompt of `prompt_len` tokens
-// that asked for the top `k` (-1: none asked); empty when they can.
-std::string InvalidPromptLogprobs(const v1::PrefillResponse& reply, int64_t prompt_len, int32_t k, int64_t vocab_size) {
-  if (k < 0) return reply.prompt_logprobs().empty() ? "" : "prompt logprobs that were not asked for";
-  if (reply.prompt_logprobs_size() != prompt_len - 1) {
-    return absl::StrFormat("%d prompt logprobs for a prompt of %d tokens", reply.prompt_logprobs_size(), prompt_len);
-  }
-  for (const v1::TokenLogprobs& lp : reply.prompt_logprobs()) {
-    if (lp.top_size() != k || lp.rank() < 1 || lp.rank() > vocab_size) {
-      return absl::StrFormat("a prompt logprob with rank %d and %d top entries (asked for %d)", lp.rank(),
-                             lp.top_size(), k);
-    }
-    for (const v1::TopLogprob& top : lp.top()) {
-      if (top.token_id() < 0 || top.token_id() >= vocab_size) {
-        return absl::StrFormat("prompt logprob token id %d, out of vocabulary (vocab size %d)", top.token_id(),
-                               vocab_size);
-      }
-    }
-  }
-  return "";
-}
-
-// Why a decode worker's stream message cannot be relayed; empty when it can.
-std::string InvalidDecodeMessage(const v1::GenerateResponse& message, int64_t vocab_size, bool finished_before) {
-  if (finished_before) return "a message after the request had finished";
-  for (int32_t id : message.token_ids()) {
-    if (id < 0 || id >= vocab_size) {
-      return absl::StrFormat("token id %d, out of vocabulary (vocab size %d)", id, vocab_size);
-    }
-  }
-  if (message.logprobs_size() != 0 && message.logprobs_size() != message.token_ids_size()) {
-    return absl::StrFormat("%d logprobs for %d token ids", message.logprobs_size(), message.token_ids_size());
-  }
-  if (message.finished() && !StreamFinishReason(message.finish_reason())) {
-    return absl::StrCat("finish reason \"", message.finish_reason(), "\" (not stop, length or abort)");
-  }
-  return "";
 }
 
 }  // namespace
@@ -798,15 +751,10 @@ void RouterService::GenerateCall::OnPrefilled(const grpc::Status& status, const 
   NoteDeadline(status);
   std::string invalid;  // why an OK reply cannot be used
   if (status.ok()) {
-    if (reply == nullptr) {
-      invalid = absl::StrCat("a reply that is not a valid ", v1::PrefillResponse::descriptor()->full_name());
-    } else if (reply->first_token_id() < 0 || reply->first_token_id() >= service_->options_.vocab_size) {
-      invalid = absl::StrFormat("first token id %d, out of vocabulary (vocab size %d)", reply->first_token_id(),
-                                service_->options_.vocab_size);
-    } else {
-      invalid = InvalidPromptLogprobs(*reply, int64_t(prepared_.prompt_token_ids.size()),
-                                      prepared_.params.prompt_logprobs, service_->options_.vocab_size);
-    }
+    invalid = reply == nullptr
+                  ? absl::StrCat("a reply that is not a valid ", v1::PrefillResponse::descriptor()->full_name())
+                  : InvalidPrefillReply(*reply, int64_t(prepared_.prompt_token_ids.size()),
+                                        prepared_.params.prompt_logprobs, service_->options_.vocab_size);
     if (invalid.empty()) {
       RecordWorkerCall(metrics::RouterMetrics::WorkerCall::kPrefill);
       prefilled_ = *reply;

@@ -9,6 +9,9 @@
 //   8 model output through each tool-call parser (router/openai_tool_calls.h), whole and streamed
 //   9 a KV receiver descriptor from a decode worker (kvtransfer::ReceiverDescriptor::Parse)
 //  10 a KV transfer notice from a prefill worker (kvtransfer::Notice::Parse)
+//  11 a worker's reply to the router: a PrefillResponse or a decode stream's GenerateResponse
+//     (first byte even / odd; the next two: the prompt length and prompt logprobs asked for),
+//     through the router's checks (router/worker_replies.h)
 // Whatever the bytes, a parser must return a status, never crash, and what it accepts must
 // satisfy the invariants checked below.
 #include <unistd.h>
@@ -34,6 +37,7 @@
 #include "kvtransfer/ucx_protocol.h"
 #include "nlohmann/json.hpp"
 #include "router/openai_protocol.h"
+#include "router/worker_replies.h"
 #include "tests/fuzz/mutation_driver.h"
 
 namespace duet {
@@ -42,7 +46,7 @@ namespace {
 namespace http = boost::beast::http;
 using router::openai::Json;
 
-constexpr int kTargets = 11;
+constexpr int kTargets = 12;
 const std::string kModelDir = std::string(DUET_MODELS_DIR) + "/tiny-code-llama";
 
 struct Model {
@@ -178,6 +182,41 @@ void CheckNotice(const std::string& bytes) {
   DUET_CHECK(n->magic == kvtransfer::Notice::kMagic && n->version == kvtransfer::Notice::kVersion);
   DUET_CHECK(n->type == kvtransfer::NoticeType::kLayerDone || n->type == kvtransfer::NoticeType::kFinish ||
              n->type == kvtransfer::NoticeType::kAbort);
+}
+
+// What the router relays from a worker stays inside the vocabulary and consistent: token ids,
+// every top-logprob id, logprob counts, a finish reason it knows, prompt logprobs as asked.
+void CheckWorkerReply(const std::string& bytes) {
+  constexpr int64_t kVocab = 8192;
+  if (bytes.size() < 3) return;
+  const int64_t prompt_len = 1 + uint8_t(bytes[1]);
+  const int32_t asked = int32_t(uint8_t(bytes[2]) % 22) - 1;  // -1 (none) .. 20
+  const std::string message = bytes.substr(3);
+  auto in_vocab = [](int32_t id) { return id >= 0 && id < kVocab; };
+  if (uint8_t(bytes[0]) % 2 == 0) {
+    v1::PrefillResponse reply;
+    if (!reply.ParseFromString(message)) return;
+    if (!router::InvalidPrefillReply(reply, prompt_len, asked, kVocab).empty()) return;
+    DUET_CHECK(in_vocab(reply.first_token_id()));
+    for (const v1::TopLogprob& top : reply.first_token_logprobs().top()) DUET_CHECK(in_vocab(top.token_id()));
+    DUET_CHECK(asked >= 0 ? reply.prompt_logprobs_size() == prompt_len - 1 : reply.prompt_logprobs_size() == 0);
+    for (const v1::TokenLogprobs& lp : reply.prompt_logprobs()) {
+      DUET_CHECK(lp.top_size() == asked && lp.rank() >= 1 && lp.rank() <= kVocab);
+      for (const v1::TopLogprob& top : lp.top()) DUET_CHECK(in_vocab(top.token_id()));
+    }
+    return;
+  }
+  v1::GenerateResponse out;
+  if (!out.ParseFromString(message)) return;
+  DUET_CHECK(!router::InvalidDecodeMessage(out, kVocab, /*finished_before=*/true).empty());
+  if (!router::InvalidDecodeMessage(out, kVocab, /*finished_before=*/false).empty()) return;
+  for (int32_t id : out.token_ids()) DUET_CHECK(in_vocab(id));
+  DUET_CHECK(out.logprobs_size() == 0 || out.logprobs_size() == out.token_ids_size());
+  for (const v1::TokenLogprobs& lp : out.logprobs()) {
+    for (const v1::TopLogprob& top : lp.top()) DUET_CHECK(in_vocab(top.token_id()));
+  }
+  DUET_CHECK(out.prompt_logprobs_size() == 0);
+  DUET_CHECK(!out.finished() || router::StreamFinishReason(out.finish_reason()).has_value());
 }
 
 void CheckTokenizerJson(const std::string& text) {
@@ -356,6 +395,25 @@ std::vector<std::string> Seeds() {
   notice.layer = 1;
   notice.num_tokens = 20;
   add(10, std::string(reinterpret_cast<const char*>(&notice), sizeof(notice)));
+  v1::PrefillResponse prefilled;
+  prefilled.set_first_token_id(42);
+  prefilled.mutable_first_token_logprobs()->set_logprob(-0.5f);
+  prefilled.mutable_first_token_logprobs()->add_top()->set_token_id(43);
+  for (int i = 0; i < 3; ++i) {
+    v1::TokenLogprobs* lp = prefilled.add_prompt_logprobs();
+    lp->set_rank(1 + i);
+    lp->add_top()->set_token_id(100 + i);
+  }
+  add(11, std::string("\x00\x03\x02", 3) + prefilled.SerializeAsString());  // a 4-token prompt, top 1
+  v1::GenerateResponse streamed;
+  streamed.add_token_ids(7);
+  streamed.add_token_ids(8);
+  streamed.add_logprobs()->add_top()->set_token_id(9);
+  streamed.add_logprobs()->set_logprob(-1.0f);
+  streamed.set_text("ab");
+  streamed.set_finished(true);
+  streamed.set_finish_reason("length");
+  add(11, std::string("\x01\x00\x00", 3) + streamed.SerializeAsString());
   return seeds;
 }
 
@@ -376,7 +434,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 7: duet::CheckChatTemplate(payload); break;
     case 8: duet::CheckToolCallParsers(payload); break;
     case 9: duet::CheckReceiverDescriptor(payload); break;
-    default: duet::CheckNotice(payload); break;
+    case 10: duet::CheckNotice(payload); break;
+    default: duet::CheckWorkerReply(payload); break;
   }
   return 0;
 }
