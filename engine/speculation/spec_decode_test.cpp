@@ -8,6 +8,7 @@
 
 #include "backends/cpu/llama_cpu.h"
 #include "backends/executor_factory.h"
+#include "engine/grammar/structured_output.h"
 #include "engine/llm_engine.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -90,6 +91,72 @@ TEST(VerifyDraftTreeTest, StopsWhenTheRequestFinishes) {
       [&](int32_t) { return ++emitted < 2; });
   EXPECT_EQ(emitted, 2);
   EXPECT_EQ(accepted, (std::vector<int32_t>{1}));
+}
+
+// ---- Drafts under a grammar ------------------------------------------------------------------
+
+// A request constrained by `regex` over a toy vocabulary: 0 is EOS, then "a" "b" "c" "d" "ab" "x" "bc".
+std::unique_ptr<Request> ConstrainedRequest(const std::string& regex, bool ignore_eos) {
+  static const auto vocab = grammar::TokenVocabulary::FromTokenStrings(
+      {std::nullopt, "a", "b", "c", "d", "ab", "x", "bc"}, {0});
+  static grammar::GrammarCompiler compiler(vocab);
+  SamplingParams p;
+  p.ignore_eos = ignore_eos;
+  auto r = std::make_unique<Request>("r", 1, std::vector<int32_t>{1}, p);
+  absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> g =
+      compiler.Compile({grammar::StructuredOutput::Kind::kRegex, regex, {}});
+  EXPECT_TRUE(g.ok()) << g.status();
+  r->grammar = std::make_unique<grammar::GrammarMatcher>(*g);
+  return r;
+}
+
+DraftTree Tree(std::vector<std::pair<int32_t, int32_t>> nodes) {  // (token, parent)
+  DraftTree t;
+  for (const auto& [token, parent] : nodes) t.Add(token, parent);
+  return t;
+}
+
+enum Toy : int32_t { kEos = 0, kA, kB, kC, kD, kAB, kX, kBC };
+
+TEST(CutDraftToGrammarTest, CutsEveryPathAtItsFirstDisallowedToken) {
+  const std::unique_ptr<Request> r = ConstrainedRequest("ab(c|d)", false);
+  DraftTree tree = Tree({{kA, -1},  // 0 kept
+                         {kX, -1},  // 1 disallowed: cut with its subtree
+                         {kB, 0},   // 2 "ab"
+                         {kA, 1},   // 3 under a cut node
+                         {kC, 2},   // 4 "abc": the grammar is complete and allows nothing more
+                         {kD, 2},   // 5 "abd"
+                         {kEos, 4}, // 6 after the end: nothing is verified there
+                         {kAB, -1}, // 7 "ab"
+                         {kX, 7},   // 8 "abx" disallowed
+                         {kC, 7},   // 9 "abc"
+                         {kBC, 0}}); // 10 "abc"
+  CutDraftToGrammar(*r, tree);
+  EXPECT_EQ(tree.tokens, (std::vector<int32_t>{kA, kB, kC, kD, kAB, kC, kBC}));
+  EXPECT_EQ(tree.parents, (std::vector<int32_t>{-1, 0, 1, 1, -1, 4, 0}));
+  // The request's own matcher did not move: "a" is still the only way to start.
+  EXPECT_FALSE(r->grammar->CanEnd());
+  EXPECT_TRUE(r->grammar->AcceptToken(kA));
+}
+
+TEST(CutDraftToGrammarTest, EosOnlyWhereTheGrammarMayEndAndNotWithIgnoreEos) {
+  const DraftTree draft = Tree({{kEos, -1}, {kA, -1}, {kEos, 1}, {kA, 2}, {kA, 1}});
+  DraftTree tree = draft;
+  CutDraftToGrammar(*ConstrainedRequest("a+", false), tree);
+  // EOS at the root is rejected (nothing matched yet); after "a" it ends the output there.
+  EXPECT_EQ(tree.tokens, (std::vector<int32_t>{kA, kEos, kA}));
+  EXPECT_EQ(tree.parents, (std::vector<int32_t>{-1, 0, 0}));
+  tree = draft;
+  CutDraftToGrammar(*ConstrainedRequest("a+", true), tree);
+  EXPECT_EQ(tree.tokens, (std::vector<int32_t>{kA, kA}));
+  EXPECT_EQ(tree.parents, (std::vector<int32_t>{-1, 0}));
+}
+
+TEST(CutDraftToGrammarTest, UnconstrainedDraftsStayWhole) {
+  Request r("r", 1, {1}, SamplingParams{});
+  DraftTree tree = Tree({{kX, -1}, {kEos, 0}, {kA, 1}});
+  CutDraftToGrammar(r, tree);
+  EXPECT_EQ(tree.size(), 3);
 }
 
 // ---- The budget planner -------------------------------------------------------------------
