@@ -702,7 +702,9 @@ absl::Status SpeculativeDecoder::DraftRequests(absl::Span<Request* const> schedu
     if (budget <= 0) continue;
     std::vector<int32_t>& tokens = all_tokens.emplace_back(r->prompt);
     tokens.insert(tokens.end(), r->output.begin(), r->output.end());
-    ModelDrafter::Job job{r->seq_id, tokens, blocks_.BlockTable(r->seq_id), budget, {}};
+    ModelDrafter::Job job{r->seq_id, tokens, blocks_.BlockTable(r->seq_id), budget};
+    if (r->grammar) job.grammar = *r->grammar;
+    job.ignore_eos = r->params.ignore_eos;
     if (s.mode == SpeculationMode::kDraft) {
       draft_jobs.push_back(std::move(job));
       draft_requests.push_back(r);
@@ -718,8 +720,7 @@ absl::Status SpeculativeDecoder::DraftRequests(absl::Span<Request* const> schedu
     if (absl::Status st = drafter->Propose(absl::MakeSpan(jobs), cache_, observe); !st.ok()) return st;
     for (size_t i = 0; i < jobs.size(); ++i) {
       DraftTree& tree = requests[i]->spec.tree;
-      for (int32_t token : jobs[i].draft) tree.Add(token, tree.size() - 1);
-      CutDraftToGrammar(*requests[i], tree);
+      for (int32_t token : jobs[i].draft) tree.Add(token, tree.size() - 1);  // within the grammar (Job::grammar)
     }
     return absl::OkStatus();
   };

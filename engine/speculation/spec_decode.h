@@ -65,7 +65,8 @@ std::vector<int32_t> VerifyDraftTree(absl::Span<const int32_t> tokens, absl::Spa
 // goes, with its subtree, when the grammar rejects its token after the node's ancestors (the
 // token mask the target samples under would never let it be accepted), and so do the children
 // of a node that ends the output (EOS, or a grammar that allows nothing more). Kept nodes keep
-// their order, so a best-first tree stays best first.
+// their order, so a best-first tree stays best first. Lookahead's trees pass through it; model
+// drafts walk the grammar as they are drafted (ModelDrafter::Job::grammar).
 void CutDraftToGrammar(const Request& r, DraftTree& tree);
 
 // Seconds of one forward step of T tokens, in buckets of T (every T up to 16, then steps of

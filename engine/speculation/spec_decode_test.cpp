@@ -159,6 +159,47 @@ TEST(CutDraftToGrammarTest, UnconstrainedDraftsStayWhole) {
   EXPECT_EQ(tree.size(), 3);
 }
 
+// A model drafter walks a constrained request's grammar as it drafts: its tokens are the best
+// ones the grammar allows (the context alone would draft code, not digits), and it stops where
+// the output ends however much budget is left.
+TEST(ModelDrafterTest, ConstrainedDraftsFollowTheGrammarAndStopAtItsEnd) {
+  absl::StatusOr<std::unique_ptr<LlamaCpu>> target = LlamaCpu::Load(kModel);
+  ASSERT_TRUE(target.ok()) << target.status();
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(kModel);
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  std::vector<std::optional<std::string>> strings(static_cast<size_t>((*tokenizer)->vocab_size()));
+  for (int32_t id = 0; id < (*tokenizer)->vocab_size(); ++id) {
+    if (!(*tokenizer)->IsSpecial(id)) strings[size_t(id)] = (*tokenizer)->IdToToken(id);
+  }
+  grammar::GrammarCompiler compiler(grammar::TokenVocabulary::FromTokenStrings(strings, {1}));
+  absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> digits =
+      compiler.Compile({grammar::StructuredOutput::Kind::kRegex, "[0-9]{3}", {}});
+  ASSERT_TRUE(digits.ok()) << digits.status();
+
+  std::unique_ptr<KvCache> cache = *(*target)->CreateKvCache(8, 16);
+  const std::vector<int32_t> context = (*tokenizer)->Encode("def area(width, height):\n    return");
+  const std::vector<int32_t> table_a = {0, 1, 2}, table_b = {3, 4, 5};
+  std::vector<float> logits;
+  const absl::Span<const int32_t> known(context.data(), context.size() - 1);  // the target's K/V
+  std::vector<SequenceChunk> prefill = {{known, 0, table_a, 1, 0}, {known, 0, table_b, 2, 0}};
+  ASSERT_TRUE((*target)->Forward(prefill, *cache, logits).ok());
+  absl::StatusOr<std::unique_ptr<ModelDrafter>> self = ModelDrafter::SelfSpeculation(**target, 2);
+  ASSERT_TRUE(self.ok()) << self.status();
+
+  ModelDrafter::Job jobs[2] = {{1, context, table_a, 6}, {2, context, table_b, 6}};
+  jobs[1].grammar.emplace(*digits);
+  ASSERT_TRUE((*self)->Propose(jobs, *cache).ok());
+  const std::vector<int32_t>& free_draft = jobs[0].draft;
+  const std::vector<int32_t>& constrained = jobs[1].draft;
+  ASSERT_EQ(free_draft.size(), 6u);
+  EXPECT_FALSE(grammar::GrammarMatcher(*digits).AcceptToken(free_draft[0])) << "the unconstrained draft is not digits";
+  ASSERT_FALSE(constrained.empty());
+  EXPECT_LT(constrained.size(), 6u);
+  grammar::GrammarMatcher check(*digits);
+  for (int32_t token : constrained) EXPECT_TRUE(check.AcceptToken(token)) << token;
+  EXPECT_TRUE(check.IsTerminated());
+}
+
 // ---- The budget planner -------------------------------------------------------------------
 
 TEST(PlanDraftBudgetsTest, DraftsWhenStepsAreMemoryBoundAndNotWhenComputeBound) {
