@@ -2,7 +2,9 @@
 // local cluster (router, prefill and decode worker processes on loopback, the bundled model):
 // chat through the chat template (the same prompt and greedy answer as HTTP chat completions),
 // a JSON-schema constraint whose output parses and validates, tool calls parsed by both
-// --tool-call-parser formats, n = 2, the finish reason enum and the x-request-id metadata.
+// --tool-call-parser formats, n = 2, the finish reason enum and the x-request-id metadata; a
+// router's --chat-template and a chat's chat_template_kwargs shaping the prompt, a chat without
+// max_tokens running to the context limit, and bad templates failing start-up.
 #include <fstream>
 #include <map>
 #include <memory>
