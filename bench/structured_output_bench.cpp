@@ -8,12 +8,17 @@
 //    tokenizer.json (e.g. Llama 3's 128k vocabulary).
 // 2. Decode speed on the engine (--backend cpu or cuda) at each --batch: unconstrained vs
 //    constrained by a grammar of JSON objects, one per line, that never ends (so both run exactly
-//    --gen-len tokens), at temperature 0.8, median of --repeat rounds after an untimed round of
-//    each (CUDA graphs captured, the grammar's cache warm). On cuda, constrained rows sample on
+//    --gen-len tokens), at --temperature (0.8), median of --repeat rounds after an untimed round
+//    of each (CUDA graphs captured, the grammar's cache warm). On cuda, constrained rows sample on
 //    the device, their masks filled while the step runs.
+// 3. With --speculation MODES (lookahead, draft, self): the constrained decode again with each
+//    mode (adaptive budgets, as served), its tok/s against constrained without speculation, and
+//    the draft tokens accepted per verified draft. Mode draft uses --draft-model.
 //
 //   build/bin/structured_output_bench [--model DIR] [--backend cpu|cuda] [--tokenizer tokenizer.json]
 //                                     [--batch 1,8,32] [--gen-len 64] [--repeat 3] [--paths 20]
+//                                     [--temperature 0.8] [--speculation lookahead,draft,self]
+//                                     [--draft-model DIR]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -130,12 +135,14 @@ int64_t StepTokens(duet::LlmEngine& e) {
 }
 
 // Generated tokens per second for `batch` requests of `gen_len` tokens, all submitted at once.
-double DecodeTokensPerSecond(duet::LlmEngine& e, int batch, int gen_len, bool constrained, int round) {
+double DecodeTokensPerSecond(duet::LlmEngine& e, int batch, int gen_len, bool constrained, int round,
+                             float temperature, duet::SpeculationMode mode = duet::SpeculationMode::kNone) {
   const std::vector<int32_t> prompt = e.tokenizer().Encode("import json\n\nrecords = [\n    {\"id\": 1, \"name\": \"a\"},\n");
   for (int i = 0; i < batch; ++i) {
     duet::SamplingParams p;
-    p.temperature = 0.8f;
+    p.temperature = temperature;
     p.seed = uint64_t(round * 1000 + i);
+    p.speculation = mode;
     p.max_tokens = gen_len;
     p.ignore_eos = true;
     if (constrained) p.structured_output = {StructuredOutput::Kind::kGrammar, kJsonLinesGrammar, {}};
@@ -159,6 +166,9 @@ int main(int argc, char** argv) {
   std::string model_dir = DUET_MODELS_DIR "/tiny-code-llama", extra_tokenizer, backend = "cpu";
   std::vector<int> batches = {1, 8, 32};
   int gen_len = 64, repeat = 3, paths = 20, path_len = 200;
+  float temperature = 0.8f;
+  std::vector<std::string> spec_modes;
+  std::string draft_model_dir = DUET_MODELS_DIR "/tiny-code-llama-draft";
   app.add_option("--model", model_dir);
   app.add_option("--backend", backend)->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--tokenizer", extra_tokenizer, "a tokenizer.json for a second token-mask table");
@@ -166,6 +176,10 @@ int main(int argc, char** argv) {
   app.add_option("--gen-len", gen_len)->check(CLI::Range(2, 100000));
   app.add_option("--repeat", repeat)->check(CLI::Range(1, 100));
   app.add_option("--paths", paths)->check(CLI::Range(1, 10000));
+  app.add_option("--temperature", temperature)->check(CLI::Range(0.0, 2.0));
+  app.add_option("--speculation", spec_modes, "modes to compare constrained decode with: lookahead, draft, self")
+      ->delimiter(',');
+  app.add_option("--draft-model", draft_model_dir, "the draft model of mode draft");
   CLI11_PARSE(app, argc, argv);
 
   auto tokenizer = duet::Tokenizer::FromModelDir(model_dir);
@@ -188,26 +202,59 @@ int main(int argc, char** argv) {
   config.backend = backend;
   config.num_kv_blocks = 4096;
   config.scheduler.max_num_seqs = 256;
+  std::vector<duet::SpeculationMode> modes;
+  for (const std::string& name : spec_modes) {
+    absl::StatusOr<duet::SpeculationMode> mode = duet::ParseSpeculationMode(name);
+    if (!mode.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(mode.status().message()).c_str());
+      return 1;
+    }
+    modes.push_back(*mode);
+    if (*mode == duet::SpeculationMode::kDraft) config.speculation.draft_model_dir = draft_model_dir;
+  }
   auto engine = duet::CreateEngine(config);
   if (!engine.ok()) {
     std::fprintf(stderr, "%s\n", std::string(engine.status().message()).c_str());
     return 1;
   }
   duet::LlmEngine& e = **engine;
-  DecodeTokensPerSecond(e, 2, 8, true, 0);  // warm-up: weights paged in, the grammar's cache filled
-  std::printf("\n## Decode on the %s engine (%s): %d tokens per request, JSON-lines grammar, median of %d\n\n",
-              backend.c_str(), model_dir.substr(model_dir.find_last_of('/') + 1).c_str(), gen_len, repeat);
+  DecodeTokensPerSecond(e, 2, 8, true, 0, temperature);  // warm-up: weights paged in, the grammar's cache filled
+  const std::string model_name = model_dir.substr(model_dir.find_last_of('/') + 1);
+  std::printf("\n## Decode on the %s engine (%s): %d tokens per request, JSON-lines grammar, temperature %.2f, "
+              "median of %d\n\n", backend.c_str(), model_name.c_str(), gen_len, double(temperature), repeat);
   std::printf("| batch | unconstrained tok/s | constrained tok/s | constrained / unconstrained |\n|---|---|---|---|\n");
   for (int batch : batches) {
     std::vector<double> free_tps, constrained_tps;
-    DecodeTokensPerSecond(e, batch, gen_len, false, repeat);
-    DecodeTokensPerSecond(e, batch, gen_len, true, repeat);
+    DecodeTokensPerSecond(e, batch, gen_len, false, repeat, temperature);
+    DecodeTokensPerSecond(e, batch, gen_len, true, repeat, temperature);
     for (int r = 0; r < repeat; ++r) {
-      free_tps.push_back(DecodeTokensPerSecond(e, batch, gen_len, false, r));
-      constrained_tps.push_back(DecodeTokensPerSecond(e, batch, gen_len, true, r));
+      free_tps.push_back(DecodeTokensPerSecond(e, batch, gen_len, false, r, temperature));
+      constrained_tps.push_back(DecodeTokensPerSecond(e, batch, gen_len, true, r, temperature));
     }
     const double f = duet::bench::Summarize(free_tps).median, c = duet::bench::Summarize(constrained_tps).median;
     std::printf("| %d | %.0f | %.0f | %.3f |\n", batch, f, c, c / f);
+  }
+  if (modes.empty()) return 0;
+  std::printf("\n## Constrained decode with speculation (%s engine, %s): the same grammar and requests, adaptive "
+              "budgets\n\n", backend.c_str(), model_name.c_str());
+  std::printf("| batch | mode | constrained tok/s | with speculation tok/s | speed-up | accepted / draft | drafts |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
+  for (int batch : batches) {
+    for (duet::SpeculationMode mode : modes) {
+      std::vector<double> plain_tps, spec_tps;
+      DecodeTokensPerSecond(e, batch, gen_len, true, repeat, temperature, mode);  // untimed: step costs measured
+      const duet::SpecDecodeStats before = e.Stats().spec_decode;
+      for (int r = 0; r < repeat; ++r) {
+        plain_tps.push_back(DecodeTokensPerSecond(e, batch, gen_len, true, r, temperature));
+        spec_tps.push_back(DecodeTokensPerSecond(e, batch, gen_len, true, r, temperature, mode));
+      }
+      const duet::SpecDecodeStats after = e.Stats().spec_decode;
+      const int64_t drafts = after.num_drafts - before.num_drafts;
+      const int64_t accepted = after.num_accepted_tokens - before.num_accepted_tokens;
+      const double p = duet::bench::Summarize(plain_tps).median, s = duet::bench::Summarize(spec_tps).median;
+      std::printf("| %d | %s | %.0f | %.0f | %.2f | %.2f | %lld |\n", batch, duet::SpeculationModeName(mode), p, s,
+                  s / p, drafts > 0 ? double(accepted) / double(drafts) : 0.0, static_cast<long long>(drafts));
+    }
   }
   return 0;
 }

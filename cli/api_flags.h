@@ -29,4 +29,12 @@ inline void AddToolCallFlags(CLI::App* cmd, bool* enable_auto_tool_choice, std::
       ->check(CLI::IsMember({"llama3_json", "hermes"}));
 }
 
+// --chat-template, as vLLM's: a Jinja template file, or the template itself.
+inline void AddChatTemplateFlag(CLI::App* cmd, std::string* chat_template) {
+  cmd->add_option("--chat-template", *chat_template,
+                  "Chat template replacing the model's (tokenizer_config.json's): a Jinja file, or the template "
+                  "itself when it has '{', '}' or a newline (\\n, \\t escapes read); checked at start-up")
+      ->default_str("");
+}
+
 }  // namespace duet

@@ -50,6 +50,7 @@ struct ServeOptions {
   double prefix_affinity = 4.0;                 // the router's --prefix-affinity
   bool enable_auto_tool_choice = false;  // the router's (cli/api_flags.h)
   std::string tool_call_parser;
+  std::string chat_template;                    // the router's --chat-template
   std::vector<std::string> served_model_names;  // the router's (all) and the workers' (the first)
   std::string host = "127.0.0.1";               // where the router listens (the workers stay on loopback)
   double log_stats_interval_s = 10;             // every process's stats lines (cli/log_stats_flags.h); 0: none

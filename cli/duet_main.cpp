@@ -86,6 +86,7 @@ int main(int argc, char** argv) {
                         "UNAVAILABLE / HTTP 503")
       ->check(CLI::Range(0, 86400));
   duet::AddToolCallFlags(serve_cmd, &serve.enable_auto_tool_choice, &serve.tool_call_parser);
+  duet::AddChatTemplateFlag(serve_cmd, &serve.chat_template);
   duet::AddServedModelNameFlag(serve_cmd, &serve.served_model_names);
   serve_cmd->add_option("--host", serve.host,
                         "Address the router's HTTP and gRPC ports listen on (the workers stay on 127.0.0.1)");

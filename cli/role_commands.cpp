@@ -84,6 +84,7 @@ RoleCommands::RoleCommands(CLI::App& app) {
   router_cmd_->add_option("--shutdown-grace-seconds", router_.shutdown_grace_seconds, kGraceHelp)
       ->check(CLI::Range(0, 86400));
   AddToolCallFlags(router_cmd_, &router_.enable_auto_tool_choice, &router_.tool_call_parser);
+  AddChatTemplateFlag(router_cmd_, &router_.chat_template);
   router_log_stats_.Add(router_cmd_);
 
   prefill_cmd_ = AddWorkerCommand(app, "prefill-worker", "Run a prefill worker", prefill_, prefill_flags_,

@@ -28,6 +28,7 @@
 #include "cli/commands.h"
 #include "common/logging.h"
 #include "common/subprocess.h"
+#include "frontend/chat_template/chat_template.h"
 #include "rpc/internal_auth.h"
 
 namespace duet {
@@ -220,6 +221,13 @@ int RunServe(const ServeOptions& options) {
     DUET_LOG(ERROR) << api_key.status().message();
     return 1;
   }
+  if (!options.chat_template.empty()) {  // the router checks it too, but only after the workers start
+    if (absl::StatusOr<LoadedChatTemplate> chat = LoadChatTemplate(options.engine.model_dir, options.chat_template);
+        !chat.ok()) {
+      DUET_LOG(ERROR) << chat.status().message();
+      return 1;
+    }
+  }
   // The workers do not need the public API key; the router gets it in its environment, not argv.
   const Subprocess::Environment env = {{rpc::kInternalTokenEnv, *token}, {kApiKeyEnv, ""}};
   const Subprocess::Environment router_env = {{rpc::kInternalTokenEnv, *token}, {kApiKeyEnv, *api_key}};
@@ -280,6 +288,7 @@ int RunServe(const ServeOptions& options) {
     router_argv.insert(router_argv.end(), options.served_model_names.begin(), options.served_model_names.end());
   }
   if (!options.tool_call_parser.empty()) router_argv.insert(router_argv.end(), {"--tool-call-parser", options.tool_call_parser});
+  if (!options.chat_template.empty()) router_argv.insert(router_argv.end(), {"--chat-template", options.chat_template});
   if (options.engine.scheduler.max_model_len > 0) {
     router_argv.insert(router_argv.end(), {"--max-model-len", std::to_string(options.engine.scheduler.max_model_len)});
   }

@@ -13,6 +13,10 @@ namespace duet {
 
 namespace {
 
+absl::Status NoTokenContinuesError() {
+  return absl::InvalidArgumentError("no token of the vocabulary continues the structured output");
+}
+
 // Device memory a draft model's weights and buffers take beside its KV cache: its checkpoint's
 // size plus room for its runtime (cuBLAS workspace, activations).
 int64_t DraftModelReserveBytes(const std::string& dir) {
@@ -130,7 +134,6 @@ absl::StatusOr<std::unique_ptr<Request>> LlmEngine::NewRequest(const std::string
   std::unique_ptr<grammar::GrammarMatcher> matcher;
   if (params.structured_output.active()) {
     DUET_ASSIGN_OR_RETURN(matcher, NewGrammarMatcher(params.structured_output));
-    mode = SpeculationMode::kNone;  // drafts are not checked against the grammar (yet)
   }
   auto request = std::make_unique<Request>(id, seq_id, std::move(prompt), std::move(params));
   request->prefix_seed = PrefixSeed("", request->params.cache_salt);
@@ -391,15 +394,20 @@ void LlmEngine::PlanSpeculation() {
 }
 
 void LlmEngine::VerifyDraft(Request& r, const std::vector<int32_t>& tokens, const std::vector<int32_t>& parents,
-                            const std::function<SampledToken(int32_t node)>& draw, RequestOutput& out) {
+                            const std::function<std::optional<SampledToken>(int32_t node)>& draw,
+                            RequestOutput& out) {
   const int64_t start = r.num_computed_tokens - 1;  // the root's slot (the scheduler counted it)
-  SampledToken last;
+  std::optional<SampledToken> last;
   auto draw_token = [&](int32_t node) {
     last = draw(node);
-    return last.token;
+    return last ? last->token : -1;
   };
   auto emit = [&](int32_t) {
-    AppendToken(r, last, out);
+    if (!last) {
+      FinishWithError(r, NoTokenContinuesError(), out);
+      return false;
+    }
+    AppendToken(r, *last, out);
     return !r.finished();
   };
   const std::vector<int32_t> accepted = VerifyDraftTree(tokens, parents, draw_token, emit);
@@ -616,29 +624,36 @@ std::vector<RequestOutput> LlmEngine::ApplySamples(const SchedulerOutput& plan, 
     if (!sc.samples) continue;
     RequestOutput& out = outputs.emplace_back(RequestOutput{r.id});
     if (!batch.parents[i].empty()) {
+      // Each node is drawn under the mask of the grammar's state after the node's ancestors:
+      // the walk appends (and the matcher accepts) every drawn token before drawing the next.
+      // Those masks are known only along the walk, so such trees sample on the host
+      // (DeviceSamplingRows).
+      DUET_CHECK(!on_device || r.grammar == nullptr);
       const int64_t first_row = logit_row;
       auto draw = [&](int32_t node) { return SampleRow(r, first_row + node, on_device); };
       VerifyDraft(r, batch.tokens[i], batch.parents[i], draw, out);
       logit_row += int64_t(batch.tokens[i].size());
       continue;
     }
-    // On the device the mask was filled during the step.
-    const bool mask_allows_a_token =
-        !r.grammar || (on_device ? std::any_of(r.token_mask.begin(), r.token_mask.end(), [](uint32_t w) { return w != 0; })
-                                 : FillTokenMask(r));
-    if (!mask_allows_a_token) {
-      ++logit_row;
-      FinishWithError(r, absl::InvalidArgumentError("no token of the vocabulary continues the structured output"), out);
+    const std::optional<SampledToken> token = SampleRow(r, logit_row++, on_device);
+    if (!token) {
+      FinishWithError(r, NoTokenContinuesError(), out);
       continue;
     }
-    const SampledToken token = SampleRow(r, logit_row++, on_device);
-    if (r.spec.mode != SpeculationMode::kNone && !r.output.empty()) ScorePlannedGuess(r, token.token);
-    AppendToken(r, token, out);
+    if (r.spec.mode != SpeculationMode::kNone && !r.output.empty()) ScorePlannedGuess(r, token->token);
+    AppendToken(r, *token, out);
   }
   return outputs;
 }
 
-SampledToken LlmEngine::SampleRow(Request& r, int64_t row, bool on_device) {
+std::optional<SampledToken> LlmEngine::SampleRow(Request& r, int64_t row, bool on_device) {
+  if (r.grammar) {
+    // On the device the mask was filled during the step (DeviceMaskFiller).
+    const bool allows_a_token =
+        on_device ? std::any_of(r.token_mask.begin(), r.token_mask.end(), [](uint32_t w) { return w != 0; })
+                  : FillTokenMask(r);
+    if (!allows_a_token) return std::nullopt;
+  }
   if (on_device) {
     const DeviceSample& d = device_samples_[size_t(row)];
     return SampledToken{d.token, d.logprob, {}};

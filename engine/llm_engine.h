@@ -173,8 +173,9 @@ class LlmEngine {
                                                                    const StepBatch& batch);
   std::vector<RequestOutput> ApplySamples(const SchedulerOutput& plan, const StepBatch& batch, bool on_device);
   std::vector<RequestOutput> FailStep(const SchedulerOutput& plan, const absl::Status& error);
-  // The target's token for logits row `row` of this step.
-  SampledToken SampleRow(Request& r, int64_t row, bool on_device);
+  // The target's token for logits row `row` of this step, under the request's grammar mask (of
+  // the state after its tokens so far); nullopt when the grammar allows no token.
+  std::optional<SampledToken> SampleRow(Request& r, int64_t row, bool on_device);
   // Scores the request's next `num_rows` prompt tokens from logits rows [first_row, + num_rows).
   void ScorePromptRows(Request& r, int64_t first_row, int32_t num_rows);
   // A speculating request that verified no drafts this step: tells the decoder whether its
@@ -188,11 +189,11 @@ class LlmEngine {
   // Sets the draft budget of every decoding request before the scheduler reserves its room.
   void PlanSpeculation();
   // Verifies request r's draft tree: `draw(node)` gives the target's token after tree node
-  // `node` (sampled from that node's logits row, on the host or the device). Appends the
-  // accepted tokens and the target's next one, then compacts the accepted K/V and frees the
-  // unused slots.
+  // `node` (sampled from that node's logits row, on the host or the device; nullopt: the grammar
+  // allows none, which fails the request). Appends the accepted tokens and the target's next
+  // one, then compacts the accepted K/V and frees the unused slots.
   void VerifyDraft(Request& r, const std::vector<int32_t>& tokens, const std::vector<int32_t>& parents,
-                   const std::function<SampledToken(int32_t node)>& draw, RequestOutput& out);
+                   const std::function<std::optional<SampledToken>(int32_t node)>& draw, RequestOutput& out);
   // Compiles the request's constraint (the compiler and its vocabulary are made on first use).
   absl::StatusOr<std::unique_ptr<grammar::GrammarMatcher>> NewGrammarMatcher(const grammar::StructuredOutput& c);
   // What fills the step's device-sampled grammar masks while the device computes (null: none).

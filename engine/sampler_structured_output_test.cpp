@@ -1,7 +1,9 @@
 // Grammar-constrained sampling through the engine with the bundled model: every output of the
 // structured-output test set (tests/structured_outputs/cases.json), sampled at temperature 0.9
 // with several seeds in one continuous batch, parses and validates.
+#include <cstdio>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <sstream>
 
@@ -19,6 +21,7 @@ using json = nlohmann::json;
 using grammar::StructuredOutput;
 
 constexpr char kModel[] = DUET_MODELS_DIR "/tiny-code-llama";
+constexpr char kDraftModel[] = DUET_MODELS_DIR "/tiny-code-llama-draft";
 constexpr int kSeeds = 8;
 
 json Cases() {
@@ -28,12 +31,11 @@ json Cases() {
   return json::parse(ss.str());
 }
 
-std::unique_ptr<LlmEngine> NewEngine(SpeculationMode default_mode = SpeculationMode::kNone) {
+std::unique_ptr<LlmEngine> NewEngine() {
   EngineConfig config;
   config.model_dir = kModel;
   config.num_kv_blocks = 1024;
   config.scheduler.max_num_seqs = 64;
-  config.speculation.default_mode = default_mode;
   absl::StatusOr<std::unique_ptr<LlmEngine>> e = CreateEngine(config);
   EXPECT_TRUE(e.ok()) << e.status();
   return std::move(*e);
@@ -140,16 +142,86 @@ TEST(StructuredOutputTest, EveryConstrainedOutputParsesAndValidates) {
   EXPECT_GT(varied, int(cases.size()) / 2);
 }
 
-TEST(StructuredOutputTest, ConstrainedRequestsDoNotSpeculate) {
-  std::unique_ptr<LlmEngine> e = NewEngine(SpeculationMode::kLookahead);
-  SamplingParams p;
-  p.temperature = 0.0f;
-  p.max_tokens = 128;
-  p.structured_output = {StructuredOutput::Kind::kRegex, "(x = [0-9]\n){1,20}", {}};
-  ASSERT_TRUE(e->AddRequest("r", e->tokenizer().Encode("x = 1\nx = 2\nx = 3\n"), p).ok());
-  while (e->HasUnfinished()) ASSERT_TRUE(e->Step().ok());
-  EXPECT_TRUE(std::regex_match(e->Find("r")->text, std::regex("(x = [0-9]\n){1,20}"))) << e->Find("r")->text;
-  EXPECT_EQ(e->Stats().spec_decode.num_draft_tokens, 0);
+// ---- Structured outputs with speculation ----------------------------------------------------
+
+// Every mode drafts every step (no adaptive budget), so verification runs on every case.
+std::unique_ptr<LlmEngine> NewSpeculatingEngine() {
+  EngineConfig config;
+  config.model_dir = kModel;
+  config.num_kv_blocks = 1024;
+  config.scheduler.max_num_seqs = 64;
+  config.speculation.draft_model_dir = kDraftModel;
+  config.speculation.self_spec_layers = 2;
+  config.speculation.max_draft_tokens = 5;
+  config.speculation.adaptive = false;
+  absl::StatusOr<std::unique_ptr<LlmEngine>> e = CreateEngine(config);
+  EXPECT_TRUE(e.ok()) << e.status();
+  return std::move(*e);
+}
+
+struct CaseRun {
+  std::vector<int32_t> output;
+  std::string text;
+  FinishReason finish_reason = FinishReason::kNone;
+};
+
+// Runs every case of the test set once in `mode` on a fresh engine, greedy or seeded at
+// temperature 0.9, and returns the outputs by case name and the engine's speculation counters.
+std::map<std::string, CaseRun> RunCases(SpeculationMode mode, bool greedy, SpecDecodeStats* stats) {
+  std::unique_ptr<LlmEngine> e = NewSpeculatingEngine();
+  const std::vector<Case> cases = AllCases();
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SamplingParams p;
+    p.temperature = greedy ? 0.0f : cases[i].sampling.value("temperature", 0.9f);
+    p.top_p = cases[i].sampling.value("top_p", 1.0f);
+    p.repetition_penalty = cases[i].sampling.value("repetition_penalty", 1.0f);
+    p.seed = 77 + uint64_t(i);
+    p.max_tokens = 384;
+    p.structured_output = cases[i].constraint;
+    p.speculation = mode;
+    EXPECT_TRUE(e->AddRequest(cases[i].name, PromptFor(*e, cases[i], int(i)), p).ok()) << cases[i].name;
+  }
+  while (e->HasUnfinished()) EXPECT_TRUE(e->Step().ok());
+  std::map<std::string, CaseRun> runs;
+  for (const Case& c : cases) {
+    const Request* r = e->Find(c.name);
+    runs[c.name] = {r->output, r->text, r->finish_reason};
+  }
+  if (stats != nullptr) *stats = e->Stats().spec_decode;
+  return runs;
+}
+
+// Drafts are cut to the grammar and every node is drawn under its grammar state's mask, so each
+// mode gives exactly the constrained output without speculation, greedy or seeded (each drawn
+// token takes one number of the request's stream, as without drafts), and drafts are accepted.
+void ExpectConstrainedSpeculationLossless(bool greedy) {
+  const std::map<std::string, CaseRun> plain = RunCases(SpeculationMode::kNone, greedy, nullptr);
+  for (SpeculationMode mode : {SpeculationMode::kLookahead, SpeculationMode::kDraft, SpeculationMode::kSelf}) {
+    SpecDecodeStats stats;
+    const std::map<std::string, CaseRun> spec = RunCases(mode, greedy, &stats);
+    for (const Case& c : AllCases()) {
+      const CaseRun& want = plain.at(c.name);
+      const CaseRun& got = spec.at(c.name);
+      EXPECT_EQ(got.output, want.output) << c.name << " " << SpeculationModeName(mode);
+      EXPECT_EQ(got.text, want.text) << c.name << " " << SpeculationModeName(mode);
+      EXPECT_EQ(got.finish_reason, FinishReason::kStop) << c.name << " " << SpeculationModeName(mode) << ": " << got.text;
+      EXPECT_EQ(Check(c, got.text), "") << c.name << " " << SpeculationModeName(mode) << ": " << got.text;
+    }
+    EXPECT_GT(stats.num_drafts, 0) << SpeculationModeName(mode);
+    EXPECT_GT(stats.num_accepted_tokens, 0) << SpeculationModeName(mode);
+    std::printf("%s %s: %lld drafts, %lld draft tokens verified, %lld accepted (%.2f per draft)\n",
+                greedy ? "greedy" : "seeded", SpeculationModeName(mode), static_cast<long long>(stats.num_drafts),
+                static_cast<long long>(stats.num_draft_tokens), static_cast<long long>(stats.num_accepted_tokens),
+                double(stats.num_accepted_tokens) / double(stats.num_drafts));
+  }
+}
+
+TEST(StructuredOutputTest, GreedyConstrainedOutputIsUnchangedBySpeculation) {
+  ExpectConstrainedSpeculationLossless(true);
+}
+
+TEST(StructuredOutputTest, SeededConstrainedSamplingIsUnchangedBySpeculation) {
+  ExpectConstrainedSpeculationLossless(false);
 }
 
 TEST(StructuredOutputTest, GreedyConstrainedOutputIsDeterministic) {

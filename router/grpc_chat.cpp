@@ -123,6 +123,13 @@ absl::StatusOr<Json> ChatRequestJson(const v1::Chat& chat) {
   DUET_RETURN_IF_ERROR(SetToolChoice(chat.tool_choice(), &request));
   if (chat.has_parallel_tool_calls()) request["parallel_tool_calls"] = chat.parallel_tool_calls();
   if (chat.has_add_generation_prompt()) request["add_generation_prompt"] = chat.add_generation_prompt();
+  if (!chat.chat_template_kwargs().empty()) {
+    std::optional<Json> kwargs = ParseJsonText(chat.chat_template_kwargs());
+    if (!kwargs || !kwargs->is_object()) {
+      return absl::InvalidArgumentError("chat.chat_template_kwargs must be a JSON object");
+    }
+    request["chat_template_kwargs"] = *std::move(kwargs);
+  }
   return request;
 }
 

@@ -13,14 +13,15 @@
 namespace duet::router {
 
 // The chat as the fields of an OpenAI chat request that openai::ParseChatInput reads (messages,
-// tools, tool_choice, parallel_tool_calls, add_generation_prompt). InvalidArgument, naming the
-// field as "chat.<field>", for what the proto lets through and the API does not: a message
-// without a role, a tool without a name, parameters or call arguments that are not JSON, an
-// unknown tool_choice mode.
+// tools, tool_choice, parallel_tool_calls, add_generation_prompt, chat_template_kwargs).
+// InvalidArgument, naming the field as "chat.<field>", for what the proto lets through and the
+// API does not: a message without a role, a tool without a name, parameters or call arguments
+// that are not JSON, template kwargs that are not a JSON object, an unknown tool_choice mode.
 absl::StatusOr<openai::Json> ChatRequestJson(const v1::Chat& chat);
 
 // ChatRequestJson and openai::ParseChatInput: the chat's prompt and what it asks of its tools
-// (a forced call's schema set in `sampling`). Errors are InvalidArgument, prefixed "chat: ".
+// (a forced call's schema set in `sampling`, and without max_tokens what is left of the context,
+// as HTTP chat completions). Errors are InvalidArgument, prefixed "chat: ".
 absl::StatusOr<openai::ChatInput> PrepareChat(const v1::Chat& chat, const openai::ProtocolContext& context,
                                               v1::SamplingOptions* sampling);
 

@@ -45,6 +45,7 @@ TEST(ChatRequestJsonTest, MessagesToolsAndChoiceInTheOpenAiShape) {
   chat.mutable_tool_choice()->set_function_name("get_weather");
   chat.set_parallel_tool_calls(false);
   chat.set_add_generation_prompt(false);
+  chat.set_chat_template_kwargs(R"({"enable_thinking": false, "style": {"tone": "dry"}})");
 
   absl::StatusOr<Json> j = ChatRequestJson(chat);
   ASSERT_TRUE(j.ok()) << j.status();
@@ -62,6 +63,7 @@ TEST(ChatRequestJsonTest, MessagesToolsAndChoiceInTheOpenAiShape) {
   EXPECT_EQ((*j)["tool_choice"], Json({{"type", "function"}, {"function", {{"name", "get_weather"}}}}));
   EXPECT_EQ((*j)["parallel_tool_calls"], false);
   EXPECT_EQ((*j)["add_generation_prompt"], false);
+  EXPECT_EQ((*j)["chat_template_kwargs"], Json({{"enable_thinking", false}, {"style", {{"tone", "dry"}}}}));
 }
 
 TEST(ChatRequestJsonTest, ToolChoiceModes) {
@@ -111,6 +113,12 @@ TEST(ChatRequestJsonTest, InvalidFieldsAreNamed) {
   EXPECT_THAT(error(chat), HasSubstr("chat.tool_choice.function_name must not be empty"));
   chat.mutable_tool_choice()->set_mode(static_cast<v1::ToolChoice::Mode>(9));
   EXPECT_THAT(error(chat), HasSubstr("chat.tool_choice.mode 9 is not a known mode"));
+
+  chat.clear_tool_choice();
+  for (const char* kwargs : {"[1]", "{not json", "\"x\""}) {
+    chat.set_chat_template_kwargs(kwargs);
+    EXPECT_THAT(error(chat), HasSubstr("chat.chat_template_kwargs must be a JSON object")) << kwargs;
+  }
 }
 
 class PrepareChatTest : public ::testing::Test {
@@ -151,6 +159,39 @@ TEST_F(PrepareChatTest, RendersTokenizesAndForcesCalls) {
   ASSERT_TRUE(input.ok()) << input.status();
   EXPECT_EQ(input->tools.choice, openai::ToolChoice::kRequired);
   EXPECT_THAT(sampling.structured_output().json_schema(), HasSubstr("get_weather"));  // the forced calls' schema
+}
+
+// As HTTP chat completions: no max_tokens is what is left of the context; a set one stays.
+TEST_F(PrepareChatTest, MaxTokensDefaultsToTheRestOfTheContext) {
+  v1::Chat chat;
+  *chat.add_messages() = Message("user", "Hello");
+  v1::SamplingOptions sampling;
+  absl::StatusOr<openai::ChatInput> input = PrepareChat(chat, context_, &sampling);
+  ASSERT_TRUE(input.ok()) << input.status();
+  ASSERT_TRUE(sampling.has_max_tokens());
+  EXPECT_EQ(sampling.max_tokens(), 2048 - static_cast<int>(input->prompt_token_ids.size()));
+  sampling.set_max_tokens(5);
+  ASSERT_TRUE(PrepareChat(chat, context_, &sampling).ok());
+  EXPECT_EQ(sampling.max_tokens(), 5);
+  context_.max_model_len = 3;  // shorter than the prompt: 1, which the router's length check refuses
+  sampling.clear_max_tokens();
+  ASSERT_TRUE(PrepareChat(chat, context_, &sampling).ok());
+  EXPECT_EQ(sampling.max_tokens(), 1);
+}
+
+// chat_template_kwargs reach the template as variables (messages cannot be replaced).
+TEST_F(PrepareChatTest, TemplateKwargsAreTemplateVariables) {
+  absl::StatusOr<LoadedChatTemplate> custom = LoadChatTemplate(
+      DUET_MODELS_DIR "/tiny-code-llama", "{{ greeting }} {% for m in messages %}{{ m['content'] }}{% endfor %}");
+  ASSERT_TRUE(custom.ok()) << custom.status();
+  context_.chat = &*custom;
+  v1::Chat chat;
+  *chat.add_messages() = Message("user", "Hello");
+  chat.set_chat_template_kwargs(R"({"greeting": "Ahoy", "messages": []})");
+  v1::SamplingOptions sampling;
+  absl::StatusOr<openai::ChatInput> input = PrepareChat(chat, context_, &sampling);
+  ASSERT_TRUE(input.ok()) << input.status();
+  EXPECT_EQ(input->prompt_token_ids, tokenizer_->Encode("Ahoy Hello", /*add_special_tokens=*/false));
 }
 
 TEST_F(PrepareChatTest, ErrorsAreInvalidArgumentPrefixedWithChat) {

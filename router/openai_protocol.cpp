@@ -799,6 +799,11 @@ absl::StatusOr<ChatInput> ParseChatInput(const Json& j, const ProtocolContext& c
   if (context.tokenizer == nullptr) return BadRequest("chat needs a tokenizer");
   out.prompt_token_ids = context.tokenizer->Encode(prompt, /*add_special_tokens=*/false);
   if (out.prompt_token_ids.empty()) return BadRequest("the chat prompt has no tokens", "messages");
+  if (!sampling->has_max_tokens()) {
+    // vLLM: what is left of the context.
+    const int64_t left = context.max_model_len - static_cast<int64_t>(out.prompt_token_ids.size());
+    sampling->set_max_tokens(static_cast<int32_t>(std::clamp<int64_t>(left, 1, std::numeric_limits<int32_t>::max())));
+  }
   return out;
 }
 
@@ -822,11 +827,6 @@ absl::StatusOr<ParsedRequest> ParseChatRequest(std::string_view body, const Prot
   out.tools = std::move(chat.tools);
   PromptInput input;
   input.token_ids = std::move(chat.prompt_token_ids);
-  if (!out.sampling.has_max_tokens()) {
-    // vLLM: what is left of the context.
-    const int64_t left = context.max_model_len - static_cast<int64_t>(input.token_ids.size());
-    out.sampling.set_max_tokens(static_cast<int32_t>(std::clamp<int64_t>(left, 1, std::numeric_limits<int32_t>::max())));
-  }
   out.prompts.push_back(std::move(input));
   DUET_RETURN_IF_ERROR(ValidateSampling(out));
   return out;

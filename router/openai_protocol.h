@@ -123,7 +123,8 @@ absl::StatusOr<ParsedRequest> ParseChatRequest(std::string_view body, const Prot
 // The chat part of a request, which HTTP chat completions and gRPC Generate's `chat` share: the
 // fields `tools`, `tool_choice` and `parallel_tool_calls` of `request` (a forced call's schema
 // becomes `sampling`'s structured output, which must not have one of its own then), and
-// `messages` rendered through the chat template (RenderChat) and tokenized.
+// `messages` rendered through the chat template (RenderChat) and tokenized. Without max_tokens,
+// `sampling` gets what is left of the context (max_model_len − the prompt's tokens, at least 1).
 struct ChatInput {
   std::vector<int32_t> prompt_token_ids;
   ToolCalling tools;

@@ -504,6 +504,28 @@ TEST_F(ProtocolTest, ChatTemplateApplied) {
   EXPECT_EQ(*rendered, "<|im_start|>user\nhi<|im_end|>\n");
 }
 
+// vLLM's chat_template_kwargs: extra template variables (not `messages`); a --chat-template
+// replaces the model's template.
+TEST_F(ProtocolTest, ChatTemplateKwargsAndACustomTemplate) {
+  absl::StatusOr<LoadedChatTemplate> custom = LoadChatTemplate(
+      DUET_MODELS_DIR "/tiny-code-llama",
+      "{% if formal is defined and formal %}Dear {% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}");
+  ASSERT_TRUE(custom.ok()) << custom.status();
+  context_.chat = &*custom;
+  absl::StatusOr<ParsedRequest> r = ParseChatRequest(
+      R"({"messages":[{"role":"user","content":"Sir"}],"chat_template_kwargs":{"formal":true,"messages":[]},
+          "max_tokens":7})",
+      context_);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->prompts[0].token_ids, tokenizer_->Encode("Dear Sir", /*add_special_tokens=*/false));
+  EXPECT_EQ(r->sampling.max_tokens(), 7);
+  absl::StatusOr<Json> tokenized = Tokenize(R"({"messages":[{"role":"user","content":"Sir"}]})", context_);
+  ASSERT_TRUE(tokenized.ok()) << tokenized.status();
+  EXPECT_EQ((*tokenized)["tokens"].get<std::vector<int32_t>>(), tokenizer_->Encode("Sir", false));
+  EXPECT_EQ(ChatError(R"({"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":[1]})").param,
+            "chat_template_kwargs");
+}
+
 TEST_F(ProtocolTest, ChatErrors) {
   EXPECT_EQ(ChatError(R"({"model":"tiny"})").param, "messages");
   EXPECT_EQ(ChatError(R"({"messages":[]})").param, "messages");

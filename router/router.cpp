@@ -82,8 +82,11 @@ class RouterImpl : public Router {
     absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(options.model_dir);
     if (!tokenizer.ok()) return tokenizer.status();
     tokenizer_ = *std::move(tokenizer);
-    if (absl::StatusOr<LoadedChatTemplate> chat = LoadChatTemplate(options.model_dir); chat.ok()) {
+    if (absl::StatusOr<LoadedChatTemplate> chat = LoadChatTemplate(options.model_dir, options.chat_template);
+        chat.ok()) {
       chat_template_ = std::make_unique<LoadedChatTemplate>(*std::move(chat));
+    } else if (!options.chat_template.empty()) {
+      return chat.status();
     } else {
       DUET_LOG(WARNING) << "no chat template (chat requests are refused): " << chat.status().message();
     }

@@ -57,6 +57,9 @@ struct RouterOptions {
   // tool_call_parser ("llama3_json" or "hermes", router/openai_tool_calls.h).
   bool enable_auto_tool_choice = false;
   std::string tool_call_parser;
+  // vLLM's --chat-template: a template file or the template itself (LoadChatTemplate), replacing
+  // the model's; empty: the model's. One that cannot be read or parsed fails start-up.
+  std::string chat_template;
   // GET /metrics on the HTTP port returns this; none: the router's own RenderMetrics().
   std::function<std::string()> metrics_body;
   // RunRouter logs vLLM's stats line (common/stats_log.h) this often, in seconds; 0: never.

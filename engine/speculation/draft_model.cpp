@@ -129,26 +129,50 @@ absl::Status ModelDrafter::DraftRound(std::vector<ActiveJob>& active, KvCache& c
   if (on_forward && executor_->num_one_time_setups() == setups_before) {  // not a graph capture's round
     on_forward(num_tokens, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
-  const int64_t vocab = executor_->config().vocab_size;
   std::vector<ActiveJob> still;
   for (size_t i = 0; i < active.size(); ++i) {
     ActiveJob& a = active[i];
-    const int32_t token =
-        on_device ? samples_[i].token
-                  : Sampler::Argmax(absl::MakeConstSpan(logits_.data() + int64_t(i) * vocab, size_t(vocab)));
-    a.job->draft.push_back(token);
     if (!self_speculation()) {
       std::vector<int32_t>& cached = cached_tokens_[a.job->seq];
       cached.insert(cached.end(), a.feed.begin(), a.feed.end());
     }
-    if (int32_t(a.job->draft.size()) < a.job->num_draft) {
+    const std::optional<DraftToken> next = NextDraftToken(*a.job, i, on_device);
+    if (!next) continue;  // the grammar allows none: the draft ends here
+    a.job->draft.push_back(next->token);
+    if (!next->ends_output && int32_t(a.job->draft.size()) < a.job->num_draft) {
       a.start += int64_t(a.feed.size());
-      a.feed.assign(1, token);
+      a.feed.assign(1, next->token);
       still.push_back(std::move(a));
     }
   }
   active = std::move(still);
   return absl::OkStatus();
+}
+
+std::optional<ModelDrafter::DraftToken> ModelDrafter::NextDraftToken(Job& job, size_t row, bool on_device) {
+  const std::vector<int32_t>* eos = job.grammar ? &job.grammar->compiled().vocab().eos_ids() : nullptr;
+  int32_t token = -1;
+  if (on_device) {
+    token = samples_[row].token;
+  } else {
+    const int64_t vocab = executor_->config().vocab_size;
+    absl::Span<float> logits(logits_.data() + int64_t(row) * vocab, size_t(vocab));
+    if (job.grammar) {
+      token_mask_.resize(size_t(job.grammar->compiled().vocab().mask_words()));
+      job.grammar->FillNextTokenMask(absl::MakeSpan(token_mask_));
+      if (job.ignore_eos) {
+        for (int32_t id : *eos) token_mask_[size_t(id) / 32] &= ~(uint32_t(1) << (id % 32));
+      }
+      if (std::all_of(token_mask_.begin(), token_mask_.end(), [](uint32_t w) { return w == 0; })) return std::nullopt;
+      Sampler::ApplyTokenMask(logits, token_mask_);
+    }
+    token = Sampler::Argmax(logits);
+  }
+  if (!job.grammar) return DraftToken{token, false};
+  const bool is_eos = std::find(eos->begin(), eos->end(), token) != eos->end();
+  // Only a device sample, drawn without the mask, can be rejected here.
+  if ((is_eos && job.ignore_eos) || !job.grammar->AcceptToken(token)) return std::nullopt;
+  return DraftToken{token, is_eos || job.grammar->IsTerminated()};
 }
 
 }  // namespace duet

@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "engine/grammar/matcher.h"
 #include "engine/kv/block_manager.h"
 #include "engine/kv/kv_cache.h"
 #include "engine/model_executor.h"
@@ -47,6 +48,12 @@ class ModelDrafter {
     // The target's block table, with room for tokens.size() + num_draft - 1 slots.
     absl::Span<const int32_t> target_block_table;
     int32_t num_draft = 0;
+    // A constrained request's grammar state (a fork of its matcher, advanced here over the
+    // draft) and whether EOS is masked: each draft token is then the drafter's best token the
+    // grammar allows (where its logits reach the host; from the device, a token the grammar
+    // rejects ends the draft), and the draft stops where the output would end.
+    std::optional<grammar::GrammarMatcher> grammar;
+    bool ignore_eos = false;
     std::vector<int32_t> draft;  // out: up to num_draft tokens (fewer if the drafter ran out of room)
   };
   // Drafts for every job, batched: round r runs one forward over all jobs that want more than r
@@ -80,6 +87,15 @@ class ModelDrafter {
   // One forward over the active jobs; each gets its next draft token, and those that want
   // more stay active.
   absl::Status DraftRound(std::vector<ActiveJob>& active, KvCache& cache, const ForwardObserver& on_forward);
+  // The job's next draft token: the argmax of its logits row (on the host: of the tokens the
+  // grammar allows) or its device sample; the job's grammar advances over it. nullopt when the
+  // grammar allows none (or rejects the device sample); `ends_output`: nothing can follow it
+  // (EOS, or a grammar that allows nothing more).
+  struct DraftToken {
+    int32_t token;
+    bool ends_output;
+  };
+  std::optional<DraftToken> NextDraftToken(Job& job, size_t row, bool on_device);
 
   std::unique_ptr<ModelExecutor> executor_;
   // Separate draft model only: its paged cache and, per sequence, the tokens whose K/V it holds.
@@ -89,6 +105,7 @@ class ModelDrafter {
   std::vector<float> logits_;
   std::vector<DeviceSamplingRow> greedy_rows_;
   std::vector<DeviceSample> samples_;
+  std::vector<uint32_t> token_mask_;
 };
 
 }  // namespace duet

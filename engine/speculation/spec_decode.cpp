@@ -16,6 +16,35 @@ constexpr double kPlanTie = 1.0001;
 
 }  // namespace
 
+void CutDraftToGrammar(const Request& r, DraftTree& tree) {
+  if (r.grammar == nullptr || tree.empty()) return;
+  const std::vector<int32_t>& eos = r.grammar->compiled().vocab().eos_ids();
+  // Per kept node, the grammar's state after it (nullopt: the output ends there); [0] the root's.
+  std::vector<std::optional<grammar::GrammarMatcher>> after{*r.grammar};
+  std::vector<int32_t> kept_index(tree.tokens.size(), -1);  // node -> its index in the cut tree
+  DraftTree cut;
+  for (size_t j = 0; j < tree.tokens.size(); ++j) {
+    const int32_t parent = tree.parents[j];
+    const int32_t parent_kept = parent < 0 ? -1 : kept_index[size_t(parent)];
+    if (parent >= 0 && parent_kept < 0) continue;  // its parent was cut
+    const std::optional<grammar::GrammarMatcher>& state = after[size_t(parent_kept + 1)];
+    if (!state.has_value()) continue;
+    const int32_t token = tree.tokens[j];
+    const bool is_eos = std::find(eos.begin(), eos.end(), token) != eos.end();
+    if (is_eos && r.params.ignore_eos) continue;  // masked out, as FillTokenMask does
+    grammar::GrammarMatcher next = *state;  // a copy is a fork
+    if (!next.AcceptToken(token)) continue;
+    kept_index[j] = cut.size();
+    cut.Add(token, parent_kept);
+    if (is_eos || next.IsTerminated()) {
+      after.emplace_back(std::nullopt);
+    } else {
+      after.emplace_back(std::move(next));
+    }
+  }
+  tree = std::move(cut);
+}
+
 std::vector<int32_t> VerifyDraftTree(absl::Span<const int32_t> tokens, absl::Span<const int32_t> parents,
                                      const std::function<int32_t(int32_t node)>& draw,
                                      const std::function<bool(int32_t token)>& emit) {
@@ -577,7 +606,10 @@ bool SpeculativeDecoder::PlanRequests(absl::Span<Request* const> decoding, int64
       // their guesses get good.
       if (--skip_steps_left_ % 4 == 0) {
         for (Request* r : decoding) {
-          if (r->spec.mode == SpeculationMode::kLookahead) r->spec.tree = lookahead_.Propose({r->prompt, r->output}, 1);
+          if (r->spec.mode == SpeculationMode::kLookahead) {
+            r->spec.tree = lookahead_.Propose({r->prompt, r->output}, 1);
+            CutDraftToGrammar(*r, r->spec.tree);
+          }
         }
       }
       return false;
@@ -601,6 +633,7 @@ bool SpeculativeDecoder::PlanRequests(absl::Span<Request* const> decoding, int64
     int32_t cap = int32_t(std::clamp<int64_t>(room, 0, config_.max_draft_tokens));
     if (s.mode == SpeculationMode::kLookahead && cap > 0) {
       s.tree = lookahead_.Propose({r->prompt, r->output}, cap);
+      CutDraftToGrammar(*r, s.tree);  // before the budget: room only for tokens that can be accepted
       cap = s.tree.size();
     }
     if (s.mode == SpeculationMode::kNone) cap = 0;
@@ -669,7 +702,9 @@ absl::Status SpeculativeDecoder::DraftRequests(absl::Span<Request* const> schedu
     if (budget <= 0) continue;
     std::vector<int32_t>& tokens = all_tokens.emplace_back(r->prompt);
     tokens.insert(tokens.end(), r->output.begin(), r->output.end());
-    ModelDrafter::Job job{r->seq_id, tokens, blocks_.BlockTable(r->seq_id), budget, {}};
+    ModelDrafter::Job job{r->seq_id, tokens, blocks_.BlockTable(r->seq_id), budget};
+    if (r->grammar) job.grammar = *r->grammar;
+    job.ignore_eos = r->params.ignore_eos;
     if (s.mode == SpeculationMode::kDraft) {
       draft_jobs.push_back(std::move(job));
       draft_requests.push_back(r);
@@ -684,7 +719,8 @@ absl::Status SpeculativeDecoder::DraftRequests(absl::Span<Request* const> schedu
     auto observe = [&cost](int64_t num_tokens, double seconds) { cost->Observe(num_tokens, seconds); };
     if (absl::Status st = drafter->Propose(absl::MakeSpan(jobs), cache_, observe); !st.ok()) return st;
     for (size_t i = 0; i < jobs.size(); ++i) {
-      for (int32_t token : jobs[i].draft) requests[i]->spec.tree.Add(token, requests[i]->spec.tree.size() - 1);
+      DraftTree& tree = requests[i]->spec.tree;
+      for (int32_t token : jobs[i].draft) tree.Add(token, tree.size() - 1);  // within the grammar (Job::grammar)
     }
     return absl::OkStatus();
   };

@@ -61,6 +61,14 @@ std::vector<int32_t> VerifyDraftTree(absl::Span<const int32_t> tokens, absl::Spa
                                      const std::function<int32_t(int32_t node)>& draw,
                                      const std::function<bool(int32_t token)>& emit);
 
+// Cuts request r's draft tree to the paths its grammar allows (no-op without a grammar): a node
+// goes, with its subtree, when the grammar rejects its token after the node's ancestors (the
+// token mask the target samples under would never let it be accepted), and so do the children
+// of a node that ends the output (EOS, or a grammar that allows nothing more). Kept nodes keep
+// their order, so a best-first tree stays best first. Lookahead's trees pass through it; model
+// drafts walk the grammar as they are drafted (ModelDrafter::Job::grammar).
+void CutDraftToGrammar(const Request& r, DraftTree& tree);
+
 // Seconds of one forward step of T tokens, in buckets of T (every T up to 16, then steps of
 // about 1/8). Buckets are measured up front (MeasureUpTo: a scratch forward of one-token chunks,
 // best of three; never while serving, where a measurement would stall the whole batch) and then

@@ -8,6 +8,7 @@
 
 #include "backends/cpu/llama_cpu.h"
 #include "backends/executor_factory.h"
+#include "engine/grammar/structured_output.h"
 #include "engine/llm_engine.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -90,6 +91,113 @@ TEST(VerifyDraftTreeTest, StopsWhenTheRequestFinishes) {
       [&](int32_t) { return ++emitted < 2; });
   EXPECT_EQ(emitted, 2);
   EXPECT_EQ(accepted, (std::vector<int32_t>{1}));
+}
+
+// ---- Drafts under a grammar ------------------------------------------------------------------
+
+// A request constrained by `regex` over a toy vocabulary: 0 is EOS, then "a" "b" "c" "d" "ab" "x" "bc".
+std::unique_ptr<Request> ConstrainedRequest(const std::string& regex, bool ignore_eos) {
+  static const auto vocab = grammar::TokenVocabulary::FromTokenStrings(
+      {std::nullopt, "a", "b", "c", "d", "ab", "x", "bc"}, {0});
+  static grammar::GrammarCompiler compiler(vocab);
+  SamplingParams p;
+  p.ignore_eos = ignore_eos;
+  auto r = std::make_unique<Request>("r", 1, std::vector<int32_t>{1}, p);
+  absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> g =
+      compiler.Compile({grammar::StructuredOutput::Kind::kRegex, regex, {}});
+  EXPECT_TRUE(g.ok()) << g.status();
+  r->grammar = std::make_unique<grammar::GrammarMatcher>(*g);
+  return r;
+}
+
+DraftTree Tree(std::vector<std::pair<int32_t, int32_t>> nodes) {  // (token, parent)
+  DraftTree t;
+  for (const auto& [token, parent] : nodes) t.Add(token, parent);
+  return t;
+}
+
+enum Toy : int32_t { kEos = 0, kA, kB, kC, kD, kAB, kX, kBC };
+
+TEST(CutDraftToGrammarTest, CutsEveryPathAtItsFirstDisallowedToken) {
+  const std::unique_ptr<Request> r = ConstrainedRequest("ab(c|d)", false);
+  DraftTree tree = Tree({{kA, -1},  // 0 kept
+                         {kX, -1},  // 1 disallowed: cut with its subtree
+                         {kB, 0},   // 2 "ab"
+                         {kA, 1},   // 3 under a cut node
+                         {kC, 2},   // 4 "abc": the grammar is complete and allows nothing more
+                         {kD, 2},   // 5 "abd"
+                         {kEos, 4}, // 6 after the end: nothing is verified there
+                         {kAB, -1}, // 7 "ab"
+                         {kX, 7},   // 8 "abx" disallowed
+                         {kC, 7},   // 9 "abc"
+                         {kBC, 0}}); // 10 "abc"
+  CutDraftToGrammar(*r, tree);
+  EXPECT_EQ(tree.tokens, (std::vector<int32_t>{kA, kB, kC, kD, kAB, kC, kBC}));
+  EXPECT_EQ(tree.parents, (std::vector<int32_t>{-1, 0, 1, 1, -1, 4, 0}));
+  // The request's own matcher did not move: "a" is still the only way to start.
+  EXPECT_FALSE(r->grammar->CanEnd());
+  EXPECT_TRUE(r->grammar->AcceptToken(kA));
+}
+
+TEST(CutDraftToGrammarTest, EosOnlyWhereTheGrammarMayEndAndNotWithIgnoreEos) {
+  const DraftTree draft = Tree({{kEos, -1}, {kA, -1}, {kEos, 1}, {kA, 2}, {kA, 1}});
+  DraftTree tree = draft;
+  CutDraftToGrammar(*ConstrainedRequest("a+", false), tree);
+  // EOS at the root is rejected (nothing matched yet); after "a" it ends the output there.
+  EXPECT_EQ(tree.tokens, (std::vector<int32_t>{kA, kEos, kA}));
+  EXPECT_EQ(tree.parents, (std::vector<int32_t>{-1, 0, 0}));
+  tree = draft;
+  CutDraftToGrammar(*ConstrainedRequest("a+", true), tree);
+  EXPECT_EQ(tree.tokens, (std::vector<int32_t>{kA, kA}));
+  EXPECT_EQ(tree.parents, (std::vector<int32_t>{-1, 0}));
+}
+
+TEST(CutDraftToGrammarTest, UnconstrainedDraftsStayWhole) {
+  Request r("r", 1, {1}, SamplingParams{});
+  DraftTree tree = Tree({{kX, -1}, {kEos, 0}, {kA, 1}});
+  CutDraftToGrammar(r, tree);
+  EXPECT_EQ(tree.size(), 3);
+}
+
+// A model drafter walks a constrained request's grammar as it drafts: its tokens are the best
+// ones the grammar allows (the context alone would draft code, not digits), and it stops where
+// the output ends however much budget is left.
+TEST(ModelDrafterTest, ConstrainedDraftsFollowTheGrammarAndStopAtItsEnd) {
+  absl::StatusOr<std::unique_ptr<LlamaCpu>> target = LlamaCpu::Load(kModel);
+  ASSERT_TRUE(target.ok()) << target.status();
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(kModel);
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  std::vector<std::optional<std::string>> strings(static_cast<size_t>((*tokenizer)->vocab_size()));
+  for (int32_t id = 0; id < (*tokenizer)->vocab_size(); ++id) {
+    if (!(*tokenizer)->IsSpecial(id)) strings[size_t(id)] = (*tokenizer)->IdToToken(id);
+  }
+  grammar::GrammarCompiler compiler(grammar::TokenVocabulary::FromTokenStrings(strings, {1}));
+  absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> digits =
+      compiler.Compile({grammar::StructuredOutput::Kind::kRegex, "[0-9]{3}", {}});
+  ASSERT_TRUE(digits.ok()) << digits.status();
+
+  std::unique_ptr<KvCache> cache = *(*target)->CreateKvCache(8, 16);
+  const std::vector<int32_t> context = (*tokenizer)->Encode("def area(width, height):\n    return");
+  const std::vector<int32_t> table_a = {0, 1, 2}, table_b = {3, 4, 5};
+  std::vector<float> logits;
+  const absl::Span<const int32_t> known(context.data(), context.size() - 1);  // the target's K/V
+  std::vector<SequenceChunk> prefill = {{known, 0, table_a, 1, 0}, {known, 0, table_b, 2, 0}};
+  ASSERT_TRUE((*target)->Forward(prefill, *cache, logits).ok());
+  absl::StatusOr<std::unique_ptr<ModelDrafter>> self = ModelDrafter::SelfSpeculation(**target, 2);
+  ASSERT_TRUE(self.ok()) << self.status();
+
+  ModelDrafter::Job jobs[2] = {{1, context, table_a, 6}, {2, context, table_b, 6}};
+  jobs[1].grammar.emplace(*digits);
+  ASSERT_TRUE((*self)->Propose(jobs, *cache).ok());
+  const std::vector<int32_t>& free_draft = jobs[0].draft;
+  const std::vector<int32_t>& constrained = jobs[1].draft;
+  ASSERT_EQ(free_draft.size(), 6u);
+  EXPECT_FALSE(grammar::GrammarMatcher(*digits).AcceptToken(free_draft[0])) << "the unconstrained draft is not digits";
+  ASSERT_FALSE(constrained.empty());
+  EXPECT_LT(constrained.size(), 6u);
+  grammar::GrammarMatcher check(*digits);
+  for (int32_t token : constrained) EXPECT_TRUE(check.AcceptToken(token)) << token;
+  EXPECT_TRUE(check.IsTerminated());
 }
 
 // ---- The budget planner -------------------------------------------------------------------

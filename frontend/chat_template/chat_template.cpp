@@ -1,7 +1,9 @@
 #include "frontend/chat_template/chat_template.h"
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <string_view>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -43,20 +45,59 @@ std::string TokenString(const nlohmann::ordered_json& config, const char* key) {
 
 }  // namespace
 
-absl::StatusOr<LoadedChatTemplate> LoadChatTemplate(const std::string& model_dir) {
+absl::StatusOr<std::string> ReadChatTemplateFlag(const std::string& value) {
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(value, ec)) {
+    std::ifstream file(value, std::ios::binary);
+    std::stringstream contents;
+    contents << file.rdbuf();
+    if (!file) return absl::NotFoundError(absl::StrCat("--chat-template: cannot read ", value));
+    return contents.str();
+  }
+  if (value.find_first_of("{}\n") == std::string::npos) {
+    return absl::NotFoundError(absl::StrCat("--chat-template: '", value,
+                                            "' looks like a file path, but there is no readable file there"));
+  }
+  constexpr std::string_view kEscaped = "ntr\\'\"", kMeaning = "\n\t\r\\'\"";
+  std::string source;
+  for (size_t i = 0; i < value.size(); ++i) {
+    const char c = value[i];
+    const char next = i + 1 < value.size() ? value[i + 1] : '\0';
+    const size_t escape = c == '\\' ? kEscaped.find(next) : std::string_view::npos;
+    if (escape == std::string_view::npos) {
+      source.push_back(c);
+    } else {
+      source.push_back(kMeaning[escape]);
+      ++i;
+    }
+  }
+  return source;
+}
+
+absl::StatusOr<LoadedChatTemplate> LoadChatTemplate(const std::string& model_dir,
+                                                    const std::string& chat_template_flag) {
   std::string path = model_dir + "/tokenizer_config.json";
   std::ifstream file(path);
-  if (!file) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  std::stringstream contents;
-  contents << file.rdbuf();
-  nlohmann::ordered_json config = nlohmann::ordered_json::parse(contents.str(), nullptr, /*allow_exceptions=*/false);
-  if (config.is_discarded() || !config.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
+  nlohmann::ordered_json config = nlohmann::ordered_json::object();
+  if (file) {
+    std::stringstream contents;
+    contents << file.rdbuf();
+    config = nlohmann::ordered_json::parse(contents.str(), nullptr, /*allow_exceptions=*/false);
+    if (config.is_discarded() || !config.is_object()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
+    }
+  } else if (chat_template_flag.empty()) {
+    return absl::NotFoundError(absl::StrCat("cannot open ", path));
   }
   std::string source;
   bool is_fallback = false;
   auto it = config.find("chat_template");
-  if (it == config.end() || it->is_null()) {
+  if (!chat_template_flag.empty()) {
+    absl::StatusOr<std::string> flag_source = ReadChatTemplateFlag(chat_template_flag);
+    if (!flag_source.ok()) return flag_source.status();
+    source = *std::move(flag_source);
+    path = "--chat-template";
+  } else if (it == config.end() || it->is_null()) {
     source = kFallbackChatTemplate;
     is_fallback = true;
   } else if (it->is_string()) {

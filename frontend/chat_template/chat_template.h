@@ -75,7 +75,18 @@ struct LoadedChatTemplate {
 
 // Loads chat_template from <model_dir>/tokenizer_config.json: a string, or a list of
 // {name, template} from which "default" is taken. Falls back to kFallbackChatTemplate when
-// absent. bos/eos tokens may be strings or {"content": ...} objects.
-absl::StatusOr<LoadedChatTemplate> LoadChatTemplate(const std::string& model_dir);
+// absent. bos/eos tokens may be strings or {"content": ...} objects. A non-empty
+// `chat_template_flag` (--chat-template, ReadChatTemplateFlag) replaces the config's template;
+// the bos/eos tokens still come from the config where there is one. Errors in the flag's
+// template are InvalidArgument (NotFound for a path that cannot be read) starting
+// "--chat-template".
+absl::StatusOr<LoadedChatTemplate> LoadChatTemplate(const std::string& model_dir,
+                                                    const std::string& chat_template_flag = "");
+
+// The template source a --chat-template value gives, as vLLM reads it: the contents of the file
+// at `value`; else, when `value` has a character of Jinja's ('{', '}' or a newline), `value`
+// itself, its escapes \n \t \r \\ \' \" read as the characters they stand for; else NotFound
+// (it looks like a path, and that cannot be read).
+absl::StatusOr<std::string> ReadChatTemplateFlag(const std::string& value);
 
 }  // namespace duet

@@ -237,5 +237,36 @@ TEST(ChatTemplate, LoadChatTemplateFromModelDirectories) {
   EXPECT_EQ(LoadChatTemplate(dir.string()).status().code(), absl::StatusCode::kNotFound);
 }
 
+// --chat-template: a file, or an inline template (with escapes read), replacing the model's
+// template; the model's bos/eos tokens stay.
+TEST(ChatTemplate, ChatTemplateFlagReplacesTheModelsTemplate) {
+  const std::string tiny = std::string(DUET_MODELS_DIR) + "/tiny-code-llama";
+  std::filesystem::path dir = std::filesystem::temp_directory_path() / ("duet_chat_flag_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string file = (dir / "t.jinja").string();
+  std::ofstream(file) << "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{{ eos_token }}\n";
+  absl::StatusOr<LoadedChatTemplate> from_file = LoadChatTemplate(tiny, file);
+  ASSERT_TRUE(from_file.ok()) << from_file.status();
+  EXPECT_FALSE(from_file->is_fallback);
+  EXPECT_EQ(from_file->eos_token, "<|end_of_text|>");
+  const Json context = {{"messages", Json::array({{{"role", "user"}, {"content", "U"}}})},
+                        {"eos_token", from_file->eos_token}};
+  EXPECT_EQ(*from_file->chat_template.Render(context), "[U]<|end_of_text|>");
+
+  absl::StatusOr<LoadedChatTemplate> inline_template = LoadChatTemplate(tiny, "{{ messages[0]['content'] }}\\n\\t\\'!");
+  ASSERT_TRUE(inline_template.ok()) << inline_template.status();
+  EXPECT_EQ(*inline_template->chat_template.Render(context), "U\n\t'!");
+  // A directory without tokenizer_config.json still takes a template of its own.
+  EXPECT_TRUE(LoadChatTemplate(dir.string(), file).ok());
+
+  absl::StatusOr<LoadedChatTemplate> bad = LoadChatTemplate(tiny, "{% if %}");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(std::string(bad.status().message()).starts_with("--chat-template: ")) << bad.status();
+  absl::StatusOr<LoadedChatTemplate> missing = LoadChatTemplate(tiny, (dir / "missing.jinja").string());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("looks like a file path"), std::string::npos) << missing.status();
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace duet

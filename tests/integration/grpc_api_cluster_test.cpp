@@ -2,7 +2,9 @@
 // local cluster (router, prefill and decode worker processes on loopback, the bundled model):
 // chat through the chat template (the same prompt and greedy answer as HTTP chat completions),
 // a JSON-schema constraint whose output parses and validates, tool calls parsed by both
-// --tool-call-parser formats, n = 2, the finish reason enum and the x-request-id metadata.
+// --tool-call-parser formats, n = 2, the finish reason enum and the x-request-id metadata; a
+// router's --chat-template and a chat's chat_template_kwargs shaping the prompt, a chat without
+// max_tokens running to the context limit, and bad templates failing start-up.
 #include <fstream>
 #include <map>
 #include <memory>
@@ -91,8 +93,47 @@ json HttpPost(int port, const std::string& path, const json& body) {
   return r.status == 200 ? json::parse(r.body) : json();
 }
 
+// A router process in front of the given workers (decode, then prefill); nullptr (and the
+// process stopped) unless it announced its ports, gRPC in `grpc_port`, HTTP in `http_port` when
+// the flags turn HTTP on.
+Subprocess* StartRouter(const std::vector<std::string>& workers, const std::vector<std::string>& flags,
+                        std::string* grpc_port, std::string* http_port = nullptr) {
+  std::vector<std::string> argv = {testing::DuetBinary(), "router", "--model", DUET_MODELS_DIR "/tiny-code-llama",
+                                   "--port", "0", "--decode", workers[0], "--prefill", workers[1]};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  absl::StatusOr<std::unique_ptr<Subprocess>> router = Subprocess::Start(argv, {});
+  if (!router.ok()) return nullptr;
+  if (http_port != nullptr) {
+    absl::StatusOr<std::string> port = (*router)->WaitForLine("DUET_HTTP_READY port=", std::chrono::seconds(120));
+    if (!port.ok()) {
+      (*router)->Stop();
+      return nullptr;
+    }
+    *http_port = *port;
+  }
+  absl::StatusOr<std::string> port = (*router)->WaitForLine("DUET_READY port=", std::chrono::seconds(120));
+  if (!port.ok()) {
+    (*router)->Stop();
+    return nullptr;
+  }
+  *grpc_port = *port;
+  return router->release();
+}
+
+std::unique_ptr<v1::Duet::Stub> StubAt(const std::string& port) {
+  return v1::Duet::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+}
+
+// The --chat-template of the custom-template router: roles and contents, and `suffix` when a
+// request's chat_template_kwargs give one.
+constexpr char kCustomTemplate[] =
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    "{% if suffix is defined %}{{ suffix }}{% endif %}\n";
+constexpr int kCustomRouterMaxModelLen = 64;
+
 // One cluster for the suite: its router parses hermes tool calls; a second router in front of
-// the same workers parses llama3_json ones.
+// the same workers parses llama3_json ones, and a third renders chats with a --chat-template
+// of its own (and a short --max-model-len).
 class GrpcApiClusterTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -101,35 +142,49 @@ class GrpcApiClusterTest : public ::testing::Test {
     cluster_ = new LocalCluster(options);
     if (!cluster_->ok()) return;
     const std::vector<std::string>& workers = cluster_->worker_addresses();  // decode, then prefill
-    absl::StatusOr<std::unique_ptr<Subprocess>> router = Subprocess::Start(
-        {testing::DuetBinary(), "router", "--model", DUET_MODELS_DIR "/tiny-code-llama", "--port", "0", "--decode",
-         workers[0], "--prefill", workers[1], "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"},
-        {});
-    if (!router.ok()) return;
-    llama3_router_ = router->release();
-    absl::StatusOr<std::string> port = llama3_router_->WaitForLine("DUET_READY port=", std::chrono::seconds(120));
-    if (!port.ok()) return;
-    llama3_stub_ = v1::Duet::NewStub(
-        grpc::CreateChannel(absl::StrCat("127.0.0.1:", *port), grpc::InsecureChannelCredentials())).release();
+    std::string port;
+    llama3_router_ = StartRouter(workers, {"--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"}, &port);
+    if (llama3_router_ != nullptr) llama3_stub_ = StubAt(port).release();
+    temp_dir_ = new std::string(testing::MakeTempDir("grpc-api-chat-template"));
+    const std::string template_file = *temp_dir_ + "/template.jinja";
+    std::ofstream(template_file) << kCustomTemplate;
+    custom_router_ = StartRouter(workers,
+                                 {"--chat-template", template_file, "--http-port", "0", "--max-model-len",
+                                  std::to_string(kCustomRouterMaxModelLen)},
+                                 &port, &custom_http_port_);
+    if (custom_router_ != nullptr) custom_stub_ = StubAt(port).release();
   }
   static void TearDownTestSuite() {
     delete llama3_stub_;
-    if (llama3_router_ != nullptr) llama3_router_->Stop();
-    delete llama3_router_;
+    delete custom_stub_;
+    for (Subprocess* router : {llama3_router_, custom_router_}) {
+      if (router != nullptr) router->Stop();
+      delete router;
+    }
+    delete temp_dir_;
     delete cluster_;
   }
   void SetUp() override {
     ASSERT_TRUE(cluster_->ok()) << cluster_->error();
     ASSERT_NE(llama3_stub_, nullptr) << "the llama3_json router did not start";
+    ASSERT_NE(custom_stub_, nullptr) << "the --chat-template router did not start";
   }
 
   static LocalCluster* cluster_;
   static Subprocess* llama3_router_;
   static v1::Duet::Stub* llama3_stub_;
+  static Subprocess* custom_router_;
+  static v1::Duet::Stub* custom_stub_;
+  static std::string custom_http_port_;
+  static std::string* temp_dir_;
 };
 LocalCluster* GrpcApiClusterTest::cluster_ = nullptr;
 Subprocess* GrpcApiClusterTest::llama3_router_ = nullptr;
 v1::Duet::Stub* GrpcApiClusterTest::llama3_stub_ = nullptr;
+Subprocess* GrpcApiClusterTest::custom_router_ = nullptr;
+v1::Duet::Stub* GrpcApiClusterTest::custom_stub_ = nullptr;
+std::string GrpcApiClusterTest::custom_http_port_;
+std::string* GrpcApiClusterTest::temp_dir_ = nullptr;
 
 // A gRPC chat is the HTTP chat completion: the same prompt tokens (/tokenize renders the same
 // template) and, greedy, the same answer.
@@ -248,6 +303,78 @@ TEST_F(GrpcApiClusterTest, NTwoCompletionsEachEqualTheirSeedsSingleRequest) {
     EXPECT_EQ(c.token_ids, single.completions[0].token_ids) << index;
   }
   EXPECT_NE(got.completions[0].token_ids, got.completions[1].token_ids);  // different seeds, different samples
+}
+
+// The main router's tokens of `text` as a plain prompt (no special tokens), as a chat prompt is
+// tokenized.
+std::vector<int32_t> PlainTokens(int http_port, const std::string& text) {
+  return HttpPost(http_port, "/tokenize", {{"prompt", text}, {"add_special_tokens", false}})["tokens"]
+      .get<std::vector<int32_t>>();
+}
+
+// --chat-template replaces the model's template for gRPC and HTTP chats alike, and
+// chat_template_kwargs reach it as variables.
+TEST_F(GrpcApiClusterTest, ChatTemplateFlagAndTemplateKwargsShapeThePrompt) {
+  v1::GenerateRequest request = ChatRequest("hi", 4);
+  Result got = Generate(*custom_stub_, request);
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.completions[0].prompt_token_ids,
+            PlainTokens(cluster_->http_port(), "<system>You are a helpful assistant.<user>hi"));
+
+  request.mutable_chat()->set_chat_template_kwargs(R"({"suffix": " Answer:"})");
+  got = Generate(*custom_stub_, request);
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  const std::vector<int32_t> with_suffix =
+      PlainTokens(cluster_->http_port(), "<system>You are a helpful assistant.<user>hi Answer:");
+  EXPECT_EQ(got.completions[0].prompt_token_ids, with_suffix);
+  const json messages = json::array({{{"role", "system"}, {"content", "You are a helpful assistant."}},
+                                     {{"role", "user"}, {"content", "hi"}}});
+  const json http = HttpPost(std::stoi(custom_http_port_), "/tokenize",
+                             {{"messages", messages}, {"chat_template_kwargs", {{"suffix", " Answer:"}}}});
+  EXPECT_EQ(http["tokens"].get<std::vector<int32_t>>(), with_suffix);
+
+  // The main router renders the model's own template: not this prompt.
+  got = Generate(cluster_->router(), request);
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_NE(got.completions[0].prompt_token_ids, with_suffix);
+
+  request.mutable_chat()->set_chat_template_kwargs("[1]");
+  got = Generate(*custom_stub_, request);
+  EXPECT_EQ(got.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(got.status.error_message().find("chat_template_kwargs"), std::string::npos) << got.status.error_message();
+}
+
+// A gRPC chat without max_tokens runs to the end of the context (HTTP chat completions' default),
+// not 16 tokens.
+TEST_F(GrpcApiClusterTest, ChatWithoutMaxTokensRunsToTheContextLimit) {
+  v1::GenerateRequest request = ChatRequest("hi", 1);
+  request.mutable_sampling()->clear_max_tokens();
+  request.mutable_sampling()->set_ignore_eos(true);
+  Result got = Generate(*custom_stub_, request);
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  const Completion& c = got.completions[0];
+  EXPECT_EQ(c.finish_reason, "length");
+  EXPECT_GT(c.token_ids.size(), 16u);
+  EXPECT_EQ(c.prompt_token_ids.size() + c.token_ids.size(), size_t(kCustomRouterMaxModelLen));
+}
+
+// A --chat-template that does not parse, or names no file, stops `duet router` and `duet serve`
+// at start-up with the reason.
+TEST(ChatTemplateFlagTest, BadTemplatesFailStartUp) {
+  const std::string dir = testing::MakeTempDir("chat-template-flag");
+  const std::string model = DUET_MODELS_DIR "/tiny-code-llama";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {absl::StrCat(testing::DuetBinary(), " router --model ", model,
+                    " --port 0 --decode 127.0.0.1:1 --prefill 127.0.0.1:1 --chat-template '{% if %}'"),
+       "--chat-template: "},
+      {absl::StrCat(testing::DuetBinary(), " serve --model ", model, " --grpc-port 0 --http-port -1 --chat-template ",
+                    dir, "/missing.jinja"),
+       "looks like a file path"},
+  };
+  for (const auto& [command, reason] : cases) {
+    EXPECT_NE(testing::RunCommand(command, dir + "/err.txt"), 0) << command;
+    EXPECT_NE(testing::ReadText(dir + "/err.txt").find(reason), std::string::npos) << testing::ReadText(dir + "/err.txt");
+  }
 }
 
 // `duet complete --chat` (the gRPC client users run) prints the same answer.
