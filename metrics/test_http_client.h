@@ -83,4 +83,15 @@ inline HttpResponse HttpGet(uint16_t port, const std::string& target,
       timeout));
 }
 
+// POSTs `body` (JSON) to `target`.
+inline HttpResponse HttpPost(uint16_t port, const std::string& target, const std::string& body,
+                             std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+  return ParseResponse(RawExchange(port,
+                                   "POST " + target +
+                                       " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                                       "Content-Length: " + std::to_string(body.size()) +
+                                       "\r\nConnection: close\r\n\r\n" + body,
+                                   timeout));
+}
+
 }  // namespace duet::metrics::testing

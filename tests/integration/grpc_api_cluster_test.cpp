@@ -83,12 +83,8 @@ v1::GenerateRequest ChatRequest(const std::string& user, int max_tokens) {
 }
 
 json HttpPost(int port, const std::string& path, const json& body) {
-  const std::string text = body.dump();
-  const metrics::testing::HttpResponse r = metrics::testing::ParseResponse(metrics::testing::RawExchange(
-      uint16_t(port),
-      absl::StrCat("POST ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: ",
-                   text.size(), "\r\nConnection: close\r\n\r\n", text),
-      std::chrono::seconds(120)));
+  const metrics::testing::HttpResponse r =
+      metrics::testing::HttpPost(uint16_t(port), path, body.dump(), std::chrono::seconds(120));
   EXPECT_EQ(r.status, 200) << path << ": " << r.body;
   return r.status == 200 ? json::parse(r.body) : json();
 }
