@@ -70,6 +70,13 @@ PrefillService::PrefillService(std::unique_ptr<LlmEngine> engine,
       staging_(std::move(staging)),
       sender_(std::move(sender)) {
   metrics_->SetCacheConfig(rpc::CacheConfigOf(*engine));
+  // Every path's series from the start, at zero: a rate over a path's first transfers needs a
+  // sample from before them.
+  for (kvtransfer::TransferPath path : {kvtransfer::TransferPath::kUcxNetwork, kvtransfer::TransferPath::kUcxSharedMemory,
+                                        kvtransfer::TransferPath::kCudaIpc}) {
+    metrics_->kv_transfer_bytes_total(kvtransfer::TransferPathName(path));
+    metrics_->kv_transfer_seconds(kvtransfer::TransferPathName(path));
+  }
   loop_ = std::make_unique<EngineLoop>(
       std::move(engine), [this](int64_t layer, absl::Span<const SequenceChunk> chunks) { OnLayerDone(layer, chunks); },
       [this](int64_t num_tokens) { metrics_->iteration_tokens_total.Observe(double(num_tokens)); });
