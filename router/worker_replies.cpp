@@ -15,6 +15,16 @@ std::optional<FinishReason> StreamFinishReason(const std::string& name) {
 
 namespace {
 
+// Why `lp`'s alternatives cannot be relayed (`what` names whose they are); empty when they can.
+std::string OutOfVocabularyTop(const v1::TokenLogprobs& lp, int64_t vocab_size, const char* what) {
+  for (const v1::TopLogprob& top : lp.top()) {
+    if (top.token_id() < 0 || top.token_id() >= vocab_size) {
+      return absl::StrFormat("%s token id %d, out of vocabulary (vocab size %d)", what, top.token_id(), vocab_size);
+    }
+  }
+  return "";
+}
+
 std::string InvalidPromptLogprobs(const v1::PrefillResponse& reply, int64_t prompt_len, int32_t k, int64_t vocab_size) {
   if (k < 0) return reply.prompt_logprobs().empty() ? "" : "prompt logprobs that were not asked for";
   if (reply.prompt_logprobs_size() != prompt_len - 1) {
@@ -25,12 +35,7 @@ std::string InvalidPromptLogprobs(const v1::PrefillResponse& reply, int64_t prom
       return absl::StrFormat("a prompt logprob with rank %d and %d top entries (asked for %d)", lp.rank(),
                              lp.top_size(), k);
     }
-    for (const v1::TopLogprob& top : lp.top()) {
-      if (top.token_id() < 0 || top.token_id() >= vocab_size) {
-        return absl::StrFormat("prompt logprob token id %d, out of vocabulary (vocab size %d)", top.token_id(),
-                               vocab_size);
-      }
-    }
+    if (std::string why = OutOfVocabularyTop(lp, vocab_size, "prompt logprob"); !why.empty()) return why;
   }
   return "";
 }
@@ -42,11 +47,9 @@ std::string InvalidPrefillReply(const v1::PrefillResponse& reply, int64_t prompt
   if (reply.first_token_id() < 0 || reply.first_token_id() >= vocab_size) {
     return absl::StrFormat("first token id %d, out of vocabulary (vocab size %d)", reply.first_token_id(), vocab_size);
   }
-  for (const v1::TopLogprob& top : reply.first_token_logprobs().top()) {
-    if (top.token_id() < 0 || top.token_id() >= vocab_size) {
-      return absl::StrFormat("first token's top logprob token id %d, out of vocabulary (vocab size %d)", top.token_id(),
-                             vocab_size);
-    }
+  if (std::string why = OutOfVocabularyTop(reply.first_token_logprobs(), vocab_size, "first token's top logprob");
+      !why.empty()) {
+    return why;
   }
   return InvalidPromptLogprobs(reply, prompt_len, prompt_logprobs, vocab_size);
 }
@@ -62,11 +65,7 @@ std::string InvalidDecodeMessage(const v1::GenerateResponse& message, int64_t vo
     return absl::StrFormat("%d logprobs for %d token ids", message.logprobs_size(), message.token_ids_size());
   }
   for (const v1::TokenLogprobs& lp : message.logprobs()) {
-    for (const v1::TopLogprob& top : lp.top()) {
-      if (top.token_id() < 0 || top.token_id() >= vocab_size) {
-        return absl::StrFormat("top logprob token id %d, out of vocabulary (vocab size %d)", top.token_id(), vocab_size);
-      }
-    }
+    if (std::string why = OutOfVocabularyTop(lp, vocab_size, "top logprob"); !why.empty()) return why;
   }
   // The prompt's logprobs come from the prefill worker; the router adds them.
   if (message.prompt_logprobs_size() != 0) return "prompt logprobs (the prefill worker's to send)";

@@ -272,9 +272,13 @@ class SchemaConverter {
       if (!v.is_number()) return absl::InvalidArgumentError(absl::StrCat("json schema: ", key, " must be a number"));
       const double x = v.get<double>();
       if (!(std::fabs(x) <= double(kLimit))) return Unsupported(absl::StrCat(key, " beyond 16 digits"));
-      // The smallest (largest) integer the bound lets through.
-      const double d = is_min ? (exclusive ? std::floor(x) + 1 : std::ceil(x)) : (exclusive ? std::ceil(x) - 1 : std::floor(x));
-      const int64_t bound = v.is_number_integer() && !exclusive ? v.get<int64_t>() : int64_t(d);
+      // The smallest (largest) integer the bound lets through; integer bounds exactly (16 digits
+      // are past a double's 53 bits).
+      const int64_t step = exclusive ? (is_min ? 1 : -1) : 0;
+      const int64_t bound = v.is_number_integer()
+                                ? v.get<int64_t>() + step
+                                : int64_t(is_min ? (exclusive ? std::floor(x) + 1 : std::ceil(x))
+                                                 : (exclusive ? std::ceil(x) - 1 : std::floor(x)));
       if (is_min) {
         lo = std::max(lo, bound);
       } else {

@@ -408,7 +408,7 @@ void GrammarMatcher::ComputeNextTokenMask(absl::Span<uint32_t> mask) const {
     }
   }
   if (CanEnd()) {
-    for (int32_t id : vocab.eos_ids()) mask[size_t(id) / 32] |= uint32_t(1) << (id % 32);
+    for (int32_t id : vocab.eos_ids()) allow(id);
   }
 }
 

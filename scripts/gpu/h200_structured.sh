@@ -30,9 +30,9 @@ section() { echo "== [${SECONDS}s] $*"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 for run in 1 2; do
   section "kernel tests ($kernel_filter), run $run"
-  kernels_tests --gtest_filter="$kernel_filter" > "$OUT/sampling_tests_$run.log" 2>&1
+  kernels_tests --gtest_filter="$kernel_filter" > "$OUT/kernels_tests_$run.log" 2>&1
   echo "kernels_tests exit $?"
-  grep -E "^\[  (PASSED|FAILED) |FAILED  \]|Failure" "$OUT/sampling_tests_$run.log" | head -20
+  grep -E "^\[  (PASSED|FAILED) |FAILED  \]|Failure" "$OUT/kernels_tests_$run.log" | head -20
   section "CUDA backend tests ($backend_filter), run $run"
   llama_cuda_tests --gtest_filter="$backend_filter" > "$OUT/llama_cuda_tests_$run.log" 2>&1
   echo "llama_cuda_tests exit $?"
