@@ -548,11 +548,14 @@ TEST(MetricsClusterTest, VllmDashboardQueriesOverADuetServeClusterMatchTheClient
   EXPECT_EQ(health_ok, "1");
   ASSERT_FALSE(rate.empty());
   ASSERT_FALSE(itl.empty());
+  ASSERT_FALSE(tpot.empty());
   ASSERT_GT(rate_to - rate_from, kWindow / 2);
   ASSERT_GT(gaps, 0);
   EXPECT_NEAR(std::stod(rate) / client_rate, 1.0, 0.05) << rate << " vs " << client_rate;
   EXPECT_NEAR(std::stod(itl) / client_itl, 1.0, 0.05) << itl << " vs " << client_itl;
-  EXPECT_EQ(tpot, itl);
+  // The router observes each gap into both histograms, one after the other: a scrape that lands between the two
+  // sees one more gap in ITL than in TPOT, so the two means agree up to a gap per running stream.
+  EXPECT_NEAR(std::stod(tpot) / std::stod(itl), 1.0, 0.01) << tpot << " vs " << itl;
   std::filesystem::remove_all(dir);
 }
 
