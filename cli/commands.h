@@ -45,6 +45,9 @@ struct ServeOptions {
   int metrics_port = -1;
   bool kv_checksums = false;  // passed to every worker (--kv-checksums)
   int prefill_sp_ranks = 1;   // sequence-parallel ranks of each prefill worker (--sp-ranks there)
+  // Under MPS: the share of the GPU's SMs each prefill worker may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE);
+  // 0: no limit.
+  int prefill_gpu_percent = 0;
   int shutdown_grace_seconds = 30;  // on SIGTERM/SIGINT: how long running requests may take to finish
   std::string routing_policy = "prefix-aware";  // the router's --routing-policy
   double prefix_affinity = 4.0;                 // the router's --prefix-affinity

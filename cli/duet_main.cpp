@@ -59,6 +59,10 @@ int main(int argc, char** argv) {
                         "Sequence-parallel ranks per prefill worker: prompts of at least --sp-min-tokens "
                         "prefill with ring attention over them")
       ->check(CLI::Range(1, 64));
+  serve_cmd->add_option("--prefill-gpu-percent", serve.prefill_gpu_percent,
+                        "With workers sharing a GPU under MPS: the percentage of its SMs each prefill worker "
+                        "may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so decode steps keep the rest; 0: no limit")
+      ->check(CLI::Range(0, 100));
   serve_cmd->add_flag("--kv-checksums", serve.kv_checksums,
                       "Checksum every KV layer moved between workers and verify it at the decode worker");
   serve_cmd->add_option("--grpc-port", serve.grpc_port, "Router gRPC port (0: any free port)")->check(CLI::Range(0, 65535));

@@ -44,6 +44,7 @@ constexpr auto kFirstBackoff = std::chrono::milliseconds(500);
 constexpr auto kMaxBackoff = std::chrono::seconds(30);
 constexpr auto kHealthyAfter = std::chrono::seconds(60);  // up this long: the backoff starts over
 constexpr timespec kTick{0, 100 * 1000 * 1000};
+constexpr char kMpsClientPriorityEnv[] = "CUDA_MPS_CLIENT_PRIORITY";
 
 std::string SelfPath() {
   char buf[4096];
@@ -230,6 +231,14 @@ int RunServe(const ServeOptions& options) {
   }
   // The workers do not need the public API key; the router gets it in its environment, not argv.
   const Subprocess::Environment env = {{rpc::kInternalTokenEnv, *token}, {kApiKeyEnv, ""}};
+  // Workers sharing a GPU under MPS run their kernels side by side; a decode step is the latency
+  // every stream waits on, so prefill workers' kernels yield to it (MPS client priority 1, "below
+  // normal"; without MPS the variable is ignored). A value in serve's own environment is kept.
+  Subprocess::Environment prefill_env = env;
+  if (getenv(kMpsClientPriorityEnv) == nullptr) prefill_env.emplace_back(kMpsClientPriorityEnv, "1");
+  if (options.prefill_gpu_percent > 0) {
+    prefill_env.emplace_back("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", std::to_string(options.prefill_gpu_percent));
+  }
   const Subprocess::Environment router_env = {{rpc::kInternalTokenEnv, *token}, {kApiKeyEnv, *api_key}};
   const std::string grace = std::to_string(options.shutdown_grace_seconds);
   const std::string log_stats_interval = absl::StrCat(options.log_stats_interval_s);
@@ -260,7 +269,9 @@ int RunServe(const ServeOptions& options) {
       // Decode workers first, then prefill workers, on consecutive metrics ports.
       const int metrics_port = options.metrics_port <= 0 ? options.metrics_port
                                                          : options.metrics_port + int(workers.size());
-      workers.push_back(std::make_unique<WorkerSlot>(role, i, std::move(argv), &env, metrics_port));
+      const bool prefill = std::string_view(role) == "prefill";
+      workers.push_back(
+          std::make_unique<WorkerSlot>(role, i, std::move(argv), prefill ? &prefill_env : &env, metrics_port));
       if (absl::Status started = workers.back()->StartFirst(); !started.ok()) {
         DUET_LOG(ERROR) << started.message();
         stop_workers();

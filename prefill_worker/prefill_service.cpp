@@ -344,6 +344,8 @@ grpc::Status PrefillService::PrefillCall::Reply(const RequestOutput& out, const 
     return Error(grpc::StatusCode::INTERNAL, absl::StrCat("prefill of request '", request_id, "' produced no token"));
   }
   reply->set_first_token_id(out.new_token_ids[0]);
+  reply->set_first_token_finish_reason(out.finish_reason == FinishReason::kLength ? v1::FINISH_REASON_LENGTH
+                                                                                 : v1::FINISH_REASON_STOP);
   if (!out.new_logprobs.empty()) {
     SampledToken token{out.new_token_ids[0], out.new_logprobs[0],
                        out.new_top_logprobs.empty() ? std::vector<TokenLogprob>{} : out.new_top_logprobs[0]};

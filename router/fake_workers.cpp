@@ -36,6 +36,7 @@ grpc::Status FakePrefillWorker::Prefill(grpc::ServerContext* context, const v1::
     return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
   }
   response->set_first_token_id(first_token);
+  response->set_first_token_finish_reason(first_token_continues ? v1::FINISH_REASON_LENGTH : v1::FINISH_REASON_STOP);
   if (request->sampling().has_prompt_logprobs()) {
     for (int i = 0; i + 1 + missing_prompt_logprobs < request->prompt_token_ids_size(); ++i) {
       v1::TokenLogprobs* lp = response->add_prompt_logprobs();
@@ -91,6 +92,16 @@ grpc::Status FakeDecodeWorker::ReserveKv(grpc::ServerContext*, const v1::Reserve
   return grpc::Status::OK;
 }
 
+void FakeDecodeWorker::HoldFirstMessage() {
+  absl::MutexLock lock(&mu_);
+  hold_first_message_ = true;
+}
+
+void FakeDecodeWorker::ReleaseFirstMessage() {
+  absl::MutexLock lock(&mu_);
+  hold_first_message_ = false;
+}
+
 grpc::Status FakeDecodeWorker::Decode(grpc::ServerContext* context, const v1::DecodeRequest* request,
                                       grpc::ServerWriter<v1::GenerateResponse>* writer) {
   ++num_decodes;
@@ -114,6 +125,11 @@ grpc::Status FakeDecodeWorker::Decode(grpc::ServerContext* context, const v1::De
       ++num_cancelled;
       in_decode = false;
       return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+    }
+    if (i == 0) {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](bool* held) { return !*held; }, &hold_first_message_));
     }
     if (fail_after_tokens >= 0 && i >= fail_after_tokens) {
       in_decode = false;

@@ -24,6 +24,9 @@ class FakePrefillWorker final : public v1::PrefillWorker::Service {
                         v1::WorkerStats* response) override;
 
   std::atomic<int> first_token{1000};
+  // The reply's first_token_finish_reason: LENGTH (the request goes on past the token, so the
+  // router may send it at once) or, when false, STOP.
+  std::atomic<bool> first_token_continues{false};
   std::atomic<int> prefill_delay_ms{0};
   std::atomic<bool> fail_unavailable{false};  // Prefill returns UNAVAILABLE
   std::atomic<int> num_prefills{0};
@@ -59,6 +62,9 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
                         v1::WorkerStats* response) override;
 
   std::atomic<int> token_delay_ms{0};
+  // While held, Decode keeps its first message back (ReleaseFirstMessage lets it go).
+  void HoldFirstMessage();
+  void ReleaseFirstMessage();
   // ReserveKv reserves after this long even if its call was cancelled meanwhile (as a worker
   // whose answer crosses the router's cancellation).
   std::atomic<int> reserve_delay_ms{0};
@@ -80,6 +86,7 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
   std::vector<std::string> aborted_ ABSL_GUARDED_BY(mu_);
   uint64_t last_transfer_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<v1::SamplingOptions> decoded_sampling_ ABSL_GUARDED_BY(mu_);
+  bool hold_first_message_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::string> script_ ABSL_GUARDED_BY(mu_);
   std::string script_finish_reason_ ABSL_GUARDED_BY(mu_);
 };

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/random/random.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/finish_reason.h"
@@ -221,6 +222,12 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   void OnPrefilled(const grpc::Status& status, const v1::PrefillResponse* reply);
   void OnPrefillUnavailable(const std::string& what);
   void StartDecode();
+  // Writes the prefill worker's token to the client before the Decode call starts, when the
+  // decode worker's first message is sure to repeat exactly it; false when it cannot be sure.
+  bool WriteFirstTokenEarly();
+  // The decode worker's first message without what WriteFirstTokenEarly sent; false when it does
+  // not begin with that.
+  bool DropEarlyFirstToken(v1::GenerateResponse* message) const;
   // From the decode stream: one message (the stream waits for ReadNext or StopReading), the end.
   void OnDecodeMessage(grpc::ByteBuffer* bytes);
   void OnDecodeDone(const grpc::Status& status);
@@ -286,6 +293,10 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   v1::GenerateResponse out_;  // the message being written
   grpc::Status stream_error_;  // the stream's message was unusable
   bool prompt_sent_ = false;
+  bool early_write_in_flight_ = false;
+  // WriteFirstTokenEarly sent the first token with this text; the decode worker's first message,
+  // which repeats them, is still to come.
+  std::optional<std::string> early_first_text_;
   bool finished_ = false;
   bool client_write_failed_ = false;
   int completion_tokens_ = 0;
@@ -758,6 +769,7 @@ void RouterService::GenerateCall::OnPrefilled(const grpc::Status& status, const 
     if (invalid.empty()) {
       RecordWorkerCall(metrics::RouterMetrics::WorkerCall::kPrefill);
       prefilled_ = *reply;
+      if (WriteFirstTokenEarly()) return;  // the Decode call starts once the token is out
       return StartDecode();
     }
   }
@@ -794,6 +806,49 @@ void RouterService::GenerateCall::OnPrefillUnavailable(const std::string& what) 
   BeginReserve();
 }
 
+bool RouterService::GenerateCall::WriteFirstTokenEarly() {
+  // The decode worker's first message carries the token and its text as its engine streams them:
+  // the same as here when the token did not end the request at the prefill worker, the request
+  // goes on past it, and no stop string or partial UTF-8 character holds its text back.
+  const SamplingParams& params = prepared_.params;
+  const int64_t prompt_len = int64_t(prepared_.prompt_token_ids.size());
+  if (service_->tokenizer_ == nullptr || prefilled_.first_token_finish_reason() != v1::FINISH_REASON_LENGTH ||
+      params.max_tokens <= 1 || !params.stop.empty() || prompt_len + 1 >= service_->options_.max_model_len) {
+    return false;
+  }
+  StreamingDecoder decoder(*service_->tokenizer_, prepared_.prompt_token_ids);
+  std::string text = decoder.Push(prefilled_.first_token_id());
+  if (text.empty() || !decoder.Flush().empty()) return false;
+
+  out_.Clear();
+  out_.set_request_id(prepared_.client_request_id);
+  out_.add_token_ids(prefilled_.first_token_id());
+  out_.set_text(text);
+  if (params.logprobs >= 0) *out_.add_logprobs() = prefilled_.first_token_logprobs();
+  out_.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
+  out_.mutable_prompt_logprobs()->Swap(prefilled_.mutable_prompt_logprobs());
+  prompt_sent_ = true;
+  early_first_text_ = std::move(text);
+  completion_tokens_ += 1;
+  if (service_->options_.prefix_index != nullptr) output_token_ids_.push_back(prefilled_.first_token_id());
+  annotator_->Annotate(&out_);
+  early_write_in_flight_ = true;
+  StartWrite(&out_);
+  return true;
+}
+
+bool RouterService::GenerateCall::DropEarlyFirstToken(v1::GenerateResponse* message) const {
+  if (message->token_ids_size() == 0 || message->token_ids(0) != prefilled_.first_token_id() ||
+      !absl::StartsWith(message->text(), *early_first_text_)) {
+    return false;
+  }
+  message->mutable_token_ids()->erase(message->mutable_token_ids()->begin());
+  if (message->logprobs_size() > 0) message->mutable_logprobs()->erase(message->mutable_logprobs()->begin());
+  message->mutable_text()->erase(0, early_first_text_->size());
+  message->clear_prompt_token_ids();  // sent with the token
+  return true;
+}
+
 void RouterService::GenerateCall::StartDecode() {
   LeaveGate();
   v1::DecodeRequest request;
@@ -824,6 +879,19 @@ void RouterService::GenerateCall::OnDecodeMessage(grpc::ByteBuffer* bytes) {
     return;
   }
   out_.set_request_id(prepared_.client_request_id);
+  if (early_first_text_.has_value()) {  // the decode worker's first message
+    RecordWorkerCall(metrics::RouterMetrics::WorkerCall::kDecodeFirstMessage);
+    const bool repeated = DropEarlyFirstToken(&out_);
+    early_first_text_.reset();
+    if (!repeated) {
+      stream_error_ = grpc::Status(grpc::StatusCode::INTERNAL,
+                                   absl::StrCat(decode_->label(), " did not begin with the prefill worker's token"));
+      stream_context_->TryCancel();
+      stream_->StopReading();
+      return;
+    }
+    if (out_.token_ids_size() == 0 && out_.text().empty() && !out_.finished()) return stream_->ReadNext();
+  }
   if (!prompt_sent_) {
     RecordWorkerCall(metrics::RouterMetrics::WorkerCall::kDecodeFirstMessage);
     if (out_.prompt_token_ids().empty()) {
@@ -846,6 +914,20 @@ void RouterService::GenerateCall::OnDecodeMessage(grpc::ByteBuffer* bytes) {
 }
 
 void RouterService::GenerateCall::OnWriteDone(bool ok) {
+  if (early_write_in_flight_) {  // WriteFirstTokenEarly's message
+    early_write_in_flight_ = false;
+    if (!ok) {
+      AbortOnWorker(decode_);
+      return End(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+    }
+    first_token_at_ = last_token_at_ = std::chrono::steady_clock::now();
+    service_->metrics_->time_to_first_token_seconds.Observe(Seconds(first_token_at_ - active_->arrival));
+    if (Interrupted()) {
+      AbortOnWorker(decode_);
+      return EndInterrupted();
+    }
+    return StartDecode();
+  }
   if (!ok) {  // the client is gone
     client_write_failed_ = true;
     stream_context_->TryCancel();

@@ -198,6 +198,86 @@ TEST_F(RouterServiceTest, RelaysTokensInOrder) {
   EXPECT_EQ(service_->num_in_flight(), 0);
 }
 
+// A first token that does not end the request goes to the client as soon as the prefill worker
+// returns it, before the decode worker answers; the decode worker's first message, which repeats
+// it, is not sent again.
+TEST_F(RouterServiceTest, SendsTheFirstTokenBeforeTheDecodeWorkerAnswers) {
+  Start(1, 1);
+  const std::vector<int32_t> prompt = tokenizer_->Encode("def fib(n):", true);
+  const int32_t first = tokenizer_->Encode(" return")[0];
+  StreamingDecoder decoder(*tokenizer_, prompt);
+  const std::string first_text = decoder.Push(first);
+  ASSERT_FALSE(first_text.empty());
+  prefill_[0]->first_token = first;
+  prefill_[0]->first_token_continues = true;
+  decode_[0]->SetScript({first_text, " a", " b"}, "stop");
+  decode_[0]->HoldFirstMessage();
+
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::GenerateRequest request = TokenRequest(prompt, 3, "early");
+  request.mutable_sampling()->set_logprobs(1);
+  auto reader = stub_->Generate(&context, request);
+  v1::GenerateResponse message;
+  ASSERT_TRUE(reader->Read(&message));
+  EXPECT_EQ(decode_[0]->num_tokens_sent, 0);  // still held
+  EXPECT_THAT(message.token_ids(), ::testing::ElementsAre(first));
+  EXPECT_EQ(message.text(), first_text);
+  EXPECT_EQ(message.logprobs_size(), 1);
+  EXPECT_EQ(message.request_id(), "early");
+  EXPECT_EQ(std::vector<int32_t>(message.prompt_token_ids().begin(), message.prompt_token_ids().end()), prompt);
+  decode_[0]->ReleaseFirstMessage();
+  std::vector<int32_t> rest;
+  std::string text;
+  while (reader->Read(&message)) {
+    EXPECT_EQ(message.prompt_token_ids_size(), 0);
+    EXPECT_EQ(message.logprobs_size(), message.token_ids_size());
+    rest.insert(rest.end(), message.token_ids().begin(), message.token_ids().end());
+    text += message.text();
+    if (message.finished()) {
+      EXPECT_EQ(message.finish_reason(), "stop");
+      EXPECT_EQ(message.usage().completion_tokens(), 3);
+    }
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(rest, (std::vector<int32_t>{first + 1, first + 2}));
+  EXPECT_EQ(text, " a b");
+  EXPECT_EQ(service_->num_in_flight(), 0);
+}
+
+// A decode worker whose first message is not the token already sent ends the stream with an
+// error, not with a repeated or missing token.
+TEST_F(RouterServiceTest, ADecodeWorkerThatDoesNotRepeatTheFirstTokenIsAnError) {
+  Start(1, 1);
+  const std::vector<int32_t> prompt = tokenizer_->Encode("def fib(n):", true);
+  prefill_[0]->first_token = tokenizer_->Encode(" return")[0];
+  prefill_[0]->first_token_continues = true;
+  decode_[0]->SetScript({" something else", " a"}, "stop");
+  Result result = Generate(TokenRequest(prompt, 2));
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_THAT(result.status.error_message(), HasSubstr("did not begin with the prefill worker's token"));
+  ASSERT_EQ(result.messages.size(), 1u);  // the early token
+  EXPECT_TRUE(WaitFor([&] { return !decode_[0]->aborted().empty(); }));
+  EXPECT_EQ(service_->num_in_flight(), 0);
+}
+
+// The token waits for the decode worker when it ends the request there, when max_tokens is 1,
+// or when a stop string could hold its text back: the decode worker's messages go out as sent.
+TEST_F(RouterServiceTest, TheFirstTokenWaitsForTheDecodeWorkerWhenItsTextMayDiffer) {
+  Start(1, 1);
+  const std::vector<int32_t> prompt = tokenizer_->Encode("def fib(n):", true);
+  prefill_[0]->first_token = tokenizer_->Encode(" return")[0];
+  decode_[0]->SetScript({"t0", "t1"}, "stop");  // texts an early token's would not match
+  for (const int variant : {0, 1, 2}) {
+    prefill_[0]->first_token_continues = variant != 0;  // 0: the token stopped at the prefill worker
+    v1::GenerateRequest request = TokenRequest(prompt, variant == 1 ? 1 : 2);
+    if (variant == 2) request.mutable_sampling()->add_stop("xyz");
+    Result result = Generate(request);
+    ASSERT_TRUE(result.status.ok()) << variant << ": " << result.status.error_message();
+    EXPECT_EQ(result.messages[0].text(), "t0") << variant;
+  }
+}
+
 std::vector<int32_t> Iota(int32_t first, int count) {
   std::vector<int32_t> ids(static_cast<size_t>(count));
   for (int i = 0; i < count; ++i) ids[size_t(i)] = first + i;

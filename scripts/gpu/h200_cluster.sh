@@ -10,8 +10,9 @@
 #   here:   scripts/gpu/make_cluster_bundle.sh; mv models /tmp/duet-models-hold
 #   device: bash scripts/gpu/h200_cluster.sh          (carry .devcluster)
 #   here:   mv /tmp/duet-models-hold models
-#   QUICK=1: no generate comparison, the engine alone on 64 requests, only the closed-loop 1 and
-#            64 runs (a short call).
+#   QUICK=1: no generate comparison, only the closed-loop 1 and 64 runs and the unbounded rate
+#            (a short call).
+#   SHARING="timeslice mps": how the workers share the GPU, one cluster run per mode (see below).
 set -uo pipefail
 QUICK=${QUICK:-0}
 OUT=${OUT:-/tmp/duet-cluster-out}
@@ -58,7 +59,7 @@ ENGINE_FLAGS=(--model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --max
               --max-num-batched-tokens 8192)
 ENGINE_SEQS=64
 ENGINE_REQUESTS=256; PREFILL_REQUESTS=8
-[[ $QUICK == 1 ]] && { ENGINE_REQUESTS=64; PREFILL_REQUESTS=4; }
+[[ $QUICK == 1 ]] && PREFILL_REQUESTS=4
 echo "== engine alone (duet generate --backend cuda) on duet-bench's requests"
 duet-bench "${BENCH_WORKLOAD[@]}" --seed 1 --num-prompts $ENGINE_REQUESTS --save-requests "$OUT/requests.jsonl" \
   2>> "$OUT/engine.log" || echo "duet-bench --save-requests exit $?"
@@ -69,35 +70,60 @@ duet generate "${ENGINE_FLAGS[@]}" --max-num-seqs $ENGINE_SEQS --warmup 16 --inp
   --output "$OUT/engine_batch.jsonl" 2>> "$OUT/engine.log" || echo "generate (batch) exit $?"
 grep -h "tok/s" "$OUT/engine.log" | sed 's/^.*\] /  /'
 
-echo "== duet serve --backend cuda (1 prefill + 1 decode worker on one GPU)"
-duet serve --model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --prefill-workers 1 --decode-workers 1 \
-  --max-model-len 4096 --max-num-seqs 128 --max-num-batched-tokens 8192 --grpc-port 0 --http-port 0 \
-  --metrics-port 0 --max-concurrent-requests 1024 > "$OUT/serve.out" 2> "$OUT/serve.log" &
+# How the two worker processes share the GPU: "timeslice" (the driver's default: one process's
+# kernels at a time), "mps" (an MPS control daemon of this script's own, private pipe and log
+# directories, stopped at the end: the workers' kernels run side by side, the prefill worker's at
+# below-normal priority as duet serve sets it), "mps-equal" (MPS, both at normal priority) or
+# "mps-prefillN" (MPS, the prefill worker on N% of the SMs: duet serve --prefill-gpu-percent N).
+# SHARING lists the modes to run, each a whole cluster run of its own under $OUT/<mode>.
+SHARING=${SHARING:-timeslice}
+mps_dir=/tmp/duet-mps
+start_mps() {
+  command -v nvidia-cuda-mps-control > /dev/null || { echo "no nvidia-cuda-mps-control on this machine"; return 1; }
+  mkdir -p "$mps_dir/pipe" "$mps_dir/log"
+  export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
+  nvidia-cuda-mps-control -d || { echo "MPS control daemon did not start"; return 1; }
+  echo "MPS control daemon started (pipe $mps_dir/pipe)"
+}
+stop_mps() {
+  [[ -n ${CUDA_MPS_PIPE_DIRECTORY:-} ]] || return 0
+  echo quit | nvidia-cuda-mps-control; sleep 1
+  cp -r "$mps_dir/log" "$OUT/mps_log" 2>/dev/null
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+trap stop_mps EXIT
+
+run_cluster() {  # MODE: the cluster's runs under $OUT/MODE
+local mode=$1 dir=$OUT/$1
+mkdir -p "$dir"
+cp "$OUT"/engine_batch.jsonl "$OUT"/engine_prefill.jsonl "$dir/" 2>/dev/null
+if [[ $mode == mps* ]]; then start_mps || return 1; fi
+echo "== duet serve --backend cuda (1 prefill + 1 decode worker on one GPU, sharing: $mode)"
+local priority=() share=()  # serve runs prefill workers at MPS client priority 1 unless told otherwise
+[[ $mode == mps-equal ]] && priority=(env CUDA_MPS_CLIENT_PRIORITY=0)
+[[ $mode == mps-prefill* ]] && share=(--prefill-gpu-percent "${mode#mps-prefill}")
+"${priority[@]}" duet serve "${share[@]}" --model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --prefill-workers 1 \
+  --decode-workers 1 --max-model-len 4096 --max-num-seqs 128 --max-num-batched-tokens 8192 --grpc-port 0 \
+  --http-port 0 --metrics-port 0 --max-concurrent-requests 1024 > "$dir/serve.out" 2> "$dir/serve.log" &
 serve_pid=$!
 port=""
 for _ in $(seq 1 240); do
-  port=$(sed -n 's/^DUET_READY grpc_port=//p' "$OUT/serve.out")
+  port=$(sed -n 's/^DUET_READY grpc_port=//p' "$dir/serve.out")
   [[ -n $port ]] && break
   kill -0 $serve_pid 2>/dev/null || break
   sleep 1
 done
-if [[ -z $port ]]; then echo "serve did not start"; tail -20 "$OUT/serve.log"; kill $serve_pid; exit 1; fi
+if [[ -z $port ]]; then echo "serve did not start"; tail -20 "$dir/serve.log"; kill $serve_pid; stop_mps; return 1; fi
 echo "router on port $port"
-http_port=$(sed -n 's/^DUET_HTTP_READY port=//p' "$OUT/serve.out")
-prefill_metrics=$(sed -n 's/^DUET_WORKER role=prefill .*metrics_port=//p' "$OUT/serve.out" | head -1)
-decode_metrics=$(sed -n 's/^DUET_WORKER role=decode .*metrics_port=//p' "$OUT/serve.out" | head -1)
-snapshot() {  # DIR: the three roles' /metrics, for scripts/gpu/ttft_breakdown.py
-  mkdir -p "$1"
-  curl -s "127.0.0.1:$http_port/metrics" > "$1/router.prom"
-  curl -s "127.0.0.1:$prefill_metrics/metrics" > "$1/prefill.prom"
-  curl -s "127.0.0.1:$decode_metrics/metrics" > "$1/decode.prom"
-}
+http_port=$(sed -n 's/^DUET_HTTP_READY port=//p' "$dir/serve.out")
+prefill_metrics=$(sed -n 's/^DUET_WORKER role=prefill .*metrics_port=//p' "$dir/serve.out" | head -1)
+decode_metrics=$(sed -n 's/^DUET_WORKER role=decode .*metrics_port=//p' "$dir/serve.out" | head -1)
 
 echo "== cluster vs duet generate (greedy, 32 tokens)"
 same=0
 for i in "${!PROMPTS[@]}"; do
   duet complete --address 127.0.0.1:$port --prompt "${PROMPTS[$i]}" --max-tokens 32 --temperature 0 \
-    > /tmp/complete_$i.txt 2>> "$OUT/complete.log"
+    > /tmp/complete_$i.txt 2>> "$dir/complete.log"
   python3 - "$i" "$OUT/generate.jsonl" /tmp/complete_$i.txt <<'PY' && same=$((same + 1))
 import json, sys
 i, gen, got = sys.argv[1], sys.argv[2], open(sys.argv[3]).read()
@@ -111,18 +137,9 @@ done
 echo "cluster output equals duet generate for $same of ${#PROMPTS[@]} prompts"
 
 echo "== duet-bench (random 512 in / 128 out, ignore_eos)"
-bench() {  # name, seed, extra flags...
-  local name=$1 seed=$2; shift 2
-  snapshot "$OUT/metrics_before_$name"
-  duet-bench --backend duet-grpc --base-url 127.0.0.1:$port "${BENCH_COMMON[@]}" --seed "$seed" --result-json "$OUT/$name.json" "$@" \
-    > "$OUT/$name.log" 2>&1 || echo "$name: duet-bench exit $?"
-  snapshot "$OUT/metrics_after_$name"
-}
 bench warmup 100 --input-len 512 --num-prompts 8 --max-concurrency 8
 # 16-token prompts: what disaggregation adds to the time to first token, with little compute.
 bench conc1_short 101 --input-len 16 --num-prompts 16 --max-concurrency 1
-CONCURRENCY=(1 8 32 64); RATES=(4 16 64 inf)
-[[ $QUICK == 1 ]] && { CONCURRENCY=(1 64); RATES=(); }
 for c in "${CONCURRENCY[@]}"; do
   bench conc$c $((c == 64 ? 1 : 1000 + c)) --input-len 512 --num-prompts $((c < 8 ? 16 : 4 * c)) --max-concurrency $c
 done
@@ -131,13 +148,36 @@ for i in "${!RATES[@]}"; do
 done
 
 kill -INT $serve_pid; wait $serve_pid; echo "serve exit $?"
-grep -h "KV peer" "$OUT/serve.log" | sed "s/.*\] //" | sort | uniq -c | head -4
-grep -i -E "error|fail|warn" "$OUT/serve.log" | head -5
-echo "== the cluster and the engine alone (random 512 in / 128 out, ignore_eos; conc64 and the engine: the same requests)"
-python3 scripts/gpu/cluster_table.py "$OUT" $ENGINE_SEQS
-for name in conc1_short conc1 conc64; do
-  echo "== time to first token, in parts: $name"
-  python3 scripts/gpu/ttft_breakdown.py "$OUT/metrics_before_$name" "$OUT/metrics_after_$name" "$OUT/$name.json"
+grep -h "KV peer" "$dir/serve.log" | sed "s/.*\] //" | sort | uniq -c | head -4
+grep -i -E "error|fail|warn" "$dir/serve.log" | head -5
+if [[ $mode == mps* ]]; then stop_mps; fi
+}
+
+snapshot() {  # DIR: the three roles' /metrics, for scripts/gpu/ttft_breakdown.py
+  mkdir -p "$1"
+  curl -s "127.0.0.1:$http_port/metrics" > "$1/router.prom"
+  curl -s "127.0.0.1:$prefill_metrics/metrics" > "$1/prefill.prom"
+  curl -s "127.0.0.1:$decode_metrics/metrics" > "$1/decode.prom"
+}
+bench() {  # name, seed, extra flags... (run_cluster's $dir, $port)
+  local name=$1 seed=$2; shift 2
+  snapshot "$dir/metrics_before_$name"
+  duet-bench --backend duet-grpc --base-url 127.0.0.1:$port "${BENCH_COMMON[@]}" --seed "$seed" --result-json "$dir/$name.json" "$@" \
+    > "$dir/$name.log" 2>&1 || echo "$name: duet-bench exit $?"
+  snapshot "$dir/metrics_after_$name"
+}
+CONCURRENCY=(1 8 32 64); RATES=(4 16 64 inf)
+[[ $QUICK == 1 ]] && { CONCURRENCY=(1 64); RATES=(inf); }
+for mode in $SHARING; do run_cluster "$mode"; done
+
+for mode in $SHARING; do
+  echo "== $mode: the cluster and the engine alone (random 512 in / 128 out, ignore_eos; conc64 and the engine: the same requests)"
+  python3 scripts/gpu/cluster_table.py "$OUT/$mode" $ENGINE_SEQS
+  for name in conc1_short conc1 conc64; do
+    echo "== $mode: time to first token, in parts: $name"
+    python3 scripts/gpu/ttft_breakdown.py "$OUT/$mode/metrics_before_$name" "$OUT/$mode/metrics_after_$name" \
+      "$OUT/$mode/$name.json"
+  done
 done
 # At most 8 files come back: keep the table's inputs and logs in one archive.
 (cd "$OUT" && tar -czf /tmp/cluster_logs.tgz ./* && rm -rf ./* && mv /tmp/cluster_logs.tgz .)
