@@ -249,6 +249,29 @@ TEST(ServeSupervisionTest, ServeGivesItsChildrenAGeneratedInternalToken) {
   ASSERT_TRUE(FirstSuccessWithin(*serve.stub, std::chrono::seconds(10)).has_value());
 }
 
+// Under MPS a prefill worker's kernels yield to the decode worker's, and --prefill-gpu-percent
+// caps its SMs: serve sets both in the prefill workers' environment only (no effect without MPS).
+TEST(ServeSupervisionTest, PrefillWorkersGetTheirMpsPriorityAndShare) {
+  Serve serve({"--prefill-gpu-percent", "70"});
+  ASSERT_TRUE(serve.ok()) << serve.error;
+  auto env_of = [](const Child& c, const std::string& name) -> std::optional<std::string> {
+    for (const std::string& entry : std::vector<std::string>(absl::StrSplit(c.environ, '\0', absl::SkipEmpty()))) {
+      if (entry.rfind(name + "=", 0) == 0) return entry.substr(name.size() + 1);
+    }
+    return std::nullopt;
+  };
+  const std::vector<Child> children = ChildrenOf(serve.process->pid());
+  ASSERT_EQ(children.size(), 3u);
+  for (const Child& c : children) {
+    const bool prefill = c.role() == "prefill-worker";
+    EXPECT_EQ(env_of(c, "CUDA_MPS_CLIENT_PRIORITY"), prefill ? std::optional<std::string>("1") : std::nullopt)
+        << c.role();
+    EXPECT_EQ(env_of(c, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+              prefill ? std::optional<std::string>("70") : std::nullopt)
+        << c.role();
+  }
+}
+
 // ---- Drain ----
 
 HealthCheckResponse::ServingStatus Health(const std::shared_ptr<grpc::Channel>& channel) {
