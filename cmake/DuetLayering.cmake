@@ -3,7 +3,7 @@
 # link that goes sideways or up (the engine linking a backend, say) fails the configure step.
 # A new library gets a layer here.
 set(DUET_LAYERS
-  "duet_common duet_proto duet_kernels duet_test_process"               # 0: leaves
+  "duet_common duet_proto duet_kernels duet_test_process duet_test_certs"  # 0: leaves
   "duet_tokenizer duet_chat_template duet_model duet_kv_cache duet_kvtransfer duet_metrics duet_parallel duet_grammar"  # 1
   "duet_engine duet_parallel_nccl"                                      # 2: the engine loop; the NCCL communicator
   "duet_cpu_backend duet_cuda_backend"                                  # 3: ModelExecutor implementations

@@ -12,7 +12,6 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "grpc/grpc_security.h"
 #include "openssl/crypto.h"
 
 namespace duet::rpc {
@@ -24,57 +23,6 @@ constexpr std::string_view kOpenPrefix = "/grpc.health.v1.Health/";
 constexpr std::string_view kRefusedWhileDraining[] = {
     "/duet.v1.DecodeWorker/ReserveKv", "/duet.v1.PrefillWorker/Prefill", "/duet.v1.DecodeWorker/GetStats",
     "/duet.v1.PrefillWorker/GetStats"};
-
-std::string_view View(const grpc_slice& s) {
-  return std::string_view(reinterpret_cast<const char*>(GRPC_SLICE_START_PTR(s)), GRPC_SLICE_LENGTH(s));
-}
-
-// Runs before any handler, on the transport's thread (it never blocks, so that is allowed).
-void ProcessCall(void* state, grpc_auth_context*, const grpc_metadata* md, size_t num_md,
-                 grpc_process_auth_metadata_done_cb done, void* user_data) {
-  const auto* gate = static_cast<const WorkerCallGate*>(state);
-  std::string_view method;
-  std::string_view token;
-  const grpc_metadata* token_md = nullptr;
-  for (size_t i = 0; i < num_md; ++i) {
-    const std::string_view key = View(md[i].key);
-    if (key == ":path") method = View(md[i].value);
-    if (key == kInternalTokenMetadata) {
-      token = View(md[i].value);
-      token_md = &md[i];
-    }
-  }
-  const grpc::Status verdict = gate->Admit(method, token_md != nullptr ? &token : nullptr);
-  if (!verdict.ok()) {
-    done(user_data, nullptr, 0, nullptr, 0, static_cast<grpc_status_code>(verdict.error_code()),
-         verdict.error_message().c_str());
-    return;
-  }
-  // Consumed: the handlers never see the token.
-  done(user_data, token_md, token_md != nullptr ? 1 : 0, nullptr, 0, GRPC_STATUS_OK, nullptr);
-}
-
-// Insecure transport with the gate's processor. gRPC 1.51's InsecureServerCredentials() refuses
-// an AuthMetadataProcessor, while the core's insecure credentials take one: these add the port
-// with those.
-class GatedInsecureCredentials final : public grpc::ServerCredentials {
- public:
-  explicit GatedInsecureCredentials(WorkerCallGate* gate) : gate_(gate) {}
-  void SetAuthMetadataProcessor(const std::shared_ptr<grpc::AuthMetadataProcessor>&) override {
-    std::abort();  // the gate is the processor
-  }
-
- private:
-  int AddPortToServer(const std::string& address, grpc_server* server) override {
-    grpc_server_credentials* creds = grpc_insecure_server_credentials_create();
-    grpc_server_credentials_set_auth_metadata_processor(creds, {&ProcessCall, nullptr, gate_});
-    const int port = grpc_server_add_http2_port(server, address.c_str(), creds);
-    grpc_server_credentials_release(creds);
-    return port;
-  }
-
-  WorkerCallGate* const gate_;
-};
 
 class TokenInterceptor final : public grpc::experimental::Interceptor {
  public:
@@ -154,10 +102,6 @@ grpc::Status WorkerCallGate::Admit(std::string_view method, const std::string_vi
     }
   }
   return grpc::Status::OK;
-}
-
-std::shared_ptr<grpc::ServerCredentials> WorkerCallGate::Credentials() {
-  return std::make_shared<GatedInsecureCredentials>(this);
 }
 
 std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> InternalTokenInterceptors(

@@ -12,8 +12,10 @@
 // before, and says so in a WARNING at start-up. Everything but health checking needs the token,
 // server reflection included.
 //
-// The token travels in clear text like every call: it keeps other processes that can reach a
-// worker's port out, not an attacker on the wire (that needs TLS).
+// Without TLS the token travels in clear text like every call: it keeps other processes that can
+// reach a worker's port out, not an attacker on the wire. With --internal-tls-* (rpc/tls.h) the
+// worker's port is TLS, and a worker given a CA accepts only clients with a certificate it signed
+// (the router's), health checks included; the token is checked as well.
 #pragma once
 
 #include <atomic>
@@ -26,6 +28,8 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/support/client_interceptor.h"
+#include "rpc/call_gate.h"
+#include "rpc/tls.h"
 
 namespace duet::rpc {
 
@@ -41,7 +45,7 @@ absl::StatusOr<std::string> GenerateInternalToken();
 bool ConstantTimeEquals(std::string_view a, std::string_view b);
 
 // What a worker's server admits. One per server; thread-safe.
-class WorkerCallGate {
+class WorkerCallGate final : public CallGate {
  public:
   // `token` empty: every call is admitted (no authentication).
   explicit WorkerCallGate(std::string token) : token_(std::move(token)) {}
@@ -55,11 +59,15 @@ class WorkerCallGate {
 
   // The verdict on a call to `method` ("/package.Service/Method") that carries `token` (null:
   // none): OK, UNAUTHENTICATED or UNAVAILABLE.
-  grpc::Status Admit(std::string_view method, const std::string_view* token) const;
+  grpc::Status Admit(std::string_view method, const std::string_view* token) const override;
+  std::string_view credential_key() const override { return kInternalTokenMetadata; }
+  bool passes_credential_on() const override { return false; }  // the handlers never see the token
 
-  // Server credentials (insecure transport) that run Admit on every call before any handler.
-  // The gate must outlive every server they are used for.
-  std::shared_ptr<grpc::ServerCredentials> Credentials();
+  // Server credentials that run Admit on every call before any handler: TLS with `tls` (null:
+  // plaintext). The gate (and `tls`) must outlive every server they are used for.
+  std::shared_ptr<grpc::ServerCredentials> Credentials(const TlsMaterial* tls = nullptr) const {
+    return GatedServerCredentials(this, tls);
+  }
 
  private:
   const std::string token_;
