@@ -13,6 +13,9 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/ssl/context.hpp>
+#include <boost/asio/ssl/error.hpp>
+#include <boost/asio/ssl/stream.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/asio/write.hpp>
@@ -27,6 +30,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
+#include "openssl/err.h"
+#include "openssl/pem.h"
+#include "openssl/ssl.h"
 
 namespace duet::router {
 namespace {
@@ -36,6 +42,12 @@ namespace beast = boost::beast;
 namespace http = beast::http;
 using tcp = net::ip::tcp;
 using error_code = boost::system::error_code;
+using TlsStream = net::ssl::stream<tcp::socket&>;
+
+// How long a TLS connection the server closes waits for the client's close_notify.
+constexpr auto kTlsCloseTimeout = std::chrono::seconds(1);
+// Bytes asked of the socket for the first bytes of a request (one TLS record).
+constexpr size_t kFirstReadBytes = 16 << 10;
 
 std::string StatusLine(int status) {
   const beast::string_view reason = http::obsolete_reason(static_cast<http::status>(status));
@@ -116,7 +128,8 @@ class Responder final : public HttpResponder {
 
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(tcp::socket socket, ServerImpl* server);
+  // `tls` null: plain HTTP.
+  Session(tcp::socket socket, ServerImpl* server, net::ssl::context* tls);
   void Run();
   void Close();
   // On the strand: bytes of `responder`'s response; `last` ends it.
@@ -133,6 +146,19 @@ class Session : public std::enable_shared_from_this<Session> {
     std::string canned;
   };
 
+  // `fn(stream)` with the connection's stream: the TLS stream or the plain socket.
+  template <typename Fn>
+  void WithStream(Fn&& fn) {
+    if (tls_ != nullptr) {
+      fn(*tls_);
+    } else {
+      fn(socket_);
+    }
+  }
+  void Handshake();
+  void OnHandshake(error_code ec);
+  // Ends the connection after its last response: TLS sends close_notify first.
+  void CloseAfterResponse();
   void DoRead();
   void ReadRequest();
   void OnRead(error_code ec);
@@ -146,6 +172,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void ArmTimer(std::chrono::milliseconds after);
 
   tcp::socket socket_;
+  std::unique_ptr<TlsStream> tls_;  // over socket_; null: plain HTTP
   ServerImpl* const server_;
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
@@ -159,6 +186,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool writing_ = false;
   bool reading_ = false;
   bool closed_ = false;
+  bool closing_ = false;      // TLS: close_notify sent or being sent; reads are over
   bool close_after_ = false;  // of the response being written
   std::shared_ptr<Responder> active_;
   // HTTP/1.1 pipelining: requests are answered one at a time, in order. The socket is read all
@@ -180,6 +208,9 @@ class ServerImpl final : public HttpServer {
   ~ServerImpl() override { Stop(); }
 
   absl::Status Listen() {
+    if (options_.tls.has_value()) {
+      if (absl::Status status = MakeTlsContext(*options_.tls); !status.ok()) return status;
+    }
     error_code ec;
     const net::ip::address address = net::ip::make_address(options_.host, ec);
     if (ec) return absl::InvalidArgumentError(absl::StrCat("http: bad host \"", options_.host, "\": ", ec.message()));
@@ -240,6 +271,7 @@ class ServerImpl final : public HttpServer {
   }
 
   const HttpServerOptions& options() const { return options_; }
+  bool tls() const { return tls_context_.has_value(); }
   const HttpHandler& handler() const { return handler_; }
 
   void Add(Session* s, std::weak_ptr<Session> weak) {
@@ -259,7 +291,8 @@ class ServerImpl final : public HttpServer {
       if (!ec && !stopped_.load()) {
         error_code ignored;
         socket.set_option(tcp::no_delay(true), ignored);
-        auto session = std::make_shared<Session>(std::move(socket), this);
+        auto session =
+            std::make_shared<Session>(std::move(socket), this, tls_context_.has_value() ? &*tls_context_ : nullptr);
         Add(session.get(), session);
         session->Run();
       } else if (ec) {
@@ -270,8 +303,41 @@ class ServerImpl final : public HttpServer {
     });
   }
 
+  // The files were checked at start-up (rpc::LoadServerTls); this only hands them to OpenSSL.
+  absl::Status MakeTlsContext(const rpc::TlsMaterial& tls) {
+    net::ssl::context& ctx = tls_context_.emplace(net::ssl::context::tls_server);
+    SSL_CTX* native = ctx.native_handle();
+    SSL_CTX_set_min_proto_version(native, TLS1_2_VERSION);
+    ctx.set_options(net::ssl::context::default_workarounds | net::ssl::context::no_compression);
+    error_code ec;
+    ctx.use_certificate_chain(net::buffer(tls.cert_chain_pem), ec);
+    if (!ec) ctx.use_private_key(net::buffer(tls.private_key_pem), net::ssl::context::pem, ec);
+    if (!ec && !tls.ca_pem.empty()) ctx.add_certificate_authority(net::buffer(tls.ca_pem), ec);
+    if (ec) return absl::InvalidArgumentError(absl::StrCat("http: TLS certificate or key: ", ec.message()));
+    if (tls.client_certs != rpc::ClientCertMode::kNone) {
+      ctx.set_verify_mode(tls.client_certs == rpc::ClientCertMode::kRequired
+                              ? net::ssl::verify_peer | net::ssl::verify_fail_if_no_peer_cert
+                              : net::ssl::verify_peer);
+      // Tell clients which CAs their certificate should come from.
+      BIO* bio = BIO_new_mem_buf(tls.ca_pem.data(), static_cast<int>(tls.ca_pem.size()));
+      while (X509* ca = PEM_read_bio_X509(bio, nullptr, nullptr, nullptr)) {
+        SSL_CTX_add_client_CA(native, ca);
+        X509_free(ca);
+      }
+      BIO_free(bio);
+      ERR_clear_error();
+      // Sessions resumed with a verified client certificate need an id context.
+      static const unsigned char kSessionContext[] = "duet-http";
+      SSL_CTX_set_session_id_context(native, kSessionContext, sizeof(kSessionContext) - 1);
+    } else {
+      ctx.set_verify_mode(net::ssl::verify_none);
+    }
+    return absl::OkStatus();
+  }
+
   const HttpServerOptions options_;
   const HttpHandler handler_;
+  std::optional<net::ssl::context> tls_context_;  // before the sessions, which use it
   net::io_context ioc_;
   tcp::acceptor acceptor_;
   net::executor_work_guard<net::io_context::executor_type> work_;
@@ -351,17 +417,70 @@ void Responder::End() {
 
 // --- Session ---
 
-Session::Session(tcp::socket socket, ServerImpl* server)
-    : socket_(std::move(socket)), server_(server), timer_(socket_.get_executor()) {}
+Session::Session(tcp::socket socket, ServerImpl* server, net::ssl::context* tls)
+    : socket_(std::move(socket)), server_(server), timer_(socket_.get_executor()) {
+  if (tls != nullptr) tls_ = std::make_unique<TlsStream>(socket_, *tls);
+}
 
 void Session::Run() {
-  net::dispatch(socket_.get_executor(), [self = shared_from_this()] { self->DoRead(); });
+  net::dispatch(socket_.get_executor(), [self = shared_from_this()] {
+    if (self->tls_ != nullptr) return self->Handshake();
+    self->DoRead();
+  });
+}
+
+void Session::Handshake() {
+  ArmTimer(server_->options().read_timeout);
+  tls_->async_handshake(net::ssl::stream_base::server,
+                        [self = shared_from_this()](error_code ec) { self->OnHandshake(ec); });
+}
+
+void Session::OnHandshake(error_code ec) {
+  if (closed_) return;
+  if (!ec) return DoRead();
+  DUET_LOG(DEBUG) << "http: TLS handshake failed: " << ec.message();
+  if (ec.category() != net::error::get_ssl_category() || ERR_GET_REASON(ec.value()) != SSL_R_HTTP_REQUEST) {
+    return Close();
+  }
+  // Plain HTTP on the TLS port: a plaintext answer that says so, then the connection closes.
+  const std::string payload =
+      ErrorJson(400, "this port speaks HTTPS: the plain HTTP request was sent to a TLS port", "bad_request");
+  auto response = std::make_shared<std::string>(
+      absl::StrCat(StatusLine(400), "Content-Type: ", kErrorContentType, "\r\nContent-Length: ", payload.size(),
+                   "\r\nConnection: close\r\n\r\n", payload));
+  if (const auto& on_rejected = server_->options().on_rejected) on_rejected("", "", 400, 0.0);
+  writing_ = true;
+  net::async_write(socket_, net::buffer(*response), [self = shared_from_this(), response](error_code, size_t) {
+    self->writing_ = false;
+    error_code ignored;
+    self->socket_.shutdown(tcp::socket::shutdown_send, ignored);
+    self->Close();
+  });
+}
+
+void Session::CloseAfterResponse() {
+  if (tls_ == nullptr) {
+    error_code ignored;
+    socket_.shutdown(tcp::socket::shutdown_send, ignored);
+    return Close();
+  }
+  // The pending read goes (a TLS shutdown reads the client's close_notify itself), then
+  // close_notify out, and the connection closes when the client's arrives, it leaves, or the
+  // timeout passes.
+  closing_ = true;
+  error_code ignored;
+  socket_.cancel(ignored);
+  timer_.expires_after(kTlsCloseTimeout);
+  timer_.async_wait([self = shared_from_this()](error_code ec) {
+    if (!ec) self->Close();
+  });
+  tls_->async_shutdown([self = shared_from_this()](error_code) { self->Close(); });
 }
 
 void Session::ArmTimer(std::chrono::milliseconds after) {
   timer_.expires_after(after);
   timer_.async_wait([self = shared_from_this()](error_code ec) {
-    if (ec || self->closed_) return;
+    if (ec || self->closed_ || self->closing_) return;
     if (self->timer_.expiry() > std::chrono::steady_clock::now()) return;  // re-armed meanwhile
     if (!self->Idle()) return;                                             // busy: not idle
     self->Close();
@@ -369,7 +488,7 @@ void Session::ArmTimer(std::chrono::milliseconds after) {
 }
 
 void Session::DoRead() {
-  if (closed_ || reading_ || stop_reading_) return;
+  if (closed_ || closing_ || reading_ || stop_reading_) return;
   parser_.emplace();
   parser_->body_limit(server_->options().max_body_bytes);
   parser_->header_limit(static_cast<std::uint32_t>(server_->options().max_header_bytes));
@@ -377,23 +496,26 @@ void Session::DoRead() {
   if (buffer_.size() > 0) return ReadRequest();
   // The idle timeout until the request's first byte; from there the read timeout (a header that
   // trickles in is cut off at the read timeout, not the idle one).
+  // The first bytes are read as they come (over TLS the socket's readiness says nothing: a record
+  // may already wait, decrypted, inside the stream).
   if (Idle()) ArmTimer(server_->options().idle_timeout);
-  socket_.async_wait(tcp::socket::wait_read, [self = shared_from_this()](error_code ec) {
-    if (ec || self->closed_) return self->OnRead(ec);
-    self->ReadRequest();
+  WithStream([this](auto& stream) {
+    stream.async_read_some(buffer_.prepare(kFirstReadBytes), [self = shared_from_this()](error_code ec, size_t n) {
+      self->buffer_.commit(n);
+      if (ec || self->closed_ || self->closing_) return self->OnRead(ec);
+      self->ReadRequest();
+    });
   });
 }
 
 void Session::ReadRequest() {
   request_start_ = std::chrono::steady_clock::now();
   if (Idle()) ArmTimer(server_->options().read_timeout);
-  http::async_read_header(socket_, buffer_, *parser_, [self = shared_from_this()](error_code ec, size_t) {
-    if (ec) {
-      self->OnRead(ec);
-      return;
-    }
-    http::async_read(self->socket_, self->buffer_, *self->parser_,
-                     [self](error_code ec2, size_t) { self->OnRead(ec2); });
+  WithStream([this](auto& stream) {
+    http::async_read_header(stream, buffer_, *parser_, [self = shared_from_this(), &stream](error_code ec, size_t) {
+      if (ec || self->closed_ || self->closing_) return self->OnRead(ec);
+      http::async_read(stream, self->buffer_, *self->parser_, [self](error_code ec2, size_t) { self->OnRead(ec2); });
+    });
   });
 }
 
@@ -423,7 +545,7 @@ void Session::QueueError(int status, const std::string& payload) {
 
 void Session::OnRead(error_code ec) {
   reading_ = false;
-  if (closed_) return;
+  if (closed_ || closing_) return;
   if (ec == http::error::body_limit || ec == http::error::header_limit) {
     const bool body = ec == http::error::body_limit;
     QueueError(body ? 413 : 431,
@@ -512,8 +634,10 @@ void Session::Send(Responder* responder, std::string bytes, bool last) {
 void Session::DoWrite() {
   if (writing_ || out_.empty() || closed_) return;
   writing_ = true;
-  net::async_write(socket_, net::buffer(out_.front().bytes),
-                   [self = shared_from_this()](error_code ec, size_t) { self->OnWrite(ec); });
+  WithStream([this](auto& stream) {
+    net::async_write(stream, net::buffer(out_.front().bytes),
+                     [self = shared_from_this()](error_code ec, size_t) { self->OnWrite(ec); });
+  });
 }
 
 void Session::OnWrite(error_code ec) {
@@ -529,12 +653,7 @@ void Session::OnWrite(error_code ec) {
   const bool last = out_.front().last;
   out_.pop_front();
   if (last) {
-    if (close_after_) {
-      error_code ignored;
-      socket_.shutdown(tcp::socket::shutdown_send, ignored);
-      Close();
-      return;
-    }
+    if (close_after_) return CloseAfterResponse();
     DispatchNext();
     if (!reading_) {
       DoRead();

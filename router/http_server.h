@@ -6,17 +6,25 @@
 // chunked stream (SSE) through an HttpResponder, from any thread; when the client goes away
 // before the response ends, the responder's cancel callback runs once (so the work behind it can
 // be aborted).
+//
+// With HttpServerOptions::tls every connection is TLS (1.2 or later; OpenSSL through
+// boost::asio::ssl), with the same behaviour as plain HTTP over it. A handshake must finish
+// within the read timeout; one that fails closes its connection and nothing else (a plain HTTP
+// request on the TLS port gets a plaintext 400 saying so). A connection the server closes ends
+// with a TLS close_notify.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "rpc/tls.h"
 
 namespace duet::router {
 
@@ -67,7 +75,10 @@ struct HttpServerOptions {
   // The server's own answers to requests it cannot read (413, 431, 400), which no handler sees:
   // the request's path and method (empty when its header was not read), the status and the
   // seconds since its first byte.
+  // A plain HTTP request on a TLS port, answered 400, is reported too (path and method empty).
   std::function<void(const std::string& path, const std::string& method, int status, double seconds)> on_rejected;
+  // Set: HTTPS, with this certificate, and client certificates as tls->client_certs says.
+  std::optional<rpc::TlsMaterial> tls;
 };
 
 class HttpServer {
