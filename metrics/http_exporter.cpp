@@ -13,6 +13,8 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "metrics/process_metrics.h"
 
@@ -60,8 +62,35 @@ bool IsToken(std::string_view s) {
   return true;
 }
 
+// a == b in time that depends on the lengths only.
+bool ConstantTimeEquals(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+// Whether the head's Authorization header is "Bearer <token>".
+bool Authorized(std::string_view head_text, std::string_view token) {
+  const std::string expected = absl::StrCat("Bearer ", std::string(token));
+  for (size_t start = head_text.find("\r\n"); start != std::string_view::npos;) {
+    start += 2;
+    const size_t end = head_text.find("\r\n", start);
+    const std::string_view field = head_text.substr(start, end == std::string_view::npos ? end : end - start);
+    const size_t colon = field.find(':');
+    if (colon != std::string_view::npos && absl::EqualsIgnoreCase(absl::string_view(field.data(), colon), "authorization")) {
+      const absl::string_view value =
+          absl::StripAsciiWhitespace(absl::string_view(field.data() + colon + 1, field.size() - colon - 1));
+      return ConstantTimeEquals(std::string_view(value.data(), value.size()), expected);
+    }
+    start = end;
+  }
+  return false;
+}
+
 // Builds the response for one complete request head (everything before the blank line).
-std::string Handle(std::string_view head_text, const std::function<std::string()>& body) {
+std::string Handle(std::string_view head_text, const std::function<std::string()>& body,
+                   const std::string& bearer_token) {
   size_t eol = head_text.find("\r\n");
   std::string_view line = head_text.substr(0, eol);
   size_t sp1 = line.find(' ');
@@ -80,6 +109,9 @@ std::string Handle(std::string_view head_text, const std::function<std::string()
   if (path != "/metrics") return TextError(404, "Not Found", method == "HEAD");
   bool head = method == "HEAD";
   if (method != "GET" && !head) return TextError(405, "Method Not Allowed", false, "Allow: GET, HEAD\r\n");
+  if (!bearer_token.empty() && !Authorized(head_text, bearer_token)) {
+    return TextError(401, "Unauthorized", head, "WWW-Authenticate: Bearer\r\n");
+  }
   return Response(200, "OK", kExpositionContentType, body(), head);
 }
 
@@ -209,7 +241,7 @@ void HttpExporter::Run() {
           c.in.append(buffer, n);
           size_t end = c.in.find("\r\n\r\n");
           if (end != std::string::npos && end <= options_.max_request_bytes) {
-            c.out = Handle(std::string_view(c.in).substr(0, end), body_);
+            c.out = Handle(std::string_view(c.in).substr(0, end), body_, options_.bearer_token);
             c.state = Connection::kWriting;
           } else if (c.in.size() > options_.max_request_bytes) {
             c.out = TextError(431, "Request Header Fields Too Large");

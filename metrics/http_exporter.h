@@ -33,6 +33,10 @@ class HttpExporter {
     int max_connections = 64;
     // Append this process's process_* metrics (process_metrics.h) to every scrape.
     bool process_metrics = true;
+    // Non-empty: a scrape needs "Authorization: Bearer <bearer_token>" (else 401), e.g. the
+    // public API key under --api-key-on-health-and-metrics (Prometheus: `authorization` in the
+    // scrape config).
+    std::string bearer_token;
   };
 
   // Serves registry.Render(); the registry must outlive the exporter.

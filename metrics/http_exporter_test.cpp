@@ -195,6 +195,31 @@ TEST(HttpExporterStartTest, Errors) {
   EXPECT_THAT(std::string(second.status().message()), HasSubstr("cannot listen"));
 }
 
+// With a bearer token a scrape needs "Authorization: Bearer <token>" (any case of the header
+// name); without it, or with another, 401.
+TEST(HttpExporterStartTest, ABearerTokenGuardsTheScrape) {
+  Registry registry;
+  HttpExporter::Options options;
+  options.host = "127.0.0.1";
+  options.process_metrics = false;
+  options.bearer_token = "s3cret";
+  auto exporter = HttpExporter::Start(registry, options);
+  ASSERT_TRUE(exporter.ok()) << exporter.status();
+  auto scrape = [&](const std::string& header) {
+    return ParseResponse(RawExchange((*exporter)->port(),
+                                     "GET /metrics HTTP/1.1\r\nHost: x\r\n" + header + "Connection: close\r\n\r\n"));
+  };
+  const auto refused = scrape("");
+  EXPECT_EQ(refused.status, 401);
+  EXPECT_THAT(refused.headers, HasSubstr("\r\nWWW-Authenticate: Bearer"));
+  EXPECT_EQ(scrape("Authorization: Bearer wrong\r\n").status, 401);
+  EXPECT_EQ(scrape("Authorization: Bearer s3cret-and-more\r\n").status, 401);
+  EXPECT_EQ(scrape("Authorization: s3cret\r\n").status, 401);
+  EXPECT_EQ(scrape("Authorization: Bearer s3cret\r\n").status, 200);
+  EXPECT_EQ(scrape("authorization:Bearer s3cret \r\n").status, 200);
+  EXPECT_EQ(HttpGet((*exporter)->port(), "/other").status, 404);  // the path is judged first
+}
+
 TEST(HttpExporterStartTest, ConnectionLimitOnlyDelays) {
   Registry registry;
   HttpExporter::Options options;

@@ -80,6 +80,7 @@ absl::StatusOr<std::unique_ptr<HttpFrontend>> HttpFrontend::Start(const HttpFron
   server_options.port = options.port;
   server_options.num_threads = options.num_threads;
   server_options.on_rejected = options.on_response;
+  server_options.tls = options.tls;
   OpenAiApi* api = frontend->api_.get();
   frontend->on_response_ = options.on_response;
   const OnResponse* on_response = frontend->on_response_ ? &frontend->on_response_ : nullptr;

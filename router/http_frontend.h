@@ -37,6 +37,7 @@ struct HttpFrontendOptions {
   // server's own answers to requests it cannot read (400, 413, 431; path and method empty when
   // the header was not read).
   std::function<void(const std::string& path, const std::string& method, int status, double seconds)> on_response;
+  std::optional<rpc::TlsMaterial> tls;  // HttpServerOptions'
 };
 
 class HttpFrontend {

@@ -17,10 +17,10 @@
 #include "metrics/registry.h"
 #include "model/model_config.h"
 #include "model/served_model_name.h"
+#include "router/api_key_gate.h"
 #include "router/assignment_policy.h"
 #include "router/choices_service.h"
 #include "router/http_frontend.h"
-#include "router/openai_api_key.h"
 #include "router/prefix_aware_policy.h"
 #include "router/prefix_index.h"
 #include "router/rejected_stream.h"
@@ -77,6 +77,12 @@ class RouterImpl : public Router {
     if (options.enable_auto_tool_choice && !tool_call_format) {
       return absl::InvalidArgumentError("--enable-auto-tool-choice requires --tool-call-parser");
     }
+    absl::StatusOr<std::optional<rpc::TlsMaterial>> tls = rpc::LoadServerTls(options.tls, "--ssl-");
+    if (!tls.ok()) return tls.status();
+    tls_ = *std::move(tls);
+    absl::StatusOr<std::optional<rpc::TlsMaterial>> internal_tls =
+        rpc::LoadClientTls(options.internal_tls, "--internal-tls-");
+    if (!internal_tls.ok()) return internal_tls.status();
     absl::StatusOr<ModelConfig> config = LoadModelConfig(options.model_dir);
     if (!config.ok()) return config.status();
     absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromModelDir(options.model_dir);
@@ -133,6 +139,8 @@ class RouterImpl : public Router {
     }
     RegistryOptions registry_options;
     registry_options.internal_token = options.internal_token;
+    if (internal_tls->has_value()) registry_options.worker_credentials = rpc::ChannelCredentials(**internal_tls);
+    registry_options.worker_tls_server_name = options.internal_tls_server_name;
     registry_options.discovery_interval = absl::Milliseconds(options.discovery_interval_ms);
     registry_options.on_state_change = [this] {
       UpdateHealth();
@@ -156,20 +164,22 @@ class RouterImpl : public Router {
     }
     service_ = std::make_unique<RouterService>(service_options, tokenizer_.get(), registry_.get(), policy_.get());
     choices_service_ = std::make_unique<ChoicesDuetService>(service_.get());
-    v1::Duet::CallbackService* public_service = choices_service_.get();
-    if (!options.api_key.empty()) {  // --api-key: the Duet service needs "authorization: Bearer <key>"
-      api_key_service_ = std::make_unique<ApiKeyDuetService>(choices_service_.get(), options.api_key);
-      public_service = api_key_service_.get();
+    draining_service_ = std::make_unique<DrainingDuetService>(choices_service_.get(), &draining_);
+    if (!options.api_key.empty()) {  // --api-key: every call on the port needs "authorization: Bearer <key>"
+      api_key_gate_ = std::make_unique<ApiKeyGate>(options.api_key, options.api_key_on_health_and_metrics);
     }
-    draining_service_ = std::make_unique<DrainingDuetService>(public_service, &draining_);
+    std::shared_ptr<grpc::ServerCredentials> credentials;  // null: plaintext, no gate
+    if (api_key_gate_ != nullptr || tls_.has_value()) {
+      credentials = rpc::GatedServerCredentials(api_key_gate_.get(), tls_.has_value() ? &*tls_ : nullptr);
+    }
     grpc::Service* grpc_service = draining_service_.get();
 
     const std::string host = options.host.find(':') != std::string::npos && options.host.front() != '['
                                  ? absl::StrCat("[", options.host, "]")
                                  : options.host;
     absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-        rpc::StartServer(absl::StrCat(host, ":", options.port), {grpc_service}, &port_, nullptr, kMaxGrpcReceiveBytes,
-                         &reflection_v1_);
+        rpc::StartServer(absl::StrCat(host, ":", options.port), {grpc_service}, &port_, credentials,
+                         kMaxGrpcReceiveBytes, &reflection_v1_);
     if (!server.ok()) {
       registry_->Stop();
       return server.status();
@@ -185,6 +195,7 @@ class RouterImpl : public Router {
       metrics::HttpExporter::Options exporter_options;
       exporter_options.host = options.host;
       exporter_options.port = uint16_t(options.metrics_port);
+      if (options.api_key_on_health_and_metrics) exporter_options.bearer_token = options.api_key;
       absl::StatusOr<std::unique_ptr<metrics::HttpExporter>> exporter =
           metrics::HttpExporter::Start(metrics_registry_, exporter_options);
       if (!exporter.ok()) {
@@ -208,6 +219,7 @@ class RouterImpl : public Router {
       http_options.max_model_len = service_options.max_model_len;
       http_options.api_key = options.api_key;
       http_options.api_key_on_health_and_metrics = options.api_key_on_health_and_metrics;
+      http_options.tls = tls_;
       http_options.metrics_body = options.metrics_body;
       if (!http_options.metrics_body) http_options.metrics_body = [this] { return RenderMetrics(); };
       http_options.healthy = [this] { return Serving(); };
@@ -301,9 +313,12 @@ class RouterImpl : public Router {
   std::unique_ptr<RouterService> service_;
   std::unique_ptr<ChoicesDuetService> choices_service_;  // until Shutdown
   rpc::ReflectionV1Relay reflection_v1_;  // before the server: outlives it
+  // The gRPC port's TLS and API key: before the server, whose credentials use them.
+  std::optional<rpc::TlsMaterial> tls_;
+  std::unique_ptr<ApiKeyGate> api_key_gate_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<metrics::HttpExporter> exporter_;
-  std::unique_ptr<ApiKeyDuetService> api_key_service_;
+
   std::atomic<bool> draining_{false};
   absl::Mutex health_mu_;
   grpc::HealthCheckServiceInterface* health_ ABSL_GUARDED_BY(health_mu_) = nullptr;

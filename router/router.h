@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/stats_log.h"
+#include "rpc/tls.h"
 
 namespace duet::router {
 
@@ -44,13 +45,23 @@ struct RouterOptions {
   int http_threads = 2;  // io threads of the HTTP server (not one per connection)
   // Threads that parse, tokenize and template HTTP requests (off the io threads).
   int http_work_threads = 4;
-  // Non-empty: HTTP /v1/*, /tokenize, /detokenize and the gRPC Duet service need
-  // "Authorization: Bearer <api_key>"; HTTP /health and /metrics too when
+  // Non-empty: HTTP /v1/*, /tokenize, /detokenize and every call on the gRPC port (duet.v1.Duet,
+  // server reflection) need "Authorization: Bearer <api_key>" (router/api_key_gate.h); HTTP
+  // /health and /metrics, gRPC health and the metrics_port exporter too when
   // api_key_on_health_and_metrics (public by default, as in vLLM).
   std::string api_key;
   bool api_key_on_health_and_metrics = false;
+  // TLS of the HTTP and gRPC ports (vLLM's --ssl-certfile, --ssl-keyfile, --ssl-ca-certs,
+  // --ssl-cert-reqs; rpc/tls.h), checked in Start; no files: plaintext.
+  rpc::TlsFiles tls;
   // The cluster's internal token, sent on every call to a worker (rpc/internal_auth.h).
   std::string internal_token;
+  // TLS to the workers (--internal-tls-ca-certs verifies their certificates; --internal-tls-certfile
+  // and --internal-tls-keyfile are the router's client certificate, for workers that require
+  // one); no files: plaintext. internal_tls_server_name: the name every worker's certificate
+  // must carry instead of its address (RegistryOptions::worker_tls_server_name).
+  rpc::TlsFiles internal_tls;
+  std::string internal_tls_server_name;
   // On a stop signal, how long RunRouter lets running requests finish (see StartDraining).
   int shutdown_grace_seconds = 30;
   // Chat tool calling (vLLM's flags): tool_choice "auto" needs enable_auto_tool_choice and a

@@ -55,6 +55,9 @@ grpc::ChannelArguments WorkerChannelArgs(const RegistryOptions& options) {
   // Large prompts (token ids) and logprobs: allow big messages.
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
+  if (!options.worker_tls_server_name.empty()) {
+    args.SetString(GRPC_SSL_TARGET_NAME_OVERRIDE_ARG, options.worker_tls_server_name);
+  }
   return args;
 }
 
@@ -71,7 +74,8 @@ WorkerRegistry::WorkerRegistry(const std::vector<std::string>& prefill_addresses
 Worker* WorkerRegistry::AddWorker(WorkerRole role, const std::string& address, bool is_static) {
   Members& m = members(role);
   auto channel = grpc::experimental::CreateCustomChannelWithInterceptors(
-      address, grpc::InsecureChannelCredentials(), channel_args_, rpc::InternalTokenInterceptors(options_.internal_token));
+      address, options_.worker_credentials != nullptr ? options_.worker_credentials : grpc::InsecureChannelCredentials(),
+      channel_args_, rpc::InternalTokenInterceptors(options_.internal_token));
   m.all.push_back(
       std::make_unique<Worker>(role, static_cast<int>(m.all.size()), address, std::move(channel), is_static));
   m.current.push_back(m.all.back().get());

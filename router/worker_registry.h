@@ -134,6 +134,12 @@ struct RegistryOptions {
   // The cluster's internal token, sent on every call to a worker (rpc/internal_auth.h); empty:
   // none.
   std::string internal_token;
+  // How the router's channels reach the workers: TLS credentials (rpc::ChannelCredentials) or
+  // null for plaintext. With TLS, a worker's certificate must name its address (an IP address
+  // SAN for host:port addresses), or worker_tls_server_name when set (one name for every worker,
+  // e.g. when discovery yields pod IPs).
+  std::shared_ptr<grpc::ChannelCredentials> worker_credentials;
+  std::string worker_tls_server_name;
   // How often the discovery targets are resolved again. A Kubernetes headless Service's records
   // have a 5 s TTL by default (CoreDNS).
   absl::Duration discovery_interval = absl::Seconds(2);
