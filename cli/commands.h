@@ -7,6 +7,7 @@
 
 #include "cli/generate_progress.h"
 #include "engine/llm_engine.h"
+#include "rpc/tls.h"
 
 namespace duet {
 
@@ -37,7 +38,10 @@ struct ServeOptions {
   int http_port = 8000;  // OpenAI-compatible API; -1: none
   std::string api_key;   // when set, required on /v1/*, /tokenize, /detokenize and gRPC duet.v1.Duet
   std::string api_key_file;  // else the key from this file, else DUET_API_KEY (cli/api_key.h)
+  // The router's /health, /metrics and gRPC health need the key too; so do the workers' /metrics.
   bool api_key_on_health_and_metrics = false;
+  rpc::TlsFiles tls;           // the router's --ssl-*: TLS on its HTTP and gRPC ports
+  rpc::TlsFiles internal_tls;  // mutual TLS between router and workers (--internal-tls-*)
   int max_concurrent_requests = 256;
   int max_queued_requests = 1024;
   // Workers' /metrics: decode worker i on metrics_port + i, prefill worker j on metrics_port + M + j;

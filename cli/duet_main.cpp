@@ -7,6 +7,7 @@
 #include "CLI/CLI.hpp"
 #include "cli/api_flags.h"
 #include "cli/api_key.h"
+#include "cli/tls_flags.h"
 #include "cli/commands.h"
 #include "cli/engine_flags.h"
 #include "cli/log_stats_flags.h"
@@ -92,6 +93,8 @@ int main(int argc, char** argv) {
   duet::AddToolCallFlags(serve_cmd, &serve.enable_auto_tool_choice, &serve.tool_call_parser);
   duet::AddChatTemplateFlag(serve_cmd, &serve.chat_template);
   duet::AddServedModelNameFlag(serve_cmd, &serve.served_model_names);
+  duet::AddSslFlags(serve_cmd, &serve.tls);
+  duet::AddInternalTlsFlags(serve_cmd, &serve.internal_tls, duet::InternalTlsRole::kServe);
   serve_cmd->add_option("--host", serve.host,
                         "Address the router's HTTP and gRPC ports listen on (the workers stay on 127.0.0.1)");
   duet::LogStatsFlags serve_log_stats;

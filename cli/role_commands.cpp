@@ -4,6 +4,7 @@
 
 #include "cli/api_flags.h"
 #include "cli/api_key.h"
+#include "cli/tls_flags.h"
 #include "common/logging.h"
 #include "rpc/internal_auth.h"
 
@@ -21,6 +22,20 @@ constexpr char kServiceHelp[] =
 
 constexpr char kGraceHelp[] =
     "On SIGTERM/SIGINT: how long running requests may take to finish while new ones are turned away";
+
+// The worker's /metrics key into *metrics_api_key when --api-key-on-health-and-metrics (as on the
+// router, none is no key); false (the reason logged) when it cannot be read.
+bool LoadWorkerMetricsKey(const std::string& key, const std::string& file, bool on_metrics,
+                          std::string* metrics_api_key) {
+  if (!on_metrics) return true;
+  absl::StatusOr<std::string> loaded = LoadApiKey(key, file);
+  if (!loaded.ok()) {
+    DUET_LOG(ERROR) << loaded.status().message();
+    return false;
+  }
+  *metrics_api_key = *std::move(loaded);
+  return true;
+}
 
 // The role's internal token into *token; false (the reason logged) when the file is unusable.
 bool LoadToken(const std::string& file, std::string* token) {
@@ -81,6 +96,11 @@ RoleCommands::RoleCommands(CLI::App& app) {
   router_cmd_->add_option("--metrics-port", router_.metrics_port,
                           "Prometheus /metrics port (-1: off, 0: any free port)")->check(CLI::Range(-1, 65535));
   router_cmd_->add_option("--internal-token-file", router_token_file_, kTokenFileHelp);
+  AddSslFlags(router_cmd_, &router_.tls);
+  AddInternalTlsFlags(router_cmd_, &router_.internal_tls, InternalTlsRole::kRouter);
+  router_cmd_->add_option("--internal-tls-server-name", router_.internal_tls_server_name,
+                          "With --internal-tls-ca-certs: the name every worker's certificate must carry, instead of "
+                          "the worker's address (e.g. when discovery yields pod IPs)");
   router_cmd_->add_option("--shutdown-grace-seconds", router_.shutdown_grace_seconds, kGraceHelp)
       ->check(CLI::Range(0, 86400));
   AddToolCallFlags(router_cmd_, &router_.enable_auto_tool_choice, &router_.tool_call_parser);
@@ -88,11 +108,11 @@ RoleCommands::RoleCommands(CLI::App& app) {
   router_log_stats_.Add(router_cmd_);
 
   prefill_cmd_ = AddWorkerCommand(app, "prefill-worker", "Run a prefill worker", prefill_, prefill_flags_,
-                                  prefill_log_stats_, prefill_token_file_,
+                                  prefill_log_stats_, prefill_token_file_, prefill_api_key_,
                                   "Host staging for outgoing KV, in tokens (default: twice the longest prompt a "
                                   "step can finish)");
   decode_cmd_ = AddWorkerCommand(app, "decode-worker", "Run a decode worker", decode_, decode_flags_,
-                                 decode_log_stats_, decode_token_file_,
+                                 decode_log_stats_, decode_token_file_, decode_api_key_,
                                  "cuda: pinned host staging for incoming KV, in tokens (default: twice "
                                  "max(max-model-len, max-num-batched-tokens))");
 }
@@ -101,7 +121,7 @@ template <typename ServiceOptions>
 CLI::App* RoleCommands::AddWorkerCommand(CLI::App& app, const std::string& name, const std::string& description,
                                          WorkerProcessOptions<ServiceOptions>& options, EngineFlags& engine_flags,
                                          LogStatsFlags& log_stats, std::string& token_file,
-                                         const std::string& staging_help) {
+                                         WorkerApiKey& api_key, const std::string& staging_help) {
   CLI::App* cmd = app.add_subcommand(name, description);
   engine_flags.Add(cmd);
   log_stats.Add(cmd);
@@ -115,6 +135,10 @@ CLI::App* RoleCommands::AddWorkerCommand(CLI::App& app, const std::string& name,
   cmd->add_option("--metrics-port", options.metrics_port, "Prometheus /metrics port (-1: off, 0: any free port)")
       ->check(CLI::Range(-1, 65535));
   cmd->add_option("--internal-token-file", token_file, kTokenFileHelp);
+  AddInternalTlsFlags(cmd, &options.internal_tls, InternalTlsRole::kWorker);
+  cmd->add_option("--api-key", api_key.key, kWorkerApiKeyHelp);
+  cmd->add_option("--api-key-file", api_key.file, kApiKeyFileHelp);
+  cmd->add_flag("--api-key-on-health-and-metrics", api_key.on_metrics, kWorkerApiKeyOnMetricsHelp);
   cmd->add_option_function<int>(
          "--shutdown-grace-seconds", [&options](int seconds) { options.shutdown_grace = absl::Seconds(seconds); },
          kGraceHelp)
@@ -156,12 +180,20 @@ std::optional<int> RoleCommands::RunParsed() {
     prefill_flags_.Finish();
     prefill_.log_stats_interval = absl::Seconds(prefill_log_stats_.seconds());
     if (!LoadToken(prefill_token_file_, &prefill_.internal_token)) return 1;
+    if (!LoadWorkerMetricsKey(prefill_api_key_.key, prefill_api_key_.file, prefill_api_key_.on_metrics,
+                              &prefill_.metrics_api_key)) {
+      return 1;
+    }
     return RunWorkerProcess<PrefillService>("prefill worker", prefill_);
   }
   if (decode_cmd_->parsed()) {
     decode_flags_.Finish();
     decode_.log_stats_interval = absl::Seconds(decode_log_stats_.seconds());
     if (!LoadToken(decode_token_file_, &decode_.internal_token)) return 1;
+    if (!LoadWorkerMetricsKey(decode_api_key_.key, decode_api_key_.file, decode_api_key_.on_metrics,
+                              &decode_.metrics_api_key)) {
+      return 1;
+    }
     return RunWorkerProcess<DecodeService>("decode worker", decode_);
   }
   return std::nullopt;

@@ -32,15 +32,22 @@ class RoleCommands {
 
  private:
   // The flags both worker roles take; `staging_help` says which way the staged KV goes.
+  // A worker's metrics key, when it asked for one (--api-key-on-health-and-metrics).
+  struct WorkerApiKey {
+    std::string key, file;
+    bool on_metrics = false;
+  };
+
   template <typename ServiceOptions>
   static CLI::App* AddWorkerCommand(CLI::App& app, const std::string& name, const std::string& description,
                                     WorkerProcessOptions<ServiceOptions>& options, EngineFlags& engine_flags,
-                                    LogStatsFlags& log_stats, std::string& token_file,
+                                    LogStatsFlags& log_stats, std::string& token_file, WorkerApiKey& api_key,
                                     const std::string& staging_help);
 
   // --internal-token-file of each role (else DUET_INTERNAL_TOKEN; rpc/internal_auth.h).
   std::string router_token_file_, prefill_token_file_, decode_token_file_;
   std::string router_api_key_file_;  // --api-key-file (else --api-key, else DUET_API_KEY; cli/api_key.h)
+  WorkerApiKey prefill_api_key_, decode_api_key_;
   router::RouterOptions router_;
   WorkerProcessOptions<PrefillServiceOptions> prefill_;
   WorkerProcessOptions<DecodeServiceOptions> decode_;

@@ -10,6 +10,10 @@
 //   - SIGINT/SIGTERM drains: the router turns new requests away while the running ones finish
 //     (up to --shutdown-grace-seconds; a second signal cuts it short), then the workers stop and
 //     serve exits 0.
+// With --internal-tls-* every worker serves TLS with that certificate and requires the router's
+// (the same one, signed by the CA) on every call: internal RPCs then accept only the router.
+// --ssl-* go to the router (TLS on its HTTP and gRPC ports). With --api-key-on-health-and-metrics
+// the workers get the API key (in the environment) for their /metrics too.
 // Each worker is announced once ready as `DUET_WORKER role=<role> index=<i> pid=<pid> port=<port>`
 // (and ` metrics_port=<port>` with --metrics-port). The router's metrics are on its HTTP port only,
 // so a Prometheus scraping that port and every worker's metrics port counts each thing once.
@@ -77,6 +81,19 @@ std::vector<std::string> EngineFlags(const ServeOptions& o) {
   if (!o.engine.enable_prefix_caching) flags.push_back("--no-enable-prefix-caching");
   if (o.engine.host_kv_cache_bytes > 0) {
     flags.insert(flags.end(), {"--host-kv-cache-gib", std::to_string(double(o.engine.host_kv_cache_bytes) / double(1ull << 30))});
+  }
+  return flags;
+}
+
+// The same --internal-tls-* for every process: the workers serve the certificate and require it
+// (signed by the CA) of their clients; the router verifies the workers against the CA and presents
+// it.
+std::vector<std::string> InternalTlsFlags(const rpc::TlsFiles& tls) {
+  std::vector<std::string> flags;
+  for (const auto& [flag, value] : {std::pair{"--internal-tls-certfile", &tls.certfile},
+                                    std::pair{"--internal-tls-keyfile", &tls.keyfile},
+                                    std::pair{"--internal-tls-ca-certs", &tls.ca_certs}}) {
+    if (!value->empty()) flags.insert(flags.end(), {flag, *value});
   }
   return flags;
 }
@@ -222,6 +239,15 @@ int RunServe(const ServeOptions& options) {
     DUET_LOG(ERROR) << api_key.status().message();
     return 1;
   }
+  // The processes check these too, but only once started (and the workers before the router).
+  for (const absl::Status& checked : {rpc::LoadServerTls(options.tls, "--ssl-").status(),
+                                      rpc::LoadServerTls(options.internal_tls, "--internal-tls-").status(),
+                                      rpc::LoadClientTls(options.internal_tls, "--internal-tls-").status()}) {
+    if (!checked.ok()) {
+      DUET_LOG(ERROR) << checked.message();
+      return 1;
+    }
+  }
   if (!options.chat_template.empty()) {  // the router checks it too, but only after the workers start
     if (absl::StatusOr<LoadedChatTemplate> chat = LoadChatTemplate(options.engine.model_dir, options.chat_template);
         !chat.ok()) {
@@ -229,8 +255,10 @@ int RunServe(const ServeOptions& options) {
       return 1;
     }
   }
-  // The workers do not need the public API key; the router gets it in its environment, not argv.
-  const Subprocess::Environment env = {{rpc::kInternalTokenEnv, *token}, {kApiKeyEnv, ""}};
+  // The router gets the public API key in its environment, not argv; the workers only to guard
+  // their /metrics.
+  const Subprocess::Environment env = {
+      {rpc::kInternalTokenEnv, *token}, {kApiKeyEnv, options.api_key_on_health_and_metrics ? *api_key : ""}};
   // Workers sharing a GPU under MPS run their kernels side by side; a decode step is the latency
   // every stream waits on, so prefill workers' kernels yield to it (MPS client priority 1, "below
   // normal"; without MPS the variable is ignored). A value in serve's own environment is kept.
@@ -259,6 +287,8 @@ int RunServe(const ServeOptions& options) {
       std::vector<std::string> argv = {self, absl::StrCat(role, "-worker"), "--shutdown-grace-seconds", grace,
                                        "--log-stats-interval", log_stats_interval};
       if (!options.served_model_names.empty()) argv.insert(argv.end(), {"--served-model-name", options.served_model_names[0]});
+      if (options.api_key_on_health_and_metrics) argv.push_back("--api-key-on-health-and-metrics");
+      for (std::string& f : InternalTlsFlags(options.internal_tls)) argv.push_back(std::move(f));
       for (std::string& f : EngineFlags(options)) argv.push_back(std::move(f));
       // Only prefill workers prefill: --sp-ranks (or --prefill-sp-ranks) is theirs.
       const int sp_ranks = std::max(options.prefill_sp_ranks, options.engine.sequence_parallel.ranks);
@@ -292,6 +322,14 @@ int RunServe(const ServeOptions& options) {
                                           "--routing-policy", options.routing_policy,
                                           "--prefix-affinity", absl::StrCat(options.prefix_affinity)};
   if (options.api_key_on_health_and_metrics) router_argv.push_back("--api-key-on-health-and-metrics");
+  for (std::string& f : InternalTlsFlags(options.internal_tls)) router_argv.push_back(std::move(f));
+  for (const auto& [flag, value] : {std::pair{"--ssl-certfile", &options.tls.certfile},
+                                    std::pair{"--ssl-keyfile", &options.tls.keyfile},
+                                    std::pair{"--ssl-ca-certs", &options.tls.ca_certs}}) {
+    if (!value->empty()) router_argv.insert(router_argv.end(), {flag, *value});
+  }
+  router_argv.insert(router_argv.end(),
+                     {"--ssl-cert-reqs", std::to_string(static_cast<int>(options.tls.client_certs))});
   if (options.enable_auto_tool_choice) router_argv.push_back("--enable-auto-tool-choice");
   router_argv.insert(router_argv.end(), {"--host", options.host});
   if (!options.served_model_names.empty()) {
@@ -319,7 +357,9 @@ int RunServe(const ServeOptions& options) {
     return 1;
   }
   DUET_LOG(INFO) << "router on " << options.host << ":" << *grpc_port << " (gRPC duet.v1.Duet)"
-                 << (options.http_port >= 0 ? absl::StrCat(", OpenAI HTTP API on ", options.host, ":", *http_port) : "")
+                 << (options.http_port >= 0 ? absl::StrCat(", OpenAI HTTP API on ", options.tls.certfile.empty() ? "http" : "https",
+                                                           "://", options.host, ":", *http_port)
+                                            : "")
                  << "; prefill " << absl::StrJoin(prefill_addresses, ",") << "; decode "
                  << absl::StrJoin(decode_addresses, ",");
   if (options.http_port >= 0) std::printf("DUET_HTTP_READY port=%s\n", http_port->c_str());

@@ -7,9 +7,14 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <optional>
+
+#include <unistd.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/listening_sockets.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -33,11 +38,27 @@ absl::StatusOr<std::unique_ptr<metrics::HttpExporter>> StartMetrics(const Worker
   metrics::HttpExporter::Options exporter_options;
   exporter_options.host = options.host;
   exporter_options.port = uint16_t(options.metrics_port);
+  exporter_options.bearer_token = options.metrics_api_key;
   DUET_ASSIGN_OR_RETURN(std::unique_ptr<metrics::HttpExporter> exporter,
                         metrics::HttpExporter::Start(body, exporter_options));
   std::printf("DUET_METRICS_READY port=%d\n", int(exporter->port()));
   std::fflush(stdout);
   return exporter;
+}
+
+// The sockets the process listens on before it opens its own (metrics, gRPC): the KV
+// transport's (UCX's tcp listener; its port: UCX_TCP_PORT_RANGE), announced so that nothing
+// listens unannounced.
+void AnnounceKvListeners(const char* role) {
+  const std::vector<std::string> listeners = ListeningTcpAddresses(getpid());
+  if (listeners.empty()) {
+    DUET_LOG(INFO) << role << ": the KV transport listens on no TCP socket";
+  } else {
+    DUET_LOG(INFO) << role << ": the KV transport (UCX tcp, KV from other hosts) listens on "
+                   << absl::StrJoin(listeners, ", ");
+  }
+  std::printf("DUET_KV_READY listen=%s\n", absl::StrJoin(listeners, ",").c_str());
+  std::fflush(stdout);
 }
 
 // Until the worker holds no request (running, waiting, or a KV reservation awaiting its Decode
@@ -70,6 +91,14 @@ int Serve(const WorkerServeOptions& options, const std::function<absl::StatusOr<
                       << "): internal RPCs are unauthenticated; anyone who reaches this worker's port can reserve "
                       << "KV, prefill into it and abort requests";
   }
+  // Checked before the model loads. A worker given a CA accepts only clients it signed.
+  rpc::TlsFiles tls_files = options.internal_tls;
+  tls_files.client_certs = tls_files.ca_certs.empty() ? rpc::ClientCertMode::kNone : rpc::ClientCertMode::kRequired;
+  absl::StatusOr<std::optional<rpc::TlsMaterial>> tls = rpc::LoadServerTls(tls_files, "--internal-tls-");
+  if (!tls.ok()) {
+    DUET_LOG(ERROR) << role << ": " << tls.status().message();
+    return 1;
+  }
   // Before the KV transport starts (inside create).
   RestrictKvTransportToHost(options.host);
   absl::StatusOr<ServedService> served = create();
@@ -77,6 +106,7 @@ int Serve(const WorkerServeOptions& options, const std::function<absl::StatusOr<
     DUET_LOG(ERROR) << role << ": " << served.status();
     return 1;
   }
+  AnnounceKvListeners(role);
   absl::StatusOr<std::unique_ptr<metrics::HttpExporter>> exporter = StartMetrics(options, served->metrics_body);
   if (!exporter.ok()) {
     DUET_LOG(ERROR) << role << ": cannot serve metrics: " << exporter.status();
@@ -85,8 +115,9 @@ int Serve(const WorkerServeOptions& options, const std::function<absl::StatusOr<
   int port = 0;
   rpc::WorkerCallGate gate(options.internal_token);  // outlives the server
   rpc::ReflectionV1Relay reflection_v1;              // too
-  absl::StatusOr<std::unique_ptr<grpc::Server>> server = rpc::StartServer(
-      HostPort(options.host, options.port), {served->service}, &port, gate.Credentials(), 0, &reflection_v1);
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
+      rpc::StartServer(HostPort(options.host, options.port), {served->service}, &port,
+                       gate.Credentials(tls->has_value() ? &**tls : nullptr), 0, &reflection_v1);
   if (!server.ok()) {
     DUET_LOG(ERROR) << role << ": " << server.status();
     return 1;

@@ -1,7 +1,8 @@
 // The life of a worker process, for both roles: block SIGINT/SIGTERM (so every thread started
 // afterwards inherits the mask), confine the KV transport to the --host interface
-// (worker/kv_net_devices.h), build the engine and the role's service, serve /metrics when asked,
-// serve gRPC behind the internal-token gate (rpc/internal_auth.h), announce readiness on stdout,
+// (worker/kv_net_devices.h), build the engine and the role's service, announce the KV
+// transport's listening sockets, serve /metrics when asked, serve gRPC behind the internal-token
+// gate (rpc/internal_auth.h; TLS with --internal-tls-*), announce readiness on stdout,
 // and drain on the first stop signal: health says NOT_SERVING, new work (ReserveKv, Prefill) and
 // the router's GetStats polls are refused with UNAVAILABLE (so the router places requests
 // elsewhere), the requests already here — running, waiting, or reserved and awaiting their
@@ -26,6 +27,7 @@
 #include "engine/llm_engine.h"
 #include "grpcpp/grpcpp.h"
 #include "rpc/kv_target_auth.h"
+#include "rpc/tls.h"
 #include "worker/engine_stats_log.h"
 
 namespace duet {
@@ -45,6 +47,13 @@ struct WorkerProcessOptions {
   // it, and KV targets are signed (decode) or checked (prefill) with a key derived from it.
   // Empty: internal RPCs are unauthenticated (a WARNING at start-up).
   std::string internal_token;
+  // TLS of the gRPC port (--internal-tls-certfile, --internal-tls-keyfile); with
+  // --internal-tls-ca-certs every client needs a certificate that CA signed (the router's).
+  // client_certs is ignored (the CA decides). No files: plaintext.
+  rpc::TlsFiles internal_tls;
+  // Non-empty: /metrics needs "Authorization: Bearer <metrics_api_key>" (the public API key
+  // under --api-key-on-health-and-metrics).
+  std::string metrics_api_key;
   // How long a stop signal waits for the worker's requests to finish.
   absl::Duration shutdown_grace = absl::Seconds(30);
   // vLLM's periodic stats line in the log (worker/engine_stats_log.h) this often; 0: none.
@@ -67,12 +76,16 @@ struct WorkerServeOptions {
   int port = 0;           // 0: a free port
   int metrics_port = -1;  // -1: no /metrics; 0: a free port
   std::string internal_token;
+  rpc::TlsFiles internal_tls;
+  std::string metrics_api_key;
   absl::Duration shutdown_grace = absl::Seconds(30);
   absl::Duration log_stats_interval = absl::ZeroDuration();  // 0: no periodic stats line
 };
 
 // `create` runs after the signals are blocked and must keep the service alive until this returns.
-// Prints `DUET_METRICS_READY port=N` (when metrics are on), then `DUET_READY port=N`.
+// Prints `DUET_KV_READY listen=HOST:PORT,...` (the TCP sockets the process listens on once the
+// service exists: UCX's tcp transport, for KV from other hosts; none: empty), then
+// `DUET_METRICS_READY port=N` (when metrics are on), then `DUET_READY port=N`.
 // Returns 0 after a stop signal, 1 when start-up fails (the reason on stderr).
 int ServeUntilSignal(const WorkerServeOptions& options, const std::function<absl::StatusOr<ServedService>()>& create);
 
@@ -98,7 +111,8 @@ int RunWorkerProcess(const std::string& role, const WorkerProcessOptions<typenam
   typename Service::Options service_options = options.service;
   service_options.kv_target_key = rpc::KvTargetKey(options.internal_token);
   return ServeUntilSignal({role, options.host, options.port, options.metrics_port, options.internal_token,
-                           options.shutdown_grace, options.log_stats_interval},
+                           options.internal_tls, options.metrics_api_key, options.shutdown_grace,
+                           options.log_stats_interval},
                           [&]() -> absl::StatusOr<ServedService> {
                             DUET_ASSIGN_OR_RETURN(std::unique_ptr<LlmEngine> engine, CreateEngine(options.engine));
                             DUET_LOG(INFO) << role << ": " << EngineConfigSummary(*engine);
