@@ -9,7 +9,7 @@ PACKAGES=(
   libucx-dev ucx-utils
   libopenblas-dev libpcre2-dev nlohmann-json3-dev libcli11-dev libxxhash-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libboost1.81-dev
+  libboost1.81-dev libssl-dev  # Beast/Asio; OpenSSL for TLS (HTTP and gRPC listeners, test certificates)
   prometheus curl iproute2
   # deploy/tests: Helm's template engine (Go text/template + sprig) and values schema check
   golang-go golang-github-masterminds-sprig-dev golang-k8s-sigs-yaml-dev golang-github-xeipuuv-gojsonschema-dev

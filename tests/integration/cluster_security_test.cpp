@@ -1,15 +1,13 @@
 // Who can reach a cluster's workers: the internal token on every worker RPC (only the router
-// has it), and the addresses the workers' processes listen on.
-#include <arpa/inet.h>
-#include <dirent.h>
-#include <unistd.h>
-
+// has it), and the addresses the workers' processes listen on (every one announced).
 #include <algorithm>
-#include <cstring>
 #include <fstream>
-#include <sstream>
+#include <set>
 #include <string>
 #include <vector>
+
+#include "absl/strings/str_split.h"
+#include "common/listening_sockets.h"
 
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
@@ -24,46 +22,6 @@ using testing::LocalCluster;
 constexpr char kToken[] = "cluster-security-test-token-0123456789";
 constexpr char kTokenMetadata[] = "x-duet-internal-token";
 
-// "host:port" of every TCP socket `pid` listens on (IPv4 and IPv6), from /proc.
-std::vector<std::string> ListeningAddresses(pid_t pid) {
-  std::vector<std::string> inodes;
-  const std::string fd_dir = "/proc/" + std::to_string(pid) + "/fd";
-  if (DIR* dir = opendir(fd_dir.c_str())) {
-    while (dirent* e = readdir(dir)) {
-      char target[256];
-      const ssize_t n = readlink((fd_dir + "/" + e->d_name).c_str(), target, sizeof(target) - 1);
-      if (n <= 0) continue;
-      const std::string link(target, size_t(n));
-      if (link.rfind("socket:[", 0) == 0) inodes.push_back(link.substr(8, link.size() - 9));
-    }
-    closedir(dir);
-  }
-  std::vector<std::string> out;
-  for (const char* table : {"tcp", "tcp6"}) {
-    std::ifstream in("/proc/" + std::to_string(pid) + "/net/" + table);
-    std::string line;
-    std::getline(in, line);  // header
-    while (std::getline(in, line)) {
-      std::istringstream fields(line);
-      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
-      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >> inode;
-      if (state != "0A" || std::find(inodes.begin(), inodes.end(), inode) == inodes.end()) continue;  // LISTEN
-      const size_t colon = local.find(':');
-      const std::string hex = local.substr(0, colon);
-      const int port = std::stoi(local.substr(colon + 1), nullptr, 16);
-      unsigned char bytes[16];
-      for (size_t word = 0; word < hex.size() / 8; ++word) {  // 32-bit words in host (little-endian) order
-        const uint32_t v = uint32_t(std::stoul(hex.substr(word * 8, 8), nullptr, 16));
-        std::memcpy(bytes + 4 * word, &v, 4);
-      }
-      char text[INET6_ADDRSTRLEN];
-      inet_ntop(hex.size() == 8 ? AF_INET : AF_INET6, bytes, text, sizeof(text));
-      out.push_back(std::string(text) + ":" + std::to_string(port));
-    }
-  }
-  return out;
-}
-
 bool IsLoopback(const std::string& host_port) {
   return host_port.rfind("127.", 0) == 0 || host_port.rfind("::1:", 0) == 0 || host_port.rfind("::ffff:127.", 0) == 0;
 }
@@ -74,9 +32,41 @@ TEST(ClusterSecurityTest, WorkersListenOnlyOnLoopback) {
   LocalCluster cluster({1, 1});
   ASSERT_TRUE(cluster.ok()) << cluster.error();
   for (Subprocess* p : {&cluster.decode_process(0), &cluster.prefill_process(0)}) {
-    const std::vector<std::string> addresses = ListeningAddresses(p->pid());
+    const std::vector<std::string> addresses = ListeningTcpAddresses(p->pid());
     EXPECT_GE(addresses.size(), 1u) << "pid " << p->pid();
     for (const std::string& a : addresses) EXPECT_TRUE(IsLoopback(a)) << "pid " << p->pid() << " listens on " << a;
+  }
+}
+
+int PortOf(const std::string& host_port) { return std::stoi(host_port.substr(host_port.rfind(':') + 1)); }
+
+// Nothing listens unannounced: each worker's listening sockets are its gRPC port (DUET_READY),
+// its metrics port (DUET_METRICS_READY) and the KV transport's (DUET_KV_READY: UCX's tcp
+// listener, on loopback like the rest).
+TEST(ClusterSecurityTest, WorkersAnnounceEverySocketTheyListenOn) {
+  for (const char* role : {"decode-worker", "prefill-worker"}) {
+    absl::StatusOr<std::unique_ptr<Subprocess>> worker =
+        Subprocess::Start({testing::DuetBinary(), role, "--model", DUET_MODELS_DIR "/tiny-code-llama", "--backend",
+                           "cpu", "--port", "0", "--metrics-port", "0", "--log-stats-interval", "0"},
+                          {{"DUET_INTERNAL_TOKEN", kToken}});
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    absl::StatusOr<std::string> kv = (*worker)->WaitForLine("DUET_KV_READY listen=", std::chrono::seconds(120));
+    ASSERT_TRUE(kv.ok()) << role << ": " << kv.status();
+    absl::StatusOr<std::string> metrics = (*worker)->WaitForLine("DUET_METRICS_READY port=", std::chrono::seconds(30));
+    ASSERT_TRUE(metrics.ok()) << role << ": " << metrics.status();
+    absl::StatusOr<std::string> grpc_port = (*worker)->WaitForLine("DUET_READY port=", std::chrono::seconds(30));
+    ASSERT_TRUE(grpc_port.ok()) << role << ": " << grpc_port.status();
+    std::set<int> announced = {std::stoi(*metrics), std::stoi(*grpc_port)};
+    std::vector<std::string> kv_listeners = absl::StrSplit(*kv, ',', absl::SkipEmpty());
+    EXPECT_FALSE(kv_listeners.empty()) << role << ": UCX's tcp transport listens";
+    for (const std::string& a : kv_listeners) {
+      EXPECT_TRUE(IsLoopback(a)) << role << " announced " << a;
+      announced.insert(PortOf(a));
+    }
+    std::set<int> listening;
+    for (const std::string& a : ListeningTcpAddresses((*worker)->pid())) listening.insert(PortOf(a));
+    EXPECT_EQ(listening, announced) << role;
+    (*worker)->Stop();
   }
 }
 

@@ -16,12 +16,16 @@
 #   5. a router whose workers are all down: InternalServerError with status 503;
 #   6. a router whose decode worker sends a message it cannot parse (FAULT_ROUTER_BINARY):
 #      InternalServerError 500, and once the stream has started, an SSE error event (curl sees
-#      the framing, the SDK raises it).
-# Usage: run.sh DUET_BINARY MODEL_DIR FAULT_ROUTER_BINARY
+#      the framing, the SDK raises it);
+#   7. a router with --ssl-certfile/--ssl-keyfile (certificates from MAKE_TEST_CERTS): the SDK
+#      over HTTPS (tls_sdk_test.mjs, NODE_EXTRA_CA_CERTS), curl --cacert with SSE, and plain HTTP
+#      on the TLS port a clear 400 that leaves the router serving.
+# Usage: run.sh DUET_BINARY MODEL_DIR FAULT_ROUTER_BINARY MAKE_TEST_CERTS
 set -euo pipefail
 DUET=$1
 MODEL=$2
 FAULT_ROUTER_BIN=${3:?run.sh: the fault router binary is required}
+MAKE_TEST_CERTS=${4:?run.sh: the make_test_certs binary is required}
 HERE=$(cd "$(dirname "$0")" && pwd)
 NODE_DIR=$HERE/../node
 TMP=$(mktemp -d)
@@ -85,6 +89,13 @@ start router_down "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --ht
 DOWN_PORT=$PORT
 start router_fault "DUET_HTTP_READY port=" "$FAULT_ROUTER_BIN" --model "$MODEL"
 FAULT_PORT=$PORT
+mkdir "$TMP/pki"
+"$MAKE_TEST_CERTS" "$TMP/pki"
+# shellcheck disable=SC2086
+start router_tls "DUET_HTTP_READY port=" $ROUTER --model "$MODEL" --port 0 --http-port 0 \
+  --prefill "127.0.0.1:$PREFILL_PORT" --decode "127.0.0.1:$DECODE_PORT" \
+  --ssl-certfile "$TMP/pki/server.pem" --ssl-keyfile "$TMP/pki/server.key"
+TLS_PORT=$PORT
 BASE=http://127.0.0.1:$HTTP_PORT
 MODEL_NAME=$(basename "$MODEL")
 echo "openai_api: router HTTP on $HTTP_PORT, auth router on $AUTH_PORT"
@@ -162,6 +173,24 @@ assert error["type"] == "server_error" and "not a valid duet.v1.GenerateResponse
 print("openai_api: curl SSE error event ok")
 PY
 echo "openai_api: curl error cases ok"
+
+# 7. HTTPS: the SDK (trusting the test CA), curl's SSE framing, plain HTTP on the TLS port.
+OPENAI_TLS_BASE_URL=https://localhost:$TLS_PORT/v1 OPENAI_BASE_URL=$BASE/v1 MODEL_NAME=$MODEL_NAME \
+  NODE_DEPS_DIR=$NODE_DIR NODE_EXTRA_CA_CERTS=$TMP/pki/ca.pem node "$HERE/tls_sdk_test.mjs"
+curl -sN --cacert "$TMP/pki/ca.pem" "https://127.0.0.1:$TLS_PORT/v1/completions" -H 'Content-Type: application/json' \
+  -d "{\"model\":\"$MODEL_NAME\",\"prompt\":\"def fib(n):\",\"max_tokens\":4,\"temperature\":0,\"ignore_eos\":true,\"stream\":true}" \
+  >"$TMP/tls_sse.txt"
+[[ $(tail -c 14 "$TMP/tls_sse.txt") == "data: [DONE]" ]] || { echo "https SSE: no [DONE]" >&2; cat "$TMP/tls_sse.txt" >&2; exit 1; }
+grep -q '^data: {.*"text_completion"' "$TMP/tls_sse.txt" || { echo "https SSE: no chunks" >&2; cat "$TMP/tls_sse.txt" >&2; exit 1; }
+code=$(curl -s -o "$TMP/plain_on_tls.json" -w '%{http_code}' "http://127.0.0.1:$TLS_PORT/health")
+[[ $code == 400 ]] && grep -q 'speaks HTTPS' "$TMP/plain_on_tls.json" \
+  || { echo "plain HTTP on the TLS port: expected 400, got $code" >&2; exit 1; }
+if curl -s -o /dev/null "https://127.0.0.1:$TLS_PORT/health"; then
+  echo "https without the CA must fail verification" >&2
+  exit 1
+fi
+[[ $(curl -s --cacert "$TMP/pki/ca.pem" -o /dev/null -w '%{http_code}' "https://localhost:$TLS_PORT/health") == 200 ]]
+echo "openai_api: https ok"
 # The version: `duet --version` and GET /version agree; --help shows the defaults.
 version=$("$DUET" --version)
 [[ $version == "duet $(curl -s "$BASE/version" | python3 -c 'import json,sys; print(json.load(sys.stdin)["version"])')" ]] \
