@@ -13,6 +13,7 @@
 #include "grpcpp/support/client_callback.h"
 #include "router/request_id.h"
 #include "router/request_limits.h"
+#include "rpc/internal_auth.h"
 
 namespace duet::router {
 namespace {
@@ -438,7 +439,7 @@ void OpenAiApi::Handle(HttpRequest request, std::shared_ptr<HttpResponder> respo
   const bool needs_key = absl::StartsWith(path, "/v1/") || path == "/tokenize" || path == "/detokenize" ||
                          (options_.api_key_on_health_and_metrics && (path == "/health" || path == "/metrics"));
   if (needs_key && !options_.api_key.empty()) {
-    if (request.Header("authorization") != absl::StrCat("Bearer ", options_.api_key)) {
+    if (!rpc::ConstantTimeEquals(request.Header("authorization"), absl::StrCat("Bearer ", options_.api_key))) {
       ApiError e;
       e.status = 401;
       e.message = "Incorrect API key provided. Send it as \"Authorization: Bearer <key>\".";
