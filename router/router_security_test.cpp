@@ -1,8 +1,9 @@
 // The router's public ports under TLS and the API key (Router::Start in front of fake workers):
 // gRPC over TLS and mutual TLS, HTTPS, the key on reflection, health and the metrics exporter,
 // and the start-up errors of bad certificate files.
+#include <stdlib.h>
+
 #include <chrono>
-#include <filesystem>
 #include <fstream>
 #include <thread>
 
@@ -60,8 +61,10 @@ TEST(ApiKeyGateTest, EveryMethodNeedsTheKeyHealthOnlyWhenAsked) {
 class RouterSecurityTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new std::string(::testing::TempDir() + "/router_security_test");
-    std::filesystem::create_directories(*dir_);
+    // A directory of this process's own: ctest runs each test as a process, side by side.
+    std::string pattern = ::testing::TempDir() + "/router_security_test.XXXXXX";
+    ASSERT_NE(mkdtemp(pattern.data()), nullptr);
+    dir_ = new std::string(pattern);
     pki_ = new duet::testing::TestPki(duet::testing::MakeTestPki());
     pki_->WriteTo(*dir_);
   }

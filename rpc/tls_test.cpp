@@ -1,7 +1,8 @@
 #include "rpc/tls.h"
 
+#include <stdlib.h>
+
 #include <chrono>
-#include <filesystem>
 #include <fstream>
 
 #include "duet/v1/worker.grpc.pb.h"
@@ -20,8 +21,10 @@ using ::duet::testing::TestPki;
 class TlsFilesTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new std::string(::testing::TempDir() + "/tls_files_test");
-    std::filesystem::create_directories(*dir_);
+    // A directory of this process's own: ctest runs each test as a process, side by side.
+    std::string pattern = ::testing::TempDir() + "/tls_files_test.XXXXXX";
+    ASSERT_NE(mkdtemp(pattern.data()), nullptr);
+    dir_ = new std::string(pattern);
     pki_ = new TestPki(MakeTestPki());
     pki_->WriteTo(*dir_);
     std::ofstream(*dir_ + "/garbage.pem") << "not a certificate\n";
