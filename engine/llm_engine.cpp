@@ -374,8 +374,8 @@ void LlmEngine::AppendToken(Request& r, const SampledToken& token, RequestOutput
   while (end > r.num_emitted_text && end < r.text.size() && (static_cast<unsigned char>(r.text[end]) & 0xC0) == 0x80) {
     --end;
   }
-  if (end > r.num_emitted_text) {
-    out.new_text = r.text.substr(r.num_emitted_text, end - r.num_emitted_text);
+  if (end > r.num_emitted_text) {  // appended: a verified draft appends several tokens to one output
+    out.new_text += r.text.substr(r.num_emitted_text, end - r.num_emitted_text);
     r.num_emitted_text = end;
   }
 }
