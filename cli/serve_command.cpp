@@ -290,7 +290,8 @@ int RunServe(const ServeOptions& options) {
                                           "--shutdown-grace-seconds", grace,
                                           "--log-stats-interval", log_stats_interval,
                                           "--routing-policy", options.routing_policy,
-                                          "--prefix-affinity", absl::StrCat(options.prefix_affinity)};
+                                          "--prefix-affinity", absl::StrCat(options.prefix_affinity),
+                                          "--max-request-migrations", std::to_string(options.max_request_migrations)};
   if (options.api_key_on_health_and_metrics) router_argv.push_back("--api-key-on-health-and-metrics");
   if (options.enable_auto_tool_choice) router_argv.push_back("--enable-auto-tool-choice");
   router_argv.insert(router_argv.end(), {"--host", options.host});
