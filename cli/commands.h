@@ -55,6 +55,7 @@ struct ServeOptions {
   int shutdown_grace_seconds = 30;  // on SIGTERM/SIGINT: how long running requests may take to finish
   std::string routing_policy = "prefix-aware";  // the router's --routing-policy
   double prefix_affinity = 4.0;                 // the router's --prefix-affinity
+  int max_request_migrations = 1;               // the router's --max-request-migrations
   bool enable_auto_tool_choice = false;  // the router's (cli/api_flags.h)
   std::string tool_call_parser;
   std::string chat_template;                    // the router's --chat-template

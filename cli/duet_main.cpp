@@ -86,6 +86,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"prefix-aware", "least-loaded"}));
   serve_cmd->add_option("--prefix-affinity", serve.prefix_affinity, duet::kPrefixAffinityHelp)
       ->check(CLI::Range(0.0, 1e6));
+  serve_cmd->add_option("--max-request-migrations", serve.max_request_migrations,
+                        "How often a request whose decode worker fails mid-stream moves to another prefill/decode "
+                        "pair, its stream going on (0: it fails with UNAVAILABLE)")
+      ->check(CLI::Range(0, 16));
   serve_cmd->add_option("--shutdown-grace-seconds", serve.shutdown_grace_seconds,
                         "On SIGTERM/SIGINT: how long running requests may take to finish while new ones get "
                         "UNAVAILABLE / HTTP 503")

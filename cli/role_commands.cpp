@@ -82,6 +82,10 @@ RoleCommands::RoleCommands(CLI::App& app) {
                           "Prompt tokens in prefill at once per prefill worker; more wait in the router "
                           "(before their decode KV is reserved)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  router_cmd_->add_option("--max-request-migrations", router_.max_request_migrations,
+                          "How often a request whose decode worker fails mid-stream moves to another prefill/decode "
+                          "pair, its stream going on (0: it fails with UNAVAILABLE)")
+      ->check(CLI::Range(0, 16));
   router_cmd_->add_option("--routing-policy", router_.routing_policy, kRoutingPolicyHelp)
       ->check(CLI::IsMember({"prefix-aware", "least-loaded"}));
   router_cmd_->add_option("--prefix-affinity", router_.prefix_affinity, kPrefixAffinityHelp)

@@ -320,7 +320,8 @@ int RunServe(const ServeOptions& options) {
                                           "--shutdown-grace-seconds", grace,
                                           "--log-stats-interval", log_stats_interval,
                                           "--routing-policy", options.routing_policy,
-                                          "--prefix-affinity", absl::StrCat(options.prefix_affinity)};
+                                          "--prefix-affinity", absl::StrCat(options.prefix_affinity),
+                                          "--max-request-migrations", std::to_string(options.max_request_migrations)};
   if (options.api_key_on_health_and_metrics) router_argv.push_back("--api-key-on-health-and-metrics");
   for (std::string& f : InternalTlsFlags(options.internal_tls)) router_argv.push_back(std::move(f));
   for (const auto& [flag, value] : {std::pair{"--ssl-certfile", &options.tls.certfile},

@@ -400,7 +400,10 @@ class DecodeService::DecodeCall final : public grpc::ServerWriteReactor<v1::Gene
  public:
   DecodeCall(DecodeService* service, const v1::DecodeRequest* request)
       : service_(service), request_(*request), prompt_(request->prompt_token_ids().begin(),
-                                                       request->prompt_token_ids().end()) {}
+                                                       request->prompt_token_ids().end()) {
+    resumed_.tokens.assign(request->output_token_ids().begin(), request->output_token_ids().end());
+    num_output_tokens_ = int32_t(resumed_.tokens.size());
+  }
 
   // Checks the request against its reservation and waits for the transfer.
   void Start();
@@ -435,13 +438,14 @@ class DecodeService::DecodeCall final : public grpc::ServerWriteReactor<v1::Gene
   DecodeService* const service_;
   const v1::DecodeRequest request_;
   const std::vector<int32_t> prompt_;
+  ResumedOutput resumed_;  // a migrated request's output so far (its text's emitted bytes once checked)
   std::shared_ptr<DecodeCall> self_;  // the server call's reference, dropped in OnDone
   SamplingParams params_;
   std::shared_ptr<Reservation> reservation_;
   DeadlineTimer::Id wait_timer_ = 0;
 
   // Engine thread only.
-  int32_t num_output_tokens_ = 0;
+  int32_t num_output_tokens_ = 0;  // the request's, a migrated one's output so far included
   bool prompt_echoed_ = false;
   std::chrono::steady_clock::time_point joined_at_{};
 
@@ -474,12 +478,19 @@ void DecodeService::DecodeCall::Start() {
   }
   absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(request_.sampling());
   absl::Status invalid = params.status();
-  if (invalid.ok() && int32_t(prompt_.size()) != reservation_->num_tokens) {
-    invalid = absl::InvalidArgumentError(absl::StrCat("the prompt has ", prompt_.size(),
+  // The reservation holds the KV of the prompt and of a migrated request's output so far.
+  std::vector<int32_t> prefilled = prompt_;
+  prefilled.insert(prefilled.end(), resumed_.tokens.begin(), resumed_.tokens.end());
+  if (invalid.ok() && int32_t(prefilled.size()) != reservation_->num_tokens) {
+    invalid = absl::InvalidArgumentError(absl::StrCat("the prompt (and output so far) has ", prefilled.size(),
                                                       " tokens but the KV reservation was for ",
                                                       reservation_->num_tokens));
   }
-  if (invalid.ok() && !std::equal(reservation_->cached_prefix.begin(), reservation_->cached_prefix.end(), prompt_.begin())) {
+  if (invalid.ok() && request_.output_text_bytes() < 0) {
+    invalid = absl::InvalidArgumentError("output_text_bytes must not be negative");
+  }
+  if (invalid.ok() &&
+      !std::equal(reservation_->cached_prefix.begin(), reservation_->cached_prefix.end(), prefilled.begin())) {
     invalid = absl::InvalidArgumentError("the prompt differs from the one the KV reservation reused a cached prefix for");
   }
   if (!invalid.ok()) {
@@ -487,6 +498,7 @@ void DecodeService::DecodeCall::Start() {
     return End(rpc::ToGrpc(invalid));
   }
   params_ = *std::move(params);
+  resumed_.emitted_text_bytes = size_t(request_.output_text_bytes());
   WaitForTransfer();
 }
 
@@ -555,7 +567,8 @@ void DecodeService::DecodeCall::Join(LlmEngine& engine) {
   if (absl::Status claimed = service_->Claim(*reservation_); !claimed.ok()) return End(WaitFailure(claimed));
   // The blocks are this call's now: join the batch, or give them back.
   const SampledToken first = rpc::FromProto(request_.first_token_id(), request_.first_token_logprobs());
-  absl::StatusOr<RequestOutput> out = engine.AddPrefilledRequest(id, prompt_, params_, reservation_->seq, first);
+  absl::StatusOr<RequestOutput> out =
+      engine.AddPrefilledRequest(id, prompt_, params_, reservation_->seq, first, resumed_);
   if (!out.ok()) {
     engine.ReleaseKv(reservation_->seq);  // not taken by a request
     return End(rpc::ToGrpc(out.status()));
@@ -596,8 +609,10 @@ v1::GenerateResponse DecodeService::DecodeCall::ToMessage(const RequestOutput& o
   v1::GenerateResponse message;
   ToResponse(out, params_, &message);
   num_output_tokens_ += int32_t(out.new_token_ids.size());
-  if (!prompt_echoed_) {
-    for (int32_t t : prompt_) message.add_prompt_token_ids(t);
+  if (!prompt_echoed_) {  // a migrated request's client has it already
+    if (resumed_.tokens.empty()) {
+      for (int32_t t : prompt_) message.add_prompt_token_ids(t);
+    }
     prompt_echoed_ = true;
   }
   if (out.finished) {

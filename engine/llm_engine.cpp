@@ -115,7 +115,8 @@ absl::Status LlmEngine::FlushTierCopies(HostKvTier::FlushMode mode) {
 
 absl::StatusOr<std::unique_ptr<Request>> LlmEngine::NewRequest(const std::string& id,
                                                                std::vector<int32_t> prompt,
-                                                               SamplingParams params, SequenceId seq_id) {
+                                                               SamplingParams params, SequenceId seq_id,
+                                                               const ResumedOutput& resumed) {
   if (absl::Status s = params.Validate(); !s.ok()) return s;
   if (requests_.count(id)) return absl::AlreadyExistsError(absl::StrCat("request id '", id, "' is in use"));
   const int64_t vocab = model_->config().vocab_size;
@@ -131,6 +132,8 @@ absl::StatusOr<std::unique_ptr<Request>> LlmEngine::NewRequest(const std::string
     if (!resolved.ok()) return resolved.status();
     mode = *resolved;
   }
+  // The prompt was scored where the request began (a chunk of prompt and output has no rows for it).
+  if (!resumed.tokens.empty()) params.prompt_logprobs = -1;
   std::unique_ptr<grammar::GrammarMatcher> matcher;
   if (params.structured_output.active()) {
     DUET_ASSIGN_OR_RETURN(matcher, NewGrammarMatcher(params.structured_output));
@@ -140,7 +143,56 @@ absl::StatusOr<std::unique_ptr<Request>> LlmEngine::NewRequest(const std::string
   request->spec.mode = mode;
   request->grammar = std::move(matcher);
   request->decoder = std::make_unique<StreamingDecoder>(*tokenizer_, request->prompt, true);
+  DUET_RETURN_IF_ERROR(ResumeOutput(*request, resumed));
   return request;
+}
+
+absl::Status LlmEngine::ResumeOutput(Request& r, const ResumedOutput& resumed) {
+  if (resumed.tokens.empty()) {
+    if (resumed.emitted_text_bytes == 0) return absl::OkStatus();
+    return absl::InvalidArgumentError("text was emitted for a resumed output without tokens");
+  }
+  const SamplingParams& p = r.params;
+  if (int64_t(resumed.tokens.size()) >= p.max_tokens ||
+      r.num_tokens() + int64_t(resumed.tokens.size()) >= config_.scheduler.max_model_len) {
+    return absl::InvalidArgumentError(absl::StrCat("a resumed output of ", resumed.tokens.size(),
+                                                   " tokens leaves no room for another (max_tokens ", p.max_tokens,
+                                                   ")"));
+  }
+  const int64_t vocab = model_->config().vocab_size;
+  auto contains = [](const auto& ids, int32_t t) { return std::find(ids.begin(), ids.end(), t) != ids.end(); };
+  for (int32_t t : resumed.tokens) {
+    const bool ends_request = (!p.ignore_eos && contains(eos_token_ids_, t)) || contains(p.stop_token_ids, t);
+    if (t < 0 || t >= vocab || ends_request) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("resumed output token ", t, " is out of vocabulary or ends the request"));
+    }
+    // As AppendToken: the grammar accepts it, the detokenizer takes it.
+    if (r.grammar && !r.grammar->AcceptToken(t)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("resumed output token ", t, " does not continue the structured output"));
+    }
+    r.output.push_back(t);
+    r.text += r.decoder->Push(t);
+  }
+  if (r.grammar && r.grammar->IsTerminated()) {
+    return absl::InvalidArgumentError("the resumed output completes the structured output");
+  }
+  if (resumed.emitted_text_bytes > r.text.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(resumed.emitted_text_bytes,
+                                                   " bytes of text were emitted for a resumed output of ",
+                                                   r.text.size()));
+  }
+  r.num_emitted_text = resumed.emitted_text_bytes;
+  if (p.logprobs >= 0) {  // scored where they were sampled; kept in step with `output`
+    r.output_logprobs.resize(r.output.size(), 0.0f);
+    r.output_top_logprobs.resize(r.output.size());
+  }
+  // The host sampler drew one number per sampled token (ResumedOutput).
+  if (!p.greedy()) {
+    for (size_t i = 0; i < resumed.tokens.size(); ++i) r.rng.Uniform();
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<grammar::GrammarMatcher>> LlmEngine::NewGrammarMatcher(
@@ -174,9 +226,9 @@ bool LlmEngine::FillTokenMask(Request& r) {
 }
 
 absl::Status LlmEngine::AddRequest(const std::string& id, std::vector<int32_t> prompt,
-                                   SamplingParams params) {
+                                   SamplingParams params, const ResumedOutput& resumed) {
   absl::StatusOr<std::unique_ptr<Request>> request =
-      NewRequest(id, std::move(prompt), std::move(params), next_seq_id_++);
+      NewRequest(id, std::move(prompt), std::move(params), next_seq_id_++, resumed);
   if (!request.ok()) return request.status();
   if (absl::Status s = scheduler_.Add(request->get()); !s.ok()) return s;
   requests_.emplace(id, std::move(*request));
@@ -228,21 +280,22 @@ absl::StatusOr<RequestOutput> LlmEngine::AddPrefilledRequest(const std::string& 
                                                              std::vector<int32_t> prompt,
                                                              SamplingParams params,
                                                              SequenceId reservation,
-                                                             const SampledToken& first_token) {
-  const int64_t prompt_len = int64_t(prompt.size());
-  if (blocks_.Capacity(reservation) < prompt_len) {
+                                                             const SampledToken& first_token,
+                                                             const ResumedOutput& resumed) {
+  const int64_t prefilled = int64_t(prompt.size() + resumed.tokens.size());
+  if (blocks_.Capacity(reservation) < prefilled) {
     return absl::FailedPreconditionError("the KV reservation does not cover the prompt");
   }
   // The prompt was scored where it was prefilled; a recompute here (preemption) scores nothing.
   params.prompt_logprobs = -1;
   absl::StatusOr<std::unique_ptr<Request>> request =
-      NewRequest(id, std::move(prompt), std::move(params), reservation);
+      NewRequest(id, std::move(prompt), std::move(params), reservation, resumed);
   if (!request.ok()) return request.status();
   Request& r = **request;
   if (absl::Status s = scheduler_.Add(&r); !s.ok()) return s;
-  r.num_computed_tokens = prompt_len;
+  r.num_computed_tokens = prefilled;
   // The prompt's blocks are written now (the transfer finished): cache them for later turns.
-  blocks_.CommitFullBlocks(reservation, r.prefix_seed, prompt_len, [&r](int64_t i) { return r.TokenAt(i); });
+  blocks_.CommitFullBlocks(reservation, r.prefix_seed, prefilled, [&r](int64_t i) { return r.TokenAt(i); });
   // The prefill worker drew one number from this request's stream to sample the first token.
   if (!r.params.greedy()) r.rng.Uniform();
   r.first_scheduled_time = r.arrival_time;
@@ -374,8 +427,8 @@ void LlmEngine::AppendToken(Request& r, const SampledToken& token, RequestOutput
   while (end > r.num_emitted_text && end < r.text.size() && (static_cast<unsigned char>(r.text[end]) & 0xC0) == 0x80) {
     --end;
   }
-  if (end > r.num_emitted_text) {
-    out.new_text = r.text.substr(r.num_emitted_text, end - r.num_emitted_text);
+  if (end > r.num_emitted_text) {  // appended: a verified draft appends several tokens to one output
+    out.new_text += r.text.substr(r.num_emitted_text, end - r.num_emitted_text);
     r.num_emitted_text = end;
   }
 }

@@ -93,6 +93,21 @@ struct EngineStats {
 using ExecutorLoader =
     std::function<absl::StatusOr<std::unique_ptr<ModelExecutor>>(const EngineConfig& config)>;
 
+// A request that continues an output produced elsewhere (request migration: its decode worker
+// failed mid-stream). `tokens` are its first output tokens (computed like the prompt, as a
+// preempted request's are), `emitted_text_bytes` the bytes of their text already streamed out.
+// The request then goes on exactly as the one that produced them would have: its detokenizer and
+// stop-string state rebuilt from the tokens, its grammar advanced over them, penalties and
+// max_tokens counting them, and a seeded generator past the draws they took. The host sampler
+// draws once per sampled token (also when verifying drafts), so a seeded continuation repeats the
+// uninterrupted draws exactly; so does device sampling without speculation. Device sampling with
+// drafts draws one key per verification step, not per token: there the continuation is a sample
+// of the same distribution, not the same sample.
+struct ResumedOutput {
+  std::vector<int32_t> tokens;
+  size_t emitted_text_bytes = 0;
+};
+
 class LlmEngine {
  public:
   static absl::StatusOr<std::unique_ptr<LlmEngine>> Create(const EngineConfig& config,
@@ -103,7 +118,11 @@ class LlmEngine {
 
   // Queues a request. InvalidArgument for bad params, an empty or over-long prompt, an
   // out-of-vocabulary token id, or a duplicate id.
-  absl::Status AddRequest(const std::string& id, std::vector<int32_t> prompt, SamplingParams params);
+  // With `resumed` tokens, InvalidArgument also when they cannot be the request's output (out of
+  // vocabulary, a stop token, max_tokens or more, rejected by its grammar, text shorter than
+  // emitted_text_bytes); its prompt logprobs are not computed (they were where it began).
+  absl::Status AddRequest(const std::string& id, std::vector<int32_t> prompt, SamplingParams params,
+                          const ResumedOutput& resumed = {});
   // Finishes a request with reason abort and frees its blocks; false if it is unknown.
   bool Abort(const std::string& id);
   // Runs one scheduling step and forward pass; returns the requests that advanced.
@@ -126,9 +145,12 @@ class LlmEngine {
                                           int64_t alignment_tokens);
   void ReleaseKv(SequenceId reservation);
   const std::vector<int32_t>& BlockTable(SequenceId seq) const { return blocks_.BlockTable(seq); }
+  // With `resumed` tokens the reservation holds the prompt's and theirs, and `first_token` comes
+  // after them.
   absl::StatusOr<RequestOutput> AddPrefilledRequest(const std::string& id, std::vector<int32_t> prompt,
                                                     SamplingParams params, SequenceId reservation,
-                                                    const SampledToken& first_token);
+                                                    const SampledToken& first_token,
+                                                    const ResumedOutput& resumed = {});
   KvCache& kv_cache() { return *cache_; }
   bool HasUnfinished() const { return scheduler_.HasWork(); }
   // Tokens in the last Step's forward pass (0 when it ran none).
@@ -205,7 +227,10 @@ class LlmEngine {
   // The host tier's copies for this step's evictions and hits, before anything uses the blocks.
   absl::Status FlushTierCopies(HostKvTier::FlushMode mode);
   absl::StatusOr<std::unique_ptr<Request>> NewRequest(const std::string& id, std::vector<int32_t> prompt,
-                                                      SamplingParams params, SequenceId seq_id);
+                                                      SamplingParams params, SequenceId seq_id,
+                                                      const ResumedOutput& resumed);
+  // Makes `resumed` the output of the new request `r` (see ResumedOutput).
+  absl::Status ResumeOutput(Request& r, const ResumedOutput& resumed);
 
   EngineConfig config_;
   std::unique_ptr<ModelExecutor> model_;

@@ -66,12 +66,43 @@ TEST(LlmEngineTest, StopStringsTruncateTextAndFinish) {
   std::string streamed;
   ASSERT_TRUE(e->AddRequest("stopped", Prompt(*e), p).ok());
   while (e->HasUnfinished()) {
-    for (const RequestOutput& out : *e->Step()) streamed += out.new_text;
+    const absl::StatusOr<std::vector<RequestOutput>> outs = e->Step();  // outlives the loop over it
+    ASSERT_TRUE(outs.ok()) << outs.status();
+    for (const RequestOutput& out : *outs) streamed += out.new_text;
   }
   const Request* r = e->Find("stopped");
   EXPECT_EQ(r->finish_reason, FinishReason::kStop);
   EXPECT_EQ(r->text, full.substr(0, full.find(stop)));
   EXPECT_EQ(streamed, r->text);  // the held-back stop prefix never streamed out
+}
+
+// A step that accepts several drafted tokens streams the text of all of them.
+TEST(LlmEngineTest, SpeculatingRequestsStreamTheWholeText) {
+  EngineConfig config;
+  config.model_dir = kModel;
+  config.num_kv_blocks = 256;
+  config.speculation.adaptive = false;  // drafts every step
+  absl::StatusOr<std::unique_ptr<LlmEngine>> e = CreateEngine(config);
+  ASSERT_TRUE(e.ok()) << e.status();
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = 64;
+  p.speculation = SpeculationMode::kLookahead;
+  const std::vector<int32_t> prompt =
+      (*e)->tokenizer().Encode("def parse_args(argv):\n    parser = argparse.ArgumentParser()\n");
+  ASSERT_TRUE((*e)->AddRequest("spec", prompt, p).ok());
+  std::string streamed;
+  size_t most_tokens = 0;
+  while ((*e)->HasUnfinished()) {
+    const absl::StatusOr<std::vector<RequestOutput>> outs = (*e)->Step();
+    ASSERT_TRUE(outs.ok()) << outs.status();
+    for (const RequestOutput& out : *outs) {
+      streamed += out.new_text;
+      most_tokens = std::max(most_tokens, out.new_token_ids.size());
+    }
+  }
+  EXPECT_GT(most_tokens, 1u);  // drafts were accepted
+  EXPECT_EQ(streamed, (*e)->Find("spec")->text);
 }
 
 TEST(LlmEngineTest, StopTokenIdsAndMaxTokens) {

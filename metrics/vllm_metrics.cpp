@@ -101,6 +101,16 @@ RouterMetrics::RouterMetrics(Registry& registry, std::string_view model_name, in
     worker_call_seconds_[i] =
         &calls.WithLabels({std::string(model_name), std::string(RoleName(kRole)), call_names[i]});
   }
+  auto& migrations = registry.AddCounter(
+      "duet:request_migrations_total",
+      "Requests moved to another prefill/decode pair after their decode worker failed mid-stream, by outcome: "
+      "success, failure (no pair could continue it), limit (not tried: --max-request-migrations reached).",
+      {"model_name", "role", "outcome"});
+  const char* const outcomes[] = {"success", "failure", "limit"};
+  for (size_t i = 0; i < request_migrations_.size(); ++i) {
+    request_migrations_[i] =
+        &migrations.WithLabels({std::string(model_name), std::string(RoleName(kRole)), outcomes[i]});
+  }
 }
 
 Counter& RouterMetrics::request_success(FinishReason reason) {

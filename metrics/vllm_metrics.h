@@ -126,11 +126,18 @@ class RouterMetrics {
   Histogram& worker_call_seconds(WorkerCall call) { return *worker_call_seconds_[size_t(call)]; }
   Counter& routed_prompt_blocks_cached(bool decode) { return *routed_prompt_blocks_cached_[decode ? 1 : 0]; }
 
+  // Request migration (router/router_service.h), by `outcome`: success (the stream continued on
+  // another pair), failure (no pair could continue it), limit (a decode worker failed under a
+  // request that had already moved --max-request-migrations times; not tried).
+  enum class Migration { kSuccess, kFailure, kLimit };
+  Counter& request_migrations(Migration outcome) { return *request_migrations_[size_t(outcome)]; }
+
  private:
   std::array<Counter*, 5> request_success_{};  // by FinishReason; null where it counts none
   std::array<Counter*, 2> routed_prompt_blocks_{};         // prefill, decode
   std::array<Counter*, 2> routed_prompt_blocks_cached_{};  // prefill, decode
   std::array<Histogram*, 3> worker_call_seconds_{};        // by WorkerCall
+  std::array<Counter*, 3> request_migrations_{};           // by Migration
   Family<Counter>* http_requests_;
   Family<Histogram>* http_durations_;
 };

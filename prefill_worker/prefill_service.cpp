@@ -199,7 +199,8 @@ void PrefillService::PrefillCall::Start() {
                                   " path this prefill worker uses to that decode worker")));
   }
   transfer_->dst_block_ids.assign(dst.begin(), dst.end());
-  const int64_t prompt_len = request_.prompt_token_ids_size();
+  // A migrated request's output so far is prefilled with its prompt, and their KV shipped together.
+  const int64_t prompt_len = request_.prompt_token_ids_size() + request_.output_token_ids_size();
   if (target.first_token() >= prompt_len || target.first_token() % uint32_t(service_->block_size_) != 0) {
     (void)service_->sender_->Abort(transfer_->peer, transfer_->transfer_id);
     return End(Error(grpc::StatusCode::FAILED_PRECONDITION,
@@ -240,12 +241,18 @@ void PrefillService::PrefillCall::AddToEngine(LlmEngine& engine) {
     absl::MutexLock lock(&mu_);
     cancelled = cancelled_;
   }
-  // The first token is sampled here; the decode worker continues the same seeded stream.
+  // The first token (after a migrated request's output so far) is sampled here; the decode
+  // worker continues the same seeded stream.
+  ResumedOutput resumed;
+  resumed.tokens.assign(request_.output_token_ids().begin(), request_.output_token_ids().end());
   SamplingParams first = params_;
-  first.max_tokens = 1;
+  first.max_tokens = int32_t(resumed.tokens.size()) + 1;
   absl::Status added = cancelled ? absl::CancelledError("the Prefill call was cancelled")
-                                 : engine.AddRequest(request_id, {request_.prompt_token_ids().begin(),
-                                                                  request_.prompt_token_ids().end()}, first);
+                       : int64_t(resumed.tokens.size()) >= params_.max_tokens
+                           ? absl::InvalidArgumentError(absl::StrCat("the output so far has ", resumed.tokens.size(),
+                                                                     " tokens, max_tokens ", params_.max_tokens))
+                           : engine.AddRequest(request_id, {request_.prompt_token_ids().begin(),
+                                                            request_.prompt_token_ids().end()}, first, resumed);
   if (!added.ok()) {
     // Nothing will be shipped: let the decode worker release the reserved blocks now.
     service_->DropShipment(transfer_);

@@ -126,12 +126,13 @@ class WorkerServicesTest : public ::testing::Test {
     }
   }
 
-  grpc::Status Reserve(const std::string& id, uint64_t transfer_id, int32_t lease_ms, v1::KvTarget* target) {
+  grpc::Status Reserve(const std::string& id, uint64_t transfer_id, int32_t lease_ms, v1::KvTarget* target,
+                       int32_t num_output_tokens = 0) {
     grpc::ClientContext ctx;
     v1::ReserveKvRequest req;
     req.set_request_id(id);
     req.set_transfer_id(transfer_id);
-    req.set_num_prompt_tokens(int32_t(prompt_.size()));
+    req.set_num_prompt_tokens(int32_t(prompt_.size()) + num_output_tokens);
     req.set_lease_ms(lease_ms);
     v1::ReserveKvResponse resp;
     grpc::Status s = decode_stub_->ReserveKv(&ctx, req, &resp);
@@ -208,6 +209,70 @@ class WorkerServicesTest : public ::testing::Test {
   std::unique_ptr<v1::PrefillWorker::Stub> prefill_stub_;
   std::vector<int32_t> prompt_;
 };
+
+// Request migration: a request reserved, prefilled and decoded with the first tokens of its output
+// (output_token_ids) streams exactly the rest of the local output, its text after the bytes
+// already emitted, and usage counting the whole output.
+TEST_F(WorkerServicesTest, ResumedOutputContinuesTheLocalGeneration) {
+  for (const bool greedy : {true, false}) {
+    SamplingParams p;
+    p.temperature = greedy ? 0.0f : 0.9f;
+    p.top_p = greedy ? 1.0f : 0.95f;
+    p.frequency_penalty = greedy ? 0.0f : 0.5f;
+    p.seed = 91;
+    p.max_tokens = 20;
+    p.ignore_eos = true;
+    std::unique_ptr<LlmEngine> local = NewEngine(16, 256);
+    ASSERT_TRUE(local->AddRequest("x", prompt_, p).ok());
+    std::vector<std::string> texts;  // streamed after each token
+    while (local->HasUnfinished()) {
+      const absl::StatusOr<std::vector<RequestOutput>> outs = local->Step();
+      ASSERT_TRUE(outs.ok()) << outs.status();
+      for (const RequestOutput& out : *outs) texts.push_back(out.new_text);
+    }
+    const std::vector<int32_t> expected = local->Find("x")->output;
+    const std::string text = local->Find("x")->text;
+    ASSERT_EQ(texts.size(), expected.size());
+    for (const int sent : {1, 7}) {
+      const std::string id = absl::StrCat(greedy ? "greedy" : "sampled", "-", sent);
+      const uint64_t transfer_id = 100 + uint64_t(sent) + (greedy ? 0 : 50);
+      std::string emitted;
+      for (int i = 0; i < sent; ++i) emitted += texts[size_t(i)];
+      v1::KvTarget target;
+      ASSERT_TRUE(Reserve(id, transfer_id, 10000, &target, sent).ok());
+      const v1::SamplingOptions sampling = rpc::ToSamplingOptions(p);
+      grpc::ClientContext prefill_ctx;
+      v1::PrefillRequest prefill;
+      prefill.set_request_id(id);
+      for (int32_t t : prompt_) prefill.add_prompt_token_ids(t);
+      prefill.mutable_output_token_ids()->Assign(expected.begin(), expected.begin() + sent);
+      *prefill.mutable_sampling() = sampling;
+      *prefill.mutable_target() = target;
+      v1::PrefillResponse pre;
+      grpc::Status prefilled = prefill_stub_->Prefill(&prefill_ctx, prefill, &pre);
+      ASSERT_TRUE(prefilled.ok()) << prefilled.error_message();
+      EXPECT_EQ(pre.first_token_id(), expected[size_t(sent)]) << id;
+      v1::DecodeRequest decode = DecodeRequestFor(id, transfer_id, sampling, pre);
+      decode.mutable_output_token_ids()->Assign(expected.begin(), expected.begin() + sent);
+      decode.set_output_text_bytes(int64_t(emitted.size()));
+      grpc::ClientContext ctx;
+      auto reader = decode_stub_->Decode(&ctx, decode);
+      std::vector<int32_t> tokens(expected.begin(), expected.begin() + sent);
+      v1::GenerateResponse msg;
+      while (reader->Read(&msg)) {
+        EXPECT_EQ(msg.prompt_token_ids_size(), 0) << id;  // the client has the prompt
+        tokens.insert(tokens.end(), msg.token_ids().begin(), msg.token_ids().end());
+        emitted += msg.text();
+        if (msg.finished()) EXPECT_EQ(msg.usage().completion_tokens(), 20) << id;
+      }
+      const grpc::Status decoded = reader->Finish();
+      ASSERT_TRUE(decoded.ok()) << decoded.error_message();
+      EXPECT_EQ(tokens, expected) << id;
+      EXPECT_EQ(emitted, text) << id;
+    }
+  }
+  EXPECT_TRUE(DecodeBecomesIdle());
+}
 
 TEST_F(WorkerServicesTest, GreedyAndSeededSampledMatchLocalGeneration) {
   for (const bool greedy : {true, false}) {

@@ -29,15 +29,18 @@ grpc::Status FakePrefillWorker::Prefill(grpc::ServerContext* context, const v1::
   {
     absl::MutexLock lock(&mu_);
     last_prompt_.assign(request->prompt_token_ids().begin(), request->prompt_token_ids().end());
+    last_output_tokens_.assign(request->output_token_ids().begin(), request->output_token_ids().end());
   }
-  if (fail_unavailable) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake prefill is unavailable");
+  if (fail_unavailable || (fail_resumed && request->output_token_ids_size() > 0)) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake prefill is unavailable");
+  }
   if (!SleepUnlessCancelled(context, prefill_delay_ms)) {
     ++num_cancelled;
     return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
   }
-  response->set_first_token_id(first_token);
+  response->set_first_token_id(first_token + request->output_token_ids_size());
   response->set_first_token_finish_reason(first_token_continues ? v1::FINISH_REASON_LENGTH : v1::FINISH_REASON_STOP);
-  if (request->sampling().has_prompt_logprobs()) {
+  if (request->sampling().has_prompt_logprobs() && request->output_token_ids_size() == 0) {
     for (int i = 0; i + 1 + missing_prompt_logprobs < request->prompt_token_ids_size(); ++i) {
       v1::TokenLogprobs* lp = response->add_prompt_logprobs();
       lp->set_logprob(-float(i + 1));
@@ -73,6 +76,11 @@ std::vector<int32_t> FakePrefillWorker::last_prompt() const {
   return last_prompt_;
 }
 
+std::vector<int32_t> FakePrefillWorker::last_output_tokens() const {
+  absl::MutexLock lock(&mu_);
+  return last_output_tokens_;
+}
+
 std::vector<std::string> FakePrefillWorker::aborted() const {
   absl::MutexLock lock(&mu_);
   return aborted_;
@@ -83,6 +91,7 @@ grpc::Status FakeDecodeWorker::ReserveKv(grpc::ServerContext*, const v1::Reserve
   if (kv_full) return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "fake decode has no free KV blocks");
   if (reserve_delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(reserve_delay_ms.load()));
   ++num_reserved;
+  last_reserved_tokens = request->num_prompt_tokens();
   {
     absl::MutexLock lock(&mu_);
     last_transfer_id_ = request->transfer_id();
@@ -113,8 +122,10 @@ grpc::Status FakeDecodeWorker::Decode(grpc::ServerContext* context, const v1::De
     script = script_;
     if (!script.empty()) finish_reason = script_finish_reason_;
     decoded_sampling_.push_back(request->sampling());
+    last_decode_ = *request;
   }
-  int max_tokens = request->sampling().max_tokens();
+  const int resumed = request->output_token_ids_size();
+  int max_tokens = request->sampling().max_tokens() - resumed;
   if (!script.empty() && static_cast<int>(script.size()) <= max_tokens) {
     max_tokens = static_cast<int>(script.size());
   } else if (!script.empty()) {
@@ -138,7 +149,7 @@ grpc::Status FakeDecodeWorker::Decode(grpc::ServerContext* context, const v1::De
     v1::GenerateResponse message;
     message.set_request_id("worker-side-id");
     message.add_token_ids(request->first_token_id() + i);
-    message.set_text(script.empty() ? "t" + std::to_string(i) + " " : script[static_cast<size_t>(i)]);
+    message.set_text(script.empty() ? "t" + std::to_string(resumed + i) + " " : script[static_cast<size_t>(i)]);
     if (request->sampling().has_logprobs()) {  // -0.5 each, top ids 0..N-1
       v1::TokenLogprobs* lp = message.add_logprobs();
       lp->set_logprob(-0.5f);
@@ -152,7 +163,7 @@ grpc::Status FakeDecodeWorker::Decode(grpc::ServerContext* context, const v1::De
       message.set_finished(true);
       message.set_finish_reason(finish_reason);
       message.mutable_usage()->set_prompt_tokens(request->prompt_token_ids_size());
-      message.mutable_usage()->set_completion_tokens(max_tokens);
+      message.mutable_usage()->set_completion_tokens(resumed + max_tokens);
     }
     if (!writer->Write(message)) {  // the cancellation landed during the write
       ++num_cancelled;
@@ -162,6 +173,11 @@ grpc::Status FakeDecodeWorker::Decode(grpc::ServerContext* context, const v1::De
   }
   in_decode = false;
   return grpc::Status::OK;
+}
+
+v1::DecodeRequest FakeDecodeWorker::last_decode() const {
+  absl::MutexLock lock(&mu_);
+  return last_decode_;
 }
 
 std::vector<v1::SamplingOptions> FakeDecodeWorker::decoded_sampling() const {

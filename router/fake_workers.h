@@ -23,12 +23,14 @@ class FakePrefillWorker final : public v1::PrefillWorker::Service {
   grpc::Status GetStats(grpc::ServerContext* context, const v1::GetStatsRequest* request,
                         v1::WorkerStats* response) override;
 
+  // The first token; for a migrated request (output_token_ids) first_token + their number.
   std::atomic<int> first_token{1000};
   // The reply's first_token_finish_reason: LENGTH (the request goes on past the token, so the
   // router may send it at once) or, when false, STOP.
   std::atomic<bool> first_token_continues{false};
   std::atomic<int> prefill_delay_ms{0};
   std::atomic<bool> fail_unavailable{false};  // Prefill returns UNAVAILABLE
+  std::atomic<bool> fail_resumed{false};      // Prefill of a migrated request returns UNAVAILABLE
   std::atomic<int> num_prefills{0};
   std::atomic<int> num_cancelled{0};          // Prefill calls that saw their cancellation
   // With sampling.prompt_logprobs K: entry i (prompt token i + 1) has logprob -(i + 1), rank
@@ -36,17 +38,20 @@ class FakePrefillWorker final : public v1::PrefillWorker::Service {
   std::atomic<int> missing_prompt_logprobs{0};
 
   std::vector<int32_t> last_prompt() const;
+  std::vector<int32_t> last_output_tokens() const;  // the last Prefill's output_token_ids
   std::vector<std::string> aborted() const;
 
  private:
   mutable absl::Mutex mu_;
   std::vector<int32_t> last_prompt_ ABSL_GUARDED_BY(mu_);
+  std::vector<int32_t> last_output_tokens_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> aborted_ ABSL_GUARDED_BY(mu_);
 };
 
 // Decode streams first_token_id, then first_token_id+1, ... (max_tokens in all), one token per
 // message with text "t<i> " (and, with sampling.logprobs N, logprob -0.5 and top ids 0..N-1),
-// the last one finished with "length" and usage. With a script, the
+// the last one finished with "length" and usage. A migrated request (output_token_ids) gets the
+// tokens after those, i counting on from them. With a script, the
 // texts are the script's (one token each, at most max_tokens) and the last finishes with its reason.
 class FakeDecodeWorker final : public v1::DecodeWorker::Service {
  public:
@@ -72,6 +77,7 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
   std::atomic<int> fail_after_tokens{-1};     // Decode returns UNAVAILABLE after this many tokens
   std::atomic<int> free_blocks{100};
   std::atomic<int> num_reserved{0};
+  std::atomic<int> last_reserved_tokens{0};   // the last ReserveKv's num_prompt_tokens
   std::atomic<int> num_decodes{0};
   std::atomic<int> num_tokens_sent{0};
   std::atomic<int> num_cancelled{0};          // Decode calls that saw their cancellation (or a failed write)
@@ -80,6 +86,7 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
   std::vector<std::string> aborted() const;
   uint64_t last_transfer_id() const;
   std::vector<v1::SamplingOptions> decoded_sampling() const;  // each Decode's, in arrival order
+  v1::DecodeRequest last_decode() const;
 
  private:
   mutable absl::Mutex mu_;
@@ -87,6 +94,7 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
   uint64_t last_transfer_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<v1::SamplingOptions> decoded_sampling_ ABSL_GUARDED_BY(mu_);
   bool hold_first_message_ ABSL_GUARDED_BY(mu_) = false;
+  v1::DecodeRequest last_decode_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> script_ ABSL_GUARDED_BY(mu_);
   std::string script_finish_reason_ ABSL_GUARDED_BY(mu_);
 };

@@ -114,6 +114,10 @@ class RouterImpl : public Router {
     service_options.max_queued_requests = options.max_queued_requests;
     service_options.kv_lease_ms = options.kv_lease_ms;
     service_options.max_prefill_tokens_per_worker = options.max_prefill_tokens_per_worker;
+    if (options.max_request_migrations < 0) {
+      return absl::InvalidArgumentError("max_request_migrations must not be negative");
+    }
+    service_options.max_request_migrations = options.max_request_migrations;
     service_options.metrics_registry = &metrics_registry_;
     service_options.chat_template = chat_template_.get();
     if (options.enable_auto_tool_choice) service_options.auto_tool_call_format = tool_call_format;

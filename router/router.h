@@ -33,6 +33,9 @@ struct RouterOptions {
   int64_t max_model_len = 0;      // 0: the model's max_position_embeddings
   int kv_lease_ms = 30000;        // how long a decode worker holds a KV reservation for Decode
   int64_t max_prefill_tokens_per_worker = 8192;  // see RouterServiceOptions
+  // Moves of a request to another prefill/decode pair when its decode worker fails mid-stream
+  // (request migration, router/router_service.h); 0: none, the stream fails.
+  int max_request_migrations = 1;
   // "prefix-aware" (router/prefix_aware_policy.h) or "least-loaded" (router/assignment_policy.h).
   std::string routing_policy = "prefix-aware";
   double prefix_affinity = 4.0;  // prefix-aware: requests in flight a whole cached prompt is worth

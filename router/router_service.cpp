@@ -231,6 +231,11 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   // From the decode stream: one message (the stream waits for ReadNext or StopReading), the end.
   void OnDecodeMessage(grpc::ByteBuffer* bytes);
   void OnDecodeDone(const grpc::Status& status);
+  // The decode worker failed mid-stream (`what`, as the client is told): the request is placed
+  // again with its output so far, or ends UNAVAILABLE once it has moved max_request_migrations times.
+  void Migrate(const std::string& what);
+  // Whether the placement continues an output the client has (part of): a migration's.
+  bool resumed() const { return resumed_tokens_ > 0; }
 
   // Whether the client (cancel, deadline) or Abort stopped the request, and ending it then.
   bool Interrupted() const;
@@ -246,7 +251,8 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   void AbortOnWorker(Worker* worker);
   // Gives the request's place in the prefill gate to the next one (its prefill is over).
   void LeaveGate();
-  // Releases what the request holds in the router and finishes the client's call.
+  // Releases what the request holds in the router and finishes the client's call (a migration
+  // in progress that fails says so in `status`).
   void End(const grpc::Status& status);
   void EndWithAbortMessage();
   void Release();
@@ -271,11 +277,13 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   std::pair<std::string, std::string> active_key_;  // (client, client's request id)
   bool registered_ = false;  // in service_->active_
   bool in_gate_ = false;     // holds a place in service_->prefill_gate_
+  int64_t gate_tokens_ = 0;  // the tokens it entered the gate with
 
   // Placement. `info_` points into `prepared_` and `block_hashes_`.
   std::optional<BlockHashChain> block_hashes_;  // of the prompt
   RequestInfo info_;
   std::vector<const Worker*> excluded_prefill_;
+  std::vector<const Worker*> failed_decode_;  // decode workers whose stream failed under the request
   int attempt_ = 0;
   std::string last_exhausted_;  // why decode workers refused the reservation
   std::string last_failure_;
@@ -300,7 +308,18 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   bool finished_ = false;
   bool client_write_failed_ = false;
   int completion_tokens_ = 0;
-  std::vector<int32_t> output_token_ids_;  // for the prefix index only
+  std::vector<int32_t> output_token_ids_;  // every output token relayed to the client
+  int64_t output_text_bytes_ = 0;          // the bytes of their text
+  // Migration: the output the placement continues (the first resumed_tokens_ of output_token_ids_
+  // and their text's bytes), the prompt and that output (what info_ places then), how often the
+  // request moved, and whether the latest move has yet to deliver a message (and the failure it
+  // follows).
+  size_t resumed_tokens_ = 0;
+  int64_t resumed_text_bytes_ = 0;
+  std::vector<int32_t> placed_token_ids_;
+  int migrations_ = 0;
+  bool migrating_ = false;
+  std::string migration_cause_;
   std::unique_ptr<ResponseAnnotator> annotator_;  // every message to the client goes through it
   std::string finish_reason_;
   double queue_seconds_ = 0;  // arrival until the prefill gate let it through
@@ -593,7 +612,8 @@ void RouterService::GenerateCall::LeaveQueue() {
 }
 
 void RouterService::GenerateCall::EnterGate() {
-  if (service_->prefill_gate_->Enter(shared_from_this(), int64_t(prepared_.prompt_token_ids.size()))) {
+  gate_tokens_ = int64_t(info_.prompt_token_ids.size());
+  if (service_->prefill_gate_->Enter(shared_from_this(), gate_tokens_)) {
     return PassGate();
   }
   // Interrupted before it joined the line: the hook found nothing to withdraw.
@@ -602,21 +622,23 @@ void RouterService::GenerateCall::EnterGate() {
 
 void RouterService::GenerateCall::PassGate() {
   in_gate_ = true;
-  stage_ = Stage::kPlaced;
-  service_->metrics_->num_requests_waiting.Dec();
-  queue_seconds_ = Seconds(std::chrono::steady_clock::now() - active_->arrival);
-  service_->metrics_->request_queue_time_seconds.Observe(queue_seconds_);
+  if (stage_ == Stage::kWaiting) {  // its first placement (a migrating request is placed already)
+    stage_ = Stage::kPlaced;
+    service_->metrics_->num_requests_waiting.Dec();
+    queue_seconds_ = Seconds(std::chrono::steady_clock::now() - active_->arrival);
+    service_->metrics_->request_queue_time_seconds.Observe(queue_seconds_);
+  }
   BeginReserve();
 }
 
 void RouterService::GenerateCall::LeaveGate() {
   if (!in_gate_) return;
   in_gate_ = false;
-  service_->prefill_gate_->Leave(int64_t(prepared_.prompt_token_ids.size()));
+  service_->prefill_gate_->Leave(gate_tokens_);
 }
 
 void RouterService::GenerateCall::BeginReserve() {
-  info_.excluded.clear();
+  info_.excluded = failed_decode_;
   last_exhausted_.clear();
   last_failure_.clear();
   ReserveNext();
@@ -632,12 +654,12 @@ void RouterService::GenerateCall::ReserveNext() {
   v1::ReserveKvRequest request;
   request.set_request_id(prepared_.request_id);
   request.set_transfer_id(transfer_id_);
-  request.set_num_prompt_tokens(static_cast<int32_t>(prepared_.prompt_token_ids.size()));
+  request.set_num_prompt_tokens(static_cast<int32_t>(info_.prompt_token_ids.size()));
   request.set_lease_ms(service_->options_.kv_lease_ms);
   // Prefix caching on the decode worker: it may already hold the start of this prompt (the
   // previous turn of a chat); then only the rest of the KV moves.
   if (const int32_t alignment = PrefillBlockAlignment(); alignment > 0) {
-    request.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
+    request.mutable_prompt_token_ids()->Assign(info_.prompt_token_ids.begin(), info_.prompt_token_ids.end());
     if (prepared_.sampling.has_cache_salt()) request.set_cache_salt(prepared_.sampling.cache_salt());
     request.set_prefix_alignment_tokens(alignment);
   }
@@ -712,16 +734,17 @@ void RouterService::GenerateCall::ReserveFailed() {
   if (!last_exhausted_.empty()) {
     return End(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                             absl::StrCat("no decode worker has room for the prompt's KV cache (",
-                                         prepared_.prompt_token_ids.size(),
+                                         info_.prompt_token_ids.size(),
                                          " tokens); retry later. Last refusal: ", last_exhausted_)));
   }
   if (!last_failure_.empty()) {
     return End(grpc::Status(grpc::StatusCode::UNAVAILABLE,
                             absl::StrCat("no decode worker could take the request: ", last_failure_)));
   }
-  End(grpc::Status(grpc::StatusCode::UNAVAILABLE, service_->registry_->decode_workers().empty()
-                                                      ? "no decode workers are configured"
-                                                      : "no decode worker is up"));
+  const char* why = service_->registry_->decode_workers().empty() ? "no decode workers are configured"
+                    : failed_decode_.empty()                      ? "no decode worker is up"
+                                                                  : "no other decode worker is up";
+  End(grpc::Status(grpc::StatusCode::UNAVAILABLE, why));
 }
 
 void RouterService::GenerateCall::StartPrefill() {
@@ -747,6 +770,7 @@ void RouterService::GenerateCall::StartPrefill() {
   v1::PrefillRequest request;
   request.set_request_id(prepared_.request_id);
   request.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
+  request.mutable_output_token_ids()->Assign(output_token_ids_.begin(), output_token_ids_.begin() + resumed_tokens_);
   *request.mutable_sampling() = prepared_.sampling;
   *request.mutable_target() = target_;
   call_started_at_ = std::chrono::steady_clock::now();
@@ -765,7 +789,8 @@ void RouterService::GenerateCall::OnPrefilled(const grpc::Status& status, const 
     invalid = reply == nullptr
                   ? absl::StrCat("a reply that is not a valid ", v1::PrefillResponse::descriptor()->full_name())
                   : InvalidPrefillReply(*reply, int64_t(prepared_.prompt_token_ids.size()),
-                                        prepared_.params.prompt_logprobs, service_->options_.vocab_size);
+                                        resumed() ? -1 : prepared_.params.prompt_logprobs,
+                                        service_->options_.vocab_size);
     if (invalid.empty()) {
       RecordWorkerCall(metrics::RouterMetrics::WorkerCall::kPrefill);
       prefilled_ = *reply;
@@ -809,10 +834,12 @@ void RouterService::GenerateCall::OnPrefillUnavailable(const std::string& what) 
 bool RouterService::GenerateCall::WriteFirstTokenEarly() {
   // The decode worker's first message carries the token and its text as its engine streams them:
   // the same as here when the token did not end the request at the prefill worker, the request
-  // goes on past it, and no stop string or partial UTF-8 character holds its text back.
+  // goes on past it, and no stop string or partial UTF-8 character holds its text back. Not after a
+  // migration: the token's text then depends on the output before it.
   const SamplingParams& params = prepared_.params;
   const int64_t prompt_len = int64_t(prepared_.prompt_token_ids.size());
-  if (service_->tokenizer_ == nullptr || prefilled_.first_token_finish_reason() != v1::FINISH_REASON_LENGTH ||
+  if (resumed() || service_->tokenizer_ == nullptr ||
+      prefilled_.first_token_finish_reason() != v1::FINISH_REASON_LENGTH ||
       params.max_tokens <= 1 || !params.stop.empty() || prompt_len + 1 >= service_->options_.max_model_len) {
     return false;
   }
@@ -828,9 +855,10 @@ bool RouterService::GenerateCall::WriteFirstTokenEarly() {
   out_.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
   out_.mutable_prompt_logprobs()->Swap(prefilled_.mutable_prompt_logprobs());
   prompt_sent_ = true;
-  early_first_text_ = std::move(text);
   completion_tokens_ += 1;
-  if (service_->options_.prefix_index != nullptr) output_token_ids_.push_back(prefilled_.first_token_id());
+  output_token_ids_.push_back(prefilled_.first_token_id());
+  output_text_bytes_ += int64_t(text.size());
+  early_first_text_ = std::move(text);
   annotator_->Annotate(&out_);
   early_write_in_flight_ = true;
   StartWrite(&out_);
@@ -858,6 +886,8 @@ void RouterService::GenerateCall::StartDecode() {
   *request.mutable_sampling() = prepared_.sampling;
   request.set_first_token_id(prefilled_.first_token_id());
   *request.mutable_first_token_logprobs() = prefilled_.first_token_logprobs();
+  request.mutable_output_token_ids()->Assign(output_token_ids_.begin(), output_token_ids_.begin() + resumed_tokens_);
+  request.set_output_text_bytes(resumed_text_bytes_);
   stream_context_ = Downstream(absl::InfiniteDuration());
   call_started_at_ = std::chrono::steady_clock::now();
   stream_ = new DecodeStream(shared_from_this(), stream_context_, std::move(request));
@@ -900,11 +930,16 @@ void RouterService::GenerateCall::OnDecodeMessage(grpc::ByteBuffer* bytes) {
     // The prefill worker scored the prompt: its logprobs go out with the prompt's ids.
     out_.mutable_prompt_logprobs()->Swap(prefilled_.mutable_prompt_logprobs());
     prompt_sent_ = true;
+  } else {
+    out_.clear_prompt_token_ids();  // on the first message only, also when a migration's stream echoes them
+  }
+  if (migrating_) {  // the stream goes on where the failed one stopped
+    migrating_ = false;
+    service_->metrics_->request_migrations(metrics::RouterMetrics::Migration::kSuccess).Inc();
   }
   completion_tokens_ += out_.token_ids_size();
-  if (service_->options_.prefix_index != nullptr) {
-    output_token_ids_.insert(output_token_ids_.end(), out_.token_ids().begin(), out_.token_ids().end());
-  }
+  output_token_ids_.insert(output_token_ids_.end(), out_.token_ids().begin(), out_.token_ids().end());
+  output_text_bytes_ += int64_t(out_.text().size());
   if (out_.finished()) {
     finished_ = true;
     finish_reason_ = out_.finish_reason();
@@ -977,13 +1012,54 @@ void RouterService::GenerateCall::OnDecodeDone(const grpc::Status& status) {
   }
   if (IsWorkerFailure(status.error_code())) {
     const std::string what = WorkerError(*decode_, status, prepared_.request_id);
+    // A worker that is gone, or whose stream broke, leaves the request to another pair; a live
+    // one that failed the request itself (INTERNAL, ...) would only fail it again.
+    const bool unavailable = status.error_code() == grpc::StatusCode::UNAVAILABLE;
     service_->registry_->ConfirmDown(decode_, absl::StrCat("Decode stream failed: ", status.error_message()),
-                                     [self = shared_from_this(), what](bool) {
+                                     [self = shared_from_this(), what, unavailable](bool down) {
+                                       if (down || unavailable) return self->Migrate(what);
                                        self->End(grpc::Status(grpc::StatusCode::UNAVAILABLE, what));
                                      });
     return;
   }
   End(grpc::Status(status.error_code(), WorkerError(*decode_, status, prepared_.request_id)));
+}
+
+void RouterService::GenerateCall::Migrate(const std::string& what) {
+  AbortOnWorker(decode_);  // a worker still up drops what it holds (none when it is down)
+  if (Interrupted()) return EndInterrupted();
+  if (migrating_) {  // the previous move failed before its stream delivered anything
+    migrating_ = false;
+    service_->metrics_->request_migrations(metrics::RouterMetrics::Migration::kFailure).Inc();
+  }
+  const int limit = service_->options_.max_request_migrations;
+  if (migrations_ >= limit) {
+    if (limit == 0) return End(grpc::Status(grpc::StatusCode::UNAVAILABLE, what));
+    service_->metrics_->request_migrations(metrics::RouterMetrics::Migration::kLimit).Inc();
+    return End(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            absl::StrCat(what, "; the request was not migrated again: it moved ", migrations_,
+                                         migrations_ == 1 ? " time" : " times", " already (max_request_migrations ",
+                                         limit, ")")));
+  }
+  ++migrations_;
+  migrating_ = true;
+  migration_cause_ = what;
+  DUET_LOG(INFO) << "request " << prepared_.request_id << ": " << what << " after " << output_token_ids_.size()
+                 << " tokens; migrating it (" << migrations_ << " of at most " << limit << ")";
+  failed_decode_.push_back(decode_);
+  early_first_text_.reset();  // if the failed stream had yet to repeat it, the next pair goes on after it
+  decode_ = nullptr;
+  decode_in_flight_.Reset();
+  prefill_ = nullptr;
+  excluded_prefill_.clear();
+  attempt_ = 0;
+  // Placed as a prompt of the prompt and the output so far, through the prefill gate again.
+  resumed_tokens_ = output_token_ids_.size();
+  resumed_text_bytes_ = output_text_bytes_;
+  placed_token_ids_ = prepared_.prompt_token_ids;
+  placed_token_ids_.insert(placed_token_ids_.end(), output_token_ids_.begin(), output_token_ids_.end());
+  info_.prompt_token_ids = placed_token_ids_;
+  EnterGate();
 }
 
 bool RouterService::GenerateCall::Interrupted() const {
@@ -1035,6 +1111,12 @@ void RouterService::GenerateCall::EndWithAbortMessage() {
 
 void RouterService::GenerateCall::End(const grpc::Status& status) {
   Release();
+  if (migrating_ && !status.ok() && !Interrupted()) {  // the move found no pair to go on with
+    service_->metrics_->request_migrations(metrics::RouterMetrics::Migration::kFailure).Inc();
+    return Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, absl::StrCat(migration_cause_,
+                                                                           "; the request could not be migrated: ",
+                                                                           status.error_message())));
+  }
   Finish(status);
 }
 

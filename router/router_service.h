@@ -13,8 +13,15 @@
 //   decode.ReserveKv (next decode worker on RESOURCE_EXHAUSTED / UNAVAILABLE)
 //   prefill.Prefill  (on UNAVAILABLE: the worker is marked down, the reservation released, and
 //                     the request placed once more on another prefill worker with a fresh one)
-//   decode.Decode    (streamed to the client; a broken stream is UNAVAILABLE and the decode
-//                     worker is marked down)
+//   decode.Decode    (streamed to the client; when the stream breaks, UNAVAILABLE or with its
+//                     worker confirmed down, the worker is marked down and the request migrates)
+// Request migration: the request is placed again, the prompt and the output already relayed to
+// the client as the new pair's prefill (ReserveKv for both, Prefill and Decode with
+// output_token_ids, worker.proto), and the client's stream goes on from the next token: no token
+// lost or repeated, the workers rebuilding the request's state from those tokens (the same greedy
+// output; a seeded one continues its draws: engine/llm_engine.h, ResumedOutput). At most
+// max_request_migrations times a request; when no pair can take it the client gets UNAVAILABLE
+// saying so. duet:request_migrations_total{outcome} counts them.
 // Workers' replies are parsed and checked here, not by the generated stubs: a reply or stream
 // message that is not a valid message (or names tokens outside the vocabulary, an unknown finish
 // reason, ...) ends the request at once with INTERNAL and releases what it holds on the workers.
@@ -57,6 +64,9 @@ struct RouterServiceOptions {
   absl::Duration reserve_timeout = absl::Seconds(10);   // ReserveKv
   absl::Duration prefill_timeout = absl::Seconds(600);  // Prefill (liveness comes from keepalive)
   absl::Duration abort_timeout = absl::Seconds(1);      // worker Abort during clean-up
+  // How often a request whose decode worker fails mid-stream moves to another prefill/decode pair
+  // (see the top of this file); 0: it fails with UNAVAILABLE.
+  int max_request_migrations = 1;
   // Prompt tokens of the requests between their KV reservation and the end of their prefill, per
   // prefill worker up (a request alone may exceed it). The others wait in the router, in arrival
   // order, before reserving: a reservation is not held, nor its lease spent, while a long queue at

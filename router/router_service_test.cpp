@@ -732,6 +732,156 @@ TEST_F(RouterServiceTest, DecodeServerGoneMidStreamIsPromptlyUnavailable) {
   EXPECT_THAT(next.status.error_message(), HasSubstr("no decode worker is up"));
 }
 
+// Request migration: the request starts on decode worker 0 (worker 1 reports no free blocks, so it
+// comes last) and moves to worker 1 when worker 0's stream breaks.
+class MigrationTest : public RouterServiceTest {
+ protected:
+  void StartOnWorkerZero(int max_request_migrations) {
+    RouterServiceOptions options;
+    options.max_request_migrations = max_request_migrations;
+    Start(1, 2, options);
+    decode_[1]->free_blocks = 0;
+    registry_->PollOnce();
+  }
+  double Migrations(metrics::RouterMetrics::Migration outcome) {
+    return service_->metrics().request_migrations(outcome).Value();
+  }
+};
+
+TEST_F(MigrationTest, BrokenStreamContinuesOnAnotherPairWithNothingLostOrRepeated) {
+  StartOnWorkerZero(1);
+  decode_[0]->fail_after_tokens = 3;  // UNAVAILABLE after 1000, 1001, 1002 (texts "t0 " .. "t2 ")
+  v1::GenerateRequest request = TokenRequest({1, 2, 3}, 6, "moved");
+  request.mutable_sampling()->set_logprobs(1);
+  Result result = Generate(request);
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(result.tokens(), (std::vector<int32_t>{1000, 1001, 1002, 1003, 1004, 1005}));
+  std::string text;
+  int with_prompt = 0, logprobs = 0;
+  for (const v1::GenerateResponse& m : result.messages) {
+    text += m.text();
+    with_prompt += m.prompt_token_ids_size() > 0;
+    logprobs += m.logprobs_size();
+    EXPECT_EQ(m.request_id(), "moved");
+  }
+  EXPECT_EQ(text, "t0 t1 t2 t3 t4 t5 ");
+  EXPECT_EQ(with_prompt, 1);  // on the first message only
+  EXPECT_THAT(result.messages[0].prompt_token_ids(), ::testing::ElementsAre(1, 2, 3));
+  EXPECT_EQ(logprobs, 6);
+  EXPECT_EQ(result.messages.back().usage().prompt_tokens(), 3);
+  EXPECT_EQ(result.messages.back().usage().completion_tokens(), 6);
+  // The second pair prefilled the prompt and the output so far, and continued after it.
+  EXPECT_EQ(prefill_[0]->num_prefills, 2);
+  EXPECT_EQ(prefill_[0]->last_prompt(), (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(prefill_[0]->last_output_tokens(), (std::vector<int32_t>{1000, 1001, 1002}));
+  EXPECT_EQ(decode_[1]->last_reserved_tokens, 6);
+  const v1::DecodeRequest resumed = decode_[1]->last_decode();
+  EXPECT_THAT(resumed.prompt_token_ids(), ::testing::ElementsAre(1, 2, 3));
+  EXPECT_THAT(resumed.output_token_ids(), ::testing::ElementsAre(1000, 1001, 1002));
+  EXPECT_EQ(resumed.output_text_bytes(), 9);
+  EXPECT_EQ(resumed.first_token_id(), 1003);
+  // Worker 0 still answers: it is told to drop the request.
+  EXPECT_TRUE(WaitFor([&] { return !decode_[0]->aborted().empty(); }));
+  EXPECT_EQ(Migrations(metrics::RouterMetrics::Migration::kSuccess), 1);
+  EXPECT_EQ(Migrations(metrics::RouterMetrics::Migration::kFailure), 0);
+  EXPECT_EQ(service_->num_in_flight(), 0);
+  EXPECT_EQ(registry_->decode_workers()[1]->in_flight(), 0);
+}
+
+// The prefill worker's token went to the client early; the decode worker fails before repeating
+// it, or after: the next pair goes on after the tokens the client has, none twice.
+TEST_F(MigrationTest, AfterAnEarlyFirstTokenTheStreamGoesOnAfterIt) {
+  StartOnWorkerZero(1);
+  const std::vector<int32_t> prompt = tokenizer_->Encode("def fib(n):", true);
+  const int32_t first = tokenizer_->Encode(" return")[0];
+  StreamingDecoder decoder(*tokenizer_, prompt);
+  const std::string first_text = decoder.Push(first);
+  prefill_[0]->first_token = first;
+  prefill_[0]->first_token_continues = true;
+  decode_[0]->SetScript({first_text, " a", " b", " c"}, "length");
+  for (const int fail_after : {0, 2}) {  // before its first message, or after its second
+    decode_[0]->fail_after_tokens = fail_after;
+    Result result = Generate(TokenRequest(prompt, 4));
+    ASSERT_TRUE(result.status.ok()) << fail_after << ": " << result.status.error_message();
+    std::string text;
+    int with_prompt = 0;
+    for (const v1::GenerateResponse& m : result.messages) {
+      text += m.text();
+      with_prompt += m.prompt_token_ids_size() > 0;
+    }
+    EXPECT_EQ(result.tokens(), Iota(first, 4)) << fail_after;
+    EXPECT_EQ(text, fail_after == 0 ? first_text + "t1 t2 t3 " : first_text + " at2 t3 ") << fail_after;
+    EXPECT_EQ(with_prompt, 1) << fail_after;
+    EXPECT_EQ(result.messages.back().usage().completion_tokens(), 4) << fail_after;
+    EXPECT_EQ(decode_[0]->last_decode().output_token_ids_size(), 0);  // the early token is not resumed output
+    const v1::DecodeRequest resumed = decode_[1]->last_decode();
+    EXPECT_EQ(std::vector<int32_t>(resumed.output_token_ids().begin(), resumed.output_token_ids().end()),
+              Iota(first, fail_after == 0 ? 1 : 2));
+    EXPECT_EQ(resumed.output_text_bytes(), int64_t(first_text.size()) + (fail_after == 0 ? 0 : 2));
+  }
+  EXPECT_EQ(Migrations(metrics::RouterMetrics::Migration::kSuccess), 2);
+  EXPECT_EQ(service_->num_in_flight(), 0);
+}
+
+TEST_F(MigrationTest, ZeroMigrationsFailTheStream) {
+  StartOnWorkerZero(0);
+  decode_[0]->fail_after_tokens = 2;
+  Result result = Generate(TokenRequest({1}, 5));
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(result.status.error_message(), "decode worker 0 failed");
+  EXPECT_EQ(result.tokens(), (std::vector<int32_t>{1000, 1001}));
+  EXPECT_EQ(prefill_[0]->num_prefills, 1);
+  EXPECT_EQ(decode_[1]->num_decodes, 0);
+  EXPECT_EQ(Migrations(metrics::RouterMetrics::Migration::kLimit), 0);
+}
+
+TEST_F(MigrationTest, AtTheLimitTheStreamFailsSayingSo) {
+  StartOnWorkerZero(1);
+  decode_[0]->fail_after_tokens = 2;
+  decode_[1]->fail_after_tokens = 2;
+  Result result = Generate(TokenRequest({1}, 8));
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(result.status.error_message(),
+            "decode worker 1 failed; the request was not migrated again: it moved 1 time already "
+            "(max_request_migrations 1)");
+  EXPECT_EQ(result.tokens(), (std::vector<int32_t>{1000, 1001, 1002, 1003}));
+  EXPECT_EQ(Migrations(metrics::RouterMetrics::Migration::kSuccess), 1);
+  EXPECT_EQ(Migrations(metrics::RouterMetrics::Migration::kLimit), 1);
+  EXPECT_EQ(service_->num_in_flight(), 0);
+}
+
+TEST_F(MigrationTest, NoDecodeWorkerLeftIsUnavailableNamingTheMigration) {
+  RouterServiceOptions options;
+  options.max_request_migrations = 2;
+  Start(1, 1, options);
+  decode_[0]->fail_after_tokens = 2;
+  Result result = Generate(TokenRequest({1}, 5));
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(result.status.error_message(),
+            "decode worker 0 failed; the request could not be migrated: no other decode worker is up");
+  EXPECT_EQ(result.tokens(), (std::vector<int32_t>{1000, 1001}));
+  EXPECT_EQ(Migrations(metrics::RouterMetrics::Migration::kFailure), 1);
+  EXPECT_EQ(Migrations(metrics::RouterMetrics::Migration::kSuccess), 0);
+  EXPECT_EQ(service_->num_in_flight(), 0);
+}
+
+TEST_F(MigrationTest, FailedRePrefillIsUnavailableAndReleasesTheReservation) {
+  StartOnWorkerZero(1);
+  decode_[0]->fail_after_tokens = 2;
+  prefill_[0]->fail_resumed = true;
+  Result result = Generate(TokenRequest({1}, 5, "re-prefill"));
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(result.status.error_message(),
+            "decode worker 0 failed; the request could not be migrated: prefill worker 0 failed");
+  EXPECT_EQ(result.tokens(), (std::vector<int32_t>{1000, 1001}));
+  // Worker 1's reservations (the re-prefill is tried twice) are released at once.
+  EXPECT_EQ(decode_[1]->num_reserved, 2);
+  EXPECT_TRUE(WaitFor([&] { return decode_[1]->aborted().size() >= 2; }));
+  EXPECT_EQ(decode_[1]->num_decodes, 0);
+  EXPECT_EQ(Migrations(metrics::RouterMetrics::Migration::kFailure), 1);
+  EXPECT_EQ(service_->num_in_flight(), 0);
+}
+
 // A decode worker whose stream carries a message the router cannot use (bytes that are no
 // GenerateResponse, a token outside the vocabulary, an unknown finish reason) and then goes
 // silent: the request ends at once with INTERNAL, the stream is cancelled and the request aborted

@@ -396,8 +396,9 @@ TEST(ClusterTest, DecodeWorkerReleasesReservationsOfCancelledReserveKvCalls) {
   EXPECT_GT(failed, 0);
 }
 
+// With request migration off (tests/integration/cluster_migration_test.cpp has it on).
 TEST(ClusterTest, KilledDecodeWorkerFailsItsStreamsPromptlyAndSurvivorsServe) {
-  LocalCluster cluster({1, 2});
+  LocalCluster cluster({1, 2, {}, {"--max-request-migrations", "0"}});
   ASSERT_TRUE(cluster.ok()) << cluster.error();
   const json ref = Reference();
   struct Ended {

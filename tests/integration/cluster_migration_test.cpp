@@ -1,0 +1,273 @@
+// Request migration on a real cluster: a decode worker SIGKILLed while it streams, its requests
+// continue on the other decode worker (re-prefilled with their output so far) with no token lost
+// or repeated: greedy streams equal the reference, seeded ones the uninterrupted run. When no pair
+// can take them, the clients get UNAVAILABLE saying so. Nothing stays reserved on the survivors.
+#include <signal.h>
+
+#include <chrono>
+#include <fstream>
+#include <future>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "metrics/test_http_client.h"
+#include "nlohmann/json.hpp"
+#include "tests/integration/local_cluster.h"
+
+namespace duet {
+namespace {
+
+using nlohmann::json;
+using testing::ClusterOptions;
+using testing::LocalCluster;
+
+// Every decode worker runs one request at a time, so a worker with two streams holds one that has
+// not finished however fast the other runs: killed then, it has a stream to migrate for sure.
+ClusterOptions MigrationCluster() {
+  ClusterOptions options;
+  options.num_prefill = 1;
+  options.num_decode = 2;
+  options.worker_flags = {"--max-num-seqs", "1"};
+  options.metrics = true;
+  return options;
+}
+
+json Reference() {
+  std::ifstream in(std::string(DUET_MODELS_DIR) + "/tiny-code-llama/reference_greedy.json");
+  return json::parse(in);
+}
+
+// Everything a client saw of one stream.
+struct Stream {
+  grpc::Status status;
+  std::vector<int32_t> token_ids;
+  std::string text;
+  std::string finish_reason;
+  std::vector<int32_t> prompt_token_ids;
+  int messages_with_prompt = 0;
+  int logprobs = 0;
+  int32_t prompt_tokens = 0, completion_tokens = 0;  // usage
+};
+
+Stream RunStream(v1::Duet::Stub& stub, const v1::GenerateRequest& request) {
+  Stream s;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = stub.Generate(&ctx, request);
+  v1::GenerateResponse msg;
+  while (reader->Read(&msg)) {
+    s.token_ids.insert(s.token_ids.end(), msg.token_ids().begin(), msg.token_ids().end());
+    s.text += msg.text();
+    s.logprobs += msg.logprobs_size();
+    if (msg.prompt_token_ids_size() > 0) {
+      ++s.messages_with_prompt;
+      s.prompt_token_ids.assign(msg.prompt_token_ids().begin(), msg.prompt_token_ids().end());
+    }
+    if (msg.finished()) {
+      s.finish_reason = msg.finish_reason();
+      s.prompt_tokens = msg.usage().prompt_tokens();
+      s.completion_tokens = msg.usage().completion_tokens();
+    }
+  }
+  s.status = reader->Finish();
+  return s;
+}
+
+std::vector<std::future<Stream>> StartStreams(LocalCluster& cluster, const std::vector<v1::GenerateRequest>& requests) {
+  std::vector<std::future<Stream>> streams;
+  for (const v1::GenerateRequest& r : requests) {
+    streams.push_back(std::async(std::launch::async, [&cluster, r] { return RunStream(cluster.router(), r); }));
+  }
+  return streams;
+}
+
+std::vector<Stream> Collect(std::vector<std::future<Stream>>& streams) {
+  std::vector<Stream> done;
+  for (auto& f : streams) done.push_back(f.get());
+  return done;
+}
+
+// Waits until all `total` streams are on the decode workers, two or more of them on worker 0.
+bool WaitUntilDecodeWorkerZeroHoldsTwo(LocalCluster& cluster, int total) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline) {
+    const std::vector<v1::WorkerStats> stats = cluster.DecodeStats();
+    if (stats.size() == 2) {
+      const int on_zero = stats[0].num_requests_running() + stats[0].num_requests_waiting();
+      const int on_one = stats[1].num_requests_running() + stats[1].num_requests_waiting();
+      if (on_zero >= 2 && on_zero + on_one == total) return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
+}
+
+// The router's duet:request_migrations_total for `outcome`.
+double Migrations(LocalCluster& cluster, const std::string& outcome) {
+  const metrics::testing::HttpResponse r =
+      metrics::testing::HttpGet(uint16_t(cluster.router_metrics_port()), "/metrics", std::chrono::seconds(5));
+  const std::string prefix = "duet:request_migrations_total{model_name=\"tiny-code-llama\",role=\"router\",outcome=\"" +
+                             outcome + "\"} ";
+  std::istringstream lines(r.body);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind(prefix, 0) == 0) return std::stod(line.substr(prefix.size()));
+  }
+  return -1;
+}
+
+// Waits until every worker still answering holds no KV block, lease or request.
+bool SurvivorsIdle(LocalCluster& cluster, size_t decode_workers, size_t prefill_workers, std::string* detail) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (;;) {
+    std::vector<v1::WorkerStats> all = cluster.DecodeStats();
+    bool idle = all.size() == decode_workers;
+    const std::vector<v1::WorkerStats> prefill = cluster.PrefillStats();
+    idle = idle && prefill.size() == prefill_workers;
+    all.insert(all.end(), prefill.begin(), prefill.end());
+    *detail = "";
+    for (const v1::WorkerStats& s : all) {
+      *detail += s.ShortDebugString() + "\n";
+      idle = idle && s.num_free_kv_blocks() == s.num_kv_blocks() && s.num_kv_leases() == 0 &&
+             s.num_requests_running() == 0 && s.num_requests_waiting() == 0;
+    }
+    if (idle) return true;
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+// Four reference cases whose greedy continuations have top-2 logit margins of at least 0.04
+// (float32 rounding, which differs between prefilled and decoded KV, is far below that), the
+// first kTokens tokens of each.
+std::vector<size_t> WideMarginCases() { return {0, 4, 6, 7}; }
+constexpr int kTokens = 48;
+
+std::vector<v1::GenerateRequest> GreedyRequests(const json& ref) {
+  std::vector<v1::GenerateRequest> requests;
+  for (size_t i : WideMarginCases()) {
+    v1::GenerateRequest r;
+    for (int32_t id : ref["cases"][i]["prompt_ids"].get<std::vector<int32_t>>()) r.mutable_token_ids()->add_ids(id);
+    r.mutable_sampling()->set_temperature(0.0f);
+    r.mutable_sampling()->set_max_tokens(kTokens);
+    requests.push_back(r);
+  }
+  return requests;
+}
+
+TEST(ClusterMigrationTest, GreedyStreamsOfAKilledDecodeWorkerEqualTheReference) {
+  LocalCluster cluster(MigrationCluster());
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const json ref = Reference();
+  const std::vector<v1::GenerateRequest> requests = GreedyRequests(ref);
+  std::vector<std::future<Stream>> streams = StartStreams(cluster, requests);
+  ASSERT_TRUE(WaitUntilDecodeWorkerZeroHoldsTwo(cluster, int(requests.size())));
+  cluster.decode_process(0).Signal(SIGKILL);
+  const std::vector<Stream> done = Collect(streams);
+  for (size_t k = 0; k < done.size(); ++k) {
+    const json& c = ref["cases"][WideMarginCases()[k]];
+    const Stream& s = done[k];
+    ASSERT_TRUE(s.status.ok()) << "case " << WideMarginCases()[k] << ": " << s.status.error_message();
+    const std::vector<int32_t> greedy = c["greedy_ids"].get<std::vector<int32_t>>();
+    EXPECT_EQ(s.token_ids, std::vector<int32_t>(greedy.begin(), greedy.begin() + kTokens))
+        << "case " << WideMarginCases()[k];
+    EXPECT_EQ(c["greedy_text"].get<std::string>().rfind(s.text, 0), 0u) << "case " << WideMarginCases()[k];
+    EXPECT_EQ(s.finish_reason, "length");
+    EXPECT_EQ(s.messages_with_prompt, 1);
+    EXPECT_EQ(s.prompt_token_ids, c["prompt_ids"].get<std::vector<int32_t>>());
+    EXPECT_EQ(s.prompt_tokens, int32_t(c["prompt_ids"].size()));
+    EXPECT_EQ(s.completion_tokens, kTokens);
+  }
+  EXPECT_GE(Migrations(cluster, "success"), 2);  // the stream running on worker 0 and one waiting there
+  EXPECT_EQ(Migrations(cluster, "failure"), 0);
+  std::string detail;
+  EXPECT_TRUE(SurvivorsIdle(cluster, 1, 1, &detail)) << detail;
+}
+
+std::vector<v1::GenerateRequest> SampledRequests() {
+  const std::vector<std::string> prompts = {"def merge_sort(items):\n", "class Stack:\n    def __init__(self):\n",
+                                            "import json\n\n\ndef load(path):\n", "for i in range(10):\n"};
+  std::vector<v1::GenerateRequest> requests;
+  for (int i = 0; i < 4; ++i) {
+    v1::GenerateRequest r;
+    r.set_text(prompts[size_t(i) % prompts.size()]);
+    v1::SamplingOptions* s = r.mutable_sampling();
+    s->set_max_tokens(kTokens);
+    s->set_ignore_eos(true);
+    s->set_temperature(0.8f);
+    s->set_top_p(0.95f);
+    s->set_top_k(i % 2 == 0 ? 0 : 40);
+    s->set_seed(300 + uint64_t(i));
+    if (i == 1) s->set_frequency_penalty(0.5f);
+    if (i == 2) s->set_logprobs(2);
+    if (i == 3) s->add_stop("return None");  // may stop, or never match
+    requests.push_back(r);
+  }
+  return requests;
+}
+
+TEST(ClusterMigrationTest, SeededStreamsOfAKilledDecodeWorkerEqualTheUninterruptedRun) {
+  LocalCluster cluster(MigrationCluster());
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const std::vector<v1::GenerateRequest> requests = SampledRequests();
+  std::vector<std::future<Stream>> first = StartStreams(cluster, requests);
+  const std::vector<Stream> uninterrupted = Collect(first);
+  ASSERT_EQ(Migrations(cluster, "success"), 0);
+  std::vector<std::future<Stream>> second = StartStreams(cluster, requests);
+  ASSERT_TRUE(WaitUntilDecodeWorkerZeroHoldsTwo(cluster, int(requests.size())));
+  cluster.decode_process(0).Signal(SIGKILL);
+  const std::vector<Stream> migrated = Collect(second);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const Stream& want = uninterrupted[i];
+    const Stream& got = migrated[i];
+    ASSERT_TRUE(want.status.ok()) << i << ": " << want.status.error_message();
+    ASSERT_TRUE(got.status.ok()) << i << ": " << got.status.error_message();
+    EXPECT_EQ(got.token_ids, want.token_ids) << i;
+    EXPECT_EQ(got.text, want.text) << i;
+    EXPECT_EQ(got.finish_reason, want.finish_reason) << i;
+    EXPECT_EQ(got.logprobs, want.logprobs) << i;
+    EXPECT_EQ(got.messages_with_prompt, 1) << i;
+    EXPECT_EQ(got.prompt_tokens, want.prompt_tokens) << i;
+    EXPECT_EQ(got.completion_tokens, int32_t(want.token_ids.size())) << i;
+  }
+  EXPECT_GE(Migrations(cluster, "success"), 2);
+  std::string detail;
+  EXPECT_TRUE(SurvivorsIdle(cluster, 1, 1, &detail)) << detail;
+}
+
+// The prefill worker dies first: the streams of the decode worker killed next find no pair to
+// continue on and get UNAVAILABLE saying so, the other decode worker's streams finish, and the
+// re-prefills' reservations are released there.
+TEST(ClusterMigrationTest, WithNoPrefillWorkerLeftMigrationFailsClearly) {
+  LocalCluster cluster(MigrationCluster());
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const json ref = Reference();
+  const std::vector<v1::GenerateRequest> requests = GreedyRequests(ref);
+  std::vector<std::future<Stream>> streams = StartStreams(cluster, requests);
+  ASSERT_TRUE(WaitUntilDecodeWorkerZeroHoldsTwo(cluster, int(requests.size())));
+  cluster.prefill_process(0).Signal(SIGKILL);
+  ASSERT_NE(cluster.prefill_process(0).Wait(std::chrono::seconds(10)), Subprocess::kStillRunning);
+  cluster.decode_process(0).Signal(SIGKILL);
+  int failed = 0;
+  for (Stream& s : Collect(streams)) {
+    if (s.status.ok()) {
+      EXPECT_EQ(s.token_ids.size(), size_t(kTokens));
+      continue;
+    }
+    ++failed;
+    EXPECT_EQ(s.status.error_code(), grpc::StatusCode::UNAVAILABLE) << s.status.error_message();
+    EXPECT_EQ(s.status.error_message().rfind("decode worker 0 failed; the request could not be migrated: ", 0), 0u)
+        << s.status.error_message();
+    EXPECT_NE(s.status.error_message().find("prefill worker"), std::string::npos) << s.status.error_message();
+  }
+  EXPECT_GE(failed, 2);
+  EXPECT_LT(failed, int(requests.size()));
+  EXPECT_EQ(Migrations(cluster, "failure"), failed);
+  std::string detail;
+  EXPECT_TRUE(SurvivorsIdle(cluster, 1, 0, &detail)) << detail;
+}
+
+}  // namespace
+}  // namespace duet
