@@ -90,19 +90,20 @@ std::vector<Stream> Collect(std::vector<std::future<Stream>>& streams) {
   return done;
 }
 
-// Waits until all `total` streams are on the decode workers, two or more of them on worker 0.
-bool WaitUntilDecodeWorkerZeroHoldsTwo(LocalCluster& cluster, int total) {
+// Waits until all `total` streams are on the two decode workers and returns the one holding two
+// or more of them (with four streams one does, however the router placed them), or -1.
+int WaitForStreamsOnDecodeWorkers(LocalCluster& cluster, int total) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (std::chrono::steady_clock::now() < deadline) {
     const std::vector<v1::WorkerStats> stats = cluster.DecodeStats();
     if (stats.size() == 2) {
       const int on_zero = stats[0].num_requests_running() + stats[0].num_requests_waiting();
       const int on_one = stats[1].num_requests_running() + stats[1].num_requests_waiting();
-      if (on_zero >= 2 && on_zero + on_one == total) return true;
+      if (on_zero + on_one == total) return on_zero >= 2 ? 0 : 1;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  return false;
+  return -1;
 }
 
 // The router's duet:request_migrations_total for `outcome`.
@@ -163,8 +164,9 @@ TEST(ClusterMigrationTest, GreedyStreamsOfAKilledDecodeWorkerEqualTheReference) 
   const json ref = Reference();
   const std::vector<v1::GenerateRequest> requests = GreedyRequests(ref);
   std::vector<std::future<Stream>> streams = StartStreams(cluster, requests);
-  ASSERT_TRUE(WaitUntilDecodeWorkerZeroHoldsTwo(cluster, int(requests.size())));
-  cluster.decode_process(0).Signal(SIGKILL);
+  const int victim = WaitForStreamsOnDecodeWorkers(cluster, int(requests.size()));
+  ASSERT_GE(victim, 0);
+  cluster.decode_process(victim).Signal(SIGKILL);
   const std::vector<Stream> done = Collect(streams);
   for (size_t k = 0; k < done.size(); ++k) {
     const json& c = ref["cases"][WideMarginCases()[k]];
@@ -180,7 +182,7 @@ TEST(ClusterMigrationTest, GreedyStreamsOfAKilledDecodeWorkerEqualTheReference) 
     EXPECT_EQ(s.prompt_tokens, int32_t(c["prompt_ids"].size()));
     EXPECT_EQ(s.completion_tokens, kTokens);
   }
-  EXPECT_GE(Migrations(cluster, "success"), 2);  // the stream running on worker 0 and one waiting there
+  EXPECT_GE(Migrations(cluster, "success"), 2);  // the stream running on the victim and one waiting there
   EXPECT_EQ(Migrations(cluster, "failure"), 0);
   std::string detail;
   EXPECT_TRUE(SurvivorsIdle(cluster, 1, 1, &detail)) << detail;
@@ -216,8 +218,9 @@ TEST(ClusterMigrationTest, SeededStreamsOfAKilledDecodeWorkerEqualTheUninterrupt
   const std::vector<Stream> uninterrupted = Collect(first);
   ASSERT_EQ(Migrations(cluster, "success"), 0);
   std::vector<std::future<Stream>> second = StartStreams(cluster, requests);
-  ASSERT_TRUE(WaitUntilDecodeWorkerZeroHoldsTwo(cluster, int(requests.size())));
-  cluster.decode_process(0).Signal(SIGKILL);
+  const int victim = WaitForStreamsOnDecodeWorkers(cluster, int(requests.size()));
+  ASSERT_GE(victim, 0);
+  cluster.decode_process(victim).Signal(SIGKILL);
   const std::vector<Stream> migrated = Collect(second);
   for (size_t i = 0; i < requests.size(); ++i) {
     const Stream& want = uninterrupted[i];
@@ -246,10 +249,11 @@ TEST(ClusterMigrationTest, WithNoPrefillWorkerLeftMigrationFailsClearly) {
   const json ref = Reference();
   const std::vector<v1::GenerateRequest> requests = GreedyRequests(ref);
   std::vector<std::future<Stream>> streams = StartStreams(cluster, requests);
-  ASSERT_TRUE(WaitUntilDecodeWorkerZeroHoldsTwo(cluster, int(requests.size())));
+  const int victim = WaitForStreamsOnDecodeWorkers(cluster, int(requests.size()));
+  ASSERT_GE(victim, 0);
   cluster.prefill_process(0).Signal(SIGKILL);
   ASSERT_NE(cluster.prefill_process(0).Wait(std::chrono::seconds(10)), Subprocess::kStillRunning);
-  cluster.decode_process(0).Signal(SIGKILL);
+  cluster.decode_process(victim).Signal(SIGKILL);
   int failed = 0;
   for (Stream& s : Collect(streams)) {
     if (s.status.ok()) {
@@ -258,7 +262,8 @@ TEST(ClusterMigrationTest, WithNoPrefillWorkerLeftMigrationFailsClearly) {
     }
     ++failed;
     EXPECT_EQ(s.status.error_code(), grpc::StatusCode::UNAVAILABLE) << s.status.error_message();
-    EXPECT_EQ(s.status.error_message().rfind("decode worker 0 failed; the request could not be migrated: ", 0), 0u)
+    const std::string failed_worker = "decode worker " + std::to_string(victim) + " failed; ";
+    EXPECT_EQ(s.status.error_message().rfind(failed_worker + "the request could not be migrated: ", 0), 0u)
         << s.status.error_message();
     EXPECT_NE(s.status.error_message().find("prefill worker"), std::string::npos) << s.status.error_message();
   }
