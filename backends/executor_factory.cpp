@@ -17,6 +17,12 @@ namespace {
 
 absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadCudaExecutor(const EngineConfig& config) {
   LlamaCudaOptions options;
+  const std::vector<int>& devices = config.sequence_parallel.devices;
+  if (!devices.empty() && int(devices.size()) != config.sequence_parallel.ranks) {
+    return absl::InvalidArgumentError(absl::StrCat("--devices names ", devices.size(), " GPUs for --sp-ranks ",
+                                                   config.sequence_parallel.ranks, ": give one per rank"));
+  }
+  if (!devices.empty()) options.device = devices[0];
   options.max_num_seqs = config.scheduler.max_num_seqs;
   options.max_num_batched_tokens = config.scheduler.max_num_batched_tokens;
   options.max_model_len = config.scheduler.max_model_len;
@@ -29,9 +35,10 @@ absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadCudaExecutor(const EngineConf
   }
   absl::StatusOr<std::unique_ptr<LlamaCuda>> cuda = LlamaCuda::Load(config.model_dir, options);
   if (!cuda.ok()) return cuda.status();
-  // On one device the ranks are virtual (LlamaCuda::EnableSequenceParallel): the same schedule
-  // and kernels a multi-GPU group runs, without its speed-up.
-  absl::Status sp = (*cuda)->EnableSequenceParallel(config.sequence_parallel.ranks, config.sequence_parallel.min_tokens);
+  // Without --devices the ranks are virtual (LlamaCuda::EnableSequenceParallel): the same
+  // schedule and kernels a multi-GPU group runs, on one GPU; with them, one executor per rank.
+  absl::Status sp = (*cuda)->EnableSequenceParallel(config.sequence_parallel.ranks, config.sequence_parallel.min_tokens,
+                                                    devices, config.sequence_parallel.transport);
   if (!sp.ok()) return sp;
   return std::unique_ptr<ModelExecutor>(std::move(*cuda));
 }
@@ -50,6 +57,9 @@ std::string ResolveBackend(const std::string& backend) {
 absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadExecutor(const EngineConfig& config) {
   const std::string backend = ResolveBackend(config.backend);
   if (backend == "cpu") {
+    if (!config.sequence_parallel.devices.empty()) {
+      return absl::InvalidArgumentError("--devices is for the cuda backend (cpu ranks are threads)");
+    }
     absl::StatusOr<std::unique_ptr<LlamaCpu>> cpu = LlamaCpu::Load(config.model_dir);
     if (cpu.ok()) (*cpu)->EnableSequenceParallel(config.sequence_parallel.ranks, config.sequence_parallel.min_tokens);
     return cpu;

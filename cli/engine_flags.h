@@ -62,6 +62,15 @@ struct EngineFlags {
     app->add_option("--sp-min-tokens", config->sequence_parallel.min_tokens,
                     "Prompts of at least this many tokens prefill sequence-parallel (with --sp-ranks > 1)")
         ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+    app->add_option("--devices", config->sequence_parallel.devices,
+                    "cuda: the GPU of each sequence-parallel rank, rank 0 first (e.g. 0,1,2,3; a GPU may "
+                    "repeat); default: rank 0 on GPU 0 and the other ranks virtual on it")
+        ->delimiter(',')
+        ->check(CLI::Range(0, 1023));
+    app->add_option("--sp-transport", config->sequence_parallel.transport,
+                    "cuda, with --devices: how ranks pass ring blocks: peer (device copies; GPUs may repeat) or "
+                    "nccl (one rank per GPU)")
+        ->check(CLI::IsMember({"peer", "nccl"}));
   }
   void Finish() {
     config->kv_cache_bytes = static_cast<int64_t>(kv_cache_gib * double(1ull << 30));

@@ -45,6 +45,10 @@ struct EngineConfig {
   struct SequenceParallel {
     int ranks = 1;
     int64_t min_tokens = 2048;
+    // cuda: the GPU of each rank (rank 0's first), one executor per rank; empty: virtual ranks
+    // on the one GPU of rank 0 (device 0).
+    std::vector<int> devices;
+    std::string transport = "peer";  // with devices: how ranks pass ring blocks ("peer" or "nccl")
   } sequence_parallel;
 };
 

@@ -20,8 +20,10 @@ absl::Status CudaStatus(cudaError_t error, const char* what) {
   return absl::InternalError(absl::StrFormat("%s: %s", what, cudaGetErrorString(error)));
 }
 
+}  // namespace
+
 // Adds NCCL's last error message, which says more than the result code.
-absl::Status NcclStatus(ncclResult_t result, const char* what, ncclComm_t comm = nullptr) {
+absl::Status NcclStatus(ncclResult_t result, const char* what, ncclComm_t comm) {
   if (result == ncclSuccess) return absl::OkStatus();
   std::string message = absl::StrFormat("%s: %s", what, ncclGetErrorString(result));
   if (const char* last = ncclGetLastError(comm); last != nullptr && last[0] != '\0') {
@@ -32,8 +34,6 @@ absl::Status NcclStatus(ncclResult_t result, const char* what, ncclComm_t comm =
   }
   return absl::InternalError(message);
 }
-
-}  // namespace
 
 absl::Status DisableNcclMulticast() {
   // setenv races with getenv on other threads; once, before any NCCL call of ours, avoids that.

@@ -42,6 +42,10 @@ namespace duet::parallel {
 // other NCCL use.
 absl::Status DisableNcclMulticast();
 
+// absl::Status of an NCCL result, with NCCL's last error message (of `comm`, if given); bad
+// arguments or usage: InvalidArgument; anything else: Internal.
+absl::Status NcclStatus(ncclResult_t result, const char* what, ncclComm_t comm = nullptr);
+
 // A new group id (ncclGetUniqueId), after DisableNcclMulticast.
 absl::StatusOr<ncclUniqueId> CreateNcclUniqueId();
 

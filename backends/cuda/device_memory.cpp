@@ -6,6 +6,17 @@
 
 namespace duet::cuda {
 
+ScopedDevice::ScopedDevice(int device) {
+  DUET_CHECK_CUDA(cudaGetDevice(&previous_));
+  if (device != previous_) DUET_CHECK_CUDA(cudaSetDevice(device));
+}
+
+ScopedDevice::~ScopedDevice() {
+  int current = 0;
+  DUET_CHECK_CUDA(cudaGetDevice(&current));
+  if (current != previous_) DUET_CHECK_CUDA(cudaSetDevice(previous_));
+}
+
 bool CudaDeviceAvailable() {
   int count = 0;
   const bool available = cudaGetDeviceCount(&count) == cudaSuccess && count > 0;

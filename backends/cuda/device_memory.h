@@ -61,6 +61,19 @@ class PinnedBuffer {
   size_t bytes_ = 0;
 };
 
+// Makes `device` the calling thread's current CUDA device for the scope, then restores the one
+// before (kernels, cuBLAS calls and events belong to the current device).
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device);
+  ~ScopedDevice();
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
 // "F of T bytes free on the device", for out-of-memory messages.
 std::string DeviceMemoryReport();
 

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "backends/cuda/sequence_parallel_group.h"
 #include "common/check.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -51,13 +52,39 @@ absl::StatusOr<std::unique_ptr<LlamaCuda>> LlamaCuda::Load(const std::string& mo
   }
   DUET_ASSIGN_OR_RETURN(const std::unique_ptr<WeightStore> weights, WeightStore::Open(model_dir));
   std::unique_ptr<LlamaCuda> model(new LlamaCuda(config, options));
+  model->model_dir_ = model_dir;
   DUET_RETURN_IF_ERROR(model->Init(*weights));
+  return model;
+}
+
+absl::StatusOr<std::unique_ptr<LlamaCuda>> LlamaCuda::LoadRank(int device, int max_rows) const {
+  LlamaCudaOptions options = options_;
+  options.device = device;
+  options.max_num_seqs = 1;
+  options.max_num_batched_tokens = max_rows;
+  options.max_logit_rows = 1;
+  options.cuda_graphs = false;
+  std::unique_ptr<LlamaCuda> model(new LlamaCuda(config_, options));
+  model->model_dir_ = model_dir_;
+  cuda::ScopedDevice on(device);
+  DUET_RETURN_IF_ERROR(model->InitDevice());
+  if (device == options_.device) {
+    model->weights_ = weights_;  // ranks on one GPU share one copy
+  } else {
+    DUET_ASSIGN_OR_RETURN(const std::unique_ptr<WeightStore> store, WeightStore::Open(model_dir_));
+    DUET_ASSIGN_OR_RETURN(cuda::CudaWeights uploaded, cuda::CudaWeights::Upload(*store, config_, model->arena_));
+    model->weights_ = std::make_shared<const cuda::CudaWeights>(std::move(uploaded));
+  }
+  DUET_RETURN_IF_ERROR(model->UploadRopeTable());
+  DUET_RETURN_IF_ERROR(model->AllocateActivations());
+  DUET_RETURN_IF_ERROR(cuda::CudaStatus(cudaDeviceSynchronize(), "loading a sequence-parallel rank"));
   return model;
 }
 
 absl::Status LlamaCuda::Init(const WeightStore& weights) {
   DUET_RETURN_IF_ERROR(InitDevice());
-  DUET_ASSIGN_OR_RETURN(weights_, cuda::CudaWeights::Upload(weights, config_, arena_));
+  DUET_ASSIGN_OR_RETURN(cuda::CudaWeights uploaded, cuda::CudaWeights::Upload(weights, config_, arena_));
+  weights_ = std::make_shared<const cuda::CudaWeights>(std::move(uploaded));
   DUET_RETURN_IF_ERROR(UploadRopeTable());
   DUET_RETURN_IF_ERROR(AllocateActivations());
   // The uploads and memsets above went through the legacy default stream, which stream_ (a
@@ -160,13 +187,18 @@ std::optional<int64_t> LlamaCuda::DeviceKvBudgetBytes(double memory_fraction) co
 
 absl::StatusOr<std::unique_ptr<cuda::DeviceKvCache>> LlamaCuda::CreateDeviceKvCache(int64_t num_blocks,
                                                                                     int64_t block_size) {
-  DUET_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0);
-  const cuda::StepLimits limits{options_.max_num_seqs, options_.max_num_batched_tokens, options_.max_model_len,
-                                config_.vocab_size};
-  DUET_ASSIGN_OR_RETURN(metadata_, cuda::StepMetadata::Create(limits, int(block_size), arena_));
+  DUET_RETURN_IF_ERROR(CreateStepMetadata(int(block_size)));
   return cuda::DeviceKvCache::Create(KvCacheShape{config_.num_layers, num_blocks, config_.num_kv_heads, block_size,
                                                   config_.head_dim, KvDtype::kBFloat16},
                                      arena_, stream_);
+}
+
+absl::Status LlamaCuda::CreateStepMetadata(int block_size) {
+  DUET_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0);
+  const cuda::StepLimits limits{options_.max_num_seqs, options_.max_num_batched_tokens, options_.max_model_len,
+                                config_.vocab_size};
+  DUET_ASSIGN_OR_RETURN(metadata_, cuda::StepMetadata::Create(limits, block_size, arena_));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<KvCache>> LlamaCuda::CreateKvCache(int64_t num_blocks, int64_t block_size) {
@@ -225,10 +257,10 @@ void LlamaCuda::Enqueue(const cuda::StepPlan& plan, cuda::DeviceKvCache& cache, 
                         absl::Span<const SequenceChunk> chunks, const LayerDoneCallback& on_layer_done,
                         int num_layers) {
   const kernels::PagedDecodeAttentionPlan decode_plan = PlanDecodeAttention(plan);
-  kernels::EmbeddingGather(metadata_->tokens(), weights_.embed(), residual_.as<float>(), plan.num_tokens,
+  kernels::EmbeddingGather(metadata_->tokens(), weights_->embed(), residual_.as<float>(), plan.num_tokens,
                            int(config_.hidden_size), stream_);
   for (int li = 0; li < num_layers; ++li) {
-    const cuda::CudaLayerWeights& l = weights_.layer(size_t(li));
+    const cuda::CudaLayerWeights& l = weights_->layer(size_t(li));
     EnqueueAttention(l, li, plan, decode_plan, cache.Layer(li));
     EnqueueMlp(l, plan.num_tokens);
     // The layer's K/V are in the cache once the stream reaches here; the hook orders its reads
@@ -241,25 +273,41 @@ void LlamaCuda::Enqueue(const cuda::StepPlan& plan, cuda::DeviceKvCache& cache, 
 void LlamaCuda::EnqueueAttention(const cuda::CudaLayerWeights& l, int layer, const cuda::StepPlan& plan,
                                  const kernels::PagedDecodeAttentionPlan& decode_plan,
                                  const kernels::PagedKvView& kv) {
-  const bool first_layer = layer == 0;
-  const int t = plan.num_tokens, hidden = int(config_.hidden_size);
-  const int q_width = int(config_.num_heads * config_.head_dim);
-  auto* delta = delta_.as<__nv_bfloat16>();
-  kernels::FusedAddRmsNorm({residual_.as<float>(), first_layer ? nullptr : delta, l.input_norm, nullptr,
-                            normed_.as<__nv_bfloat16>(), t, hidden, float(config_.rms_norm_eps)},
-                           stream_);
-  EnqueueQkvRopeKvWrite(l, t, kv);
+  const int t = plan.num_tokens;
+  if (sp_step_) {
+    const kernels::PagedKvView ring_view = ring_->send_view();
+    EnqueueAttentionInput(l, layer == 0, t, kv, RingKvWrite{&ring_view, ring_->send_slots()});
+  } else {
+    EnqueueAttentionInput(l, layer == 0, t, kv);
+  }
   EnqueueAttentionKernel(plan, decode_plan, kv, layer);
-  linear_->Forward(attn_.as<__nv_bfloat16>(), l.o, delta, t, q_width, hidden);
-  if (l.o_bias != nullptr) kernels::AddBias(delta, l.o_bias, t, hidden, stream_);
+  EnqueueAttentionOutput(l, t);
 }
 
-void LlamaCuda::EnqueueQkvRopeKvWrite(const cuda::CudaLayerWeights& l, int rows, const kernels::PagedKvView& kv) {
+void LlamaCuda::EnqueueAttentionInput(const cuda::CudaLayerWeights& l, bool first_layer, int rows,
+                                      const kernels::PagedKvView& kv, RingKvWrite ring) {
+  kernels::FusedAddRmsNorm({residual_.as<float>(), first_layer ? nullptr : delta_.as<__nv_bfloat16>(), l.input_norm,
+                            nullptr, normed_.as<__nv_bfloat16>(), rows, int(config_.hidden_size),
+                            float(config_.rms_norm_eps)},
+                           stream_);
+  EnqueueQkvRopeKvWrite(l, rows, kv, ring);
+}
+
+void LlamaCuda::EnqueueAttentionOutput(const cuda::CudaLayerWeights& l, int rows) {
+  const int hidden = int(config_.hidden_size);
+  const int q_width = int(config_.num_heads * config_.head_dim);
+  auto* delta = delta_.as<__nv_bfloat16>();
+  linear_->Forward(attn_.as<__nv_bfloat16>(), l.o, delta, rows, q_width, hidden);
+  if (l.o_bias != nullptr) kernels::AddBias(delta, l.o_bias, rows, hidden, stream_);
+}
+
+void LlamaCuda::EnqueueQkvRopeKvWrite(const cuda::CudaLayerWeights& l, int rows, const kernels::PagedKvView& kv,
+                                      RingKvWrite ring) {
   const int hidden = int(config_.hidden_size), nh = int(config_.num_heads);
   const int qkv_width = int((config_.num_heads + 2 * config_.num_kv_heads) * config_.head_dim);
   const auto* normed = normed_.as<__nv_bfloat16>();
   auto* q = q_.as<__nv_bfloat16>();
-  if (UseFusedEpilogues(rows) && l.qkv_bias == nullptr && !sp_step_) {
+  if (UseFusedEpilogues(rows) && l.qkv_bias == nullptr && ring.view == nullptr) {
     // Skinny batches: RoPE and the KV write in the projection's epilogue (no qkv round trip).
     kernels::GemvParams g{normed, l.qkv, nullptr, rows, hidden, qkv_width, false, kernels::GemvEpilogue::kRopeKvWrite};
     g.rope = {metadata_->positions(), metadata_->slots(), rope_table_.as<float2>(), q, kv, nh};
@@ -271,10 +319,9 @@ void LlamaCuda::EnqueueQkvRopeKvWrite(const cuda::CudaLayerWeights& l, int rows,
   if (l.qkv_bias != nullptr) kernels::AddBias(qkv, l.qkv_bias, rows, qkv_width, stream_);
   kernels::RopeAndWriteKv({qkv, metadata_->positions(), metadata_->slots(), rope_table_.as<float2>(), q, kv, rows, nh},
                           stream_);
-  if (sp_step_) {
-    // Each rank's K/V rows also go to its own ring block (q is rewritten with the same values).
-    kernels::RopeAndWriteKv({qkv, metadata_->positions(), ring_->send_slots(), rope_table_.as<float2>(), q,
-                             ring_->send_view(), rows, nh},
+  if (ring.view != nullptr) {
+    // The rows' K/V also go to the ring's send block (q is rewritten with the same values).
+    kernels::RopeAndWriteKv({qkv, metadata_->positions(), ring.slots, rope_table_.as<float2>(), q, *ring.view, rows, nh},
                             stream_);
   }
 }
@@ -346,7 +393,7 @@ void LlamaCuda::EnqueueFinalNorm(const cuda::StepPlan& plan, bool sample) {
   if (plan.graph_batch == 0) {
     // The last MLP output joins the residual stream (the normalized copy is unused); EagerHead
     // normalizes the rows that give logits.
-    kernels::FusedAddRmsNorm({residual, delta, weights_.final_norm(), nullptr, normed_.as<__nv_bfloat16>(), t, hidden,
+    kernels::FusedAddRmsNorm({residual, delta, weights_->final_norm(), nullptr, normed_.as<__nv_bfloat16>(), t, hidden,
                               eps},
                              stream_);
     return;
@@ -355,8 +402,8 @@ void LlamaCuda::EnqueueFinalNorm(const cuda::StepPlan& plan, bool sample) {
   // output joins the residual stream and the final norm writes the head's input in one kernel.
   DUET_CHECK(plan.num_logit_rows == t && t <= max_logit_rows_);
   auto* final_normed = final_normed_.as<__nv_bfloat16>();
-  kernels::FusedAddRmsNorm({residual, delta, weights_.final_norm(), nullptr, final_normed, t, hidden, eps}, stream_);
-  linear_->ForwardF32(final_normed, weights_.lm_head(), logits_.as<float>(), plan.num_logit_rows, hidden,
+  kernels::FusedAddRmsNorm({residual, delta, weights_->final_norm(), nullptr, final_normed, t, hidden, eps}, stream_);
+  linear_->ForwardF32(final_normed, weights_->lm_head(), logits_.as<float>(), plan.num_logit_rows, hidden,
                       int(config_.vocab_size));
   if (sample) EnqueueSampling(0, plan.num_logit_rows);
 }
@@ -374,11 +421,11 @@ absl::Status LlamaCuda::EagerHead(const cuda::StepPlan& plan, bool sample, std::
   const int64_t vocab = config_.vocab_size;
   for (int begin = 0; begin < plan.num_logit_rows; begin += max_logit_rows_) {
     const int rows = std::min(max_logit_rows_, plan.num_logit_rows - begin);
-    kernels::FusedAddRmsNorm({residual_.as<float>(), nullptr, weights_.final_norm(), metadata_->logit_rows() + begin,
+    kernels::FusedAddRmsNorm({residual_.as<float>(), nullptr, weights_->final_norm(), metadata_->logit_rows() + begin,
                               final_normed_.as<__nv_bfloat16>(), rows, int(config_.hidden_size),
                               float(config_.rms_norm_eps)},
                              stream_);
-    linear_->ForwardF32(final_normed_.as<__nv_bfloat16>(), weights_.lm_head(), logits_.as<float>(), rows,
+    linear_->ForwardF32(final_normed_.as<__nv_bfloat16>(), weights_->lm_head(), logits_.as<float>(), rows,
                         int(config_.hidden_size), int(vocab));
     if (sample) {
       EnqueueSampling(begin, rows);
@@ -419,8 +466,11 @@ absl::Status LlamaCuda::RunLayers(absl::Span<const SequenceChunk> chunks, KvCach
                                   absl::Span<const DeviceSamplingRow> sampling, const LayerDoneCallback& on_layer_done,
                                   std::vector<float>* logits, std::vector<DeviceSample>* samples, int num_layers,
                                   const FillMasksCallback& fill_masks) {
-  DUET_CHECK(num_layers >= 1 && num_layers <= int(weights_.num_layers()));
+  DUET_CHECK(num_layers >= 1 && num_layers <= int(weights_->num_layers()));
   DUET_ASSIGN_OR_RETURN(cuda::DeviceKvCache* const cache, OwnCache(kv_cache));
+  if (group_ != nullptr && num_layers == int(weights_->num_layers()) && group_->Takes(chunks)) {
+    return group_->Prefill(chunks, *cache, sampling, on_layer_done, logits, samples, fill_masks);
+  }
   DUET_ASSIGN_OR_RETURN(cuda::StepPlan plan, metadata_->Plan(chunks));
   const bool sample = samples != nullptr;
   const int real_rows = plan.num_logit_rows;
@@ -466,16 +516,38 @@ absl::Status LlamaCuda::RunLayers(absl::Span<const SequenceChunk> chunks, KvCach
   return absl::OkStatus();
 }
 
-absl::Status LlamaCuda::EnableSequenceParallel(int ranks, int64_t min_tokens) {
-  if (ranks <= 1) {
-    ring_.reset();
+absl::Status LlamaCuda::EnableSequenceParallel(int ranks, int64_t min_tokens, const std::vector<int>& devices,
+                                               const std::string& transport) {
+  ring_.reset();
+  group_.reset();
+  sp_min_tokens_ = min_tokens;
+  if (!devices.empty()) {
+    if (int(devices.size()) != ranks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(devices.size(), " devices for ", ranks, " sequence-parallel ranks: give one device per rank"));
+    }
+    if (devices[0] != options_.device) {
+      return absl::InvalidArgumentError(absl::StrCat("rank 0 runs on this executor's device ", options_.device,
+                                                     ", not device ", devices[0]));
+    }
+    if (ranks <= 1) return absl::OkStatus();
+    DUET_ASSIGN_OR_RETURN(group_, cuda::SequenceParallelGroup::Create(*this, devices, min_tokens, transport));
     return absl::OkStatus();
   }
-  sp_min_tokens_ = min_tokens;
+  if (ranks <= 1) return absl::OkStatus();
   DUET_ASSIGN_OR_RETURN(ring_, cuda::VirtualRingAttention::Create(ranks, options_.max_num_batched_tokens,
                                                                  int(config_.num_heads), int(config_.num_kv_heads),
                                                                  int(config_.head_dim), arena_, stream_));
   return absl::OkStatus();
+}
+
+int LlamaCuda::sequence_parallel_ranks() const {
+  if (group_ != nullptr) return group_->size();
+  return ring_ ? ring_->size() : 1;
+}
+
+std::vector<int> LlamaCuda::sequence_parallel_devices() const {
+  return group_ != nullptr ? group_->devices() : std::vector<int>{};
 }
 
 bool LlamaCuda::RunsSequenceParallel(absl::Span<const SequenceChunk> chunks) const {
@@ -487,13 +559,13 @@ bool LlamaCuda::RunsSequenceParallel(absl::Span<const SequenceChunk> chunks) con
 
 absl::Status LlamaCuda::Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache, std::vector<float>& logits,
                                 const LayerDoneCallback& on_layer_done) {
-  return RunLayers(chunks, cache, {}, on_layer_done, &logits, nullptr, int(weights_.num_layers()));
+  return RunLayers(chunks, cache, {}, on_layer_done, &logits, nullptr, int(weights_->num_layers()));
 }
 
 absl::Status LlamaCuda::ForwardSample(absl::Span<const SequenceChunk> chunks, KvCache& cache,
                                       absl::Span<const DeviceSamplingRow> rows, std::vector<DeviceSample>& samples,
                                       const LayerDoneCallback& on_layer_done, const FillMasksCallback& fill_masks) {
-  return RunLayers(chunks, cache, rows, on_layer_done, nullptr, &samples, int(weights_.num_layers()), fill_masks);
+  return RunLayers(chunks, cache, rows, on_layer_done, nullptr, &samples, int(weights_->num_layers()), fill_masks);
 }
 
 absl::Status LlamaCuda::MoveKvSlots(KvCache& kv_cache, absl::Span<const int32_t> block_table,

@@ -27,6 +27,10 @@
 
 namespace duet {
 
+namespace cuda {
+class SequenceParallelGroup;
+}
+
 struct LlamaCudaOptions {
   int device = 0;
   int max_num_seqs = 256;               // sequences in one step
@@ -80,7 +84,7 @@ class LlamaCuda : public ModelExecutor {
   // every batch and token bucket a step of up to max_num_seqs sequences with up to
   // `max_draft_tokens` drafts each can take.
   absl::Status WarmUpVerification(KvCache& cache, int32_t max_draft_tokens) override {
-    return WarmUpGraphs(cache, max_draft_tokens, int(weights_.num_layers()));
+    return WarmUpGraphs(cache, max_draft_tokens, int(weights_->num_layers()));
   }
   // The same for the first `num_layers` layers (a self-speculation draft).
   absl::Status WarmUpGraphs(KvCache& cache, int32_t max_draft_tokens, int num_layers);
@@ -93,13 +97,25 @@ class LlamaCuda : public ModelExecutor {
                          std::vector<float>* logits, std::vector<DeviceSample>* samples, int num_layers,
                          const FillMasksCallback& fill_masks = nullptr);
 
-  // Sequence-parallel prefill on `ranks` virtual ranks of this one device
-  // (backends/cuda/ring_attention.h): a step that is one whole prompt of at least min_tokens
-  // tokens runs its attention as zigzag ring attention, rank by rank, everything else as one
-  // rank. For checking the numerics and measuring per-rank work; a multi-GPU group gives each
-  // rank its own device. Device memory: ring buffers for max_num_batched_tokens.
-  absl::Status EnableSequenceParallel(int ranks, int64_t min_tokens);
-  int sequence_parallel_ranks() const { return ring_ ? ring_->size() : 1; }
+  // Sequence-parallel prefill: a step that is one whole prompt of at least min_tokens tokens runs
+  // as zigzag ring attention over `ranks` ranks, everything else as one rank.
+  //   - devices empty: the ranks are virtual, all in this executor on its one device
+  //     (backends/cuda/ring_attention.h), every rank's rows in the same GEMMs: for checking the
+  //     numerics and measuring per-rank work. Device memory: ring buffers for
+  //     max_num_batched_tokens.
+  //   - devices (one per rank; devices[0] is this executor's): a group of executors, one per
+  //     rank, each computing its own shard (backends/cuda/sequence_parallel_group.h); devices may
+  //     repeat (several ranks on one GPU, for checking). Each further rank loads the weights on its
+  //     device (shared with this executor on the same GPU) and activations for a shard.
+  //     The ranks pass ring blocks over `transport` ("peer" copies or "nccl"; ring_transport.h).
+  absl::Status EnableSequenceParallel(int ranks, int64_t min_tokens, const std::vector<int>& devices = {},
+                                      const std::string& transport = "peer");
+  int sequence_parallel_ranks() const;
+  // The ranks' devices of a group (EnableSequenceParallel with devices); empty otherwise.
+  std::vector<int> sequence_parallel_devices() const;
+  int device() const { return options_.device; }
+  // The group of EnableSequenceParallel with devices (null otherwise), for benchmarks.
+  cuda::SequenceParallelGroup* sequence_parallel_group() const { return group_.get(); }
   // Events around the ring steps of the next sequence-parallel layer that runs (benchmarks);
   // null: none.
   void set_ring_step_events(cuda::RingStepEvents* events, int layer) {
@@ -108,10 +124,23 @@ class LlamaCuda : public ModelExecutor {
   }
 
   cudaStream_t stream() const { return stream_; }
-  int64_t weight_bytes() const { return weights_.bytes(); }
+  int64_t weight_bytes() const { return weights_->bytes(); }
 
  private:
+  friend class cuda::SequenceParallelGroup;
+  // Where a layer's K/V rows also go: a ring's send block and the rows' slots in it (none: null;
+  // no member initializers, so `{}` can be a default argument inside this class).
+  struct RingKvWrite {
+    const kernels::PagedKvView* view;
+    const int32_t* slots;
+  };
+
   LlamaCuda(const ModelConfig& config, const LlamaCudaOptions& options);
+  // Another rank of a sequence-parallel group on `device`: this model's weights (shared when
+  // `device` is this executor's), activations for `max_rows` rows, no graphs.
+  absl::StatusOr<std::unique_ptr<LlamaCuda>> LoadRank(int device, int max_rows) const;
+  // The step metadata for a KV cache of `block_size`.
+  absl::Status CreateStepMetadata(int block_size);
   absl::Status Init(const WeightStore& weights);
   absl::Status InitDevice();
   absl::Status UploadRopeTable();
@@ -137,7 +166,13 @@ class LlamaCuda : public ModelExecutor {
   // projection, RoPE and the KV write, attention, output projection into delta_.
   void EnqueueAttention(const cuda::CudaLayerWeights& l, int layer, const cuda::StepPlan& plan,
                         const kernels::PagedDecodeAttentionPlan& decode_plan, const kernels::PagedKvView& kv);
-  void EnqueueQkvRopeKvWrite(const cuda::CudaLayerWeights& l, int rows, const kernels::PagedKvView& kv);
+  // The sublayer up to its attention (norm, QKV, RoPE, K/V into kv and the ring's block, q into
+  // q_) and after it (output projection of attn_ into delta_).
+  void EnqueueAttentionInput(const cuda::CudaLayerWeights& l, bool first_layer, int rows,
+                             const kernels::PagedKvView& kv, RingKvWrite ring = {});
+  void EnqueueAttentionOutput(const cuda::CudaLayerWeights& l, int rows);
+  void EnqueueQkvRopeKvWrite(const cuda::CudaLayerWeights& l, int rows, const kernels::PagedKvView& kv,
+                             RingKvWrite ring);
   void EnqueueAttentionKernel(const cuda::StepPlan& plan, const kernels::PagedDecodeAttentionPlan& decode_plan,
                               const kernels::PagedKvView& kv, int layer);
   // One layer's MLP sublayer: norm (adding the attention output), gate/up with SiLU·mul, down
@@ -158,11 +193,12 @@ class LlamaCuda : public ModelExecutor {
 
   ModelConfig config_;
   LlamaCudaOptions options_;
+  std::string model_dir_;
   cudaStream_t stream_ = nullptr;
   int num_sms_ = 0;
   cuda::DeviceArena arena_;
   std::unique_ptr<cuda::CublasLinear> linear_;
-  cuda::CudaWeights weights_;
+  std::shared_ptr<const cuda::CudaWeights> weights_;  // shared by the sequence-parallel ranks on this device
   cuda::DeviceAllocation rope_table_;  // [max_model_len, head_dim / 2] float2
 
   // Activations, sized for max_num_batched_tokens (T) and max logits rows (R).
@@ -192,6 +228,7 @@ class LlamaCuda : public ModelExecutor {
   bool sp_step_ = false;
   cuda::RingStepEvents* ring_events_ = nullptr;
   int ring_events_layer_ = 0;
+  std::unique_ptr<cuda::SequenceParallelGroup> group_;  // EnableSequenceParallel with devices
 };
 
 }  // namespace duet

@@ -184,14 +184,18 @@ TEST(LlamaCuda, Bf16DraftTreeVerificationEagerMatchesCpu) {
 // zigzag chunks, chunk edges inside KV blocks) gives the CPU backend's logits for its last 7
 // tokens (the logits rows follow their tokens through the rank-major order), and the same as a
 // one-rank CUDA prefill; then decoding from the cache it wrote matches the CPU backend too.
-void ExpectSequenceParallelPrefillMatches(int ranks) {
+// devices empty: virtual ranks; else a group with a rank on each device.
+void ExpectSequenceParallelPrefillMatches(int ranks, const std::vector<int>& devices = {},
+                                          const std::string& transport = "peer") {
   BackendPair pair;
   LlamaCudaOptions options;
   auto one_rank = LlamaCuda::Load(ModelDir(), options);
   ASSERT_TRUE(one_rank.ok()) << one_rank.status();
   std::unique_ptr<KvCache> one_rank_cache = *(*one_rank)->CreateKvCache(BackendPair::kBlocks, BackendPair::kBlockSize);
-  ASSERT_TRUE(pair.gpu().EnableSequenceParallel(ranks, 64).ok());
+  const absl::Status enabled = pair.gpu().EnableSequenceParallel(ranks, 64, devices, transport);
+  ASSERT_TRUE(enabled.ok()) << enabled;
   ASSERT_EQ(pair.gpu().sequence_parallel_ranks(), ranks);
+  ASSERT_EQ(pair.gpu().sequence_parallel_devices(), devices);
   const int n = 2001;
   std::vector<int32_t> prompt(n), table = Range(300, (n + 40) / BackendPair::kBlockSize + 1);
   for (int i = 0; i < n; ++i) prompt[size_t(i)] = int32_t((i * 7919 + 13) % 8000 + 3);
@@ -200,8 +204,9 @@ void ExpectSequenceParallelPrefillMatches(int ranks) {
   const double cpu_error = pair.Step({chunk}, &sp_logits);
   ASSERT_TRUE((*one_rank)->Forward({chunk}, *one_rank_cache, one_rank_logits).ok());
   const double one_rank_error = RelativeError(sp_logits, one_rank_logits);
-  std::printf("%d ranks: prefill logits relative error %.2e against the CPU, %.2e against one CUDA rank\n", ranks,
-              cpu_error, one_rank_error);
+  const char* kind = devices.empty() ? "virtual" : "group";
+  std::printf("%d %s ranks: prefill logits relative error %.2e against the CPU, %.2e against one CUDA rank\n", ranks,
+              kind, cpu_error, one_rank_error);
   EXPECT_LT(cpu_error, 1e-2);
   EXPECT_LT(one_rank_error, 1e-2);
   for (int row = 0; row < 7; ++row) {
@@ -218,7 +223,7 @@ void ExpectSequenceParallelPrefillMatches(int ranks) {
     worst = std::max(worst, pair.Step({SequenceChunk{token, int64_t(n + step), table, 1, 1}}, &logits));
     next = Argmax(logits);
   }
-  std::printf("%d ranks: decode after it, worst logits relative error %.2e against the CPU\n", ranks, worst);
+  std::printf("%d %s ranks: decode after it, worst logits relative error %.2e against the CPU\n", ranks, kind, worst);
   EXPECT_LT(worst, 1e-2);
 }
 
@@ -235,6 +240,86 @@ TEST(LlamaCuda, Bf16SequenceParallelPrefillThreeRanks) {
 TEST(LlamaCuda, Bf16SequenceParallelPrefillEightRanks) {
   SKIP_WITHOUT_GPU();
   ExpectSequenceParallelPrefillMatches(8);
+}
+
+// A group of executors, one per rank (here all on GPU 0; on a multi-GPU machine the same code
+// spreads them): the same numerics as one rank.
+TEST(LlamaCuda, Bf16SequenceParallelGroupPrefillTwoRanks) {
+  SKIP_WITHOUT_GPU();
+  ExpectSequenceParallelPrefillMatches(2, {0, 0});
+}
+
+TEST(LlamaCuda, Bf16SequenceParallelGroupPrefillThreeRanks) {
+  SKIP_WITHOUT_GPU();
+  ExpectSequenceParallelPrefillMatches(3, {0, 0, 0});
+}
+
+TEST(LlamaCuda, Bf16SequenceParallelGroupPrefillFourRanksOnEveryGpu) {
+  SKIP_WITHOUT_GPU();
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  std::vector<int> devices;
+  for (int r = 0; r < 4; ++r) devices.push_back(r % count);  // one GPU: all on it
+  ExpectSequenceParallelPrefillMatches(4, devices);
+}
+
+// Device sampling through the group: the greedy token is the argmax of the group's logits, a
+// seeded draw repeats, and a short prompt (below --sp-min-tokens) runs on rank 0 alone.
+TEST(LlamaCuda, Bf16SequenceParallelGroupSamplesOnRankZero) {
+  SKIP_WITHOUT_GPU();
+  auto group = LlamaCuda::Load(ModelDir(), {});
+  ASSERT_TRUE(group.ok());
+  ASSERT_TRUE((*group)->EnableSequenceParallel(2, 512, {0, 0}).ok());
+  std::unique_ptr<KvCache> group_cache = *(*group)->CreateKvCache(BackendPair::kBlocks, BackendPair::kBlockSize);
+  for (int n : {1500, 100}) {
+    std::vector<int32_t> prompt(static_cast<size_t>(n)), table = Range(0, n / BackendPair::kBlockSize + 1);
+    for (int i = 0; i < n; ++i) prompt[size_t(i)] = int32_t((i * 104729 + 5) % 8000 + 3);
+    const SequenceChunk chunk{prompt, 0, table, 1, 1};
+    std::vector<float> logits;
+    ASSERT_TRUE((*group)->Forward({chunk}, *group_cache, logits).ok());
+    DeviceSamplingRow greedy;
+    greedy.temperature = 0.0f;
+    DeviceSamplingRow seeded;
+    seeded.temperature = 0.9f;
+    seeded.seed = 77;
+    std::vector<DeviceSample> a, b, c;
+    ASSERT_TRUE((*group)->ForwardSample({chunk}, *group_cache, {greedy}, a).ok());
+    ASSERT_TRUE((*group)->ForwardSample({chunk}, *group_cache, {seeded}, b).ok());
+    ASSERT_TRUE((*group)->ForwardSample({chunk}, *group_cache, {seeded}, c).ok());
+    ASSERT_EQ(a.size(), 1u);
+    EXPECT_EQ(a[0].token, Argmax(logits)) << n << " tokens";
+    EXPECT_EQ(b[0].token, c[0].token) << n << " tokens";
+  }
+}
+
+int GpuCount() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
+}
+
+// NCCL passes the blocks when every rank has a GPU of its own (skipped on one GPU).
+TEST(LlamaCuda, Bf16SequenceParallelGroupOverNcclMatchesOneRank) {
+  SKIP_WITHOUT_GPU();
+  if (GpuCount() < 2) GTEST_SKIP() << "one GPU: NCCL takes one rank per GPU";
+  ExpectSequenceParallelPrefillMatches(2, {0, 1}, "nccl");
+  if (GpuCount() >= 4) ExpectSequenceParallelPrefillMatches(4, {0, 1, 2, 3}, "nccl");
+}
+
+TEST(LlamaCuda, SequenceParallelGroupOverNcclNeedsAGpuPerRank) {
+  SKIP_WITHOUT_GPU();
+  auto model = LlamaCuda::Load(ModelDir(), {});
+  ASSERT_TRUE(model.ok());
+  const absl::Status s = (*model)->EnableSequenceParallel(2, 64, {0, 0}, "nccl");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ((*model)->sequence_parallel_ranks(), 1);
+}
+
+TEST(LlamaCuda, SequenceParallelGroupNeedsOneDevicePerRank) {
+  SKIP_WITHOUT_GPU();
+  auto model = LlamaCuda::Load(ModelDir(), {});
+  ASSERT_TRUE(model.ok());
+  EXPECT_EQ((*model)->EnableSequenceParallel(3, 64, {0, 0}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*model)->EnableSequenceParallel(2, 64, {1, 0}).code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(LlamaCuda, Bf16DeviceSamplingGreedyIsArgmaxAndSeededDrawsRepeat) {

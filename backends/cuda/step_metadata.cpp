@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -146,6 +147,47 @@ absl::StatusOr<StepPlan> StepMetadata::Plan(absl::Span<const SequenceChunk> chun
   plan.num_tokens = row;
   plan.num_seqs = int(chunks.size());
   plan.num_logit_rows = logit_row;
+  return plan;
+}
+
+absl::StatusOr<StepPlan> StepMetadata::PlanRows(const SequenceChunk& chunk, absl::Span<const int64_t> positions) {
+  const int64_t n = int64_t(chunk.tokens.size());
+  if (chunk.start_position != 0 || !chunk.tree_parents.empty()) {
+    return absl::InternalError("a sequence-parallel shard comes from a prompt chunk at position 0");
+  }
+  if (positions.empty() || int64_t(positions.size()) > limits_.max_num_batched_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("a shard of ", positions.size(), " rows does not fit a step of ",
+                                                   limits_.max_num_batched_tokens, " tokens"));
+  }
+  if (n > limits_.max_model_len) {
+    return absl::InvalidArgumentError(absl::StrCat("sequence reaches position ", n, " past max_model_len ",
+                                                   limits_.max_model_len));
+  }
+  if (n > int64_t(chunk.block_table.size()) * block_size_) return absl::InternalError("block table too short for the chunk");
+  if (chunk.num_logits < 0 || chunk.num_logits > n) return absl::InternalError("num_logits exceeds the chunk");
+  int32_t* meta = host();
+  const StepMetadataLayout& layout = layout_;
+  std::vector<std::pair<int64_t, int32_t>> logit_rows;  // (position, row)
+  for (size_t i = 0; i < positions.size(); ++i) {
+    const int64_t pos = positions[i];
+    if (pos < 0 || pos >= n) return absl::InternalError("shard position outside the chunk");
+    const int32_t id = chunk.tokens[size_t(pos)];
+    if (id < 0 || id >= limits_.vocab_size) return absl::InvalidArgumentError(absl::StrCat("token id ", id, " out of range"));
+    meta[layout.tokens + i] = id;
+    meta[layout.positions + i] = int32_t(pos);
+    meta[layout.slots + i] = chunk.block_table[size_t(pos / block_size_)] * block_size_ + int32_t(pos % block_size_);
+    if (pos >= n - chunk.num_logits) logit_rows.emplace_back(pos, int32_t(i));
+  }
+  std::sort(logit_rows.begin(), logit_rows.end());
+  for (size_t r = 0; r < logit_rows.size(); ++r) meta[layout.logit_rows + r] = logit_rows[r].second;
+  StepPlan plan;
+  plan.num_tokens = int(positions.size());
+  plan.num_seqs = 1;
+  plan.num_logit_rows = int(logit_rows.size());
+  plan.max_q_len = plan.num_tokens;
+  meta[layout.q_start] = 0;
+  meta[layout.q_start + 1] = plan.num_tokens;
+  meta[layout.context_lens] = 0;
   return plan;
 }
 

@@ -67,6 +67,12 @@ class StepMetadata {
 
   // Checks the chunks against the limits and writes their metadata to the host copy.
   absl::StatusOr<StepPlan> Plan(absl::Span<const SequenceChunk> chunks);
+  // A step of some rows of one prompt chunk starting at position 0 (a sequence-parallel rank's
+  // shard): row i is the token at chunk position positions[i], writing its K/V to the slot the
+  // chunk's block table gives it; the rows of the chunk's last num_logits positions give logits,
+  // in position order. Attention metadata (block tables, context lengths) is not written: the
+  // rank's ring attention has its own.
+  absl::StatusOr<StepPlan> PlanRows(const SequenceChunk& chunk, absl::Span<const int64_t> positions);
   // Reorders a planned one-sequence step's rows: row i takes the token that was row order[i]
   // (its id, position and slot); the logits rows follow their tokens, in their own order. For
   // sequence-parallel prefill, whose rows go rank-major (parallel/ring_schedule.h).

@@ -5,6 +5,13 @@
 //
 //   sp_prefill_bench --model DIR [--tokens 8192,32768,131072] [--ranks 2,4,8] [--repeats 3]
 //                    [--link-gbps 900]
+//   sp_prefill_bench --model DIR --devices 0,1,2,3 [--ranks 2,4] ...
+//
+// With --devices, the ranks are a group of executors (backends/cuda/sequence_parallel_group.h),
+// rank r on devices[r]: measured prefill time at each rank count against one rank, scaling
+// efficiency (1-rank time / (N x N-rank time)), the communication not hidden (how long a rank's
+// compute stream waited for ring blocks; the most and the mean over ranks) and the output check.
+// Devices may repeat: --devices 0,0,0,0 runs the group's code on one GPU (correct, not faster).
 //
 // Projection (stated assumptions, printed with the table):
 //   - per-rank attention = the virtual ranks' attention / N (zigzag balances the causal work);
@@ -30,6 +37,7 @@
 
 #include "backends/cuda/cublas_linear.h"
 #include "backends/cuda/llama_cuda.h"
+#include "backends/cuda/sequence_parallel_group.h"
 #include "bench/sample_stats.h"
 
 namespace duet {
@@ -133,6 +141,53 @@ absl::StatusOr<Run> Measure(LlamaCuda& model, KvCache& cache, const std::vector<
   return first;
 }
 
+// The group table (--devices): measured, not projected.
+int RunGroupBench(LlamaCuda& m, KvCache& cache, const std::vector<int>& tokens, const std::vector<int>& ranks,
+                  const std::vector<int>& devices, const std::string& transport, int repeats, int block_size) {
+  const ModelConfig& c = m.config();
+  std::printf("%7s %5s %-12s %9s %6s %10s %10s %8s %6s %10s %12s %12s\n", "tokens", "ranks", "devices", "rel_err",
+              "greedy", "1rank_ms", "group_ms", "speedup", "eff", "step_MiB", "exposed_max", "exposed_mean");
+  for (int t : tokens) {
+    std::mt19937 rng(static_cast<uint32_t>(t));
+    std::vector<int32_t> prompt(static_cast<size_t>(t)), table(static_cast<size_t>(t / block_size + 2));
+    for (int32_t& id : prompt) id = int32_t(rng() % uint32_t(c.vocab_size));
+    for (size_t i = 0; i < table.size(); ++i) table[i] = int32_t(i);
+    if (absl::Status s = m.EnableSequenceParallel(1, 0); !s.ok()) return 1;
+    absl::StatusOr<Run> one = Measure(m, cache, prompt, table, repeats);
+    if (!one.ok()) {
+      std::fprintf(stderr, "%d tokens, 1 rank: %s\n", t, std::string(one.status().message()).c_str());
+      return 1;
+    }
+    std::printf("%7d %5d %-12d %9s %6s %10.1f\n", t, 1, devices[0], "-", "-", one->ms);
+    for (int n : ranks) {
+      if (n < 2 || n > int(devices.size())) continue;
+      const std::vector<int> group_devices(devices.begin(), devices.begin() + n);
+      if (absl::Status s = m.EnableSequenceParallel(n, 1, group_devices, transport); !s.ok()) {
+        std::fprintf(stderr, "%d ranks: %s\n", n, std::string(s.message()).c_str());
+        return 1;
+      }
+      m.sequence_parallel_group()->set_measure_exposed(true);
+      absl::StatusOr<Run> sp = Measure(m, cache, prompt, table, repeats);
+      if (!sp.ok()) {
+        std::fprintf(stderr, "%d tokens, %d ranks: %s\n", t, n, std::string(sp.status().message()).c_str());
+        return 1;
+      }
+      const cuda::SequenceParallelGroup::Exposed& e = m.sequence_parallel_group()->last_exposed();
+      std::string names;
+      for (int d : group_devices) names += (names.empty() ? "" : ",") + std::to_string(d);
+      std::printf("%7d %5d %-12s %9.2e %6s %10.1f %10.1f %8.2f %5.0f%% %10.1f %12.2f %12.2f\n", t, n, names.c_str(),
+                  RelativeError(sp->logits, one->logits), Argmax(sp->logits) == Argmax(one->logits) ? "same" : "DIFF",
+                  one->ms, sp->ms, one->ms / sp->ms, 100.0 * one->ms / (n * sp->ms), double(e.step_bytes) / (1 << 20),
+                  e.max_rank_ms, e.mean_rank_ms);
+    }
+    if (absl::Status s = m.EnableSequenceParallel(1, 0); !s.ok()) return 1;  // frees the group
+  }
+  std::printf("transport %s; group_ms: median prefill (last-token logits to the host); eff: 1-rank time / (N x group time); "
+              "step_MiB: K+V one rank receives per ring step; exposed_*: ms a rank's compute waited for ring "
+              "blocks over the whole prefill (the last measured run)\n", transport.c_str());
+  return 0;
+}
+
 int RunBench(int argc, char** argv) {
   CLI::App app{"sequence-parallel prefill on virtual ranks of one GPU"};
   std::string model_dir;
@@ -144,6 +199,11 @@ int RunBench(int argc, char** argv) {
   app.add_option("--ranks", ranks)->delimiter(',');
   app.add_option("--repeats", repeats);
   app.add_option("--link-gbps", link_gbps, "inter-GPU bandwidth per GPU for the projection (GB/s)");
+  std::vector<int> devices;
+  app.add_option("--devices", devices, "a group of executors, rank r on devices[r] (measured, not projected)")
+      ->delimiter(',');
+  std::string transport = "peer";
+  app.add_option("--sp-transport", transport, "the group's ring transport: peer or nccl");
   CLI11_PARSE(app, argc, argv);
 
   const int max_tokens = *std::max_element(tokens.begin(), tokens.end());
@@ -152,6 +212,7 @@ int RunBench(int argc, char** argv) {
   options.max_num_batched_tokens = max_tokens;
   options.max_model_len = max_tokens + 64;
   options.cuda_graphs = false;
+  if (!devices.empty()) options.device = devices[0];
   auto model = LlamaCuda::Load(model_dir, options);
   if (!model.ok()) {
     std::fprintf(stderr, "load: %s\n", std::string(model.status().message()).c_str());
@@ -168,6 +229,7 @@ int RunBench(int argc, char** argv) {
   std::printf("model: %lld layers, hidden %lld, %lld heads / %lld KV heads x %lld; link %.0f GB/s (assumed)\n",
               (long long)c.num_layers, (long long)c.hidden_size, (long long)c.num_heads, (long long)c.num_kv_heads,
               (long long)c.head_dim, link_gbps);
+  if (!devices.empty()) return RunGroupBench(m, **cache, tokens, ranks, devices, transport, repeats, block_size);
   LayerGemmTimer gemms(c, max_tokens);
   std::printf("%7s %5s %9s %6s %10s %10s %8s %12s %10s %10s %10s %10s %12s %8s\n", "tokens", "ranks", "rel_err",
               "greedy", "1rank_ms", "virt_ms", "gemm_x", "rank_lyr_ms", "step_MiB", "link_us", "expos_us", "d2d_us",
