@@ -222,6 +222,13 @@ class WorkerSlot {
 }  // namespace
 
 int RunServe(const ServeOptions& options) {
+  const size_t sp_devices = options.engine.sequence_parallel.devices.size();
+  const int sp_ranks = std::max(options.prefill_sp_ranks, options.engine.sequence_parallel.ranks);
+  if (sp_devices > 0 && int(sp_devices) != sp_ranks) {
+    DUET_LOG(ERROR) << "--devices names " << sp_devices << " GPUs for " << sp_ranks
+                    << " sequence-parallel prefill ranks (--prefill-sp-ranks): give one per rank";
+    return 2;
+  }
   // Block the stop signals before starting children; they are awaited with sigtimedwait below.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
@@ -291,10 +298,15 @@ int RunServe(const ServeOptions& options) {
       for (std::string& f : InternalTlsFlags(options.internal_tls)) argv.push_back(std::move(f));
       for (std::string& f : EngineFlags(options)) argv.push_back(std::move(f));
       // Only prefill workers prefill: --sp-ranks (or --prefill-sp-ranks) is theirs.
-      const int sp_ranks = std::max(options.prefill_sp_ranks, options.engine.sequence_parallel.ranks);
       if (std::string_view(role) == "prefill" && sp_ranks > 1) {
         argv.insert(argv.end(), {"--sp-ranks", std::to_string(sp_ranks), "--sp-min-tokens",
                                  std::to_string(options.engine.sequence_parallel.min_tokens)});
+        // --devices: each prefill worker's group spans them (one executor per rank).
+        const std::vector<int>& devices = options.engine.sequence_parallel.devices;
+        if (!devices.empty()) {
+          argv.insert(argv.end(), {"--devices", absl::StrJoin(devices, ","), "--sp-transport",
+                                   options.engine.sequence_parallel.transport});
+        }
       }
       // Decode workers first, then prefill workers, on consecutive metrics ports.
       const int metrics_port = options.metrics_port <= 0 ? options.metrics_port

@@ -1,6 +1,7 @@
 // `duet generate` against Hugging Face transformers' float32 greedy continuations of the
 // bundled model (reference_greedy.json): every case, all at once (continuous batching) and one
 // at a time, with and without KV-cache pressure, and after a warm-up.
+#include <cstdlib>
 #include <fstream>
 
 #include "gtest/gtest.h"
@@ -65,6 +66,19 @@ TEST_F(GenerateReferenceTest, OneCaseAtATime) { ExpectReference("--max-num-seqs 
 // (ring attention); the continuation must be the reference's all the same.
 TEST_F(GenerateReferenceTest, SequenceParallelPrefillOnTwoThreeAndFourRanks) {
   for (int ranks : {2, 3, 4}) ExpectReference("--max-num-seqs 1 --sp-min-tokens 8 --sp-ranks " + std::to_string(ranks));
+}
+
+// --devices places sequence-parallel ranks on GPUs: the CPU backend (ranks on threads) refuses it,
+// and so does a count that does not match --sp-ranks, before anything runs.
+TEST_F(GenerateReferenceTest, DevicesAreForTheCudaBackendWithOnePerRank) {
+  const std::string base = testing::DuetBinary() + " generate --model " DUET_MODELS_DIR "/tiny-code-llama --input " +
+                           dir_ + "/in.jsonl --output " + dir_ + "/devices.jsonl ";
+  const std::string log = dir_ + "/devices.txt";
+  EXPECT_NE(std::system((base + "--backend cpu --sp-ranks 2 --devices 0,1 > " + log + " 2>&1").c_str()), 0);
+  EXPECT_NE(testing::ReadText(log).find("--devices is for the cuda backend"), std::string::npos)
+      << testing::ReadText(log);
+  EXPECT_NE(std::system((base + "--backend cpu --sp-transport carrier-pigeon > " + log + " 2>&1").c_str()), 0);
+  EXPECT_NE(testing::ReadText(log).find("--sp-transport"), std::string::npos) << testing::ReadText(log);
 }
 
 // The warm-up runs the first cases once and releases them; the batch then reuses their ids.

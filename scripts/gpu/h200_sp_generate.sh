@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: `duet generate --backend cuda` on long prompts with sequence-parallel
+# prefill three ways (one rank; virtual ranks; a group of executors on --devices), greedy, the
+# outputs compared. The virtual ranks and the group run the same kernels on the same rows, so
+# their tokens must be equal; against one rank, bf16 rounding of a different summation order may
+# flip a near tie of the random-weight model (the agreement is printed).
+#
+#   here:   TARGETS="duet" BUNDLE_DIR=.devbundle/gen scripts/gpu/make_bundle.sh
+#           cp models/tiny-code-llama/{config.json,tokenizer.json,tokenizer_config.json} .devbundle/gen/
+#           mv models /tmp/duet-models-hold
+#   device: BUNDLE_DIR=.devbundle/gen bash scripts/gpu/h200_sp_generate.sh      (carry .devbundle/gen)
+set -uo pipefail
+OUT=${OUT:-/tmp/duet-sp-generate-out}
+BUNDLE_DIR=${BUNDLE_DIR:-.devbundle/gen}
+mkdir -p "$OUT"
+tar -xJf "$BUNDLE_DIR/bundle.tar.xz" -C /tmp || exit 1
+source /tmp/devbundle/env.sh
+MODEL=/tmp/tiny-random
+python3 -c "
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+config = LlamaConfig.from_pretrained('$BUNDLE_DIR/config.json')
+torch.manual_seed(0)
+LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained('$MODEL', safe_serialization=True)
+" 2>&1 | grep -v Warning | tail -1
+cp "$BUNDLE_DIR/tokenizer.json" "$BUNDLE_DIR/tokenizer_config.json" "$MODEL/"
+python3 - <<'PY' > /tmp/sp_in.jsonl
+import json, random
+random.seed(7)
+for i, n in enumerate([1500, 3001, 4000, 700]):
+    ids = [random.randrange(3, 8000) for _ in range(n)]
+    print(json.dumps({"id": f"p{i}", "prompt_token_ids": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True}))
+PY
+run() {  # name, flags...
+  local name=$1; shift
+  duet generate --model "$MODEL" --backend cuda --input /tmp/sp_in.jsonl --output "$OUT/$name.jsonl" \
+    --max-num-batched-tokens 8192 --sp-min-tokens 1024 "$@" > "$OUT/$name.log" 2>&1
+  echo "$name: exit $?"
+}
+run one_rank
+run virtual3 --sp-ranks 3
+run group3 --sp-ranks 3 --devices 0,0,0
+run group2_nccl --sp-ranks 2 --devices 0,0 --sp-transport nccl  # must fail: NCCL takes a GPU per rank
+tail -2 "$OUT/group2_nccl.log"
+python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+def load(name):
+    rows = {}
+    for line in open(f"{out}/{name}.jsonl"):
+        r = json.loads(line)
+        rows[r["id"]] = r
+    return rows
+one, virt, group = load("one_rank"), load("virtual3"), load("group3")
+def ids(r):
+    for key in ("output_token_ids", "token_ids"):
+        if key in r: return r[key]
+    return r["outputs"][0]["token_ids"] if "outputs" in r else r.get("text")
+print(f"{'prompt':>7} {'tokens':>6} {'group==virtual':>15} {'agree with one rank':>20}")
+ok = True
+for k in sorted(one):
+    a, b, c = ids(one[k]), ids(virt[k]), ids(group[k])
+    same = b == c
+    ok &= same
+    agree = next((i for i, (x, y) in enumerate(zip(a, c)) if x != y), len(c))
+    n = len(json.loads(open('/tmp/sp_in.jsonl').readlines()[int(k[1:])])["prompt_token_ids"])
+    print(f"{k:>7} {n:>6} {str(same):>15} {agree:>14} of {len(c)}")
+print("group == virtual on every prompt:", ok)
+PY
