@@ -46,7 +46,8 @@ function renderObjects(valueFiles) {
   const result = render(valueFiles);
   assert.equal(result.status, 0, `helm_render failed:\n${result.stderr}`);
   const objects = [];
-  for (const doc of YAML.parseAllDocuments(result.stdout)) {
+  // YAML 1.1, as helm and kubectl read manifests (sigs.k8s.io/yaml): 0444 is octal.
+  for (const doc of YAML.parseAllDocuments(result.stdout, { version: '1.1' })) {
     assert.equal(doc.errors.length, 0, String(doc.errors));
     const obj = doc.toJS();
     if (obj !== null) objects.push(obj);
@@ -191,6 +192,14 @@ function checkConsistency(objects) {
         const port = probe.httpGet?.port ?? probe.tcpSocket?.port ?? probe.grpc?.port;
         if (typeof port === 'string') assert.ok(ports.has(port), `${c.name}: probe on unknown port ${port}`);
         else assert.ok(c.ports.some((p) => p.containerPort === port), `${c.name}: probe on unknown port ${port}`);
+      }
+    }
+    // Secret files belong to root (group fsGroup, when the pod sets one); the image runs as
+    // uid 10001 (deploy/docker/Dockerfile), so without fsGroup they must be readable by others.
+    if (pod.spec.securityContext?.fsGroup === undefined) {
+      for (const v of (pod.spec.volumes ?? []).filter((v) => v.secret)) {
+        const mode = v.secret.defaultMode ?? 0o644;
+        assert.ok(mode & 0o004, `${w.metadata.name}: volume ${v.name} mode 0${mode.toString(8)} is unreadable for uid 10001`);
       }
     }
     // Files the chart mounts (token, certificates) come from Secrets, read-only.

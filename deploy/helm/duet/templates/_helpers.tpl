@@ -113,15 +113,16 @@ app.kubernetes.io/component: {{ .role }}
     sizeLimit: {{ $m.initContainer.sizeLimit }}
 {{- end }}
 {{- if .Values.internalToken.enabled }}
+{{- /* 0444: Secret files belong to root and the image runs as uid 10001 with no fsGroup, so
+       0400 would be unreadable; the volume is this pod's alone and mounted read-only. */}}
 - name: internal-token
   secret:
     secretName: {{ include "duet.internalTokenSecret" . }}
-    defaultMode: 0400
+    defaultMode: 0444
 {{- end }}
 {{- if .Values.tls.internal.enabled }}
 {{- /* Every key listed: a Secret without one of them keeps the pod from starting, with an event
-       that names the key. 0444: Secret files belong to root and the image runs as uid 10001
-       (the pod sets no fsGroup); the volume is this pod's alone and mounted read-only. */}}
+       that names the key. 0444 as the token's. */}}
 - name: internal-tls
   secret:
     secretName: {{ .Values.tls.internal.existingSecret }}
