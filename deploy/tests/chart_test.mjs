@@ -7,7 +7,8 @@
 //    prometheus-operator and keda;
 //  - against each other: selectors match pod labels, Service ports name container ports, mounts
 //    have volumes, referenced ConfigMaps and Secrets exist, the router's discovery targets are
-//    the workers' headless Services;
+//    the workers' headless Services, every flag that names a file under /etc/duet names one a
+//    read-only Secret volume provides;
 //  - against what each value set asks for (replicas, GPUs, flags).
 // Bad values must be refused with the reason (values.schema.json, the chart's own checks).
 //
@@ -45,7 +46,8 @@ function renderObjects(valueFiles) {
   const result = render(valueFiles);
   assert.equal(result.status, 0, `helm_render failed:\n${result.stderr}`);
   const objects = [];
-  for (const doc of YAML.parseAllDocuments(result.stdout)) {
+  // YAML 1.1, as helm and kubectl read manifests (sigs.k8s.io/yaml): 0444 is octal.
+  for (const doc of YAML.parseAllDocuments(result.stdout, { version: '1.1' })) {
     assert.equal(doc.errors.length, 0, String(doc.errors));
     const obj = doc.toJS();
     if (obj !== null) objects.push(obj);
@@ -143,6 +145,22 @@ const component = (objects, role) => workloads(objects).find((o) => o.spec.templ
 const args = (w) => w.spec.template.spec.containers[0].args;
 const flag = (w, name) => args(w).find((a) => a.startsWith(`--${name}=`))?.slice(name.length + 3);
 
+// The Secret key behind `file` in workload w's container, through its volume mounts and the
+// volume's items: {secret, key, readOnly}, or undefined when no Secret volume provides the file.
+function secretFile(w, file) {
+  const pod = w.spec.template.spec;
+  const dir = (m) => m.mountPath.replace(/\/$/, '');
+  const mount = (pod.containers[0].volumeMounts ?? []).find((m) => file.startsWith(`${dir(m)}/`));
+  const volume = mount && (pod.volumes ?? []).find((v) => v.name === mount.name);
+  if (!volume?.secret) return undefined;
+  const relative = file.slice(dir(mount).length + 1);
+  const items = volume.secret.items;
+  const key = items ? items.find((i) => i.path === relative)?.key : relative;
+  if (key === undefined) return undefined;
+  return { secret: volume.secret.secretName, key, readOnly: mount.readOnly === true };
+}
+const tlsFlags = (w) => args(w).filter((a) => /^--(ssl-|internal-tls-)/.test(a));
+
 function checkConsistency(objects) {
   const names = new Set();
   for (const o of objects) {
@@ -175,6 +193,22 @@ function checkConsistency(objects) {
         if (typeof port === 'string') assert.ok(ports.has(port), `${c.name}: probe on unknown port ${port}`);
         else assert.ok(c.ports.some((p) => p.containerPort === port), `${c.name}: probe on unknown port ${port}`);
       }
+    }
+    // Secret files belong to root (group fsGroup, when the pod sets one); the image runs as
+    // uid 10001 (deploy/docker/Dockerfile), so without fsGroup they must be readable by others.
+    if (pod.spec.securityContext?.fsGroup === undefined) {
+      for (const v of (pod.spec.volumes ?? []).filter((v) => v.secret)) {
+        const mode = v.secret.defaultMode ?? 0o644;
+        assert.ok(mode & 0o004, `${w.metadata.name}: volume ${v.name} mode 0${mode.toString(8)} is unreadable for uid 10001`);
+      }
+    }
+    // Files the chart mounts (token, certificates) come from Secrets, read-only.
+    for (const a of args(w)) {
+      const file = /^--[a-z-]+=(\/etc\/duet\/.*)$/.exec(a)?.[1];
+      if (!file) continue;
+      const source = secretFile(w, file);
+      assert.ok(source, `${w.metadata.name}: ${a}: no Secret volume mounts that file`);
+      assert.ok(source.readOnly, `${w.metadata.name}: ${a}: mounted writable`);
     }
     if (w.kind === 'StatefulSet') {
       const svc = find(objects, 'Service', w.spec.serviceName);
@@ -212,10 +246,23 @@ function checkConsistency(objects) {
     assert.equal(flag(worker, 'port'), m[3]);
     assert.equal(flag(worker, 'model'), flag(router, 'model'), 'router and workers load the same model directory');
     const c = worker.spec.template.spec.containers[0];
-    assert.equal(c.readinessProbe.grpc.port, Number(m[3]), 'workers use the native gRPC probe');
+    if (flag(worker, 'internal-tls-ca-certs')) {
+      // Mutual TLS: the kubelet's gRPC probe cannot present a client certificate.
+      for (const probe of [c.startupProbe, c.readinessProbe]) {
+        assert.deepEqual([probe.grpc, probe.tcpSocket], [undefined, { port: 'grpc' }], `${role}: a TCP probe under mutual TLS`);
+      }
+    } else {
+      assert.equal(c.readinessProbe.grpc.port, Number(m[3]), 'workers use the native gRPC probe');
+    }
     assert.ok(worker.spec.template.spec.terminationGracePeriodSeconds > Number(flag(worker, 'shutdown-grace-seconds')));
   }
-  assert.equal(router.spec.template.spec.containers[0].readinessProbe.httpGet.path, '/health');
+  const routerProbe = router.spec.template.spec.containers[0].readinessProbe;
+  if (flag(router, 'ssl-cert-reqs') === '2') {
+    assert.deepEqual(routerProbe.tcpSocket, { port: 'http' }, 'no client certificate for the kubelet: a TCP probe');
+  } else {
+    assert.equal(routerProbe.httpGet.path, '/health');
+    assert.equal(routerProbe.httpGet.scheme, flag(router, 'ssl-certfile') ? 'HTTPS' : undefined, 'the probe speaks the port\'s protocol');
+  }
 }
 
 const gpus = (w) => w.spec.template.spec.containers[0].resources?.limits?.['nvidia.com/gpu'];
@@ -236,6 +283,7 @@ test('default values', async () => {
   assert.equal(flag(component(objects, 'router'), 'model'), '/opt/duet/models/tiny-code-llama');
   assert.ok(find(objects, 'Secret', 'duet-internal-token'), 'an internal token by default');
   assert.equal(objects.filter((o) => o.kind === 'NetworkPolicy').length, 3);
+  for (const w of workloads(objects)) assert.deepEqual(tlsFlags(w), [], `${w.metadata.name}: plaintext by default`);
 });
 
 test('CPU only', async () => {
@@ -329,6 +377,81 @@ test('API key and TLS', async () => {
   assert.equal(routerPolicy.spec.ingress[0].from[0].namespaceSelector.matchLabels['kubernetes.io/metadata.name'], 'ingress-nginx');
 });
 
+test('TLS: the router serves TLS, router and workers talk mutual TLS', async () => {
+  const objects = renderObjects([path.join(valuesDir, 'tls.yaml')]);
+  await checkAll(objects);
+  const router = component(objects, 'router');
+  const routerTls = { secret: 'duet-router-tls', readOnly: true };
+  const internalTls = { secret: 'duet-internal-tls', readOnly: true };
+  assert.deepEqual(secretFile(router, flag(router, 'ssl-certfile')), { ...routerTls, key: 'tls.crt' });
+  assert.deepEqual(secretFile(router, flag(router, 'ssl-keyfile')), { ...routerTls, key: 'tls.key' });
+  assert.equal(flag(router, 'ssl-ca-certs'), undefined, 'no client certificates asked for');
+  assert.equal(flag(router, 'ssl-cert-reqs'), undefined);
+  for (const w of [router, component(objects, 'prefill'), component(objects, 'decode')]) {
+    const name = w.metadata.name;
+    assert.deepEqual(secretFile(w, flag(w, 'internal-tls-certfile')), { ...internalTls, key: 'tls.crt' }, name);
+    assert.deepEqual(secretFile(w, flag(w, 'internal-tls-keyfile')), { ...internalTls, key: 'tls.key' }, name);
+    assert.deepEqual(secretFile(w, flag(w, 'internal-tls-ca-certs')), { ...internalTls, key: 'ca.crt' }, name);
+  }
+  // Discovery yields pod IPs: the router checks one name, the one the workers' certificate carries.
+  assert.equal(flag(router, 'internal-tls-server-name'), 'duet-workers.inference.svc');
+  for (const role of ['prefill', 'decode']) {
+    const w = component(objects, role);
+    assert.deepEqual(tlsFlags(w).map((a) => a.split('=')[0]).sort(),
+      ['--internal-tls-ca-certs', '--internal-tls-certfile', '--internal-tls-keyfile'], `${role}: the worker's flags only`);
+    assert.ok(!w.spec.template.spec.volumes.some((v) => v.secret?.secretName === 'duet-router-tls'), `${role}: the router's key stays on the router`);
+    const c = w.spec.template.spec.containers[0];
+    assert.deepEqual(c.startupProbe, { tcpSocket: { port: 'grpc' }, periodSeconds: 10, failureThreshold: 60 });
+    assert.deepEqual(c.readinessProbe, { tcpSocket: { port: 'grpc' }, periodSeconds: 5, failureThreshold: 2 });
+    assert.deepEqual(c.livenessProbe.tcpSocket, { port: 'grpc' });
+  }
+  const c = router.spec.template.spec.containers[0];
+  assert.deepEqual(c.readinessProbe.httpGet, { path: '/health', port: 'http', scheme: 'HTTPS' });
+  assert.deepEqual(c.livenessProbe.tcpSocket, { port: 'grpc' });
+  const service = find(objects, 'Service', 'duet-router');
+  assert.equal(service.spec.ports.find((p) => p.name === 'http').appProtocol, 'https');
+  // Duet's metrics exporters serve plain HTTP on every role's metrics port, TLS or not.
+  for (const w of workloads(objects)) {
+    const metricsPort = w.spec.template.spec.containers[0].ports.find((p) => p.name === 'metrics');
+    assert.equal(flag(w, 'metrics-port'), String(metricsPort.containerPort), `${w.metadata.name}: metrics port`);
+  }
+  const endpoints = [...find(objects, 'ServiceMonitor', 'duet').spec.endpoints,
+    ...find(objects, 'PodMonitor', 'duet').spec.podMetricsEndpoints];
+  assert.equal(endpoints.length, 2);
+  for (const e of endpoints) {
+    assert.equal(e.port, 'metrics');
+    assert.ok([undefined, 'http'].includes(e.scheme), `scheme ${e.scheme}: the metrics ports speak plain HTTP`);
+    assert.equal(e.tlsConfig, undefined);
+  }
+});
+
+test('TLS: client certificates required by the router', async () => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'duet-chart-'));
+  const sameSecret = path.join(dir, 'same.yaml');
+  const ownCa = path.join(dir, 'own-ca.yaml');
+  fs.writeFileSync(sameSecret, `tls: {router: {enabled: true, existingSecret: duet-router-tls, clientCertRequired: true}}
+router: {probes: {liveness: {tcpSocket: null, grpc: {port: 50051}}}}
+`);
+  fs.writeFileSync(ownCa, 'tls: {router: {enabled: true, existingSecret: duet-router-tls, clientCertRequired: true, clientCaSecret: duet-client-ca}}\n');
+  const withSameSecret = renderObjects([sameSecret]);
+  const withOwnCa = renderObjects([ownCa]);
+  fs.rmSync(dir, { recursive: true });
+  await checkAll(withSameSecret);
+  await checkAll(withOwnCa);
+  let router = component(withSameSecret, 'router');
+  assert.equal(flag(router, 'ssl-cert-reqs'), '2');
+  assert.deepEqual(secretFile(router, flag(router, 'ssl-ca-certs')), { secret: 'duet-router-tls', key: 'ca.crt', readOnly: true });
+  const c = router.spec.template.spec.containers[0];
+  // The kubelet has no client certificate: TCP probes (a gRPC probe speaks no TLS either).
+  assert.deepEqual(c.readinessProbe, { tcpSocket: { port: 'http' }, periodSeconds: 5, failureThreshold: 3 });
+  assert.deepEqual(c.livenessProbe, { tcpSocket: { port: 50051 }, periodSeconds: 10, failureThreshold: 6 });
+  for (const w of workloads(withSameSecret)) assert.equal(flag(w, 'internal-tls-ca-certs'), undefined, 'internal TLS is separate');
+  router = component(withOwnCa, 'router');
+  assert.deepEqual(secretFile(router, flag(router, 'ssl-ca-certs')), { secret: 'duet-client-ca', key: 'ca.crt', readOnly: true });
+  const routerTls = router.spec.template.spec.volumes.find((v) => v.secret?.secretName === 'duet-router-tls');
+  assert.deepEqual(routerTls.secret.items.map((i) => i.key), ['tls.crt', 'tls.key'], 'ca.crt is not needed from it');
+});
+
 // ---- values the chart refuses ------------------------------------------------------------------
 
 function refuses(values, reason) {
@@ -348,6 +471,8 @@ test('values the schema refuses', () => {
   refuses('modelArtifacts: {source: s3}\n', /modelArtifacts\.source must be one of the following/);
   refuses('prefill: {parallelism: {sequence: 0}}\n', /prefill\.parallelism\.sequence: Must be greater than or equal to 1/);
   refuses('router: {grpcPort: 70000}\n', /router\.grpcPort: Must be less than or equal to 65535/);
+  refuses('tls: {internal: {secretName: x}}\n', /Additional property secretName is not allowed/);
+  refuses('tls: {router: {clientCertRequired: "yes"}}\n', /tls\.router\.clientCertRequired: Invalid type\. Expected: boolean/);
 });
 
 test('values the chart refuses with its reason', () => {
@@ -356,6 +481,10 @@ test('values the chart refuses with its reason', () => {
   refuses('backend: cpu\n', /prefill\.gpusPerPod is 1 but backend is cpu/);
   refuses('decode: {terminationGracePeriodSeconds: 30, shutdownGraceSeconds: 30}\n', /must exceed decode\.shutdownGraceSeconds/);
   refuses('tls: {enabled: true, secretName: x}\n', /set router\.ingress\.enabled too/);
+  refuses('tls: {router: {enabled: true}}\n', /tls\.router\.enabled needs tls\.router\.existingSecret: a kubernetes\.io\/tls Secret/);
+  refuses('tls: {internal: {enabled: true}}\n', /tls\.internal\.enabled needs tls\.internal\.existingSecret: a Secret with tls\.crt, tls\.key and ca\.crt/);
+  refuses('tls: {router: {clientCertRequired: true}}\n', /tls\.router\.clientCertRequired needs tls\.router\.enabled/);
+  refuses('tls: {router: {enabled: true, existingSecret: s, clientCaSecret: ca}}\n', /tls\.router\.clientCaSecret is only used with tls\.router\.clientCertRequired/);
 });
 
 test('the renderer follows Helm: values files merge, null deletes, a template error fails', () => {

@@ -65,7 +65,36 @@ app.kubernetes.io/component: {{ .role }}
 {{- .Values.internalToken.existingSecret | default (printf "%s-internal-token" (include "duet.fullname" .)) -}}
 {{- end -}}
 
-{{/* Volumes every Duet pod has: the model, the internal token. */}}
+{{/* Where the TLS Secrets are mounted (read-only), and the files the flags name. */}}
+{{- define "duet.routerTlsDir" -}}/etc/duet/tls/router{{- end -}}
+{{- define "duet.routerClientCaDir" -}}/etc/duet/tls/router-client-ca{{- end -}}
+{{- define "duet.internalTlsDir" -}}/etc/duet/tls/internal{{- end -}}
+
+{{/* The name every worker's certificate carries (a DNS SAN), which the router checks instead of
+     the pod IPs discovery yields (--internal-tls-server-name). */}}
+{{- define "duet.internalTlsServerName" -}}
+{{- .Values.tls.internal.serverName | default (printf "%s-workers.%s.svc" (include "duet.fullname" .) .Release.Namespace) -}}
+{{- end -}}
+
+{{/* Refuses TLS settings that cannot work, with the value to set. Included by router.yaml. */}}
+{{- define "duet.validateTls" -}}
+{{- $rt := .Values.tls.router -}}
+{{- $it := .Values.tls.internal -}}
+{{- if and $rt.enabled (not $rt.existingSecret) -}}
+{{- fail "tls.router.enabled needs tls.router.existingSecret: a kubernetes.io/tls Secret with tls.crt and tls.key (and ca.crt for tls.router.clientCertRequired), e.g. from cert-manager" -}}
+{{- end -}}
+{{- if and $rt.clientCertRequired (not $rt.enabled) -}}
+{{- fail "tls.router.clientCertRequired needs tls.router.enabled (client certificates are checked by the router's own TLS)" -}}
+{{- end -}}
+{{- if and $rt.clientCaSecret (not $rt.clientCertRequired) -}}
+{{- fail "tls.router.clientCaSecret is only used with tls.router.clientCertRequired: set both or neither" -}}
+{{- end -}}
+{{- if and $it.enabled (not $it.existingSecret) -}}
+{{- fail "tls.internal.enabled needs tls.internal.existingSecret: a Secret with tls.crt, tls.key and ca.crt (the certificate every worker serves and the router presents, and the CA that signed it)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Volumes every Duet pod has: the model, the internal token, the internal TLS certificate. */}}
 {{- define "duet.volumes" -}}
 {{- $m := .Values.modelArtifacts -}}
 {{- if eq $m.source "pvc" }}
@@ -84,10 +113,24 @@ app.kubernetes.io/component: {{ .role }}
     sizeLimit: {{ $m.initContainer.sizeLimit }}
 {{- end }}
 {{- if .Values.internalToken.enabled }}
+{{- /* 0444: Secret files belong to root and the image runs as uid 10001 with no fsGroup, so
+       0400 would be unreadable; the volume is this pod's alone and mounted read-only. */}}
 - name: internal-token
   secret:
     secretName: {{ include "duet.internalTokenSecret" . }}
-    defaultMode: 0400
+    defaultMode: 0444
+{{- end }}
+{{- if .Values.tls.internal.enabled }}
+{{- /* Every key listed: a Secret without one of them keeps the pod from starting, with an event
+       that names the key. 0444 as the token's. */}}
+- name: internal-tls
+  secret:
+    secretName: {{ .Values.tls.internal.existingSecret }}
+    defaultMode: 0444
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+      - {key: ca.crt, path: ca.crt}
 {{- end }}
 {{- end -}}
 
@@ -100,6 +143,11 @@ app.kubernetes.io/component: {{ .role }}
 {{- if .Values.internalToken.enabled }}
 - name: internal-token
   mountPath: /etc/duet/internal-token
+  readOnly: true
+{{- end }}
+{{- if .Values.tls.internal.enabled }}
+- name: internal-tls
+  mountPath: {{ include "duet.internalTlsDir" . }}
   readOnly: true
 {{- end }}
 {{- end -}}
@@ -134,6 +182,42 @@ initContainers:
 {{- if .Values.internalToken.enabled }}
 - --internal-token-file=/etc/duet/internal-token/{{ .Values.internalToken.secretKey }}
 {{- end }}
+{{- end -}}
+
+{{/* Mutual TLS between the router and its workers, the same files on both sides: a worker
+     serves tls.crt and requires a client certificate ca.crt signed; the router verifies the
+     workers against ca.crt (for the name duet.internalTlsServerName) and presents tls.crt. */}}
+{{- define "duet.internalTlsArgs" -}}
+{{- if .Values.tls.internal.enabled }}
+{{- $dir := include "duet.internalTlsDir" . }}
+- --internal-tls-certfile={{ $dir }}/tls.crt
+- --internal-tls-keyfile={{ $dir }}/tls.key
+- --internal-tls-ca-certs={{ $dir }}/ca.crt
+{{- end }}
+{{- end -}}
+
+{{/* A probe of the router, fitted to its own TLS (tls.router):
+     - httpGet gets scheme HTTPS (the kubelet does not verify the certificate);
+     - with clientCertRequired an httpGet probe becomes a tcpSocket probe of the same port: the
+       kubelet cannot present a client certificate, so the handshake would fail every time;
+     - a grpc probe becomes tcpSocket too: the kubelet's gRPC probes speak plaintext only.
+     Without router TLS the probe is as given. (dict "root" $ "probe" <probe>) */}}
+{{- define "duet.routerProbe" -}}
+{{- $probe := deepCopy .probe -}}
+{{- $rt := .root.Values.tls.router -}}
+{{- if $rt.enabled -}}
+{{- if and (hasKey $probe "httpGet") $rt.clientCertRequired -}}
+{{- $_ := set $probe "tcpSocket" (dict "port" $probe.httpGet.port) -}}
+{{- $_ := unset $probe "httpGet" -}}
+{{- else if hasKey $probe "httpGet" -}}
+{{- $_ := set $probe.httpGet "scheme" "HTTPS" -}}
+{{- end -}}
+{{- if hasKey $probe "grpc" -}}
+{{- $_ := set $probe "tcpSocket" (dict "port" $probe.grpc.port) -}}
+{{- $_ := unset $probe "grpc" -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $probe -}}
 {{- end -}}
 
 {{/* A flag with a value, left out when the value is 0 or empty (Duet's default then). */}}
