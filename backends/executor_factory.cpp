@@ -3,6 +3,8 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
 #include "backends/cpu/llama_cpu.h"
 #include "model/model_config.h"
 #ifdef DUET_HAVE_CUDA
@@ -40,6 +42,13 @@ absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadCudaExecutor(const EngineConf
   absl::Status sp = (*cuda)->EnableSequenceParallel(config.sequence_parallel.ranks, config.sequence_parallel.min_tokens,
                                                     devices, config.sequence_parallel.transport);
   if (!sp.ok()) return sp;
+  if (config.sequence_parallel.ranks > 1) {
+    DUET_LOG(INFO) << "sequence-parallel prefill: " << config.sequence_parallel.ranks << " ranks, "
+                   << (devices.empty() ? "virtual on GPU " + std::to_string(options.device)
+                                       : "one executor per rank on GPUs " + absl::StrJoin(devices, ",") +
+                                             " (ring blocks by " + config.sequence_parallel.transport + ")")
+                   << ", prompts of at least " << config.sequence_parallel.min_tokens << " tokens";
+  }
   return std::unique_ptr<ModelExecutor>(std::move(*cuda));
 }
 

@@ -3,7 +3,9 @@
 # prefill three ways (one rank; virtual ranks; a group of executors on --devices), greedy, the
 # outputs compared. The virtual ranks and the group run the same kernels on the same rows, so
 # their tokens must be equal; against one rank, bf16 rounding of a different summation order may
-# flip a near tie of the random-weight model (the agreement is printed).
+# flip a near tie of the random-weight model (the agreement is printed). Then the cluster
+# (`duet serve`: router, a prefill worker whose group of 2 ranks shares the GPU, a decode worker)
+# on the same prompts over HTTP: its text must equal duet generate's with the same group.
 #
 #   here:   TARGETS="duet" BUNDLE_DIR=.devbundle/gen scripts/gpu/make_bundle.sh
 #           cp models/tiny-code-llama/{config.json,tokenizer.json,tokenizer_config.json} .devbundle/gen/
@@ -67,3 +69,32 @@ for k in sorted(one):
     print(f"{k:>7} {n:>6} {str(same):>15} {agree:>14} of {len(c)}")
 print("group == virtual on every prompt:", ok)
 PY
+
+echo "== duet serve --prefill-sp-ranks 2 --devices 0,0"
+run group2 --sp-ranks 2 --devices 0,0
+duet serve --model "$MODEL" --backend cuda --gpu-memory-utilization 0.5 --max-num-batched-tokens 8192 \
+  --prefill-sp-ranks 2 --devices 0,0 --sp-min-tokens 1024 --grpc-port 50151 --http-port 8151 > "$OUT/serve.log" 2>&1 &
+SERVE=$!
+for _ in $(seq 120); do curl -sf localhost:8151/health > /dev/null && break; sleep 1; done
+python3 - "$OUT" <<'PY'
+import json, sys, urllib.request
+out = sys.argv[1]
+# The HTTP API returns text: greedy tokens equal give equal text.
+want = {json.loads(l)["id"]: json.loads(l)["text"] for l in open(f"{out}/group2.jsonl")}
+same = 0
+rows = [json.loads(l) for l in open("/tmp/sp_in.jsonl")]
+for r in rows:
+    body = {"model": "tiny-random", "prompt": r["prompt_token_ids"], "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}
+    req = urllib.request.Request("http://localhost:8151/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    reply = json.load(urllib.request.urlopen(req, timeout=120))
+    choice = reply["choices"][0]
+    got = choice["text"]
+    ok = got == want[r["id"]]
+    same += ok
+    print(f"{r['id']}: {len(r['prompt_token_ids'])} prompt tokens, cluster == duet generate (group of 2): {ok}")
+print(f"cluster equal on {same} of {len(rows)} prompts")
+PY
+grep -E "sequence-parallel|error|ERROR" "$OUT/serve.log" | head -5
+kill -TERM $SERVE; wait $SERVE
