@@ -2,14 +2,41 @@
 // one user message) to Generate and prints the streamed text as it arrives.
 #include <cstdio>
 
+#include "absl/status/statusor.h"
+#include "cli/api_key.h"
 #include "cli/commands.h"
 #include "duet/v1/duet.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "rpc/tls.h"
 
 namespace duet {
+namespace {
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> Credentials(const CompleteOptions& options) {
+  const rpc::TlsFiles& files = options.tls_files;
+  if (!files.ca_certs.empty() || !files.certfile.empty() || !files.keyfile.empty()) {
+    absl::StatusOr<std::optional<rpc::TlsMaterial>> tls = rpc::LoadClientTls(files, "--ssl-");
+    if (!tls.ok()) return tls.status();
+    return rpc::ChannelCredentials(**tls);
+  }
+  if (options.tls || !options.tls_server_name.empty()) return grpc::SslCredentials({});  // the system's roots
+  return grpc::InsecureChannelCredentials();
+}
+
+}  // namespace
 
 int RunComplete(const CompleteOptions& options) {
-  auto stub = v1::Duet::NewStub(grpc::CreateChannel(options.address, grpc::InsecureChannelCredentials()));
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials = Credentials(options);
+  absl::StatusOr<std::string> api_key = LoadApiKey(options.api_key, options.api_key_file);
+  for (const absl::Status& s : {credentials.status(), api_key.status()}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "duet complete: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
+  }
+  grpc::ChannelArguments args;
+  if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  auto stub = v1::Duet::NewStub(grpc::CreateCustomChannel(options.address, *credentials, args));
   v1::GenerateRequest request;
   if (options.chat) {
     if (!options.system.empty()) {
@@ -25,7 +52,9 @@ int RunComplete(const CompleteOptions& options) {
   }
   request.mutable_sampling()->set_max_tokens(options.max_tokens);
   request.mutable_sampling()->set_temperature(options.temperature);
+  request.mutable_sampling()->set_ignore_eos(options.ignore_eos);
   grpc::ClientContext ctx;
+  if (!api_key->empty()) ctx.AddMetadata("authorization", "Bearer " + *api_key);
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(options.timeout_s));
   auto reader = stub->Generate(&ctx, request);
   v1::GenerateResponse msg;

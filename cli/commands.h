@@ -73,6 +73,13 @@ struct CompleteOptions {
   int timeout_s = 120;
   bool chat = false;   // the prompt as a chat's user message (the router applies the template)
   std::string system;  // chat: a system message first, when not empty
+  bool ignore_eos = false;
+  // TLS to the router: with ca_certs (or a client certificate) the server is verified against
+  // that CA; with only `tls`, against the system's roots; neither: plaintext.
+  bool tls = false;
+  rpc::TlsFiles tls_files;
+  std::string tls_server_name;  // the name the certificate must carry, when not the address's host
+  std::string api_key, api_key_file;  // else $DUET_API_KEY
 };
 int RunComplete(const CompleteOptions& options);
 

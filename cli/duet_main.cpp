@@ -114,6 +114,17 @@ int main(int argc, char** argv) {
       "--chat", complete.chat, "Send the prompt as a user message, through the model's chat template");
   complete_cmd->add_option("--system", complete.system, "With --chat: a system message before the prompt")
       ->needs(chat_flag);
+  complete_cmd->add_flag("--ignore-eos", complete.ignore_eos, "Generate max-tokens tokens even past end-of-sequence");
+  complete_cmd->add_flag("--tls", complete.tls, "Connect with TLS, verifying the router against the system's CAs");
+  complete_cmd->add_option("--ssl-ca-certs", complete.tls_files.ca_certs,
+                           "Connect with TLS, verifying the router's certificate against these PEM CAs");
+  complete_cmd->add_option("--ssl-certfile", complete.tls_files.certfile,
+                           "PEM client certificate, for a router that asks for one (--ssl-cert-reqs)");
+  complete_cmd->add_option("--ssl-keyfile", complete.tls_files.keyfile, "PEM private key of --ssl-certfile");
+  complete_cmd->add_option("--ssl-server-name", complete.tls_server_name,
+                           "The name the router's certificate must carry, when not --address's host");
+  complete_cmd->add_option("--api-key", complete.api_key, "Bearer token for a router with --api-key (visible in ps)");
+  complete_cmd->add_option("--api-key-file", complete.api_key_file, duet::kApiKeyFileHelp);
 
   duet::RoleCommands roles(app);
 

@@ -111,6 +111,32 @@ TEST(ClusterTlsTest, ServeWithTlsEverywhereServesAndEqualsPlainGreedy) {
     tls_results.push_back(result);
   }
 
+  // duet complete over TLS with the key from a file: the text of the same request over gRPC;
+  // without the key, or without TLS, it fails.
+  std::string want;
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", std::string("Bearer ") + kKey);
+    auto reader = router->Generate(&ctx, Greedy("def fib(n):"));
+    for (v1::GenerateResponse msg; reader->Read(&msg);) want += msg.text();
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  const std::string complete = absl::StrCat(testing::DuetBinary(), " complete --address localhost:", *grpc_port,
+                                            " --prompt 'def fib(n):' --max-tokens ", kMaxTokens,
+                                            " --ignore-eos --ssl-ca-certs ", ca);
+  ASSERT_EQ(testing::RunCommand(absl::StrCat(complete, " --api-key-file ", dir, "/api_key > ", dir, "/complete.txt"),
+                                dir + "/complete.log"),
+            0)
+      << testing::ReadText(dir + "/complete.log");
+  EXPECT_EQ(testing::ReadText(dir + "/complete.txt"), want);
+  EXPECT_NE(testing::RunCommand(complete + " > /dev/null", dir + "/complete_no_key.log"), 0);
+  EXPECT_NE(testing::ReadText(dir + "/complete_no_key.log").find("API key"), std::string::npos)
+      << testing::ReadText(dir + "/complete_no_key.log");
+  EXPECT_NE(testing::RunCommand(absl::StrCat(testing::DuetBinary(), " complete --address localhost:", *grpc_port,
+                                             " --prompt hi --max-tokens 2 --api-key-file ", dir, "/api_key > /dev/null"),
+                                dir + "/complete_plain.log"),
+            0);
+
   // HTTPS with curl, checking the certificate against the CA for "localhost" (a DNS SAN).
   const nlohmann::json body = {{"prompt", kPrompts[0]}, {"max_tokens", kMaxTokens}, {"temperature", 0},
                                {"ignore_eos", true}};
