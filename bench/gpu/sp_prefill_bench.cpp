@@ -141,6 +141,21 @@ absl::StatusOr<Run> Measure(LlamaCuda& model, KvCache& cache, const std::vector<
   return first;
 }
 
+// `t` token ids drawn with seed t (the same prompt for every rank count).
+std::vector<int32_t> RandomPrompt(int t, int64_t vocab_size) {
+  std::mt19937 rng(static_cast<uint32_t>(t));
+  std::vector<int32_t> prompt(static_cast<size_t>(t));
+  for (int32_t& id : prompt) id = int32_t(rng() % uint32_t(vocab_size));
+  return prompt;
+}
+
+// Blocks 0, 1, 2, ... for a prompt of `t` tokens.
+std::vector<int32_t> IdentityBlockTable(int t, int block_size) {
+  std::vector<int32_t> table(static_cast<size_t>(t / block_size + 2));
+  for (size_t i = 0; i < table.size(); ++i) table[i] = int32_t(i);
+  return table;
+}
+
 // The group table (--devices): measured, not projected.
 int RunGroupBench(LlamaCuda& m, KvCache& cache, const std::vector<int>& tokens, const std::vector<int>& ranks,
                   const std::vector<int>& devices, const std::string& transport, int repeats, int block_size) {
@@ -148,10 +163,8 @@ int RunGroupBench(LlamaCuda& m, KvCache& cache, const std::vector<int>& tokens, 
   std::printf("%7s %5s %-12s %9s %6s %10s %10s %8s %6s %10s %12s %12s\n", "tokens", "ranks", "devices", "rel_err",
               "greedy", "1rank_ms", "group_ms", "speedup", "eff", "step_MiB", "exposed_max", "exposed_mean");
   for (int t : tokens) {
-    std::mt19937 rng(static_cast<uint32_t>(t));
-    std::vector<int32_t> prompt(static_cast<size_t>(t)), table(static_cast<size_t>(t / block_size + 2));
-    for (int32_t& id : prompt) id = int32_t(rng() % uint32_t(c.vocab_size));
-    for (size_t i = 0; i < table.size(); ++i) table[i] = int32_t(i);
+    const std::vector<int32_t> prompt = RandomPrompt(t, c.vocab_size);
+    const std::vector<int32_t> table = IdentityBlockTable(t, block_size);
     if (absl::Status s = m.EnableSequenceParallel(1, 0); !s.ok()) return 1;
     absl::StatusOr<Run> one = Measure(m, cache, prompt, table, repeats);
     if (!one.ok()) {
@@ -236,10 +249,8 @@ int RunBench(int argc, char** argv) {
               "proj_ms", "eff");
   const double layers = double(c.num_layers);
   for (int t : tokens) {
-    std::mt19937 rng(static_cast<uint32_t>(t));
-    std::vector<int32_t> prompt(static_cast<size_t>(t)), table(static_cast<size_t>(t / block_size + 2));
-    for (int32_t& id : prompt) id = int32_t(rng() % uint32_t(c.vocab_size));
-    for (size_t i = 0; i < table.size(); ++i) table[i] = int32_t(i);
+    const std::vector<int32_t> prompt = RandomPrompt(t, c.vocab_size);
+    const std::vector<int32_t> table = IdentityBlockTable(t, block_size);
     if (absl::Status s = m.EnableSequenceParallel(1, 0); !s.ok()) return 1;
     absl::StatusOr<Run> one = Measure(m, **cache, prompt, table, repeats);
     if (!one.ok()) {
