@@ -191,8 +191,10 @@ void FakeDecodeWorker::SetScript(std::vector<std::string> texts, std::string fin
   script_finish_reason_ = std::move(finish_reason);
 }
 
-grpc::Status FakeDecodeWorker::Abort(grpc::ServerContext*, const v1::WorkerAbortRequest* request,
+grpc::Status FakeDecodeWorker::Abort(grpc::ServerContext* context, const v1::WorkerAbortRequest* request,
                                      v1::WorkerAbortResponse* response) {
+  while (stalled) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "the Abort call was cancelled");
   absl::MutexLock lock(&mu_);
   aborted_.push_back(request->request_id());
   return grpc::Status::OK;

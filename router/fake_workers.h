@@ -73,6 +73,9 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
   // ReserveKv reserves after this long even if its call was cancelled meanwhile (as a worker
   // whose answer crosses the router's cancellation).
   std::atomic<int> reserve_delay_ms{0};
+  // While set, Abort waits (as a call to a SIGSTOPped worker waits in its socket) and, once it is
+  // cleared, drops a call whose client has given up meanwhile (as a resumed worker would).
+  std::atomic<bool> stalled{false};
   std::atomic<bool> kv_full{false};           // ReserveKv returns RESOURCE_EXHAUSTED
   std::atomic<int> fail_after_tokens{-1};     // Decode returns UNAVAILABLE after this many tokens
   std::atomic<int> free_blocks{100};

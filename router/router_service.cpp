@@ -1076,22 +1076,8 @@ void RouterService::GenerateCall::EndInterrupted() {
 }
 
 void RouterService::GenerateCall::AbortOnWorker(Worker* worker) {
-  if (worker == nullptr || !worker->up()) return;
-  struct Pending {
-    grpc::ClientContext context;
-    v1::WorkerAbortRequest request;
-    v1::WorkerAbortResponse response;
-  };
-  auto pending = std::make_shared<Pending>();
-  pending->context.set_deadline(absl::ToChronoTime(absl::Now() + service_->options_.abort_timeout));
-  pending->request.set_request_id(prepared_.request_id);
-  // Holds the call (and so the service) until the worker has answered; the context goes first.
-  auto done = [pending, self = shared_from_this()](grpc::Status) mutable { pending.reset(); };
-  if (worker->prefill() != nullptr) {
-    worker->prefill()->async()->Abort(&pending->context, &pending->request, &pending->response, std::move(done));
-  } else {
-    worker->decode()->async()->Abort(&pending->context, &pending->request, &pending->response, std::move(done));
-  }
+  // Also to a worker marked down: a stalled one that comes back still holds the request's blocks.
+  service_->aborts_->Send(worker, prepared_.request_id);
 }
 
 void RouterService::GenerateCall::EndWithAbortMessage() {
@@ -1194,6 +1180,7 @@ RouterService::RouterService(RouterServiceOptions options, const Tokenizer* toke
                                                       std::max<int64_t>(1, options_.max_model_len));
   admission_ = std::make_unique<AdmissionQueue>(options_.max_concurrent_requests, options_.max_queued_requests);
   prefill_gate_ = std::make_unique<PrefillGate>(options_.max_prefill_tokens_per_worker, registry_);
+  aborts_ = std::make_unique<WorkerAborts>(std::max(options_.abort_timeout, absl::Milliseconds(options_.kv_lease_ms)));
   absl::BitGen gen;
   next_transfer_id_.store(absl::Uniform<uint64_t>(gen) | 1);
   chat_context_.model_name = options_.model_name;
