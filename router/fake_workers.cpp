@@ -197,6 +197,7 @@ grpc::Status FakeDecodeWorker::Abort(grpc::ServerContext* context, const v1::Wor
   if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "the Abort call was cancelled");
   absl::MutexLock lock(&mu_);
   aborted_.push_back(request->request_id());
+  aborted_release_now_.push_back(request->release_now());
   return grpc::Status::OK;
 }
 
@@ -212,6 +213,11 @@ grpc::Status FakeDecodeWorker::GetStats(grpc::ServerContext*, const v1::GetStats
 std::vector<std::string> FakeDecodeWorker::aborted() const {
   absl::MutexLock lock(&mu_);
   return aborted_;
+}
+
+std::vector<bool> FakeDecodeWorker::aborted_release_now() const {
+  absl::MutexLock lock(&mu_);
+  return aborted_release_now_;
 }
 
 uint64_t FakeDecodeWorker::last_transfer_id() const {

@@ -696,6 +696,10 @@ TEST_F(RouterServiceTest, DeadPrefillWorkerIsMarkedDownAndRetried) {
   EXPECT_EQ(prefill_[1]->num_prefills, 3);
   EXPECT_FALSE(registry_->prefill_workers()[0]->up());
   EXPECT_TRUE(registry_->decode_workers()[0]->up());
+  // The reservation the dead worker was to fill: first released once its sender stops, then,
+  // the worker confirmed gone, at once.
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 2; }, 3000));
+  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false, true));
 }
 
 TEST_F(RouterServiceTest, DecodeStreamErrorIsUnavailable) {
@@ -1051,6 +1055,8 @@ TEST_F(RouterServiceTest, ClientCancelDuringPrefillReachesBothWorkers) {
   canceller.join();
   EXPECT_TRUE(WaitFor([&] { return prefill_[0]->num_cancelled == 1; }, 3000));
   EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 1; }, 3000));  // reservation released
+  // once the prefill worker, which had the target, has stopped writing into it
+  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false));
   EXPECT_EQ(decode_[0]->num_decodes, 0);
 }
 
@@ -1253,6 +1259,8 @@ TEST_F(RouterServiceTest, CancelOrDeadlineDuringReserveKvAbortsOnTheDecodeWorker
   canceller.join();
   EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 2; }, 3000));
   EXPECT_THAT(decode_[0]->aborted(), ::testing::Contains(::testing::StartsWith("gone@")));
+  // No prefill worker got the target: the blocks go at once.
+  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(true, true));
   EXPECT_EQ(decode_[0]->num_decodes, 0);
   EXPECT_EQ(prefill_[0]->num_prefills, 0);
   EXPECT_TRUE(WaitFor([&] { return service_->num_in_flight() == 0; }, 3000));

@@ -34,11 +34,12 @@ int WorkerAborts::pending() const {
   return int(pending_.size());
 }
 
-void WorkerAborts::Send(Worker* worker, const std::string& request_id) {
+void WorkerAborts::Send(Worker* worker, const std::string& request_id, bool release_now) {
   if (worker == nullptr) return;
   auto p = std::make_unique<Pending>();
   p->worker = worker;
   p->request.set_request_id(request_id);
+  if (release_now) p->request.set_release_now(true);
   p->give_up_at = absl::Now() + give_up_after_;
   Pending* raw = p.get();
   {
