@@ -158,7 +158,8 @@ class KvSender {
   // the sender's progress thread: it must not block, nor call Connect or Disconnect.
   using Completion = std::function<void(const absl::Status&)>;
   virtual void Finish(PeerId peer, uint64_t request_id, Completion done) = 0;
-  // Tells the receiver to release the request's blocks.
+  // Tells the receiver to release the request's blocks, once the request's layers in flight have
+  // landed (the receiver frees the blocks at this notice).
   virtual std::future<absl::Status> Abort(PeerId peer, uint64_t request_id) = 0;
   // Operations and per-request records not yet completed (0 when idle: nothing leaks).
   virtual size_t pending_operations() const = 0;

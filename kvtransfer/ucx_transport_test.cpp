@@ -336,6 +336,20 @@ TEST_F(UcxProtocolTest, CancelAfterSenderKeepsTheBlocksUntilTheSenderHasStopped)
   EXPECT_EQ(receiver_->active_leases(), 0u);
 }
 
+// The sender's abort notice, which frees the blocks, goes out only after the request's layers in
+// flight have landed: it never overtakes their puts.
+TEST_F(UcxProtocolTest, SenderAbortWaitsForTheLayersInFlight) {
+  ASSERT_TRUE(receiver_->Expect(Expected(15)).ok());
+  std::vector<std::future<absl::Status>> layers;
+  for (uint32_t layer = 0; layer < kLayout.num_layers; ++layer) layers.push_back(sender_->SendLayer(peer_, Layer(15, layer)));
+  std::future<absl::Status> aborted = sender_->Abort(peer_, 15);
+  EXPECT_EQ(probe_.WaitDone(15).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(probe_.layers(15), int(kLayout.num_layers));  // every layer's notice came before the release
+  for (auto& f : layers) EXPECT_TRUE(f.get().ok());
+  EXPECT_TRUE(aborted.get().ok());
+  EXPECT_EQ(sender_->pending_operations(), 0u);
+}
+
 // The sender's abort notice and the lease's expiry end a cancelled request's wait too.
 TEST_F(UcxProtocolTest, CancelAfterSenderEndsAtTheSendersAbortOrTheLeasesEnd) {
   ASSERT_TRUE(receiver_->Expect(Expected(13)).ok());

@@ -541,6 +541,36 @@ TEST_F(WorkerServicesTest, AbortDuringATransferReleasesTheBlocksOnceTheSenderHas
   EXPECT_FALSE(reader->Finish().ok());
 }
 
+// A Prefill call cancelled on its way never reaches the prefill worker, so no shipment ends with
+// a notice: the router's Abort to the prefill worker, with the target, has it tell the decode
+// worker the blocks are free, and a Prefill for that request that still arrives ships nothing.
+TEST_F(WorkerServicesTest, PrefillAbortOfAnUnknownRequestFreesItsTargetOnTheDecodeWorker) {
+  v1::KvTarget target;
+  ASSERT_TRUE(Reserve("lost", 18, 10000, &target).ok());
+  {
+    grpc::ClientContext ctx;
+    v1::WorkerAbortRequest req;
+    req.set_request_id("lost");  // the target went to a prefill worker: held until it has stopped
+    v1::WorkerAbortResponse resp;
+    ASSERT_TRUE(decode_stub_->Abort(&ctx, req, &resp).ok());
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(DecodeStats().num_kv_leases(), 1);
+  {
+    grpc::ClientContext ctx;
+    v1::WorkerAbortRequest req;
+    req.set_request_id("lost");
+    *req.mutable_kv_target() = target;
+    v1::WorkerAbortResponse resp;
+    ASSERT_TRUE(prefill_stub_->Abort(&ctx, req, &resp).ok());
+    EXPECT_FALSE(resp.found());
+  }
+  EXPECT_TRUE(DecodeBecomesIdle(std::chrono::milliseconds(2000)));
+  v1::PrefillResponse pre;
+  EXPECT_EQ(Prefill("lost", v1::SamplingOptions(), target, &pre).error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(DecodeBecomesIdle(std::chrono::milliseconds(2000)));
+}
+
 TEST_F(WorkerServicesTest, ReserveKvWithoutRoomIsResourceExhausted) {
   grpc::ClientContext ctx;
   v1::ReserveKvRequest req;

@@ -1084,8 +1084,16 @@ void RouterService::GenerateCall::EndInterrupted() {
 
 void RouterService::GenerateCall::AbortOnWorker(Worker* worker, bool sender_gone) {
   // Also to a worker marked down: a stalled one that comes back still holds the request's blocks.
-  const bool release_now = worker != nullptr && worker->decode() != nullptr && (sender_gone || !target_shipped_);
-  service_->aborts_->Send(worker, prepared_.request_id, release_now);
+  if (worker == nullptr) return;
+  v1::WorkerAbortRequest request;
+  request.set_request_id(prepared_.request_id);
+  if (worker->decode() != nullptr) {
+    request.set_release_now(sender_gone || !target_shipped_);
+  } else if (target_shipped_) {
+    // Should the Prefill call not have reached it, the prefill worker tells the decode worker.
+    *request.mutable_kv_target() = target_;
+  }
+  service_->aborts_->Send(worker, std::move(request));
 }
 
 void RouterService::GenerateCall::EndWithAbortMessage() {

@@ -34,12 +34,11 @@ int WorkerAborts::pending() const {
   return int(pending_.size());
 }
 
-void WorkerAborts::Send(Worker* worker, const std::string& request_id, bool release_now) {
+void WorkerAborts::Send(Worker* worker, v1::WorkerAbortRequest request) {
   if (worker == nullptr) return;
   auto p = std::make_unique<Pending>();
   p->worker = worker;
-  p->request.set_request_id(request_id);
-  if (release_now) p->request.set_release_now(true);
+  p->request = std::move(request);
   p->give_up_at = absl::Now() + give_up_after_;
   Pending* raw = p.get();
   {

@@ -30,9 +30,9 @@ class WorkerAborts {
   WorkerAborts(const WorkerAborts&) = delete;
   WorkerAborts& operator=(const WorkerAborts&) = delete;
 
-  // Aborts `request_id` on `worker` (which outlives this object), asynchronously. `release_now`:
-  // WorkerAbortRequest's (nothing can write into the request's KV blocks on that decode worker).
-  void Send(Worker* worker, const std::string& request_id, bool release_now = false);
+  // Sends `request` (its request id, and worker.proto's release_now or kv_target) to `worker`
+  // (which outlives this object), asynchronously.
+  void Send(Worker* worker, v1::WorkerAbortRequest request);
 
   // Aborts not yet answered by their worker nor given up.
   int pending() const;
