@@ -42,6 +42,9 @@ struct ServeOptions {
   bool api_key_on_health_and_metrics = false;
   rpc::TlsFiles tls;           // the router's --ssl-*: TLS on its HTTP and gRPC ports
   rpc::TlsFiles internal_tls;  // mutual TLS between router and workers (--internal-tls-*)
+  // The cluster's internal token from this file (rpc/internal_auth.h); empty: a random one made by
+  // serve. Lets a tool outside the cluster (bench/chaos) call the workers' GetStats.
+  std::string internal_token_file;
   int max_concurrent_requests = 256;
   int max_queued_requests = 1024;
   // Workers' /metrics: decode worker i on metrics_port + i, prefill worker j on metrics_port + M + j;

@@ -99,6 +99,9 @@ int main(int argc, char** argv) {
   duet::AddServedModelNameFlag(serve_cmd, &serve.served_model_names);
   duet::AddSslFlags(serve_cmd, &serve.tls);
   duet::AddInternalTlsFlags(serve_cmd, &serve.internal_tls, duet::InternalTlsRole::kServe);
+  serve_cmd->add_option("--internal-token-file", serve.internal_token_file,
+                        "File with the cluster's internal token, for tools that call the workers (default: a random "
+                        "token made at start, known only to serve's processes)");
   serve_cmd->add_option("--host", serve.host,
                         "Address the router's HTTP and gRPC ports listen on (the workers stay on 127.0.0.1)");
   duet::LogStatsFlags serve_log_stats;

@@ -1,7 +1,7 @@
 // `duet serve`: the whole cluster on this machine — decode workers, prefill workers and the
 // router as separate processes (this same binary, other subcommands), on loopback, sharing an
-// internal token made here (rpc/internal_auth.h), handed over in the environment so `ps` does not
-// show it. Waits for each to report ready, then supervises them:
+// internal token made here (or read from --internal-token-file; rpc/internal_auth.h), handed over
+// in the environment so `ps` does not show it. Waits for each to report ready, then supervises them:
 //   - a worker that dies is restarted on the port it had (the router's address list stays
 //     valid), after 0.5 s, then twice as long after each quick death up to 30 s, back to 0.5 s
 //     once it has been up for a minute; each restart is logged and printed on stdout as
@@ -236,9 +236,11 @@ int RunServe(const ServeOptions& options) {
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
-  absl::StatusOr<std::string> token = rpc::GenerateInternalToken();
+  absl::StatusOr<std::string> token = options.internal_token_file.empty()
+                                          ? rpc::GenerateInternalToken()
+                                          : rpc::LoadInternalToken(options.internal_token_file);
   if (!token.ok()) {
-    DUET_LOG(ERROR) << "cannot make the cluster's internal token: " << token.status().message();
+    DUET_LOG(ERROR) << "the cluster's internal token: " << token.status().message();
     return 1;
   }
   absl::StatusOr<std::string> api_key = LoadApiKey(options.api_key, options.api_key_file);

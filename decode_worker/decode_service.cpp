@@ -190,7 +190,8 @@ void DecodeService::OnBlocksReleased(uint64_t transfer_id, const std::string& wh
                    absl::StrCat("the KV transfer for request '", r.request_id, "' did not complete: ", why)));
 }
 
-bool DecodeService::CancelReservation(const std::shared_ptr<Reservation>& r, absl::Status why) {
+bool DecodeService::CancelReservation(const std::shared_ptr<Reservation>& r, absl::Status why,
+                                      kvtransfer::KvReceiver::CancelRelease release) {
   {
     absl::MutexLock lock(&mu_);
     if (r->state == ReservationState::kClaimed || r->state == ReservationState::kEnded) return false;
@@ -199,9 +200,10 @@ bool DecodeService::CancelReservation(const std::shared_ptr<Reservation>& r, abs
       return true;
     }
   }
-  // Transferring: the receiver holds the lease. Cancel ends it (OnBlocksReleased runs on this
-  // thread, so mu_ must not be held). If it ended meanwhile, make sure it is gone anyway.
-  receiver_->Cancel(r->transfer_id);
+  // Transferring: the receiver holds the lease. Cancel ends it, now or once the sender has
+  // stopped (OnBlocksReleased may run on this thread, so mu_ must not be held). If it ended
+  // meanwhile, make sure it is gone anyway.
+  receiver_->Cancel(r->transfer_id, release);
   absl::MutexLock lock(&mu_);
   if (r->state == ReservationState::kReceived) EndLocked(*r, why);
   if (r->state == ReservationState::kEnded) r->failure = std::move(why);
@@ -234,6 +236,11 @@ std::shared_ptr<DecodeService::Reservation> DecodeService::FindByRequest(const s
   return r == by_transfer_.end() ? nullptr : r->second;
 }
 
+// A Decode call comes after the router's Prefill call has returned, which the prefill worker
+// answers once its last put has landed (or with the transfer never started): when a Decode call
+// ends a reservation, nothing writes into its blocks any more.
+constexpr kvtransfer::KvReceiver::CancelRelease kDecodeCallRelease = kvtransfer::KvReceiver::CancelRelease::kNow;
+
 // ---- ReserveKv ----
 
 // One ReserveKv. No reservation outlives a call whose client is gone: a call cancelled (by the
@@ -265,9 +272,12 @@ class DecodeService::ReserveKvCall final : public grpc::ServerUnaryReactor {
   void OnDone() override {
     // IsCancelled now says whether the answer failed to reach the client.
     if (reservation_ != nullptr && context_->IsCancelled()) {
+      // The router never got the target, so no prefill worker can write into the blocks.
       service_->CancelReservation(
-          reservation_, absl::CancelledError(absl::StrCat("the ReserveKv call for request '",
-                                                          reservation_->request_id, "' was cancelled")));
+          reservation_,
+          absl::CancelledError(absl::StrCat("the ReserveKv call for request '", reservation_->request_id,
+                                            "' was cancelled")),
+          kvtransfer::KvReceiver::CancelRelease::kNow);
     }
     delete this;
   }
@@ -494,7 +504,7 @@ void DecodeService::DecodeCall::Start() {
     invalid = absl::InvalidArgumentError("the prompt differs from the one the KV reservation reused a cached prefix for");
   }
   if (!invalid.ok()) {
-    service_->CancelReservation(reservation_, invalid);
+    service_->CancelReservation(reservation_, invalid, kDecodeCallRelease);
     return End(rpc::ToGrpc(invalid));
   }
   params_ = *std::move(params);
@@ -541,7 +551,8 @@ void DecodeService::DecodeCall::OnWaitTimedOut() {
     timed_out_ = true;
   }
   service_->CancelReservation(reservation_,
-                              absl::CancelledError("the Decode call ended before the KV transfer completed"));
+                              absl::CancelledError("the Decode call ended before the KV transfer completed"),
+                              kDecodeCallRelease);
 }
 
 void DecodeService::DecodeCall::OnCancel() {
@@ -554,7 +565,8 @@ void DecodeService::DecodeCall::OnCancel() {
   // While joining, Join sees `cancelled_` and aborts the request it adds.
   if (stage == Stage::kWaiting && reservation_ != nullptr) {
     service_->CancelReservation(reservation_,
-                                absl::CancelledError("the Decode call ended before the KV transfer completed"));
+                                absl::CancelledError("the Decode call ended before the KV transfer completed"),
+                                kDecodeCallRelease);
   } else if (stage == Stage::kStreaming) {
     service_->loop_->Abort(request_.request_id());
   }
@@ -684,16 +696,19 @@ grpc::ServerUnaryReactor* DecodeService::Abort(grpc::CallbackServerContext* cont
                                                v1::WorkerAbortResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const std::string& id = request->request_id();
+  const kvtransfer::KvReceiver::CancelRelease release = request->release_now()
+                                                            ? kvtransfer::KvReceiver::CancelRelease::kNow
+                                                            : kvtransfer::KvReceiver::CancelRelease::kAfterSender;
   bool found = false;
   if (std::shared_ptr<Reservation> r = FindByRequest(id)) {
-    found = CancelReservation(r, absl::CancelledError(absl::StrCat("request '", id, "' was aborted")));
+    found = CancelReservation(r, absl::CancelledError(absl::StrCat("request '", id, "' was aborted")), release);
   }
   // A running request is aborted between steps; the answer goes out from there.
-  loop_->Post([this, id, found, reactor, response](LlmEngine& engine) mutable {
+  loop_->Post([this, id, found, release, reactor, response](LlmEngine& engine) mutable {
     // A ReserveKv queued on the engine before this Abort reserved meanwhile: release it too.
     if (!found) {
       if (std::shared_ptr<Reservation> r = FindByRequest(id)) {
-        found = CancelReservation(r, absl::CancelledError(absl::StrCat("request '", id, "' was aborted")));
+        found = CancelReservation(r, absl::CancelledError(absl::StrCat("request '", id, "' was aborted")), release);
       }
     }
     const Request* req = engine.Find(id);

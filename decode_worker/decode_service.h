@@ -132,9 +132,13 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
   // Ends `r` unclaimed: returns its blocks to the engine (once), forgets it, tells its waiter.
   void EndLocked(Reservation& r, absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends `r` whatever its state: cancels its lease at the receiver, or releases its blocks.
-  // Returns false if it had already ended or been claimed.
-  bool CancelReservation(const std::shared_ptr<Reservation>& r, absl::Status why)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // While its transfer may be under way the blocks go back only once the sender has stopped
+  // writing into them (kAfterSender), unless nothing can write into them any more (kNow: the
+  // router never handed its target on, or its sender is gone). Returns false if it had already
+  // ended or been claimed.
+  bool CancelReservation(const std::shared_ptr<Reservation>& r, absl::Status why,
+                         kvtransfer::KvReceiver::CancelRelease release =
+                             kvtransfer::KvReceiver::CancelRelease::kAfterSender) ABSL_LOCKS_EXCLUDED(mu_);
   // For a Decode call: kReceived becomes kClaimed (the blocks are the call's now); otherwise why
   // the reservation ended.
   absl::Status Claim(Reservation& r) ABSL_LOCKS_EXCLUDED(mu_);

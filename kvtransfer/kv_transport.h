@@ -20,8 +20,9 @@
 //      reports OK.
 //   5. Any other end releases the lease exactly once through on_blocks_released, and
 //      on_request_done reports why: the lease deadline passed (sender dead or stuck; every
-//      received layer renews it), Cancel() on the receiver, Abort() from the sender, a checksum
-//      mismatch or a malformed notice.
+//      received layer renews it), Cancel() on the receiver (at once, or once the sender has
+//      stopped writing: CancelRelease), Abort() from the sender, a checksum mismatch or a
+//      malformed notice.
 // Failures on the sender side: each operation has a timeout; a peer whose endpoint reports an
 // error or times out is marked failed, its pending operations complete with an error status
 // (UNAVAILABLE / DEADLINE_EXCEEDED), and later operations to it fail at once until the control
@@ -104,8 +105,18 @@ class KvReceiver {
   virtual const std::string& descriptor() const = 0;
   // Grants the lease for a request's destination blocks and starts accepting its layers.
   virtual absl::Status Expect(ExpectedRequest request) = 0;
-  // Ends the request's lease (blocks released, on_request_done CANCELLED). False if it had ended.
-  virtual bool Cancel(uint64_t request_id) = 0;
+  // How Cancel hands a transferring request's blocks back.
+  enum class CancelRelease : uint8_t {
+    // At once: only when no sender can write into them (none was given them, or it is gone).
+    kNow,
+    // The sender may still be writing (its one-sided puts cannot be stopped from here): the
+    // request will not complete, and its lease ends (blocks released, on_request_done CANCELLED)
+    // when the sender's finish or abort notice arrives, sent once its puts have landed, or when
+    // the lease expires, whichever comes first. A later Cancel kNow still ends it at once.
+    kAfterSender,
+  };
+  // Ends the request (see CancelRelease). False if it had ended.
+  virtual bool Cancel(uint64_t request_id, CancelRelease release) = 0;
   virtual size_t active_leases() const = 0;
 };
 
@@ -147,7 +158,8 @@ class KvSender {
   // the sender's progress thread: it must not block, nor call Connect or Disconnect.
   using Completion = std::function<void(const absl::Status&)>;
   virtual void Finish(PeerId peer, uint64_t request_id, Completion done) = 0;
-  // Tells the receiver to release the request's blocks.
+  // Tells the receiver to release the request's blocks, once the request's layers in flight have
+  // landed (the receiver frees the blocks at this notice).
   virtual std::future<absl::Status> Abort(PeerId peer, uint64_t request_id) = 0;
   // Operations and per-request records not yet completed (0 when idle: nothing leaks).
   virtual size_t pending_operations() const = 0;

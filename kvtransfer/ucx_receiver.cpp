@@ -102,7 +102,15 @@ class UcxKvReceiver final : public KvReceiver {
     return absl::OkStatus();
   }
 
-  bool Cancel(uint64_t request_id) override {
+  bool Cancel(uint64_t request_id, CancelRelease release) override {
+    if (release == CancelRelease::kAfterSender) {
+      absl::MutexLock lock(&mu_);
+      auto it = incoming_.find(request_id);
+      if (it == incoming_.end()) return false;
+      it->second.cancelled = true;
+      // The sender's finish notice came (it has stopped writing); a complete request has ended.
+      if (!it->second.finish_received) return true;
+    }
     return leases_.Release(request_id, LeaseEnd::kCancelled);
   }
 
@@ -114,6 +122,9 @@ class UcxKvReceiver final : public KvReceiver {
     std::vector<bool> layer_received;
     uint32_t layers_received = 0;
     bool finish_received = false;
+    // Cancelled while the sender may still write (CancelRelease::kAfterSender): released, not
+    // completed, once it has stopped.
+    bool cancelled = false;
     std::optional<MemoryKind> landed;  // set by the first layer; every layer must agree
     absl::Status failure;  // why the lease ended with LeaseEnd::kFailed
   };
@@ -137,15 +148,21 @@ class UcxKvReceiver final : public KvReceiver {
         OnLayerDone(*notice);
         return;
       case NoticeType::kFinish: {
-        bool complete = false;
+        bool complete = false, cancelled = false;
         {
           absl::MutexLock lock(&mu_);
           auto it = incoming_.find(notice->request_id);
           if (it == incoming_.end()) return;  // already ended (e.g. expired or cancelled)
           it->second.finish_received = true;
           complete = it->second.layers_received == pools_.layout.num_layers;
+          cancelled = it->second.cancelled;
         }
-        if (complete) Complete(notice->request_id);
+        // The sender sends it after its last put has landed: a cancelled request's blocks are free.
+        if (cancelled) {
+          leases_.Release(notice->request_id, LeaseEnd::kCancelled);
+        } else if (complete) {
+          Complete(notice->request_id);
+        }
         return;
       }
       case NoticeType::kAbort:
@@ -220,7 +237,7 @@ class UcxKvReceiver final : public KvReceiver {
         incoming.layer_received[notice.layer] = true;
         ++incoming.layers_received;
       }
-      complete = incoming.finish_received &&
+      complete = incoming.finish_received && !incoming.cancelled &&
                  incoming.layers_received == pools_.layout.num_layers;
     }
     (void)leases_.Renew(id, ttl);  // NotFound only if the lease ended meanwhile
@@ -270,31 +287,36 @@ class UcxKvReceiver final : public KvReceiver {
       absl::MutexLock lock(&mu_);
       auto it = incoming_.find(lease.request_id);
       DUET_CHECK(it != incoming_.end());
-      const Incoming& incoming = it->second;
-      switch (lease.reason) {
-        case LeaseEnd::kExpired:
-          status = absl::DeadlineExceededError(absl::StrFormat(
-              "KV transfer of request %u did not finish before its lease expired (%u of %u "
-              "layers received, finish %s)",
-              lease.request_id, incoming.layers_received, pools_.layout.num_layers,
-              incoming.finish_received ? "received" : "not received"));
-          break;
-        case LeaseEnd::kCancelled:
-          status = absl::CancelledError(
-              absl::StrFormat("KV transfer of request %u was cancelled", lease.request_id));
-          break;
-        case LeaseEnd::kAborted:
-          status = absl::AbortedError(absl::StrFormat(
-              "KV transfer of request %u was aborted by the sender", lease.request_id));
-          break;
-        case LeaseEnd::kFailed:
-          status = incoming.failure;
-          break;
-      }
+      status = EndStatus(lease, it->second);
       incoming_.erase(it);
     }
     callbacks_.on_blocks_released(lease);
     if (callbacks_.on_request_done) callbacks_.on_request_done(lease.request_id, status, MemoryKind::kHost);
+  }
+
+  // Why a request whose lease ended unfinished did not complete.
+  absl::Status EndStatus(const ReleasedLease& lease, const Incoming& incoming) const {
+    if (incoming.cancelled) {
+      return absl::CancelledError(absl::StrFormat(
+          "KV transfer of request %u was cancelled (its blocks released once the sender %s)", lease.request_id,
+          lease.reason == LeaseEnd::kExpired ? "had timed out" : "had stopped"));
+    }
+    switch (lease.reason) {
+      case LeaseEnd::kExpired:
+        return absl::DeadlineExceededError(absl::StrFormat(
+            "KV transfer of request %u did not finish before its lease expired (%u of %u "
+            "layers received, finish %s)",
+            lease.request_id, incoming.layers_received, pools_.layout.num_layers,
+            incoming.finish_received ? "received" : "not received"));
+      case LeaseEnd::kCancelled:
+        return absl::CancelledError(absl::StrFormat("KV transfer of request %u was cancelled", lease.request_id));
+      case LeaseEnd::kAborted:
+        return absl::AbortedError(
+            absl::StrFormat("KV transfer of request %u was aborted by the sender", lease.request_id));
+      case LeaseEnd::kFailed:
+        return incoming.failure;
+    }
+    return absl::InternalError("unknown lease end");
   }
 
   const KvPoolMemory pools_;

@@ -8,6 +8,7 @@
 //               (reported once per request, after Finish) -> notice sent.
 #include <atomic>
 #include <memory>
+#include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/node_hash_map.h"
@@ -186,6 +187,9 @@ class UcxKvSender final : public KvSender {
     uint32_t layers_in_flight = 0;
     absl::Status first_error;
     std::vector<uint64_t> finish_ops;
+    // Abort ops waiting for the layers in flight: the receiver frees the blocks at the abort
+    // notice, which must not overtake their puts.
+    std::vector<uint64_t> abort_ops;
   };
   using RequestKey = std::pair<PeerId, uint64_t>;
   enum class Step : uint8_t { kFlush, kNotice, kUnacknowledgedNotice };
@@ -443,26 +447,45 @@ class UcxKvSender final : public KvSender {
   void StartAbort(std::unique_ptr<Op> owned) {
     const uint64_t op_id = Register(std::move(owned));
     const Op& op = *ops_.at(op_id);
-    auto it = requests_.find({op.peer, op.request_id});
-    if (it != requests_.end()) {
-      const std::vector<uint64_t> finish_ops = std::move(it->second.finish_ops);
-      requests_.erase(it);
+    const RequestKey key{op.peer, op.request_id};
+    if (auto it = requests_.find(key); it != requests_.end()) {
+      const std::vector<uint64_t> finish_ops = std::exchange(it->second.finish_ops, {});
       for (uint64_t finish : finish_ops) {
         CompleteOp(finish, absl::AbortedError(absl::StrFormat(
-                               "KV transfer of request %u was aborted", op.request_id)));
+                               "KV transfer of request %u was aborted", key.second)));
       }
     }
+    if (auto it = requests_.find(key); it != requests_.end()) {
+      if (it->second.layers_in_flight > 0) {
+        it->second.abort_ops.push_back(op_id);  // sent by MaybeFinish once they have landed
+        return;
+      }
+      requests_.erase(it);
+    }
+    SendAbortNotice(op_id);
+  }
+
+  void SendAbortNotice(uint64_t op_id) {
+    auto op = ops_.find(op_id);
+    if (op == ops_.end()) return;  // timed out meanwhile
     absl::Status why;
-    Peer* peer = UsablePeer(op.peer, &why);
+    Peer* peer = UsablePeer(op->second->peer, &why);
     if (peer == nullptr) return CompleteOp(op_id, why);
-    Issue(peer->ep, op_id, Step::kNotice, op.notice);
+    Issue(peer->ep, op_id, Step::kNotice, op->second->notice);
   }
 
   // Sends the finish notices of a request whose layers have all completed.
   void MaybeFinish(const RequestKey& key) {
     auto it = requests_.find(key);
     if (it == requests_.end()) return;
-    if (it->second.layers_in_flight > 0 || it->second.finish_ops.empty()) return;
+    if (it->second.layers_in_flight > 0) return;
+    if (!it->second.abort_ops.empty()) {  // aborted while layers were in flight: they have landed now
+      const std::vector<uint64_t> aborts = std::move(it->second.abort_ops);
+      requests_.erase(it);
+      for (uint64_t abort : aborts) SendAbortNotice(abort);
+      return;
+    }
+    if (it->second.finish_ops.empty()) return;
     const std::vector<uint64_t> finish_ops = std::move(it->second.finish_ops);
     const absl::Status error = it->second.first_error;
     requests_.erase(it);

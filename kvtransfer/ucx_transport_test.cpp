@@ -298,12 +298,70 @@ TEST_F(UcxProtocolTest, DeviceDestinationsNeedDevicePools) {
 TEST_F(UcxProtocolTest, ReceiverCancelReleasesBlocksOnce) {
   ASSERT_TRUE(receiver_->Expect(Expected(1)).ok());
   EXPECT_EQ(receiver_->Expect(Expected(1)).code(), absl::StatusCode::kAlreadyExists);
-  EXPECT_TRUE(receiver_->Cancel(1));
-  EXPECT_FALSE(receiver_->Cancel(1));
+  EXPECT_TRUE(receiver_->Cancel(1, KvReceiver::CancelRelease::kNow));
+  EXPECT_FALSE(receiver_->Cancel(1, KvReceiver::CancelRelease::kNow));
+  EXPECT_FALSE(receiver_->Cancel(1, KvReceiver::CancelRelease::kAfterSender));
   EXPECT_EQ(probe_.WaitDone(1).code(), absl::StatusCode::kCancelled);
   ASSERT_EQ(probe_.released().size(), 1u);
   EXPECT_EQ(probe_.released()[0].reason, LeaseEnd::kCancelled);
   EXPECT_THAT(probe_.released()[0].block_ids, ::testing::ElementsAre(7, 5, 6));
+  EXPECT_EQ(receiver_->active_leases(), 0u);
+}
+
+// A request cancelled while its sender may still be writing keeps its blocks until the sender's
+// finish notice (sent after its last put landed): released then, never completed; a later
+// kNow (the sender is gone) ends one at once.
+TEST_F(UcxProtocolTest, CancelAfterSenderKeepsTheBlocksUntilTheSenderHasStopped) {
+  ASSERT_TRUE(receiver_->Expect(Expected(11)).ok());
+  EXPECT_TRUE(sender_->SendLayer(peer_, Layer(11, 0)).get().ok());
+  EXPECT_TRUE(receiver_->Cancel(11, KvReceiver::CancelRelease::kAfterSender));
+  for (uint32_t layer = 1; layer < kLayout.num_layers; ++layer) {
+    EXPECT_TRUE(sender_->SendLayer(peer_, Layer(11, layer)).get().ok());  // puts land in held blocks
+  }
+  EXPECT_EQ(probe_.WaitDone(11, absl::Milliseconds(200)).code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(probe_.released().empty());
+  EXPECT_EQ(receiver_->active_leases(), 1u);
+  EXPECT_TRUE(sender_->Finish(peer_, 11).get().ok());
+  absl::Status done = probe_.WaitDone(11);
+  EXPECT_EQ(done.code(), absl::StatusCode::kCancelled) << done;  // not completed
+  ASSERT_EQ(probe_.released().size(), 1u);
+  EXPECT_EQ(probe_.released()[0].reason, LeaseEnd::kCancelled);
+  EXPECT_EQ(receiver_->active_leases(), 0u);
+
+  ASSERT_TRUE(receiver_->Expect(Expected(12)).ok());
+  EXPECT_TRUE(receiver_->Cancel(12, KvReceiver::CancelRelease::kAfterSender));
+  EXPECT_EQ(receiver_->active_leases(), 1u);
+  EXPECT_TRUE(receiver_->Cancel(12, KvReceiver::CancelRelease::kNow));
+  EXPECT_EQ(probe_.WaitDone(12).code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(receiver_->active_leases(), 0u);
+}
+
+// The sender's abort notice, which frees the blocks, goes out only after the request's layers in
+// flight have landed: it never overtakes their puts.
+TEST_F(UcxProtocolTest, SenderAbortWaitsForTheLayersInFlight) {
+  ASSERT_TRUE(receiver_->Expect(Expected(15)).ok());
+  std::vector<std::future<absl::Status>> layers;
+  for (uint32_t layer = 0; layer < kLayout.num_layers; ++layer) layers.push_back(sender_->SendLayer(peer_, Layer(15, layer)));
+  std::future<absl::Status> aborted = sender_->Abort(peer_, 15);
+  EXPECT_EQ(probe_.WaitDone(15).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(probe_.layers(15), int(kLayout.num_layers));  // every layer's notice came before the release
+  for (auto& f : layers) EXPECT_TRUE(f.get().ok());
+  EXPECT_TRUE(aborted.get().ok());
+  EXPECT_EQ(sender_->pending_operations(), 0u);
+}
+
+// The sender's abort notice and the lease's expiry end a cancelled request's wait too.
+TEST_F(UcxProtocolTest, CancelAfterSenderEndsAtTheSendersAbortOrTheLeasesEnd) {
+  ASSERT_TRUE(receiver_->Expect(Expected(13)).ok());
+  EXPECT_TRUE(receiver_->Cancel(13, KvReceiver::CancelRelease::kAfterSender));
+  EXPECT_TRUE(sender_->Abort(peer_, 13).get().ok());
+  EXPECT_EQ(probe_.WaitDone(13).code(), absl::StatusCode::kCancelled);
+
+  ASSERT_TRUE(receiver_->Expect(Expected(14, absl::Milliseconds(300))).ok());
+  EXPECT_TRUE(receiver_->Cancel(14, KvReceiver::CancelRelease::kAfterSender));
+  absl::Status done = probe_.WaitDone(14, absl::Seconds(5));
+  EXPECT_EQ(done.code(), absl::StatusCode::kCancelled);
+  EXPECT_THAT(done.message(), HasSubstr("timed out"));
   EXPECT_EQ(receiver_->active_leases(), 0u);
 }
 

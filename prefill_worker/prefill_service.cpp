@@ -247,6 +247,8 @@ void PrefillService::PrefillCall::AddToEngine(LlmEngine& engine) {
   resumed.tokens.assign(request_.output_token_ids().begin(), request_.output_token_ids().end());
   SamplingParams first = params_;
   first.max_tokens = int32_t(resumed.tokens.size()) + 1;
+  // Aborted before it arrived: the decode worker has been told its blocks are free.
+  if (service_->aborted_unknown_.contains(request_id)) cancelled = true;
   absl::Status added = cancelled ? absl::CancelledError("the Prefill call was cancelled")
                        : int64_t(resumed.tokens.size()) >= params_.max_tokens
                            ? absl::InvalidArgumentError(absl::StrCat("the output so far has ", resumed.tokens.size(),
@@ -564,15 +566,35 @@ grpc::ServerUnaryReactor* PrefillService::Abort(grpc::CallbackServerContext* con
   const std::string& id = request->request_id();
   std::shared_ptr<PrefillCall> waiting = LeaveAdmission(id);
   if (waiting != nullptr) waiting->AbortWhileWaiting();
-  // A request in the engine is aborted between steps; the answer goes out from there.
-  loop_->Post([this, id, found = waiting != nullptr, reactor, response](LlmEngine& engine) {
+  std::optional<v1::KvTarget> target;
+  if (request->has_kv_target()) target = request->kv_target();
+  // A request in the engine is aborted between steps (its shipment, if under way, ends with a
+  // notice to the decode worker); the answer goes out from there.
+  loop_->Post([this, id, found = waiting != nullptr, target = std::move(target), reactor, response](LlmEngine& engine) {
     const Request* req = engine.Find(id);
     const bool running = req != nullptr && !req->finished();
     if (running) loop_->Abort(id);
+    if (!found && !running) AbortUnknown(id, target ? &*target : nullptr);
     response->set_found(found || running);
     reactor->Finish(grpc::Status::OK);
   });
   return reactor;
+}
+
+void PrefillService::AbortUnknown(const std::string& id, const v1::KvTarget* target) {
+  if (aborted_unknown_.insert(id).second) {
+    aborted_unknown_order_.push_back(id);
+    if (aborted_unknown_order_.size() > kMaxAbortedUnknown) {
+      aborted_unknown_.erase(aborted_unknown_order_.front());
+      aborted_unknown_order_.pop_front();
+    }
+  }
+  // Its Prefill call never started here (or is over, its shipment ended with a notice of its own,
+  // and one more is harmless): nothing from here writes into the target's blocks.
+  if (target == nullptr || target->receiver_descriptor().empty() || stopping_) return;
+  if (!rpc::VerifyKvTarget(options_.kv_target_key, *target).ok()) return;
+  absl::StatusOr<kvtransfer::PeerId> peer = PeerFor(target->receiver_descriptor());
+  if (peer.ok()) (void)sender_->Abort(*peer, target->transfer_id());
 }
 
 void PrefillService::RefreshMetrics() {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -150,6 +151,15 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
 
   // Engine thread only: transfers keyed by the engine's sequence id.
   std::map<SequenceId, std::shared_ptr<Transfer>> transfers_;
+  // Engine thread only: requests aborted here while unknown (their Prefill call not arrived, or
+  // over), the latest kMaxAbortedUnknown: a Prefill for one that arrives after its Abort ships
+  // nothing, since the decode worker has been told its blocks are free.
+  static constexpr size_t kMaxAbortedUnknown = 4096;
+  std::deque<std::string> aborted_unknown_order_;
+  absl::flat_hash_set<std::string> aborted_unknown_;
+  // Engine thread: `id` aborted while unknown here; tells the decode worker holding `target` (when
+  // it is one a decode worker granted) that no Prefill from here will write into it.
+  void AbortUnknown(const std::string& id, const v1::KvTarget* target);
   bool stopping_ = false;  // engine thread only
 
   // The sender reads the staging and the device pools: created before and destroyed after the

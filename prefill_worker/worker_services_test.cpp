@@ -322,6 +322,7 @@ TEST_F(WorkerServicesTest, MetricsFollowARequest) {
     grpc::ClientContext ctx;
     v1::WorkerAbortRequest req;
     req.set_request_id("held");
+    req.set_release_now(true);  // no prefill worker was given the target
     v1::WorkerAbortResponse resp;
     ASSERT_TRUE(decode_stub_->Abort(&ctx, req, &resp).ok());
   }
@@ -499,9 +500,74 @@ TEST_F(WorkerServicesTest, AbortReleasesAReservation) {
   grpc::ClientContext ctx;
   v1::WorkerAbortRequest req;
   req.set_request_id("aborted");
+  req.set_release_now(true);  // as the router says when no prefill worker was given the target
   v1::WorkerAbortResponse resp;
   ASSERT_TRUE(decode_stub_->Abort(&ctx, req, &resp).ok());
   EXPECT_TRUE(resp.found());
+  EXPECT_TRUE(DecodeBecomesIdle(std::chrono::milliseconds(2000)));
+}
+
+// An Abort while a prefill worker may be writing the KV (its target was handed on) keeps the
+// blocks until that sender has stopped: its puts land in blocks no other request has been given,
+// and the reservation ends at the sender's finish notice. Released at the Abort, the blocks would
+// go to the next reservation while the puts still arrive, and its KV would be overwritten.
+TEST_F(WorkerServicesTest, AbortDuringATransferReleasesTheBlocksOnceTheSenderHasStopped) {
+  v1::KvTarget target;
+  ASSERT_TRUE(Reserve("in-transfer", 17, 10000, &target).ok());
+  const int32_t reserved_blocks = target.block_ids_size();
+  {
+    grpc::ClientContext ctx;
+    v1::WorkerAbortRequest req;
+    req.set_request_id("in-transfer");
+    v1::WorkerAbortResponse resp;
+    ASSERT_TRUE(decode_stub_->Abort(&ctx, req, &resp).ok());
+    EXPECT_TRUE(resp.found());
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  v1::WorkerStats stats = DecodeStats();
+  EXPECT_EQ(stats.num_kv_leases(), 1);
+  EXPECT_EQ(stats.num_free_kv_blocks(), kDecodeBlocks - reserved_blocks);
+  // The prefill worker that had the target ships it: into the blocks still held; then they go.
+  v1::PrefillResponse pre;
+  (void)Prefill("in-transfer", v1::SamplingOptions(), target, &pre);
+  EXPECT_TRUE(DecodeBecomesIdle(std::chrono::milliseconds(3000)));
+  // A Decode for it now fails: the reservation was aborted, not completed.
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  auto reader = decode_stub_->Decode(&ctx, DecodeRequestFor("in-transfer", 17, v1::SamplingOptions(), pre));
+  v1::GenerateResponse msg;
+  while (reader->Read(&msg)) {
+  }
+  EXPECT_FALSE(reader->Finish().ok());
+}
+
+// A Prefill call cancelled on its way never reaches the prefill worker, so no shipment ends with
+// a notice: the router's Abort to the prefill worker, with the target, has it tell the decode
+// worker the blocks are free, and a Prefill for that request that still arrives ships nothing.
+TEST_F(WorkerServicesTest, PrefillAbortOfAnUnknownRequestFreesItsTargetOnTheDecodeWorker) {
+  v1::KvTarget target;
+  ASSERT_TRUE(Reserve("lost", 18, 10000, &target).ok());
+  {
+    grpc::ClientContext ctx;
+    v1::WorkerAbortRequest req;
+    req.set_request_id("lost");  // the target went to a prefill worker: held until it has stopped
+    v1::WorkerAbortResponse resp;
+    ASSERT_TRUE(decode_stub_->Abort(&ctx, req, &resp).ok());
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(DecodeStats().num_kv_leases(), 1);
+  {
+    grpc::ClientContext ctx;
+    v1::WorkerAbortRequest req;
+    req.set_request_id("lost");
+    *req.mutable_kv_target() = target;
+    v1::WorkerAbortResponse resp;
+    ASSERT_TRUE(prefill_stub_->Abort(&ctx, req, &resp).ok());
+    EXPECT_FALSE(resp.found());
+  }
+  EXPECT_TRUE(DecodeBecomesIdle(std::chrono::milliseconds(2000)));
+  v1::PrefillResponse pre;
+  EXPECT_EQ(Prefill("lost", v1::SamplingOptions(), target, &pre).error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_TRUE(DecodeBecomesIdle(std::chrono::milliseconds(2000)));
 }
 
@@ -619,6 +685,7 @@ TEST_F(StagedWorkerServicesTest, ReserveKvBeyondTheStagingIsResourceExhaustedUnt
   grpc::ClientContext ctx;
   v1::WorkerAbortRequest req;
   req.set_request_id("a");
+  req.set_release_now(true);  // no prefill worker was given the targets
   v1::WorkerAbortResponse resp;
   ASSERT_TRUE(decode_stub_->Abort(&ctx, req, &resp).ok());
   ASSERT_TRUE(Reserve("c", 302, 10000, &c).ok());
@@ -719,6 +786,7 @@ TEST_F(SignedWorkerServicesTest, PrefillIntoAnotherReservationsBlocksIsRefused) 
   grpc::ClientContext ctx;
   v1::WorkerAbortRequest abort;
   abort.set_request_id("attacker");
+  abort.set_release_now(true);  // its Prefill was refused before anything was written
   v1::WorkerAbortResponse aborted;
   ASSERT_TRUE(decode_stub_->Abort(&ctx, abort, &aborted).ok());
   EXPECT_TRUE(DecodeBecomesIdle());

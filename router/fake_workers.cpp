@@ -191,10 +191,13 @@ void FakeDecodeWorker::SetScript(std::vector<std::string> texts, std::string fin
   script_finish_reason_ = std::move(finish_reason);
 }
 
-grpc::Status FakeDecodeWorker::Abort(grpc::ServerContext*, const v1::WorkerAbortRequest* request,
+grpc::Status FakeDecodeWorker::Abort(grpc::ServerContext* context, const v1::WorkerAbortRequest* request,
                                      v1::WorkerAbortResponse* response) {
+  while (stalled) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "the Abort call was cancelled");
   absl::MutexLock lock(&mu_);
   aborted_.push_back(request->request_id());
+  aborted_release_now_.push_back(request->release_now());
   return grpc::Status::OK;
 }
 
@@ -210,6 +213,11 @@ grpc::Status FakeDecodeWorker::GetStats(grpc::ServerContext*, const v1::GetStats
 std::vector<std::string> FakeDecodeWorker::aborted() const {
   absl::MutexLock lock(&mu_);
   return aborted_;
+}
+
+std::vector<bool> FakeDecodeWorker::aborted_release_now() const {
+  absl::MutexLock lock(&mu_);
+  return aborted_release_now_;
 }
 
 uint64_t FakeDecodeWorker::last_transfer_id() const {

@@ -73,6 +73,9 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
   // ReserveKv reserves after this long even if its call was cancelled meanwhile (as a worker
   // whose answer crosses the router's cancellation).
   std::atomic<int> reserve_delay_ms{0};
+  // While set, Abort waits (as a call to a SIGSTOPped worker waits in its socket) and, once it is
+  // cleared, drops a call whose client has given up meanwhile (as a resumed worker would).
+  std::atomic<bool> stalled{false};
   std::atomic<bool> kv_full{false};           // ReserveKv returns RESOURCE_EXHAUSTED
   std::atomic<int> fail_after_tokens{-1};     // Decode returns UNAVAILABLE after this many tokens
   std::atomic<int> free_blocks{100};
@@ -84,6 +87,7 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
   std::atomic<bool> in_decode{false};
 
   std::vector<std::string> aborted() const;
+  std::vector<bool> aborted_release_now() const;  // each Abort's release_now, in the same order
   uint64_t last_transfer_id() const;
   std::vector<v1::SamplingOptions> decoded_sampling() const;  // each Decode's, in arrival order
   v1::DecodeRequest last_decode() const;
@@ -91,6 +95,7 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
  private:
   mutable absl::Mutex mu_;
   std::vector<std::string> aborted_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> aborted_release_now_ ABSL_GUARDED_BY(mu_);
   uint64_t last_transfer_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<v1::SamplingOptions> decoded_sampling_ ABSL_GUARDED_BY(mu_);
   bool hold_first_message_ ABSL_GUARDED_BY(mu_) = false;

@@ -248,7 +248,9 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
     }
   }
   // Best effort, in the background: tells a worker to drop the request (its KV, its queue slot).
-  void AbortOnWorker(Worker* worker);
+  // A decode worker releases a reservation whose target went to a prefill worker once that
+  // sender has stopped writing into it, unless `sender_gone` (worker.proto, release_now).
+  void AbortOnWorker(Worker* worker, bool sender_gone = false);
   // Gives the request's place in the prefill gate to the next one (its prefill is over).
   void LeaveGate();
   // Releases what the request holds in the router and finishes the client's call (a migration
@@ -290,6 +292,7 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   Worker* decode_ = nullptr;
   InFlightGuard decode_in_flight_;
   uint64_t transfer_id_ = 0;
+  bool target_shipped_ = false;  // the reservation's KvTarget went to a prefill worker (Prefill sent)
   v1::KvTarget target_;
   Worker* prefill_ = nullptr;
   InFlightGuard prefill_in_flight_;
@@ -650,6 +653,7 @@ void RouterService::GenerateCall::ReserveNext() {
   decode_ = decode;
   decode_in_flight_ = InFlightGuard(decode);
   transfer_id_ = service_->NewTransferId();
+  target_shipped_ = false;
   call_started_at_ = std::chrono::steady_clock::now();
   v1::ReserveKvRequest request;
   request.set_request_id(prepared_.request_id);
@@ -774,6 +778,7 @@ void RouterService::GenerateCall::StartPrefill() {
   *request.mutable_sampling() = prepared_.sampling;
   *request.mutable_target() = target_;
   call_started_at_ = std::chrono::steady_clock::now();
+  target_shipped_ = true;
   CallWorker<v1::PrefillResponse>(
       *prefill, PrefillMethod(), Downstream(service_->options_.prefill_timeout), std::move(request),
       [self = shared_from_this()](const grpc::Status& status, const v1::PrefillResponse* reply) {
@@ -811,7 +816,9 @@ void RouterService::GenerateCall::OnPrefilled(const grpc::Status& status, const 
     // The prefill worker died, or its KV transfer to the decode worker failed (then the decode
     // worker may be the dead one). Whichever does not answer is marked down; retry once.
     const std::string reason = absl::StrCat("Prefill failed: ", status.error_message());
-    service_->registry_->ConfirmDown(prefill_, reason, [self = shared_from_this(), reason, what](bool) {
+    service_->registry_->ConfirmDown(prefill_, reason, [self = shared_from_this(), reason, what](bool prefill_down) {
+      // A prefill worker that is gone writes no more: the reservation may go at once.
+      if (prefill_down) self->AbortOnWorker(self->decode_, /*sender_gone=*/true);
       self->service_->registry_->ConfirmDown(self->decode_, reason,
                                              [self, what](bool) { self->OnPrefillUnavailable(what); });
     });
@@ -1075,23 +1082,18 @@ void RouterService::GenerateCall::EndInterrupted() {
   End(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
 }
 
-void RouterService::GenerateCall::AbortOnWorker(Worker* worker) {
-  if (worker == nullptr || !worker->up()) return;
-  struct Pending {
-    grpc::ClientContext context;
-    v1::WorkerAbortRequest request;
-    v1::WorkerAbortResponse response;
-  };
-  auto pending = std::make_shared<Pending>();
-  pending->context.set_deadline(absl::ToChronoTime(absl::Now() + service_->options_.abort_timeout));
-  pending->request.set_request_id(prepared_.request_id);
-  // Holds the call (and so the service) until the worker has answered; the context goes first.
-  auto done = [pending, self = shared_from_this()](grpc::Status) mutable { pending.reset(); };
-  if (worker->prefill() != nullptr) {
-    worker->prefill()->async()->Abort(&pending->context, &pending->request, &pending->response, std::move(done));
-  } else {
-    worker->decode()->async()->Abort(&pending->context, &pending->request, &pending->response, std::move(done));
+void RouterService::GenerateCall::AbortOnWorker(Worker* worker, bool sender_gone) {
+  // Also to a worker marked down: a stalled one that comes back still holds the request's blocks.
+  if (worker == nullptr) return;
+  v1::WorkerAbortRequest request;
+  request.set_request_id(prepared_.request_id);
+  if (worker->decode() != nullptr) {
+    request.set_release_now(sender_gone || !target_shipped_);
+  } else if (target_shipped_) {
+    // Should the Prefill call not have reached it, the prefill worker tells the decode worker.
+    *request.mutable_kv_target() = target_;
   }
+  service_->aborts_->Send(worker, std::move(request));
 }
 
 void RouterService::GenerateCall::EndWithAbortMessage() {
@@ -1194,6 +1196,7 @@ RouterService::RouterService(RouterServiceOptions options, const Tokenizer* toke
                                                       std::max<int64_t>(1, options_.max_model_len));
   admission_ = std::make_unique<AdmissionQueue>(options_.max_concurrent_requests, options_.max_queued_requests);
   prefill_gate_ = std::make_unique<PrefillGate>(options_.max_prefill_tokens_per_worker, registry_);
+  aborts_ = std::make_unique<WorkerAborts>(std::max(options_.abort_timeout, absl::Milliseconds(options_.kv_lease_ms)));
   absl::BitGen gen;
   next_transfer_id_.store(absl::Uniform<uint64_t>(gen) | 1);
   chat_context_.model_name = options_.model_name;

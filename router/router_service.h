@@ -47,6 +47,7 @@
 #include "metrics/vllm_metrics.h"
 #include "router/assignment_policy.h"
 #include "router/openai_protocol.h"
+#include "router/worker_aborts.h"
 #include "router/worker_registry.h"
 
 namespace duet::router {
@@ -63,7 +64,9 @@ struct RouterServiceOptions {
   int kv_lease_ms = 30000;
   absl::Duration reserve_timeout = absl::Seconds(10);   // ReserveKv
   absl::Duration prefill_timeout = absl::Seconds(600);  // Prefill (liveness comes from keepalive)
-  absl::Duration abort_timeout = absl::Seconds(1);      // worker Abort during clean-up
+  // A worker Abort during clean-up is retried for this long, or for the KV lease when that is longer
+  // (router/worker_aborts.h): a worker stalled meanwhile still gets it once it is back.
+  absl::Duration abort_timeout = absl::Seconds(1);
   // How often a request whose decode worker fails mid-stream moves to another prefill/decode pair
   // (see the top of this file); 0: it fails with UNAVAILABLE.
   int max_request_migrations = 1;
@@ -151,6 +154,8 @@ class RouterService final : public v1::Duet::CallbackService {
   // By (client, client's request id); see the top of this file.
   absl::flat_hash_map<std::pair<std::string, std::string>, std::shared_ptr<ActiveCall>> active_ ABSL_GUARDED_BY(mu_);
   int live_calls_ ABSL_GUARDED_BY(mu_) = 0;
+  // Last: destroyed first, once every call has ended; cancels the aborts still pending.
+  std::unique_ptr<WorkerAborts> aborts_;
 };
 
 }  // namespace duet::router

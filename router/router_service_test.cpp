@@ -696,6 +696,10 @@ TEST_F(RouterServiceTest, DeadPrefillWorkerIsMarkedDownAndRetried) {
   EXPECT_EQ(prefill_[1]->num_prefills, 3);
   EXPECT_FALSE(registry_->prefill_workers()[0]->up());
   EXPECT_TRUE(registry_->decode_workers()[0]->up());
+  // The reservation the dead worker was to fill: first released once its sender stops, then,
+  // the worker confirmed gone, at once.
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 2; }, 3000));
+  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false, true));
 }
 
 TEST_F(RouterServiceTest, DecodeStreamErrorIsUnavailable) {
@@ -1051,6 +1055,8 @@ TEST_F(RouterServiceTest, ClientCancelDuringPrefillReachesBothWorkers) {
   canceller.join();
   EXPECT_TRUE(WaitFor([&] { return prefill_[0]->num_cancelled == 1; }, 3000));
   EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 1; }, 3000));  // reservation released
+  // once the prefill worker, which had the target, has stopped writing into it
+  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false));
   EXPECT_EQ(decode_[0]->num_decodes, 0);
 }
 
@@ -1253,10 +1259,49 @@ TEST_F(RouterServiceTest, CancelOrDeadlineDuringReserveKvAbortsOnTheDecodeWorker
   canceller.join();
   EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 2; }, 3000));
   EXPECT_THAT(decode_[0]->aborted(), ::testing::Contains(::testing::StartsWith("gone@")));
+  // No prefill worker got the target: the blocks go at once.
+  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(true, true));
   EXPECT_EQ(decode_[0]->num_decodes, 0);
   EXPECT_EQ(prefill_[0]->num_prefills, 0);
   EXPECT_TRUE(WaitFor([&] { return service_->num_in_flight() == 0; }, 3000));
 }
+
+// A decode worker stalled (SIGSTOPped) while a request it holds a reservation for is cancelled:
+// the router's Abort reaches it once it is back, longer than abort_timeout later, whether or not
+// the registry marked it down meanwhile; the reservation does not wait for its lease to end.
+class StalledDecodeWorkerTest : public RouterServiceTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(StalledDecodeWorkerTest, AbortReachesItOnceItIsBack) {
+  const bool marked_down = GetParam();
+  RouterServiceOptions options;
+  options.abort_timeout = absl::Milliseconds(300);
+  options.kv_lease_ms = 10000;
+  Start(1, 1, options);
+  prefill_[0]->prefill_delay_ms = 5000;  // as a prefill whose KV goes to the stalled worker
+  grpc::ClientContext context;
+  std::thread canceller([&] {
+    WaitFor([&] { return prefill_[0]->num_prefills == 1; });
+    decode_[0]->stalled = true;
+    if (marked_down) registry_->MarkDown(registry_->decode_workers()[0], "stalled");  // as the poller would
+    context.TryCancel();
+  });
+  auto reader = stub_->Generate(&context, TokenRequest({1}, 5, "stalled"));
+  v1::GenerateResponse message;
+  EXPECT_FALSE(reader->Read(&message));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  canceller.join();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // stalled for over abort_timeout
+  EXPECT_TRUE(decode_[0]->aborted().empty());
+  decode_[0]->stalled = false;
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 1; }, 3000));
+  EXPECT_THAT(decode_[0]->aborted(), ::testing::ElementsAre(::testing::StartsWith("stalled@")));
+  EXPECT_EQ(decode_[0]->num_decodes, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(DownOrNot, StalledDecodeWorkerTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "MarkedDown" : "StillUp";
+                         });
 
 TEST_F(RouterServiceTest, GetModelInfo) {
   Start(2, 1);

@@ -249,6 +249,36 @@ TEST(ServeSupervisionTest, ServeGivesItsChildrenAGeneratedInternalToken) {
   ASSERT_TRUE(FirstSuccessWithin(*serve.stub, std::chrono::seconds(10)).has_value());
 }
 
+// --internal-token-file: the cluster's token is the file's (a tool outside serve, such as the
+// chaos benchmark, can then ask the workers for their stats); an unreadable file stops serve.
+TEST(ServeSupervisionTest, InternalTokenFileIsTheClustersToken) {
+  const std::string path = ::testing::TempDir() + "/serve_internal_token";
+  {
+    std::ofstream out(path);
+    out << "chaos-bench-token\n";
+  }
+  Serve serve({"--internal-token-file", path});
+  ASSERT_TRUE(serve.ok()) << serve.error;
+  const std::optional<Child> router = ChildWithRole(serve.process->pid(), "router");
+  ASSERT_TRUE(router.has_value());
+  auto stub = v1::DecodeWorker::NewStub(grpc::CreateChannel(router->Flag("--decode"), grpc::InsecureChannelCredentials()));
+  for (const char* t : {"another-token", "chaos-bench-token"}) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ctx.AddMetadata("x-duet-internal-token", t);
+    v1::WorkerStats stats;
+    EXPECT_EQ(stub->GetStats(&ctx, v1::GetStatsRequest(), &stats).error_code(),
+              std::string(t) == "chaos-bench-token" ? grpc::StatusCode::OK : grpc::StatusCode::UNAUTHENTICATED);
+  }
+  ASSERT_TRUE(FirstSuccessWithin(*serve.stub, std::chrono::seconds(10)).has_value());
+
+  absl::StatusOr<std::unique_ptr<Subprocess>> missing =
+      Subprocess::Start({testing::DuetBinary(), "serve", "--model", kModel, "--backend", "cpu", "--grpc-port", "0",
+                         "--http-port", "-1", "--internal-token-file", path + ".missing"});
+  ASSERT_TRUE(missing.ok()) << missing.status();
+  EXPECT_EQ((*missing)->Wait(std::chrono::seconds(30)), 1);
+}
+
 // Under MPS a prefill worker's kernels yield to the decode worker's, and --prefill-gpu-percent
 // caps its SMs: serve sets both in the prefill workers' environment only (no effect without MPS).
 TEST(ServeSupervisionTest, PrefillWorkersGetTheirMpsPriorityAndShare) {
