@@ -4,6 +4,7 @@
 // can take them, the clients get UNAVAILABLE saying so. Nothing stays reserved on the survivors.
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <future>
@@ -90,16 +91,17 @@ std::vector<Stream> Collect(std::vector<std::future<Stream>>& streams) {
   return done;
 }
 
-// Waits until all `total` streams are on the two decode workers and returns the one holding two
-// or more of them (with four streams one does, however the router placed them), or -1.
-int WaitForStreamsOnDecodeWorkers(LocalCluster& cluster, int total) {
+// Waits until a decode worker holds two or more streams (one running, one waiting: with
+// --max-num-seqs 1 it has one to migrate however fast the other runs) and returns it, or -1. With
+// `total`, also until all `total` streams are on the decode workers (none still prefilling).
+int WaitForTwoStreamsOnADecodeWorker(LocalCluster& cluster, int total = 0) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (std::chrono::steady_clock::now() < deadline) {
     const std::vector<v1::WorkerStats> stats = cluster.DecodeStats();
     if (stats.size() == 2) {
       const int on_zero = stats[0].num_requests_running() + stats[0].num_requests_waiting();
       const int on_one = stats[1].num_requests_running() + stats[1].num_requests_waiting();
-      if (on_zero + on_one == total) return on_zero >= 2 ? 0 : 1;
+      if ((total == 0 || on_zero + on_one == total) && std::max(on_zero, on_one) >= 2) return on_zero >= 2 ? 0 : 1;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
@@ -146,13 +148,14 @@ bool SurvivorsIdle(LocalCluster& cluster, size_t decode_workers, size_t prefill_
 std::vector<size_t> WideMarginCases() { return {0, 4, 6, 7}; }
 constexpr int kTokens = 48;
 
-std::vector<v1::GenerateRequest> GreedyRequests(const json& ref) {
+std::vector<v1::GenerateRequest> GreedyRequests(const json& ref, int max_tokens = kTokens) {
   std::vector<v1::GenerateRequest> requests;
   for (size_t i : WideMarginCases()) {
     v1::GenerateRequest r;
     for (int32_t id : ref["cases"][i]["prompt_ids"].get<std::vector<int32_t>>()) r.mutable_token_ids()->add_ids(id);
     r.mutable_sampling()->set_temperature(0.0f);
-    r.mutable_sampling()->set_max_tokens(kTokens);
+    r.mutable_sampling()->set_max_tokens(max_tokens);
+    r.mutable_sampling()->set_ignore_eos(true);
     requests.push_back(r);
   }
   return requests;
@@ -164,7 +167,7 @@ TEST(ClusterMigrationTest, GreedyStreamsOfAKilledDecodeWorkerEqualTheReference) 
   const json ref = Reference();
   const std::vector<v1::GenerateRequest> requests = GreedyRequests(ref);
   std::vector<std::future<Stream>> streams = StartStreams(cluster, requests);
-  const int victim = WaitForStreamsOnDecodeWorkers(cluster, int(requests.size()));
+  const int victim = WaitForTwoStreamsOnADecodeWorker(cluster);
   ASSERT_GE(victim, 0);
   cluster.decode_process(victim).Signal(SIGKILL);
   const std::vector<Stream> done = Collect(streams);
@@ -218,7 +221,7 @@ TEST(ClusterMigrationTest, SeededStreamsOfAKilledDecodeWorkerEqualTheUninterrupt
   const std::vector<Stream> uninterrupted = Collect(first);
   ASSERT_EQ(Migrations(cluster, "success"), 0);
   std::vector<std::future<Stream>> second = StartStreams(cluster, requests);
-  const int victim = WaitForStreamsOnDecodeWorkers(cluster, int(requests.size()));
+  const int victim = WaitForTwoStreamsOnADecodeWorker(cluster);
   ASSERT_GE(victim, 0);
   cluster.decode_process(victim).Signal(SIGKILL);
   const std::vector<Stream> migrated = Collect(second);
@@ -247,9 +250,12 @@ TEST(ClusterMigrationTest, WithNoPrefillWorkerLeftMigrationFailsClearly) {
   LocalCluster cluster(MigrationCluster());
   ASSERT_TRUE(cluster.ok()) << cluster.error();
   const json ref = Reference();
-  const std::vector<v1::GenerateRequest> requests = GreedyRequests(ref);
+  // Long streams: every one is on a decode worker before the first ends, however slow the
+  // prefill (only the failures' messages are checked, not the tokens).
+  constexpr int kLongTokens = 200;
+  const std::vector<v1::GenerateRequest> requests = GreedyRequests(ref, kLongTokens);
   std::vector<std::future<Stream>> streams = StartStreams(cluster, requests);
-  const int victim = WaitForStreamsOnDecodeWorkers(cluster, int(requests.size()));
+  const int victim = WaitForTwoStreamsOnADecodeWorker(cluster, int(requests.size()));
   ASSERT_GE(victim, 0);
   cluster.prefill_process(0).Signal(SIGKILL);
   ASSERT_NE(cluster.prefill_process(0).Wait(std::chrono::seconds(10)), Subprocess::kStillRunning);
@@ -257,7 +263,7 @@ TEST(ClusterMigrationTest, WithNoPrefillWorkerLeftMigrationFailsClearly) {
   int failed = 0;
   for (Stream& s : Collect(streams)) {
     if (s.status.ok()) {
-      EXPECT_EQ(s.token_ids.size(), size_t(kTokens));
+      EXPECT_EQ(s.token_ids.size(), size_t(kLongTokens));
       continue;
     }
     ++failed;
