@@ -25,13 +25,11 @@ using nlohmann::json;
 using testing::ClusterOptions;
 using testing::LocalCluster;
 
-// Every decode worker runs one request at a time, so a worker with two streams holds one that has
-// not finished however fast the other runs: killed then, it has a stream to migrate for sure.
+// Two decode workers, so a killed one's streams have a survivor to move to.
 ClusterOptions MigrationCluster() {
   ClusterOptions options;
   options.num_prefill = 1;
   options.num_decode = 2;
-  options.worker_flags = {"--max-num-seqs", "1"};
   options.metrics = true;
   return options;
 }
@@ -91,9 +89,9 @@ std::vector<Stream> Collect(std::vector<std::future<Stream>>& streams) {
   return done;
 }
 
-// Waits until a decode worker holds two or more streams (one running, one waiting: with
-// --max-num-seqs 1 it has one to migrate however fast the other runs) and returns it, or -1. With
-// `total`, also until all `total` streams are on the decode workers (none still prefilling).
+// Waits until a decode worker holds two or more unfinished streams and returns it (killed at
+// once, both migrate), or -1. With `total`, also until all `total` streams are on the decode
+// workers (none still prefilling).
 int WaitForTwoStreamsOnADecodeWorker(LocalCluster& cluster, int total = 0) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (std::chrono::steady_clock::now() < deadline) {
@@ -185,7 +183,7 @@ TEST(ClusterMigrationTest, GreedyStreamsOfAKilledDecodeWorkerEqualTheReference) 
     EXPECT_EQ(s.prompt_tokens, int32_t(c["prompt_ids"].size()));
     EXPECT_EQ(s.completion_tokens, kTokens);
   }
-  EXPECT_GE(Migrations(cluster, "success"), 2);  // the stream running on the victim and one waiting there
+  EXPECT_GE(Migrations(cluster, "success"), 2);  // the victim's two or more streams
   EXPECT_EQ(Migrations(cluster, "failure"), 0);
   std::string detail;
   EXPECT_TRUE(SurvivorsIdle(cluster, 1, 1, &detail)) << detail;
