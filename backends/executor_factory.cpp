@@ -4,8 +4,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/logging.h"
 #include "backends/cpu/llama_cpu.h"
+#include "common/logging.h"
 #include "model/model_config.h"
 #ifdef DUET_HAVE_CUDA
 #include "backends/cuda/device_memory.h"
