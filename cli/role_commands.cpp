@@ -119,6 +119,10 @@ RoleCommands::RoleCommands(CLI::App& app) {
                                  decode_log_stats_, decode_token_file_, decode_api_key_,
                                  "cuda: pinned host staging for incoming KV, in tokens (default: twice "
                                  "max(max-model-len, max-num-batched-tokens))");
+  decode_cmd_->add_flag("!--no-kv-migration-on-drain", decode_.service.park_on_drain,
+                        "On SIGTERM let decoding requests finish here (default: park them with their KV "
+                        "for the router to move to another decode worker)")
+      ->default_str("");
 }
 
 template <typename ServiceOptions>

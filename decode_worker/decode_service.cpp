@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
+#include "common/logging.h"
 #include "kvtransfer/ucx_transport.h"
 #include "model/served_model_name.h"
 #include "rpc/kv_target_auth.h"
@@ -75,6 +76,14 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(std::unique
                         absl::StrCat("cannot start the KV receiver: ", receiver.status().message()));
   }
   service->receiver_ = std::move(*receiver);
+  // MigrateKv reads the blocks it ships from the same pools transfers land in.
+  absl::StatusOr<std::unique_ptr<kvtransfer::KvSender>> sender =
+      kvtransfer::CreateUcxKvSender(pools->memory, options.sender);
+  if (!sender.ok()) {
+    return absl::Status(sender.status().code(),
+                        absl::StrCat("cannot start the KV sender: ", sender.status().message()));
+  }
+  service->sender_ = std::move(*sender);
   return service;
 }
 
@@ -93,6 +102,7 @@ DecodeService::~DecodeService() {
   timer_.Stop();  // no claim expires and no Decode wait ends from here on
   // Releases the leases it still holds (through OnBlocksReleased) while the engine is alive.
   receiver_.reset();
+  sender_.reset();  // its shipments in flight end first
   {
     absl::MutexLock lock(&mu_);
     for (auto& [id, r] : by_transfer_) r->owns_blocks = false;  // the engine goes with the loop
@@ -173,6 +183,8 @@ void DecodeService::OnRequestDone(uint64_t transfer_id, const absl::Status& stat
   if (!unstaged.ok()) {
     EndLocked(r, absl::InternalError(absl::StrCat("copying the KV of request '", r.request_id,
                                                   "' from staging into the cache failed: ", unstaged.message())));
+  } else if (status.ok() && r.cancelled.has_value()) {
+    EndLocked(r, *r.cancelled);  // the receiver had committed the lease when Cancel came
   } else if (status.ok()) {
     MarkReceivedLocked(it->second);
   } else {
@@ -199,6 +211,9 @@ bool DecodeService::CancelReservation(const std::shared_ptr<Reservation>& r, abs
       EndLocked(*r, std::move(why));
       return true;
     }
+    r->cancelled = why;
+    // Shipping (MigrateKv): its end releases it, or, should the shipment fail, sees `cancelled`.
+    if (r->state == ReservationState::kShipping) return true;
   }
   // Transferring: the receiver holds the lease. Cancel ends it, now or once the sender has
   // stopped (OnBlocksReleased may run on this thread, so mu_ must not be held). If it ended
@@ -408,9 +423,9 @@ absl::Status DecodeService::Register(const std::shared_ptr<Reservation>& r) {
 class DecodeService::DecodeCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
                                         public std::enable_shared_from_this<DecodeCall> {
  public:
-  DecodeCall(DecodeService* service, const v1::DecodeRequest* request)
-      : service_(service), request_(*request), prompt_(request->prompt_token_ids().begin(),
-                                                       request->prompt_token_ids().end()) {
+  DecodeCall(DecodeService* service, grpc::CallbackServerContext* context, const v1::DecodeRequest* request)
+      : service_(service), context_(context), request_(*request),
+        prompt_(request->prompt_token_ids().begin(), request->prompt_token_ids().end()) {
     resumed_.tokens.assign(request->output_token_ids().begin(), request->output_token_ids().end());
     num_output_tokens_ = int32_t(resumed_.tokens.size());
   }
@@ -420,6 +435,9 @@ class DecodeService::DecodeCall final : public grpc::ServerWriteReactor<v1::Gene
 
   void OnCancel() override;
   void OnWriteDone(bool ok) override;
+  // Engine thread, draining: parks the request (if it is decoding) and ends the stream, after
+  // the messages queued, with kKvParkedTrailer.
+  void Park(LlmEngine& engine);
   void OnDone() override {
     auto last_reference = std::move(self_);  // may destroy this at the end of the scope
   }
@@ -446,6 +464,7 @@ class DecodeService::DecodeCall final : public grpc::ServerWriteReactor<v1::Gene
   void RecordFinished();
 
   DecodeService* const service_;
+  grpc::CallbackServerContext* const context_;
   const v1::DecodeRequest request_;
   const std::vector<int32_t> prompt_;
   ResumedOutput resumed_;  // a migrated request's output so far (its text's emitted bytes once checked)
@@ -466,13 +485,15 @@ class DecodeService::DecodeCall final : public grpc::ServerWriteReactor<v1::Gene
   std::deque<v1::GenerateResponse> queued_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;  // a StartWrite of `writing_message_` is in flight
   std::optional<grpc::Status> end_status_ ABSL_GUARDED_BY(mu_);
+  // Parked: the queued messages go out before the Finish, whose trailer names the reservation.
+  std::optional<uint64_t> parked_transfer_id_ ABSL_GUARDED_BY(mu_);
   bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
   v1::GenerateResponse writing_message_;  // owned by the write in flight
 };
 
-grpc::ServerWriteReactor<v1::GenerateResponse>* DecodeService::Decode(grpc::CallbackServerContext*,
+grpc::ServerWriteReactor<v1::GenerateResponse>* DecodeService::Decode(grpc::CallbackServerContext* context,
                                                                       const v1::DecodeRequest* request) {
-  auto call = std::make_shared<DecodeCall>(this, request);
+  auto call = std::make_shared<DecodeCall>(this, context, request);
   call->Start();  // the call holds itself until OnDone
   return call.get();
 }
@@ -491,10 +512,18 @@ void DecodeService::DecodeCall::Start() {
   // The reservation holds the KV of the prompt and of a migrated request's output so far.
   std::vector<int32_t> prefilled = prompt_;
   prefilled.insert(prefilled.end(), resumed_.tokens.begin(), resumed_.tokens.end());
+  // kv_attached: the last output token's KV is not computed yet.
+  if (request_.kv_attached() && !prefilled.empty()) prefilled.pop_back();
+  if (invalid.ok() && request_.kv_attached() && resumed_.tokens.empty()) {
+    invalid = absl::InvalidArgumentError("a kv_attached Decode call needs output_token_ids");
+  }
   if (invalid.ok() && int32_t(prefilled.size()) != reservation_->num_tokens) {
     invalid = absl::InvalidArgumentError(absl::StrCat("the prompt (and output so far) has ", prefilled.size(),
                                                       " tokens but the KV reservation was for ",
                                                       reservation_->num_tokens));
+  }
+  if (invalid.ok() && reservation_->parked && !request_.kv_attached()) {
+    invalid = absl::InvalidArgumentError("a parked reservation is resumed only by a kv_attached Decode call");
   }
   if (invalid.ok() && request_.output_text_bytes() < 0) {
     invalid = absl::InvalidArgumentError("output_text_bytes must not be negative");
@@ -578,23 +607,58 @@ void DecodeService::DecodeCall::Join(LlmEngine& engine) {
   const std::string& id = request_.request_id();
   if (absl::Status claimed = service_->Claim(*reservation_); !claimed.ok()) return End(WaitFailure(claimed));
   // The blocks are this call's now: join the batch, or give them back.
-  const SampledToken first = rpc::FromProto(request_.first_token_id(), request_.first_token_logprobs());
-  absl::StatusOr<RequestOutput> out =
-      engine.AddPrefilledRequest(id, prompt_, params_, reservation_->seq, first, resumed_);
+  absl::StatusOr<RequestOutput> out;
+  if (request_.kv_attached()) {
+    // Nothing to emit until its next token.
+    absl::Status attached = engine.AttachRequest(id, prompt_, params_, reservation_->seq, resumed_);
+    out = attached.ok() ? absl::StatusOr<RequestOutput>(RequestOutput{id}) : attached;
+  } else {
+    const SampledToken first = rpc::FromProto(request_.first_token_id(), request_.first_token_logprobs());
+    out = engine.AddPrefilledRequest(id, prompt_, params_, reservation_->seq, first, resumed_);
+  }
   if (!out.ok()) {
     engine.ReleaseKv(reservation_->seq);  // not taken by a request
     return End(rpc::ToGrpc(out.status()));
   }
   joined_at_ = std::chrono::steady_clock::now();
-  OnOutput(*out);
+  if (!request_.kv_attached()) OnOutput(*out);
   if (out->finished) {
     engine.Release(id);
   } else {
     service_->loop_->Subscribe(id, [self = shared_from_this()](const RequestOutput& o) { self->OnOutput(o); });
+    service_->streaming_[id] = shared_from_this();
   }
   absl::MutexLock lock(&mu_);
   stage_ = Stage::kStreaming;
   if (cancelled_ && !out->finished) service_->loop_->Abort(id);
+}
+
+void DecodeService::DecodeCall::Park(LlmEngine& engine) {
+  absl::StatusOr<uint64_t> parked = service_->Park(engine, request_.request_id());
+  if (!parked.ok()) return;  // not decoding now: it finishes here
+  service_->loop_->Unsubscribe(request_.request_id());
+  service_->streaming_.erase(request_.request_id());
+  {
+    absl::MutexLock lock(&mu_);
+    if (end_status_.has_value()) return;  // cancelled meanwhile: the router's Abort ends the reservation
+    parked_transfer_id_ = *parked;
+    end_status_ = Error(grpc::StatusCode::UNAVAILABLE,
+                        absl::StrCat("the decode worker is draining; request '", request_.request_id(),
+                                     "' is parked with its KV for migration (trailer ", rpc::kKvParkedTrailer, ")"));
+  }
+  Pump();
+}
+
+// Live KV migration's parking (the rest is in decode_service_migration.cpp).
+void DecodeService::StartDraining() {
+  if (!options_.park_on_drain) return;
+  loop_->Post([this](LlmEngine& engine) {
+    std::vector<std::shared_ptr<DecodeCall>> calls;
+    for (const auto& [id, call] : streaming_) calls.push_back(call);
+    for (const std::shared_ptr<DecodeCall>& call : calls) call->Park(engine);
+    DUET_LOG(INFO) << "decode worker: draining; parked " << calls.size() - streaming_.size() << " of " << calls.size()
+                   << " decoding requests with their KV for migration";
+  });
 }
 
 grpc::Status DecodeService::DecodeCall::WaitFailure(const absl::Status& why) {
@@ -605,6 +669,7 @@ grpc::Status DecodeService::DecodeCall::WaitFailure(const absl::Status& why) {
 }
 
 void DecodeService::DecodeCall::OnOutput(const RequestOutput& out) {
+  if (out.finished) service_->streaming_.erase(request_.request_id());
   if (out.finish_reason == FinishReason::kError) {
     return End(Error(grpc::StatusCode::INTERNAL,
                      absl::StrCat("request '", request_.request_id(), "' failed: ", out.error)));
@@ -639,9 +704,12 @@ void DecodeService::DecodeCall::Pump() {
   {
     absl::MutexLock lock(&mu_);
     if (writing_ || finish_called_) return;
-    if (end_status_.has_value()) {
+    if (end_status_.has_value() && (!parked_transfer_id_.has_value() || queued_.empty())) {
       finish_called_ = true;
       finish_with = *end_status_;
+      if (parked_transfer_id_.has_value()) {
+        context_->AddTrailingMetadata(rpc::kKvParkedTrailer, std::to_string(*parked_transfer_id_));
+      }
     } else {
       if (queued_.empty()) return;
       writing_message_ = std::move(queued_.front());

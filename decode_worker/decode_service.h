@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,7 @@
 #include "engine/engine_loop.h"
 #include "engine/llm_engine.h"
 #include "kvtransfer/kv_transport.h"
+#include "kvtransfer/ucx_transport.h"
 #include "metrics/registry.h"
 #include "metrics/vllm_metrics.h"
 #include "worker/deadline_timer.h"
@@ -45,7 +47,13 @@ struct DecodeServiceOptions {
   bool verify_kv_checksums = false;
   // Non-empty: every KV target ReserveKv grants is signed with this key (rpc/kv_target_auth.h).
   std::string kv_target_key;
+  // Live KV migration on drain: StartDraining parks the decoding requests (worker.proto,
+  // MigrateKv). Off: they finish here.
+  bool park_on_drain = true;
+  // The sender MigrateKv ships parked KV with (host paths).
+  kvtransfer::UcxSenderOptions sender;
 };
+
 
 // On gRPC's callback API: no thread per call. Engine work runs on the engine thread, which
 // answers ReserveKv and Abort and hands each Decode stream its outputs; a Decode call waiting
@@ -67,6 +75,13 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
                                   v1::WorkerAbortResponse* response) override;
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context, const v1::GetStatsRequest* request,
                                      v1::WorkerStats* response) override;
+  grpc::ServerUnaryReactor* MigrateKv(grpc::CallbackServerContext* context, const v1::MigrateKvRequest* request,
+                                      v1::MigrateKvResponse* response) override;
+
+  // The worker drains (new work is refused): with park_on_drain, every decoding request leaves
+  // the batch with its KV as a parked reservation, and its stream ends with kKvParkedTrailer so
+  // the router moves it (MigrateKv) or resumes it here. Any thread.
+  void StartDraining();
 
   const std::string& receiver_descriptor() const { return receiver_->descriptor(); }
 
@@ -85,6 +100,7 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
   enum class ReservationState {
     kTransferring,  // lease held by the receiver; the prefill worker is writing the blocks
     kReceived,      // every layer arrived; waiting for Decode to claim the blocks
+    kShipping,      // parked; MigrateKv is sending the blocks to another decode worker
     kClaimed,       // Decode took the blocks (they now belong to its request)
     kEnded,         // ended unclaimed; `failure` says why; blocks released
   };
@@ -101,11 +117,17 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
     ReservationState state = ReservationState::kTransferring;
     absl::Status failure;
     DeadlineTimer::Id claim_timer = 0;  // once kReceived: ends it unclaimed at the lease's end
+    // Cancelled while kTransferring: why. A transfer that completes meanwhile (the receiver had
+    // committed the lease, and the copy out of staging was under way) ends instead of waiting.
+    std::optional<absl::Status> cancelled;
     // The Decode call waiting for the transfer: told once the state leaves kTransferring.
     std::function<void()> on_settled;
     bool owns_blocks = true;  // the reservation (not a request) still holds its engine blocks
     std::vector<int32_t> cache_blocks;    // the engine blocks the transfer fills (from first_token on)
     std::vector<int32_t> staging_blocks;  // with staging: where the transfer lands
+    // A request this worker parked (live KV migration): its blocks hold the KV of
+    // `cached_prefix`, its prompt and its output but the last token.
+    bool parked = false;
   };
 
   DecodeService(std::unique_ptr<LlmEngine> engine, DecodeServiceOptions options);
@@ -146,6 +168,19 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
   std::shared_ptr<Reservation> FindByTransfer(uint64_t transfer_id) ABSL_LOCKS_EXCLUDED(mu_);
   std::shared_ptr<Reservation> FindByRequest(const std::string& request_id) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // ---- Live KV migration (decode_service_migration.cpp) ----
+  // Engine thread: the request leaves the batch as a parked reservation, whose transfer id this
+  // returns; FailedPrecondition if it is not decoding (it finishes here).
+  absl::StatusOr<uint64_t> Park(LlmEngine& engine, const std::string& request_id) ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t NewParkedTransferId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Engine thread: copies (when staged) and sends the parked blocks of `r` from `first_token` on
+  // to `target` over `peer`; `done` runs when the sender has finished (its thread).
+  void Ship(LlmEngine& engine, const std::shared_ptr<Reservation>& r, const v1::KvTarget& target,
+            kvtransfer::PeerId peer, std::function<void(absl::Status)> done);
+  // After a failed shipment: parked again, for a resume here or another MigrateKv.
+  void Unship(const std::shared_ptr<Reservation>& r) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<kvtransfer::PeerId> PeerFor(const std::string& descriptor) ABSL_LOCKS_EXCLUDED(peers_mu_);
+
   const DecodeServiceOptions options_;
   const int32_t block_size_;
 
@@ -161,6 +196,10 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
   absl::Mutex mu_;
   std::map<uint64_t, std::shared_ptr<Reservation>> by_transfer_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> transfer_by_request_ ABSL_GUARDED_BY(mu_);
+  // The streams whose requests are in the batch (engine thread only): what StartDraining parks.
+  std::map<std::string, std::shared_ptr<DecodeCall>> streaming_;
+  absl::Mutex peers_mu_;
+  std::map<std::string, kvtransfer::PeerId> peers_ ABSL_GUARDED_BY(peers_mu_);  // MigrateKv's destinations
 
   std::unique_ptr<KvHostStaging> staging_;  // null when transfers land in the cache's own pools
   // A device cache's pools, offered to prefill workers on this host (CUDA IPC); null otherwise.
@@ -168,6 +207,7 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
   // Claim and transfer-wait deadlines; stopped first in the destructor.
   DeadlineTimer timer_;
   // Last: destroyed first, while the engine (its pools), the staging and the maps above exist.
+  std::unique_ptr<kvtransfer::KvSender> sender_;
   std::unique_ptr<kvtransfer::KvReceiver> receiver_;
 };
 

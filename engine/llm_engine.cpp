@@ -305,6 +305,42 @@ absl::StatusOr<RequestOutput> LlmEngine::AddPrefilledRequest(const std::string& 
   return out;
 }
 
+absl::StatusOr<LlmEngine::DetachedRequest> LlmEngine::Detach(const std::string& id) {
+  auto it = requests_.find(id);
+  if (it == requests_.end() || it->second->finished()) {
+    return absl::NotFoundError(absl::StrCat("no running request '", id, "'"));
+  }
+  Request& r = *it->second;
+  if (r.state != RequestState::kRunning || r.output.empty() || r.num_computed_tokens != r.num_tokens() - 1) {
+    return absl::FailedPreconditionError(absl::StrCat("request '", id, "' is not decoding"));
+  }
+  scheduler_.Detach(&r);
+  if (spec_) spec_->OnFinished(r);  // a draft model's own KV of it goes
+  DetachedRequest detached{r.seq_id, std::move(r.prompt), std::move(r.output)};
+  requests_.erase(it);
+  return detached;
+}
+
+absl::Status LlmEngine::AttachRequest(const std::string& id, std::vector<int32_t> prompt, SamplingParams params,
+                                      SequenceId reservation, const ResumedOutput& resumed) {
+  if (resumed.tokens.empty()) return absl::InvalidArgumentError("an attached request needs its output so far");
+  const int64_t computed = int64_t(prompt.size() + resumed.tokens.size()) - 1;
+  if (blocks_.Capacity(reservation) < computed) {
+    return absl::FailedPreconditionError("the KV reservation does not cover the prompt and the output so far");
+  }
+  absl::StatusOr<std::unique_ptr<Request>> request =
+      NewRequest(id, std::move(prompt), std::move(params), reservation, resumed);
+  if (!request.ok()) return request.status();
+  Request& r = **request;
+  if (absl::Status s = scheduler_.Add(&r); !s.ok()) return s;
+  r.num_computed_tokens = computed;
+  blocks_.CommitFullBlocks(reservation, r.prefix_seed, computed, [&r](int64_t i) { return r.TokenAt(i); });
+  r.first_scheduled_time = r.arrival_time;
+  r.first_token_time = r.arrival_time;  // its first token came where it began
+  requests_.emplace(id, std::move(*request));
+  return absl::OkStatus();
+}
+
 bool LlmEngine::Abort(const std::string& id) {
   auto it = requests_.find(id);
   if (it == requests_.end() || it->second->finished()) return false;

@@ -155,6 +155,23 @@ class LlmEngine {
                                                     SamplingParams params, SequenceId reservation,
                                                     const SampledToken& first_token,
                                                     const ResumedOutput& resumed = {});
+  // Live KV migration (a draining decode worker). Detach takes a decoding request out of the
+  // batch with its KV: its blocks (`seq`, freed by ReleaseKv) hold the K/V of every token but the
+  // last output token, which is sampled and not yet computed. FailedPrecondition for a request
+  // that is not decoding (waiting, preempted, prefilling): it stays as it is. The request is gone
+  // from the engine; no output follows.
+  struct DetachedRequest {
+    SequenceId seq = 0;
+    std::vector<int32_t> prompt;
+    std::vector<int32_t> output;  // non-empty
+    int64_t num_computed_tokens() const { return int64_t(prompt.size() + output.size()) - 1; }
+  };
+  absl::StatusOr<DetachedRequest> Detach(const std::string& id);
+  // The other end: a request whose `resumed` output (non-empty, its last token not computed)
+  // continues from `reservation`, which holds the K/V of the prompt and all but that last token.
+  // It joins the batch as a detached request left it; nothing is emitted until its next token.
+  absl::Status AttachRequest(const std::string& id, std::vector<int32_t> prompt, SamplingParams params,
+                             SequenceId reservation, const ResumedOutput& resumed);
   KvCache& kv_cache() { return *cache_; }
   bool HasUnfinished() const { return scheduler_.HasWork(); }
   // Tokens in the last Step's forward pass (0 when it ran none).

@@ -157,6 +157,81 @@ TEST(LlmEngineResumeTest, StopStringAcrossTheResumePoint) {
   ExpectResumedEqualsUninterrupted(*e, {"stop string", p}, full);
 }
 
+// Steps the engine until request `id` finishes, collecting what it streams.
+Streamed StreamRest(LlmEngine& e, const std::string& id, Streamed run = {}) {
+  while (e.HasUnfinished()) {
+    absl::StatusOr<std::vector<RequestOutput>> outs = e.Step();
+    EXPECT_TRUE(outs.ok()) << outs.status();
+    if (!outs.ok()) break;
+    for (const RequestOutput& out : *outs) {
+      run.tokens.push_back(out.new_token_ids);
+      run.texts.push_back(out.new_text);
+      if (out.finished) run.finish_reason = out.finish_reason;
+    }
+  }
+  e.Release(id);
+  return run;
+}
+
+// Live KV migration in the engine: a request detached after some outputs and attached again on
+// its own blocks (as a decode worker that received them does) streams the rest of the
+// uninterrupted run: tokens, text, finish, seeded draws, grammar and drafts included.
+TEST(LlmEngineResumeTest, DetachedRequestsAttachAndContinueTheUninterruptedOutput) {
+  std::unique_ptr<LlmEngine> e = NewEngine();
+  for (const Case& c : Cases()) {
+    const Streamed full = StreamAlone(*e, c.name, c.params);
+    ASSERT_GE(full.tokens.size(), 8u) << c.name;
+    // Cut by tokens: with lookahead an output carries several, more as the cache learns.
+    for (size_t cut : {size_t(1), size_t(3), full.all_tokens().size() / 2}) {
+      const std::string id = c.name + " detached";
+      ASSERT_TRUE(e->AddRequest(id, Prompt(*e), c.params).ok());
+      Streamed before;
+      while (before.all_tokens().size() < cut) {
+        ASSERT_TRUE(e->HasUnfinished()) << c.name << " finished before " << cut << " tokens";
+        absl::StatusOr<std::vector<RequestOutput>> outs = e->Step();
+        ASSERT_TRUE(outs.ok()) << outs.status();
+        for (const RequestOutput& out : *outs) {
+          before.tokens.push_back(out.new_token_ids);
+          before.texts.push_back(out.new_text);
+        }
+      }
+      const int32_t free_before = e->Stats().num_free_kv_blocks;
+      absl::StatusOr<LlmEngine::DetachedRequest> d = e->Detach(id);
+      ASSERT_TRUE(d.ok()) << d.status();
+      EXPECT_EQ(d->output, before.all_tokens()) << c.name << ", " << cut;
+      EXPECT_EQ(d->prompt, Prompt(*e));
+      EXPECT_FALSE(e->HasUnfinished());
+      EXPECT_EQ(e->Find(id), nullptr);
+      EXPECT_EQ(e->Stats().num_free_kv_blocks, free_before) << "the blocks stay with the detached sequence";
+      const std::string emitted = before.all_text();
+      ASSERT_TRUE(e->AttachRequest(id, d->prompt, c.params, d->seq, ResumedOutput{d->output, emitted.size()}).ok());
+      const Streamed rest = StreamRest(*e, id);
+      std::vector<int32_t> joined = d->output;
+      const std::vector<int32_t> more = rest.all_tokens();
+      joined.insert(joined.end(), more.begin(), more.end());
+      EXPECT_EQ(joined, full.all_tokens()) << c.name << ", detached after " << cut << " tokens";
+      EXPECT_EQ(emitted + rest.all_text(), full.all_text()) << c.name << ", " << cut;
+      EXPECT_EQ(rest.finish_reason, full.finish_reason) << c.name << ", " << cut;
+    }
+  }
+  EXPECT_EQ(e->Stats().num_free_kv_blocks, e->Stats().num_kv_blocks);  // the attached requests freed them
+}
+
+// Only a decoding request detaches; one still waiting stays queued, an unknown one is not found.
+TEST(LlmEngineResumeTest, OnlyDecodingRequestsDetach) {
+  std::unique_ptr<LlmEngine> e = NewEngine();
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = 8;
+  EXPECT_EQ(e->Detach("nobody").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(e->AddRequest("r", Prompt(*e), p).ok());
+  EXPECT_EQ(e->Detach("r").status().code(), absl::StatusCode::kFailedPrecondition);  // not scheduled yet
+  EXPECT_TRUE(e->HasUnfinished());
+  EXPECT_EQ(e->AttachRequest("s", Prompt(*e), p, 12345, ResumedOutput{}).code(), absl::StatusCode::kInvalidArgument);
+  const Streamed run = StreamRest(*e, "r");
+  EXPECT_EQ(run.all_tokens().size(), 8u);
+}
+
 TEST(LlmEngineResumeTest, ImpossibleResumedOutputsAreInvalid) {
   std::unique_ptr<LlmEngine> e = NewEngine();
   SamplingParams p;

@@ -111,6 +111,16 @@ RouterMetrics::RouterMetrics(Registry& registry, std::string_view model_name, in
     request_migrations_[i] =
         &migrations.WithLabels({std::string(model_name), std::string(RoleName(kRole)), outcomes[i]});
   }
+  auto& kv_migrations = registry.AddCounter(
+      "duet:kv_migrations_total",
+      "Requests a draining decode worker parked, by outcome: moved (their KV went to another decode worker, "
+      "no re-prefill), resumed (no other decode worker took them: they went on where they were), failed "
+      "(neither: migrated by re-prefill instead).",
+      {"model_name", "role", "outcome"});
+  const char* const kv_outcomes[] = {"moved", "resumed", "failed"};
+  for (size_t i = 0; i < kv_migrations_.size(); ++i) {
+    kv_migrations_[i] = &kv_migrations.WithLabels({std::string(model_name), std::string(RoleName(kRole)), kv_outcomes[i]});
+  }
 }
 
 Counter& RouterMetrics::request_success(FinishReason reason) {

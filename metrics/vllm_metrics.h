@@ -131,6 +131,11 @@ class RouterMetrics {
   // request that had already moved --max-request-migrations times; not tried).
   enum class Migration { kSuccess, kFailure, kLimit };
   Counter& request_migrations(Migration outcome) { return *request_migrations_[size_t(outcome)]; }
+  // Live KV migration of a request a draining decode worker parked, by `outcome`: moved (its KV
+  // went to another decode worker, which continues the stream), resumed (no other decode worker
+  // took it: it went on where it was parked), failed (neither: a re-prefill migration follows).
+  enum class KvMigration { kMoved, kResumed, kFailed };
+  Counter& kv_migrations(KvMigration outcome) { return *kv_migrations_[size_t(outcome)]; }
 
  private:
   std::array<Counter*, 5> request_success_{};  // by FinishReason; null where it counts none
@@ -138,6 +143,7 @@ class RouterMetrics {
   std::array<Counter*, 2> routed_prompt_blocks_cached_{};  // prefill, decode
   std::array<Histogram*, 3> worker_call_seconds_{};        // by WorkerCall
   std::array<Counter*, 3> request_migrations_{};           // by Migration
+  std::array<Counter*, 3> kv_migrations_{};                // by KvMigration
   Family<Counter>* http_requests_;
   Family<Histogram>* http_durations_;
 };

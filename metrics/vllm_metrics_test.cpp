@@ -101,7 +101,7 @@ TEST(VllmMetricsTest, EachRoleExportsWhatItOwns) {
                                    "duet:num_requests_waiting", "duet:request_generation_tokens",
                                    "duet:request_inference_time_seconds", "duet:request_max_num_generation_tokens",
                                    "duet:request_params_max_tokens", "duet:request_params_n",
-                                   "duet:request_migrations_total", "duet:request_prompt_tokens",
+                                   "duet:kv_migrations_total", "duet:request_migrations_total", "duet:request_prompt_tokens",
                                    "duet:request_queue_time_seconds", "duet:request_success_total", "duet:request_time_per_output_token_seconds",
                                    "duet:routed_prompt_blocks_cached_total", "duet:routed_prompt_blocks_total",
                                    "duet:router_worker_call_seconds", "duet:time_per_output_token_seconds", "duet:time_to_first_token_seconds",
@@ -243,6 +243,17 @@ TEST(VllmMetricsTest, RequestMigrationsByOutcome) {
   EXPECT_THAT(text, HasSubstr("duet:request_migrations_total{model_name=\"tiny\",role=\"router\",outcome=\"success\"} 2\n"));
   EXPECT_THAT(text, HasSubstr("duet:request_migrations_total{model_name=\"tiny\",role=\"router\",outcome=\"failure\"} 0\n"));
   EXPECT_THAT(text, HasSubstr("duet:request_migrations_total{model_name=\"tiny\",role=\"router\",outcome=\"limit\"} 1\n"));
+}
+
+TEST(VllmMetricsTest, KvMigrationsByOutcome) {
+  Registry registry;
+  RouterMetrics m(registry, "tiny");
+  m.kv_migrations(RouterMetrics::KvMigration::kMoved).Inc();
+  m.kv_migrations(RouterMetrics::KvMigration::kFailed).Inc();
+  const std::string text = registry.Render();
+  EXPECT_THAT(text, HasSubstr("duet:kv_migrations_total{model_name=\"tiny\",role=\"router\",outcome=\"moved\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("duet:kv_migrations_total{model_name=\"tiny\",role=\"router\",outcome=\"resumed\"} 0\n"));
+  EXPECT_THAT(text, HasSubstr("duet:kv_migrations_total{model_name=\"tiny\",role=\"router\",outcome=\"failed\"} 1\n"));
 }
 
 TEST(VllmMetricsTest, HttpRequestsByHandlerMethodAndStatus) {

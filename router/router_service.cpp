@@ -1,6 +1,7 @@
 #include "router/router_service.h"
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <deque>
@@ -117,6 +118,10 @@ const std::string& ReserveKvMethod() {
 }
 const std::string& DecodeMethod() {
   static const std::string name = absl::StrCat("/", v1::DecodeWorker::service_full_name(), "/Decode");
+  return name;
+}
+const std::string& MigrateKvMethod() {
+  static const std::string name = absl::StrCat("/", v1::DecodeWorker::service_full_name(), "/MigrateKv");
   return name;
 }
 const std::string& PrefillMethod() {
@@ -236,6 +241,16 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   void Migrate(const std::string& what);
   // Whether the placement continues an output the client has (part of): a migration's.
   bool resumed() const { return resumed_tokens_ > 0; }
+  // Live KV migration (worker.proto, MigrateKvRequest). The stream ended with the decode worker's
+  // parked trailer: the transfer id it names (nullopt: none, or nothing to continue).
+  std::optional<uint64_t> ParkedTransferId(const grpc::Status& status) const;
+  // Reserves on another decode worker for the prompt and the output but its last token, has the
+  // draining worker ship the parked KV there, and continues the stream there; with no such worker
+  // (or should a step fail) the stream resumes where it was parked.
+  void MoveParkedKv(uint64_t parked_transfer_id);
+  void OnParkedKvReserved(const grpc::Status& status, const v1::ReserveKvResponse* reply);
+  void OnKvMigrated(const grpc::Status& status);
+  void ResumeParked();
 
   // Whether the client (cancel, deadline) or Abort stopped the request, and ending it then.
   bool Interrupted() const;
@@ -323,6 +338,13 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   int migrations_ = 0;
   bool migrating_ = false;
   std::string migration_cause_;
+  // Live KV migration: the draining worker holding the parked KV and its transfer id; whether
+  // the next Decode call continues parked KV (kv_attached), and whether that stream has yet to
+  // deliver a message.
+  Worker* parked_on_ = nullptr;
+  uint64_t parked_transfer_id_ = 0;
+  bool kv_attached_ = false;
+  bool kv_attached_pending_ = false;
   std::unique_ptr<ResponseAnnotator> annotator_;  // every message to the client goes through it
   std::string finish_reason_;
   double queue_seconds_ = 0;  // arrival until the prefill gate let it through
@@ -891,10 +913,17 @@ void RouterService::GenerateCall::StartDecode() {
   request.set_transfer_id(transfer_id_);
   request.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
   *request.mutable_sampling() = prepared_.sampling;
-  request.set_first_token_id(prefilled_.first_token_id());
-  *request.mutable_first_token_logprobs() = prefilled_.first_token_logprobs();
-  request.mutable_output_token_ids()->Assign(output_token_ids_.begin(), output_token_ids_.begin() + resumed_tokens_);
-  request.set_output_text_bytes(resumed_text_bytes_);
+  if (kv_attached_) {  // the stream continues after everything the client has
+    request.mutable_output_token_ids()->Assign(output_token_ids_.begin(), output_token_ids_.end());
+    request.set_output_text_bytes(output_text_bytes_);
+    request.set_kv_attached(true);
+    kv_attached_pending_ = true;
+  } else {
+    request.set_first_token_id(prefilled_.first_token_id());
+    *request.mutable_first_token_logprobs() = prefilled_.first_token_logprobs();
+    request.mutable_output_token_ids()->Assign(output_token_ids_.begin(), output_token_ids_.begin() + resumed_tokens_);
+    request.set_output_text_bytes(resumed_text_bytes_);
+  }
   stream_context_ = Downstream(absl::InfiniteDuration());
   call_started_at_ = std::chrono::steady_clock::now();
   stream_ = new DecodeStream(shared_from_this(), stream_context_, std::move(request));
@@ -940,6 +969,7 @@ void RouterService::GenerateCall::OnDecodeMessage(grpc::ByteBuffer* bytes) {
   } else {
     out_.clear_prompt_token_ids();  // on the first message only, also when a migration's stream echoes them
   }
+  kv_attached_pending_ = false;
   if (migrating_) {  // the stream goes on where the failed one stopped
     migrating_ = false;
     service_->metrics_->request_migrations(metrics::RouterMetrics::Migration::kSuccess).Inc();
@@ -1013,6 +1043,11 @@ void RouterService::GenerateCall::OnDecodeDone(const grpc::Status& status) {
     AbortOnWorker(decode_);
     return EndInterrupted();
   }
+  if (std::optional<uint64_t> parked = ParkedTransferId(status)) return MoveParkedKv(*parked);
+  if (kv_attached_pending_) {  // the parked KV could not be continued: re-prefill, if anything
+    kv_attached_pending_ = false;
+    service_->metrics_->kv_migrations(metrics::RouterMetrics::KvMigration::kFailed).Inc();
+  }
   if (status.ok()) {
     return End(grpc::Status(grpc::StatusCode::UNAVAILABLE,
                             absl::StrCat(decode_->label(), " ended the stream before the request finished")));
@@ -1050,6 +1085,7 @@ void RouterService::GenerateCall::Migrate(const std::string& what) {
   }
   ++migrations_;
   migrating_ = true;
+  kv_attached_ = false;
   migration_cause_ = what;
   DUET_LOG(INFO) << "request " << prepared_.request_id << ": " << what << " after " << output_token_ids_.size()
                  << " tokens; migrating it (" << migrations_ << " of at most " << limit << ")";
@@ -1067,6 +1103,121 @@ void RouterService::GenerateCall::Migrate(const std::string& what) {
   placed_token_ids_.insert(placed_token_ids_.end(), output_token_ids_.begin(), output_token_ids_.end());
   info_.prompt_token_ids = placed_token_ids_;
   EnterGate();
+}
+
+// ---- Live KV migration ----
+
+std::optional<uint64_t> RouterService::GenerateCall::ParkedTransferId(const grpc::Status& status) const {
+  if (status.error_code() != grpc::StatusCode::UNAVAILABLE || output_token_ids_.empty() || finished_) {
+    return std::nullopt;
+  }
+  const auto& trailers = stream_context_->GetServerTrailingMetadata();
+  auto it = trailers.find(rpc::kKvParkedTrailer);
+  if (it == trailers.end()) return std::nullopt;
+  uint64_t id = 0;
+  const char* end = it->second.data() + it->second.size();
+  const auto [ptr, error] = std::from_chars(it->second.data(), end, id);
+  if (error != std::errc() || ptr != end) return std::nullopt;
+  return id;
+}
+
+void RouterService::GenerateCall::MoveParkedKv(uint64_t parked_transfer_id) {
+  parked_on_ = decode_;
+  parked_transfer_id_ = parked_transfer_id;
+  early_first_text_.reset();  // the parked output holds the first token: the stream goes on after it
+  decode_ = nullptr;
+  decode_in_flight_.Reset();
+  DUET_LOG(INFO) << "request " << prepared_.request_id << ": " << parked_on_->label()
+                 << " is draining and parked it after " << output_token_ids_.size() << " tokens; moving its KV";
+  // The destination holds the KV of the prompt and the output but its last token (not computed).
+  placed_token_ids_ = prepared_.prompt_token_ids;
+  placed_token_ids_.insert(placed_token_ids_.end(), output_token_ids_.begin(), output_token_ids_.end() - 1);
+  info_.prompt_token_ids = placed_token_ids_;
+  info_.excluded = failed_decode_;
+  info_.excluded.push_back(parked_on_);
+  Worker* destination = service_->policy_->PickDecode(info_);
+  if (destination == nullptr) return ResumeParked();
+  decode_ = destination;
+  decode_in_flight_ = InFlightGuard(destination);
+  transfer_id_ = service_->NewTransferId();
+  target_shipped_ = false;
+  v1::ReserveKvRequest request;
+  request.set_request_id(prepared_.request_id);
+  request.set_transfer_id(transfer_id_);
+  request.set_num_prompt_tokens(static_cast<int32_t>(placed_token_ids_.size()));
+  request.set_lease_ms(service_->options_.kv_lease_ms);
+  // A reused prefix must end on a block boundary of the draining worker, which sends the rest.
+  if (const std::optional<v1::WorkerStats> stats = parked_on_->stats(); stats && stats->block_size() > 0) {
+    request.mutable_prompt_token_ids()->Assign(placed_token_ids_.begin(), placed_token_ids_.end());
+    if (prepared_.sampling.has_cache_salt()) request.set_cache_salt(prepared_.sampling.cache_salt());
+    request.set_prefix_alignment_tokens(stats->block_size());
+  }
+  CallWorker<v1::ReserveKvResponse>(
+      *destination, ReserveKvMethod(), Downstream(service_->options_.reserve_timeout), std::move(request),
+      [self = shared_from_this()](const grpc::Status& status, const v1::ReserveKvResponse* reply) {
+        self->OnParkedKvReserved(status, reply);
+      });
+}
+
+void RouterService::GenerateCall::OnParkedKvReserved(const grpc::Status& status, const v1::ReserveKvResponse* reply) {
+  NoteDeadline(status);
+  const bool reserved = status.ok() && reply != nullptr && reply->target().transfer_id() == transfer_id_;
+  if (!reserved || Interrupted()) {
+    AbortOnWorker(decode_);  // whatever it may have reserved; no sender has the target
+    decode_ = nullptr;
+    decode_in_flight_.Reset();
+    return ResumeParked();  // or ends an interrupted request
+  }
+  target_ = reply->target();
+  target_shipped_ = true;
+  v1::MigrateKvRequest request;
+  request.set_request_id(prepared_.request_id);
+  request.set_parked_transfer_id(parked_transfer_id_);
+  *request.mutable_target() = target_;
+  CallWorker<v1::MigrateKvResponse>(
+      *parked_on_, MigrateKvMethod(), Downstream(service_->options_.prefill_timeout), std::move(request),
+      [self = shared_from_this()](const grpc::Status& status, const v1::MigrateKvResponse*) {
+        self->OnKvMigrated(status);
+      });
+}
+
+void RouterService::GenerateCall::OnKvMigrated(const grpc::Status& status) {
+  NoteDeadline(status);
+  if (!status.ok()) {
+    DUET_LOG(WARNING) << "request " << prepared_.request_id << ": moving its parked KV failed: "
+                      << status.error_message();
+    // Refused before anything was sent: the blocks may go at once; otherwise once the draining
+    // worker's sender has stopped.
+    const grpc::StatusCode code = status.error_code();
+    AbortOnWorker(decode_, /*sender_gone=*/code == grpc::StatusCode::FAILED_PRECONDITION ||
+                               code == grpc::StatusCode::INVALID_ARGUMENT ||
+                               code == grpc::StatusCode::PERMISSION_DENIED ||
+                               code == grpc::StatusCode::UNAUTHENTICATED || code == grpc::StatusCode::UNIMPLEMENTED);
+    decode_ = nullptr;
+    decode_in_flight_.Reset();
+    return ResumeParked();
+  }
+  service_->metrics_->kv_migrations(metrics::RouterMetrics::KvMigration::kMoved).Inc();
+  parked_on_ = nullptr;  // the parked reservation ended with the shipment
+  if (Interrupted()) {
+    AbortOnWorker(decode_);
+    return EndInterrupted();
+  }
+  kv_attached_ = true;
+  StartDecode();
+}
+
+void RouterService::GenerateCall::ResumeParked() {
+  if (Interrupted()) {
+    AbortOnWorker(parked_on_);
+    return EndInterrupted();
+  }
+  service_->metrics_->kv_migrations(metrics::RouterMetrics::KvMigration::kResumed).Inc();
+  decode_ = std::exchange(parked_on_, nullptr);
+  decode_in_flight_ = InFlightGuard(decode_);
+  transfer_id_ = parked_transfer_id_;
+  kv_attached_ = true;
+  StartDecode();
 }
 
 bool RouterService::GenerateCall::Interrupted() const {

@@ -20,6 +20,11 @@
 
 namespace duet::rpc {
 
+// The trailing metadata key of a Decode stream a draining decode worker ended after parking its
+// request with its KV (worker.proto, MigrateKvRequest); the value is the parked reservation's
+// transfer id.
+inline constexpr char kKvParkedTrailer[] = "duet-kv-parked";
+
 grpc::Status ToGrpc(const absl::Status& status);
 absl::Status FromGrpc(const grpc::Status& status);
 

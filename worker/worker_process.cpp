@@ -136,6 +136,7 @@ int Serve(const WorkerServeOptions& options, const std::function<absl::StatusOr<
   const absl::Time deadline = absl::Now() + options.shutdown_grace;
   gate.StartDraining();
   (*server)->GetHealthCheckService()->SetServingStatus(false);
+  if (served->start_draining) served->start_draining();
   Drain(role, (*server)->InProcessChannel(grpc::ChannelArguments()), served->stats, deadline, signals);
   stats_logger.reset();
   // Calls still open (the last writes of finished streams, prompts between admission and the

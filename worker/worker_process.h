@@ -68,6 +68,8 @@ struct ServedService {
   std::function<absl::StatusOr<v1::WorkerStats>(const std::shared_ptr<grpc::Channel>& channel)> stats;
   // The periodic stats line's figures (PeriodicStatsLogger, on its thread); none: no line.
   PeriodicStatsLogger::Sample log_stats;
+  // When the drain begins, once new work is refused (none: nothing to do).
+  std::function<void()> start_draining;
 };
 
 struct WorkerServeOptions {
@@ -119,9 +121,13 @@ int RunWorkerProcess(const std::string& role, const WorkerProcessOptions<typenam
                             const EngineStatsLabels labels = EngineStatsLabelsOf(*engine);
                             DUET_ASSIGN_OR_RETURN(service, Service::Create(std::move(engine), service_options));
                             Service* raw = service.get();
-                            return ServedService{raw, [raw] { return raw->RenderMetrics(); },
+                            ServedService served{raw, [raw] { return raw->RenderMetrics(); },
                                                  &WorkerStatsOver<Service>,
                                                  EngineStatsSample([raw] { return raw->engine_stats(); }, labels)};
+                            if constexpr (requires { raw->StartDraining(); }) {
+                              served.start_draining = [raw] { raw->StartDraining(); };
+                            }
+                            return served;
                           });
 }
 

@@ -163,4 +163,9 @@ void Scheduler::Remove(Request* request) {
   request->state = RequestState::kFinished;
 }
 
+void Scheduler::Detach(Request* request) {
+  running_.erase(std::remove(running_.begin(), running_.end(), request), running_.end());
+  request->state = RequestState::kFinished;
+}
+
 }  // namespace duet

@@ -55,6 +55,9 @@ class Scheduler {
   void OnStepDone(const SchedulerOutput& output);
   // Removes a request (finished or aborted) and frees its blocks.
   void Remove(Request* request);
+  // Takes a running request out of the batch and leaves its blocks allocated (live KV migration:
+  // their owner frees them).
+  void Detach(Request* request);
 
   // Registers the full blocks the step computed in the prefix cache (after a successful step).
   void CommitComputedBlocks(const SchedulerOutput& output);

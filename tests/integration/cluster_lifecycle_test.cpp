@@ -20,6 +20,7 @@
 #include "absl/strings/str_split.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "metrics/test_http_client.h"
 #include "tests/integration/local_cluster.h"
 #include "tests/integration/process.h"
 
@@ -464,6 +465,97 @@ TEST(DrainTest, SigtermToADecodeWorkerFinishesItsStreams) {
     EXPECT_TRUE(r.status.ok()) << r.status.error_message();
   }
   streams.ExpectAllComplete(kTokens);
+  EXPECT_EQ(cluster.decode_process(0).Wait(std::chrono::seconds(60)), 0);
+}
+
+// ---- Live KV migration on drain ----
+
+// The router's duet:kv_migrations_total for `outcome` (-1: not scraped).
+double KvMigrations(LocalCluster& cluster, const std::string& outcome) {
+  metrics::testing::HttpResponse r =
+      metrics::testing::HttpGet(uint16_t(cluster.router_metrics_port()), "/metrics", std::chrono::seconds(5));
+  const std::string series = absl::StrCat("duet:kv_migrations_total{model_name=\"tiny-code-llama\",role=\"router\","
+                                          "outcome=\"", outcome, "\"} ");
+  const size_t at = r.status == 200 ? r.body.find(series) : std::string::npos;
+  return at == std::string::npos ? -1 : std::stod(r.body.substr(at + series.size()));
+}
+
+// The greedy streams of a drain run, and the same prompts uninterrupted first.
+void ExpectSameTokensAsUninterrupted(LocalCluster& cluster, Streams& drained, int n, int max_tokens) {
+  Streams reference;
+  reference.Start(cluster.router(), n, max_tokens);
+  for (int i = 0; i < n; ++i) {
+    StreamResult want = reference.results[size_t(i)].get();
+    StreamResult got = drained.results[size_t(i)].get();
+    ASSERT_TRUE(want.status.ok()) << want.status.error_message();
+    EXPECT_TRUE(got.status.ok()) << "stream " << i << ": " << got.status.error_message();
+    EXPECT_EQ(got.token_ids, want.token_ids) << "stream " << i;
+  }
+}
+
+// Waits until decode worker `index` runs at least one request.
+bool DecodeWorkerRuns(LocalCluster& cluster, size_t index) {
+  for (int i = 0; i < 200; ++i) {
+    std::vector<v1::WorkerStats> stats = cluster.DecodeStats();
+    if (stats.size() > index && stats[index].num_requests_running() > 0) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  return false;
+}
+
+// A draining decode worker parks its decoding streams with their KV; the router moves the KV to
+// the other decode worker (no re-prefill) and the streams go on there, token for token as an
+// uninterrupted run. The worker exits long before its streams would have ended.
+TEST(DrainTest, SigtermToADecodeWorkerMovesItsStreamsKvToTheOther) {
+  testing::ClusterOptions options{1, 2, {"--shutdown-grace-seconds", "60"}};
+  options.metrics = true;
+  LocalCluster cluster(options);
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  constexpr int kStreams = 8;
+  constexpr int kTokens = 600;
+  Streams streams;
+  streams.Start(cluster.router(), kStreams, kTokens);
+  ASSERT_TRUE(streams.AllStartedWithin(std::chrono::seconds(60)));
+  ASSERT_TRUE(DecodeWorkerRuns(cluster, 0)) << "no stream on the worker to drain";
+  const auto signalled = Clock::now();
+  cluster.decode_process(0).Signal(SIGTERM);
+  EXPECT_EQ(cluster.decode_process(0).Wait(std::chrono::seconds(60)), 0);
+  const auto exited = Clock::now();
+  int running = 0;
+  for (auto& f : streams.results) running += f.wait_for(std::chrono::seconds(0)) != std::future_status::ready;
+  EXPECT_GT(running, 0) << "the worker exited only after its streams ended ("
+                        << std::chrono::duration<double>(exited - signalled).count() << " s)";
+  ExpectSameTokensAsUninterrupted(cluster, streams, kStreams, kTokens);
+  EXPECT_GE(KvMigrations(cluster, "moved"), 1);
+  EXPECT_EQ(KvMigrations(cluster, "resumed"), 0);
+  EXPECT_EQ(KvMigrations(cluster, "failed"), 0);
+}
+
+// With no other decode worker to take them, the parked streams go on where they were: every one
+// completes as an uninterrupted run would, and then the worker exits.
+TEST(DrainTest, ParkedStreamsResumeOnTheDrainingWorkerWhenNoOtherTakesThem) {
+  testing::ClusterOptions options{1, 1, {"--shutdown-grace-seconds", "60"}};
+  options.metrics = true;
+  LocalCluster cluster(options);
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  constexpr int kStreams = 6;
+  constexpr int kTokens = 300;
+  Streams reference;
+  reference.Start(cluster.router(), kStreams, kTokens);
+  std::vector<StreamResult> want;
+  for (auto& f : reference.results) want.push_back(f.get());
+  Streams streams;
+  streams.Start(cluster.router(), kStreams, kTokens);
+  ASSERT_TRUE(streams.AllStartedWithin(std::chrono::seconds(60)));
+  ASSERT_TRUE(DecodeWorkerRuns(cluster, 0));
+  cluster.decode_process(0).Signal(SIGTERM);
+  for (int i = 0; i < kStreams; ++i) {
+    StreamResult got = streams.results[size_t(i)].get();
+    EXPECT_TRUE(got.status.ok()) << "stream " << i << ": " << got.status.error_message();
+    EXPECT_EQ(got.token_ids, want[size_t(i)].token_ids) << "stream " << i;
+  }
+  EXPECT_GE(KvMigrations(cluster, "resumed"), 1);
+  EXPECT_EQ(KvMigrations(cluster, "failed"), 0);
   EXPECT_EQ(cluster.decode_process(0).Wait(std::chrono::seconds(60)), 0);
 }
 
