@@ -64,6 +64,7 @@ grpc::Status FakePrefillWorker::Abort(grpc::ServerContext*, const v1::WorkerAbor
 
 grpc::Status FakePrefillWorker::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
                                          v1::WorkerStats* response) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(stats_delay_ms.load()));
   response->set_role("prefill");
   response->set_num_kv_blocks(100);
   response->set_num_free_kv_blocks(100);

@@ -31,6 +31,7 @@ class FakePrefillWorker final : public v1::PrefillWorker::Service {
   std::atomic<int> prefill_delay_ms{0};
   std::atomic<bool> fail_unavailable{false};  // Prefill returns UNAVAILABLE
   std::atomic<bool> fail_resumed{false};      // Prefill of a migrated request returns UNAVAILABLE
+  std::atomic<int> stats_delay_ms{0};         // GetStats answers this late (a stalled worker)
   std::atomic<int> num_prefills{0};
   std::atomic<int> num_cancelled{0};          // Prefill calls that saw their cancellation
   // With sampling.prompt_logprobs K: entry i (prompt token i + 1) has logprob -(i + 1), rank

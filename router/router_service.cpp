@@ -743,7 +743,7 @@ void RouterService::GenerateCall::OnReserved(const grpc::Status& status, const v
     case grpc::StatusCode::UNAVAILABLE:
       last_failure_ = what;
       service_->registry_->ConfirmDown(decode, absl::StrCat("ReserveKv failed: ", status.error_message()),
-                                       [self = shared_from_this()](bool) { self->ReserveNext(); });
+                                       [self = shared_from_this()](WorkerRegistry::Probe) { self->ReserveNext(); });
       return;
     default:
       if (!IsWorkerFailure(status.error_code())) {
@@ -838,11 +838,13 @@ void RouterService::GenerateCall::OnPrefilled(const grpc::Status& status, const 
     // The prefill worker died, or its KV transfer to the decode worker failed (then the decode
     // worker may be the dead one). Whichever does not answer is marked down; retry once.
     const std::string reason = absl::StrCat("Prefill failed: ", status.error_message());
-    service_->registry_->ConfirmDown(prefill_, reason, [self = shared_from_this(), reason, what](bool prefill_down) {
-      // A prefill worker that is gone writes no more: the reservation may go at once.
-      if (prefill_down) self->AbortOnWorker(self->decode_, /*sender_gone=*/true);
-      self->service_->registry_->ConfirmDown(self->decode_, reason,
-                                             [self, what](bool) { self->OnPrefillUnavailable(what); });
+    service_->registry_->ConfirmDown(prefill_, reason, [self = shared_from_this(), reason,
+                                                        what](WorkerRegistry::Probe prefill) {
+      // A prefill worker that is gone writes no more: the reservation may go at once. One that
+      // only does not answer may be stalled with puts still to make: its blocks wait (above).
+      if (prefill == WorkerRegistry::Probe::kGone) self->AbortOnWorker(self->decode_, /*sender_gone=*/true);
+      self->service_->registry_->ConfirmDown(
+          self->decode_, reason, [self, what](WorkerRegistry::Probe) { self->OnPrefillUnavailable(what); });
     });
     return;
   }
@@ -1058,8 +1060,10 @@ void RouterService::GenerateCall::OnDecodeDone(const grpc::Status& status) {
     // one that failed the request itself (INTERNAL, ...) would only fail it again.
     const bool unavailable = status.error_code() == grpc::StatusCode::UNAVAILABLE;
     service_->registry_->ConfirmDown(decode_, absl::StrCat("Decode stream failed: ", status.error_message()),
-                                     [self = shared_from_this(), what, unavailable](bool down) {
-                                       if (down || unavailable) return self->Migrate(what);
+                                     [self = shared_from_this(), what, unavailable](WorkerRegistry::Probe probe) {
+                                       if (probe != WorkerRegistry::Probe::kAnswered || unavailable) {
+                                         return self->Migrate(what);
+                                       }
                                        self->End(grpc::Status(grpc::StatusCode::UNAVAILABLE, what));
                                      });
     return;

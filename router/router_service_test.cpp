@@ -696,10 +696,28 @@ TEST_F(RouterServiceTest, DeadPrefillWorkerIsMarkedDownAndRetried) {
   EXPECT_EQ(prefill_[1]->num_prefills, 3);
   EXPECT_FALSE(registry_->prefill_workers()[0]->up());
   EXPECT_TRUE(registry_->decode_workers()[0]->up());
-  // The reservation the dead worker was to fill: first released once its sender stops, then,
-  // the worker confirmed gone, at once.
+  // The reservation the dead worker was to fill: released once its sender stops and, the worker
+  // confirmed gone, at once (two Aborts, sent concurrently: either may arrive first).
   EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 2; }, 3000));
-  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false, true));
+  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::UnorderedElementsAre(false, true));
+}
+
+// A prefill worker whose Prefill fails and which then does not answer its probe is down, but it
+// may only be stalled (SIGSTOPped) with puts still to make into the reservation: the blocks wait
+// for its sender's end or the lease, never release_now.
+TEST_F(RouterServiceTest, StalledPrefillWorkerIsMarkedDownWithoutReleasingItsTargetAtOnce) {
+  Start(2, 1);
+  prefill_[0]->fail_unavailable = true;
+  prefill_[0]->stats_delay_ms = 1500;  // past the registry's poll_timeout (1 s)
+  for (int i = 0; i < 3; ++i) {
+    Result result = Generate(TokenRequest({1, 2}, 3));
+    EXPECT_TRUE(result.status.ok()) << result.status.error_message();
+  }
+  EXPECT_EQ(prefill_[0]->num_prefills, 1);
+  EXPECT_FALSE(registry_->prefill_workers()[0]->up());
+  // The retry has ended, after the probe's answer: an Abort with release_now would be on its way.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false));
 }
 
 TEST_F(RouterServiceTest, DecodeStreamErrorIsUnavailable) {

@@ -279,13 +279,13 @@ int WorkerRegistry::NumUp(WorkerRole role) const {
 
 void WorkerRegistry::MarkDown(Worker* worker, std::string_view reason) { SetUp(worker, false, reason); }
 
-void WorkerRegistry::ConfirmDown(Worker* worker, std::string reason, std::function<void(bool down)> done) {
-  struct Probe {
+void WorkerRegistry::ConfirmDown(Worker* worker, std::string reason, std::function<void(Probe)> done) {
+  struct StatsCall {
     grpc::ClientContext context;
     v1::GetStatsRequest request;
     v1::WorkerStats stats;
   };
-  auto probe = std::make_shared<Probe>();
+  auto probe = std::make_shared<StatsCall>();
   probe->context.set_deadline(absl::ToChronoTime(absl::Now() + options_.poll_timeout));
   auto on_answer = [this, worker, probe, reason = std::move(reason),
                     done = std::move(done)](grpc::Status status) mutable {
@@ -295,7 +295,11 @@ void WorkerRegistry::ConfirmDown(Worker* worker, std::string reason, std::functi
     } else {
       SetUp(worker, false, absl::StrCat(reason, "; GetStats: ", status.error_message()));
     }
-    if (done) done(!status.ok());
+    if (done) {
+      done(status.ok()                                            ? Probe::kAnswered
+           : status.error_code() == grpc::StatusCode::UNAVAILABLE ? Probe::kGone
+                                                                  : Probe::kUnresponsive);
+    }
     probe.reset();  // the context before what `done` keeps alive (see CallWorker in router_service.cpp)
   };
   if (worker->prefill() != nullptr) {

@@ -185,11 +185,18 @@ class WorkerRegistry {
 
   // Marks `worker` down; it stays down until it answers a poll again.
   void MarkDown(Worker* worker, std::string_view reason);
+  // How a ConfirmDown probe ended.
+  enum class Probe {
+    kAnswered,      // up
+    kUnresponsive,  // down: no answer within poll_timeout, but the process may only be stalled
+                    // (SIGSTOPped, swapping) and go on with what it was doing once it runs again
+    kGone,          // down: the call was refused (UNAVAILABLE), so no process serves its port
+  };
   // A call to `worker` failed as if the worker were gone (UNAVAILABLE, broken stream). Asks it for
   // its stats (poll_timeout) and marks it down unless it answers: a live worker that reported a
   // failure elsewhere (e.g. a KV transfer to a dead peer) stays up. Asynchronous: `done` gets
-  // whether the worker is down, on a gRPC callback thread; the registry must outlive the call.
-  void ConfirmDown(Worker* worker, std::string reason, std::function<void(bool down)> done);
+  // the probe's end, on a gRPC callback thread; the registry must outlive the call.
+  void ConfirmDown(Worker* worker, std::string reason, std::function<void(Probe)> done);
 
  private:
   struct Target {

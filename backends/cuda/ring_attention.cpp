@@ -24,14 +24,12 @@ RingStepEvents::~RingStepEvents() {
 }
 
 namespace {
+
 std::vector<float> Elapsed(const std::vector<cudaEvent_t>& begin, const std::vector<cudaEvent_t>& end, size_t first) {
   std::vector<float> ms(begin.size(), 0.f);
   for (size_t i = first; i < begin.size(); ++i) DUET_CHECK_CUDA(cudaEventElapsedTime(&ms[i], begin[i], end[i]));
   return ms;
 }
-}  // namespace
-
-namespace {
 
 // Writes one step's calls into `host` from int32 offset `at` (advanced past them): query rows
 // relative to first_row; the held block's pages from page_base(call) on.

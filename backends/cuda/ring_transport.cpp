@@ -26,30 +26,45 @@ absl::Status EnablePeerAccess(int device, int peer) {
 
 namespace {
 
-class PeerCopyTransport final : public RingTransport {
+// The devices and one non-blocking communication stream per rank, which both transports share.
+class RankStreamsTransport : public RingTransport {
  public:
-  explicit PeerCopyTransport(std::vector<int> devices) : devices_(std::move(devices)) {}
-  ~PeerCopyTransport() override {
+  explicit RankStreamsTransport(std::vector<int> devices) : devices_(std::move(devices)) {}
+  ~RankStreamsTransport() override {
     for (size_t r = 0; r < streams_.size(); ++r) {
       ScopedDevice on(devices_[r]);
       cudaStreamDestroy(streams_[r]);
     }
   }
 
-  absl::Status Init() {
-    const int n = int(devices_.size());
-    for (int r = 0; r < n; ++r) {
-      DUET_RETURN_IF_ERROR(EnablePeerAccess(devices_[size_t(r)], devices_[size_t((r + n - 1) % n)]));
-      ScopedDevice on(devices_[size_t(r)]);
+  cudaStream_t stream(int rank) const override { return streams_[size_t(rank)]; }
+
+ protected:
+  absl::Status CreateStreams() {
+    for (int device : devices_) {
+      ScopedDevice on(device);
       cudaStream_t s = nullptr;
-      DUET_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "ring copy stream"));
+      DUET_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "ring stream"));
       streams_.push_back(s);
     }
     return absl::OkStatus();
   }
 
+  std::vector<int> devices_;
+  std::vector<cudaStream_t> streams_;
+};
+
+class PeerCopyTransport final : public RankStreamsTransport {
+ public:
+  using RankStreamsTransport::RankStreamsTransport;
+
+  absl::Status Init() {
+    const size_t n = devices_.size();
+    for (size_t r = 0; r < n; ++r) DUET_RETURN_IF_ERROR(EnablePeerAccess(devices_[r], devices_[(r + n - 1) % n]));
+    return CreateStreams();
+  }
+
   std::string name() const override { return "peer"; }
-  cudaStream_t stream(int rank) const override { return streams_[size_t(rank)]; }
 
   absl::Status EnqueueStep(absl::Span<const std::array<void*, 2>> held, absl::Span<const std::array<void*, 2>> recv,
                            size_t bytes) override {
@@ -66,21 +81,13 @@ class PeerCopyTransport final : public RingTransport {
     }
     return absl::OkStatus();
   }
-
- private:
-  std::vector<int> devices_;
-  std::vector<cudaStream_t> streams_;
 };
 
-class NcclTransport final : public RingTransport {
+class NcclTransport final : public RankStreamsTransport {
  public:
-  explicit NcclTransport(std::vector<int> devices) : devices_(std::move(devices)) {}
+  using RankStreamsTransport::RankStreamsTransport;
   ~NcclTransport() override {
     for (ncclComm_t comm : comms_) ncclCommDestroy(comm);
-    for (size_t r = 0; r < streams_.size(); ++r) {
-      ScopedDevice on(devices_[r]);
-      cudaStreamDestroy(streams_[r]);
-    }
   }
 
   absl::Status Init() {
@@ -96,17 +103,10 @@ class NcclTransport final : public RingTransport {
     comms_.resize(devices_.size());
     DUET_RETURN_IF_ERROR(
         parallel::NcclStatus(ncclCommInitAll(comms_.data(), int(devices_.size()), devices_.data()), "ncclCommInitAll"));
-    for (int device : devices_) {
-      ScopedDevice on(device);
-      cudaStream_t s = nullptr;
-      DUET_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "ring NCCL stream"));
-      streams_.push_back(s);
-    }
-    return absl::OkStatus();
+    return CreateStreams();
   }
 
   std::string name() const override { return "nccl"; }
-  cudaStream_t stream(int rank) const override { return streams_[size_t(rank)]; }
 
   absl::Status EnqueueStep(absl::Span<const std::array<void*, 2>> held, absl::Span<const std::array<void*, 2>> recv,
                            size_t bytes) override {
@@ -132,9 +132,7 @@ class NcclTransport final : public RingTransport {
   }
 
  private:
-  std::vector<int> devices_;
   std::vector<ncclComm_t> comms_;
-  std::vector<cudaStream_t> streams_;
 };
 
 template <typename Transport>

@@ -13,8 +13,9 @@
 // chats; ~20% cancelled by the client at a random time (0-2.5 s after sending), ~10% with a short
 // deadline (0.1-1.5 s; over HTTP, which has no deadline field, the client gives up then).
 // Faults, when that share of the requests has ended: 25% SIGKILL decode worker 0, 45% SIGSTOP
-// decode worker 1 for --stop-seconds then SIGCONT, 70% SIGKILL prefill worker 0 (serve restarts
-// the killed ones).
+// decode worker 1 for --stop-seconds then SIGCONT, 70% SIGKILL prefill worker 0, 85% SIGTERM
+// decode worker 2 (a drain: its decoding streams' KV moves to the other decode workers, live KV
+// migration; needs --decode-workers 3). serve restarts the killed and the drained workers.
 //
 // Every request ends as one of: complete (well-formed; greedy ones equal to the reference),
 // error (a status code and a message, within its deadline + slack), cancelled (by this client),
@@ -52,7 +53,7 @@ function parseFlags(argv) {
     const a = argv[i];
     if (a === "--no-faults") { flags.faults = false; continue; }
     if (a === "--help" || a === "-h") {
-      console.log(fs.readFileSync(new URL(import.meta.url), "utf8").split("\n").slice(1, 26).join("\n"));
+      console.log(fs.readFileSync(new URL(import.meta.url), "utf8").split("\n").slice(1, 27).join("\n"));
       process.exit(0);
     }
     const m = a.match(/^--([a-z-]+)(?:=(.*))?$/);
@@ -137,6 +138,7 @@ class Cluster {
     this.workers = new Map();  // "decode/0" -> {role, index, pid, port, restarts, firstPid}
     this.restartLines = [];
     this.migrated = new Set();  // request indexes the router logged as migrating
+    this.kvMoved = new Set();   // request indexes whose KV a draining decode worker parked
     this.logTail = "";
   }
   async start() {
@@ -163,6 +165,8 @@ class Cluster {
       for (const line of lines) {
         const m = line.match(/request \S*?chaos-(\d+)@\S+: .* migrating it/);
         if (m) this.migrated.add(Number(m[1]));
+        const parked = line.match(/request \S*?chaos-(\d+)@\S+: .* parked it after/);
+        if (parked) this.kvMoved.add(Number(parked[1]));
       }
       this.logTail = (this.logTail + d.toString()).slice(-4000);
     });
@@ -482,6 +486,9 @@ function faultSchedule(cluster) {
       return new Promise((resolve) => setTimeout(() => { process.kill(pid, "SIGCONT"); resolve(); }, FLAGS["stop-seconds"] * 1000));
     } },
     { at: 0.70, what: "SIGKILL prefill worker 0", run: () => signalWorker(cluster, "prefill", 0, "SIGKILL") },
+    ...(FLAGS["decode-workers"] >= 3
+      ? [{ at: 0.85, what: "SIGTERM decode worker 2 (drain)", run: () => signalWorker(cluster, "decode", 2, "SIGTERM") }]
+      : []),
   ];
 }
 function signalWorker(cluster, role, index, signal) {
@@ -560,11 +567,12 @@ async function main() {
     });
     result.rss = rss;
     result.migrations = await routerMigrations(cluster);
+    result.kv_migrations = await routerKvMigrations(cluster);
 
     // ---- tally ----
     const tally = {};
     const byCode = {};
-    let greedyChecked = 0, greedyMigrated = 0, greedyMismatches = 0;
+    let greedyChecked = 0, greedyMigrated = 0, greedyKvMoved = 0, greedyMismatches = 0;
     for (let i = 0; i < plans.length; ++i) {
       const p = plans[i], o = outcomes[i];
       const key = `${p.transport}/${p.kind}`;
@@ -574,6 +582,7 @@ async function main() {
       if (o.greedyChecked) {
         ++greedyChecked;
         if (cluster.migrated.has(i)) ++greedyMigrated;
+        if (cluster.kvMoved.has(i)) ++greedyKvMoved;
       }
       if (o.mismatch) ++greedyMismatches;
       if (o.outcome === "violation") {
@@ -586,7 +595,8 @@ async function main() {
     for (const t of Object.values(tally)) for (const k of Object.keys(totals)) totals[k] += t[k];
     Object.assign(result, {
       run_seconds: runSeconds, requests_per_second: plans.length / runSeconds, totals, by_transport_and_kind: tally,
-      errors_by_code: byCode, greedy_checked: greedyChecked, greedy_checked_migrated: greedyMigrated,
+      errors_by_code: byCode, greedy_checked: greedyChecked, greedy_checked_migrated: greedyMigrated, greedy_checked_kv_moved: greedyKvMoved,
+      requests_kv_parked: cluster.kvMoved.size,
       greedy_mismatches: greedyMismatches, requests_migrated: cluster.migrated.size, restarts: cluster.restartLines,
     });
     const idleOk = idle.every((r) => r.ok);
@@ -626,6 +636,12 @@ async function routerMigrations(cluster) {
   for (const m of text.matchAll(/^duet:request_migrations_total\{[^}]*outcome="(\w+)"\} (\S+)$/gm)) out[m[1]] = Number(m[2]);
   return out;
 }
+async function routerKvMigrations(cluster) {
+  const text = await routerMetricsText(cluster);
+  const out = {};
+  for (const m of text.matchAll(/^duet:kv_migrations_total\{[^}]*outcome="(\w+)"\} (\S+)$/gm)) out[m[1]] = Number(m[2]);
+  return out;
+}
 
 function printReport(r, idleOk) {
   const pad = (s, n) => String(s).padEnd(n);
@@ -639,8 +655,10 @@ function printReport(r, idleOk) {
   }
   console.log(`${pad("total", 22)}${["complete", "error", "cancelled", "deadline", "violation"].map((c) => lpad(r.totals[c], 11)).join("")}`);
   console.log(`\nerrors by code: ${JSON.stringify(r.errors_by_code)}`);
-  console.log(`greedy results checked against the reference: ${r.greedy_checked} (${r.greedy_checked_migrated} of them migrated), mismatches: ${r.greedy_mismatches}`);
+  console.log(`greedy results checked against the reference: ${r.greedy_checked} (${r.greedy_checked_migrated} of them ` +
+    `migrated, ${r.greedy_checked_kv_moved} parked by the drain), mismatches: ${r.greedy_mismatches}`);
   console.log(`router migrations: ${JSON.stringify(r.migrations)}; requests the router logged as migrating: ${r.requests_migrated}`);
+  console.log(`live KV migrations (drain): ${JSON.stringify(r.kv_migrations)}; of them gRPC requests (named by id in the log): ${r.requests_kv_parked}`);
   console.log(`\n1 s after the run (${idleOk ? "all idle" : "NOT IDLE"}):`);
   for (const w of r.idle_after_1s) {
     console.log(`  ${pad(w.worker, 10)} pid ${lpad(w.pid, 7)} restarts ${w.restarts}: ` +

@@ -98,7 +98,9 @@ absl::StatusOr<std::unique_ptr<GrpcClient>> GrpcClient::Create(const GrpcClientO
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own per channel
     stubs.push_back(v1::Duet::NewStub(
-        grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args)));
+        grpc::CreateCustomChannel(options.address,
+                                  options.credentials != nullptr ? options.credentials : grpc::InsecureChannelCredentials(),
+                                  args)));
   }
   return std::unique_ptr<GrpcClient>(new GrpcClient(options, std::move(stubs)));
 }

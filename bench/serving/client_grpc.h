@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "bench/serving/client.h"
 #include "duet/v1/duet.grpc.pb.h"
+#include "grpcpp/security/credentials.h"
 
 namespace duet::bench {
 
@@ -21,6 +22,8 @@ struct GrpcClientOptions {
   int num_channels = 1;
   SamplingFlags sampling;
   Headers headers;  // metadata (keys in lower case)
+  // The channels' credentials (TLS); null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
 };
 
 class GrpcClient final : public Client {

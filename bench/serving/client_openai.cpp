@@ -10,9 +10,11 @@
 #include "boost/asio/detached.hpp"
 #include "boost/asio/io_context.hpp"
 #include "boost/asio/redirect_error.hpp"
+#include "boost/asio/ssl.hpp"
 #include "boost/asio/use_awaitable.hpp"
 #include "boost/beast/core.hpp"
 #include "boost/beast/http.hpp"
+#include "boost/beast/ssl.hpp"
 #include "nlohmann/json.hpp"
 
 namespace duet::bench {
@@ -30,17 +32,22 @@ constexpr size_t kMaxErrorBodyBytes = 4096;
 double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 struct Url {
+  bool tls = false;  // https://
   std::string host, port, path_prefix;
 };
 
 absl::StatusOr<Url> ParseBaseUrl(const std::string& base_url) {
-  constexpr std::string_view kScheme = "http://";
-  if (!base_url.starts_with(kScheme)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the OpenAI backends want --base-url http://host:port (plain HTTP), got '", base_url, "'"));
-  }
-  std::string rest = base_url.substr(kScheme.size());
   Url url;
+  std::string rest;
+  if (base_url.starts_with("http://")) {
+    rest = base_url.substr(7);
+  } else if (base_url.starts_with("https://")) {
+    rest = base_url.substr(8);
+    url.tls = true;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the OpenAI backends want --base-url http://host:port or https://host:port, got '", base_url, "'"));
+  }
   const size_t slash = rest.find('/');
   if (slash != std::string::npos) {
     url.path_prefix = rest.substr(slash);
@@ -49,12 +56,44 @@ absl::StatusOr<Url> ParseBaseUrl(const std::string& base_url) {
   }
   const size_t colon = rest.rfind(':');
   url.host = rest.substr(0, colon);
-  url.port = colon == std::string::npos ? "80" : rest.substr(colon + 1);
+  url.port = colon == std::string::npos ? (url.tls ? "443" : "80") : rest.substr(colon + 1);
   int port = 0;
   if (url.host.empty() || !absl::SimpleAtoi(url.port, &port) || port < 1 || port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("--base-url '", base_url, "': bad host or port"));
   }
   return url;
+}
+
+// One kept-alive connection: TCP, or TLS over it for https://.
+struct Connection {
+  std::optional<beast::tcp_stream> tcp;
+  std::optional<beast::ssl_stream<beast::tcp_stream>> tls;
+
+  beast::tcp_stream& socket() { return tls ? beast::get_lowest_layer(*tls) : *tcp; }
+  // f(stream) for whichever stream this is; both calls return the same type.
+  template <typename F>
+  auto Visit(F&& f) {
+    return tls ? f(*tls) : f(*tcp);
+  }
+};
+
+// The client's OpenSSL context for https://: the server verified against tls.ca_pem or the
+// system's CAs, tls' certificate presented when it has one.
+absl::StatusOr<std::unique_ptr<net::ssl::context>> ClientTlsContext(const rpc::TlsMaterial& tls) {
+  auto ctx = std::make_unique<net::ssl::context>(net::ssl::context::tls_client);
+  beast::error_code ec;
+  if (tls.ca_pem.empty()) {
+    ctx->set_default_verify_paths(ec);
+  } else {
+    ctx->add_certificate_authority(net::buffer(tls.ca_pem), ec);
+  }
+  if (!ec && !tls.cert_chain_pem.empty()) {
+    ctx->use_certificate_chain(net::buffer(tls.cert_chain_pem), ec);
+    if (!ec) ctx->use_private_key(net::buffer(tls.private_key_pem), net::ssl::context::pem, ec);
+  }
+  if (ec) return absl::InvalidArgumentError(absl::StrCat("TLS set-up: ", ec.message()));
+  ctx->set_verify_mode(net::ssl::verify_peer);
+  return ctx;
 }
 
 }  // namespace
@@ -169,21 +208,46 @@ struct OpenAiClient::Impl {
   std::string target;
   net::io_context io;
   net::executor_work_guard<net::io_context::executor_type> work{io.get_executor()};
+  std::unique_ptr<net::ssl::context> tls;  // https:// only
   tcp::resolver::results_type endpoints;
   std::mutex pool_mu;
-  std::vector<std::unique_ptr<beast::tcp_stream>> idle;  // keep-alive connections, guarded by pool_mu
+  std::vector<std::unique_ptr<Connection>> idle;  // keep-alive connections, guarded by pool_mu
   std::vector<std::thread> threads;
 
-  std::unique_ptr<beast::tcp_stream> TakeIdle() {
+  std::unique_ptr<Connection> TakeIdle() {
     std::lock_guard lock(pool_mu);
     if (idle.empty()) return nullptr;
-    std::unique_ptr<beast::tcp_stream> stream = std::move(idle.back());
+    std::unique_ptr<Connection> connection = std::move(idle.back());
     idle.pop_back();
-    return stream;
+    return connection;
   }
-  void PutIdle(std::unique_ptr<beast::tcp_stream> stream) {
+  void PutIdle(std::unique_ptr<Connection> connection) {
     std::lock_guard lock(pool_mu);
-    idle.push_back(std::move(stream));
+    idle.push_back(std::move(connection));
+  }
+
+  // A new connection, with its TLS handshake done for https:// (the server's name checked).
+  net::awaitable<absl::StatusOr<std::unique_ptr<Connection>>> Connect() {
+    auto connection = std::make_unique<Connection>();
+    if (tls == nullptr) {
+      connection->tcp.emplace(io);
+    } else {
+      connection->tls.emplace(io, *tls);
+      boost::system::error_code not_ip;
+      net::ip::make_address(url.host, not_ip);
+      // SNI takes host names only.
+      if (not_ip) SSL_set_tlsext_host_name(connection->tls->native_handle(), url.host.c_str());
+      connection->tls->set_verify_callback(net::ssl::host_name_verification(url.host));
+    }
+    beast::error_code ec;
+    co_await connection->socket().async_connect(endpoints, net::redirect_error(net::use_awaitable, ec));
+    if (ec) co_return absl::UnavailableError(absl::StrCat("connect: ", ec.message()));
+    if (connection->tls) {
+      co_await connection->tls->async_handshake(net::ssl::stream_base::client,
+                                                net::redirect_error(net::use_awaitable, ec));
+      if (ec) co_return absl::UnavailableError(absl::StrCat("TLS handshake: ", ec.message()));
+    }
+    co_return connection;
   }
 
   net::awaitable<void> Run(ClientRequest request, std::function<void(RequestResult)> done) {
@@ -205,21 +269,25 @@ struct OpenAiClient::Impl {
 
     CompletionStream stream_state(options.chat);
     beast::error_code ec;
-    std::unique_ptr<beast::tcp_stream> stream = TakeIdle();
+    std::unique_ptr<Connection> stream = TakeIdle();
     bool reused = stream != nullptr;
     beast::flat_buffer buffer;
     std::optional<http::response_parser<http::buffer_body>> parser;
     for (;;) {
       if (stream == nullptr) {
-        stream = std::make_unique<beast::tcp_stream>(io);
-        co_await stream->async_connect(endpoints, net::redirect_error(net::use_awaitable, ec));
-        if (ec) co_return stream_state.Finish(SecondsSince(start), absl::UnavailableError(absl::StrCat("connect: ", ec.message())));
+        absl::StatusOr<std::unique_ptr<Connection>> connected = co_await Connect();
+        if (!connected.ok()) co_return stream_state.Finish(SecondsSince(start), connected.status());
+        stream = std::move(*connected);
       }
-      co_await http::async_write(*stream, message, net::redirect_error(net::use_awaitable, ec));
+      co_await stream->Visit([&](auto& s) {
+        return http::async_write(s, message, net::redirect_error(net::use_awaitable, ec));
+      });
       if (!ec) {
         parser.emplace();
         parser->body_limit(boost::none);  // a stream is as long as it is
-        co_await http::async_read_header(*stream, buffer, *parser, net::redirect_error(net::use_awaitable, ec));
+        co_await stream->Visit([&](auto& s) {
+          return http::async_read_header(s, buffer, *parser, net::redirect_error(net::use_awaitable, ec));
+        });
       }
       if (!ec) break;
       if (!reused) co_return stream_state.Finish(SecondsSince(start), absl::UnavailableError(absl::StrCat("HTTP: ", ec.message())));
@@ -237,7 +305,9 @@ struct OpenAiClient::Impl {
     while (!parser->is_done() && failure.ok()) {
       parser->get().body().data = chunk;
       parser->get().body().size = sizeof(chunk);
-      co_await http::async_read_some(*stream, buffer, *parser, net::redirect_error(net::use_awaitable, ec));
+      co_await stream->Visit([&](auto& s) {
+        return http::async_read_some(s, buffer, *parser, net::redirect_error(net::use_awaitable, ec));
+      });
       if (ec == http::error::need_buffer) ec = {};
       if (ec) {
         failure = absl::UnavailableError(absl::StrCat("reading the response: ", ec.message()));
@@ -270,6 +340,13 @@ absl::StatusOr<std::unique_ptr<OpenAiClient>> OpenAiClient::Create(const OpenAiC
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->url = *url;
+  if (url->tls) {
+    absl::StatusOr<std::unique_ptr<net::ssl::context>> tls = ClientTlsContext(options.tls);
+    if (!tls.ok()) return tls.status();
+    impl->tls = std::move(*tls);
+  } else if (!options.tls.ca_pem.empty() || !options.tls.cert_chain_pem.empty()) {
+    return absl::InvalidArgumentError("TLS files were given for a plain http:// --base-url (use https://)");
+  }
   if (!options.endpoint.empty() && !options.endpoint.starts_with('/')) {
     return absl::InvalidArgumentError(absl::StrCat("--endpoint must be a path starting with '/', got '", options.endpoint, "'"));
   }

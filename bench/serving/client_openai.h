@@ -1,5 +1,5 @@
 // An OpenAI-compatible HTTP server (/v1/completions or /v1/chat/completions) as a benchmark
-// backend: Boost.Beast HTTP/1.1 over a keep-alive connection pool, requests with `stream: true`
+// backend: Boost.Beast HTTP/1.1 (TLS for https://) over a keep-alive connection pool, requests with `stream: true`
 // and `stream_options.include_usage`, the Server-Sent Events parsed as they arrive. Output tokens
 // are the server's usage.completion_tokens. Asynchronous: a few io threads serve every request.
 #pragma once
@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "bench/serving/client.h"
 #include "nlohmann/json.hpp"
+#include "rpc/tls.h"
 
 namespace duet::bench {
 
@@ -47,7 +48,7 @@ class CompletionStream {
 };
 
 struct OpenAiClientOptions {
-  std::string base_url;   // http://host:port, optionally with a path prefix
+  std::string base_url;   // http://host:port or https://host:port, optionally with a path prefix
   bool chat = false;      // chat completions' request and stream instead of completions'
   // The path after base_url's (vLLM's --endpoint); empty: /v1/chat/completions or /v1/completions.
   std::string endpoint;
@@ -57,6 +58,9 @@ struct OpenAiClientOptions {
   SamplingFlags sampling;
   Headers headers;
   nlohmann::json extra_body;  // an object merged into every request body last (null: none)
+  // https://: the server's certificate verified against tls.ca_pem (empty: the system's CAs) for
+  // the URL's host; tls' certificate presented when it has one (mutual TLS).
+  rpc::TlsMaterial tls;
 };
 
 class OpenAiClient final : public Client {

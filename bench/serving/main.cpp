@@ -32,6 +32,7 @@
 #include "bench/serving/progress.h"
 #include "bench/serving/report.h"
 #include "frontend/tokenizer/tokenizer.h"
+#include "rpc/tls.h"
 
 namespace duet::bench {
 namespace {
@@ -67,6 +68,8 @@ struct Flags {
   std::vector<std::string> headers, metadata;
   std::string extra_body;
   SamplingFlags sampling;
+  bool tls = false;        // TLS with the system's CAs (implied by --ssl-* and https://)
+  rpc::TlsFiles tls_files;  // --ssl-ca-certs, --ssl-certfile, --ssl-keyfile
 };
 
 // vLLM's backend names for the same clients.
@@ -94,7 +97,14 @@ std::string BaseUrl(const Flags& f) {
   if (!f.base_url.empty()) return f.base_url;
   const std::string host = f.host.find(':') != std::string::npos ? absl::StrCat("[", f.host, "]") : f.host;
   if (CanonicalBackend(f.backend) == "duet-grpc") return absl::StrCat(host, ":", f.port.value_or(50051));
-  return absl::StrCat("http://", host, ":", f.port.value_or(8000));
+  const bool tls = f.tls || !f.tls_files.ca_certs.empty() || !f.tls_files.certfile.empty();
+  return absl::StrCat(tls ? "https://" : "http://", host, ":", f.port.value_or(8000));
+}
+
+// The --ssl-* files, read and checked (nullopt: none given).
+absl::StatusOr<std::optional<rpc::TlsMaterial>> ClientTls(const Flags& f) {
+  if (f.tls_files.ca_certs.empty() && f.tls_files.certfile.empty() && f.tls_files.keyfile.empty()) return std::nullopt;
+  return rpc::LoadClientTls(f.tls_files, "--ssl-");
 }
 
 int Fail(const absl::Status& status) {
@@ -109,6 +119,13 @@ absl::StatusOr<std::unique_ptr<Client>> MakeClient(const Flags& f, Headers heade
     if (!f.endpoint.empty()) return absl::InvalidArgumentError("--endpoint is for the OpenAI backends");
     GrpcClientOptions o;
     o.address = BaseUrl(f);
+    absl::StatusOr<std::optional<rpc::TlsMaterial>> tls = ClientTls(f);
+    if (!tls.ok()) return tls.status();
+    if (tls->has_value()) {
+      o.credentials = rpc::ChannelCredentials(**tls);
+    } else if (f.tls) {
+      o.credentials = grpc::SslCredentials({});  // the system's CAs
+    }
     o.api_key = f.api_key;
     o.sampling = f.sampling;
     for (auto& [key, value] : headers) o.headers.emplace_back(absl::AsciiStrToLower(key), std::move(value));
@@ -122,6 +139,12 @@ absl::StatusOr<std::unique_ptr<Client>> MakeClient(const Flags& f, Headers heade
   if (backend == "openai-completions" || backend == "openai-chat") {
     OpenAiClientOptions o;
     o.base_url = BaseUrl(f);
+    absl::StatusOr<std::optional<rpc::TlsMaterial>> tls = ClientTls(f);
+    if (!tls.ok()) return tls.status();
+    if (tls->has_value()) o.tls = **tls;
+    if (f.tls && !o.base_url.starts_with("https://")) {
+      return absl::InvalidArgumentError("--tls with an http:// --base-url: use https://");
+    }
     o.chat = backend == "openai-chat";
     o.endpoint = f.endpoint;
     o.model = f.served_model_name.empty() ? f.model : f.served_model_name;
@@ -367,7 +390,7 @@ int main(int argc, char** argv) {
   app.add_option("--backend", f.backend, "duet-grpc | openai-completions (or vLLM's openai, vllm) | openai-chat")
       ->check(CLI::IsMember({"duet-grpc", "openai-completions", "openai", "vllm", "openai-chat"}));
   app.add_option("--base-url", f.base_url,
-                 "host:port for duet-grpc; http://host:port for OpenAI (default: from --host and --port)");
+                 "host:port for duet-grpc; http(s)://host:port for OpenAI (default: from --host and --port)");
   app.add_option("--host", f.host, "The server's host when there is no --base-url");
   app.add_option("--port", f.port, "The server's port when there is no --base-url (default: 50051 for duet-grpc, "
                                    "8000 for OpenAI)")
@@ -431,6 +454,13 @@ int main(int argc, char** argv) {
                  "Write the workload as `duet generate` input JSONL (token ids as a Duet router encodes the "
                  "prompts) and exit without contacting a server");
   app.add_option("--api-key", f.api_key, "Bearer token (HTTP Authorization / gRPC metadata)");
+  app.add_flag("--tls", f.tls,
+               "Connect with TLS (duet-grpc; OpenAI: https://), verifying the server against the system's CAs");
+  app.add_option("--ssl-ca-certs", f.tls_files.ca_certs,
+                 "PEM CA certificates the server's certificate is verified against (implies --tls)");
+  app.add_option("--ssl-certfile", f.tls_files.certfile,
+                 "PEM client certificate, for a server that asks for one (--ssl-cert-reqs; needs --ssl-ca-certs)");
+  app.add_option("--ssl-keyfile", f.tls_files.keyfile, "PEM private key of --ssl-certfile");
   CLI11_PARSE(app, argc, argv);
   f.output_len_given = output_len->count() > 0;
   return duet::bench::Run(f);

@@ -24,13 +24,7 @@ BUNDLE_DIR=${BUNDLE_DIR:-.devbundle/sp}
 mkdir -p "$OUT"
 if [[ ! -f models/tiny-code-llama/config.json ]]; then
   mkdir -p models/tiny-code-llama
-  python3 -c "
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-config = LlamaConfig.from_pretrained('$BUNDLE_DIR/tiny-config.json')
-torch.manual_seed(0)
-LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained('models/tiny-code-llama', safe_serialization=True)
-" 2>&1 | grep -v Warning | tail -2
+  python3 scripts/gpu/random_tiny_model.py "$BUNDLE_DIR/tiny-config.json" "models/tiny-code-llama" 2>&1 | grep -v Warning | tail -2
 fi
 if [[ ${SKIP_TESTS:-0} != 1 ]]; then
   RUNS=2 TESTS="kernels_tests parallel_tests llama_cuda_tests ring_transport_tests" OUT=$OUT BUNDLE_DIR=$BUNDLE_DIR \

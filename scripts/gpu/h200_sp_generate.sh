@@ -18,13 +18,7 @@ mkdir -p "$OUT"
 tar -xJf "$BUNDLE_DIR/bundle.tar.xz" -C /tmp || exit 1
 source /tmp/devbundle/env.sh
 MODEL=/tmp/tiny-random
-python3 -c "
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-config = LlamaConfig.from_pretrained('$BUNDLE_DIR/config.json')
-torch.manual_seed(0)
-LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained('$MODEL', safe_serialization=True)
-" 2>&1 | grep -v Warning | tail -1
+python3 scripts/gpu/random_tiny_model.py "$BUNDLE_DIR/config.json" "$MODEL" 2>&1 | grep -v Warning | tail -1
 cp "$BUNDLE_DIR/tokenizer.json" "$BUNDLE_DIR/tokenizer_config.json" "$MODEL/"
 python3 - <<'PY' > /tmp/sp_in.jsonl
 import json, random

@@ -34,13 +34,7 @@ for n in 2 4 8; do ((n <= GPUS)) && RANKS+="${RANKS:+,}$n"; done
 
 if [[ ! -f models/tiny-code-llama/config.json ]]; then
   mkdir -p models/tiny-code-llama
-  python3 -c "
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-config = LlamaConfig.from_pretrained('$BUNDLE_DIR/tiny-config.json')
-torch.manual_seed(0)
-LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained('models/tiny-code-llama', safe_serialization=True)
-" 2>&1 | grep -v Warning | tail -2
+  python3 scripts/gpu/random_tiny_model.py "$BUNDLE_DIR/tiny-config.json" "models/tiny-code-llama" 2>&1 | grep -v Warning | tail -2
 fi
 export DUET_MODELS_DIR=$PWD/models
 echo "== group tests on $GPUS GPUs"

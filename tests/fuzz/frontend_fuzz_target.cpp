@@ -47,7 +47,10 @@ namespace http = boost::beast::http;
 using router::openai::Json;
 
 constexpr int kTargets = 12;
-const std::string kModelDir = std::string(DUET_MODELS_DIR) + "/tiny-code-llama";
+// $DUET_MODELS_DIR (a run away from the checkout, e.g. on another machine) or the checkout's.
+const std::string kModelDir =
+    std::string(std::getenv("DUET_MODELS_DIR") != nullptr ? std::getenv("DUET_MODELS_DIR") : DUET_MODELS_DIR) +
+    "/tiny-code-llama";
 
 struct Model {
   std::unique_ptr<Tokenizer> tokenizer;

@@ -148,6 +148,30 @@ TEST(ClusterTlsTest, ServeWithTlsEverywhereServesAndEqualsPlainGreedy) {
   ASSERT_EQ(testing::RunCommand(curl, dir + "/curl.log"), 0) << testing::ReadText(dir + "/curl.log");
   const nlohmann::json completion = nlohmann::json::parse(testing::ReadText(dir + "/completion.json"));
   EXPECT_EQ(completion["choices"][0]["text"], tls_results[0].text) << completion.dump();
+  // duet-bench over TLS, gRPC and HTTPS, verifying the router against the CA; without it (the
+  // system's CAs do not know this one) its warm-up request fails the handshake.
+  const std::string bench = absl::StrCat(DUET_BIN_DIR, "/duet-bench --tokenizer ", kModel,
+                                         " --dataset random --input-len 16 --output-len 4 --num-prompts 4 --ignore-eos "
+                                         "--disable-tqdm --api-key ",
+                                         kKey, " --model tiny-code-llama --result-json ", dir, "/bench.json");
+  for (const std::string& target : {absl::StrCat("--backend duet-grpc --base-url localhost:", *grpc_port),
+                                    absl::StrCat("--backend openai-completions --base-url https://localhost:", *http_port),
+                                    absl::StrCat("--backend openai-chat --base-url https://127.0.0.1:", *http_port)}) {
+    ASSERT_EQ(testing::RunCommand(absl::StrCat(bench, " ", target, " --ssl-ca-certs ", ca, " > ", dir, "/bench.txt"),
+                                  dir + "/bench.log"),
+              0)
+        << target << ": " << testing::ReadText(dir + "/bench.log");
+    const nlohmann::json result = nlohmann::json::parse(testing::ReadText(dir + "/bench.json"), nullptr, false);
+    ASSERT_TRUE(result.is_object()) << target;
+    EXPECT_EQ(result["completed"], 4) << target << ": " << result["errors"].dump();
+    EXPECT_EQ(result["total_output_tokens"], 16) << target;
+    EXPECT_NE(testing::RunCommand(absl::StrCat(bench, " ", target, " --tls > /dev/null"), dir + "/bench_untrusted.log"),
+              0)
+        << target;
+    EXPECT_NE(testing::ReadText(dir + "/bench_untrusted.log").find("the warm-up request failed"), std::string::npos)
+        << target << ": " << testing::ReadText(dir + "/bench_untrusted.log");
+  }
+
   // Plain HTTP on the HTTPS port: a clear 400, and the router goes on.
   EXPECT_EQ(testing::RunCommand(absl::StrCat("curl -s http://127.0.0.1:", *http_port, "/health > ", dir, "/plain.txt"),
                                 dir + "/plain.log"),

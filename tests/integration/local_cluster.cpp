@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "tests/integration/process.h"
 
 namespace duet::testing {
 namespace {
@@ -11,8 +12,8 @@ constexpr char kMetricsReady[] = "DUET_METRICS_READY port=";
 constexpr char kHttpReady[] = "DUET_HTTP_READY port=";
 constexpr auto kStartTimeout = std::chrono::seconds(120);
 
-std::string Duet() { return std::string(DUET_BIN_DIR) + "/duet"; }
-std::string Model() { return std::string(DUET_MODELS_DIR) + "/tiny-code-llama"; }
+std::string Duet() { return DuetBinary(); }
+std::string Model() { return ModelsDir() + "/tiny-code-llama"; }
 
 }  // namespace
 

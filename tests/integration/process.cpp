@@ -47,6 +47,14 @@ std::vector<nlohmann::json> ReadJsonlFile(const std::string& path) {
   return rows;
 }
 
-std::string DuetBinary() { return std::string(DUET_BIN_DIR) + "/duet"; }
+namespace {
+std::string EnvOr(const char* name, const char* fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? value : fallback;
+}
+}  // namespace
+
+std::string DuetBinary() { return EnvOr("DUET_BIN_DIR", DUET_BIN_DIR) + "/duet"; }
+std::string ModelsDir() { return EnvOr("DUET_MODELS_DIR", DUET_MODELS_DIR); }
 
 }  // namespace duet::testing

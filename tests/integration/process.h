@@ -15,6 +15,9 @@ int RunCommand(const std::string& command, const std::string& log_path);
 std::string ReadText(const std::string& path);
 void WriteJsonlFile(const std::string& path, const std::vector<nlohmann::json>& rows);
 std::vector<nlohmann::json> ReadJsonlFile(const std::string& path);
-std::string DuetBinary();  // DUET_BIN_DIR/duet
+// $DUET_BIN_DIR/duet when that is set (a bundle on the GPU machine), else the build's.
+std::string DuetBinary();
+// $DUET_MODELS_DIR when set, else the checkout's models/.
+std::string ModelsDir();
 
 }  // namespace duet::testing
