@@ -506,8 +506,9 @@ bool DecodeWorkerRuns(LocalCluster& cluster, size_t index) {
 // A draining decode worker parks its decoding streams with their KV; the router moves the KV to
 // the other decode worker (no re-prefill) and the streams go on there, token for token as an
 // uninterrupted run. The worker exits long before its streams would have ended.
-void ExpectDrainMovesStreamsKv(const std::vector<std::string>& worker_flags) {
+void ExpectDrainMovesStreamsKv(const std::string& backend, const std::vector<std::string>& worker_flags) {
   testing::ClusterOptions options{1, 2, worker_flags};
+  options.backend = backend;
   options.worker_flags.insert(options.worker_flags.end(), {"--shutdown-grace-seconds", "60"});
   options.metrics = true;
   LocalCluster cluster(options);
@@ -532,13 +533,13 @@ void ExpectDrainMovesStreamsKv(const std::vector<std::string>& worker_flags) {
   EXPECT_EQ(KvMigrations(cluster, "failed"), 0);
 }
 
-TEST(DrainTest, SigtermToADecodeWorkerMovesItsStreamsKvToTheOther) { ExpectDrainMovesStreamsKv({}); }
+TEST(DrainTest, SigtermToADecodeWorkerMovesItsStreamsKvToTheOther) { ExpectDrainMovesStreamsKv("cpu", {}); }
 
 // The same with the KV cache on the GPU (skipped without one): MigrateKv
 // stages the parked blocks through pinned host memory on both sides. Three workers share the GPU.
 TEST(DrainTest, CudaSigtermToADecodeWorkerMovesItsStreamsKvToTheOther) {
   if (testing::RunCommand("nvidia-smi -L > /dev/null", "/dev/null") != 0) GTEST_SKIP() << "no GPU";
-  ExpectDrainMovesStreamsKv({"--backend", "cuda", "--gpu-memory-utilization", "0.2"});
+  ExpectDrainMovesStreamsKv("cuda", {"--gpu-memory-utilization", "0.2"});
 }
 
 // With no other decode worker to take them, the parked streams go on where they were: every one

@@ -31,8 +31,7 @@ LocalCluster::LocalCluster(const ClusterOptions& options) : internal_token_(opti
   };
   auto start = [&](const char* role, std::vector<std::unique_ptr<Subprocess>>& procs,
                    std::vector<std::string>& addrs, std::vector<int>& metrics_ports) -> bool {
-    // The CPU backend: these tests compare float32 output exactly, also on a machine with a GPU.
-    std::vector<std::string> argv = {Duet(), role, "--model", Model(), "--backend", "cpu", "--port", "0"};
+    std::vector<std::string> argv = {Duet(), role, "--model", Model(), "--backend", options.backend, "--port", "0"};
     if (options.metrics) argv.insert(argv.end(), {"--metrics-port", "0"});
     argv.insert(argv.end(), options.worker_flags.begin(), options.worker_flags.end());
     absl::StatusOr<std::unique_ptr<Subprocess>> p = Subprocess::Start(argv, env);

@@ -26,6 +26,9 @@ struct ClusterOptions {
   std::string internal_token;
   // The router serves the OpenAI HTTP API on a free port (--http-port 0).
   bool http = false;
+  // The workers' --backend. The CPU's by default: these tests compare float32 output exactly, also
+  // on a machine with a GPU.
+  std::string backend = "cpu";
 };
 
 class LocalCluster {
