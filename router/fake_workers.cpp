@@ -57,6 +57,7 @@ grpc::Status FakePrefillWorker::Prefill(grpc::ServerContext* context, const v1::
 
 grpc::Status FakePrefillWorker::Abort(grpc::ServerContext*, const v1::WorkerAbortRequest* request,
                                       v1::WorkerAbortResponse* response) {
+  if (request->has_kv_target()) ++num_aborts_with_kv_target;
   absl::MutexLock lock(&mu_);
   aborted_.push_back(request->request_id());
   return grpc::Status::OK;

@@ -34,6 +34,7 @@ class FakePrefillWorker final : public v1::PrefillWorker::Service {
   std::atomic<int> stats_delay_ms{0};         // GetStats answers this late (a stalled worker)
   std::atomic<int> num_prefills{0};
   std::atomic<int> num_cancelled{0};          // Prefill calls that saw their cancellation
+  std::atomic<int> num_aborts_with_kv_target{0};
   // With sampling.prompt_logprobs K: entry i (prompt token i + 1) has logprob -(i + 1), rank
   // i + 2 and top ids 0..K-1; this many entries fewer (a broken worker).
   std::atomic<int> missing_prompt_logprobs{0};

@@ -544,15 +544,20 @@ class RouterService::AdmissionQueue {
 };
 
 std::shared_ptr<grpc::ClientContext> RouterService::GenerateCall::Downstream(absl::Duration timeout) {
-  std::shared_ptr<grpc::ClientContext> downstream = grpc::ClientContext::FromCallbackServerContext(*context_);
-  // The call ends at the earlier of the client's deadline (propagated) and `timeout`.
-  const std::chrono::system_clock::time_point clients = context_->deadline();
-  downstream_has_clients_deadline_ = clients != std::chrono::system_clock::time_point::max();
+  // Not FromCallbackServerContext: the client's cancellation it propagates can reach this call's
+  // callback before OnCancel marks the client gone, which would then take it for the worker's
+  // failure (and, say, not abort a Prefill the cancellation stopped before it went out, whose
+  // decode reservation would wait for its lease). OnCancel cancels it through active_ instead.
+  auto downstream = std::make_shared<grpc::ClientContext>();
+  // The call ends at the earlier of the client's deadline and `timeout`.
+  std::chrono::system_clock::time_point deadline = context_->deadline();
+  downstream_has_clients_deadline_ = deadline != std::chrono::system_clock::time_point::max();
   if (timeout != absl::InfiniteDuration()) {
     const std::chrono::system_clock::time_point own = absl::ToChronoTime(absl::Now() + timeout);
-    downstream->set_deadline(own);
-    downstream_has_clients_deadline_ = downstream_has_clients_deadline_ && clients <= own;
+    downstream_has_clients_deadline_ = downstream_has_clients_deadline_ && deadline <= own;
+    deadline = std::min(deadline, own);
   }
+  if (deadline != std::chrono::system_clock::time_point::max()) downstream->set_deadline(deadline);
   active_->Attach(downstream);
   return downstream;
 }
@@ -848,8 +853,11 @@ void RouterService::GenerateCall::OnPrefilled(const grpc::Status& status, const 
     });
     return;
   }
+  // Given up on (its timeout, a failure): should the call not have reached the prefill worker, the
+  // Abort's target lets it tell the decode worker that nothing will be written.
+  AbortOnWorker(prefill_);
   if (IsWorkerFailure(status.error_code())) return End(grpc::Status(grpc::StatusCode::UNAVAILABLE, what));
-  End(grpc::Status(status.error_code(), WorkerError(*prefill_, status, prepared_.request_id)));
+  End(grpc::Status(status.error_code(), what));
 }
 
 void RouterService::GenerateCall::OnPrefillUnavailable(const std::string& what) {
@@ -1064,6 +1072,8 @@ void RouterService::GenerateCall::OnDecodeDone(const grpc::Status& status) {
                                        if (probe != WorkerRegistry::Probe::kAnswered || unavailable) {
                                          return self->Migrate(what);
                                        }
+                                       // Its reservation, should the call not have reached it.
+                                       self->AbortOnWorker(self->decode_);
                                        self->End(grpc::Status(grpc::StatusCode::UNAVAILABLE, what));
                                      });
     return;

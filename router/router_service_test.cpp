@@ -1075,6 +1075,23 @@ TEST_F(RouterServiceTest, ClientCancelDuringPrefillReachesBothWorkers) {
   EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 1; }, 3000));  // reservation released
   // once the prefill worker, which had the target, has stopped writing into it
   EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false));
+  // and which is told the target, in case the cancellation overtook the Prefill call
+  EXPECT_TRUE(WaitFor([&] { return prefill_[0]->num_aborts_with_kv_target == 1; }, 3000));
+  EXPECT_EQ(decode_[0]->num_decodes, 0);
+}
+
+// A Prefill call the router gives up on (its timeout here) may never have reached the prefill
+// worker, which alone can tell the decode worker that nothing will be written into the reserved
+// blocks: the router's Abort to it carries the target. Before, the reservation waited for its lease.
+TEST_F(RouterServiceTest, PrefillCallGivenUpOnIsAbortedOnThePrefillWorkerWithItsTarget) {
+  RouterServiceOptions options;
+  options.prefill_timeout = absl::Milliseconds(200);
+  Start(1, 1, options);
+  prefill_[0]->prefill_delay_ms = 3000;
+  Result result = Generate(TokenRequest({1}, 5, "t1"));
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE) << result.status.error_message();
+  EXPECT_TRUE(WaitFor([&] { return prefill_[0]->num_aborts_with_kv_target == 1; }, 3000));
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 1; }, 3000));
   EXPECT_EQ(decode_[0]->num_decodes, 0);
 }
 
