@@ -506,10 +506,10 @@ bool DecodeWorkerRuns(LocalCluster& cluster, size_t index) {
 // A draining decode worker parks its decoding streams with their KV; the router moves the KV to
 // the other decode worker (no re-prefill) and the streams go on there, token for token as an
 // uninterrupted run. The worker exits long before its streams would have ended.
-// Not `exact` (bf16 on the GPU): batched decode is not batch-invariant there, and with random
-// weights two uninterrupted runs already differ late in a stream, and the streams are too quick to
-// be still running when the worker has gone: the moves, their completion and their lengths are
-// checked; the token-for-token check is the CPU (float32) test's.
+// Not `exact` (bf16 on the GPU): batched decode is not batch-invariant there, so with random
+// weights a moved stream (in another batch) drifts from the uninterrupted run after some tokens,
+// and the streams are too quick to be still running when the worker has gone: the moves, their
+// completion and their lengths are checked; the token-for-token check is the CPU (float32) test's.
 void ExpectDrainMovesStreamsKv(const std::string& backend, const std::vector<std::string>& worker_flags,
                                bool exact) {
   testing::ClusterOptions options{1, 2, worker_flags};
