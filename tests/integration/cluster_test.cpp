@@ -387,6 +387,7 @@ TEST(ClusterTest, DecodeWorkerReleasesReservationsOfCancelledReserveKvCalls) {
     grpc::ClientContext abort_context;
     v1::WorkerAbortRequest abort;
     abort.set_request_id(id);
+    abort.set_release_now(true);  // as the router's: no prefill worker was given a target
     v1::WorkerAbortResponse aborted;
     EXPECT_TRUE(decode->Abort(&abort_context, abort, &aborted).ok());
   }
