@@ -55,6 +55,7 @@ struct ServeOptions {
   // Under MPS: the share of the GPU's SMs each prefill worker may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE);
   // 0: no limit.
   int prefill_gpu_percent = 0;
+  int decode_gpu_percent = 0;  // the same for each decode worker
   int shutdown_grace_seconds = 30;  // on SIGTERM/SIGINT: how long running requests may take to finish
   std::string routing_policy = "prefix-aware";  // the router's --routing-policy
   double prefix_affinity = 4.0;                 // the router's --prefix-affinity

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "CLI/CLI.hpp"
+#include "absl/synchronization/mutex.h"
 #include "cli/api_flags.h"
 #include "cli/api_key.h"
 #include "cli/tls_flags.h"
@@ -16,6 +17,9 @@
 #include "common/version.h"
 
 int main(int argc, char** argv) {
+  // Debian's Abseil is built without NDEBUG, so every absl::Mutex lock (gRPC's included) would
+  // update a global lock-order graph: a cost on every call that the tests keep and servers drop.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   CLI::App app{"Duet: disaggregated LLM serving"};
   app.set_version_flag("--version", std::string("duet ") + duet::DuetVersion());
   // Every option's default in --help (subcommands inherit this).
@@ -63,6 +67,10 @@ int main(int argc, char** argv) {
   serve_cmd->add_option("--prefill-gpu-percent", serve.prefill_gpu_percent,
                         "With workers sharing a GPU under MPS: the percentage of its SMs each prefill worker "
                         "may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so decode steps keep the rest; 0: no limit")
+      ->check(CLI::Range(0, 100));
+  serve_cmd->add_option("--decode-gpu-percent", serve.decode_gpu_percent,
+                        "With workers sharing a GPU under MPS: the percentage of its SMs each decode worker "
+                        "may use, so prefill kernels run beside decode steps on the rest; 0: no limit")
       ->check(CLI::Range(0, 100));
   serve_cmd->add_flag("--kv-checksums", serve.kv_checksums,
                       "Checksum every KV layer moved between workers and verify it at the decode worker");

@@ -49,6 +49,7 @@ constexpr auto kMaxBackoff = std::chrono::seconds(30);
 constexpr auto kHealthyAfter = std::chrono::seconds(60);  // up this long: the backoff starts over
 constexpr timespec kTick{0, 100 * 1000 * 1000};
 constexpr char kMpsClientPriorityEnv[] = "CUDA_MPS_CLIENT_PRIORITY";
+constexpr char kMpsActiveThreadPercentageEnv[] = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE";
 
 std::string SelfPath() {
   char buf[4096];
@@ -268,13 +269,17 @@ int RunServe(const ServeOptions& options) {
   // their /metrics.
   const Subprocess::Environment env = {
       {rpc::kInternalTokenEnv, *token}, {kApiKeyEnv, options.api_key_on_health_and_metrics ? *api_key : ""}};
+  Subprocess::Environment decode_env = env;
+  if (options.decode_gpu_percent > 0) {
+    decode_env.emplace_back(kMpsActiveThreadPercentageEnv, std::to_string(options.decode_gpu_percent));
+  }
   // Workers sharing a GPU under MPS run their kernels side by side; a decode step is the latency
   // every stream waits on, so prefill workers' kernels yield to it (MPS client priority 1, "below
   // normal"; without MPS the variable is ignored). A value in serve's own environment is kept.
   Subprocess::Environment prefill_env = env;
   if (getenv(kMpsClientPriorityEnv) == nullptr) prefill_env.emplace_back(kMpsClientPriorityEnv, "1");
   if (options.prefill_gpu_percent > 0) {
-    prefill_env.emplace_back("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", std::to_string(options.prefill_gpu_percent));
+    prefill_env.emplace_back(kMpsActiveThreadPercentageEnv, std::to_string(options.prefill_gpu_percent));
   }
   const Subprocess::Environment router_env = {{rpc::kInternalTokenEnv, *token}, {kApiKeyEnv, *api_key}};
   const std::string grace = std::to_string(options.shutdown_grace_seconds);
@@ -315,7 +320,7 @@ int RunServe(const ServeOptions& options) {
                                                          : options.metrics_port + int(workers.size());
       const bool prefill = std::string_view(role) == "prefill";
       workers.push_back(
-          std::make_unique<WorkerSlot>(role, i, std::move(argv), prefill ? &prefill_env : &env, metrics_port));
+          std::make_unique<WorkerSlot>(role, i, std::move(argv), prefill ? &prefill_env : &decode_env, metrics_port));
       if (absl::Status started = workers.back()->StartFirst(); !started.ok()) {
         DUET_LOG(ERROR) << started.message();
         stop_workers();

@@ -37,6 +37,15 @@ absl::StatusOr<std::pair<std::string, std::string>> ParseMerge(const nlohmann::j
   return std::make_pair(text.substr(0, space), text.substr(space + 1));
 }
 
+// `character` (one DecodeUtf8 step) is the well-formed UTF-8 of a code point below U+0800: one
+// ASCII byte, or a lead byte C2..DF and a continuation byte.
+bool IsCanonicalBelowU0800(std::string_view character) {
+  const auto lead = static_cast<unsigned char>(character[0]);
+  if (character.size() == 1) return lead < 0x80;
+  return character.size() == 2 && lead >= 0xC2 && lead <= 0xDF &&
+         (static_cast<unsigned char>(character[1]) & 0xC0) == 0x80;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::FromJson(const nlohmann::json& config) {
@@ -91,6 +100,13 @@ absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::FromJson(const nlohmann::jso
     model->byte_token_ids_[byte] =
         model->TokenToId(absl::StrFormat("<0x%02X>", byte)).value_or(-1);
   }
+  model->char_token_ids_.assign(kCharTableSize, -1);
+  std::string character;
+  for (char32_t code_point = 0; code_point < kCharTableSize; ++code_point) {
+    character.clear();
+    unicode::AppendUtf8(code_point, character);
+    model->char_token_ids_[code_point] = model->TokenToId(character).value_or(-1);
+  }
   return model;
 }
 
@@ -117,9 +133,15 @@ std::vector<int32_t> BpeModel::InitialSymbols(std::string_view word) const {
   bool pending_unk = false;
   for (size_t pos = 0; pos < word.size();) {
     const size_t start = pos;
-    unicode::DecodeUtf8(word, pos);
+    const char32_t code_point = unicode::DecodeUtf8(word, pos);
     const std::string_view character = word.substr(start, pos - start);
-    if (auto id = TokenToId(character)) {
+    std::optional<int32_t> id;
+    if (IsCanonicalBelowU0800(character)) {
+      if (char_token_ids_[code_point] >= 0) id = char_token_ids_[code_point];
+    } else {
+      id = TokenToId(character);
+    }
+    if (id) {
       if (pending_unk) symbols.push_back(*unk_id_);
       pending_unk = false;
       symbols.push_back(*id);
@@ -140,9 +162,37 @@ std::vector<int32_t> BpeModel::InitialSymbols(std::string_view word) const {
   return symbols;
 }
 
+void BpeModel::MergeSymbolsByScan(std::vector<int32_t>& ids) const {
+  // ranks[i]: the rank of the merge of ids[i] and ids[i + 1] (INT32_MAX: none).
+  int32_t ranks[kMaxScannedSymbols];
+  int32_t merged[kMaxScannedSymbols];
+  auto set_pair = [&](size_t i) {
+    const Merge* merge = FindMerge(ids[i], ids[i + 1]);
+    ranks[i] = merge != nullptr ? merge->rank : INT32_MAX;
+    merged[i] = merge != nullptr ? merge->merged_id : -1;
+  };
+  for (size_t i = 0; i + 1 < ids.size(); ++i) set_pair(i);
+  while (ids.size() >= 2) {
+    size_t best = 0;  // the lowest rank, leftmost among equals: the order the queue pops in
+    for (size_t i = 1; i + 1 < ids.size(); ++i) {
+      if (ranks[i] < ranks[best]) best = i;
+    }
+    if (ranks[best] == INT32_MAX) return;
+    ids[best] = merged[best];
+    ids.erase(ids.begin() + best + 1);
+    for (size_t i = best + 1; i + 1 < ids.size(); ++i) {  // the pairs right of it move down one
+      ranks[i] = ranks[i + 1];
+      merged[i] = merged[i + 1];
+    }
+    if (best > 0) set_pair(best - 1);
+    if (best + 1 < ids.size()) set_pair(best);
+  }
+}
+
 void BpeModel::MergeSymbols(std::vector<int32_t>& ids) const {
   const int32_t count = static_cast<int32_t>(ids.size());
   if (count < 2) return;
+  if (ids.size() <= kMaxScannedSymbols) return MergeSymbolsByScan(ids);
   std::vector<int32_t> prev(count), next(count);
   std::vector<bool> removed(count, false);
   std::priority_queue<Candidate> queue;

@@ -47,6 +47,14 @@ class BpeModel {
   // Initial symbols of `word`: one per character, or its byte-fallback / unknown tokens.
   std::vector<int32_t> InitialSymbols(std::string_view word) const;
   void MergeSymbols(std::vector<int32_t>& symbols) const;
+  // MergeSymbols for short words: scans the pairs for the lowest rank on every merge, which beats
+  // the queue's allocations below kMaxScannedSymbols symbols (most pre-tokenized words).
+  void MergeSymbolsByScan(std::vector<int32_t>& symbols) const;
+  const Merge* FindMerge(int32_t left, int32_t right) const {
+    auto it = merges_.find(PairKey(left, right));
+    return it == merges_.end() ? nullptr : &it->second;
+  }
+  static constexpr size_t kMaxScannedSymbols = 48;
 
   TokenIdMap token_to_id_;
   std::vector<std::string> id_to_token_;  // "" for ids not in the vocabulary
@@ -56,6 +64,10 @@ class BpeModel {
   bool byte_fallback_ = false;
   bool ignore_merges_ = false;
   int32_t byte_token_ids_[256];  // ids of "<0xXX>" tokens, -1 when absent
+  // Ids of the one-character tokens below U+0800 (byte-level BPE's whole alphabet), by code point;
+  // -1 when that character is not a token. InitialSymbols looks these up without hashing.
+  static constexpr char32_t kCharTableSize = 0x800;
+  std::vector<int32_t> char_token_ids_;
 
   static constexpr size_t kCacheCapacity = 20000;
   static constexpr size_t kMaxCachedWordBytes = 256;

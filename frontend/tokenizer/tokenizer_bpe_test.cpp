@@ -1,5 +1,8 @@
 #include "frontend/tokenizer/tokenizer_bpe.h"
 
+#include <map>
+#include <random>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -38,6 +41,59 @@ TEST(BpeTest, MergesApplyInRankOrder) {
   EXPECT_THAT(Tokenize(*other, "abcabc"), ElementsAre(5, 5));
   EXPECT_THAT(Tokenize(*other, "abcabc"), ElementsAre(5, 5));  // cached
   EXPECT_THAT(Tokenize(*other, ""), ElementsAre());
+}
+
+// The textbook BPE: merge the lowest-ranked adjacent pair, leftmost among equals, until none is
+// left. Words of up to 48 symbols take Tokenize's scan, longer ones its queue: both must agree.
+std::vector<std::string> ReferenceBpe(const std::vector<std::string>& chars,
+                                      const std::map<std::pair<std::string, std::string>, int>& ranks) {
+  std::vector<std::string> symbols = chars;
+  while (symbols.size() >= 2) {
+    size_t best = 0;
+    int best_rank = INT32_MAX;
+    for (size_t i = 0; i + 1 < symbols.size(); ++i) {
+      auto it = ranks.find({symbols[i], symbols[i + 1]});
+      if (it != ranks.end() && it->second < best_rank) best = i, best_rank = it->second;
+    }
+    if (best_rank == INT32_MAX) break;
+    symbols[best] += symbols[best + 1];
+    symbols.erase(symbols.begin() + best + 1);
+  }
+  return symbols;
+}
+
+TEST(BpeTest, RandomWordsMergeAsTheTextbookAlgorithmAtEveryLength) {
+  // Characters of one, two and three bytes (the last beyond Tokenize's one-character table).
+  const std::vector<std::string> decoded = {"a", "b", "c", "\xc3\xa9", "\xd0\x96", "\xe4\xb8\xad"};
+  std::mt19937 rng(7);
+  std::map<std::string, int> vocab;
+  for (const std::string& c : decoded) vocab.emplace(c, int(vocab.size()));
+  std::map<std::pair<std::string, std::string>, int> ranks;
+  nlohmann::json merges = nlohmann::json::array();
+  std::vector<std::string> tokens = decoded;
+  for (int rank = 0; rank < 60; ++rank) {  // random merges of tokens made so far
+    const std::string& left = tokens[rng() % tokens.size()];
+    const std::string& right = tokens[rng() % tokens.size()];
+    if (ranks.count({left, right}) > 0 || left.size() + right.size() > 12) continue;
+    ranks[{left, right}] = int(merges.size());
+    merges.push_back(nlohmann::json::array({left, right}));
+    if (vocab.emplace(left + right, int(vocab.size())).second) tokens.push_back(left + right);
+  }
+  nlohmann::json config = {{"vocab", vocab}, {"merges", merges}};
+  auto model = BpeModel::FromJson(config);
+  ASSERT_TRUE(model.ok()) << model.status();
+  for (int trial = 0; trial < 2000; ++trial) {
+    const size_t length = 2 + rng() % 100;
+    std::vector<std::string> chars;
+    std::string word;
+    for (size_t i = 0; i < length; ++i) {
+      chars.push_back(decoded[rng() % 4 == 0 ? rng() % decoded.size() : rng() % 2]);  // mostly a, b
+      word += chars.back();
+    }
+    std::vector<int32_t> want;
+    for (const std::string& symbol : ReferenceBpe(chars, ranks)) want.push_back(vocab.at(symbol));
+    EXPECT_EQ(Tokenize(**model, word), want) << "word of " << length << " characters, trial " << trial;
+  }
 }
 
 TEST(BpeTest, IgnoreMergesTakesWholeWordFromVocab) {

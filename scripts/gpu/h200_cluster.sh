@@ -74,7 +74,9 @@ grep -h "tok/s" "$OUT/engine.log" | sed 's/^.*\] /  /'
 # kernels at a time), "mps" (an MPS control daemon of this script's own, private pipe and log
 # directories, stopped at the end: the workers' kernels run side by side, the prefill worker's at
 # below-normal priority as duet serve sets it), "mps-equal" (MPS, both at normal priority) or
-# "mps-prefillN" (MPS, the prefill worker on N% of the SMs: duet serve --prefill-gpu-percent N).
+# "mps-prefillN" (MPS, the prefill worker on N% of the SMs: duet serve --prefill-gpu-percent N),
+# "mps-decodeN" (the decode worker on N%: --decode-gpu-percent N) or "mps-prefillN-decodeM" (both).
+# A mode may end in "-budgetT": the workers' --max-num-batched-tokens T instead of 8192.
 # SHARING lists the modes to run, each a whole cluster run of its own under $OUT/<mode>.
 SHARING=${SHARING:-timeslice}
 mps_dir=/tmp/duet-mps
@@ -101,9 +103,12 @@ if [[ $mode == mps* ]]; then start_mps || return 1; fi
 echo "== duet serve --backend cuda (1 prefill + 1 decode worker on one GPU, sharing: $mode)"
 local priority=() share=()  # serve runs prefill workers at MPS client priority 1 unless told otherwise
 [[ $mode == mps-equal ]] && priority=(env CUDA_MPS_CLIENT_PRIORITY=0)
-[[ $mode == mps-prefill* ]] && share=(--prefill-gpu-percent "${mode#mps-prefill}")
+[[ $mode =~ prefill([0-9]+) ]] && share+=(--prefill-gpu-percent "${BASH_REMATCH[1]}")
+[[ $mode =~ decode([0-9]+) ]] && share+=(--decode-gpu-percent "${BASH_REMATCH[1]}")
+local budget=8192
+[[ $mode =~ budget([0-9]+) ]] && budget=${BASH_REMATCH[1]}
 "${priority[@]}" duet serve "${share[@]}" --model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --prefill-workers 1 \
-  --decode-workers 1 --max-model-len 4096 --max-num-seqs 128 --max-num-batched-tokens 8192 --grpc-port 0 \
+  --decode-workers 1 --max-model-len 4096 --max-num-seqs 128 --max-num-batched-tokens $budget --grpc-port 0 \
   --http-port 0 --metrics-port 0 --max-concurrent-requests 1024 > "$dir/serve.out" 2> "$dir/serve.log" &
 serve_pid=$!
 port=""

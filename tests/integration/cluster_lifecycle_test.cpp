@@ -280,10 +280,11 @@ TEST(ServeSupervisionTest, InternalTokenFileIsTheClustersToken) {
   EXPECT_EQ((*missing)->Wait(std::chrono::seconds(30)), 1);
 }
 
-// Under MPS a prefill worker's kernels yield to the decode worker's, and --prefill-gpu-percent
-// caps its SMs: serve sets both in the prefill workers' environment only (no effect without MPS).
-TEST(ServeSupervisionTest, PrefillWorkersGetTheirMpsPriorityAndShare) {
-  Serve serve({"--prefill-gpu-percent", "70"});
+// Under MPS a prefill worker's kernels yield to the decode worker's, and --prefill-gpu-percent /
+// --decode-gpu-percent cap each role's SMs: serve sets each in that role's workers' environment
+// only (no effect without MPS).
+TEST(ServeSupervisionTest, WorkersGetTheirMpsPriorityAndShare) {
+  Serve serve({"--prefill-gpu-percent", "70", "--decode-gpu-percent", "45"});
   ASSERT_TRUE(serve.ok()) << serve.error;
   auto env_of = [](const Child& c, const std::string& name) -> std::optional<std::string> {
     for (const std::string& entry : std::vector<std::string>(absl::StrSplit(c.environ, '\0', absl::SkipEmpty()))) {
@@ -298,7 +299,9 @@ TEST(ServeSupervisionTest, PrefillWorkersGetTheirMpsPriorityAndShare) {
     EXPECT_EQ(env_of(c, "CUDA_MPS_CLIENT_PRIORITY"), prefill ? std::optional<std::string>("1") : std::nullopt)
         << c.role();
     EXPECT_EQ(env_of(c, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
-              prefill ? std::optional<std::string>("70") : std::nullopt)
+              prefill                        ? std::optional<std::string>("70")
+              : c.role() == "decode-worker" ? std::optional<std::string>("45")
+                                            : std::nullopt)
         << c.role();
   }
 }
