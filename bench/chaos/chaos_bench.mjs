@@ -20,9 +20,10 @@
 // Every request ends as one of: complete (well-formed; greedy ones equal to the reference),
 // error (a status code and a message, within its deadline + slack), cancelled (by this client),
 // deadline (its short deadline passed first), or a violation: no answer by its deadline + slack,
-// a malformed or truncated result, an error without a message, a greedy mismatch. Then, 1 s after
-// the last request, every worker's GetStats (with the cluster's internal token, given to serve
-// in --internal-token-file) must show no used or reserved KV block, no lease and no request; RSS
+// a malformed or truncated result, an error without a message, a greedy mismatch. Then, once the
+// killed and drained workers are back (within 60 s) and 1 s after the last request, every worker's
+// GetStats (with the cluster's internal token, given to serve in --internal-token-file) must show
+// no used or reserved KV block, no lease and no request; RSS
 // (VmRSS) of every process at start and end. Prints a table, writes --out, and exits 1 on any
 // violation.
 import { spawn } from "node:child_process";
@@ -137,6 +138,7 @@ class Cluster {
     this.dir = dir;
     this.workers = new Map();  // "decode/0" -> {role, index, pid, port, restarts, firstPid}
     this.restartLines = [];
+    this.restartListeners = [];  // called on every DUET_WORKER_RESTARTED line
     this.migrated = new Set();  // request indexes the router logged as migrating
     this.kvMoved = new Set();   // request indexes whose KV a draining decode worker parked
     this.logTail = "";
@@ -207,6 +209,7 @@ class Cluster {
       w.restarts = Number(m[5]);
       w.pids.push(w.pid);
       this.restartLines.push({ at: now(), line });
+      for (const listener of [...this.restartListeners]) listener();
       return;
     }
     m = line.match(/^DUET_HTTP_READY port=(\d+)/);
@@ -215,6 +218,24 @@ class Cluster {
     if (m) { this.grpcPort = Number(m[1]); resolve(); }
   }
   worker(role, index) { return this.workers.get(`${role}/${index}`); }
+  // Resolves once every worker this run made exit (killed or drained) is back (serve prints
+  // DUET_WORKER_RESTARTED when the new process is ready), or after timeoutMs; with the ones not back.
+  waitForRestarts(timeoutMs) {
+    const missing = () => [...this.workers.values()].filter((w) => (w.exitsCaused ?? 0) > w.restarts)
+      .map((w) => `${w.role} ${w.index}`);
+    return new Promise((resolve) => {
+      let timer = null;
+      const check = () => {
+        if (missing().length > 0 && timer !== null) return;
+        clearTimeout(timer);
+        this.restartListeners = this.restartListeners.filter((l) => l !== check);
+        resolve(missing());
+      };
+      if (missing().length === 0) return resolve([]);
+      timer = setTimeout(() => { timer = null; check(); }, timeoutMs);
+      this.restartListeners.push(check);
+    });
+  }
   stub(w) {
     const key = `${w.role}/${w.index}`;
     if (!this.stubs.has(key)) {
@@ -493,6 +514,7 @@ function faultSchedule(cluster) {
 }
 function signalWorker(cluster, role, index, signal) {
   const w = cluster.worker(role, index);
+  if (signal === "SIGKILL" || signal === "SIGTERM") w.exitsCaused = (w.exitsCaused ?? 0) + 1;  // serve restarts it
   process.kill(w.pid, signal);
   return w.pid;
 }
@@ -544,7 +566,11 @@ async function main() {
     await Promise.all(faultRuns);  // the SIGSTOPped worker is continued by now
     const runSeconds = (Date.now() - runStart) / 1000;
 
-    // 1 s after the run: every worker idle.
+    // 1 s after the run, once the workers it killed or drained are back (a restart near the end
+    // may outlast the run on a loaded machine): every worker idle.
+    const restartWaitStart = Date.now();
+    result.workers_not_restarted = await cluster.waitForRestarts(60000);
+    result.restart_wait_s = (Date.now() - restartWaitStart) / 1000;
     await new Promise((r) => setTimeout(r, 1000));
     const idle = [];
     for (const w of cluster.workers.values()) {
@@ -659,7 +685,9 @@ function printReport(r, idleOk) {
     `migrated, ${r.greedy_checked_kv_moved} parked by the drain), mismatches: ${r.greedy_mismatches}`);
   console.log(`router migrations: ${JSON.stringify(r.migrations)}; requests the router logged as migrating: ${r.requests_migrated}`);
   console.log(`live KV migrations (drain): ${JSON.stringify(r.kv_migrations)}; of them gRPC requests (named by id in the log): ${r.requests_kv_parked}`);
-  console.log(`\n1 s after the run (${idleOk ? "all idle" : "NOT IDLE"}):`);
+  const restartWait = r.restart_wait_s >= 0.05 ? ` (after ${r.restart_wait_s.toFixed(1)} s for restarted workers)` : "";
+  const notBack = r.workers_not_restarted.length > 0 ? `; not restarted within 60 s: ${r.workers_not_restarted.join(", ")}` : "";
+  console.log(`\n1 s after the run${restartWait} (${idleOk ? "all idle" : "NOT IDLE"}${notBack}):`);
   for (const w of r.idle_after_1s) {
     console.log(`  ${pad(w.worker, 10)} pid ${lpad(w.pid, 7)} restarts ${w.restarts}: ` +
       (w.error ? `GetStats failed: ${w.error}` : `blocks used/reserved ${w.used_or_reserved_blocks}, leases ${w.leases}, running ${w.running}, waiting ${w.waiting}`));
