@@ -628,9 +628,16 @@ void DecodeService::DecodeCall::Join(LlmEngine& engine) {
     service_->loop_->Subscribe(id, [self = shared_from_this()](const RequestOutput& o) { self->OnOutput(o); });
     service_->streaming_[id] = shared_from_this();
   }
-  absl::MutexLock lock(&mu_);
-  stage_ = Stage::kStreaming;
-  if (cancelled_ && !out->finished) service_->loop_->Abort(id);
+  {
+    absl::MutexLock lock(&mu_);
+    stage_ = Stage::kStreaming;
+    if (cancelled_ && !out->finished) {
+      service_->loop_->Abort(id);
+      return;
+    }
+  }
+  // Joined while the worker drains (reserved before it began): it leaves with its KV as the others did.
+  if (service_->parking_ && !out->finished) Park(engine);
 }
 
 void DecodeService::DecodeCall::Park(LlmEngine& engine) {
@@ -653,6 +660,7 @@ void DecodeService::DecodeCall::Park(LlmEngine& engine) {
 void DecodeService::StartDraining() {
   if (!options_.park_on_drain) return;
   loop_->Post([this](LlmEngine& engine) {
+    parking_ = true;
     std::vector<std::shared_ptr<DecodeCall>> calls;
     for (const auto& [id, call] : streaming_) calls.push_back(call);
     for (const std::shared_ptr<DecodeCall>& call : calls) call->Park(engine);

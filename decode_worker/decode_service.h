@@ -198,6 +198,7 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
   std::map<std::string, uint64_t> transfer_by_request_ ABSL_GUARDED_BY(mu_);
   // The streams whose requests are in the batch (engine thread only): what StartDraining parks.
   std::map<std::string, std::shared_ptr<DecodeCall>> streaming_;
+  bool parking_ = false;  // engine thread only: draining with park_on_drain; calls that join now park
   absl::Mutex peers_mu_;
   std::map<std::string, kvtransfer::PeerId> peers_ ABSL_GUARDED_BY(peers_mu_);  // MigrateKv's destinations
 

@@ -311,7 +311,11 @@ absl::StatusOr<LlmEngine::DetachedRequest> LlmEngine::Detach(const std::string& 
     return absl::NotFoundError(absl::StrCat("no running request '", id, "'"));
   }
   Request& r = *it->second;
-  if (r.state != RequestState::kRunning || r.output.empty() || r.num_computed_tokens != r.num_tokens() - 1) {
+  // Decoding: every token but the last sampled one has its KV. That includes a request that joined
+  // with its KV (prefilled elsewhere, or attached) and waits for its first step here.
+  const bool holds_kv = r.state == RequestState::kRunning ||
+                        (r.state == RequestState::kWaiting && r.num_computed_tokens > 0);
+  if (!holds_kv || r.output.empty() || r.num_computed_tokens != r.num_tokens() - 1) {
     return absl::FailedPreconditionError(absl::StrCat("request '", id, "' is not decoding"));
   }
   scheduler_.Detach(&r);

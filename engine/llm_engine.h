@@ -157,8 +157,10 @@ class LlmEngine {
                                                     const ResumedOutput& resumed = {});
   // Live KV migration (a draining decode worker). Detach takes a decoding request out of the
   // batch with its KV: its blocks (`seq`, freed by ReleaseKv) hold the K/V of every token but the
-  // last output token, which is sampled and not yet computed. FailedPrecondition for a request
-  // that is not decoding (waiting, preempted, prefilling): it stays as it is. The request is gone
+  // last output token, which is sampled and not yet computed; a request that joined with its KV
+  // (AddPrefilledRequest, AttachRequest) detaches before its first step too. FailedPrecondition
+  // for a request that is not decoding (waiting for its prefill, preempted, prefilling): it stays
+  // as it is. The request is gone
   // from the engine; no output follows.
   struct DetachedRequest {
     SequenceId seq = 0;

@@ -205,6 +205,15 @@ TEST(LlmEngineResumeTest, DetachedRequestsAttachAndContinueTheUninterruptedOutpu
       EXPECT_EQ(e->Stats().num_free_kv_blocks, free_before) << "the blocks stay with the detached sequence";
       const std::string emitted = before.all_text();
       ASSERT_TRUE(e->AttachRequest(id, d->prompt, c.params, d->seq, ResumedOutput{d->output, emitted.size()}).ok());
+      // Attached and not yet stepped (a drain right after a migrated request joined): it detaches
+      // again, the same tokens on the same blocks, and attaches once more.
+      absl::StatusOr<LlmEngine::DetachedRequest> again = e->Detach(id);
+      ASSERT_TRUE(again.ok()) << again.status();
+      EXPECT_EQ(again->seq, d->seq);
+      EXPECT_EQ(again->output, d->output);
+      EXPECT_FALSE(e->HasUnfinished());
+      ASSERT_TRUE(
+          e->AttachRequest(id, again->prompt, c.params, again->seq, ResumedOutput{again->output, emitted.size()}).ok());
       const Streamed rest = StreamRest(*e, id);
       std::vector<int32_t> joined = d->output;
       const std::vector<int32_t> more = rest.all_tokens();
@@ -217,7 +226,8 @@ TEST(LlmEngineResumeTest, DetachedRequestsAttachAndContinueTheUninterruptedOutpu
   EXPECT_EQ(e->Stats().num_free_kv_blocks, e->Stats().num_kv_blocks);  // the attached requests freed them
 }
 
-// Only a decoding request detaches; one still waiting stays queued, an unknown one is not found.
+// Only a decoding request detaches; one still waiting for its prefill stays queued, an unknown one
+// is not found.
 TEST(LlmEngineResumeTest, OnlyDecodingRequestsDetach) {
   std::unique_ptr<LlmEngine> e = NewEngine();
   SamplingParams p;

@@ -165,6 +165,7 @@ void Scheduler::Remove(Request* request) {
 
 void Scheduler::Detach(Request* request) {
   running_.erase(std::remove(running_.begin(), running_.end(), request), running_.end());
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), request), waiting_.end());
   request->state = RequestState::kFinished;
 }
 

@@ -55,8 +55,8 @@ class Scheduler {
   void OnStepDone(const SchedulerOutput& output);
   // Removes a request (finished or aborted) and frees its blocks.
   void Remove(Request* request);
-  // Takes a running request out of the batch and leaves its blocks allocated (live KV migration:
-  // their owner frees them).
+  // Takes a running request out of the batch (or a waiting one that joined with its KV out of the
+  // queue) and leaves its blocks allocated (live KV migration: their owner frees them).
   void Detach(Request* request);
 
   // Registers the full blocks the step computed in the prefix cache (after a successful step).

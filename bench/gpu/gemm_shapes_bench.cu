@@ -1,0 +1,180 @@
+// The Llama projections' matrix products at the row counts serving meets (decode batches, a
+// prompt, a batch of prompts), as CublasLinear runs them (cublasGemmEx, CUBLAS_GEMM_DEFAULT), against
+// every algorithm cuBLASLt's heuristic offers for the same product: is there a faster one to pick?
+//
+//   gemm_shapes_bench [--hidden 4096 --inter 14336 --qkv-out 6144 --rows 64,128,512,2048,8192 --reps 20]
+//
+// y[rows, out] = x[rows, in] · W[out, in]^T, bf16 in and out, fp32 accumulation. The weights
+// rotate over enough copies to exceed the L2 cache, so every product streams its weight from
+// device memory as in a forward pass. Per product: median of --reps timed launches (CUDA events
+// around each) after 3 warm-up launches.
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+
+namespace {
+
+void Check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+void Check(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "%s: cuBLAS status %d\n", what, int(s));
+    std::exit(1);
+  }
+}
+
+struct Shape {
+  const char* name;
+  int in, out;
+};
+
+__global__ void FillBf16(__nv_bfloat16* p, size_t n, unsigned seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    unsigned h = unsigned(i) * 2654435761u ^ seed;
+    h ^= h >> 13;
+    p[i] = __float2bfloat16((float(h & 0xFFFF) / 65536.0f - 0.5f) * 0.05f);
+  }
+}
+
+// Median of `reps` timed runs of `launch(i)` (i: the launch's index, which picks the weight copy).
+template <typename Launch>
+float MedianUs(cudaStream_t stream, int reps, Launch launch) {
+  cudaEvent_t start, stop;
+  Check(cudaEventCreate(&start), "event");
+  Check(cudaEventCreate(&stop), "event");
+  for (int i = 0; i < 3; ++i) launch(i);
+  std::vector<float> us;
+  for (int i = 0; i < reps; ++i) {
+    Check(cudaEventRecord(start, stream), "record");
+    launch(i);
+    Check(cudaEventRecord(stop, stream), "record");
+    Check(cudaEventSynchronize(stop), "sync");
+    float ms = 0;
+    Check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+    us.push_back(ms * 1000.0f);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"cuBLAS default vs cuBLASLt's algorithms on the Llama projections"};
+  int hidden = 4096, inter = 14336, qkv_out = 6144, reps = 20, max_algos = 16;
+  std::vector<int> row_counts = {64, 128, 512, 2048, 8192};
+  app.add_option("--hidden", hidden);
+  app.add_option("--inter", inter);
+  app.add_option("--qkv-out", qkv_out, "(heads + 2 * kv_heads) * head_dim");
+  app.add_option("--rows", row_counts)->delimiter(',');
+  app.add_option("--reps", reps)->check(CLI::Range(1, 1000));
+  app.add_option("--algos", max_algos, "cuBLASLt heuristic candidates to time")->check(CLI::Range(1, 64));
+  CLI11_PARSE(app, argc, argv);
+
+  const std::vector<Shape> shapes = {
+      {"qkv", hidden, qkv_out}, {"o", hidden, hidden}, {"gate_up", hidden, 2 * inter}, {"down", inter, hidden}};
+  cudaStream_t stream;
+  Check(cudaStreamCreate(&stream), "stream");
+  cublasHandle_t handle;
+  Check(cublasCreate(&handle), "cublasCreate");
+  Check(cublasSetStream(handle, stream), "cublasSetStream");
+  cublasLtHandle_t lt;
+  Check(cublasLtCreate(&lt), "cublasLtCreate");
+  const size_t workspace_bytes = size_t(64) << 20;
+  void* workspace;
+  Check(cudaMalloc(&workspace, workspace_bytes), "workspace");
+  Check(cublasSetWorkspace(handle, workspace, workspace_bytes), "cublasSetWorkspace");
+
+  const int max_rows = *std::max_element(row_counts.begin(), row_counts.end());
+  size_t max_weight = 0, max_in = 0, max_out = 0;
+  for (const Shape& s : shapes) {
+    max_weight = std::max(max_weight, size_t(s.in) * s.out);
+    max_in = std::max(max_in, size_t(s.in));
+    max_out = std::max(max_out, size_t(s.out));
+  }
+  // Enough copies of the largest weight to exceed a 50 MB L2 several times over.
+  const int copies = int(std::max<size_t>(2, (size_t(256) << 20) / (max_weight * 2) + 1));
+  std::vector<__nv_bfloat16*> weights(static_cast<size_t>(copies));
+  for (auto& w : weights) {
+    Check(cudaMalloc(&w, max_weight * 2), "weights");
+    FillBf16<<<1024, 256, 0, stream>>>(w, max_weight, unsigned(&w - weights.data()));
+  }
+  __nv_bfloat16 *x, *y;
+  Check(cudaMalloc(&x, size_t(max_rows) * max_in * 2), "x");
+  Check(cudaMalloc(&y, size_t(max_rows) * max_out * 2), "y");
+  FillBf16<<<1024, 256, 0, stream>>>(x, size_t(max_rows) * max_in, 99);
+  Check(cudaStreamSynchronize(stream), "fill");
+
+  std::printf("%-8s %6s %6s %6s | %9s %8s %8s | %9s %8s %6s | %s\n", "proj", "rows", "in", "out", "default us",
+              "TFLOP/s", "W GB/s", "best us", "TFLOP/s", "gain", "algos timed");
+  for (int rows : row_counts) {
+    for (const Shape& s : shapes) {
+      const double flops = 2.0 * rows * s.in * s.out;
+      const double weight_bytes = 2.0 * s.in * s.out;
+      const float alpha = 1.0f, beta = 0.0f;
+      // As CublasLinear: column-major y^T[out, rows] = W (op T) · x^T.
+      const float default_us = MedianUs(stream, reps, [&](int i) {
+        Check(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, s.out, rows, s.in, &alpha, weights[size_t(i % copies)],
+                           CUDA_R_16BF, s.in, x, CUDA_R_16BF, s.in, &beta, y, CUDA_R_16BF, s.out, CUBLAS_COMPUTE_32F,
+                           CUBLAS_GEMM_DEFAULT),
+              "cublasGemmEx");
+      });
+
+      cublasLtMatmulDesc_t desc;
+      Check(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
+      const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
+      Check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)), "transa");
+      Check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)), "transb");
+      cublasLtMatrixLayout_t a_layout, b_layout, c_layout;
+      Check(cublasLtMatrixLayoutCreate(&a_layout, CUDA_R_16BF, s.in, s.out, s.in), "a");
+      Check(cublasLtMatrixLayoutCreate(&b_layout, CUDA_R_16BF, s.in, rows, s.in), "b");
+      Check(cublasLtMatrixLayoutCreate(&c_layout, CUDA_R_16BF, s.out, rows, s.out), "c");
+      cublasLtMatmulPreference_t pref;
+      Check(cublasLtMatmulPreferenceCreate(&pref), "pref");
+      Check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes,
+                                                 sizeof(workspace_bytes)),
+            "pref workspace");
+      std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(max_algos));
+      int found = 0;
+      Check(cublasLtMatmulAlgoGetHeuristic(lt, desc, a_layout, b_layout, c_layout, c_layout, pref, max_algos,
+                                           results.data(), &found),
+            "heuristic");
+      float best_us = 1e30f;
+      int timed = 0;
+      for (int k = 0; k < found; ++k) {
+        if (results[size_t(k)].state != CUBLAS_STATUS_SUCCESS) continue;
+        const float us = MedianUs(stream, reps, [&](int i) {
+          Check(cublasLtMatmul(lt, desc, &alpha, weights[size_t(i % copies)], a_layout, x, b_layout, &beta, y,
+                               c_layout, y, c_layout, &results[size_t(k)].algo, workspace, workspace_bytes, stream),
+                "cublasLtMatmul");
+        });
+        best_us = std::min(best_us, us);
+        ++timed;
+      }
+      cublasLtMatmulPreferenceDestroy(pref);
+      cublasLtMatrixLayoutDestroy(a_layout);
+      cublasLtMatrixLayoutDestroy(b_layout);
+      cublasLtMatrixLayoutDestroy(c_layout);
+      cublasLtMatmulDescDestroy(desc);
+      std::printf("%-8s %6d %6d %6d | %9.1f %8.1f %8.0f | %9.1f %8.1f %5.2fx | %d\n", s.name, rows, s.in, s.out,
+                  default_us, flops / default_us * 1e-6, weight_bytes / default_us * 1e-3, best_us,
+                  flops / best_us * 1e-6, default_us / best_us, timed);
+    }
+  }
+  return 0;
+}
