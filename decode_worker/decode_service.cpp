@@ -636,8 +636,10 @@ void DecodeService::DecodeCall::Join(LlmEngine& engine) {
       return;
     }
   }
-  // Joined while the worker drains (reserved before it began): it leaves with its KV as the others did.
-  if (service_->parking_ && !out->finished) Park(engine);
+  // Joined while the worker drains (reserved before it began): it leaves with its KV as the others
+  // did. Not a parked request resumed here (kv_attached: no other worker took it), which would
+  // only be parked again.
+  if (service_->parking_ && !out->finished && !request_.kv_attached()) Park(engine);
 }
 
 void DecodeService::DecodeCall::Park(LlmEngine& engine) {
