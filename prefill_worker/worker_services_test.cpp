@@ -436,6 +436,41 @@ TEST_F(WorkerServicesTest, CancellingDecodeMidStreamFreesItsBlocks) {
   EXPECT_TRUE(DecodeBecomesIdle());
 }
 
+// A request reserved and prefilled before the decode worker began to drain, whose Decode call
+// comes after: it joins and leaves at once, parked with its KV (the stream ends UNAVAILABLE with
+// the parked trailer) like the requests that were decoding, instead of running to its end on a
+// worker that is going away. The parked KV waits for the router (here its Abort).
+TEST_F(WorkerServicesTest, ADecodeCallThatJoinsADrainingWorkerIsParkedWithItsKv) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = 200;
+  p.ignore_eos = true;
+  const v1::SamplingOptions sampling = rpc::ToSamplingOptions(p);
+  v1::KvTarget target;
+  ASSERT_TRUE(Reserve("late", 11, 10000, &target).ok());
+  v1::PrefillResponse pre;
+  ASSERT_TRUE(Prefill("late", sampling, target, &pre).ok());
+  decode_->StartDraining();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  auto reader = decode_stub_->Decode(&ctx, DecodeRequestFor("late", 11, sampling, pre));
+  v1::GenerateResponse msg;
+  int tokens = 0;
+  while (reader->Read(&msg)) tokens += msg.token_ids_size();
+  const grpc::Status status = reader->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  EXPECT_EQ(ctx.GetServerTrailingMetadata().count(rpc::kKvParkedTrailer), 1u);
+  EXPECT_LE(tokens, 1) << "it decoded on the draining worker";
+  EXPECT_LT(DecodeStats().num_free_kv_blocks(), kDecodeBlocks) << "the parked KV is kept for the move";
+  grpc::ClientContext abort_ctx;
+  v1::WorkerAbortRequest abort;
+  abort.set_request_id("late");
+  abort.set_release_now(true);
+  v1::WorkerAbortResponse aborted;
+  ASSERT_TRUE(decode_stub_->Abort(&abort_ctx, abort, &aborted).ok());
+  EXPECT_TRUE(DecodeBecomesIdle());
+}
+
 // A Decode call waiting for a transfer that never comes: cancelling it ends the reservation.
 TEST_F(WorkerServicesTest, CancellingDecodeWhileItWaitsForTheTransferReleasesTheReservation) {
   v1::KvTarget target;
