@@ -157,6 +157,22 @@ class WorkerServicesTest : public ::testing::Test {
     return prefill_stub_->Prefill(&ctx, req, resp);
   }
 
+  // Greedy, 200 tokens, past EOS: a stream still running when the test acts on it.
+  static v1::SamplingOptions LongGreedy() {
+    SamplingParams p;
+    p.temperature = 0.0f;
+    p.max_tokens = 200;
+    p.ignore_eos = true;
+    return rpc::ToSamplingOptions(p);
+  }
+  // The KV of request `id` reserved on the decode worker and prefilled into it (10 s lease).
+  void ReserveAndPrefill(const std::string& id, uint64_t transfer_id, const v1::SamplingOptions& sampling,
+                         v1::PrefillResponse* pre) {
+    v1::KvTarget target;
+    ASSERT_TRUE(Reserve(id, transfer_id, 10000, &target).ok());
+    ASSERT_TRUE(Prefill(id, sampling, target, pre).ok());
+  }
+
   v1::DecodeRequest DecodeRequestFor(const std::string& id, uint64_t transfer_id,
                                      const v1::SamplingOptions& sampling, const v1::PrefillResponse& pre) {
     v1::DecodeRequest req;
@@ -415,15 +431,9 @@ TEST_F(WorkerServicesTest, ConcurrentRequestsMatchLocalGeneration) {
 }
 
 TEST_F(WorkerServicesTest, CancellingDecodeMidStreamFreesItsBlocks) {
-  SamplingParams p;
-  p.temperature = 0.0f;
-  p.max_tokens = 200;
-  p.ignore_eos = true;
-  const v1::SamplingOptions sampling = rpc::ToSamplingOptions(p);
-  v1::KvTarget target;
-  ASSERT_TRUE(Reserve("cancel", 7, 10000, &target).ok());
+  const v1::SamplingOptions sampling = LongGreedy();
   v1::PrefillResponse pre;
-  ASSERT_TRUE(Prefill("cancel", sampling, target, &pre).ok());
+  ASSERT_NO_FATAL_FAILURE(ReserveAndPrefill("cancel", 7, sampling, &pre));
   grpc::ClientContext ctx;
   auto reader = decode_stub_->Decode(&ctx, DecodeRequestFor("cancel", 7, sampling, pre));
   v1::GenerateResponse msg;
@@ -441,15 +451,9 @@ TEST_F(WorkerServicesTest, CancellingDecodeMidStreamFreesItsBlocks) {
 // the parked trailer) like the requests that were decoding, instead of running to its end on a
 // worker that is going away. The parked KV waits for the router (here its Abort).
 TEST_F(WorkerServicesTest, ADecodeCallThatJoinsADrainingWorkerIsParkedWithItsKv) {
-  SamplingParams p;
-  p.temperature = 0.0f;
-  p.max_tokens = 200;
-  p.ignore_eos = true;
-  const v1::SamplingOptions sampling = rpc::ToSamplingOptions(p);
-  v1::KvTarget target;
-  ASSERT_TRUE(Reserve("late", 11, 10000, &target).ok());
+  const v1::SamplingOptions sampling = LongGreedy();
   v1::PrefillResponse pre;
-  ASSERT_TRUE(Prefill("late", sampling, target, &pre).ok());
+  ASSERT_NO_FATAL_FAILURE(ReserveAndPrefill("late", 11, sampling, &pre));
   decode_->StartDraining();
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));

@@ -224,16 +224,15 @@ class Cluster {
     const missing = () => [...this.workers.values()].filter((w) => (w.exitsCaused ?? 0) > w.restarts)
       .map((w) => `${w.role} ${w.index}`);
     return new Promise((resolve) => {
-      let timer = null;
-      const check = () => {
-        if (missing().length > 0 && timer !== null) return;
+      const finish = () => {
         clearTimeout(timer);
-        this.restartListeners = this.restartListeners.filter((l) => l !== check);
+        this.restartListeners = this.restartListeners.filter((l) => l !== onRestart);
         resolve(missing());
       };
-      if (missing().length === 0) return resolve([]);
-      timer = setTimeout(() => { timer = null; check(); }, timeoutMs);
-      this.restartListeners.push(check);
+      const onRestart = () => { if (missing().length === 0) finish(); };
+      const timer = setTimeout(finish, timeoutMs);
+      this.restartListeners.push(onRestart);
+      onRestart();
     });
   }
   stub(w) {

@@ -16,19 +16,14 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <string>
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "bench/sample_stats.h"
+#include "kernels/cuda_check.h"
 
 namespace {
 
-void Check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
 void Check(cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS) {
     std::fprintf(stderr, "%s: cuBLAS status %d\n", what, int(s));
@@ -51,25 +46,24 @@ __global__ void FillBf16(__nv_bfloat16* p, size_t n, unsigned seed) {
 
 // Median of `reps` timed runs of `launch(i)` (i: the launch's index, which picks the weight copy).
 template <typename Launch>
-float MedianUs(cudaStream_t stream, int reps, Launch launch) {
+double MedianUs(cudaStream_t stream, int reps, Launch launch) {
   cudaEvent_t start, stop;
-  Check(cudaEventCreate(&start), "event");
-  Check(cudaEventCreate(&stop), "event");
+  DUET_CUDA_CHECK(cudaEventCreate(&start));
+  DUET_CUDA_CHECK(cudaEventCreate(&stop));
   for (int i = 0; i < 3; ++i) launch(i);
-  std::vector<float> us;
+  std::vector<double> us;
   for (int i = 0; i < reps; ++i) {
-    Check(cudaEventRecord(start, stream), "record");
+    DUET_CUDA_CHECK(cudaEventRecord(start, stream));
     launch(i);
-    Check(cudaEventRecord(stop, stream), "record");
-    Check(cudaEventSynchronize(stop), "sync");
+    DUET_CUDA_CHECK(cudaEventRecord(stop, stream));
+    DUET_CUDA_CHECK(cudaEventSynchronize(stop));
     float ms = 0;
-    Check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-    us.push_back(ms * 1000.0f);
+    DUET_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    us.push_back(double(ms) * 1000.0);
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
+  return duet::bench::Summarize(std::move(us)).median;
 }
 
 }  // namespace
@@ -89,7 +83,7 @@ int main(int argc, char** argv) {
   const std::vector<Shape> shapes = {
       {"qkv", hidden, qkv_out}, {"o", hidden, hidden}, {"gate_up", hidden, 2 * inter}, {"down", inter, hidden}};
   cudaStream_t stream;
-  Check(cudaStreamCreate(&stream), "stream");
+  DUET_CUDA_CHECK(cudaStreamCreate(&stream));
   cublasHandle_t handle;
   Check(cublasCreate(&handle), "cublasCreate");
   Check(cublasSetStream(handle, stream), "cublasSetStream");
@@ -97,7 +91,7 @@ int main(int argc, char** argv) {
   Check(cublasLtCreate(&lt), "cublasLtCreate");
   const size_t workspace_bytes = size_t(64) << 20;
   void* workspace;
-  Check(cudaMalloc(&workspace, workspace_bytes), "workspace");
+  DUET_CUDA_CHECK(cudaMalloc(&workspace, workspace_bytes));
   Check(cublasSetWorkspace(handle, workspace, workspace_bytes), "cublasSetWorkspace");
 
   const int max_rows = *std::max_element(row_counts.begin(), row_counts.end());
@@ -111,14 +105,14 @@ int main(int argc, char** argv) {
   const int copies = int(std::max<size_t>(2, (size_t(256) << 20) / (max_weight * 2) + 1));
   std::vector<__nv_bfloat16*> weights(static_cast<size_t>(copies));
   for (auto& w : weights) {
-    Check(cudaMalloc(&w, max_weight * 2), "weights");
+    DUET_CUDA_CHECK(cudaMalloc(&w, max_weight * 2));
     FillBf16<<<1024, 256, 0, stream>>>(w, max_weight, unsigned(&w - weights.data()));
   }
   __nv_bfloat16 *x, *y;
-  Check(cudaMalloc(&x, size_t(max_rows) * max_in * 2), "x");
-  Check(cudaMalloc(&y, size_t(max_rows) * max_out * 2), "y");
+  DUET_CUDA_CHECK(cudaMalloc(&x, size_t(max_rows) * max_in * 2));
+  DUET_CUDA_CHECK(cudaMalloc(&y, size_t(max_rows) * max_out * 2));
   FillBf16<<<1024, 256, 0, stream>>>(x, size_t(max_rows) * max_in, 99);
-  Check(cudaStreamSynchronize(stream), "fill");
+  DUET_CUDA_CHECK(cudaStreamSynchronize(stream));
 
   std::printf("%-8s %6s %6s %6s | %9s %8s %8s | %9s %8s %6s | %s\n", "proj", "rows", "in", "out", "default us",
               "TFLOP/s", "W GB/s", "best us", "TFLOP/s", "gain", "algos timed");
@@ -128,7 +122,7 @@ int main(int argc, char** argv) {
       const double weight_bytes = 2.0 * s.in * s.out;
       const float alpha = 1.0f, beta = 0.0f;
       // As CublasLinear: column-major y^T[out, rows] = W (op T) · x^T.
-      const float default_us = MedianUs(stream, reps, [&](int i) {
+      const double default_us = MedianUs(stream, reps, [&](int i) {
         Check(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, s.out, rows, s.in, &alpha, weights[size_t(i % copies)],
                            CUDA_R_16BF, s.in, x, CUDA_R_16BF, s.in, &beta, y, CUDA_R_16BF, s.out, CUBLAS_COMPUTE_32F,
                            CUBLAS_GEMM_DEFAULT),
@@ -154,11 +148,11 @@ int main(int argc, char** argv) {
       Check(cublasLtMatmulAlgoGetHeuristic(lt, desc, a_layout, b_layout, c_layout, c_layout, pref, max_algos,
                                            results.data(), &found),
             "heuristic");
-      float best_us = 1e30f;
+      double best_us = 1e30;
       int timed = 0;
       for (int k = 0; k < found; ++k) {
         if (results[size_t(k)].state != CUBLAS_STATUS_SUCCESS) continue;
-        const float us = MedianUs(stream, reps, [&](int i) {
+        const double us = MedianUs(stream, reps, [&](int i) {
           Check(cublasLtMatmul(lt, desc, &alpha, weights[size_t(i % copies)], a_layout, x, b_layout, &beta, y,
                                c_layout, y, c_layout, &results[size_t(k)].algo, workspace, workspace_bytes, stream),
                 "cublasLtMatmul");

@@ -163,29 +163,21 @@ std::vector<int32_t> BpeModel::InitialSymbols(std::string_view word) const {
 }
 
 void BpeModel::MergeSymbolsByScan(std::vector<int32_t>& ids) const {
-  // ranks[i]: the rank of the merge of ids[i] and ids[i + 1] (INT32_MAX: none).
-  int32_t ranks[kMaxScannedSymbols];
-  int32_t merged[kMaxScannedSymbols];
-  auto set_pair = [&](size_t i) {
-    const Merge* merge = FindMerge(ids[i], ids[i + 1]);
-    ranks[i] = merge != nullptr ? merge->rank : INT32_MAX;
-    merged[i] = merge != nullptr ? merge->merged_id : -1;
-  };
-  for (size_t i = 0; i + 1 < ids.size(); ++i) set_pair(i);
+  // pairs[i]: the merge of ids[i] and ids[i + 1], null when there is none.
+  const Merge* pairs[kMaxScannedSymbols];
+  auto rank = [&](size_t i) { return pairs[i] != nullptr ? pairs[i]->rank : INT32_MAX; };
+  for (size_t i = 0; i + 1 < ids.size(); ++i) pairs[i] = FindMerge(ids[i], ids[i + 1]);
   while (ids.size() >= 2) {
     size_t best = 0;  // the lowest rank, leftmost among equals: the order the queue pops in
     for (size_t i = 1; i + 1 < ids.size(); ++i) {
-      if (ranks[i] < ranks[best]) best = i;
+      if (rank(i) < rank(best)) best = i;
     }
-    if (ranks[best] == INT32_MAX) return;
-    ids[best] = merged[best];
+    if (pairs[best] == nullptr) return;
+    ids[best] = pairs[best]->merged_id;
     ids.erase(ids.begin() + best + 1);
-    for (size_t i = best + 1; i + 1 < ids.size(); ++i) {  // the pairs right of it move down one
-      ranks[i] = ranks[i + 1];
-      merged[i] = merged[i + 1];
-    }
-    if (best > 0) set_pair(best - 1);
-    if (best + 1 < ids.size()) set_pair(best);
+    for (size_t i = best + 1; i + 1 < ids.size(); ++i) pairs[i] = pairs[i + 1];  // the pairs right of it move down one
+    if (best > 0) pairs[best - 1] = FindMerge(ids[best - 1], ids[best]);
+    if (best + 1 < ids.size()) pairs[best] = FindMerge(ids[best], ids[best + 1]);
   }
 }
 
@@ -199,23 +191,19 @@ void BpeModel::MergeSymbols(std::vector<int32_t>& ids) const {
   for (int32_t i = 0; i < count; ++i) {
     prev[i] = i - 1;
     next[i] = i + 1 < count ? i + 1 : -1;
-    if (i + 1 < count) {
-      auto it = merges_.find(PairKey(ids[i], ids[i + 1]));
-      if (it != merges_.end()) queue.push({it->second.rank, i, it->second.merged_id});
-    }
   }
   auto push_pair = [&](int32_t left_pos, int32_t right_pos) {
-    auto it = merges_.find(PairKey(ids[left_pos], ids[right_pos]));
-    if (it != merges_.end()) queue.push({it->second.rank, left_pos, it->second.merged_id});
+    if (const Merge* merge = FindMerge(ids[left_pos], ids[right_pos])) queue.push({merge->rank, left_pos, merge->merged_id});
   };
+  for (int32_t i = 0; i + 1 < count; ++i) push_pair(i, i + 1);
   while (!queue.empty()) {
     const Candidate top = queue.top();
     queue.pop();
     if (removed[top.pos] || next[top.pos] == -1) continue;
     const int32_t right = next[top.pos];
     // Stale entry: the pair at this position changed since it was queued.
-    auto it = merges_.find(PairKey(ids[top.pos], ids[right]));
-    if (it == merges_.end() || it->second.merged_id != top.merged_id) continue;
+    const Merge* merge = FindMerge(ids[top.pos], ids[right]);
+    if (merge == nullptr || merge->merged_id != top.merged_id) continue;
 
     ids[top.pos] = top.merged_id;
     removed[right] = true;
