@@ -1,10 +1,13 @@
 #include "backends/cuda/cublas_linear.h"
 
+#include <cstdint>
+
 #include "absl/strings/str_cat.h"
 #include "backends/cuda/device_memory.h"
 #include "common/logging.h"
 #include "kernels/elementwise/activation.h"
 #include "kernels/gemm/gemv.h"
+#include "kernels/gemm/skinny_gemm.h"
 
 namespace duet::cuda {
 namespace {
@@ -30,7 +33,15 @@ void Gemm(cublasHandle_t handle, const __nv_bfloat16* x, const __nv_bfloat16* we
 
 }  // namespace
 
-absl::StatusOr<CublasLinear> CublasLinear::Create(cudaStream_t stream, void* workspace, size_t workspace_bytes) {
+absl::StatusOr<CublasLinear> CublasLinear::Create(cudaStream_t stream, void* workspace, size_t workspace_bytes,
+                                                  bool skinny_gemm) {
+  int device = 0, num_sms = 0, major = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (e != cudaSuccess) return absl::InternalError(absl::StrCat("device attributes: ", cudaGetErrorString(e)));
+  skinny_gemm = skinny_gemm && major >= 9;  // its kernels need Hopper (clusters, 228 KiB of shared memory)
+  if (skinny_gemm) kernels::PrepareSkinnyGemm(num_sms);
   cublasHandle_t handle = nullptr;
   if (cublasStatus_t s = cublasCreate(&handle); s == CUBLAS_STATUS_ALLOC_FAILED) {
     return absl::ResourceExhaustedError(absl::StrCat("out of memory creating the cuBLAS handle: ", DeviceMemoryReport()));
@@ -40,17 +51,32 @@ absl::StatusOr<CublasLinear> CublasLinear::Create(cudaStream_t stream, void* wor
   CheckCublas(cublasSetStream(handle, stream), "cublasSetStream");
   CheckCublas(cublasSetWorkspace(handle, workspace, workspace_bytes), "cublasSetWorkspace");
   CheckCublas(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
-  return CublasLinear(handle, stream);
+  return CublasLinear(handle, stream, num_sms, skinny_gemm);
 }
 
 CublasLinear::~CublasLinear() {
   if (handle_ != nullptr) cublasDestroy(handle_);
 }
 
+bool CublasLinear::UseSkinnyGemm(const void* x, const void* weight, int rows, int in) const {
+  return skinny_gemm_ && rows > kernels::kGemvPreferredMaxRows && rows <= kernels::kSkinnyGemmPreferredMaxRows &&
+         in % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0;
+}
+
+void CublasLinear::RunSkinnyGemm(const __nv_bfloat16* x, const __nv_bfloat16* weight, void* y, bool y_fp32, int rows,
+                                 int in, int out) const {
+  kernels::SkinnyGemmParams p{x, weight, y, rows, in, out, y_fp32};
+  kernels::SkinnyGemm(p, kernels::PlanSkinnyGemm(in, out, num_sms_), stream_);
+}
+
 void CublasLinear::Forward(const __nv_bfloat16* x, const __nv_bfloat16* weight, __nv_bfloat16* y, int rows,
                            int in, int out) const {
   if (rows >= 1 && rows <= kernels::kGemvPreferredMaxRows && in % 8 == 0) {
     kernels::Gemv({x, weight, y, rows, in, out, false}, stream_);
+    return;
+  }
+  if (UseSkinnyGemm(x, weight, rows, in)) {
+    RunSkinnyGemm(x, weight, y, false, rows, in, out);
     return;
   }
   Gemm(handle_, x, weight, y, CUDA_R_16BF, rows, in, out);
@@ -60,6 +86,10 @@ void CublasLinear::ForwardF32(const __nv_bfloat16* x, const __nv_bfloat16* weigh
                               int out) const {
   if (rows >= 1 && rows <= kernels::kGemvPreferredMaxRows && in % 8 == 0) {
     kernels::Gemv({x, weight, y, rows, in, out, true}, stream_);
+    return;
+  }
+  if (UseSkinnyGemm(x, weight, rows, in)) {
+    RunSkinnyGemm(x, weight, y, true, rows, in, out);
     return;
   }
   Gemm(handle_, x, weight, y, CUDA_R_32F, rows, in, out);

@@ -1,7 +1,9 @@
-// Dense projections (cuBLAS, and Duet's skinny GEMM for decode batches of at most
-// kernels::kGemvPreferredMaxRows rows, where a pure weight stream beats cuBLAS): y[rows, out] = x[rows, in] · W[out, in]^T with bf16 inputs,
+// Dense projections: y[rows, out] = x[rows, in] · W[out, in]^T with bf16 inputs,
 // fp32 accumulation and a bf16 or fp32 output — HF's row-major nn.Linear layout, no transposes
-// materialized (cuBLAS sees the column-major transpose of each operand).
+// materialized (cuBLAS sees the column-major transpose of each operand). Decode-sized batches go
+// to Duet's weight-streaming kernels, which beat cuBLAS there (kernels/gemm/*_bench): up to
+// kernels::kGemvPreferredMaxRows rows the warp-per-feature Gemv, up to kSkinnyGemmPreferredMaxRows
+// rows the tensor-core SkinnyGemm; larger batches to cuBLAS.
 #pragma once
 
 #include <cstddef>
@@ -27,9 +29,14 @@ inline int64_t CublasRowCapacity(int64_t rows) {
 class CublasLinear {
  public:
   // `workspace` (device memory, may be shared by nothing else running concurrently) lets cuBLAS
-  // run inside CUDA-graph capture without allocating.
-  static absl::StatusOr<CublasLinear> Create(cudaStream_t stream, void* workspace, size_t workspace_bytes);
-  CublasLinear(CublasLinear&& o) noexcept : handle_(o.handle_), stream_(o.stream_) { o.handle_ = nullptr; }
+  // run inside CUDA-graph capture without allocating. `skinny_gemm` false sends what SkinnyGemm
+  // would compute to cuBLAS (for comparison).
+  static absl::StatusOr<CublasLinear> Create(cudaStream_t stream, void* workspace, size_t workspace_bytes,
+                                             bool skinny_gemm = true);
+  CublasLinear(CublasLinear&& o) noexcept
+      : handle_(o.handle_), stream_(o.stream_), num_sms_(o.num_sms_), skinny_gemm_(o.skinny_gemm_) {
+    o.handle_ = nullptr;
+  }
   CublasLinear& operator=(CublasLinear&&) = delete;
   ~CublasLinear();
 
@@ -45,9 +52,17 @@ class CublasLinear {
                       __nv_bfloat16* act, int rows, int in, int inter) const;
 
  private:
-  CublasLinear(cublasHandle_t handle, cudaStream_t stream) : handle_(handle), stream_(stream) {}
+  CublasLinear(cublasHandle_t handle, cudaStream_t stream, int num_sms, bool skinny_gemm)
+      : handle_(handle), stream_(stream), num_sms_(num_sms), skinny_gemm_(skinny_gemm) {}
+  // Whether SkinnyGemm takes this product (else Gemv's or cuBLAS's rows).
+  bool UseSkinnyGemm(const void* x, const void* weight, int rows, int in) const;
+  void RunSkinnyGemm(const __nv_bfloat16* x, const __nv_bfloat16* weight, void* y, bool y_fp32, int rows, int in,
+                     int out) const;
+
   cublasHandle_t handle_ = nullptr;
   cudaStream_t stream_ = nullptr;
+  int num_sms_ = 0;
+  bool skinny_gemm_ = true;
 };
 
 }  // namespace duet::cuda

@@ -111,7 +111,8 @@ absl::Status LlamaCuda::InitDevice() {
   graphs_ = std::make_unique<cuda::GraphRunner>(stream_);
   DUET_ASSIGN_OR_RETURN(cublas_workspace_, arena_.Allocate(kCublasWorkspaceBytes, "cuBLAS workspace"));
   DUET_ASSIGN_OR_RETURN(cuda::CublasLinear linear,
-                        cuda::CublasLinear::Create(stream_, cublas_workspace_.get(), cublas_workspace_.bytes()));
+                        cuda::CublasLinear::Create(stream_, cublas_workspace_.get(), cublas_workspace_.bytes(),
+                                                                   options_.skinny_gemm));
   linear_ = std::make_unique<cuda::CublasLinear>(std::move(linear));
   return absl::OkStatus();
 }

@@ -43,6 +43,9 @@ struct LlamaCudaOptions {
   // Skinny decode batches compute RoPE + the KV write and SiLU·mul in the projections' epilogues
   // (kernels/gemv.h); off: as separate kernels (for comparison).
   bool fused_decode_epilogues = true;
+  // Decode batches of 3-32 rows through the tensor-core skinny GEMM (kernels/gemm/skinny_gemm.h);
+  // off: cuBLAS (for comparison).
+  bool skinny_gemm = true;
   // Logits rows one head pass computes (at least max_num_seqs): a step verifying draft trees
   // gives a row per token and replays a graph only when its rows fit one pass. Device memory:
   // rows * vocab * 4 bytes.

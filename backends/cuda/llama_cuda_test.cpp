@@ -125,6 +125,35 @@ TEST(LlamaCuda, Bf16PrefillAndGraphDecodeMatchCpu) {
   EXPECT_LT(worst, 1e-2);
 }
 
+// Graph-replayed decode of 5 and 24 sequences (the tensor-core skinny GEMM's 16- and 32-row tiles,
+// split K on the tiny model's narrow projections) and of 64 (cuBLAS).
+TEST(LlamaCuda, Bf16GraphDecodeOfManySequencesMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  BackendPair pair;
+  for (const int n : {5, 24, 64}) {
+    std::vector<std::vector<int32_t>> tables(static_cast<size_t>(n)), prompts = tables, next = tables;
+    std::vector<SequenceChunk> step;
+    for (int i = 0; i < n; ++i) {
+      tables[size_t(i)] = {2 * i, 2 * i + 1, 2 * n + i};  // 48 tokens of room, blocks of the sequences interleaved
+      prompts[size_t(i)] = Range(50 + 37 * i, 17);
+      step.push_back(SequenceChunk{prompts[size_t(i)], 0, tables[size_t(i)], SequenceId(i + 1), 1});
+    }
+    std::vector<float> logits;
+    EXPECT_LT(pair.Step(step, &logits), 1e-2) << n << " prompts";
+    double worst = 0;
+    for (int t = 0; t < 4; ++t) {
+      step.clear();
+      for (int i = 0; i < n; ++i) {
+        next[size_t(i)] = {Argmax(absl::MakeSpan(logits).subspan(size_t(i) * 8192, 8192))};
+        step.push_back(SequenceChunk{next[size_t(i)], int64_t(17 + t), tables[size_t(i)], SequenceId(i + 1), 1});
+      }
+      worst = std::max(worst, pair.Step(step, &logits));
+    }
+    std::printf("%d sequences: decode logits worst relative error %.2e\n", n, worst);
+    EXPECT_LT(worst, 1e-2) << n << " sequences";
+  }
+}
+
 TEST(LlamaCuda, Bf16ChunkedPrefillMixedWithDecodeMatchesCpu) {
   SKIP_WITHOUT_GPU();
   BackendPair pair;

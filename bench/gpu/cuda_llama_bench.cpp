@@ -4,7 +4,7 @@
 // prefill ceiling). The device copy bandwidth (read + write) is printed beside them for reference.
 //
 //   cuda_llama_bench --model DIR [--batch 1,8,32,128] [--context 1024] [--prefill 1024,8192 | --prefill none]
-//                    [--no-pdl] [--no-fusion] [--early-groups 1|2] [--no-cuda-graphs]
+//                    [--no-pdl] [--no-fusion] [--early-groups 1|2] [--no-cuda-graphs] [--no-skinny-gemm]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -119,7 +119,7 @@ int Run(int argc, char** argv) {
   CLI::App app{"CUDA backend decode/prefill benchmark"};
   std::string model_dir, batches = "1,8,32,128", prefills = "1024,8192";
   int context = 1024, steps = 64;
-  bool graphs = true, pdl = true, fusion = true;
+  bool graphs = true, pdl = true, fusion = true, skinny = true;
   int early_groups = 2;
   app.add_option("--model", model_dir, "checkpoint directory")->required();
   app.add_option("--batch", batches, "decode batch sizes");
@@ -129,6 +129,7 @@ int Run(int argc, char** argv) {
   app.add_flag("!--no-cuda-graphs", graphs, "run decode steps eagerly");
   app.add_flag("!--no-pdl", pdl, "launch kernels without programmatic dependent launch");
   app.add_flag("!--no-fusion", fusion, "RoPE/KV write and SiLU·mul as separate kernels at batch <= 2");
+  app.add_flag("!--no-skinny-gemm", skinny, "projections of 3-32 rows through cuBLAS instead of SkinnyGemm");
   app.add_option("--early-groups", early_groups, "weight groups the skinny GEMM issues before it waits (1 or 2)")
       ->check(CLI::IsMember({1, 2}));
   CLI11_PARSE(app, argc, argv);
@@ -148,6 +149,7 @@ int Run(int argc, char** argv) {
   options.cuda_graphs = graphs;
   options.programmatic_launch = pdl;
   options.fused_decode_epilogues = fusion;
+  options.skinny_gemm = skinny;
   auto loaded = LlamaCuda::Load(model_dir, options);
   if (!loaded.ok()) {
     std::fprintf(stderr, "load: %s\n", std::string(loaded.status().message()).c_str());

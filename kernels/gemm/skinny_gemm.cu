@@ -1,0 +1,389 @@
+#include "kernels/gemm/skinny_gemm.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include <cooperative_groups.h>
+
+#include "kernels/cuda_check.h"
+#include "kernels/launch.cuh"
+
+namespace duet::kernels {
+namespace {
+
+using launch_detail::LetDependentsLaunch;
+using launch_detail::WaitForPriorKernels;
+
+constexpr int kTileOut = kSkinnyGemmTileOut;  // W rows (output features) per CTA
+constexpr int kTileK = 64;                    // K per pipeline stage
+constexpr int kWarps = 4;                     // warp w computes features [32w, 32w + 32) of the tile, all rows
+constexpr int kThreads = kWarps * 32;
+constexpr int kRowBytes = kTileK * 2;         // one tile row in shared memory: 8 chunks of 16 bytes
+constexpr int kMaxSplits = 8;                 // the largest portable cluster
+constexpr int kMinKBlocksPerSplit = 4;
+constexpr int kSharedBytesPerSm = 228 * 1024;  // sm_90, of which 1 KiB per resident CTA is the system's
+// A split's partial tile in shared memory: [kRows, kPartialStride] fp32, rows padded by 16 bytes
+// so the 8 rows a warp's C fragments touch fall in different banks.
+constexpr int kPartialStride = kTileOut + 4;
+
+template <int kRows>
+__host__ __device__ constexpr int StageBytes() { return (kTileOut + kRows) * kRowBytes; }
+
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, bypassing L1; `valid` false writes zeros and reads nothing.
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t address, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// d[16x8] += a[16x16] · b[16x8] (bf16 in, fp32 accumulate).
+__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Byte offset of 16-byte chunk `chunk` (0..7) of tile row `row`. The chunk index is XORed with the
+// row's low bits so the 8 rows one ldmatrix phase reads at the same logical chunk hit 8 different
+// 16-byte bank groups.
+__device__ __forceinline__ uint32_t SwizzledOffset(int row, int chunk) {
+  return uint32_t(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+
+// A stage's shared memory: W tile [kTileOut, kTileK], then x tile [kRows, kTileK], both swizzled.
+template <int kRows>
+struct Stage {
+  uint32_t w, x;
+  __device__ __forceinline__ Stage(uint32_t base, int index)
+      : w(base + uint32_t(index * StageBytes<kRows>())), x(w + kTileOut * kRowBytes) {}
+};
+
+// W rows [n0, n0 + kTileOut) x K block kb; features past `out` and K past `in` read as zeros.
+template <int kRows>
+__device__ __forceinline__ void LoadWeightTile(const Stage<kRows>& s, const __nv_bfloat16* weight, int n0, int kb,
+                                               int in, int out) {
+#pragma unroll
+  for (int j = 0; j < kTileOut * 8 / kThreads; ++j) {
+    const int i = threadIdx.x + j * kThreads, row = i >> 3, chunk = i & 7, n = n0 + row, k = kb * kTileK + chunk * 8;
+    const bool valid = n < out && k < in;
+    CpAsync16(s.w + SwizzledOffset(row, chunk), weight + (valid ? size_t(n) * in + k : 0), valid);
+  }
+}
+
+template <int kRows>
+__device__ __forceinline__ void LoadInputTile(const Stage<kRows>& s, const __nv_bfloat16* x, int kb, int rows,
+                                              int in) {
+  static_assert(kRows * 8 % kThreads == 0);
+#pragma unroll
+  for (int j = 0; j < kRows * 8 / kThreads; ++j) {
+    const int i = threadIdx.x + j * kThreads, row = i >> 3, chunk = i & 7, k = kb * kTileK + chunk * 8;
+    const bool valid = row < rows && k < in;
+    CpAsync16(s.x + SwizzledOffset(row, chunk), x + (valid ? size_t(row) * in + k : 0), valid);
+  }
+}
+
+// acc[m][n]: the warp's 16x8 output tile m (rows 16m..) x n (features 32·warp + 8n..), in the
+// mma C-fragment layout (lane holds rows lane/4 and lane/4 + 8, features 2·(lane%4) and +1).
+template <int kRows>
+__device__ __forceinline__ void MultiplyStage(const Stage<kRows>& s, float (&acc)[kRows / 16][4][4]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int kk = 0; kk < kTileK / 16; ++kk) {
+    uint32_t a[kRows / 16][4];
+#pragma unroll
+    for (int m = 0; m < kRows / 16; ++m) {
+      const int row = m * 16 + (lane & 15);
+      LdMatrixX4(s.x + SwizzledOffset(row, kk * 2 + (lane >> 4)), a[m]);
+    }
+    // b[j]: {b0, b1} of n-tile 2j, then of n-tile 2j + 1 (W rows are the mma's B columns).
+    uint32_t b[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int row = warp * 32 + j * 16 + (lane & 7) + ((lane >> 4) << 3);
+      LdMatrixX4(s.w + SwizzledOffset(row, kk * 2 + ((lane >> 3) & 1)), b[j]);
+    }
+#pragma unroll
+    for (int m = 0; m < kRows / 16; ++m) {
+#pragma unroll
+      for (int n = 0; n < 4; ++n) Mma16816(acc[m][n], a[m], b[n / 2][(n % 2) * 2], b[n / 2][(n % 2) * 2 + 1]);
+    }
+  }
+}
+
+// Calls f(row, feature, value pair) for every pair of accumulators of this thread that lies in
+// the output (features in pairs: 2·(lane%4) and +1; the second may be past `out`).
+template <int kRows, typename F>
+__device__ __forceinline__ void ForEachOutputPair(const float (&acc)[kRows / 16][4][4], int n0, int rows, int out,
+                                                  F&& f) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int m = 0; m < kRows / 16; ++m) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const int col = n0 + warp * 32 + n * 8 + 2 * (lane & 3);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = m * 16 + (lane >> 2) + half * 8;
+        if (row < rows && col < out) f(row, col, make_float2(acc[m][n][2 * half], acc[m][n][2 * half + 1]));
+      }
+    }
+  }
+}
+
+template <bool kFp32Out>
+__device__ __forceinline__ void StoreOutputPair(void* y, int row, int col, int out, float2 v) {
+  const size_t i = size_t(row) * out + col;
+  const bool pair = col + 1 < out;
+  if constexpr (kFp32Out) {
+    float* dst = static_cast<float*>(y) + i;
+    if (pair && out % 2 == 0) {
+      *reinterpret_cast<float2*>(dst) = v;
+    } else {
+      dst[0] = v.x;
+      if (pair) dst[1] = v.y;
+    }
+  } else {
+    __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(y) + i;
+    if (pair && out % 2 == 0) {
+      *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v.x, v.y);
+    } else {
+      dst[0] = __float2bfloat16(v.x);
+      if (pair) dst[1] = __float2bfloat16(v.y);
+    }
+  }
+}
+
+// Split K: the cluster's CTAs (one per split, cluster rank = split) each park their partial tile
+// in their own shared memory (the pipeline stages, no longer read), then each sums one share of
+// the tile's rows x 4-feature groups over every CTA's partial, in rank order, and writes y.
+template <int kRows, int kStages, bool kFp32Out>
+__device__ __forceinline__ void ReduceOverCluster(const float (&acc)[kRows / 16][4][4], float* partial,
+                                                  const SkinnyGemmParams& p, int n0) {
+  static_assert(kRows * kPartialStride * 4 <= kStages * StageBytes<kRows>());
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();  // every warp is done with the stages
+#pragma unroll
+  for (int m = 0; m < kRows / 16; ++m) {
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const int col = warp * 32 + n * 8 + 2 * (lane & 3);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = m * 16 + (lane >> 2) + half * 8;
+        *reinterpret_cast<float2*>(partial + row * kPartialStride + col) =
+            make_float2(acc[m][n][2 * half], acc[m][n][2 * half + 1]);
+      }
+    }
+  }
+  cluster.sync();  // every partial is in place
+  const int splits = int(cluster.num_blocks()), rank = int(cluster.block_rank());
+  constexpr int kGroupsPerRow = kTileOut / 4;
+  const int groups = p.rows * kGroupsPerRow, share = (groups + splits - 1) / splits;
+  const int end = min(groups, (rank + 1) * share);
+  for (int g = rank * share + threadIdx.x; g < end; g += kThreads) {
+    const int row = g / kGroupsPerRow, col = (g % kGroupsPerRow) * 4;
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < splits; ++s) {
+      const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(partial, s) + row * kPartialStride + col);
+      sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+    }
+    const int feature = n0 + col;
+    if (feature < p.out) StoreOutputPair<kFp32Out>(p.y, row, feature, p.out, make_float2(sum.x, sum.y));
+    if (feature + 2 < p.out) StoreOutputPair<kFp32Out>(p.y, row, feature + 2, p.out, make_float2(sum.z, sum.w));
+  }
+  cluster.sync();  // no CTA leaves while another still reads its shared memory
+}
+
+// Grid: (128-feature slices, K splits). kRows: the row count rounded up to 16, 32 or 64.
+template <int kRows, int kStages, bool kFp32Out>
+__global__ void __launch_bounds__(kThreads) SkinnyGemmKernel(const SkinnyGemmParams p, const int k_blocks_per_split) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const uint32_t base = SharedAddress(smem);
+  const int slice = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+  const int n0 = slice * kTileOut;
+  const int total_k_blocks = (p.in + kTileK - 1) / kTileK;
+  const int kb_begin = split * k_blocks_per_split;
+  const int num_kb = max(0, min(total_k_blocks, kb_begin + k_blocks_per_split) - kb_begin);
+
+  // The first stages' weights do not depend on the previous kernel: they stream while it ends.
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_kb) LoadWeightTile(Stage<kRows>(base, s), p.weight, n0, kb_begin + s, p.in, p.out);
+  }
+  WaitForPriorKernels();
+  // Group s holds stage s's x (group 0 also every early weight tile).
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_kb) LoadInputTile(Stage<kRows>(base, s), p.x, kb_begin + s, p.rows, p.in);
+    CpAsyncCommit();
+  }
+
+  float acc[kRows / 16][4][4] = {};
+  for (int i = 0; i < num_kb; ++i) {
+    CpAsyncWait<kStages - 2>();  // stage i has landed (for this thread) ...
+    __syncthreads();                      // ... for every thread, and stage i - 1 is no longer read
+    const int next = i + kStages - 1;
+    if (next < num_kb) {
+      const Stage<kRows> s(base, next % kStages);
+      LoadWeightTile(s, p.weight, n0, kb_begin + next, p.in, p.out);
+      LoadInputTile(s, p.x, kb_begin + next, p.rows, p.in);
+    }
+    CpAsyncCommit();
+    MultiplyStage(Stage<kRows>(base, i % kStages), acc);
+  }
+  CpAsyncWait<0>();
+  // Only now: the next kernel's CTAs, once resident, take SM slots and prefetch their weights. Let
+  // in at the start, they filled slots this grid's later CTAs needed and streamed beside it.
+  LetDependentsLaunch();
+
+  if (splits == 1) {
+    ForEachOutputPair<kRows>(acc, n0, p.rows, p.out,
+                             [&](int row, int col, float2 v) { StoreOutputPair<kFp32Out>(p.y, row, col, p.out, v); });
+    return;
+  }
+  ReduceOverCluster<kRows, kStages, kFp32Out>(acc, reinterpret_cast<float*>(smem), p, n0);
+}
+
+// How many of a kernel's launch units (CTAs, or clusters of `splits` CTAs) the device holds at
+// once, asked once per kernel and cluster size.
+int ResidentUnits(const void* kernel, int threads, int smem_bytes, int splits, int num_sms) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int>, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto [it, inserted] = cache.try_emplace({kernel, splits}, 0);
+  if (!inserted) return it->second;
+  DUET_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  if (splits == 1) {
+    int per_sm = 0;
+    DUET_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes));
+    it->second = per_sm * num_sms;
+  } else {
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim = {1, unsigned(splits), 1};
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(1, splits);
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = smem_bytes;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    DUET_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&it->second, kernel, &config));
+  }
+  return it->second;
+}
+
+template <int kRows, int kStages, bool kFp32Out>
+void LaunchWithStages(const SkinnyGemmParams& p, const SkinnyGemmPlan& plan, cudaStream_t stream) {
+  constexpr int kSmemBytes = kStages * StageBytes<kRows>();
+  cudaLaunchAttribute attributes[2] = {};
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[0].val.programmaticStreamSerializationAllowed = ProgrammaticLaunchEnabled() ? 1 : 0;
+  attributes[1].id = cudaLaunchAttributeClusterDimension;
+  attributes[1].val.clusterDim = {1, unsigned(plan.splits), 1};
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3((p.out + kTileOut - 1) / kTileOut, plan.splits);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
+  config.attrs = attributes;
+  config.numAttrs = plan.splits > 1 ? 2 : 1;
+  DUET_CUDA_CHECK(cudaLaunchKernelEx(&config, SkinnyGemmKernel<kRows, kStages, kFp32Out>, p, plan.k_blocks_per_split));
+}
+
+// Pipeline depth: the deepest (most weight bytes in flight per SM) at which the whole grid is
+// resident at once — a second wave would stream with a fraction of the SMs — else the shallowest.
+template <int kRows, bool kFp32Out, int kStages, int... kShallower>
+void LaunchDeepest(const SkinnyGemmParams& p, const SkinnyGemmPlan& plan, cudaStream_t stream) {
+  constexpr int kSmemBytes = kStages * StageBytes<kRows>();
+  const void* kernel = reinterpret_cast<const void*>(SkinnyGemmKernel<kRows, kStages, kFp32Out>);
+  const int units = (p.out + kTileOut - 1) / kTileOut;  // slices: CTAs, or clusters when split
+  if constexpr (sizeof...(kShallower) == 0) {
+    ResidentUnits(kernel, kThreads, kSmemBytes, plan.splits, plan.num_sms);  // sets the shared-memory limit
+    LaunchWithStages<kRows, kStages, kFp32Out>(p, plan, stream);
+  } else {
+    if (kSmemBytes + 1024 <= kSharedBytesPerSm && ResidentUnits(kernel, kThreads, kSmemBytes, plan.splits, plan.num_sms) >= units) {
+      LaunchWithStages<kRows, kStages, kFp32Out>(p, plan, stream);
+    } else {
+      LaunchDeepest<kRows, kFp32Out, kShallower...>(p, plan, stream);
+    }
+  }
+}
+
+template <int kRows, bool kFp32Out, int... kStages>
+void PrepareVariants(int num_sms) {
+  for (int splits = 1; splits <= kMaxSplits; splits *= 2) {
+    (ResidentUnits(reinterpret_cast<const void*>(SkinnyGemmKernel<kRows, kStages, kFp32Out>), kThreads,
+                   kStages * StageBytes<kRows>(), splits, num_sms),
+     ...);
+  }
+}
+
+template <int kRows>
+void LaunchForRows(const SkinnyGemmParams& p, const SkinnyGemmPlan& plan, cudaStream_t stream) {
+  if (p.y_fp32) {
+    LaunchDeepest<kRows, true, 8, 6, 4, 3>(p, plan, stream);
+  } else {
+    LaunchDeepest<kRows, false, 8, 6, 4, 3>(p, plan, stream);
+  }
+}
+
+}  // namespace
+
+SkinnyGemmPlan PlanSkinnyGemm(int in, int out, int num_sms) {
+  DUET_KERNEL_CHECK(in > 0 && out > 0 && num_sms > 0);
+  const int slices = (out + kTileOut - 1) / kTileOut;
+  const int k_blocks = (in + kTileK - 1) / kTileK;
+  const int limit = std::min({num_sms / slices, kMaxSplits, k_blocks / kMinKBlocksPerSplit});
+  SkinnyGemmPlan plan;
+  plan.num_sms = num_sms;
+  while (plan.splits * 2 <= limit) plan.splits *= 2;
+  plan.k_blocks_per_split = (k_blocks + plan.splits - 1) / plan.splits;
+  return plan;
+}
+
+void PrepareSkinnyGemm(int num_sms) {
+  PrepareVariants<16, false, 8, 6, 4, 3>(num_sms);
+  PrepareVariants<16, true, 8, 6, 4, 3>(num_sms);
+  PrepareVariants<32, false, 8, 6, 4, 3>(num_sms);
+  PrepareVariants<32, true, 8, 6, 4, 3>(num_sms);
+  PrepareVariants<64, false, 8, 6, 4, 3>(num_sms);
+  PrepareVariants<64, true, 8, 6, 4, 3>(num_sms);
+}
+
+void SkinnyGemm(const SkinnyGemmParams& p, const SkinnyGemmPlan& plan, cudaStream_t stream) {
+  DUET_KERNEL_CHECK(p.rows >= 1 && p.rows <= kSkinnyGemmMaxRows && p.in > 0 && p.in % 8 == 0 && p.out > 0);
+  DUET_KERNEL_CHECK(reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && reinterpret_cast<uintptr_t>(p.weight) % 16 == 0);
+  DUET_KERNEL_CHECK((plan.splits == 1 || plan.splits == 2 || plan.splits == 4 || plan.splits == kMaxSplits) &&
+                    plan.k_blocks_per_split >= 1 &&
+                    size_t(plan.splits) * plan.k_blocks_per_split * kTileK >= size_t(p.in));
+  if (p.rows <= 16) {
+    LaunchForRows<16>(p, plan, stream);
+  } else if (p.rows <= 32) {
+    LaunchForRows<32>(p, plan, stream);
+  } else {
+    LaunchForRows<64>(p, plan, stream);
+  }
+  DUET_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace duet::kernels
