@@ -7,7 +7,6 @@
 #include "common/logging.h"
 #include "kernels/elementwise/activation.h"
 #include "kernels/gemm/gemv.h"
-#include "kernels/gemm/skinny_gemm.h"
 
 namespace duet::cuda {
 namespace {
@@ -34,14 +33,18 @@ void Gemm(cublasHandle_t handle, const __nv_bfloat16* x, const __nv_bfloat16* we
 }  // namespace
 
 absl::StatusOr<CublasLinear> CublasLinear::Create(cudaStream_t stream, void* workspace, size_t workspace_bytes,
-                                                  bool skinny_gemm) {
+                                                  int skinny_gemm_max_rows) {
+  if (skinny_gemm_max_rows < 0 || skinny_gemm_max_rows > kernels::kSkinnyGemmMaxRows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("skinny GEMM rows must be 0-", kernels::kSkinnyGemmMaxRows, ", not ", skinny_gemm_max_rows));
+  }
   int device = 0, num_sms = 0, major = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (e != cudaSuccess) return absl::InternalError(absl::StrCat("device attributes: ", cudaGetErrorString(e)));
-  skinny_gemm = skinny_gemm && major >= 9;  // its kernels need Hopper (clusters, 228 KiB of shared memory)
-  if (skinny_gemm) kernels::PrepareSkinnyGemm(num_sms);
+  if (major < 9) skinny_gemm_max_rows = 0;  // its kernels need Hopper (wgmma, clusters)
+  if (skinny_gemm_max_rows > 0) kernels::PrepareSkinnyGemm(num_sms);
   cublasHandle_t handle = nullptr;
   if (cublasStatus_t s = cublasCreate(&handle); s == CUBLAS_STATUS_ALLOC_FAILED) {
     return absl::ResourceExhaustedError(absl::StrCat("out of memory creating the cuBLAS handle: ", DeviceMemoryReport()));
@@ -51,7 +54,7 @@ absl::StatusOr<CublasLinear> CublasLinear::Create(cudaStream_t stream, void* wor
   CheckCublas(cublasSetStream(handle, stream), "cublasSetStream");
   CheckCublas(cublasSetWorkspace(handle, workspace, workspace_bytes), "cublasSetWorkspace");
   CheckCublas(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
-  return CublasLinear(handle, stream, num_sms, skinny_gemm);
+  return CublasLinear(handle, stream, num_sms, skinny_gemm_max_rows);
 }
 
 CublasLinear::~CublasLinear() {
@@ -59,7 +62,7 @@ CublasLinear::~CublasLinear() {
 }
 
 bool CublasLinear::UseSkinnyGemm(const void* x, const void* weight, int rows, int in) const {
-  return skinny_gemm_ && rows > kernels::kGemvPreferredMaxRows && rows <= kernels::kSkinnyGemmPreferredMaxRows &&
+  return rows > kernels::kGemvPreferredMaxRows && rows <= skinny_gemm_max_rows_ &&
          in % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0;
 }
 

@@ -3,7 +3,7 @@
 // materialized (cuBLAS sees the column-major transpose of each operand). Decode-sized batches go
 // to Duet's weight-streaming kernels, which beat cuBLAS there (kernels/gemm/*_bench): up to
 // kernels::kGemvPreferredMaxRows rows the warp-per-feature Gemv, up to kSkinnyGemmPreferredMaxRows
-// rows the tensor-core SkinnyGemm; larger batches to cuBLAS.
+// rows (by default) the tensor-core SkinnyGemm; larger batches to cuBLAS.
 #pragma once
 
 #include <cstddef>
@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include "absl/status/statusor.h"
+#include "kernels/gemm/skinny_gemm.h"
 
 namespace duet::cuda {
 
@@ -29,12 +30,12 @@ inline int64_t CublasRowCapacity(int64_t rows) {
 class CublasLinear {
  public:
   // `workspace` (device memory, may be shared by nothing else running concurrently) lets cuBLAS
-  // run inside CUDA-graph capture without allocating. `skinny_gemm` false sends what SkinnyGemm
-  // would compute to cuBLAS (for comparison).
+  // run inside CUDA-graph capture without allocating. Products of more than Gemv's rows and at
+  // most `skinny_gemm_max_rows` (<= kernels::kSkinnyGemmMaxRows; 0: none) go to SkinnyGemm.
   static absl::StatusOr<CublasLinear> Create(cudaStream_t stream, void* workspace, size_t workspace_bytes,
-                                             bool skinny_gemm = true);
+                                             int skinny_gemm_max_rows = kernels::kSkinnyGemmPreferredMaxRows);
   CublasLinear(CublasLinear&& o) noexcept
-      : handle_(o.handle_), stream_(o.stream_), num_sms_(o.num_sms_), skinny_gemm_(o.skinny_gemm_) {
+      : handle_(o.handle_), stream_(o.stream_), num_sms_(o.num_sms_), skinny_gemm_max_rows_(o.skinny_gemm_max_rows_) {
     o.handle_ = nullptr;
   }
   CublasLinear& operator=(CublasLinear&&) = delete;
@@ -52,8 +53,8 @@ class CublasLinear {
                       __nv_bfloat16* act, int rows, int in, int inter) const;
 
  private:
-  CublasLinear(cublasHandle_t handle, cudaStream_t stream, int num_sms, bool skinny_gemm)
-      : handle_(handle), stream_(stream), num_sms_(num_sms), skinny_gemm_(skinny_gemm) {}
+  CublasLinear(cublasHandle_t handle, cudaStream_t stream, int num_sms, int skinny_gemm_max_rows)
+      : handle_(handle), stream_(stream), num_sms_(num_sms), skinny_gemm_max_rows_(skinny_gemm_max_rows) {}
   // Whether SkinnyGemm takes this product (else Gemv's or cuBLAS's rows).
   bool UseSkinnyGemm(const void* x, const void* weight, int rows, int in) const;
   void RunSkinnyGemm(const __nv_bfloat16* x, const __nv_bfloat16* weight, void* y, bool y_fp32, int rows, int in,
@@ -62,7 +63,7 @@ class CublasLinear {
   cublasHandle_t handle_ = nullptr;
   cudaStream_t stream_ = nullptr;
   int num_sms_ = 0;
-  bool skinny_gemm_ = true;
+  int skinny_gemm_max_rows_ = 0;
 };
 
 }  // namespace duet::cuda

@@ -125,11 +125,13 @@ TEST(LlamaCuda, Bf16PrefillAndGraphDecodeMatchCpu) {
   EXPECT_LT(worst, 1e-2);
 }
 
-// Graph-replayed decode of 5 and 24 sequences (the tensor-core skinny GEMM's 16- and 32-row tiles,
-// split K on the tiny model's narrow projections) and of 64 (cuBLAS).
+// Graph-replayed decode of 5, 24 and 64 sequences through the tensor-core skinny GEMM (its 16-,
+// 32- and 64-row tiles, split K on the tiny model's narrow projections).
 TEST(LlamaCuda, Bf16GraphDecodeOfManySequencesMatchesCpu) {
   SKIP_WITHOUT_GPU();
-  BackendPair pair;
+  LlamaCudaOptions options;
+  options.skinny_gemm_max_rows = kernels::kSkinnyGemmMaxRows;
+  BackendPair pair(options);
   for (const int n : {5, 24, 64}) {
     std::vector<std::vector<int32_t>> tables(static_cast<size_t>(n)), prompts = tables, next = tables;
     std::vector<SequenceChunk> step;

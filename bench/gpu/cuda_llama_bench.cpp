@@ -4,7 +4,7 @@
 // prefill ceiling). The device copy bandwidth (read + write) is printed beside them for reference.
 //
 //   cuda_llama_bench --model DIR [--batch 1,8,32,128] [--context 1024] [--prefill 1024,8192 | --prefill none]
-//                    [--no-pdl] [--no-fusion] [--early-groups 1|2] [--no-cuda-graphs] [--no-skinny-gemm]
+//                    [--no-pdl] [--no-fusion] [--early-groups 1|2] [--no-cuda-graphs] [--skinny-gemm-max-rows N]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -20,6 +20,7 @@
 #include "bench/gpu/read_bandwidth.h"
 #include "bench/sample_stats.h"
 #include "kernels/gemm/gemv.h"
+#include "kernels/gemm/skinny_gemm.h"
 
 namespace duet {
 namespace {
@@ -119,7 +120,8 @@ int Run(int argc, char** argv) {
   CLI::App app{"CUDA backend decode/prefill benchmark"};
   std::string model_dir, batches = "1,8,32,128", prefills = "1024,8192";
   int context = 1024, steps = 64;
-  bool graphs = true, pdl = true, fusion = true, skinny = true;
+  bool graphs = true, pdl = true, fusion = true;
+  int skinny_max_rows = kernels::kSkinnyGemmPreferredMaxRows;
   int early_groups = 2;
   app.add_option("--model", model_dir, "checkpoint directory")->required();
   app.add_option("--batch", batches, "decode batch sizes");
@@ -129,7 +131,9 @@ int Run(int argc, char** argv) {
   app.add_flag("!--no-cuda-graphs", graphs, "run decode steps eagerly");
   app.add_flag("!--no-pdl", pdl, "launch kernels without programmatic dependent launch");
   app.add_flag("!--no-fusion", fusion, "RoPE/KV write and SiLU·mul as separate kernels at batch <= 2");
-  app.add_flag("!--no-skinny-gemm", skinny, "projections of 3-32 rows through cuBLAS instead of SkinnyGemm");
+  app.add_option("--skinny-gemm-max-rows", skinny_max_rows,
+                 "projections of 3 to N rows through SkinnyGemm, larger ones through cuBLAS (0: all through cuBLAS)")
+      ->check(CLI::Range(0, kernels::kSkinnyGemmMaxRows));
   app.add_option("--early-groups", early_groups, "weight groups the skinny GEMM issues before it waits (1 or 2)")
       ->check(CLI::IsMember({1, 2}));
   CLI11_PARSE(app, argc, argv);
@@ -149,7 +153,7 @@ int Run(int argc, char** argv) {
   options.cuda_graphs = graphs;
   options.programmatic_launch = pdl;
   options.fused_decode_epilogues = fusion;
-  options.skinny_gemm = skinny;
+  options.skinny_gemm_max_rows = skinny_max_rows;
   auto loaded = LlamaCuda::Load(model_dir, options);
   if (!loaded.ok()) {
     std::fprintf(stderr, "load: %s\n", std::string(loaded.status().message()).c_str());

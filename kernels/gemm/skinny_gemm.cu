@@ -26,7 +26,7 @@ constexpr int kMaxSplits = 8;                 // the largest portable cluster
 constexpr int kMinKBlocksPerSplit = 4;
 constexpr int kSharedBytesPerSm = 228 * 1024;  // sm_90, of which 1 KiB per resident CTA is the system's
 // A split's partial tile in shared memory: [kRows, kPartialStride] fp32, rows padded by 16 bytes
-// so the 8 rows a warp's C fragments touch fall in different banks.
+// so the rows and features one warp's accumulators hold fall in 32 different banks.
 constexpr int kPartialStride = kTileOut + 4;
 
 template <int kRows>
@@ -46,19 +46,52 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
-__device__ __forceinline__ void LdMatrixX4(uint32_t address, uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
+// cp.async's shared-memory writes, made visible to the tensor cores' (async proxy) reads.
+__device__ __forceinline__ void FenceProxyAsync() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// A wgmma operand in shared memory: K-major rows of 64 bf16 (128 bytes), 128-byte swizzled
+// (SwizzledOffset) in 8-row groups 1024 bytes apart; `address` 1024-byte aligned, plus 32 bytes
+// per 16-wide K step inside the rows (the swizzle works on the address bits above them).
+__device__ __forceinline__ uint64_t MatrixDescriptor(uint32_t address) {
+  return uint64_t((address & 0x3FFFF) >> 4)  // start address
+         | uint64_t(1) << 16                 // leading byte offset: unused for swizzled K-major
+         | uint64_t(1024 >> 4) << 32         // stride byte offset: 8-row groups
+         | uint64_t(1) << 62;                // 128-byte swizzle
 }
 
-// d[16x8] += a[16x16] · b[16x8] (bf16 in, fp32 accumulate).
-__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void WgmmaWaitAll() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// d[64 x kN] += a[64 x 16] · b[kN x 16]^T, both operands K-major in shared memory (descriptors),
+// fp32 accumulators in the warpgroup's registers: kN / 2 per thread.
+template <int kN>
+__device__ __forceinline__ void Wgmma(float (&d)[kN / 2], uint64_t a, uint64_t b);
+template <>
+__device__ __forceinline__ void Wgmma<16>(float (&d)[8], uint64_t a, uint64_t b) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(a), "l"(b), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void Wgmma<32>(float (&d)[16], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(a), "l"(b), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void Wgmma<64>(float (&d)[32], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b), "r"(1));
 }
 
 // Byte offset of 16-byte chunk `chunk` (0..7) of tile row `row`. The chunk index is XORed with the
@@ -100,51 +133,48 @@ __device__ __forceinline__ void LoadInputTile(const Stage<kRows>& s, const __nv_
   }
 }
 
-// acc[m][n]: the warp's 16x8 output tile m (rows 16m..) x n (features 32·warp + 8n..), in the
-// mma C-fragment layout (lane holds rows lane/4 and lane/4 + 8, features 2·(lane%4) and +1).
+// acc[h][i]: features are the wgmma's M (64 per instruction, h = which half of the slice), x's
+// rows its N. Register i of thread (warp w, lane l) holds feature 64h + 16w + l/4 + 8·((i/2) % 2)
+// of row 8·(i/4) + 2·(l%4) + i%2.
 template <int kRows>
-__device__ __forceinline__ void MultiplyStage(const Stage<kRows>& s, float (&acc)[kRows / 16][4][4]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+using Accumulators = float[2][kRows / 2];
+
+// Issues the stage's 8 wgmmas (2 feature halves x 4 K steps) and waits for them.
+template <int kRows>
+__device__ __forceinline__ void MultiplyStage(const Stage<kRows>& s, Accumulators<kRows>& acc) {
+  WgmmaFence();
 #pragma unroll
   for (int kk = 0; kk < kTileK / 16; ++kk) {
-    uint32_t a[kRows / 16][4];
+    const uint64_t b = MatrixDescriptor(s.x + kk * 32);
 #pragma unroll
-    for (int m = 0; m < kRows / 16; ++m) {
-      const int row = m * 16 + (lane & 15);
-      LdMatrixX4(s.x + SwizzledOffset(row, kk * 2 + (lane >> 4)), a[m]);
-    }
-    // b[j]: {b0, b1} of n-tile 2j, then of n-tile 2j + 1 (W rows are the mma's B columns).
-    uint32_t b[2][4];
+    for (int h = 0; h < 2; ++h) Wgmma<kRows>(acc[h], MatrixDescriptor(s.w + h * 64 * kRowBytes + kk * 32), b);
+  }
+  WgmmaCommit();
+  WgmmaWaitAll();
+}
+
+// Calls f(row, feature, value) for every accumulator of this thread that lies in the output.
+template <int kRows, typename F>
+__device__ __forceinline__ void ForEachOutput(const Accumulators<kRows>& acc, int n0, int rows, int out, F&& f) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int row = warp * 32 + j * 16 + (lane & 7) + ((lane >> 4) << 3);
-      LdMatrixX4(s.w + SwizzledOffset(row, kk * 2 + ((lane >> 3) & 1)), b[j]);
-    }
+  for (int h = 0; h < 2; ++h) {
 #pragma unroll
-    for (int m = 0; m < kRows / 16; ++m) {
-#pragma unroll
-      for (int n = 0; n < 4; ++n) Mma16816(acc[m][n], a[m], b[n / 2][(n % 2) * 2], b[n / 2][(n % 2) * 2 + 1]);
+    for (int i = 0; i < kRows / 2; ++i) {
+      const int feature = n0 + h * 64 + warp * 16 + (lane >> 2) + 8 * ((i >> 1) & 1);
+      const int row = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+      if (row < rows && feature < out) f(row, feature, acc[h][i]);
     }
   }
 }
 
-// Calls f(row, feature, value pair) for every pair of accumulators of this thread that lies in
-// the output (features in pairs: 2·(lane%4) and +1; the second may be past `out`).
-template <int kRows, typename F>
-__device__ __forceinline__ void ForEachOutputPair(const float (&acc)[kRows / 16][4][4], int n0, int rows, int out,
-                                                  F&& f) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int m = 0; m < kRows / 16; ++m) {
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const int col = n0 + warp * 32 + n * 8 + 2 * (lane & 3);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = m * 16 + (lane >> 2) + half * 8;
-        if (row < rows && col < out) f(row, col, make_float2(acc[m][n][2 * half], acc[m][n][2 * half + 1]));
-      }
-    }
+template <bool kFp32Out>
+__device__ __forceinline__ void StoreOutput(void* y, int row, int feature, int out, float v) {
+  const size_t i = size_t(row) * out + feature;
+  if constexpr (kFp32Out) {
+    static_cast<float*>(y)[i] = v;
+  } else {
+    static_cast<__nv_bfloat16*>(y)[i] = __float2bfloat16(v);
   }
 }
 
@@ -175,26 +205,14 @@ __device__ __forceinline__ void StoreOutputPair(void* y, int row, int col, int o
 // in their own shared memory (the pipeline stages, no longer read), then each sums one share of
 // the tile's rows x 4-feature groups over every CTA's partial, in rank order, and writes y.
 template <int kRows, int kStages, bool kFp32Out>
-__device__ __forceinline__ void ReduceOverCluster(const float (&acc)[kRows / 16][4][4], float* partial,
+__device__ __forceinline__ void ReduceOverCluster(const Accumulators<kRows>& acc, float* partial,
                                                   const SkinnyGemmParams& p, int n0) {
   static_assert(kRows * kPartialStride * 4 <= kStages * StageBytes<kRows>());
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   __syncthreads();  // every warp is done with the stages
-#pragma unroll
-  for (int m = 0; m < kRows / 16; ++m) {
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const int col = warp * 32 + n * 8 + 2 * (lane & 3);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = m * 16 + (lane >> 2) + half * 8;
-        *reinterpret_cast<float2*>(partial + row * kPartialStride + col) =
-            make_float2(acc[m][n][2 * half], acc[m][n][2 * half + 1]);
-      }
-    }
-  }
+  ForEachOutput<kRows>(acc, 0, kRows, kTileOut,
+                       [&](int row, int feature, float v) { partial[row * kPartialStride + feature] = v; });
   cluster.sync();  // every partial is in place
   const int splits = int(cluster.num_blocks()), rank = int(cluster.block_rank());
   constexpr int kGroupsPerRow = kTileOut / 4;
@@ -217,7 +235,9 @@ __device__ __forceinline__ void ReduceOverCluster(const float (&acc)[kRows / 16]
 // Grid: (128-feature slices, K splits). kRows: the row count rounded up to 16, 32 or 64.
 template <int kRows, int kStages, bool kFp32Out>
 __global__ void __launch_bounds__(kThreads) SkinnyGemmKernel(const SkinnyGemmParams p, const int k_blocks_per_split) {
-  extern __shared__ __align__(128) uint8_t smem[];
+  // The 128-byte swizzle repeats every 1024 bytes: stages start on such a boundary.
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - SharedAddress(smem_raw) % 1024) % 1024);
   const uint32_t base = SharedAddress(smem);
   const int slice = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
   const int n0 = slice * kTileOut;
@@ -238,10 +258,11 @@ __global__ void __launch_bounds__(kThreads) SkinnyGemmKernel(const SkinnyGemmPar
     CpAsyncCommit();
   }
 
-  float acc[kRows / 16][4][4] = {};
+  Accumulators<kRows> acc = {};
   for (int i = 0; i < num_kb; ++i) {
     CpAsyncWait<kStages - 2>();  // stage i has landed (for this thread) ...
-    __syncthreads();                      // ... for every thread, and stage i - 1 is no longer read
+    FenceProxyAsync();                    // ... where the tensor cores read it ...
+    __syncthreads();                      // ... for every thread; stage i - 1's wgmmas are done
     const int next = i + kStages - 1;
     if (next < num_kb) {
       const Stage<kRows> s(base, next % kStages);
@@ -257,8 +278,8 @@ __global__ void __launch_bounds__(kThreads) SkinnyGemmKernel(const SkinnyGemmPar
   LetDependentsLaunch();
 
   if (splits == 1) {
-    ForEachOutputPair<kRows>(acc, n0, p.rows, p.out,
-                             [&](int row, int col, float2 v) { StoreOutputPair<kFp32Out>(p.y, row, col, p.out, v); });
+    ForEachOutput<kRows>(acc, n0, p.rows, p.out,
+                         [&](int row, int feature, float v) { StoreOutput<kFp32Out>(p.y, row, feature, p.out, v); });
     return;
   }
   ReduceOverCluster<kRows, kStages, kFp32Out>(acc, reinterpret_cast<float*>(smem), p, n0);
@@ -294,7 +315,7 @@ int ResidentUnits(const void* kernel, int threads, int smem_bytes, int splits, i
 
 template <int kRows, int kStages, bool kFp32Out>
 void LaunchWithStages(const SkinnyGemmParams& p, const SkinnyGemmPlan& plan, cudaStream_t stream) {
-  constexpr int kSmemBytes = kStages * StageBytes<kRows>();
+  constexpr int kSmemBytes = kStages * StageBytes<kRows>() + 1024;  // + alignment slack
   cudaLaunchAttribute attributes[2] = {};
   attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attributes[0].val.programmaticStreamSerializationAllowed = ProgrammaticLaunchEnabled() ? 1 : 0;
@@ -314,7 +335,7 @@ void LaunchWithStages(const SkinnyGemmParams& p, const SkinnyGemmPlan& plan, cud
 // resident at once — a second wave would stream with a fraction of the SMs — else the shallowest.
 template <int kRows, bool kFp32Out, int kStages, int... kShallower>
 void LaunchDeepest(const SkinnyGemmParams& p, const SkinnyGemmPlan& plan, cudaStream_t stream) {
-  constexpr int kSmemBytes = kStages * StageBytes<kRows>();
+  constexpr int kSmemBytes = kStages * StageBytes<kRows>() + 1024;  // + alignment slack
   const void* kernel = reinterpret_cast<const void*>(SkinnyGemmKernel<kRows, kStages, kFp32Out>);
   const int units = (p.out + kTileOut - 1) / kTileOut;  // slices: CTAs, or clusters when split
   if constexpr (sizeof...(kShallower) == 0) {
@@ -333,7 +354,7 @@ template <int kRows, bool kFp32Out, int... kStages>
 void PrepareVariants(int num_sms) {
   for (int splits = 1; splits <= kMaxSplits; splits *= 2) {
     (ResidentUnits(reinterpret_cast<const void*>(SkinnyGemmKernel<kRows, kStages, kFp32Out>), kThreads,
-                   kStages * StageBytes<kRows>(), splits, num_sms),
+                   kStages * StageBytes<kRows>() + 1024, splits, num_sms),
      ...);
   }
 }

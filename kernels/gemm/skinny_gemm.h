@@ -4,10 +4,14 @@
 //
 // At these row counts a projection is a stream over its weights: 64 rows do 64 FLOP per weight
 // byte, under a third of what the H200's tensor cores sustain per byte of HBM bandwidth. So the
-// kernel is built for the stream, not the arithmetic: each CTA owns a 128-feature slice of W
-// (all rows of x at once, so W is read exactly once), pulls it through a 3- or 4-stage cp.async
-// pipeline of 64-wide K blocks, and multiplies with mma.sync (m16n8k16). Projections with few
-// 128-feature slices (o and down at Llama-3-8B's 4096 features: 32 slices for 132 SMs) split K
+// kernel is built for the stream, not the arithmetic: each CTA (one warpgroup) owns a
+// 128-feature slice of W (all rows of x at once, so W is read exactly once), pulls it through a
+// cp.async pipeline of 64-wide K blocks, 3 to 8 stages deep (the deepest at which the whole grid
+// is resident), and multiplies with wgmma (sm_90a): the slice's features are the instruction's
+// M (2 x 64), x's rows its N (rounded up to 16, 32 or 64), both operands K-major in 128-byte
+// swizzled shared memory. (mma.sync tiles ran into the tensor cores' issue rate from 32 rows on:
+// the four Llama-3-8B projections at 64 rows took 1.27x their 4-row time, wgmma's 1.11x.)
+// Projections with few 128-feature slices (o and down at Llama-3-8B's 4096 features: 32 slices for 132 SMs) split K
 // over a thread-block cluster of 2, 4 or 8 CTAs so every SM streams: each CTA parks its partial
 // tile in its shared memory and then sums one share of the tile over the cluster's CTAs
 // (distributed shared memory), in split order — deterministic, with no workspace in device
@@ -28,13 +32,11 @@
 
 namespace duet::kernels {
 
-// Below this the warp-per-feature Gemv (kernels/gemv.h) streams faster; above it cuBLAS's
-// tiling is the better fit.
+// Below this the warp-per-feature Gemv (kernels/gemv.h) streams faster.
 constexpr int kSkinnyGemmMinRows = 3;
 constexpr int kSkinnyGemmMaxRows = 64;
 // Up to this many rows it beats cuBLAS on the H200 (skinny_gemm_bench: the Llama-3-8B projections
-// at 4-16 rows in 0.90-0.93x cuBLAS's time, a decode step 5-8% shorter); from 48 rows on its
-// mma.sync tiles run into the tensor cores' issue rate and cuBLAS is faster.
+// back to back at 4-32 rows in 0.91-0.94x cuBLAS's time, 48-64 rows at parity).
 constexpr int kSkinnyGemmPreferredMaxRows = 32;
 // Output features per CTA.
 constexpr int kSkinnyGemmTileOut = 128;

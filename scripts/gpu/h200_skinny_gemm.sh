@@ -2,17 +2,18 @@
 # The tensor-core skinny GEMM (kernels/gemm/skinny_gemm.h) on the GPU machine, in one call: its
 # kernel tests and the CUDA backend's (twice each), the kernel against cuBLAS at the Llama-3-8B
 # projection shapes, the CUDA logits of a random-weight Llama-3-8B-shaped checkpoint against
-# transformers' float32, and the decode step with and without it (cuda_llama_bench, alternating
-# runs, so card and moment are the same for both). Logs under $OUT, the tables last.
+# transformers' float32, and the decode step with it at every batch up to 64 rows and without it
+# (cuda_llama_bench --skinny-gemm-max-rows 64 / 0, alternating runs, so card and moment are the
+# same for both). Logs under $OUT, the tables last.
 #
 #   here:       TARGETS="kernels_tests llama_cuda_tests cuda_llama_bench cuda_logits_check skinny_gemm_bench" \
 #                 scripts/gpu/make_bundle.sh
 #               (carry .devbundle; models/tiny-code-llama must travel, the draft model need not)
-#   device run: [ROUNDS=2] [BATCH=1,4,8,16,32,48,64] [CONTEXT=576] bash scripts/gpu/h200_skinny_gemm.sh
+#   device run: [ROUNDS=2] [BATCH=1,4,8,16,24,32,48,64] [CONTEXT=576] bash scripts/gpu/h200_skinny_gemm.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/duet-gpu-out}
 mkdir -p "$OUT"
-rounds=${ROUNDS:-2} batch=${BATCH:-1,4,8,16,32,48,64} context=${CONTEXT:-576}
+rounds=${ROUNDS:-2} batch=${BATCH:-1,4,8,16,24,32,48,64} context=${CONTEXT:-576}
 tar -xJf .devbundle/bundle.tar.xz -C /tmp || exit 1
 source /tmp/devbundle/env.sh
 export DUET_MODELS_DIR=$PWD/models NCCL_NVLS_ENABLE=0
@@ -40,7 +41,7 @@ cuda_logits_check --model /tmp/llama8b --tokens /tmp/llama8b/tokens.json --logit
   --baseline-logits /tmp/llama8b/logits_bf16.f32 2>&1 | tee "$OUT/logits_check.log" | tail -4
 for round in $(seq 1 "$rounds"); do
   for side in skinny cublas; do
-    flag=(); [[ $side == cublas ]] && flag=(--no-skinny-gemm)
+    flag=(--skinny-gemm-max-rows 64); [[ $side == cublas ]] && flag=(--skinny-gemm-max-rows 0)
     section "decode, round $round, $side"
     cuda_llama_bench --model /tmp/llama8b --prefill none --batch "$batch" --context "$context" "${flag[@]}" \
       > "$OUT/decode_${side}_$round.log" 2>&1 || echo "exit $?"
