@@ -55,9 +55,9 @@ struct SkinnyGemmPlan {
   int num_sms;             // of the device planned for
 };
 
-// Split K so that slices x splits gives every SM about one CTA (each then runs the deepest
-// pipeline its shared memory holds), with at least 4 K blocks per split. Shapes with as many
-// slices as SMs are not split.
+// Split K so that slices x splits gives every SM one or two CTAs (each then runs the deepest
+// pipeline its shared memory holds), with at least 4 K blocks per split. Shapes with more than
+// 3/4 as many slices as SMs are not split.
 SkinnyGemmPlan PlanSkinnyGemm(int in, int out, int num_sms);
 
 // Sets every kernel variant's shared-memory limit and asks the device how many of each it holds

@@ -147,7 +147,7 @@ TEST(SkinnyGemm, PlanFillsTheDevice) {
   // Llama-3-8B on 132 SMs: few slices split, many do not.
   EXPECT_EQ(PlanSkinnyGemm(4096, 4096, 132).splits, 4);    // o
   EXPECT_EQ(PlanSkinnyGemm(14336, 4096, 132).splits, 4);   // down
-  EXPECT_EQ(PlanSkinnyGemm(4096, 6144, 132).splits, 2);    // qkv
+  EXPECT_EQ(PlanSkinnyGemm(4096, 6144, 132).splits, 4);    // qkv
   EXPECT_EQ(PlanSkinnyGemm(4096, 28672, 132).splits, 1);   // gate_up
   EXPECT_EQ(PlanSkinnyGemm(4096, 128256, 132).splits, 1);  // lm_head
   EXPECT_EQ(PlanSkinnyGemm(256, 128, 132).splits, 1);      // short K is not split below 4 blocks a split
