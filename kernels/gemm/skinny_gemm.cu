@@ -71,8 +71,11 @@ template <>
 __device__ __forceinline__ void Wgmma<16>(float (&d)[8], uint64_t a, uint64_t b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7"
+      "}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
       : "l"(a), "l"(b), "r"(1));
 }
 
@@ -80,8 +83,12 @@ template <>
 __device__ __forceinline__ void Wgmma<32>(float (&d)[16], uint64_t a, uint64_t b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+      "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
       : "l"(a), "l"(b), "r"(1));
 }
 
@@ -89,14 +96,21 @@ template <>
 __device__ __forceinline__ void Wgmma<64>(float (&d)[32], uint64_t a, uint64_t b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(a), "l"(b), "r"(1));
 }
 
-// Byte offset of 16-byte chunk `chunk` (0..7) of tile row `row`. The chunk index is XORed with the
-// row's low bits so the 8 rows one ldmatrix phase reads at the same logical chunk hit 8 different
-// 16-byte bank groups.
+// Byte offset of 16-byte chunk `chunk` (0..7) of tile row `row`: the chunk index XORed with the
+// row's low 3 bits, the 128-byte swizzle MatrixDescriptor names (within 1024-byte groups of 8 rows;
+// it also keeps cp.async's row-by-row writes free of bank conflicts).
 __device__ __forceinline__ uint32_t SwizzledOffset(int row, int chunk) {
   return uint32_t(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
 }
@@ -222,7 +236,8 @@ __device__ __forceinline__ void ReduceOverCluster(const Accumulators<kRows>& acc
     const int row = g / kGroupsPerRow, col = (g % kGroupsPerRow) * 4;
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s = 0; s < splits; ++s) {
-      const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(partial, s) + row * kPartialStride + col);
+      const float* theirs = cluster.map_shared_rank(partial, s);
+      const float4 v = *reinterpret_cast<const float4*>(theirs + row * kPartialStride + col);
       sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
     }
     const int feature = n0 + col;
@@ -342,7 +357,8 @@ void LaunchDeepest(const SkinnyGemmParams& p, const SkinnyGemmPlan& plan, cudaSt
     ResidentUnits(kernel, kThreads, kSmemBytes, plan.splits, plan.num_sms);  // sets the shared-memory limit
     LaunchWithStages<kRows, kStages, kFp32Out>(p, plan, stream);
   } else {
-    if (kSmemBytes + 1024 <= kSharedBytesPerSm && ResidentUnits(kernel, kThreads, kSmemBytes, plan.splits, plan.num_sms) >= units) {
+    if (kSmemBytes + 1024 <= kSharedBytesPerSm &&
+        ResidentUnits(kernel, kThreads, kSmemBytes, plan.splits, plan.num_sms) >= units) {
       LaunchWithStages<kRows, kStages, kFp32Out>(p, plan, stream);
     } else {
       LaunchDeepest<kRows, kFp32Out, kShallower...>(p, plan, stream);

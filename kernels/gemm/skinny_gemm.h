@@ -10,13 +10,13 @@
 // is resident), and multiplies with wgmma (sm_90a): the slice's features are the instruction's
 // M (2 x 64), x's rows its N (rounded up to 16, 32 or 64), both operands K-major in 128-byte
 // swizzled shared memory. (mma.sync tiles ran into the tensor cores' issue rate from 32 rows on:
-// the four Llama-3-8B projections at 64 rows took 1.27x their 4-row time, wgmma's 1.11x.)
-// Projections with few 128-feature slices (o and down at Llama-3-8B's 4096 features: 32 slices for 132 SMs) split K
-// over a thread-block cluster of 2, 4 or 8 CTAs so every SM streams: each CTA parks its partial
-// tile in its shared memory and then sums one share of the tile over the cluster's CTAs
-// (distributed shared memory), in split order — deterministic, with no workspace in device
-// memory, and the same sums whatever the row count, so a row's result does not depend on its
-// batch.
+// the four Llama-3-8B projections at 64 rows took 1.29x their 4-row time, with wgmma 1.11x.)
+// Projections with few 128-feature slices (o and down at Llama-3-8B's 4096 features: 32 slices
+// for 132 SMs) split K over a thread-block cluster of 2, 4 or 8 CTAs so every SM streams: each CTA
+// parks its partial tile in its shared memory and then sums one share of the tile over the
+// cluster's CTAs (distributed shared memory), in split order — deterministic, with no workspace
+// in device memory, and the same sums whatever the row count, so a row's result does not depend
+// on its batch.
 //
 // Plan/run: PlanSkinnyGemm picks the split for a shape on a device (the same plan for every row
 // count of a shape); SkinnyGemm runs it. Launched with programmatic dependent launch

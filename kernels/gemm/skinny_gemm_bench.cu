@@ -109,7 +109,7 @@ int main(int argc, char** argv) {
     ReadOnce<<<prop.multiProcessorCount * 8, 512>>>(static_cast<const uint4*>(big), read_bytes / 16, sink);
   });
   const float copy_ms =
-      MedianMs([&] { cudaMemcpyAsync(static_cast<char*>(big) + read_bytes / 2, big, read_bytes / 2, cudaMemcpyDeviceToDevice); });
+      MedianMs([&] { cudaMemcpyAsync(static_cast<char*>(big) + read_bytes / 2, big, read_bytes / 2, cudaMemcpyDefault); });
   const double read_gbs = read_bytes / read_ms / 1e6, copy_gbs = read_bytes / copy_ms / 1e6;
   std::printf("%s, %d SMs: streaming read %.0f GB/s, device copy %.0f GB/s (read + write); %d launches back to back\n",
               prop.name, prop.multiProcessorCount, read_gbs, copy_gbs, chain);
@@ -153,8 +153,9 @@ int main(int argc, char** argv) {
         duet::kernels::SkinnyGemm({x, w[i++ % copies], y, rows, s.in, s.out, false}, plan, nullptr);
       };
       auto cublas = [&] {
-        cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, s.out, cublas_rows, s.in, &alpha, w[i++ % copies], CUDA_R_16BF, s.in,
-                     x, CUDA_R_16BF, s.in, &beta, y_ref, CUDA_R_16BF, s.out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, s.out, cublas_rows, s.in, &alpha, w[i++ % copies],
+                     CUDA_R_16BF, s.in, x, CUDA_R_16BF, s.in, &beta, y_ref, CUDA_R_16BF, s.out, CUBLAS_COMPUTE_32F,
+                     CUBLAS_GEMM_DEFAULT);
       };
       DUET_CUDA_CHECK(cudaMemset(y, 0xFF, size_t(rows) * s.out * 2));
       i = 0, skinny();

@@ -100,7 +100,7 @@ TEST(SkinnyGemm, Fp32OutputLmHeadShape) {
 TEST(SkinnyGemm, TinyModelShapes) {
   DUET_SKIP_WITHOUT_GPU();
   const int num_sms = NumSms();
-  for (const auto [in, out] : {std::pair{512, 1024}, {512, 512}, {512, 2816}, {1408, 512}}) {
+  for (const auto& [in, out] : {std::pair{512, 1024}, {512, 512}, {512, 2816}, {1408, 512}}) {
     const SkinnyGemmPlan plan = PlanSkinnyGemm(in, out, num_sms);
     for (int rows : {4, 64}) {
       const Problem p = MakeProblem(rows, in, out, 400 + rows + in + out);
