@@ -21,9 +21,9 @@
 #include "backends/cuda/graph_runner.h"
 #include "backends/cuda/ring_attention.h"
 #include "backends/cuda/step_metadata.h"
-#include "kernels/gemm/skinny_gemm.h"
 #include "engine/model_executor.h"
 #include "kernels/attention/paged_attention.h"
+#include "kernels/gemm/skinny_gemm.h"
 #include "model/safetensors.h"
 
 namespace duet {
@@ -44,8 +44,9 @@ struct LlamaCudaOptions {
   // Skinny decode batches compute RoPE + the KV write and SiLU·mul in the projections' epilogues
   // (kernels/gemv.h); off: as separate kernels (for comparison).
   bool fused_decode_epilogues = true;
-  // Decode batches of 3 to this many rows go through the tensor-core skinny GEMM
-  // (kernels/gemm/skinny_gemm.h), larger ones through cuBLAS; 0: all of them through cuBLAS.
+  // Projections of 3 to this many rows (decode batches, short verification or prefill steps) go
+  // through the tensor-core skinny GEMM (kernels/gemm/skinny_gemm.h), larger ones through cuBLAS;
+  // 0: all of them through cuBLAS.
   int skinny_gemm_max_rows = kernels::kSkinnyGemmPreferredMaxRows;
   // Logits rows one head pass computes (at least max_num_seqs): a step verifying draft trees
   // gives a row per token and replays a graph only when its rows fit one pass. Device memory:
