@@ -19,8 +19,7 @@ using launch_detail::WaitForPriorKernels;
 
 constexpr int kTileOut = kSkinnyGemmTileOut;  // W rows (output features) per CTA
 constexpr int kTileK = 64;                    // K per pipeline stage
-constexpr int kWarps = 4;                     // warp w computes features [32w, 32w + 32) of the tile, all rows
-constexpr int kThreads = kWarps * 32;
+constexpr int kThreads = 128;                 // one warpgroup, which issues the wgmmas
 constexpr int kRowBytes = kTileK * 2;         // one tile row in shared memory: 8 chunks of 16 bytes
 constexpr int kMaxSplits = 8;                 // the largest portable cluster
 constexpr int kMinKBlocksPerSplit = 4;
