@@ -299,13 +299,17 @@ __global__ void __launch_bounds__(kThreads) SkinnyGemmKernel(const SkinnyGemmPar
   ReduceOverCluster<kRows, kStages, kFp32Out>(acc, reinterpret_cast<float*>(smem), p, n0);
 }
 
-// How many of a kernel's launch units (CTAs, or clusters of `splits` CTAs) the device holds at
-// once, asked once per kernel and cluster size.
+// How many of a kernel's launch units (CTAs, or clusters of `splits` CTAs) the current device
+// holds at once, asked once per device, kernel and cluster size.
 int ResidentUnits(const void* kernel, int threads, int smem_bytes, int splits, int num_sms) {
+  // Per device: the shared-memory limit is an attribute of the kernel in each device's context (a
+  // sequence-parallel group drives several devices from one process).
+  int device = 0;
+  DUET_CUDA_CHECK(cudaGetDevice(&device));
   static std::mutex mu;
-  static std::map<std::tuple<const void*, int>, int> cache;
+  static std::map<std::tuple<int, const void*, int>, int> cache;
   std::lock_guard<std::mutex> lock(mu);
-  auto [it, inserted] = cache.try_emplace({kernel, splits}, 0);
+  auto [it, inserted] = cache.try_emplace({device, kernel, splits}, 0);
   if (!inserted) return it->second;
   DUET_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   if (splits == 1) {
