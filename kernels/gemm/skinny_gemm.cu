@@ -17,7 +17,7 @@ namespace {
 using launch_detail::LetDependentsLaunch;
 using launch_detail::WaitForPriorKernels;
 
-constexpr int kTileOut = kSkinnyGemmTileOut;  // W rows (output features) per CTA
+constexpr int kTileOut = 128;                 // W rows (output features) per CTA: two wgmma M halves
 constexpr int kTileK = 64;                    // K per pipeline stage
 constexpr int kThreads = 128;                 // one warpgroup, which issues the wgmmas
 constexpr int kRowBytes = kTileK * 2;         // one tile row in shared memory: 8 chunks of 16 bytes

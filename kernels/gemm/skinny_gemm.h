@@ -38,8 +38,6 @@ constexpr int kSkinnyGemmMaxRows = 64;
 // back to back at 4-32 rows in 0.89-0.94x cuBLAS's time; a decode step at batch 8 8.5% and at 32
 // 4.8% shorter). At 48-64 rows the products are at parity and the step ~3% longer.
 constexpr int kSkinnyGemmPreferredMaxRows = 32;
-// Output features per CTA.
-constexpr int kSkinnyGemmTileOut = 128;
 
 struct SkinnyGemmParams {
   const __nv_bfloat16* x;       // [rows, in], 16-byte aligned
