@@ -80,8 +80,8 @@ double CopyBandwidthGBs() {
 }
 
 void BenchDecode(double copy_gbs, int num_sms) {
-  const std::vector<int> batches = {1, 8, 32, 128};
-  const std::vector<int> contexts = {1024, 4096, 32768};
+  const std::vector<int> batches = {1, 8, 32, 64, 128};
+  const std::vector<int> contexts = {576, 1024, 4096, 32768};
   const int max_batch = batches.back(), max_context = contexts.back();
   const int blocks_per_seq = max_context / kBlockSize;
   const size_t num_blocks = size_t(max_batch) * blocks_per_seq;
@@ -162,7 +162,7 @@ void BenchPrefill() {
   std::printf("\nprefill attention, one causal sequence, %d q heads / %d kv heads, head_dim %d, block %d, bf16\n",
               kQHeads, kKvHeads, kHeadDim, kBlockSize);
   std::printf("%8s %8s %10s %10s %16s\n", "tokens", "key_tile", "time_ms", "TFLOP/s", "32_layers_ms");
-  for (int tokens : {1024, 4096, 8192}) {
+  for (int tokens : {512, 1024, 2048, 4096, 8192}) {
     const int blocks = tokens / kBlockSize;
     const size_t cache_elems = size_t(blocks) * kKvHeads * kBlockSize * kHeadDim;
     const size_t q_elems = size_t(tokens) * kQHeads * kHeadDim;

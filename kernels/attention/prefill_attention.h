@@ -1,5 +1,5 @@
 // Prefill (and chunked-prefill) flash attention over the paged KV cache: packed variable-length
-// queries, causal with a per-sequence offset, GQA. FA2-style: 128 query rows per CTA (32 per
+// queries, causal with a per-sequence offset, GQA. FA2-style: 64 query rows per CTA (16 per
 // warp), 32-key K/V tiles in a 3-stage cp.async pipeline straight from the paged cache, bf16
 // tensor-core MMA (mma.sync m16n8k16, ldmatrix), online softmax in fp32, causal tile skipping.
 // head_dim 64 or 128; block_size any power of two.
