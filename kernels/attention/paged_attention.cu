@@ -164,9 +164,17 @@ __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const PagedDecodeA
       MmaBf16(s[1], q_frag[kk], b2, b3);
     }
 
-    // Online softmax (base 2) over this warp's 16 tokens.
+    // Online softmax (base 2) over this warp's 16 tokens. Rows 8-15 hold heads only where a KV
+    // head serves more than 8 query heads; otherwise (Llama's 4) their probabilities are zero
+    // and their softmax is skipped.
+    float rescale[2] = {1.f, 1.f};
+    bool rescaled = false;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
+      if (half == 1 && num_rows <= 8) {
+        s[0][2] = s[0][3] = s[1][2] = s[1][3] = 0.f;
+        continue;
+      }
       float tile_max = -INFINITY;
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
@@ -181,7 +189,8 @@ __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const PagedDecodeA
       tile_max = QuadMax(tile_max);
       const float new_max = fmaxf(row_max[half], tile_max);
       const float base = new_max == -INFINITY ? 0.f : new_max;
-      const float rescale = Exp2(row_max[half] - base);
+      rescale[half] = Exp2(row_max[half] - base);
+      rescaled |= rescale[half] != 1.f;
       row_max[half] = new_max;
       float sum = 0.f;
 #pragma unroll
@@ -193,11 +202,16 @@ __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const PagedDecodeA
           sum += x;
         }
       }
-      row_sum[half] = row_sum[half] * rescale + sum;
+      row_sum[half] = row_sum[half] * rescale[half] + sum;
+    }
+    // Row maxima settle after the first tiles: O is rescaled only when one of the warp's moved.
+    if (__any_sync(0xffffffffu, rescaled)) {
 #pragma unroll
       for (int n = 0; n < kDTiles; ++n) {
-        acc[n][half * 2] *= rescale;
-        acc[n][half * 2 + 1] *= rescale;
+        acc[n][0] *= rescale[0];
+        acc[n][1] *= rescale[0];
+        acc[n][2] *= rescale[1];
+        acc[n][3] *= rescale[1];
       }
     }
 
@@ -219,13 +233,16 @@ __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const PagedDecodeA
   // Merge the 4 warps through shared memory (the pipeline buffers are free now).
   CpAsyncWait<0>();
   __syncthreads();
-  float* merge_acc = reinterpret_cast<float*>(smem);              // [kWarps][16 rows][kHeadDim]
-  float* merge_max = merge_acc + kWarps * kHeadsPerCta * kHeadDim;  // [kWarps][16 rows]
+  // [kWarps][16 rows][kMergeStride]: rows padded by 4 floats, so the 8 rows a warp's store covers
+  // fall in different banks.
+  constexpr int kMergeStride = kHeadDim + 4;
+  float* merge_acc = reinterpret_cast<float*>(smem);
+  float* merge_max = merge_acc + kWarps * kHeadsPerCta * kMergeStride;  // [kWarps][16 rows]
   float* merge_sum = merge_max + kWarps * kHeadsPerCta;             // [kWarps][16 rows]
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = group + half * 8;
-    float* dst = merge_acc + (warp * kHeadsPerCta + row) * kHeadDim;
+    float* dst = merge_acc + (warp * kHeadsPerCta + row) * kMergeStride;
 #pragma unroll
     for (int n = 0; n < kDTiles; ++n) {
       *reinterpret_cast<float2*>(dst + n * 8 + quad * 2) = make_float2(acc[n][half * 2], acc[n][half * 2 + 1]);
@@ -250,7 +267,7 @@ __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const PagedDecodeA
       for (int w = 0; w < kWarps; ++w) {
         const float weight = Exp2(merge_max[w * kHeadsPerCta + row] - max_all);
         sum += weight * merge_sum[w * kHeadsPerCta + row];
-        value += weight * merge_acc[(w * kHeadsPerCta + row) * kHeadDim + d];
+        value += weight * merge_acc[(w * kHeadsPerCta + row) * kMergeStride + d];
       }
     }
     const float normalized = sum > 0.f ? value / sum : 0.f;
@@ -309,7 +326,7 @@ void Launch(const PagedDecodeAttentionParams& p, const PagedDecodeAttentionPlan&
   const int head_chunks = (heads_per_kv + kHeadsPerCta - 1) / kHeadsPerCta;
   const int block_size_log2 = Log2OfPowerOfTwo(p.kv.block_size);
   constexpr int smem = SmemBytes<kHeadDim>();
-  static_assert(smem >= (kWarps * kHeadsPerCta * (kHeadDim + 2)) * int(sizeof(float)), "merge buffer must fit");
+  static_assert(smem >= (kWarps * kHeadsPerCta * (kHeadDim + 4 + 2)) * int(sizeof(float)), "merge buffer must fit");
   DUET_CUDA_CHECK(cudaFuncSetAttribute(PagedDecodeKernel<kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(p.kv.num_kv_heads * head_chunks, p.num_seqs, plan.num_splits);
   LaunchKernel(PagedDecodeKernel<kHeadDim>, grid, dim3(kThreads), smem, stream, p, plan.num_splits,

@@ -5,12 +5,20 @@
 # last decode step and the last prefill by kernel. The same bench with CUDA graphs gives the step
 # time as the engine runs it.
 #
-#   here:       TARGETS=cuda_llama_bench scripts/gpu/make_bundle.sh     (carry .devbundle)
-#   device run: [BATCH=64] [CONTEXT=576] [PREFILL=512] bash scripts/gpu/h200_step_profile.sh
+# CACHE=none times each kernel with the caches as the kernels before it left them (default: all,
+# flushed before each). GEMM_ROWS=8,64 adds a throughput breakdown (DRAM, L2, L1, SM, as % of
+# peak) of SkinnyGemm and cuBLAS at those row counts (skinny_gemm_bench must be in the bundle).
+#
+#   here:       TARGETS="cuda_llama_bench skinny_gemm_bench" scripts/gpu/make_bundle.sh     (carry .devbundle)
+# DETAIL=regex: instead of the step tables, Nsight Compute's full sections (throughput, memory,
+# occupancy, warp stall reasons) for one decode-step launch of the kernel that matches.
+#
+#   device run: [BATCH=64] [CONTEXT=576] [PREFILL=512] [CACHE=all|none] [GEMM_ROWS=8,64] [DETAIL=regex]
+#               bash scripts/gpu/h200_step_profile.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/duet-gpu-out}
 mkdir -p "$OUT"
-batch=${BATCH:-64} context=${CONTEXT:-576} prefill=${PREFILL:-512}
+batch=${BATCH:-64} context=${CONTEXT:-576} prefill=${PREFILL:-512} cache=${CACHE:-all}
 tar -xJf .devbundle/bundle.tar.xz -C /tmp || exit 1
 source /tmp/devbundle/env.sh
 export NCCL_NVLS_ENABLE=0
@@ -25,11 +33,32 @@ cuda_llama_bench --model /tmp/llama8b --batch "$batch" --context "$context" --pr
 profile() {  # name, bench args...
   local name=$1; shift
   section "ncu: $name"
-  "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+  "$ncu" --clock-control none --cache-control "$cache" --metrics gpu__time_duration.sum --csv --print-units base \
     cuda_llama_bench --model /tmp/llama8b --no-cuda-graphs --steps 5 "$@" > "$OUT/$name.csv" 2> "$OUT/$name.err"
   echo "exit $?, $(grep -c gpu__time_duration "$OUT/$name.csv") kernels"
 }
+if [[ -n ${DETAIL:-} ]]; then
+  section "ncu: $DETAIL in a decode step, full sections"
+  "$ncu" --clock-control none --cache-control none -k "regex:$DETAIL" --launch-skip 64 --launch-count 1 --set full \
+    cuda_llama_bench --model /tmp/llama8b --no-cuda-graphs --steps 5 --batch "$batch" --context "$context" \
+    --prefill none > "$OUT/detail.txt" 2>&1
+  echo "exit $?"
+  grep -E "^    [A-Z][A-Za-z /()%.-]+ {2,}[a-zA-Z/%]* +[0-9.,]+$" "$OUT/detail.txt" | head -120
+  exit 0
+fi
 profile decode --batch "$batch" --context "$context" --prefill none
 profile prefill --batch 1 --context 16 --prefill "$prefill"
 python3 scripts/gpu/kernel_profile.py "$OUT/decode.csv" --last-step 2>&1 | tee "$OUT/decode_table.txt"
 python3 scripts/gpu/kernel_profile.py "$OUT/prefill.csv" 2>&1 | tee "$OUT/prefill_table.txt"
+if [[ -n ${GEMM_ROWS:-} ]]; then
+  for rows in ${GEMM_ROWS//,/ }; do
+    section "ncu: GEMM throughput at $rows rows"
+    "$ncu" --clock-control none --cache-control none -k 'regex:SkinnyGemm|nvjet|gemm' --launch-count 400 --csv \
+      --print-units base --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\
+lts__t_sectors.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,\
+l1tex__throughput.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed \
+      skinny_gemm_bench --rows "$rows" --chain 1 > "$OUT/gemm_$rows.csv" 2> "$OUT/gemm_$rows.err"
+    echo "exit $?"
+    python3 scripts/gpu/kernel_profile.py "$OUT/gemm_$rows.csv" --by-kernel 2>&1 | tee "$OUT/gemm_${rows}_table.txt"
+  done
+fi

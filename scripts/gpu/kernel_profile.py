@@ -1,5 +1,8 @@
 """Sums one forward pass's kernel times from an Nsight Compute CSV (scripts/gpu/h200_step_profile.sh).
 
+--by-kernel: instead, every metric's median per (kernel, grid) over the CSV's launches (for
+throughput sections: which unit limits a kernel).
+
 ncu --metrics gpu__time_duration.sum --csv --print-units base  gives one row per kernel launch.
 --last-step: the decode step, found as the period of the launches at the end of the run (the bench
 ends with identical decode steps). Otherwise the prefill: with the decode steps at the end left
@@ -7,6 +10,7 @@ out, the longest launch sequence repeated at least 4 times in a row (the bench r
 kernels grouped by name (and grid), their count, total µs and share.
 """
 import csv
+import statistics
 import sys
 from collections import OrderedDict
 
@@ -73,8 +77,32 @@ def table(rows, title):
         print(f"{ns / 1e3:9.1f} {100 * ns / total:5.1f}% {count:5d}  {grid:<16} {name}")
 
 
+def metric_medians(path):
+    values = OrderedDict()  # (kernel, grid) -> metric -> [values]
+    with open(path) as f:
+        lines = [l for l in f if l.startswith('"')]
+    for r in csv.DictReader(lines):
+        try:
+            v = float(r["Metric Value"].replace(",", ""))
+        except ValueError:
+            continue
+        key = (short(r["Kernel Name"]), r["Grid Size"])
+        values.setdefault(key, OrderedDict()).setdefault(r["Metric Name"], []).append(v)
+    names = []
+    for m in values.values():
+        names += [n for n in m if n not in names]
+    print("  ".join(f"{n}" for n in names))
+    for (kernel, grid), m in values.items():
+        cells = [f"{statistics.median(m[n]):.1f}" if n in m else "-" for n in names]
+        count = max(len(v) for v in m.values())
+        print(f"{' '.join(f'{c:>10}' for c in cells)} {count:4d}  {grid:<14} {kernel[:70]}")
+
+
 def main():
     path = sys.argv[1]
+    if "--by-kernel" in sys.argv:
+        metric_medians(path)
+        return
     rows = launches(path)
     if not rows:
         sys.exit(f"{path}: no gpu__time_duration rows")
