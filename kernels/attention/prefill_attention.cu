@@ -23,8 +23,8 @@ static_assert(kWarps * kMTiles * 16 == kBlockM);
 constexpr int kDefaultKeyTile = 32;  // measured faster on H200 at head_dim 128 (no spills)
 
 // kBlockN: keys per K/V tile (64 halves the per-tile overhead, 32 halves the score registers).
-// K/V pipeline depth: 3 stages where 2 CTAs still fit an SM's shared memory, else 2 (3 CTAs an SM
-// fit either way with 64 query rows).
+// K/V pipeline depth: 3 stages where 2 CTAs still fit an SM's shared memory, else 2. With the
+// default 32-key tiles a CTA takes 64 KB: 3 fit an SM (the launch bounds ask for that).
 template <int kHeadDim, int kBlockN>
 constexpr int KvStages() {
   return (kBlockM + 3 * 2 * kBlockN) * kHeadDim * int(sizeof(__nv_bfloat16)) <= 112 * 1024 ? 3 : 2;
