@@ -30,6 +30,13 @@ constexpr int kPartialStride = kTileOut + 4;
 
 template <int kRows>
 __host__ __device__ constexpr int StageBytes() { return (kTileOut + kRows) * kRowBytes; }
+// A kernel variant's dynamic shared memory: its stages, plus slack to align them to 1024 bytes.
+template <int kRows, int kStages>
+constexpr int SmemBytes() { return kStages * StageBytes<kRows>() + 1024; }
+// The pipeline depths a launch chooses from, deepest first.
+template <int... kStages>
+struct StageDepths {};
+using PipelineDepths = StageDepths<8, 6, 4, 3>;
 
 __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -333,7 +340,7 @@ int ResidentUnits(const void* kernel, int threads, int smem_bytes, int splits, i
 
 template <int kRows, int kStages, bool kFp32Out>
 void LaunchWithStages(const SkinnyGemmParams& p, const SkinnyGemmPlan& plan, cudaStream_t stream) {
-  constexpr int kSmemBytes = kStages * StageBytes<kRows>() + 1024;  // + alignment slack
+  constexpr int kSmemBytes = SmemBytes<kRows, kStages>();
   cudaLaunchAttribute attributes[2] = {};
   attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attributes[0].val.programmaticStreamSerializationAllowed = ProgrammaticLaunchEnabled() ? 1 : 0;
@@ -352,8 +359,9 @@ void LaunchWithStages(const SkinnyGemmParams& p, const SkinnyGemmPlan& plan, cud
 // Pipeline depth: the deepest (most weight bytes in flight per SM) at which the whole grid is
 // resident at once — a second wave would stream with a fraction of the SMs — else the shallowest.
 template <int kRows, bool kFp32Out, int kStages, int... kShallower>
-void LaunchDeepest(const SkinnyGemmParams& p, const SkinnyGemmPlan& plan, cudaStream_t stream) {
-  constexpr int kSmemBytes = kStages * StageBytes<kRows>() + 1024;  // + alignment slack
+void LaunchDeepest(const SkinnyGemmParams& p, const SkinnyGemmPlan& plan, cudaStream_t stream,
+                   StageDepths<kStages, kShallower...>) {
+  constexpr int kSmemBytes = SmemBytes<kRows, kStages>();
   const void* kernel = reinterpret_cast<const void*>(SkinnyGemmKernel<kRows, kStages, kFp32Out>);
   const int units = (p.out + kTileOut - 1) / kTileOut;  // slices: CTAs, or clusters when split
   if constexpr (sizeof...(kShallower) == 0) {
@@ -364,26 +372,32 @@ void LaunchDeepest(const SkinnyGemmParams& p, const SkinnyGemmPlan& plan, cudaSt
         ResidentUnits(kernel, kThreads, kSmemBytes, plan.splits, plan.num_sms) >= units) {
       LaunchWithStages<kRows, kStages, kFp32Out>(p, plan, stream);
     } else {
-      LaunchDeepest<kRows, kFp32Out, kShallower...>(p, plan, stream);
+      LaunchDeepest<kRows, kFp32Out>(p, plan, stream, StageDepths<kShallower...>{});
     }
   }
 }
 
 template <int kRows, bool kFp32Out, int... kStages>
-void PrepareVariants(int num_sms) {
+void PrepareVariants(int num_sms, StageDepths<kStages...>) {
   for (int splits = 1; splits <= kMaxSplits; splits *= 2) {
     (ResidentUnits(reinterpret_cast<const void*>(SkinnyGemmKernel<kRows, kStages, kFp32Out>), kThreads,
-                   kStages * StageBytes<kRows>() + 1024, splits, num_sms),
+                   SmemBytes<kRows, kStages>(), splits, num_sms),
      ...);
   }
+}
+
+template <int... kRowTiles>
+void PrepareRowTiles(int num_sms) {
+  (PrepareVariants<kRowTiles, false>(num_sms, PipelineDepths{}), ...);
+  (PrepareVariants<kRowTiles, true>(num_sms, PipelineDepths{}), ...);
 }
 
 template <int kRows>
 void LaunchForRows(const SkinnyGemmParams& p, const SkinnyGemmPlan& plan, cudaStream_t stream) {
   if (p.y_fp32) {
-    LaunchDeepest<kRows, true, 8, 6, 4, 3>(p, plan, stream);
+    LaunchDeepest<kRows, true>(p, plan, stream, PipelineDepths{});
   } else {
-    LaunchDeepest<kRows, false, 8, 6, 4, 3>(p, plan, stream);
+    LaunchDeepest<kRows, false>(p, plan, stream, PipelineDepths{});
   }
 }
 
@@ -403,14 +417,7 @@ SkinnyGemmPlan PlanSkinnyGemm(int in, int out, int num_sms) {
   return plan;
 }
 
-void PrepareSkinnyGemm(int num_sms) {
-  PrepareVariants<16, false, 8, 6, 4, 3>(num_sms);
-  PrepareVariants<16, true, 8, 6, 4, 3>(num_sms);
-  PrepareVariants<32, false, 8, 6, 4, 3>(num_sms);
-  PrepareVariants<32, true, 8, 6, 4, 3>(num_sms);
-  PrepareVariants<64, false, 8, 6, 4, 3>(num_sms);
-  PrepareVariants<64, true, 8, 6, 4, 3>(num_sms);
-}
+void PrepareSkinnyGemm(int num_sms) { PrepareRowTiles<16, 32, 64>(num_sms); }
 
 void SkinnyGemm(const SkinnyGemmParams& p, const SkinnyGemmPlan& plan, cudaStream_t stream) {
   DUET_KERNEL_CHECK(p.rows >= 1 && p.rows <= kSkinnyGemmMaxRows && p.in > 0 && p.in % 8 == 0 && p.out > 0);
