@@ -6,19 +6,13 @@
 #
 #   here:       TARGETS="kernels_tests llama_cuda_tests attention_bench cuda_llama_bench" scripts/gpu/make_bundle.sh
 #               (carry .devbundle; models/tiny-code-llama must travel, the draft model need not)
-#   device run: [PREFILL=512,1024,2048] [BATCH=32,64] [CONTEXT=576] bash scripts/gpu/h200_attention.sh
+#   device run: [PREFILL=512,1024,2048] [BATCH=8,32,64] [CONTEXT=576] bash scripts/gpu/h200_attention.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/duet-gpu-out}
-mkdir -p "$OUT"
 prefill=${PREFILL:-512,1024,2048} batch=${BATCH:-8,32,64} context=${CONTEXT:-576}
-tar -xJf .devbundle/bundle.tar.xz -C /tmp || exit 1
-source /tmp/devbundle/env.sh
-export DUET_MODELS_DIR=$PWD/models NCCL_NVLS_ENABLE=0
-section() { echo "== [${SECONDS}s] $*"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+source scripts/gpu/devbundle_prologue.sh
+export DUET_MODELS_DIR=$PWD/models
 section "checkpoint (background, during the tests)"
-(python3 -c "import sys; sys.path.insert(0, 'scripts/gpu'); import hf_reference as h; h.make_checkpoint('/tmp/llama8b', 32)" \
-  > "$OUT/checkpoint.log" 2>&1) &
+python3 scripts/gpu/hf_reference.py --out /tmp/llama8b --checkpoint-only > "$OUT/checkpoint.log" 2>&1 &
 ckpt_pid=$!
 for run in 1 2; do
   section "tests, run $run"

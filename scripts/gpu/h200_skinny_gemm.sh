@@ -11,14 +11,9 @@
 #               (carry .devbundle; models/tiny-code-llama must travel, the draft model need not)
 #   device run: [ROUNDS=2] [BATCH=1,4,8,16,24,32,48,64] [CONTEXT=576] bash scripts/gpu/h200_skinny_gemm.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/duet-gpu-out}
-mkdir -p "$OUT"
 rounds=${ROUNDS:-2} batch=${BATCH:-1,4,8,16,24,32,48,64} context=${CONTEXT:-576}
-tar -xJf .devbundle/bundle.tar.xz -C /tmp || exit 1
-source /tmp/devbundle/env.sh
-export DUET_MODELS_DIR=$PWD/models NCCL_NVLS_ENABLE=0
-section() { echo "== [${SECONDS}s] $*"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+source scripts/gpu/devbundle_prologue.sh
+export DUET_MODELS_DIR=$PWD/models
 
 section "checkpoint + float32 reference (background, during the tests)"
 (PYTHONUNBUFFERED=1 python3 scripts/gpu/hf_reference.py --out /tmp/llama8b 2>&1 | grep -v Warning > "$OUT/hf.log") &

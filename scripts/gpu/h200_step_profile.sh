@@ -16,18 +16,12 @@
 #   device run: [BATCH=64] [CONTEXT=576] [PREFILL=512] [CACHE=all|none] [GEMM_ROWS=8,64] [DETAIL=regex]
 #               bash scripts/gpu/h200_step_profile.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/duet-gpu-out}
-mkdir -p "$OUT"
 batch=${BATCH:-64} context=${CONTEXT:-576} prefill=${PREFILL:-512} cache=${CACHE:-all}
-tar -xJf .devbundle/bundle.tar.xz -C /tmp || exit 1
-source /tmp/devbundle/env.sh
-export NCCL_NVLS_ENABLE=0
+source scripts/gpu/devbundle_prologue.sh
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-section() { echo "== [${SECONDS}s] $*"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 section "checkpoint"
-python3 -c "import sys; sys.path.insert(0, 'scripts/gpu'); import hf_reference as h; h.make_checkpoint('/tmp/llama8b', 32)" \
-  > "$OUT/checkpoint.log" 2>&1 || { tail "$OUT/checkpoint.log"; exit 1; }
+python3 scripts/gpu/hf_reference.py --out /tmp/llama8b --checkpoint-only > "$OUT/checkpoint.log" 2>&1 ||
+  { tail "$OUT/checkpoint.log"; exit 1; }
 section "decode and prefill with CUDA graphs"
 cuda_llama_bench --model /tmp/llama8b --batch "$batch" --context "$context" --prefill "$prefill" 2>&1 | tee "$OUT/bench.log" | tail -8
 profile() {  # name, bench args...

@@ -117,6 +117,7 @@ def main():
     p.add_argument("--ref-seqs", type=int, default=2)
     p.add_argument("--ref-len", type=int, default=64)
     p.add_argument("--timings-only", action="store_true", help="time transformers on the checkpoint in --out")
+    p.add_argument("--checkpoint-only", action="store_true", help="write the checkpoint, no reference logits")
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--prefills", default="1024,8192")
@@ -132,6 +133,8 @@ def main():
     t = time.time()
     model = make_checkpoint(a.out, a.layers)
     print(f"checkpoint written to {a.out} in {time.time() - t:.0f} s", flush=True)
+    if a.checkpoint_only:
+        return
     t = time.time()
     reference_logits(model, a.out, a.ref_seqs, a.ref_len)
     print(f"float32 reference logits in {time.time() - t:.0f} s", flush=True)
