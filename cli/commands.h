@@ -60,6 +60,7 @@ struct ServeOptions {
   std::string routing_policy = "prefix-aware";  // the router's --routing-policy
   double prefix_affinity = 4.0;                 // the router's --prefix-affinity
   int max_request_migrations = 1;               // the router's --max-request-migrations
+  bool sequential_kv_reservation = false;        // the router's --sequential-kv-reservation
   bool enable_auto_tool_choice = false;  // the router's (cli/api_flags.h)
   std::string tool_call_parser;
   std::string chat_template;                    // the router's --chat-template

@@ -94,6 +94,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"prefix-aware", "least-loaded"}));
   serve_cmd->add_option("--prefix-affinity", serve.prefix_affinity, duet::kPrefixAffinityHelp)
       ->check(CLI::Range(0.0, 1e6));
+  serve_cmd->add_flag("--sequential-kv-reservation", serve.sequential_kv_reservation,
+                      "Send each Prefill after its decode KV reservation instead of beside it (the KV target following "
+                        "in SetKvTarget): the reservation's round trip then adds to the time to first token");
   serve_cmd->add_option("--max-request-migrations", serve.max_request_migrations,
                         "How often a request whose decode worker fails mid-stream moves to another prefill/decode "
                         "pair, its stream going on (0: it fails with UNAVAILABLE)")

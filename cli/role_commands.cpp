@@ -82,6 +82,9 @@ RoleCommands::RoleCommands(CLI::App& app) {
                           "Prompt tokens in prefill at once per prefill worker; more wait in the router "
                           "(before their decode KV is reserved)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  router_cmd_->add_flag("--sequential-kv-reservation", router_.sequential_kv_reservation,
+                        "Send each Prefill after its decode KV reservation instead of beside it (the KV target following "
+                        "in SetKvTarget): the reservation's round trip then adds to the time to first token");
   router_cmd_->add_option("--max-request-migrations", router_.max_request_migrations,
                           "How often a request whose decode worker fails mid-stream moves to another prefill/decode "
                           "pair, its stream going on (0: it fails with UNAVAILABLE)")

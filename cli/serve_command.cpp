@@ -342,6 +342,7 @@ int RunServe(const ServeOptions& options) {
                                           "--prefix-affinity", absl::StrCat(options.prefix_affinity),
                                           "--max-request-migrations", std::to_string(options.max_request_migrations)};
   if (options.api_key_on_health_and_metrics) router_argv.push_back("--api-key-on-health-and-metrics");
+  if (options.sequential_kv_reservation) router_argv.push_back("--sequential-kv-reservation");
   for (std::string& f : InternalTlsFlags(options.internal_tls)) router_argv.push_back(std::move(f));
   for (const auto& [flag, value] : {std::pair{"--ssl-certfile", &options.tls.certfile},
                                     std::pair{"--ssl-keyfile", &options.tls.keyfile},

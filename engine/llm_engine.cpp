@@ -276,6 +276,15 @@ absl::StatusOr<LlmEngine::KvReservation> LlmEngine::ReserveKv(absl::Span<const i
 
 void LlmEngine::ReleaseKv(SequenceId reservation) { blocks_.Free(reservation); }
 
+absl::Status LlmEngine::KeepKvWhenFinished(const std::string& id) {
+  auto it = requests_.find(id);
+  if (it == requests_.end() || it->second->finished()) {
+    return absl::NotFoundError(absl::StrCat("no unfinished request '", id, "'"));
+  }
+  it->second->keep_kv_when_finished = true;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<RequestOutput> LlmEngine::AddPrefilledRequest(const std::string& id,
                                                              std::vector<int32_t> prompt,
                                                              SamplingParams params,
@@ -398,6 +407,12 @@ bool LlmEngine::RunIdleWork() {
 }
 
 void LlmEngine::FinishRequest(Request& r, FinishReason reason) {
+  if (r.keep_kv_when_finished && (reason == FinishReason::kStop || reason == FinishReason::kLength)) {
+    const SequenceId kept = next_seq_id_++;
+    const absl::Status forked = blocks_.Fork(r.seq_id, kept);
+    DUET_CHECK_MSG(forked.ok(), forked.ToString());  // the request's sequence exists until Remove
+    r.kept_kv = kept;
+  }
   scheduler_.Remove(&r);
   if (spec_) spec_->OnFinished(r);
   r.finish_reason = reason;

@@ -148,6 +148,10 @@ class LlmEngine {
   absl::StatusOr<KvReservation> ReserveKv(absl::Span<const int32_t> prompt, const std::string& cache_salt,
                                           int64_t alignment_tokens);
   void ReleaseKv(SequenceId reservation);
+  // Disaggregated prefill (vLLM's delayed block freeing): when request `id` finishes with a token
+  // (stop or length), its blocks stay as they are, in Request::kept_kv, for a KV transfer that
+  // starts after the forward pass; ReleaseKv frees them. NotFound for an unknown or finished request.
+  absl::Status KeepKvWhenFinished(const std::string& id);
   const std::vector<int32_t>& BlockTable(SequenceId seq) const { return blocks_.BlockTable(seq); }
   // With `resumed` tokens the reservation holds the prompt's and theirs, and `first_token` comes
   // after them.

@@ -210,6 +210,57 @@ TEST(LlmEngineTest, PrefilledHandoffMatchesLocalGeneration) {
   }
 }
 
+// A prefill whose KV target comes after its forward pass: the finished request's blocks stay,
+// unchanged, until ReleaseKv; an aborted request keeps nothing.
+TEST(LlmEngineTest, KeepsTheKvOfAFinishedRequestUntilReleased) {
+  std::unique_ptr<LlmEngine> e = NewEngine();
+  const int32_t idle = e->Stats().num_free_kv_blocks;
+  SamplingParams p;
+  p.max_tokens = 1;
+  const std::vector<int32_t> prompt = Prompt(*e);
+  ASSERT_TRUE(e->AddRequest("kept", prompt, p).ok());
+  ASSERT_TRUE(e->AddRequest("aborted", prompt, p).ok());
+  ASSERT_TRUE(e->KeepKvWhenFinished("kept").ok());
+  ASSERT_TRUE(e->KeepKvWhenFinished("aborted").ok());
+  EXPECT_EQ(e->KeepKvWhenFinished("unknown").code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(e->Abort("aborted"));
+  EXPECT_FALSE(e->Find("aborted")->kept_kv.has_value());
+
+  std::vector<int32_t> computed_blocks;
+  const KvCacheShape shape = e->kv_cache().shape();
+  std::vector<float> layer0_keys;
+  auto note = [&](int64_t layer, absl::Span<const SequenceChunk> chunks) {
+    if (layer != 0) return;
+    computed_blocks.assign(chunks[0].block_table.begin(), chunks[0].block_table.end());
+    for (int32_t b : computed_blocks) {
+      const float* k = static_cast<const float*>(e->kv_cache().key_pool(0)) + b * shape.block_elems();
+      layer0_keys.insert(layer0_keys.end(), k, k + shape.block_elems());
+    }
+  };
+  ASSERT_TRUE(e->Step(note).ok());
+  const Request* kept = e->Find("kept");
+  ASSERT_TRUE(kept->finished());
+  ASSERT_TRUE(kept->kept_kv.has_value());
+  const SequenceId seq = *kept->kept_kv;
+  EXPECT_EQ(e->BlockTable(seq), computed_blocks);
+  EXPECT_EQ(e->KeepKvWhenFinished("kept").code(), absl::StatusCode::kNotFound);  // finished
+  e->Release("kept");
+  e->Release("aborted");
+  EXPECT_EQ(e->Stats().num_free_kv_blocks, idle - int32_t(computed_blocks.size()));
+
+  // Another request runs meanwhile: the kept blocks are not reused.
+  ASSERT_TRUE(e->AddRequest("next", std::vector<int32_t>(prompt.rbegin(), prompt.rend()), p).ok());
+  RunToCompletion(*e);
+  std::vector<float> now;
+  for (int32_t b : e->BlockTable(seq)) {
+    const float* k = static_cast<const float*>(e->kv_cache().key_pool(0)) + b * shape.block_elems();
+    now.insert(now.end(), k, k + shape.block_elems());
+  }
+  EXPECT_EQ(now, layer0_keys);
+  e->ReleaseKv(seq);
+  EXPECT_EQ(e->Stats().num_free_kv_blocks, idle);
+}
+
 // Prompt tokens count as computed once per forward pass that ran them: a prefix the cache
 // already holds is not computed again.
 TEST(LlmEngineTest, CountsComputedPromptTokensNotCachedOnes) {

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,10 @@ struct Request {
   BlockHash prefix_seed = 0;
   int64_t num_cached_tokens = 0;
   int32_t num_preemptions = 0;
+  // Disaggregated prefill (LlmEngine::KeepKvWhenFinished): a request that finishes with a token
+  // leaves its blocks in `kept_kv`, a sequence of their own, until LlmEngine::ReleaseKv.
+  bool keep_kv_when_finished = false;
+  std::optional<SequenceId> kept_kv;
 
   // Detokenized output so far (stop strings are checked against it).
   std::unique_ptr<StreamingDecoder> decoder;

@@ -88,6 +88,7 @@ PrefillService::~PrefillService() {
   loop_->Call([this](LlmEngine&) {
     stopping_ = true;
     transfers_.clear();
+    kept_transfers_.clear();
   });
   sender_.reset();
   loop_.reset();
@@ -106,14 +107,19 @@ class PrefillService::PrefillCall final : public grpc::ServerUnaryReactor,
   PrefillCall(PrefillService* service, const v1::PrefillRequest* request, v1::PrefillResponse* response)
       : service_(service), request_(*request), response_(response) {}
 
-  // Validates, connects to the decode worker, and asks for admission.
+  // Validates, connects to the decode worker, and asks for admission; a call whose target
+  // follows goes into the engine at once.
   void Start();
   int64_t num_blocks() const { return num_blocks_; }  // the staging its prompt needs
   const std::string& id() const { return request_.request_id(); }
-  // The staging is the call's now: into the engine.
+  // The staging is the call's now: into the engine, or (a late target's) the shipment can start.
   void Admitted(std::vector<int32_t> staging_blocks);
-  // Abort (the RPC) while it waited for admission.
+  // A late target (SetKvTarget): resolved, then the shipment starts once it has its staging. An
+  // error fails the call too.
+  grpc::Status AttachTarget(const v1::KvTarget& target);
+  // Abort (the RPC) while it waited for admission, or with its blocks kept for a late target.
   void AbortWhileWaiting();
+  void AbortKept() { End(Error(grpc::StatusCode::ABORTED, absl::StrCat("request '", id(), "' was aborted"))); }
   // The shipment's end (any thread).
   void OnShipped(const absl::Status& status);
 
@@ -125,6 +131,17 @@ class PrefillService::PrefillCall final : public grpc::ServerUnaryReactor,
  private:
   enum class Stage { kAdmitting, kAdmitted, kInEngine };
 
+  // Checks a decode worker's KV target against this call and connects to it. After connecting,
+  // an error tells the decode worker that nothing will be written.
+  grpc::Status ResolveTarget(const v1::KvTarget& target, Destination* to);
+  // Host paths: the staging blocks (num_blocks_) the tokens `to` asks for; RESOURCE_EXHAUSTED
+  // (the decode worker told) when the staging cannot ever hold them.
+  grpc::Status SizeStaging(const Destination& to);
+  int64_t prompt_len() const { return request_.prompt_token_ids_size() + request_.output_token_ids_size(); }
+  // A late call fails: its request leaves the engine, with any blocks kept for it.
+  void FailLate(const grpc::Status& status);
+  // Its target, taken out of the admission queue: the decode worker is told nothing comes.
+  void AbortLateTarget();
   void OnOutput(const RequestOutput& out);
   void AddToEngine(LlmEngine& engine);
   // Engine thread: the request's finishing output (its first token, or why it has none).
@@ -142,11 +159,13 @@ class PrefillService::PrefillCall final : public grpc::ServerUnaryReactor,
   const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
   std::shared_ptr<PrefillCall> self_;  // the server call's reference, dropped in OnDone
   SamplingParams params_;
-  int64_t num_blocks_ = 0;
+  std::atomic<int64_t> num_blocks_{0};
   std::shared_ptr<Transfer> transfer_;
+  bool late_ = false;  // the target follows (PrefillRequest.target_follows)
 
   absl::Mutex mu_;
   Stage stage_ ABSL_GUARDED_BY(mu_) = Stage::kAdmitting;
+  std::optional<Destination> late_target_ ABSL_GUARDED_BY(mu_);  // resolved, waiting for staging
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<RequestOutput> output_ ABSL_GUARDED_BY(mu_);
   std::optional<absl::Status> shipped_ ABSL_GUARDED_BY(mu_);
@@ -168,14 +187,36 @@ void PrefillService::PrefillCall::Start() {
   absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(request_.sampling());
   if (!params.ok()) return End(rpc::ToGrpc(params.status()));
   params_ = *std::move(params);
-  const v1::KvTarget& target = request_.target();
+  transfer_ = std::make_shared<Transfer>();
+  transfer_->request_id = id();
+  transfer_->prompt_len = uint32_t(prompt_len());
+  if (request_.target_follows()) {
+    if (request_.has_target()) {
+      return End(Error(grpc::StatusCode::INVALID_ARGUMENT, "a Prefill with target_follows carries no target"));
+    }
+    late_ = true;
+    transfer_->target_ready.store(false, std::memory_order_relaxed);
+    Admitted({});
+    service_->AwaitTarget(shared_from_this());
+    return;
+  }
+  grpc::Status resolved = ResolveTarget(request_.target(), &transfer_->to);
+  if (resolved.ok()) resolved = SizeStaging(transfer_->to);
+  if (!resolved.ok()) return End(resolved);
+  // Over CUDA IPC the copies read the cache, ordered on its stream before any later reuse: no
+  // staging, no admission queue.
+  if (transfer_->to.device()) return Admitted({});
+  service_->Admit(shared_from_this());
+}
+
+grpc::Status PrefillService::PrefillCall::ResolveTarget(const v1::KvTarget& target, Destination* to) {
   if (target.receiver_descriptor().empty() || (target.block_ids().empty() && target.device_block_ids().empty())) {
-    return End(Error(grpc::StatusCode::INVALID_ARGUMENT,
-                     "the KV target (receiver_descriptor and block_ids from the decode worker's ReserveKv) is required"));
+    return Error(grpc::StatusCode::INVALID_ARGUMENT,
+                 "the KV target (receiver_descriptor and block_ids from the decode worker's ReserveKv) is required");
   }
   // Before connecting or writing anything: only where a decode worker granted this transfer.
   if (absl::Status granted = rpc::VerifyKvTarget(service_->options_.kv_target_key, target); !granted.ok()) {
-    return End(rpc::ToGrpc(granted));
+    return rpc::ToGrpc(granted);
   }
   // Blocks this thread only the first time a decode worker is seen (the UCX connection).
   absl::StatusOr<kvtransfer::PeerId> peer = service_->PeerFor(target.receiver_descriptor());
@@ -184,47 +225,79 @@ void PrefillService::PrefillCall::Start() {
     const grpc::StatusCode code = peer.status().code() == absl::StatusCode::kInvalidArgument
                                       ? grpc::StatusCode::INVALID_ARGUMENT
                                       : grpc::StatusCode::UNAVAILABLE;
-    return End(Error(code, absl::StrCat("cannot connect to the decode worker's KV receiver: ", peer.status().message())));
+    return Error(code, absl::StrCat("cannot connect to the decode worker's KV receiver: ", peer.status().message()));
   }
-  transfer_ = std::make_shared<Transfer>();
-  transfer_->transfer_id = target.transfer_id();
-  transfer_->peer = *peer;
-  transfer_->path = service_->sender_->path(*peer);
-  const auto& dst = transfer_->device() ? target.device_block_ids() : target.block_ids();
+  to->receiver_descriptor = target.receiver_descriptor();
+  to->transfer_id = target.transfer_id();
+  to->peer = *peer;
+  to->path = service_->sender_->path(*peer);
+  const auto& dst = to->device() ? target.device_block_ids() : target.block_ids();
   if (dst.empty()) {
-    (void)service_->sender_->Abort(transfer_->peer, transfer_->transfer_id);
-    return End(Error(grpc::StatusCode::FAILED_PRECONDITION,
-                     absl::StrCat("the KV target has no blocks for the ",
-                                  std::string(kvtransfer::TransferPathName(transfer_->path)),
-                                  " path this prefill worker uses to that decode worker")));
+    (void)service_->sender_->Abort(to->peer, to->transfer_id);
+    return Error(grpc::StatusCode::FAILED_PRECONDITION,
+                 absl::StrCat("the KV target has no blocks for the ", std::string(kvtransfer::TransferPathName(to->path)),
+                              " path this prefill worker uses to that decode worker"));
   }
-  transfer_->dst_block_ids.assign(dst.begin(), dst.end());
+  to->dst_block_ids.assign(dst.begin(), dst.end());
   // A migrated request's output so far is prefilled with its prompt, and their KV shipped together.
-  const int64_t prompt_len = request_.prompt_token_ids_size() + request_.output_token_ids_size();
-  if (target.first_token() >= prompt_len || target.first_token() % uint32_t(service_->block_size_) != 0) {
-    (void)service_->sender_->Abort(transfer_->peer, transfer_->transfer_id);
-    return End(Error(grpc::StatusCode::FAILED_PRECONDITION,
-                     absl::StrCat("the KV target starts at token ", target.first_token(), " of ", prompt_len,
-                                  ": not before the prompt's end on a boundary of this worker's ",
-                                  service_->block_size_, "-token blocks")));
+  if (target.first_token() >= prompt_len() || target.first_token() % uint32_t(service_->block_size_) != 0) {
+    (void)service_->sender_->Abort(to->peer, to->transfer_id);
+    return Error(grpc::StatusCode::FAILED_PRECONDITION,
+                 absl::StrCat("the KV target starts at token ", target.first_token(), " of ", prompt_len(),
+                              ": not before the prompt's end on a boundary of this worker's ", service_->block_size_,
+                              "-token blocks"));
   }
-  transfer_->first_token = target.first_token();
-  transfer_->prompt_len = uint32_t(prompt_len);
-  num_blocks_ = (prompt_len + service_->block_size_ - 1) / service_->block_size_ -
-                int64_t(transfer_->first_token) / service_->block_size_;
-  // Over CUDA IPC the copies read the cache, ordered on its stream before any later reuse: no
-  // staging, no admission queue.
-  if (transfer_->device()) return Admitted({});
-  if (num_blocks_ > service_->staging_->num_blocks()) {
-    (void)service_->sender_->Abort(transfer_->peer, transfer_->transfer_id);
-    return End(Error(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                     absl::StrCat("the prompt's KV (", num_blocks_, " blocks) is larger than the prefill worker's staging (",
-                                  service_->staging_->num_blocks(), " blocks; see --kv-staging-tokens)")));
+  to->first_token = target.first_token();
+  return grpc::Status::OK;
+}
+
+grpc::Status PrefillService::PrefillCall::SizeStaging(const Destination& to) {
+  if (to.device()) return grpc::Status::OK;
+  num_blocks_ = (prompt_len() + service_->block_size_ - 1) / service_->block_size_ -
+                int64_t(to.first_token) / service_->block_size_;
+  if (num_blocks_ <= service_->staging_->num_blocks()) return grpc::Status::OK;
+  (void)service_->sender_->Abort(to.peer, to.transfer_id);
+  return Error(grpc::StatusCode::RESOURCE_EXHAUSTED,
+               absl::StrCat("the prompt's KV (", num_blocks_.load(), " blocks) is larger than the prefill worker's staging (",
+                            service_->staging_->num_blocks(), " blocks; see --kv-staging-tokens)"));
+}
+
+grpc::Status PrefillService::PrefillCall::AttachTarget(const v1::KvTarget& target) {
+  Destination to;
+  grpc::Status status = ResolveTarget(target, &to);
+  if (status.ok()) status = SizeStaging(to);
+  if (!status.ok()) {
+    FailLate(status);
+    return status;
   }
-  service_->Admit(shared_from_this());
+  if (to.device()) {
+    service_->PublishTarget(transfer_, to, {});
+    return grpc::Status::OK;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    late_target_ = std::move(to);
+  }
+  service_->Admit(shared_from_this());  // Admitted publishes it with its staging
+  return grpc::Status::OK;
+}
+
+void PrefillService::PrefillCall::FailLate(const grpc::Status& status) {
+  service_->loop_->Abort(id());
+  service_->loop_->Post([service = service_, id = id()](LlmEngine& engine) { service->DropKept(engine, id); });
+  End(status);
 }
 
 void PrefillService::PrefillCall::Admitted(std::vector<int32_t> staging_blocks) {
+  std::optional<Destination> late_target;
+  {
+    absl::MutexLock lock(&mu_);
+    late_target.swap(late_target_);
+  }
+  if (late_target.has_value()) {  // the request is in the engine already
+    service_->PublishTarget(transfer_, *late_target, std::move(staging_blocks));
+    return;
+  }
   transfer_->staging_block_ids = std::move(staging_blocks);
   transfer_->call = shared_from_this();  // until the shipment ends (EndShipment)
   {
@@ -261,6 +334,8 @@ void PrefillService::PrefillCall::AddToEngine(LlmEngine& engine) {
     return End(rpc::ToGrpc(added));
   }
   const SequenceId seq = engine.Find(request_id)->seq_id;
+  // Should the forward pass end before the target comes, its blocks wait for it.
+  if (late_) (void)engine.KeepKvWhenFinished(request_id);
   service_->transfers_[seq] = transfer_;
   service_->loop_->Subscribe(request_id, [self = shared_from_this(), seq, &engine](const RequestOutput& out) {
     if (out.finished) self->OnFinished(engine, seq, out);  // max_tokens 1: the token comes with the finish
@@ -272,21 +347,29 @@ void PrefillService::PrefillCall::AddToEngine(LlmEngine& engine) {
 
 void PrefillService::PrefillCall::OnFinished(LlmEngine& engine, SequenceId seq, const RequestOutput& out) {
   // The request is still readable here (the loop releases it after this callback).
-  if (const Request* req = engine.Find(out.id); req != nullptr && !out.new_token_ids.empty() &&
+  const Request* req = engine.Find(out.id);
+  if (req != nullptr && !out.new_token_ids.empty() &&
       (out.finish_reason == FinishReason::kStop || out.finish_reason == FinishReason::kLength)) {
     RecordPrefill(*req);
   }
+  std::optional<SequenceId> kept = req != nullptr ? req->kept_kv : std::nullopt;
   auto it = service_->transfers_.find(seq);
   if (it != service_->transfers_.end()) {
-    // Never shipped (aborted or failed before its step): let the decode worker release the lease.
-    // Started but not finished (a failed step): end it after the layers in flight.
-    if (it->second->stage == Transfer::Stage::kUnsent) {
-      service_->DropShipment(it->second);
-    } else if (it->second->stage == Transfer::Stage::kSending) {
-      service_->FinishShipment(it->second, absl::AbortedError("the prompt's KV was not shipped"));
-    }
+    std::shared_ptr<Transfer> t = std::move(it->second);
     service_->transfers_.erase(it);
+    // Its forward pass is complete but its late target has not come: the blocks wait for it.
+    // Otherwise never shipped (aborted or failed before its step): let the decode worker release
+    // the lease. Started but not finished (a failed step): end it after the layers in flight.
+    if (t->stage == Transfer::Stage::kUnsent && kept.has_value()) {
+      service_->KeepForLateTarget(engine, t, *std::exchange(kept, std::nullopt));
+    } else if (t->stage == Transfer::Stage::kUnsent) {
+      service_->DropShipment(t);
+    } else if (t->stage == Transfer::Stage::kSending) {
+      service_->FinishShipment(t, absl::AbortedError("the prompt's KV was not shipped"));
+    }
   }
+  // Shipped during the forward pass: the copies are behind it, on the cache's stream or staged.
+  if (kept.has_value()) engine.ReleaseKv(*kept);
   OnOutput(out);
 }
 
@@ -342,7 +425,7 @@ grpc::Status PrefillService::PrefillCall::Reply(const RequestOutput& out, const 
     return Error(grpc::StatusCode::INTERNAL, absl::StrCat("prefill of request '", request_id, "' failed: ", out.error));
   }
   if (!shipped.ok()) {
-    if (IsPeerFailure(shipped)) service_->ForgetPeer(request_.target().receiver_descriptor(), transfer_->peer);
+    if (IsPeerFailure(shipped)) service_->ForgetPeer(transfer_->to.receiver_descriptor, transfer_->to.peer);
     const grpc::StatusCode code = shipped.code() == absl::StatusCode::kInvalidArgument
                                       ? grpc::StatusCode::INVALID_ARGUMENT
                                       : grpc::StatusCode::UNAVAILABLE;
@@ -372,6 +455,7 @@ void PrefillService::PrefillCall::End(const grpc::Status& status, const v1::Pref
     if (ended_) return;
     ended_ = true;
   }
+  if (late_) service_->StopAwaitingTarget(id());
   if (status.ok() && reply != nullptr) *response_ = *reply;
   Finish(status);
 }
@@ -384,17 +468,36 @@ void PrefillService::PrefillCall::OnCancel() {
     stage = stage_;
   }
   if (stage == Stage::kAdmitting && service_->LeaveAdmission(id()) != nullptr) {
-    (void)service_->sender_->Abort(transfer_->peer, transfer_->transfer_id);
+    (void)service_->sender_->Abort(transfer_->to.peer, transfer_->to.transfer_id);
   } else if (stage == Stage::kInEngine) {
     service_->loop_->Abort(id());  // the subscription then ends the shipment if it had not started
+    if (late_) {
+      // Its target may wait for staging; the forward pass may be over, its blocks kept.
+      if (service_->LeaveAdmission(id()) != nullptr) AbortLateTarget();
+      service_->loop_->Post([service = service_, id = id()](LlmEngine& engine) { service->DropKept(engine, id); });
+    }
   }
   // Admitted but not yet in the engine: AddToEngine sees `cancelled_`.
   End(Error(grpc::StatusCode::CANCELLED, "the Prefill call was cancelled"));
 }
 
 void PrefillService::PrefillCall::AbortWhileWaiting() {
-  (void)service_->sender_->Abort(transfer_->peer, transfer_->transfer_id);
-  End(Error(grpc::StatusCode::ABORTED, absl::StrCat("request '", id(), "' was aborted")));
+  const grpc::Status aborted = Error(grpc::StatusCode::ABORTED, absl::StrCat("request '", id(), "' was aborted"));
+  if (late_) {
+    AbortLateTarget();
+    return FailLate(aborted);
+  }
+  (void)service_->sender_->Abort(transfer_->to.peer, transfer_->to.transfer_id);
+  End(aborted);
+}
+
+void PrefillService::PrefillCall::AbortLateTarget() {
+  std::optional<Destination> to;
+  {
+    absl::MutexLock lock(&mu_);
+    to.swap(late_target_);
+  }
+  if (to.has_value()) (void)service_->sender_->Abort(to->peer, to->transfer_id);
 }
 
 // ---- Admission ----
@@ -449,36 +552,38 @@ void PrefillService::OnLayerDone(int64_t layer, absl::Span<const SequenceChunk> 
     const std::shared_ptr<Transfer>& t = it->second;
     // Only the chunk that completes the prompt ships (chunked prefill: all blocks at once).
     if (chunk.start_position + int64_t(chunk.tokens.size()) != int64_t(t->prompt_len)) continue;
-    if (t->stage == Transfer::Stage::kUnsent && (layer != 0 || !BeginShipment(t, chunk))) continue;
+    if (t->stage == Transfer::Stage::kUnsent) {
+      // A late target ships from the layer during which it came, the layers before at once.
+      if (!t->target_ready.load(std::memory_order_acquire) || !BeginShipment(t, chunk.block_table)) continue;
+      for (int64_t before = 0; before < layer && t->stage == Transfer::Stage::kSending; ++before) ShipLayer(t, before);
+    }
     if (t->stage == Transfer::Stage::kSending) ShipLayer(t, layer);
   }
 }
 
-bool PrefillService::BeginShipment(const std::shared_ptr<Transfer>& t, const SequenceChunk& chunk) {
+bool PrefillService::BeginShipment(const std::shared_ptr<Transfer>& t, absl::Span<const int32_t> block_table) {
   t->stage = Transfer::Stage::kSending;
-  const uint32_t prompt_len = uint32_t(chunk.start_position + int64_t(chunk.tokens.size()));
-  const size_t end_block = (prompt_len + uint32_t(block_size_) - 1) / uint32_t(block_size_);
-  const size_t first_block = t->first_token / uint32_t(block_size_);
-  t->num_tokens = prompt_len - t->first_token;
-  if (chunk.block_table.size() < end_block ||
-      (!t->device() && t->staging_block_ids.size() != end_block - first_block)) {
+  const size_t end_block = (t->prompt_len + uint32_t(block_size_) - 1) / uint32_t(block_size_);
+  const size_t first_block = t->to.first_token / uint32_t(block_size_);
+  t->num_tokens = t->prompt_len - t->to.first_token;
+  if (block_table.size() < end_block ||
+      (!t->to.device() && t->staging_block_ids.size() != end_block - first_block)) {
     FinishShipment(t, absl::InternalError("the prefill sequence's block table does not cover its prompt"));
     return false;
   }
-  t->cache_block_ids.assign(chunk.block_table.begin() + int64_t(first_block),
-                            chunk.block_table.begin() + int64_t(end_block));
+  t->cache_block_ids.assign(block_table.begin() + int64_t(first_block), block_table.begin() + int64_t(end_block));
   t->send_start = std::chrono::steady_clock::now();
   return true;
 }
 
 void PrefillService::ShipLayer(const std::shared_ptr<Transfer>& t, int64_t layer) {
   kvtransfer::LayerSend send;
-  send.request_id = t->transfer_id;
+  send.request_id = t->to.transfer_id;
   send.layer = uint32_t(layer);
   send.num_tokens = t->num_tokens;
-  send.dst_block_ids = t->dst_block_ids;
+  send.dst_block_ids = t->to.dst_block_ids;
   send.with_checksums = options_.verify_kv_checksums;
-  if (t->device()) {
+  if (t->to.device()) {
     // Copied from the cache blocks on the executor's stream, right behind the layer.
     send.src_block_ids.assign(t->cache_block_ids.begin(), t->cache_block_ids.end());
     send.device_stream = device_stream_;
@@ -491,23 +596,29 @@ void PrefillService::ShipLayer(const std::shared_ptr<Transfer>& t, int64_t layer
     send.src_block_ids.assign(t->staging_block_ids.begin(), t->staging_block_ids.end());
   }
   // Its outcome is reported by Finish, which resolves after every SendLayer of the request.
-  (void)sender_->SendLayer(t->peer, std::move(send));
+  (void)sender_->SendLayer(t->to.peer, std::move(send));
   if (layer == num_layers_ - 1) FinishShipment(t, absl::OkStatus());
 }
 
 void PrefillService::FinishShipment(const std::shared_ptr<Transfer>& t, absl::Status why) {
   t->stage = Transfer::Stage::kEnded;
   // Layers already sent may still be reading the staging: Finish reports after them.
-  sender_->Finish(t->peer, t->transfer_id, [this, t, why = std::move(why)](const absl::Status& finished) {
+  sender_->Finish(t->to.peer, t->to.transfer_id, [this, t, why = std::move(why)](const absl::Status& finished) {
     if (why.ok()) return EndShipment(t, finished, /*count_failure=*/true);
-    (void)sender_->Abort(t->peer, t->transfer_id);
+    (void)sender_->Abort(t->to.peer, t->to.transfer_id);
     EndShipment(t, why, /*count_failure=*/true);
   });
 }
 
 void PrefillService::DropShipment(const std::shared_ptr<Transfer>& t) {
   t->stage = Transfer::Stage::kEnded;
-  if (!stopping_) (void)sender_->Abort(t->peer, t->transfer_id);
+  bool has_target;
+  {
+    absl::MutexLock lock(&t->target_mu);
+    t->dropped = true;
+    has_target = t->target_ready.load(std::memory_order_relaxed);
+  }
+  if (has_target && !stopping_) (void)sender_->Abort(t->to.peer, t->to.transfer_id);
   EndShipment(t, absl::AbortedError("the prompt's KV was not shipped"), /*count_failure=*/false);
 }
 
@@ -517,16 +628,123 @@ void PrefillService::EndShipment(const std::shared_ptr<Transfer>& t, const absl:
   AdmitWaiting();
   if (status.ok()) {
     const double bytes = double(t->num_tokens) * double(kv_token_bytes_);
-    const std::string_view path = kvtransfer::TransferPathName(t->path);
+    const std::string_view path = kvtransfer::TransferPathName(t->to.path);
     metrics_->kv_transfer_bytes.Observe(bytes);
     metrics_->kv_transfer_bytes_total(path).Inc(bytes);
     metrics_->kv_transfer_seconds(path).Observe(Seconds(std::chrono::steady_clock::now() - t->send_start));
-    transfers_by_path_[size_t(t->path)].fetch_add(1, std::memory_order_relaxed);
+    transfers_by_path_[size_t(t->to.path)].fetch_add(1, std::memory_order_relaxed);
   } else if (count_failure) {
     metrics_->kv_transfer_failures.Inc();
   }
   std::shared_ptr<PrefillCall> call = std::move(t->call);
   if (call != nullptr) call->OnShipped(status);
+}
+
+// ---- Late targets ----
+
+bool PrefillService::PublishTarget(const std::shared_ptr<Transfer>& t, const Destination& to,
+                                   std::vector<int32_t> staging) {
+  bool published = false;
+  {
+    absl::MutexLock lock(&t->target_mu);
+    if (!t->dropped) {
+      t->to = to;
+      t->staging_block_ids = std::move(staging);
+      t->target_ready.store(true, std::memory_order_release);
+      published = true;
+    }
+  }
+  if (!published) {  // the shipment ended before the target came
+    (void)sender_->Abort(to.peer, to.transfer_id);
+    staging_->Free(staging);
+    AdmitWaiting();
+    return false;
+  }
+  // A forward pass under way ships from its next layer; one that is over, from the kept blocks.
+  loop_->Post([this, t](LlmEngine& engine) { ShipKept(engine, t); });
+  return true;
+}
+
+void PrefillService::KeepForLateTarget(LlmEngine& engine, const std::shared_ptr<Transfer>& t, SequenceId kept) {
+  t->kept_kv = kept;
+  kept_transfers_[t->request_id] = t;
+  ShipKept(engine, t);  // the target may have come after the last layer
+}
+
+void PrefillService::ShipKept(LlmEngine& engine, const std::shared_ptr<Transfer>& t) {
+  if (t->stage != Transfer::Stage::kUnsent || !t->kept_kv.has_value() ||
+      !t->target_ready.load(std::memory_order_acquire)) {
+    return;
+  }
+  if (BeginShipment(t, engine.BlockTable(*t->kept_kv))) {
+    for (int64_t layer = 0; layer < num_layers_ && t->stage == Transfer::Stage::kSending; ++layer) ShipLayer(t, layer);
+  }
+  // The copies are on the cache's stream (or staged) ahead of any reuse of the blocks.
+  ReleaseKept(engine, t);
+}
+
+void PrefillService::DropKept(LlmEngine& engine, const std::string& request_id) {
+  auto it = kept_transfers_.find(request_id);
+  if (it == kept_transfers_.end()) return;
+  std::shared_ptr<Transfer> t = it->second;
+  if (t->stage == Transfer::Stage::kUnsent) DropShipment(t);
+  ReleaseKept(engine, t);
+}
+
+void PrefillService::ReleaseKept(LlmEngine& engine, const std::shared_ptr<Transfer>& t) {
+  if (t->kept_kv.has_value()) engine.ReleaseKv(*std::exchange(t->kept_kv, std::nullopt));
+  kept_transfers_.erase(t->request_id);
+}
+
+void PrefillService::AwaitTarget(const std::shared_ptr<PrefillCall>& call) {
+  std::optional<v1::KvTarget> unclaimed;
+  {
+    absl::MutexLock lock(&late_mu_);
+    auto it = unclaimed_targets_.find(call->id());
+    if (it == unclaimed_targets_.end()) {
+      awaiting_target_[call->id()] = call;
+      return;
+    }
+    unclaimed = std::move(it->second);
+    unclaimed_targets_.erase(it);
+  }
+  (void)call->AttachTarget(*unclaimed);  // its error, if any, ends the call
+}
+
+std::shared_ptr<PrefillService::PrefillCall> PrefillService::TakeWaitingCall(const std::string& request_id,
+                                                                             const v1::KvTarget* unclaimed) {
+  absl::MutexLock lock(&late_mu_);
+  auto it = awaiting_target_.find(request_id);
+  if (it != awaiting_target_.end()) {
+    std::shared_ptr<PrefillCall> call = std::move(it->second);
+    awaiting_target_.erase(it);
+    return call;
+  }
+  // Ahead of its Prefill call (or after it ended; then the router's Abort, carrying the target,
+  // tells the decode worker).
+  if (unclaimed != nullptr && unclaimed_targets_.emplace(request_id, *unclaimed).second) {
+    unclaimed_order_.push_back(request_id);
+    if (unclaimed_order_.size() > kMaxUnclaimedTargets) {
+      unclaimed_targets_.erase(unclaimed_order_.front());
+      unclaimed_order_.pop_front();
+    }
+  }
+  return nullptr;
+}
+
+void PrefillService::StopAwaitingTarget(const std::string& request_id) {
+  absl::MutexLock lock(&late_mu_);
+  awaiting_target_.erase(request_id);
+  unclaimed_targets_.erase(request_id);
+}
+
+grpc::ServerUnaryReactor* PrefillService::SetKvTarget(grpc::CallbackServerContext* context,
+                                                      const v1::SetKvTargetRequest* request,
+                                                      v1::SetKvTargetResponse*) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  std::shared_ptr<PrefillCall> call = TakeWaitingCall(request->request_id(), &request->target());
+  reactor->Finish(call != nullptr ? call->AttachTarget(request->target()) : grpc::Status::OK);
+  return reactor;
 }
 
 absl::StatusOr<kvtransfer::PeerId> PrefillService::PeerFor(const std::string& descriptor) {
@@ -566,6 +784,7 @@ grpc::ServerUnaryReactor* PrefillService::Abort(grpc::CallbackServerContext* con
   const std::string& id = request->request_id();
   std::shared_ptr<PrefillCall> waiting = LeaveAdmission(id);
   if (waiting != nullptr) waiting->AbortWhileWaiting();
+  StopAwaitingTarget(id);
   std::optional<v1::KvTarget> target;
   if (request->has_kv_target()) target = request->kv_target();
   // A request in the engine is aborted between steps (its shipment, if under way, ends with a
@@ -574,8 +793,14 @@ grpc::ServerUnaryReactor* PrefillService::Abort(grpc::CallbackServerContext* con
     const Request* req = engine.Find(id);
     const bool running = req != nullptr && !req->finished();
     if (running) loop_->Abort(id);
-    if (!found && !running) AbortUnknown(id, target ? &*target : nullptr);
-    response->set_found(found || running);
+    auto kept_it = kept_transfers_.find(id);
+    const bool kept = kept_it != kept_transfers_.end();
+    if (kept) {  // its forward pass is over, its blocks wait for a late target
+      if (kept_it->second->call != nullptr) kept_it->second->call->AbortKept();
+      DropKept(engine, id);
+    }
+    if (!found && !running && !kept) AbortUnknown(id, target ? &*target : nullptr);
+    response->set_found(found || running || kept);
     reactor->Finish(grpc::Status::OK);
   });
   return reactor;
@@ -615,6 +840,7 @@ grpc::ServerUnaryReactor* PrefillService::GetStats(grpc::CallbackServerContext* 
                                                    v1::WorkerStats* response) {
   rpc::FillWorkerStats(loop_->Stats(), "prefill", block_size_, response);
   response->set_num_kv_leases(0);
+  response->set_late_kv_target(true);
   response->set_sp_ranks(sequence_parallel_.ranks);
   response->set_sp_min_tokens(sequence_parallel_.min_tokens);
   {

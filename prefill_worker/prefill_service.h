@@ -13,6 +13,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,8 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
 
   grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* context, const v1::PrefillRequest* request,
                                     v1::PrefillResponse* response) override;
+  grpc::ServerUnaryReactor* SetKvTarget(grpc::CallbackServerContext* context, const v1::SetKvTargetRequest* request,
+                                        v1::SetKvTargetResponse* response) override;
   grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context, const v1::WorkerAbortRequest* request,
                                   v1::WorkerAbortResponse* response) override;
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context, const v1::GetStatsRequest* request,
@@ -81,9 +84,13 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
   class PrefillCall;  // the reactor of one Prefill call
 
   // One Prefill call's KV shipment: started by the engine thread at the first layer of the step
-  // that completes the prompt, ended by the sender's completion (or a local failure).
-  struct Transfer {
-    enum class Stage { kUnsent, kSending, kEnded };
+  // that completes the prompt, ended by the sender's completion (or a local failure). A late
+  // target (PrefillRequest.target_follows) starts it at the layer during which the target arrives
+  // (the layers before are sent at once), or after the forward pass from the blocks the engine
+  // kept for it.
+  // Where a shipment goes: a decode worker's KV target, checked and connected to.
+  struct Destination {
+    std::string receiver_descriptor;
     uint64_t transfer_id = 0;
     kvtransfer::PeerId peer = 0;
     kvtransfer::TransferPath path = kvtransfer::TransferPath::kUcxNetwork;
@@ -91,14 +98,27 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
     std::vector<uint32_t> dst_block_ids;
     // Prefix caching: the decode worker holds tokens [0, first_token); only the rest are sent.
     uint32_t first_token = 0;
+  };
+  struct Transfer {
+    enum class Stage { kUnsent, kSending, kEnded };
+    std::string request_id;
     uint32_t prompt_len = 0;  // the step whose chunk ends here completes the prompt and ships it
+    // Set before the engine thread sees the transfer, or (a late target) before `target_ready`.
+    Destination to;
     std::vector<int32_t> staging_block_ids;  // taken at admission, freed when the shipment ends
     std::shared_ptr<PrefillCall> call;       // told how the shipment ended
+    // A late target: `target_ready` once `to` and the staging are set (true from the start
+    // otherwise); `dropped` once the shipment ended before it came, which its thread then tells
+    // the decode worker. Both change under target_mu.
+    absl::Mutex target_mu;
+    std::atomic<bool> target_ready{true};
+    bool dropped ABSL_GUARDED_BY(target_mu) = false;
     // Engine thread only, until the stage is kEnded.
     Stage stage = Stage::kUnsent;
-    uint32_t num_tokens = 0;               // tokens sent: [first_token, prompt length)
+    uint32_t num_tokens = 0;               // tokens sent: [to.first_token, prompt length)
     std::vector<int32_t> cache_block_ids;  // their blocks, staged into staging_block_ids layer by layer
     std::chrono::steady_clock::time_point send_start{};  // the first SendLayer
+    std::optional<SequenceId> kept_kv;     // the prompt's blocks, kept after the forward pass
   };
 
   PrefillService(std::unique_ptr<LlmEngine> engine, std::unique_ptr<kvtransfer::KvSender> sender,
@@ -113,8 +133,24 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
 
   // The engine's per-layer hook (engine thread, inside the forward pass).
   void OnLayerDone(int64_t layer, absl::Span<const SequenceChunk> chunks);
-  bool BeginShipment(const std::shared_ptr<Transfer>& t, const SequenceChunk& chunk);
+  // `block_table`: the prompt's blocks in the cache.
+  bool BeginShipment(const std::shared_ptr<Transfer>& t, absl::Span<const int32_t> block_table);
   void ShipLayer(const std::shared_ptr<Transfer>& t, int64_t layer);
+  // Engine thread. The forward pass ended before a late target came: the engine keeps the prompt's
+  // blocks (`kept`) until ShipKept has sent them or DropKept gives up on them.
+  void KeepForLateTarget(LlmEngine& engine, const std::shared_ptr<Transfer>& t, SequenceId kept);
+  void ShipKept(LlmEngine& engine, const std::shared_ptr<Transfer>& t);
+  void DropKept(LlmEngine& engine, const std::string& request_id);
+  void ReleaseKept(LlmEngine& engine, const std::shared_ptr<Transfer>& t);
+  // A late target for `t`, resolved (peer, path, blocks) and with its staging: the engine thread
+  // ships from the next layer or from the kept blocks. False when the shipment already ended.
+  bool PublishTarget(const std::shared_ptr<Transfer>& t, const Destination& to, std::vector<int32_t> staging);
+  // Late targets: calls waiting for theirs, and targets that came before their call (the latest
+  // kMaxUnclaimedTargets; the router aborts with the target should the call never come).
+  void AwaitTarget(const std::shared_ptr<PrefillCall>& call) ABSL_LOCKS_EXCLUDED(late_mu_);
+  std::shared_ptr<PrefillCall> TakeWaitingCall(const std::string& request_id, const v1::KvTarget* unclaimed)
+      ABSL_LOCKS_EXCLUDED(late_mu_);
+  void StopAwaitingTarget(const std::string& request_id) ABSL_LOCKS_EXCLUDED(late_mu_);
   // Ends a shipment: after the layers in flight when some were sent, telling the decode worker to
   // drop the blocks unless it succeeded. `why` OK: it should have succeeded.
   void FinishShipment(const std::shared_ptr<Transfer>& t, absl::Status why);
@@ -149,8 +185,16 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
   absl::Mutex admission_mu_;
   std::deque<std::shared_ptr<PrefillCall>> waiting_ ABSL_GUARDED_BY(admission_mu_);
 
-  // Engine thread only: transfers keyed by the engine's sequence id.
+  // Engine thread only: transfers keyed by the engine's sequence id; those whose forward pass
+  // ended before their late target came, keyed by request id.
   std::map<SequenceId, std::shared_ptr<Transfer>> transfers_;
+  std::map<std::string, std::shared_ptr<Transfer>> kept_transfers_;
+
+  static constexpr size_t kMaxUnclaimedTargets = 1024;
+  absl::Mutex late_mu_;
+  std::map<std::string, std::shared_ptr<PrefillCall>> awaiting_target_ ABSL_GUARDED_BY(late_mu_);
+  std::map<std::string, v1::KvTarget> unclaimed_targets_ ABSL_GUARDED_BY(late_mu_);
+  std::deque<std::string> unclaimed_order_ ABSL_GUARDED_BY(late_mu_);
   // Engine thread only: requests aborted here while unknown (their Prefill call not arrived, or
   // over), the latest kMaxAbortedUnknown: a Prefill for one that arrives after its Abort ships
   // nothing, since the decode worker has been told its blocks are free.

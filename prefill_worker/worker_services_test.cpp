@@ -193,6 +193,14 @@ class WorkerServicesTest : public ::testing::Test {
     v1::PrefillResponse pre;
     r.prefill = Prefill(id, sampling, target, &pre);
     if (!r.prefill.ok()) return r;
+    ReadDecode(id, transfer_id, sampling, pre, &r);
+    return r;
+  }
+
+  // Decode's stream into `r`.
+  void ReadDecode(const std::string& id, uint64_t transfer_id, const v1::SamplingOptions& sampling,
+                  const v1::PrefillResponse& pre, FlowResult* out) {
+    FlowResult& r = *out;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
     auto reader = decode_stub_->Decode(&ctx, DecodeRequestFor(id, transfer_id, sampling, pre));
@@ -211,7 +219,59 @@ class WorkerServicesTest : public ::testing::Test {
       }
     }
     r.decode = reader->Finish();
-    return r;
+  }
+
+  // A Prefill whose target follows (SetKvTarget), on a thread of its own.
+  struct LatePrefillCall {
+    std::thread thread;
+    grpc::Status status;
+    v1::PrefillResponse response;
+  };
+  std::unique_ptr<LatePrefillCall> StartLatePrefill(const std::string& id, const v1::SamplingOptions& sampling,
+                                                    std::chrono::milliseconds deadline = std::chrono::seconds(20)) {
+    auto call = std::make_unique<LatePrefillCall>();
+    v1::PrefillRequest req;
+    req.set_request_id(id);
+    for (int32_t t : prompt_) req.add_prompt_token_ids(t);
+    *req.mutable_sampling() = sampling;
+    req.set_target_follows(true);
+    call->thread = std::thread([this, call = call.get(), req, deadline] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + deadline);
+      call->status = prefill_stub_->Prefill(&ctx, req, &call->response);
+    });
+    return call;
+  }
+  grpc::Status SetKvTarget(const std::string& id, const v1::KvTarget& target) {
+    grpc::ClientContext ctx;
+    v1::SetKvTargetRequest req;
+    req.set_request_id(id);
+    *req.mutable_target() = target;
+    v1::SetKvTargetResponse resp;
+    return prefill_stub_->SetKvTarget(&ctx, req, &resp);
+  }
+  v1::WorkerStats PrefillStats() {
+    grpc::ClientContext ctx;
+    v1::WorkerStats stats;
+    EXPECT_TRUE(prefill_stub_->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+    return stats;
+  }
+  // Waits until the prefill worker runs no request and holds no blocks (none kept).
+  bool PrefillBecomesIdle(std::chrono::milliseconds timeout = std::chrono::seconds(5)) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      v1::WorkerStats s = PrefillStats();
+      if (s.num_free_kv_blocks() == s.num_kv_blocks() && s.num_requests_running() == 0 &&
+          s.num_requests_waiting() == 0) {
+        return true;
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        ADD_FAILURE() << "prefill worker not idle: free " << s.num_free_kv_blocks() << "/" << s.num_kv_blocks()
+                      << ", running " << s.num_requests_running();
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
   }
 
   // Default: the decode cache's own pools are registered with UCX (host caches); the prefill
@@ -608,6 +668,110 @@ TEST_F(WorkerServicesTest, PrefillAbortOfAnUnknownRequestFreesItsTargetOnTheDeco
   v1::PrefillResponse pre;
   EXPECT_EQ(Prefill("lost", v1::SamplingOptions(), target, &pre).error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_TRUE(DecodeBecomesIdle(std::chrono::milliseconds(2000)));
+}
+
+// A late KV target (PrefillRequest.target_follows, then SetKvTarget): whether it comes after the
+// forward pass (the engine keeps the prompt's blocks for it), while the pass runs, or before the
+// Prefill call itself, the decode worker gets the same KV and continues the local output.
+enum class TargetTiming { kAfterTheForwardPass, kDuringIt, kBeforeTheCall };
+
+class LateTargetWorkerTest : public WorkerServicesTest, public ::testing::WithParamInterface<TargetTiming> {};
+
+TEST_P(LateTargetWorkerTest, OutputMatchesLocalGenerationAndNothingStaysHeld) {
+  SamplingParams p;
+  p.temperature = 0.9f;
+  p.seed = 5;
+  p.max_tokens = 12;
+  p.ignore_eos = true;
+  const std::vector<int32_t> expected = LocalOutput(prompt_, p);
+  const v1::SamplingOptions sampling = rpc::ToSamplingOptions(p);
+  v1::KvTarget target;
+  ASSERT_TRUE(Reserve("late", 41, 10000, &target).ok());
+  std::unique_ptr<LatePrefillCall> call;
+  switch (GetParam()) {
+    case TargetTiming::kAfterTheForwardPass:
+      call = StartLatePrefill("late", sampling);
+      // The forward pass is over when the prefill worker runs nothing and still holds the blocks.
+      for (int i = 0; i < 500; ++i) {
+        const v1::WorkerStats s = PrefillStats();
+        if (s.num_requests_running() == 0 && s.num_free_kv_blocks() < s.num_kv_blocks()) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      EXPECT_LT(PrefillStats().num_free_kv_blocks(), PrefillStats().num_kv_blocks()) << "blocks kept";
+      ASSERT_TRUE(SetKvTarget("late", target).ok());
+      break;
+    case TargetTiming::kDuringIt:
+      call = StartLatePrefill("late", sampling);
+      ASSERT_TRUE(SetKvTarget("late", target).ok());
+      break;
+    case TargetTiming::kBeforeTheCall:
+      ASSERT_TRUE(SetKvTarget("late", target).ok());
+      call = StartLatePrefill("late", sampling);
+      break;
+  }
+  call->thread.join();
+  ASSERT_TRUE(call->status.ok()) << call->status.error_message();
+  FlowResult r;
+  ReadDecode("late", 41, sampling, call->response, &r);
+  ASSERT_TRUE(r.decode.ok()) << r.decode.error_message();
+  EXPECT_EQ(r.tokens, expected);
+  EXPECT_TRUE(PrefillBecomesIdle());
+  EXPECT_TRUE(DecodeBecomesIdle());
+  EXPECT_EQ(PrefillStats().kv_transfers_by_path().begin()->second, 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Timing, LateTargetWorkerTest,
+                         ::testing::Values(TargetTiming::kAfterTheForwardPass, TargetTiming::kDuringIt,
+                                           TargetTiming::kBeforeTheCall),
+                         [](const ::testing::TestParamInfo<TargetTiming>& info) {
+                           switch (info.param) {
+                             case TargetTiming::kAfterTheForwardPass: return "AfterTheForwardPass";
+                             case TargetTiming::kDuringIt: return "DuringIt";
+                             case TargetTiming::kBeforeTheCall: return "BeforeTheCall";
+                           }
+                           return "";
+                         });
+
+TEST_F(WorkerServicesTest, PrefillStatsSayItTakesALateTarget) { EXPECT_TRUE(PrefillStats().late_kv_target()); }
+
+// A late Prefill whose target never comes: its deadline (or an Abort) ends it, and the blocks the
+// engine kept for it are freed.
+TEST_F(WorkerServicesTest, ALatePrefillWithoutItsTargetFreesItsKeptBlocks) {
+  std::unique_ptr<LatePrefillCall> expired = StartLatePrefill("no-target", LongGreedy(), std::chrono::milliseconds(1500));
+  expired->thread.join();
+  EXPECT_EQ(expired->status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_TRUE(PrefillBecomesIdle());
+
+  std::unique_ptr<LatePrefillCall> aborted = StartLatePrefill("aborted", LongGreedy());
+  for (int i = 0; i < 500 && PrefillStats().num_free_kv_blocks() == PrefillStats().num_kv_blocks(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::WorkerAbortRequest req;
+    req.set_request_id("aborted");
+    v1::WorkerAbortResponse resp;
+    ASSERT_TRUE(prefill_stub_->Abort(&ctx, req, &resp).ok());
+    EXPECT_TRUE(resp.found());
+  }
+  aborted->thread.join();
+  EXPECT_EQ(aborted->status.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_TRUE(PrefillBecomesIdle());
+}
+
+// A late target the prefill worker cannot use fails its Prefill call as well, and tells the decode
+// worker nothing is coming.
+TEST_F(WorkerServicesTest, ALateTargetWithTooFewBlocksFailsThePrefill) {
+  v1::KvTarget target;
+  ASSERT_TRUE(Reserve("short", 43, 10000, &target).ok());
+  target.mutable_block_ids()->RemoveLast();
+  std::unique_ptr<LatePrefillCall> call = StartLatePrefill("short", LongGreedy());
+  const grpc::Status set = SetKvTarget("short", target);
+  call->thread.join();
+  EXPECT_FALSE(call->status.ok());
+  EXPECT_TRUE(PrefillBecomesIdle());
+  EXPECT_TRUE(DecodeBecomesIdle());
+  (void)set;  // refused when the target is checked there, or the transfer fails
 }
 
 TEST_F(WorkerServicesTest, ReserveKvWithoutRoomIsResourceExhausted) {

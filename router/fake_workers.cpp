@@ -1,5 +1,6 @@
 #include "router/fake_workers.h"
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -34,6 +35,25 @@ grpc::Status FakePrefillWorker::Prefill(grpc::ServerContext* context, const v1::
   if (fail_unavailable || (fail_resumed && request->output_token_ids_size() > 0)) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake prefill is unavailable");
   }
+  if (request->target_follows()) {
+    ++num_late_prefills;
+    if (!late_kv_target) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "fake prefill takes no late target");
+    const std::string& id = request->request_id();
+    for (;;) {
+      absl::MutexLock lock(&mu_);
+      auto arrived = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return late_targets_.count(id) != 0 || std::count(aborted_.begin(), aborted_.end(), id) != 0;
+      };
+      if (mu_.AwaitWithTimeout(absl::Condition(&arrived), absl::Milliseconds(5))) {
+        if (late_targets_.erase(id) == 0) return grpc::Status(grpc::StatusCode::ABORTED, "aborted");
+        break;
+      }
+      if (context->IsCancelled()) {
+        ++num_cancelled;
+        return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+      }
+    }
+  }
   if (!SleepUnlessCancelled(context, prefill_delay_ms)) {
     ++num_cancelled;
     return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
@@ -55,6 +75,15 @@ grpc::Status FakePrefillWorker::Prefill(grpc::ServerContext* context, const v1::
   return grpc::Status::OK;
 }
 
+grpc::Status FakePrefillWorker::SetKvTarget(grpc::ServerContext*, const v1::SetKvTargetRequest* request,
+                                            v1::SetKvTargetResponse*) {
+  if (fail_set_kv_target) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake SetKvTarget failure");
+  absl::MutexLock lock(&mu_);
+  late_targets_[request->request_id()] = request->target();
+  targets_set_.push_back(request->target().transfer_id());
+  return grpc::Status::OK;
+}
+
 grpc::Status FakePrefillWorker::Abort(grpc::ServerContext*, const v1::WorkerAbortRequest* request,
                                       v1::WorkerAbortResponse* response) {
   if (request->has_kv_target()) ++num_aborts_with_kv_target;
@@ -67,6 +96,7 @@ grpc::Status FakePrefillWorker::GetStats(grpc::ServerContext*, const v1::GetStat
                                          v1::WorkerStats* response) {
   std::this_thread::sleep_for(std::chrono::milliseconds(stats_delay_ms.load()));
   response->set_role("prefill");
+  response->set_late_kv_target(late_kv_target);
   response->set_num_kv_blocks(100);
   response->set_num_free_kv_blocks(100);
   response->set_block_size(16);
@@ -81,6 +111,11 @@ std::vector<int32_t> FakePrefillWorker::last_prompt() const {
 std::vector<int32_t> FakePrefillWorker::last_output_tokens() const {
   absl::MutexLock lock(&mu_);
   return last_output_tokens_;
+}
+
+std::vector<uint64_t> FakePrefillWorker::targets_set() const {
+  absl::MutexLock lock(&mu_);
+  return targets_set_;
 }
 
 std::vector<std::string> FakePrefillWorker::aborted() const {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,11 +19,18 @@ class FakePrefillWorker final : public v1::PrefillWorker::Service {
  public:
   grpc::Status Prefill(grpc::ServerContext* context, const v1::PrefillRequest* request,
                        v1::PrefillResponse* response) override;
+  grpc::Status SetKvTarget(grpc::ServerContext* context, const v1::SetKvTargetRequest* request,
+                           v1::SetKvTargetResponse* response) override;
   grpc::Status Abort(grpc::ServerContext* context, const v1::WorkerAbortRequest* request,
                      v1::WorkerAbortResponse* response) override;
   grpc::Status GetStats(grpc::ServerContext* context, const v1::GetStatsRequest* request,
                         v1::WorkerStats* response) override;
 
+  // Says it takes late KV targets (set before the router polls it): a Prefill with
+  // target_follows waits for its SetKvTarget before it goes on (ABORTED by an Abort first).
+  std::atomic<bool> late_kv_target{false};
+  std::atomic<bool> fail_set_kv_target{false};  // SetKvTarget returns UNAVAILABLE
+  std::atomic<int> num_late_prefills{0};
   // The first token; for a migrated request (output_token_ids) first_token + their number.
   std::atomic<int> first_token{1000};
   // The reply's first_token_finish_reason: LENGTH (the request goes on past the token, so the
@@ -42,9 +50,12 @@ class FakePrefillWorker final : public v1::PrefillWorker::Service {
   std::vector<int32_t> last_prompt() const;
   std::vector<int32_t> last_output_tokens() const;  // the last Prefill's output_token_ids
   std::vector<std::string> aborted() const;
+  std::vector<uint64_t> targets_set() const;  // the transfer ids SetKvTarget brought, in order
 
  private:
   mutable absl::Mutex mu_;
+  std::map<std::string, v1::KvTarget> late_targets_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> targets_set_ ABSL_GUARDED_BY(mu_);
   std::vector<int32_t> last_prompt_ ABSL_GUARDED_BY(mu_);
   std::vector<int32_t> last_output_tokens_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> aborted_ ABSL_GUARDED_BY(mu_);

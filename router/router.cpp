@@ -118,6 +118,7 @@ class RouterImpl : public Router {
       return absl::InvalidArgumentError("max_request_migrations must not be negative");
     }
     service_options.max_request_migrations = options.max_request_migrations;
+    service_options.overlap_kv_reservation = !options.sequential_kv_reservation;
     service_options.metrics_registry = &metrics_registry_;
     service_options.chat_template = chat_template_.get();
     if (options.enable_auto_tool_choice) service_options.auto_tool_call_format = tool_call_format;

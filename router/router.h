@@ -36,6 +36,9 @@ struct RouterOptions {
   // Moves of a request to another prefill/decode pair when its decode worker fails mid-stream
   // (request migration, router/router_service.h); 0: none, the stream fails.
   int max_request_migrations = 1;
+  // ReserveKv, then Prefill, one after the other, instead of side by side (RouterServiceOptions::
+  // overlap_kv_reservation).
+  bool sequential_kv_reservation = false;
   // "prefix-aware" (router/prefix_aware_policy.h) or "least-loaded" (router/assignment_policy.h).
   std::string routing_policy = "prefix-aware";
   double prefix_affinity = 4.0;  // prefix-aware: requests in flight a whole cached prompt is worth

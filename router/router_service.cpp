@@ -129,6 +129,11 @@ const std::string& PrefillMethod() {
   return name;
 }
 
+const std::string& SetKvTargetMethod() {
+  static const std::string name = absl::StrCat("/", v1::PrefillWorker::service_full_name(), "/SetKvTarget");
+  return name;
+}
+
 // Parses a worker's message here rather than in the stub: the generated stubs drop a parse
 // failure (a unary call then answers OK with an empty reply; a stream read just ends, and the
 // stream stays open).
@@ -169,6 +174,8 @@ void CallWorker(const Worker& worker, const std::string& method, std::shared_ptr
 // it (ReserveKv → Prefill → Decode, each started from the previous one's callback). The chain is
 // sequential, so its state needs no lock; only Abort and OnCancel come from elsewhere, and they
 // go through ActiveCall. The object lives while the server call or any worker call needs it.
+// With a late target (RouterServiceOptions::overlap_kv_reservation) Prefill goes out beside
+// ReserveKv; the two meet under join_mu_: whichever ends last goes on, so the chain stays one.
 class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
                                           public std::enable_shared_from_this<GenerateCall> {
  public:
@@ -223,8 +230,21 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   int32_t PrefillBlockAlignment() const;
   void OnReserved(const grpc::Status& status, const v1::ReserveKvResponse* reply);
   void ReserveFailed();
+  // The prefill worker for the request (null: none is up).
+  Worker* PickPrefillWorker();
+  bool PrefillWorkersTakeLateTargets() const;
   void StartPrefill();
+  void EndWithoutPrefillWorker();
+  // `late`: the target follows in SetKvTarget (DeliverTarget).
+  void SendPrefill(Worker* prefill, bool late);
+  // Late targets. The reservation is made: the target goes to the Prefill call in flight (or, if
+  // that has ended, the reservation is released). The reservation chain ends without one: the
+  // Prefill is aborted (unless it has ended).
+  void DeliverTarget();
+  void AbandonLatePrefill();
+  bool TakeLatePrefillOutcome();
   void OnPrefilled(const grpc::Status& status, const v1::PrefillResponse* reply);
+  void HandlePrefilled(const grpc::Status& status, const v1::PrefillResponse* reply);
   void OnPrefillUnavailable(const std::string& what);
   void StartDecode();
   // Writes the prefill worker's token to the client before the Decode call starts, when the
@@ -279,7 +299,7 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   void RecordPlacement(Worker* worker);
   // The decode stream finished: the decode worker now holds the prompt and the output's KV.
   void RecordDecoded();
-  void RecordWorkerCall(metrics::RouterMetrics::WorkerCall call);
+  void RecordWorkerCall(metrics::RouterMetrics::WorkerCall call, std::chrono::steady_clock::time_point started_at);
 
   Live live_;
   RouterService* const service_;
@@ -312,6 +332,19 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   Worker* prefill_ = nullptr;
   InFlightGuard prefill_in_flight_;
   v1::PrefillResponse prefilled_;
+  // A late target: the Prefill call went out beside the reservation chain, which is under way
+  // while `reserving_`; a Prefill that ends meanwhile leaves its outcome for the chain's end.
+  struct PrefillOutcome {
+    grpc::Status status;
+    std::optional<v1::PrefillResponse> reply;
+  };
+  bool late_target_ = false;
+  absl::Mutex join_mu_;
+  bool reserving_ ABSL_GUARDED_BY(join_mu_) = false;
+  bool prefill_abandoned_ ABSL_GUARDED_BY(join_mu_) = false;  // aborted by the chain's end: ignore its reply
+  std::optional<PrefillOutcome> prefill_outcome_ ABSL_GUARDED_BY(join_mu_);
+  std::string target_failure_ ABSL_GUARDED_BY(join_mu_);  // why SetKvTarget failed
+  int late_attempt_ ABSL_GUARDED_BY(join_mu_) = 0;        // placements with a late target so far
 
   // The relay. One server write at a time: the next stream read starts when it is done.
   DecodeStream* stream_ = nullptr;  // until OnDecodeDone
@@ -349,8 +382,8 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   std::string finish_reason_;
   double queue_seconds_ = 0;  // arrival until the prefill gate let it through
   std::chrono::steady_clock::time_point first_token_at_{}, last_token_at_{};
-  // When the worker call in progress began (router_worker_call_seconds).
-  std::chrono::steady_clock::time_point call_started_at_{};
+  // When the worker calls in progress began (router_worker_call_seconds).
+  std::chrono::steady_clock::time_point reserve_started_at_{}, prefill_started_at_{}, decode_started_at_{};
   v1::GenerateResponse last_;  // the closing "abort" message
 };
 
@@ -668,9 +701,26 @@ void RouterService::GenerateCall::LeaveGate() {
 }
 
 void RouterService::GenerateCall::BeginReserve() {
-  info_.excluded = failed_decode_;
   last_exhausted_.clear();
   last_failure_.clear();
+  late_target_ = false;
+  // Only where every prefill worker up takes one (a rolling upgrade mixes them): the policy picks
+  // the worker once, here or after the reservation.
+  if (service_->options_.overlap_kv_reservation && PrefillWorkersTakeLateTargets()) {
+    if (Worker* prefill = PickPrefillWorker(); prefill != nullptr) {
+      {
+        absl::MutexLock lock(&join_mu_);
+        ++late_attempt_;
+        reserving_ = true;
+        prefill_abandoned_ = false;
+        prefill_outcome_.reset();
+        target_failure_.clear();
+      }
+      late_target_ = true;
+      SendPrefill(prefill, /*late=*/true);
+    }
+  }
+  info_.excluded = failed_decode_;
   ReserveNext();
 }
 
@@ -681,7 +731,7 @@ void RouterService::GenerateCall::ReserveNext() {
   decode_in_flight_ = InFlightGuard(decode);
   transfer_id_ = service_->NewTransferId();
   target_shipped_ = false;
-  call_started_at_ = std::chrono::steady_clock::now();
+  reserve_started_at_ = std::chrono::steady_clock::now();
   v1::ReserveKvRequest request;
   request.set_request_id(prepared_.request_id);
   request.set_transfer_id(transfer_id_);
@@ -717,12 +767,13 @@ void RouterService::GenerateCall::OnReserved(const grpc::Status& status, const v
   NoteDeadline(status);
   if (status.ok()) {
     if (reply != nullptr && reply->target().transfer_id() == transfer_id_) {
-      RecordWorkerCall(metrics::RouterMetrics::WorkerCall::kReserveKv);
+      RecordWorkerCall(metrics::RouterMetrics::WorkerCall::kReserveKv, reserve_started_at_);
       target_ = reply->target();
       RecordPlacement(decode_);
-      return StartPrefill();
+      return late_target_ ? DeliverTarget() : StartPrefill();
     }
     AbortOnWorker(decode_);  // whatever it reserved
+    AbandonLatePrefill();
     return End(grpc::Status(
         grpc::StatusCode::INTERNAL,
         reply == nullptr ? absl::StrCat(decode_->label(), " answered ReserveKv with a reply that is not a valid ",
@@ -738,7 +789,10 @@ void RouterService::GenerateCall::OnReserved(const grpc::Status& status, const v
   }
   decode_ = nullptr;
   decode_in_flight_.Reset();
-  if (Interrupted()) return EndInterrupted();
+  if (Interrupted()) {
+    AbandonLatePrefill();
+    return EndInterrupted();
+  }
   info_.excluded.push_back(decode);
   const std::string what = WorkerError(*decode, status, prepared_.request_id);
   switch (status.error_code()) {
@@ -752,6 +806,7 @@ void RouterService::GenerateCall::OnReserved(const grpc::Status& status, const v
       return;
     default:
       if (!IsWorkerFailure(status.error_code())) {
+        AbandonLatePrefill();
         return End(grpc::Status(status.error_code(), what));
       }
       last_failure_ = what;
@@ -761,6 +816,7 @@ void RouterService::GenerateCall::OnReserved(const grpc::Status& status, const v
 }
 
 void RouterService::GenerateCall::ReserveFailed() {
+  AbandonLatePrefill();
   if (Interrupted()) return EndInterrupted();
   if (!last_exhausted_.empty()) {
     return End(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -778,23 +834,47 @@ void RouterService::GenerateCall::ReserveFailed() {
   End(grpc::Status(grpc::StatusCode::UNAVAILABLE, why));
 }
 
-void RouterService::GenerateCall::StartPrefill() {
+bool RouterService::GenerateCall::PrefillWorkersTakeLateTargets() const {
+  bool any = false;
+  for (const Worker* w : service_->registry_->prefill_workers()) {
+    if (!w->up()) continue;
+    const std::optional<v1::WorkerStats> stats = w->stats();
+    if (!stats.has_value() || !stats->late_kv_target()) return false;
+    any = true;
+  }
+  return any;
+}
+
+Worker* RouterService::GenerateCall::PickPrefillWorker() {
   info_.excluded = excluded_prefill_;
   Worker* prefill = service_->policy_->PickPrefill(info_);
   if (prefill == nullptr && !excluded_prefill_.empty()) {
     info_.excluded.clear();  // the retry: the failed worker answers its stats and is the only one
     prefill = service_->policy_->PickPrefill(info_);
   }
+  return prefill;
+}
+
+void RouterService::GenerateCall::StartPrefill() {
+  Worker* prefill = PickPrefillWorker();
   if (prefill == nullptr) {
     AbortOnWorker(decode_);
-    if (!excluded_prefill_.empty()) {
-      return End(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                              absl::StrCat(excluded_prefill_.back()->label(), " failed and no prefill worker is up")));
-    }
-    return End(grpc::Status(grpc::StatusCode::UNAVAILABLE, service_->registry_->prefill_workers().empty()
-                                                               ? "no prefill workers are configured"
-                                                               : "no prefill worker is up"));
+    return EndWithoutPrefillWorker();
   }
+  SendPrefill(prefill, /*late=*/false);
+}
+
+void RouterService::GenerateCall::EndWithoutPrefillWorker() {
+  if (!excluded_prefill_.empty()) {
+    return End(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            absl::StrCat(excluded_prefill_.back()->label(), " failed and no prefill worker is up")));
+  }
+  End(grpc::Status(grpc::StatusCode::UNAVAILABLE, service_->registry_->prefill_workers().empty()
+                                                      ? "no prefill workers are configured"
+                                                      : "no prefill worker is up"));
+}
+
+void RouterService::GenerateCall::SendPrefill(Worker* prefill, bool late) {
   prefill_ = prefill;
   prefill_in_flight_ = InFlightGuard(prefill);
   RecordPlacement(prefill);
@@ -803,9 +883,13 @@ void RouterService::GenerateCall::StartPrefill() {
   request.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
   request.mutable_output_token_ids()->Assign(output_token_ids_.begin(), output_token_ids_.begin() + resumed_tokens_);
   *request.mutable_sampling() = prepared_.sampling;
-  *request.mutable_target() = target_;
-  call_started_at_ = std::chrono::steady_clock::now();
-  target_shipped_ = true;
+  if (late) {
+    request.set_target_follows(true);
+  } else {
+    *request.mutable_target() = target_;
+    target_shipped_ = true;
+  }
+  prefill_started_at_ = std::chrono::steady_clock::now();
   CallWorker<v1::PrefillResponse>(
       *prefill, PrefillMethod(), Downstream(service_->options_.prefill_timeout), std::move(request),
       [self = shared_from_this()](const grpc::Status& status, const v1::PrefillResponse* reply) {
@@ -813,7 +897,88 @@ void RouterService::GenerateCall::StartPrefill() {
       });
 }
 
+void RouterService::GenerateCall::DeliverTarget() {
+  // A Prefill that already ended (it failed) never got the target: the reservation goes at once.
+  if (TakeLatePrefillOutcome()) return;
+  v1::SetKvTargetRequest request;
+  request.set_request_id(prepared_.request_id);
+  *request.mutable_target() = target_;
+  target_shipped_ = true;
+  Worker* const prefill = prefill_;
+  int attempt;
+  {
+    absl::MutexLock lock(&join_mu_);
+    attempt = late_attempt_;
+  }
+  CallWorker<v1::SetKvTargetResponse>(
+      *prefill, SetKvTargetMethod(), Downstream(service_->options_.reserve_timeout), std::move(request),
+      [self = shared_from_this(), prefill, target = target_, attempt](const grpc::Status& status,
+                                                                                     const v1::SetKvTargetResponse*) {
+        if (status.ok()) return;
+        // The Prefill waits for a target that is not coming: abort it (its reply ends the
+        // request), telling the decode worker through the prefill worker should it have the call.
+        {
+          absl::MutexLock lock(&self->join_mu_);
+          if (self->late_attempt_ != attempt) return;  // that placement has failed and been retried
+          self->target_failure_ = WorkerError(*prefill, status, self->prepared_.request_id);
+        }
+        v1::WorkerAbortRequest abort;
+        abort.set_request_id(self->prepared_.request_id);
+        *abort.mutable_kv_target() = target;
+        self->service_->aborts_->Send(prefill, std::move(abort));
+      });
+  // The Prefill's reply may have come while the target went out: it goes on from here.
+  std::optional<PrefillOutcome> outcome;
+  {
+    absl::MutexLock lock(&join_mu_);
+    reserving_ = false;
+    outcome.swap(prefill_outcome_);
+  }
+  if (outcome.has_value()) HandlePrefilled(outcome->status, outcome->reply ? &*outcome->reply : nullptr);
+}
+
+bool RouterService::GenerateCall::TakeLatePrefillOutcome() {
+  std::optional<PrefillOutcome> outcome;
+  {
+    absl::MutexLock lock(&join_mu_);
+    if (!prefill_outcome_.has_value()) return false;
+    reserving_ = false;
+    outcome.swap(prefill_outcome_);
+  }
+  // Its failure releases the reservation at once (the target never left); a success without a
+  // target is a broken worker's.
+  if (outcome->status.ok()) {
+    outcome->status = grpc::Status(grpc::StatusCode::INTERNAL,
+                                   absl::StrCat(prefill_->label(), " answered Prefill before it had its KV target"));
+  }
+  HandlePrefilled(outcome->status, nullptr);
+  return true;
+}
+
+void RouterService::GenerateCall::AbandonLatePrefill() {
+  if (!late_target_) return;
+  {
+    absl::MutexLock lock(&join_mu_);
+    reserving_ = false;
+    prefill_outcome_.reset();  // it ended by itself (a failure): nothing to add
+    prefill_abandoned_ = true;
+  }
+  AbortOnWorker(prefill_);  // also when it ended here: a call cut off may still run there
+}
+
 void RouterService::GenerateCall::OnPrefilled(const grpc::Status& status, const v1::PrefillResponse* reply) {
+  if (late_target_) {
+    absl::MutexLock lock(&join_mu_);
+    if (prefill_abandoned_) return;
+    if (reserving_) {  // the reservation chain takes it from here
+      prefill_outcome_ = PrefillOutcome{status, reply != nullptr ? std::optional(*reply) : std::nullopt};
+      return;
+    }
+  }
+  HandlePrefilled(status, reply);
+}
+
+void RouterService::GenerateCall::HandlePrefilled(const grpc::Status& status, const v1::PrefillResponse* reply) {
   prefill_in_flight_.Reset();
   NoteDeadline(status);
   std::string invalid;  // why an OK reply cannot be used
@@ -824,7 +989,7 @@ void RouterService::GenerateCall::OnPrefilled(const grpc::Status& status, const 
                                         resumed() ? -1 : prepared_.params.prompt_logprobs,
                                         service_->options_.vocab_size);
     if (invalid.empty()) {
-      RecordWorkerCall(metrics::RouterMetrics::WorkerCall::kPrefill);
+      RecordWorkerCall(metrics::RouterMetrics::WorkerCall::kPrefill, prefill_started_at_);
       prefilled_ = *reply;
       if (WriteFirstTokenEarly()) return;  // the Decode call starts once the token is out
       return StartDecode();
@@ -837,6 +1002,15 @@ void RouterService::GenerateCall::OnPrefilled(const grpc::Status& status, const 
   if (Interrupted()) {
     AbortOnWorker(prefill_);
     return EndInterrupted();
+  }
+  std::string target_failure;
+  if (late_target_) {
+    absl::MutexLock lock(&join_mu_);
+    target_failure = target_failure_;
+  }
+  if (!target_failure.empty()) {  // aborted for want of its target
+    return End(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            absl::StrCat("the KV target could not be sent to the prefill worker: ", target_failure)));
   }
   const std::string what = WorkerError(*prefill_, status, prepared_.request_id);
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
@@ -935,7 +1109,7 @@ void RouterService::GenerateCall::StartDecode() {
     request.set_output_text_bytes(resumed_text_bytes_);
   }
   stream_context_ = Downstream(absl::InfiniteDuration());
-  call_started_at_ = std::chrono::steady_clock::now();
+  decode_started_at_ = std::chrono::steady_clock::now();
   stream_ = new DecodeStream(shared_from_this(), stream_context_, std::move(request));
   stream_->Start(*decode_);  // its callbacks may already be running: nothing after this
 }
@@ -956,7 +1130,7 @@ void RouterService::GenerateCall::OnDecodeMessage(grpc::ByteBuffer* bytes) {
   }
   out_.set_request_id(prepared_.client_request_id);
   if (early_first_text_.has_value()) {  // the decode worker's first message
-    RecordWorkerCall(metrics::RouterMetrics::WorkerCall::kDecodeFirstMessage);
+    RecordWorkerCall(metrics::RouterMetrics::WorkerCall::kDecodeFirstMessage, decode_started_at_);
     const bool repeated = DropEarlyFirstToken(&out_);
     early_first_text_.reset();
     if (!repeated) {
@@ -969,7 +1143,7 @@ void RouterService::GenerateCall::OnDecodeMessage(grpc::ByteBuffer* bytes) {
     if (out_.token_ids_size() == 0 && out_.text().empty() && !out_.finished()) return stream_->ReadNext();
   }
   if (!prompt_sent_) {
-    RecordWorkerCall(metrics::RouterMetrics::WorkerCall::kDecodeFirstMessage);
+    RecordWorkerCall(metrics::RouterMetrics::WorkerCall::kDecodeFirstMessage, decode_started_at_);
     if (out_.prompt_token_ids().empty()) {
       out_.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
     }
@@ -1329,8 +1503,9 @@ void RouterService::GenerateCall::RecordPlacement(Worker* worker) {
   service_->metrics_->routed_prompt_blocks_cached(decode).Inc(double(cached));
 }
 
-void RouterService::GenerateCall::RecordWorkerCall(metrics::RouterMetrics::WorkerCall call) {
-  service_->metrics_->worker_call_seconds(call).Observe(Seconds(std::chrono::steady_clock::now() - call_started_at_));
+void RouterService::GenerateCall::RecordWorkerCall(metrics::RouterMetrics::WorkerCall call,
+                                                   std::chrono::steady_clock::time_point started_at) {
+  service_->metrics_->worker_call_seconds(call).Observe(Seconds(std::chrono::steady_clock::now() - started_at));
 }
 
 void RouterService::GenerateCall::RecordDecoded() {

@@ -70,6 +70,10 @@ struct RouterServiceOptions {
   // How often a request whose decode worker fails mid-stream moves to another prefill/decode pair
   // (see the top of this file); 0: it fails with UNAVAILABLE.
   int max_request_migrations = 1;
+  // Send Prefill together with ReserveKv, the KV target following in SetKvTarget, to prefill
+  // workers that take a late target (WorkerStats.late_kv_target): the reservation's round trip
+  // overlaps the prefill instead of adding to the time to first token. False: one after the other.
+  bool overlap_kv_reservation = true;
   // Prompt tokens of the requests between their KV reservation and the end of their prefill, per
   // prefill worker up (a request alone may exceed it). The others wait in the router, in arrival
   // order, before reserving: a reservation is not held, nor its lease spent, while a long queue at

@@ -78,6 +78,7 @@ class RouterServiceTest : public ::testing::Test {
   void Start(int num_prefill, int num_decode, RouterServiceOptions options = {}) {
     for (int i = 0; i < num_prefill; ++i) {
       prefill_.push_back(std::make_unique<FakePrefillWorker>());
+      prefill_.back()->late_kv_target = late_target_fakes_;
       prefill_servers_.push_back(std::make_unique<FakeServer>(prefill_.back().get()));
     }
     for (int i = 0; i < num_decode; ++i) {
@@ -167,6 +168,7 @@ class RouterServiceTest : public ::testing::Test {
   std::unique_ptr<MalformedDecodeWorker> malformed_decode_;
   std::unique_ptr<WorkerRegistry> registry_;
   bool prefix_aware_ = false;  // PrefixAwarePolicy instead of LeastLoadedPolicy
+  bool late_target_fakes_ = false;  // the fake prefill workers take late KV targets
   PrefixIndex prefix_index_;
   std::unique_ptr<AssignmentPolicy> policy_;
   std::unique_ptr<RouterService> service_;
@@ -1298,6 +1300,113 @@ TEST_F(RouterServiceTest, CancelOrDeadlineDuringReserveKvAbortsOnTheDecodeWorker
   EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(true, true));
   EXPECT_EQ(decode_[0]->num_decodes, 0);
   EXPECT_EQ(prefill_[0]->num_prefills, 0);
+  EXPECT_TRUE(WaitFor([&] { return service_->num_in_flight() == 0; }, 3000));
+}
+
+// Prefill workers that take a late KV target: Prefill goes out beside ReserveKv, and the target
+// follows in SetKvTarget.
+class LateTargetTest : public RouterServiceTest {
+ protected:
+  void SetUp() override { late_target_fakes_ = true; }
+};
+
+TEST_F(LateTargetTest, PrefillStartsBeforeTheReservationIsAnsweredAndGetsItsTarget) {
+  Start(1, 1);
+  decode_[0]->reserve_delay_ms = 1500;
+  Result result;
+  std::thread client([&] { result = Generate(TokenRequest({1, 2, 3}, 4, "overlap")); });
+  EXPECT_TRUE(WaitFor([&] { return prefill_[0]->num_late_prefills == 1; }, 1400));
+  EXPECT_EQ(decode_[0]->num_reserved, 0);  // still reserving
+  client.join();
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(result.tokens(), (std::vector<int32_t>{1000, 1001, 1002, 1003}));
+  EXPECT_EQ(decode_[0]->num_reserved, 1);
+  EXPECT_THAT(prefill_[0]->targets_set(), ::testing::ElementsAre(decode_[0]->last_transfer_id()));
+  EXPECT_TRUE(decode_[0]->aborted().empty());
+  EXPECT_TRUE(WaitFor([&] { return service_->num_in_flight() == 0; }, 3000));
+  EXPECT_EQ(registry_->prefill_workers()[0]->in_flight(), 0);
+  EXPECT_EQ(registry_->decode_workers()[0]->in_flight(), 0);
+}
+
+TEST_F(LateTargetTest, SequentialReservationSendsTheTargetWithThePrefill) {
+  RouterServiceOptions options;
+  options.overlap_kv_reservation = false;
+  Start(1, 1, options);
+  Result result = Generate(TokenRequest({1, 2}, 2));
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(prefill_[0]->num_late_prefills, 0);
+  EXPECT_TRUE(prefill_[0]->targets_set().empty());
+}
+
+TEST_F(LateTargetTest, TheTargetComesFromTheDecodeWorkerWithRoom) {
+  Start(1, 2);
+  decode_[0]->kv_full = true;
+  Result result = Generate(TokenRequest({1, 2}, 2));
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(prefill_[0]->num_late_prefills, 1);
+  EXPECT_THAT(prefill_[0]->targets_set(), ::testing::ElementsAre(decode_[1]->last_transfer_id()));
+  EXPECT_EQ(decode_[1]->num_decodes, 1);
+}
+
+TEST_F(LateTargetTest, NoRoomForTheKvAbortsThePrefill) {
+  Start(1, 1);
+  decode_[0]->kv_full = true;
+  Result full = Generate(TokenRequest({1, 2}, 2, "full"));
+  EXPECT_EQ(full.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(full.status.error_message(), HasSubstr("no decode worker has room"));
+  EXPECT_TRUE(WaitFor([&] { return prefill_[0]->aborted().size() == 1; }, 3000));
+  EXPECT_THAT(prefill_[0]->aborted(), ::testing::ElementsAre(::testing::StartsWith("full@")));
+  EXPECT_EQ(prefill_[0]->num_aborts_with_kv_target, 0);  // no target was made
+  EXPECT_TRUE(prefill_[0]->targets_set().empty());
+  EXPECT_TRUE(WaitFor([&] { return service_->num_in_flight() == 0; }, 3000));
+}
+
+TEST_F(LateTargetTest, APrefillFailingWhileReservingReleasesTheReservationAtOnce) {
+  Start(1, 1);
+  decode_[0]->reserve_delay_ms = 200;
+  prefill_[0]->fail_unavailable = true;  // answers at once, before the reservation
+  Result result = Generate(TokenRequest({1, 2}, 2, "failing"));
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(prefill_[0]->num_prefills, 2);  // retried once
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 2; }, 3000));
+  // Neither reservation's target went anywhere.
+  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(true, true));
+  EXPECT_TRUE(prefill_[0]->targets_set().empty());
+  EXPECT_EQ(decode_[0]->num_decodes, 0);
+}
+
+TEST_F(LateTargetTest, ATargetThatCannotBeSentEndsTheRequestUnavailable) {
+  Start(1, 1);
+  prefill_[0]->fail_set_kv_target = true;
+  Result result = Generate(TokenRequest({1, 2}, 2, "lost"));
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(result.status.error_message(), HasSubstr("KV target could not be sent"));
+  // The prefill worker is told with the target (to tell the decode worker); the decode worker
+  // releases the reservation once its sender is done.
+  EXPECT_EQ(prefill_[0]->num_aborts_with_kv_target, 1);
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 1; }, 3000));
+  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false));
+  EXPECT_EQ(decode_[0]->num_decodes, 0);
+  EXPECT_TRUE(WaitFor([&] { return service_->num_in_flight() == 0; }, 3000));
+}
+
+TEST_F(LateTargetTest, ClientCancelWhileReservingReachesBothWorkers) {
+  Start(1, 1);
+  decode_[0]->reserve_delay_ms = 300;
+  grpc::ClientContext context;
+  std::thread canceller([&] {
+    WaitFor([&] { return prefill_[0]->num_late_prefills == 1; });
+    context.TryCancel();
+  });
+  auto reader = stub_->Generate(&context, TokenRequest({1}, 5, "gone"));
+  v1::GenerateResponse message;
+  EXPECT_FALSE(reader->Read(&message));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  canceller.join();
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->num_reserved == 1 && decode_[0]->aborted().size() == 1; }, 3000));
+  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(true));
+  EXPECT_TRUE(WaitFor([&] { return !prefill_[0]->aborted().empty(); }, 3000));
+  EXPECT_TRUE(prefill_[0]->targets_set().empty());
   EXPECT_TRUE(WaitFor([&] { return service_->num_in_flight() == 0; }, 3000));
 }
 

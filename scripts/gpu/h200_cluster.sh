@@ -77,6 +77,8 @@ grep -h "tok/s" "$OUT/engine.log" | sed 's/^.*\] /  /'
 # "mps-prefillN" (MPS, the prefill worker on N% of the SMs: duet serve --prefill-gpu-percent N),
 # "mps-decodeN" (the decode worker on N%: --decode-gpu-percent N) or "mps-prefillN-decodeM" (both).
 # A mode may end in "-budgetT": the workers' --max-num-batched-tokens T instead of 8192.
+# A mode with "sequential" in its name: the router sends Prefill after the KV reservation instead
+# of beside it (duet serve --sequential-kv-reservation), as before late targets.
 # SHARING lists the modes to run, each a whole cluster run of its own under $OUT/<mode>.
 SHARING=${SHARING:-timeslice}
 mps_dir=/tmp/duet-mps
@@ -105,6 +107,7 @@ local priority=() share=()  # serve runs prefill workers at MPS client priority 
 [[ $mode == mps-equal ]] && priority=(env CUDA_MPS_CLIENT_PRIORITY=0)
 [[ $mode =~ prefill([0-9]+) ]] && share+=(--prefill-gpu-percent "${BASH_REMATCH[1]}")
 [[ $mode =~ decode([0-9]+) ]] && share+=(--decode-gpu-percent "${BASH_REMATCH[1]}")
+[[ $mode =~ sequential ]] && share+=(--sequential-kv-reservation)
 local budget=8192
 [[ $mode =~ budget([0-9]+) ]] && budget=${BASH_REMATCH[1]}
 "${priority[@]}" duet serve "${share[@]}" --model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --prefill-workers 1 \

@@ -132,6 +132,15 @@ std::vector<grpc::StatusCode> CallEveryInternalRpc(const std::string& decode_add
     v1::PrefillResponse resp;
     codes.push_back(prefill->Prefill(&ctx, req, &resp).error_code());
   }
+  {
+    grpc::ClientContext ctx;
+    WithDeadline(&ctx, token);
+    v1::SetKvTargetRequest req;
+    req.set_request_id("victim");
+    req.mutable_target()->set_transfer_id(777);
+    v1::SetKvTargetResponse resp;
+    codes.push_back(prefill->SetKvTarget(&ctx, req, &resp).error_code());
+  }
   return codes;
 }
 
