@@ -219,6 +219,11 @@ PrefillMetrics::PrefillMetrics(Registry& registry, std::string_view model_name)
                      "Histogram of the time a prefill reply waited for its KV transfer after the prompt's last "
                      "layer, in seconds.",
                      KvTransferSecondsBuckets()),
+      late_targets_by_arrival_(&registry.AddCounter(
+          "duet:kv_late_targets_total",
+          "KV targets that reached the prefill worker after its Prefill call, by when they came against the "
+          "forward pass (before_forward, during_forward, after_forward).",
+          {"model_name", "role", "arrived"})),
       transfer_bytes_by_path_(&registry.AddCounter("duet:kv_transfer_bytes_total",
                                                    "KV-cache bytes sent to decode workers, by transfer path.",
                                                    {"model_name", "role", "path"})),
@@ -227,6 +232,10 @@ PrefillMetrics::PrefillMetrics(Registry& registry, std::string_view model_name)
           "Histogram of KV-cache transfer time per request between prefill and decode workers, in seconds, by "
           "transfer path.",
           {"model_name", "role", "path"}, KvTransferSecondsBuckets())) {}
+
+Counter& PrefillMetrics::kv_late_targets_total(std::string_view arrived) const {
+  return late_targets_by_arrival_->WithLabels({labels_[0], labels_[1], std::string(arrived)});
+}
 
 Counter& PrefillMetrics::kv_transfer_bytes_total(std::string_view path) const {
   return transfer_bytes_by_path_->WithLabels({labels_[0], labels_[1], std::string(path)});

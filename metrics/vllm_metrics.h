@@ -204,8 +204,13 @@ class PrefillMetrics : public EngineMetrics {
   // How long the reply waited for the transfer after the prompt's output was ready (0 when the
   // layer-wise transfer had fully overlapped the forward pass).
   Histogram& kv_transfer_wait_seconds;
+  // Late KV targets (PrefillRequest.target_follows) by when they came against the forward pass
+  // of the step that completes the prompt: "before_forward", "during_forward" (the layers before
+  // sent at once) or "after_forward" (sent from the blocks kept for it).
+  Counter& kv_late_targets_total(std::string_view arrived) const;
 
  private:
+  Family<Counter>* late_targets_by_arrival_;
   Family<Counter>* transfer_bytes_by_path_;
   Family<Histogram>* transfer_seconds_by_path_;
 };

@@ -77,6 +77,7 @@ PrefillService::PrefillService(std::unique_ptr<LlmEngine> engine,
     metrics_->kv_transfer_bytes_total(kvtransfer::TransferPathName(path));
     metrics_->kv_transfer_seconds(kvtransfer::TransferPathName(path));
   }
+  for (const char* arrived : {"before_forward", "during_forward", "after_forward"}) metrics_->kv_late_targets_total(arrived);
   loop_ = std::make_unique<EngineLoop>(
       std::move(engine), [this](int64_t layer, absl::Span<const SequenceChunk> chunks) { OnLayerDone(layer, chunks); },
       [this](int64_t num_tokens) { metrics_->iteration_tokens_total.Observe(double(num_tokens)); });
@@ -195,6 +196,7 @@ void PrefillService::PrefillCall::Start() {
       return End(Error(grpc::StatusCode::INVALID_ARGUMENT, "a Prefill with target_follows carries no target"));
     }
     late_ = true;
+    transfer_->late = true;
     transfer_->target_ready.store(false, std::memory_order_relaxed);
     Admitted({});
     service_->AwaitTarget(shared_from_this());
@@ -554,7 +556,9 @@ void PrefillService::OnLayerDone(int64_t layer, absl::Span<const SequenceChunk> 
     if (chunk.start_position + int64_t(chunk.tokens.size()) != int64_t(t->prompt_len)) continue;
     if (t->stage == Transfer::Stage::kUnsent) {
       // A late target ships from the layer during which it came, the layers before at once.
-      if (!t->target_ready.load(std::memory_order_acquire) || !BeginShipment(t, chunk.block_table)) continue;
+      if (!t->target_ready.load(std::memory_order_acquire)) continue;
+      if (t->late) metrics_->kv_late_targets_total(layer == 0 ? "before_forward" : "during_forward").Inc();
+      if (!BeginShipment(t, chunk.block_table)) continue;
       for (int64_t before = 0; before < layer && t->stage == Transfer::Stage::kSending; ++before) ShipLayer(t, before);
     }
     if (t->stage == Transfer::Stage::kSending) ShipLayer(t, layer);
@@ -676,6 +680,7 @@ void PrefillService::ShipKept(LlmEngine& engine, const std::shared_ptr<Transfer>
       !t->target_ready.load(std::memory_order_acquire)) {
     return;
   }
+  metrics_->kv_late_targets_total("after_forward").Inc();
   if (BeginShipment(t, engine.BlockTable(*t->kept_kv))) {
     for (int64_t layer = 0; layer < num_layers_ && t->stage == Transfer::Stage::kSending; ++layer) ShipLayer(t, layer);
   }

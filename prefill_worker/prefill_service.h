@@ -102,6 +102,7 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
   struct Transfer {
     enum class Stage { kUnsent, kSending, kEnded };
     std::string request_id;
+    bool late = false;        // PrefillRequest.target_follows
     uint32_t prompt_len = 0;  // the step whose chunk ends here completes the prompt and ships it
     // Set before the engine thread sees the transfer, or (a late target) before `target_ready`.
     Destination to;

@@ -718,6 +718,13 @@ TEST_P(LateTargetWorkerTest, OutputMatchesLocalGenerationAndNothingStaysHeld) {
   EXPECT_TRUE(PrefillBecomesIdle());
   EXPECT_TRUE(DecodeBecomesIdle());
   EXPECT_EQ(PrefillStats().kv_transfers_by_path().begin()->second, 1);
+  const metrics::PrefillMetrics& m = prefill_->metrics();
+  const double before = m.kv_late_targets_total("before_forward").Value();
+  const double during = m.kv_late_targets_total("during_forward").Value();
+  const double after = m.kv_late_targets_total("after_forward").Value();
+  EXPECT_EQ(before + during + after, 1);
+  if (GetParam() == TargetTiming::kAfterTheForwardPass) EXPECT_EQ(after, 1);
+  if (GetParam() == TargetTiming::kBeforeTheCall) EXPECT_EQ(before, 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Timing, LateTargetWorkerTest,

@@ -78,7 +78,9 @@ grep -h "tok/s" "$OUT/engine.log" | sed 's/^.*\] /  /'
 # "mps-decodeN" (the decode worker on N%: --decode-gpu-percent N) or "mps-prefillN-decodeM" (both).
 # A mode may end in "-budgetT": the workers' --max-num-batched-tokens T instead of 8192.
 # A mode with "sequential" in its name: the router sends Prefill after the KV reservation instead
-# of beside it (duet serve --sequential-kv-reservation), as before late targets.
+# of beside it (duet serve --sequential-kv-reservation), as before late targets. With "checksums":
+# every layer's K/V checksummed by the prefill worker and verified by the decode worker
+# (--kv-checksums; a correctness check of the bytes moved, slower on the device path).
 # SHARING lists the modes to run, each a whole cluster run of its own under $OUT/<mode>.
 SHARING=${SHARING:-timeslice}
 mps_dir=/tmp/duet-mps
@@ -108,6 +110,7 @@ local priority=() share=()  # serve runs prefill workers at MPS client priority 
 [[ $mode =~ prefill([0-9]+) ]] && share+=(--prefill-gpu-percent "${BASH_REMATCH[1]}")
 [[ $mode =~ decode([0-9]+) ]] && share+=(--decode-gpu-percent "${BASH_REMATCH[1]}")
 [[ $mode =~ sequential ]] && share+=(--sequential-kv-reservation)
+[[ $mode =~ checksums ]] && share+=(--kv-checksums)
 local budget=8192
 [[ $mode =~ budget([0-9]+) ]] && budget=${BASH_REMATCH[1]}
 "${priority[@]}" duet serve "${share[@]}" --model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --prefill-workers 1 \
@@ -155,6 +158,9 @@ for i in "${!RATES[@]}"; do
   bench rate${RATES[$i]} $((2000 + i)) --input-len 512 --num-prompts 256 --request-rate ${RATES[$i]}
 done
 
+echo "late KV targets (when each came against its prefill's forward pass):"
+curl -s "127.0.0.1:$prefill_metrics/metrics" | grep '^duet:kv_late_targets_total' | sed 's/.*arrived="\([a-z_]*\)"} /  \1 /'
+curl -s "127.0.0.1:$prefill_metrics/metrics" | grep "^duet:kv_transfer_failures_total" | sed "s/^/  /"
 kill -INT $serve_pid; wait $serve_pid; echo "serve exit $?"
 grep -h "KV peer" "$dir/serve.log" | sed "s/.*\] //" | sort | uniq -c | head -4
 grep -i -E "error|fail|warn" "$dir/serve.log" | head -5
