@@ -120,6 +120,10 @@ class PrefillService::PrefillCall final : public grpc::ServerUnaryReactor,
   grpc::Status AttachTarget(const v1::KvTarget& target);
   // Abort (the RPC) while it waited for admission, or with its blocks kept for a late target.
   void AbortWhileWaiting();
+  bool ended() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return ended_;
+  }
   void AbortKept() { End(Error(grpc::StatusCode::ABORTED, absl::StrCat("request '", id(), "' was aborted"))); }
   // The shipment's end (any thread).
   void OnShipped(const absl::Status& status);
@@ -706,14 +710,18 @@ void PrefillService::AwaitTarget(const std::shared_ptr<PrefillCall>& call) {
   {
     absl::MutexLock lock(&late_mu_);
     auto it = unclaimed_targets_.find(call->id());
-    if (it == unclaimed_targets_.end()) {
+    if (it != unclaimed_targets_.end()) {
+      unclaimed = std::move(it->second);
+      unclaimed_targets_.erase(it);
+    } else {
       awaiting_target_[call->id()] = call;
-      return;
     }
-    unclaimed = std::move(it->second);
-    unclaimed_targets_.erase(it);
   }
-  (void)call->AttachTarget(*unclaimed);  // its error, if any, ends the call
+  if (unclaimed.has_value()) {
+    (void)call->AttachTarget(*unclaimed);  // its error, if any, ends the call
+  } else if (call->ended()) {
+    StopAwaitingTarget(call->id());  // it ended (on the engine thread) before it was registered
+  }
 }
 
 std::shared_ptr<PrefillService::PrefillCall> PrefillService::TakeWaitingCall(const std::string& request_id,
