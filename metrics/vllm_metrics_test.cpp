@@ -115,7 +115,7 @@ TEST(VllmMetricsTest, EachRoleExportsWhatItOwns) {
   std::set<std::string> want_prefill = engine;
   want_prefill.insert({"duet:prompt_tokens_total", "duet:request_prefill_time_seconds", "duet:kv_transfer_bytes",
                        "duet:kv_transfer_bytes_total", "duet:kv_transfer_failures_total", "duet:kv_transfer_seconds",
-                       "duet:kv_transfer_wait_seconds"});
+                       "duet:kv_transfer_wait_seconds", "duet:kv_late_targets_total"});
   EXPECT_EQ(Families(prefill_registry.Render()), want_prefill);
   std::set<std::string> want_decode = engine;
   want_decode.insert({"duet:kv_cache_usage_perc", "duet:generation_tokens_total", "duet:request_decode_time_seconds",
