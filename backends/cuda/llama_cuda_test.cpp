@@ -488,6 +488,75 @@ TEST(LlamaCuda, Bf16ConstrainedRequestsSampleOnTheDeviceWithTheirMasks) {
 
 // Device out-of-memory is an error the caller sees (ResourceExhausted, saying what was asked
 // for), not an abort; the executor stays usable after a cache that did not fit.
+// Disaggregation's late KV target on the device: a prefill engine keeps a finished prompt's blocks
+// (LlmEngine::KeepKvWhenFinished) while another request runs on it and reuses the freed ones; the
+// kept blocks, copied afterwards into a decode engine's reservation, continue the greedy output
+// exactly as one engine does alone.
+TEST(LlamaCuda, Bf16KeptKvAfterOtherStepsContinuesTheLocalOutput) {
+  SKIP_WITHOUT_GPU();
+  EngineConfig config;
+  config.model_dir = ModelDir();
+  config.backend = "cuda";
+  config.gpu_memory_utilization = 0.1;
+  config.num_kv_blocks = 64;
+  auto make_engine = [&] {
+    absl::StatusOr<std::unique_ptr<LlmEngine>> e = CreateEngine(config);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return std::move(*e);
+  };
+  std::unique_ptr<LlmEngine> local = make_engine(), prefill = make_engine(), decode = make_engine();
+  const std::vector<int32_t> prompt = local->tokenizer().Encode("import numpy as np\n\ndef moving_average(x, n):\n");
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = 24;
+  p.ignore_eos = true;
+  auto run = [](LlmEngine& e) {
+    while (e.HasUnfinished()) ASSERT_TRUE(e.Step().ok());
+  };
+  ASSERT_TRUE(local->AddRequest("x", prompt, p).ok());
+  run(*local);
+
+  SamplingParams first = p;
+  first.max_tokens = 1;
+  ASSERT_TRUE(prefill->AddRequest("x", prompt, first).ok());
+  ASSERT_TRUE(prefill->KeepKvWhenFinished("x").ok());
+  run(*prefill);
+  const Request* done = prefill->Find("x");
+  ASSERT_TRUE(done->kept_kv.has_value());
+  const SequenceId kept = *done->kept_kv;
+  const SampledToken token{done->output[0]};
+  prefill->Release("x");
+  // Another prompt through the prefill engine: it takes the free blocks, never the kept ones.
+  SamplingParams other = p;
+  other.max_tokens = 8;
+  ASSERT_TRUE(prefill->AddRequest("y", std::vector<int32_t>(prompt.rbegin(), prompt.rend()), other).ok());
+  run(*prefill);
+
+  absl::StatusOr<LlmEngine::KvReservation> reservation = decode->ReserveKv(prompt, "", 0);
+  ASSERT_TRUE(reservation.ok()) << reservation.status();
+  const std::vector<int32_t> src = prefill->BlockTable(kept);
+  const std::vector<int32_t> dst = decode->BlockTable(reservation->seq);
+  ASSERT_EQ(src.size(), dst.size());
+  const KvCacheShape shape = prefill->kv_cache().shape();
+  const size_t block_bytes = size_t(shape.block_elems()) * sizeof(__nv_bfloat16);
+  for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
+    for (size_t b = 0; b < src.size(); ++b) {
+      for (const auto& [to, from] : {std::pair{decode->kv_cache().key_pool(layer), prefill->kv_cache().key_pool(layer)},
+                                     std::pair{decode->kv_cache().value_pool(layer), prefill->kv_cache().value_pool(layer)}}) {
+        ASSERT_EQ(cudaMemcpy(static_cast<char*>(to) + dst[b] * block_bytes, static_cast<const char*>(from) + src[b] * block_bytes,
+                             block_bytes, cudaMemcpyDeviceToDevice),
+                  cudaSuccess);
+      }
+    }
+  }
+  EXPECT_EQ(prefill->Stats().num_free_kv_blocks, prefill->Stats().num_kv_blocks - int32_t(src.size()));
+  prefill->ReleaseKv(kept);
+  EXPECT_EQ(prefill->Stats().num_free_kv_blocks, prefill->Stats().num_kv_blocks);
+  ASSERT_TRUE(decode->AddPrefilledRequest("x", prompt, p, reservation->seq, token).ok());
+  run(*decode);
+  EXPECT_EQ(decode->Find("x")->output, local->Find("x")->output);
+}
+
 TEST(LlamaCuda, OutOfDeviceMemoryIsResourceExhausted) {
   SKIP_WITHOUT_GPU();
   auto has = [](const absl::Status& s, const char* text) { return std::string(s.message()).find(text) != std::string::npos; };
