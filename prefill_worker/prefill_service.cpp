@@ -363,10 +363,10 @@ void PrefillService::PrefillCall::OnFinished(LlmEngine& engine, SequenceId seq, 
   if (it != service_->transfers_.end()) {
     std::shared_ptr<Transfer> t = std::move(it->second);
     service_->transfers_.erase(it);
-    // Its forward pass is complete but its late target has not come: the blocks wait for it.
-    // Otherwise never shipped (aborted or failed before its step): let the decode worker release
+    // Its forward pass is complete but its late target has not come: the blocks wait for it,
+    // unless the call has ended or been aborted meanwhile. Otherwise never shipped (aborted or failed before its step): let the decode worker release
     // the lease. Started but not finished (a failed step): end it after the layers in flight.
-    if (t->stage == Transfer::Stage::kUnsent && kept.has_value()) {
+    if (t->stage == Transfer::Stage::kUnsent && kept.has_value() && !t->abandoned && !ended()) {
       service_->KeepForLateTarget(engine, t, *std::exchange(kept, std::nullopt));
     } else if (t->stage == Transfer::Stage::kUnsent) {
       service_->DropShipment(t);
@@ -805,14 +805,22 @@ grpc::ServerUnaryReactor* PrefillService::Abort(grpc::CallbackServerContext* con
   loop_->Post([this, id, found = waiting != nullptr, target = std::move(target), reactor, response](LlmEngine& engine) {
     const Request* req = engine.Find(id);
     const bool running = req != nullptr && !req->finished();
-    if (running) loop_->Abort(id);
+    bool without_its_target = false;  // a late target that has not come: the decode worker must hear it here
+    if (running) {
+      loop_->Abort(id);  // after the next step, whose forward pass may complete the prompt: keep nothing then
+      if (auto it = transfers_.find(req->seq_id); it != transfers_.end()) {
+        it->second->abandoned = true;
+        without_its_target = !it->second->target_ready.load(std::memory_order_acquire);
+      }
+    }
     auto kept_it = kept_transfers_.find(id);
     const bool kept = kept_it != kept_transfers_.end();
     if (kept) {  // its forward pass is over, its blocks wait for a late target
+      without_its_target = !kept_it->second->target_ready.load(std::memory_order_acquire);
       if (kept_it->second->call != nullptr) kept_it->second->call->AbortKept();
       DropKept(engine, id);
     }
-    if (!found && !running && !kept) AbortUnknown(id, target ? &*target : nullptr);
+    if ((!found && !running && !kept) || without_its_target) AbortUnknown(id, target ? &*target : nullptr);
     response->set_found(found || running || kept);
     reactor->Finish(grpc::Status::OK);
   });

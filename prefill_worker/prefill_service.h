@@ -116,6 +116,7 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
     bool dropped ABSL_GUARDED_BY(target_mu) = false;
     // Engine thread only, until the stage is kEnded.
     Stage stage = Stage::kUnsent;
+    bool abandoned = false;  // aborted while its forward pass ran: nothing is kept for a late target
     uint32_t num_tokens = 0;               // tokens sent: [to.first_token, prompt length)
     std::vector<int32_t> cache_block_ids;  // their blocks, staged into staging_block_ids layer by layer
     std::chrono::steady_clock::time_point send_start{};  // the first SendLayer

@@ -766,6 +766,39 @@ TEST_F(WorkerServicesTest, ALatePrefillWithoutItsTargetFreesItsKeptBlocks) {
   EXPECT_TRUE(PrefillBecomesIdle());
 }
 
+// The router aborts a late Prefill whose target it sent but which never arrived (its SetKvTarget
+// cancelled on the way): the Abort carries the target, and the prefill worker, which holds the
+// request but not the target, tells the decode worker, whose reservation then goes at once
+// instead of at its lease's end.
+TEST_F(WorkerServicesTest, AnAbortCarryingALateTargetThatNeverCameReleasesTheReservation) {
+  v1::KvTarget target;
+  ASSERT_TRUE(Reserve("lost-target", 44, 60000, &target).ok());
+  std::unique_ptr<LatePrefillCall> call = StartLatePrefill("lost-target", LongGreedy());
+  for (int i = 0; i < 500 && PrefillStats().num_free_kv_blocks() == PrefillStats().num_kv_blocks(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  {
+    grpc::ClientContext ctx;  // the router's own release: after the sender has stopped writing
+    v1::WorkerAbortRequest req;
+    req.set_request_id("lost-target");
+    v1::WorkerAbortResponse resp;
+    ASSERT_TRUE(decode_stub_->Abort(&ctx, req, &resp).ok());
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::WorkerAbortRequest req;
+    req.set_request_id("lost-target");
+    *req.mutable_kv_target() = target;
+    v1::WorkerAbortResponse resp;
+    ASSERT_TRUE(prefill_stub_->Abort(&ctx, req, &resp).ok());
+    EXPECT_TRUE(resp.found());
+  }
+  call->thread.join();
+  EXPECT_EQ(call->status.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_TRUE(PrefillBecomesIdle());
+  EXPECT_TRUE(DecodeBecomesIdle(std::chrono::milliseconds(3000)));  // not the 60 s lease
+}
+
 // A late target the prefill worker cannot use fails its Prefill call as well, and tells the decode
 // worker nothing is coming.
 TEST_F(WorkerServicesTest, ALateTargetWithTooFewBlocksFailsThePrefill) {
