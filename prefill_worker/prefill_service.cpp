@@ -143,6 +143,7 @@ class PrefillService::PrefillCall final : public grpc::ServerUnaryReactor,
   // (the decode worker told) when the staging cannot ever hold them.
   grpc::Status SizeStaging(const Destination& to);
   int64_t prompt_len() const { return request_.prompt_token_ids_size() + request_.output_token_ids_size(); }
+  bool late() const { return request_.target_follows(); }  // its target follows in SetKvTarget
   // A late call fails: its request leaves the engine, with any blocks kept for it.
   void FailLate(const grpc::Status& status);
   // Its target, taken out of the admission queue: the decode worker is told nothing comes.
@@ -166,7 +167,6 @@ class PrefillService::PrefillCall final : public grpc::ServerUnaryReactor,
   SamplingParams params_;
   std::atomic<int64_t> num_blocks_{0};
   std::shared_ptr<Transfer> transfer_;
-  bool late_ = false;  // the target follows (PrefillRequest.target_follows)
 
   absl::Mutex mu_;
   Stage stage_ ABSL_GUARDED_BY(mu_) = Stage::kAdmitting;
@@ -199,7 +199,6 @@ void PrefillService::PrefillCall::Start() {
     if (request_.has_target()) {
       return End(Error(grpc::StatusCode::INVALID_ARGUMENT, "a Prefill with target_follows carries no target"));
     }
-    late_ = true;
     transfer_->late = true;
     transfer_->target_ready.store(false, std::memory_order_relaxed);
     Admitted({});
@@ -341,7 +340,7 @@ void PrefillService::PrefillCall::AddToEngine(LlmEngine& engine) {
   }
   const SequenceId seq = engine.Find(request_id)->seq_id;
   // Should the forward pass end before the target comes, its blocks wait for it.
-  if (late_) (void)engine.KeepKvWhenFinished(request_id);
+  if (late()) (void)engine.KeepKvWhenFinished(request_id);
   service_->transfers_[seq] = transfer_;
   service_->loop_->Subscribe(request_id, [self = shared_from_this(), seq, &engine](const RequestOutput& out) {
     if (out.finished) self->OnFinished(engine, seq, out);  // max_tokens 1: the token comes with the finish
@@ -461,7 +460,7 @@ void PrefillService::PrefillCall::End(const grpc::Status& status, const v1::Pref
     if (ended_) return;
     ended_ = true;
   }
-  if (late_) service_->StopAwaitingTarget(id());
+  if (late()) service_->StopAwaitingTarget(id());
   if (status.ok() && reply != nullptr) *response_ = *reply;
   Finish(status);
 }
@@ -477,7 +476,7 @@ void PrefillService::PrefillCall::OnCancel() {
     (void)service_->sender_->Abort(transfer_->to.peer, transfer_->to.transfer_id);
   } else if (stage == Stage::kInEngine) {
     service_->loop_->Abort(id());  // the subscription then ends the shipment if it had not started
-    if (late_) {
+    if (late()) {
       // Its target may wait for staging; the forward pass may be over, its blocks kept.
       if (service_->LeaveAdmission(id()) != nullptr) AbortLateTarget();
       service_->loop_->Post([service = service_, id = id()](LlmEngine& engine) { service->DropKept(engine, id); });
@@ -489,7 +488,7 @@ void PrefillService::PrefillCall::OnCancel() {
 
 void PrefillService::PrefillCall::AbortWhileWaiting() {
   const grpc::Status aborted = Error(grpc::StatusCode::ABORTED, absl::StrCat("request '", id(), "' was aborted"));
-  if (late_) {
+  if (late()) {
     AbortLateTarget();
     return FailLate(aborted);
   }

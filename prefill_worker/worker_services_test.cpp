@@ -101,29 +101,40 @@ class WorkerServicesTest : public ::testing::Test {
     decode_.reset();
   }
 
-  v1::WorkerStats DecodeStats() {
+  template <typename Stub>
+  static v1::WorkerStats StatsOf(Stub& stub) {
     grpc::ClientContext ctx;
     v1::WorkerStats stats;
-    EXPECT_TRUE(decode_stub_->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+    EXPECT_TRUE(stub.GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
     return stats;
   }
+  v1::WorkerStats DecodeStats() { return StatsOf(*decode_stub_); }
+  v1::WorkerStats PrefillStats() { return StatsOf(*prefill_stub_); }
 
-  // Waits until the decode worker holds no blocks, leases or requests.
-  bool DecodeBecomesIdle(std::chrono::milliseconds timeout = std::chrono::seconds(5)) {
+  // Waits until a worker holds no blocks (a prefill worker none kept for a late target), leases
+  // or requests.
+  template <typename Stub>
+  static bool BecomesIdle(Stub& stub, std::chrono::milliseconds timeout) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (;;) {
-      v1::WorkerStats s = DecodeStats();
+      v1::WorkerStats s = StatsOf(stub);
       if (s.num_free_kv_blocks() == s.num_kv_blocks() && s.num_kv_leases() == 0 &&
           s.num_requests_running() == 0 && s.num_requests_waiting() == 0) {
         return true;
       }
       if (std::chrono::steady_clock::now() > deadline) {
-        ADD_FAILURE() << "decode worker not idle: free " << s.num_free_kv_blocks() << "/" << s.num_kv_blocks()
+        ADD_FAILURE() << s.role() << " worker not idle: free " << s.num_free_kv_blocks() << "/" << s.num_kv_blocks()
                       << ", leases " << s.num_kv_leases() << ", running " << s.num_requests_running();
         return false;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
+  }
+  bool DecodeBecomesIdle(std::chrono::milliseconds timeout = std::chrono::seconds(5)) {
+    return BecomesIdle(*decode_stub_, timeout);
+  }
+  bool PrefillBecomesIdle(std::chrono::milliseconds timeout = std::chrono::seconds(5)) {
+    return BecomesIdle(*prefill_stub_, timeout);
   }
 
   grpc::Status Reserve(const std::string& id, uint64_t transfer_id, int32_t lease_ms, v1::KvTarget* target,
@@ -249,29 +260,6 @@ class WorkerServicesTest : public ::testing::Test {
     *req.mutable_target() = target;
     v1::SetKvTargetResponse resp;
     return prefill_stub_->SetKvTarget(&ctx, req, &resp);
-  }
-  v1::WorkerStats PrefillStats() {
-    grpc::ClientContext ctx;
-    v1::WorkerStats stats;
-    EXPECT_TRUE(prefill_stub_->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
-    return stats;
-  }
-  // Waits until the prefill worker runs no request and holds no blocks (none kept).
-  bool PrefillBecomesIdle(std::chrono::milliseconds timeout = std::chrono::seconds(5)) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    for (;;) {
-      v1::WorkerStats s = PrefillStats();
-      if (s.num_free_kv_blocks() == s.num_kv_blocks() && s.num_requests_running() == 0 &&
-          s.num_requests_waiting() == 0) {
-        return true;
-      }
-      if (std::chrono::steady_clock::now() > deadline) {
-        ADD_FAILURE() << "prefill worker not idle: free " << s.num_free_kv_blocks() << "/" << s.num_kv_blocks()
-                      << ", running " << s.num_requests_running();
-        return false;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
   }
 
   // Default: the decode cache's own pools are registered with UCX (host caches); the prefill

@@ -160,6 +160,21 @@ class RouterServiceTest : public ::testing::Test {
     return result;
   }
 
+  // A Generate the client cancels once `before_cancel` has run (on another thread: it waits for
+  // the request to reach a point, or acts first); the stream ends CANCELLED before any message.
+  void GenerateCancelled(const v1::GenerateRequest& request, const std::function<void()>& before_cancel) {
+    grpc::ClientContext context;
+    std::thread canceller([&] {
+      before_cancel();
+      context.TryCancel();
+    });
+    auto reader = stub_->Generate(&context, request);
+    v1::GenerateResponse message;
+    EXPECT_FALSE(reader->Read(&message));
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+    canceller.join();
+  }
+
   static Tokenizer* tokenizer_;
   std::vector<std::unique_ptr<FakePrefillWorker>> prefill_;
   std::vector<std::unique_ptr<FakeDecodeWorker>> decode_;
@@ -1063,16 +1078,9 @@ TEST_F(RouterServiceTest, ClientCancelReachesDecodeWorker) {
 TEST_F(RouterServiceTest, ClientCancelDuringPrefillReachesBothWorkers) {
   Start(1, 1);
   prefill_[0]->prefill_delay_ms = 5000;
-  grpc::ClientContext context;
-  std::thread canceller([&] {
+  GenerateCancelled(TokenRequest({1}, 5, "c1"), [&] {
     WaitFor([&] { return prefill_[0]->num_prefills == 1; });
-    context.TryCancel();
   });
-  auto reader = stub_->Generate(&context, TokenRequest({1}, 5, "c1"));
-  v1::GenerateResponse message;
-  EXPECT_FALSE(reader->Read(&message));
-  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  canceller.join();
   EXPECT_TRUE(WaitFor([&] { return prefill_[0]->num_cancelled == 1; }, 3000));
   EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 1; }, 3000));  // reservation released
   // once the prefill worker, which had the target, has stopped writing into it
@@ -1284,16 +1292,9 @@ TEST_F(RouterServiceTest, CancelOrDeadlineDuringReserveKvAbortsOnTheDecodeWorker
   EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 1; }, 3000));
   EXPECT_THAT(decode_[0]->aborted(), ::testing::ElementsAre(::testing::StartsWith("late@")));
 
-  grpc::ClientContext context;
-  std::thread canceller([&] {
+  GenerateCancelled(TokenRequest({1}, 5, "gone"), [&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    context.TryCancel();
   });
-  auto reader = stub_->Generate(&context, TokenRequest({1}, 5, "gone"));
-  v1::GenerateResponse message;
-  EXPECT_FALSE(reader->Read(&message));
-  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  canceller.join();
   EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 2; }, 3000));
   EXPECT_THAT(decode_[0]->aborted(), ::testing::Contains(::testing::StartsWith("gone@")));
   // No prefill worker got the target: the blocks go at once.
@@ -1393,16 +1394,9 @@ TEST_F(LateTargetTest, ATargetThatCannotBeSentEndsTheRequestUnavailable) {
 TEST_F(LateTargetTest, ClientCancelWhileReservingReachesBothWorkers) {
   Start(1, 1);
   decode_[0]->reserve_delay_ms = 300;
-  grpc::ClientContext context;
-  std::thread canceller([&] {
+  GenerateCancelled(TokenRequest({1}, 5, "gone"), [&] {
     WaitFor([&] { return prefill_[0]->num_late_prefills == 1; });
-    context.TryCancel();
   });
-  auto reader = stub_->Generate(&context, TokenRequest({1}, 5, "gone"));
-  v1::GenerateResponse message;
-  EXPECT_FALSE(reader->Read(&message));
-  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  canceller.join();
   EXPECT_TRUE(WaitFor([&] { return decode_[0]->num_reserved == 1 && decode_[0]->aborted().size() == 1; }, 3000));
   EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(true));
   EXPECT_TRUE(WaitFor([&] { return !prefill_[0]->aborted().empty(); }, 3000));
@@ -1422,18 +1416,11 @@ TEST_P(StalledDecodeWorkerTest, AbortReachesItOnceItIsBack) {
   options.kv_lease_ms = 10000;
   Start(1, 1, options);
   prefill_[0]->prefill_delay_ms = 5000;  // as a prefill whose KV goes to the stalled worker
-  grpc::ClientContext context;
-  std::thread canceller([&] {
+  GenerateCancelled(TokenRequest({1}, 5, "stalled"), [&] {
     WaitFor([&] { return prefill_[0]->num_prefills == 1; });
     decode_[0]->stalled = true;
     if (marked_down) registry_->MarkDown(registry_->decode_workers()[0], "stalled");  // as the poller would
-    context.TryCancel();
   });
-  auto reader = stub_->Generate(&context, TokenRequest({1}, 5, "stalled"));
-  v1::GenerateResponse message;
-  EXPECT_FALSE(reader->Read(&message));
-  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  canceller.join();
   std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // stalled for over abort_timeout
   EXPECT_TRUE(decode_[0]->aborted().empty());
   decode_[0]->stalled = false;
