@@ -61,6 +61,11 @@ struct ServeOptions {
   double prefix_affinity = 4.0;                 // the router's --prefix-affinity
   int max_request_migrations = 1;               // the router's --max-request-migrations
   bool sequential_kv_reservation = false;        // the router's --sequential-kv-reservation
+  int64_t local_prefill_max_tokens = 0;          // the router's --local-prefill-max-tokens
+  // The decode workers' --max-num-batched-tokens (the prompt tokens a step takes beside its decoding
+  // requests, with conditional disaggregation); 0: --max-num-batched-tokens.
+  int64_t decode_max_num_batched_tokens = 0;
+  int64_t local_prefill_queue_tokens = 0;        // the router's --local-prefill-queue-tokens
   bool enable_auto_tool_choice = false;  // the router's (cli/api_flags.h)
   std::string tool_call_parser;
   std::string chat_template;                    // the router's --chat-template

@@ -97,6 +97,15 @@ int main(int argc, char** argv) {
   serve_cmd->add_flag("--sequential-kv-reservation", serve.sequential_kv_reservation,
                       "Send each Prefill after its decode KV reservation instead of beside it (the KV target following "
                         "in SetKvTarget): the reservation's round trip then adds to the time to first token");
+  serve_cmd->add_option("--local-prefill-max-tokens", serve.local_prefill_max_tokens, duet::kLocalPrefillMaxTokensHelp)
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  serve_cmd->add_option("--local-prefill-queue-tokens", serve.local_prefill_queue_tokens,
+                        duet::kLocalPrefillQueueTokensHelp)
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  serve_cmd->add_option("--decode-max-num-batched-tokens", serve.decode_max_num_batched_tokens,
+                        "The decode workers' token budget per step (with --local-prefill-max-tokens: how much of a "
+                        "prompt a step takes beside its decoding requests); default --max-num-batched-tokens")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   serve_cmd->add_option("--max-request-migrations", serve.max_request_migrations,
                         "How often a request whose decode worker fails mid-stream moves to another prefill/decode "
                         "pair, its stream going on (0: it fails with UNAVAILABLE)")

@@ -85,6 +85,11 @@ RoleCommands::RoleCommands(CLI::App& app) {
   router_cmd_->add_flag("--sequential-kv-reservation", router_.sequential_kv_reservation,
                         "Send each Prefill after its decode KV reservation instead of beside it (the KV target following "
                         "in SetKvTarget): the reservation's round trip then adds to the time to first token");
+  router_cmd_->add_option("--local-prefill-max-tokens", router_.local_prefill_max_tokens, kLocalPrefillMaxTokensHelp)
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  router_cmd_->add_option("--local-prefill-queue-tokens", router_.local_prefill_queue_tokens,
+                          kLocalPrefillQueueTokensHelp)
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   router_cmd_->add_option("--max-request-migrations", router_.max_request_migrations,
                           "How often a request whose decode worker fails mid-stream moves to another prefill/decode "
                           "pair, its stream going on (0: it fails with UNAVAILABLE)")

@@ -57,10 +57,13 @@ std::string SelfPath() {
   return n > 0 ? std::string(buf, size_t(n)) : "duet";
 }
 
-std::vector<std::string> EngineFlags(const ServeOptions& o) {
+// `decode`: a decode worker's (its own token budget, when given).
+std::vector<std::string> EngineFlags(const ServeOptions& o, bool decode) {
+  const int64_t budget = decode && o.decode_max_num_batched_tokens > 0 ? o.decode_max_num_batched_tokens
+                                                                      : o.engine.scheduler.max_num_batched_tokens;
   std::vector<std::string> flags = {"--model", o.engine.model_dir, "--block-size", std::to_string(o.engine.block_size),
                                     "--max-num-seqs", std::to_string(o.engine.scheduler.max_num_seqs),
-                                    "--max-num-batched-tokens", std::to_string(o.engine.scheduler.max_num_batched_tokens),
+                                    "--max-num-batched-tokens", std::to_string(budget),
                                     "--kv-cache-gib", std::to_string(double(o.engine.kv_cache_bytes) / double(1ull << 30))};
   if (o.engine.backend != "cpu") {
     // One GPU shared by every worker process: each gets an equal part of the fraction.
@@ -303,7 +306,7 @@ int RunServe(const ServeOptions& options) {
       if (!options.served_model_names.empty()) argv.insert(argv.end(), {"--served-model-name", options.served_model_names[0]});
       if (options.api_key_on_health_and_metrics) argv.push_back("--api-key-on-health-and-metrics");
       for (std::string& f : InternalTlsFlags(options.internal_tls)) argv.push_back(std::move(f));
-      for (std::string& f : EngineFlags(options)) argv.push_back(std::move(f));
+      for (std::string& f : EngineFlags(options, std::string_view(role) == "decode")) argv.push_back(std::move(f));
       // Only prefill workers prefill: --sp-ranks (or --prefill-sp-ranks) is theirs.
       if (std::string_view(role) == "prefill" && sp_ranks > 1) {
         argv.insert(argv.end(), {"--sp-ranks", std::to_string(sp_ranks), "--sp-min-tokens",
@@ -340,7 +343,10 @@ int RunServe(const ServeOptions& options) {
                                           "--log-stats-interval", log_stats_interval,
                                           "--routing-policy", options.routing_policy,
                                           "--prefix-affinity", absl::StrCat(options.prefix_affinity),
-                                          "--max-request-migrations", std::to_string(options.max_request_migrations)};
+                                          "--max-request-migrations", std::to_string(options.max_request_migrations),
+                                          "--local-prefill-max-tokens", std::to_string(options.local_prefill_max_tokens),
+                                          "--local-prefill-queue-tokens",
+                                          std::to_string(options.local_prefill_queue_tokens)};
   if (options.api_key_on_health_and_metrics) router_argv.push_back("--api-key-on-health-and-metrics");
   if (options.sequential_kv_reservation) router_argv.push_back("--sequential-kv-reservation");
   for (std::string& f : InternalTlsFlags(options.internal_tls)) router_argv.push_back(std::move(f));

@@ -445,13 +445,18 @@ class DecodeService::DecodeCall final : public grpc::ServerWriteReactor<v1::Gene
  private:
   enum class Stage { kWaiting, kJoining, kStreaming };
 
+  // DecodeRequest.prefill_here: checks the request and joins the batch with its prompt to compute.
+  void StartPrefillHere();
   // Until the reservation leaves kTransferring (at once if it has), bounded by a timer.
   void WaitForTransfer();
   // The transfer settled (the reservation left kTransferring): claim and join, on the engine thread.
   void Settled();
   void OnWaitTimedOut();
-  // Engine thread: claims the blocks and adds the request to the batch.
+  // Engine thread: adds the request to the batch (with the reservation's blocks, claimed here, or
+  // with its prompt to prefill) and subscribes the stream to its outputs.
   void Join(LlmEngine& engine);
+  // Engine thread: the request with the claimed reservation's blocks (released on failure).
+  absl::StatusOr<RequestOutput> JoinReservation(LlmEngine& engine);
   // Engine thread: one output of the request becomes the next queued message.
   void OnOutput(const RequestOutput& out);
   v1::GenerateResponse ToMessage(const RequestOutput& out);
@@ -500,6 +505,7 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* DecodeService::Decode(grpc::Call
 
 void DecodeService::DecodeCall::Start() {
   self_ = shared_from_this();
+  if (request_.prefill_here()) return StartPrefillHere();
   reservation_ = service_->FindByTransfer(request_.transfer_id());
   if (reservation_ == nullptr) {
     return End(Error(grpc::StatusCode::FAILED_PRECONDITION,
@@ -539,6 +545,22 @@ void DecodeService::DecodeCall::Start() {
   params_ = *std::move(params);
   resumed_.emitted_text_bytes = size_t(request_.output_text_bytes());
   WaitForTransfer();
+}
+
+void DecodeService::DecodeCall::StartPrefillHere() {
+  absl::StatusOr<SamplingParams> params = rpc::ToSamplingParams(request_.sampling());
+  absl::Status invalid = params.status();
+  if (invalid.ok() && (request_.transfer_id() != 0 || request_.kv_attached() || !resumed_.tokens.empty() ||
+                       request_.output_text_bytes() != 0)) {
+    invalid = absl::InvalidArgumentError(
+        "a prefill_here Decode call takes no transfer_id, kv_attached, output_token_ids or output_text_bytes");
+  }
+  if (invalid.ok() && params->prompt_logprobs >= 0) {
+    invalid = absl::InvalidArgumentError("prompt logprobs come from a prefill worker, not from a prefill_here Decode call");
+  }
+  if (!invalid.ok()) return End(rpc::ToGrpc(invalid));
+  params_ = *std::move(params);
+  Settled();
 }
 
 void DecodeService::DecodeCall::WaitForTransfer() {
@@ -603,25 +625,22 @@ void DecodeService::DecodeCall::OnCancel() {
 }
 
 void DecodeService::DecodeCall::Join(LlmEngine& engine) {
-  service_->timer_.Cancel(wait_timer_);
   const std::string& id = request_.request_id();
-  if (absl::Status claimed = service_->Claim(*reservation_); !claimed.ok()) return End(WaitFailure(claimed));
-  // The blocks are this call's now: join the batch, or give them back.
   absl::StatusOr<RequestOutput> out;
-  if (request_.kv_attached()) {
-    // Nothing to emit until its next token.
-    absl::Status attached = engine.AttachRequest(id, prompt_, params_, reservation_->seq, resumed_);
-    out = attached.ok() ? absl::StatusOr<RequestOutput>(RequestOutput{id}) : attached;
+  if (request_.prefill_here()) {
+    // Queued as any request: its prompt runs in the batch's next steps, chunked within the token
+    // budget beside the decoding requests. Nothing to emit until its first token.
+    if (absl::Status added = engine.AddRequest(id, prompt_, params_); !added.ok()) return End(rpc::ToGrpc(added));
+    service_->metrics_->prompt_tokens.Inc(double(prompt_.size()));
+    out = RequestOutput{id};
   } else {
-    const SampledToken first = rpc::FromProto(request_.first_token_id(), request_.first_token_logprobs());
-    out = engine.AddPrefilledRequest(id, prompt_, params_, reservation_->seq, first, resumed_);
+    service_->timer_.Cancel(wait_timer_);
+    if (absl::Status claimed = service_->Claim(*reservation_); !claimed.ok()) return End(WaitFailure(claimed));
+    out = JoinReservation(engine);
   }
-  if (!out.ok()) {
-    engine.ReleaseKv(reservation_->seq);  // not taken by a request
-    return End(rpc::ToGrpc(out.status()));
-  }
+  if (!out.ok()) return End(rpc::ToGrpc(out.status()));
   joined_at_ = std::chrono::steady_clock::now();
-  if (!request_.kv_attached()) OnOutput(*out);
+  if (!request_.kv_attached() && !request_.prefill_here()) OnOutput(*out);
   if (out->finished) {
     engine.Release(id);
   } else {
@@ -640,6 +659,22 @@ void DecodeService::DecodeCall::Join(LlmEngine& engine) {
   // did. Not a parked request resumed here (kv_attached: no other worker took it), which would
   // only be parked again.
   if (service_->parking_ && !out->finished && !request_.kv_attached()) Park(engine);
+}
+
+absl::StatusOr<RequestOutput> DecodeService::DecodeCall::JoinReservation(LlmEngine& engine) {
+  // The blocks are this call's now: join the batch, or give them back.
+  const std::string& id = request_.request_id();
+  absl::StatusOr<RequestOutput> out;
+  if (request_.kv_attached()) {
+    // Nothing to emit until its next token.
+    absl::Status attached = engine.AttachRequest(id, prompt_, params_, reservation_->seq, resumed_);
+    out = attached.ok() ? absl::StatusOr<RequestOutput>(RequestOutput{id}) : attached;
+  } else {
+    const SampledToken first = rpc::FromProto(request_.first_token_id(), request_.first_token_logprobs());
+    out = engine.AddPrefilledRequest(id, prompt_, params_, reservation_->seq, first, resumed_);
+  }
+  if (!out.ok()) engine.ReleaseKv(reservation_->seq);  // not taken by a request
+  return out;
 }
 
 void DecodeService::DecodeCall::Park(LlmEngine& engine) {
@@ -823,6 +858,7 @@ std::string DecodeService::RenderMetrics() {
 grpc::ServerUnaryReactor* DecodeService::GetStats(grpc::CallbackServerContext* context, const v1::GetStatsRequest*,
                                                   v1::WorkerStats* response) {
   rpc::FillWorkerStats(loop_->Stats(), "decode", block_size_, response);
+  response->set_prefill_here(true);
   {
     absl::MutexLock lock(&mu_);
     response->set_num_kv_leases(int32_t(by_transfer_.size()));

@@ -121,6 +121,15 @@ RouterMetrics::RouterMetrics(Registry& registry, std::string_view model_name, in
   for (size_t i = 0; i < kv_migrations_.size(); ++i) {
     kv_migrations_[i] = &kv_migrations.WithLabels({std::string(model_name), std::string(RoleName(kRole)), kv_outcomes[i]});
   }
+  auto& prefills = registry.AddCounter(
+      "duet:router_prefills_total",
+      "Requests placed for their prefill, by the role of the worker that prefills them: prefill, or decode "
+      "(conditional disaggregation: no KV transfer).",
+      {"model_name", "role", "worker_role"});
+  for (int decode : {0, 1}) {
+    prefills_[size_t(decode)] =
+        &prefills.WithLabels({std::string(model_name), std::string(RoleName(kRole)), decode ? "decode" : "prefill"});
+  }
 }
 
 Counter& RouterMetrics::request_success(FinishReason reason) {
@@ -249,6 +258,7 @@ DecodeMetrics::DecodeMetrics(Registry& registry, std::string_view model_name)
     : EngineMetrics(registry, model_name, kRole),
       DUET_GAUGE(kv_cache_usage_perc, "KV-cache usage. 1 means 100 percent usage."),
       DUET_COUNTER(generation_tokens, "Number of generation tokens processed."),
+      DUET_COUNTER(prompt_tokens, "Number of prefill tokens processed."),
       DUET_HISTOGRAM(request_decode_time_seconds, "Histogram of time spent in DECODE phase for request.",
                      RequestLatencyBuckets()),
       DUET_COUNTER(spec_decode_num_drafts, "Number of spec decoding drafts."),

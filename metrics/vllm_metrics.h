@@ -136,6 +136,10 @@ class RouterMetrics {
   // took it: it went on where it was parked), failed (neither: a re-prefill migration follows).
   enum class KvMigration { kMoved, kResumed, kFailed };
   Counter& kv_migrations(KvMigration outcome) { return *kv_migrations_[size_t(outcome)]; }
+  // Where requests were prefilled, by `worker_role`: "prefill" (a prefill worker, the KV moving
+  // to the decode worker) or "decode" (conditional disaggregation: the decode worker itself,
+  // DecodeRequest.prefill_here). A request placed again after a worker failed counts again.
+  Counter& prefills(bool on_decode_worker) { return *prefills_[on_decode_worker ? 1 : 0]; }
 
  private:
   std::array<Counter*, 5> request_success_{};  // by FinishReason; null where it counts none
@@ -144,6 +148,7 @@ class RouterMetrics {
   std::array<Histogram*, 3> worker_call_seconds_{};        // by WorkerCall
   std::array<Counter*, 3> request_migrations_{};           // by Migration
   std::array<Counter*, 3> kv_migrations_{};                // by KvMigration
+  std::array<Counter*, 2> prefills_{};                     // prefill, decode
   Family<Counter>* http_requests_;
   Family<Histogram>* http_durations_;
 };
@@ -223,6 +228,7 @@ class DecodeMetrics : public EngineMetrics {
 
   Gauge& kv_cache_usage_perc;  // 0..1 (1 means 100 percent)
   Counter& generation_tokens;  // every token the worker streams, the prefill's first one included
+  Counter& prompt_tokens;      // prompt tokens of the requests prefilled here (DecodeRequest.prefill_here)
   Histogram& request_decode_time_seconds;
   // Speculative decoding (vLLM's spec_decode_* counters).
   Counter& spec_decode_num_drafts;  // verified proposals, one per request and step

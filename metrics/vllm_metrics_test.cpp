@@ -104,7 +104,8 @@ TEST(VllmMetricsTest, EachRoleExportsWhatItOwns) {
                                    "duet:kv_migrations_total", "duet:request_migrations_total", "duet:request_prompt_tokens",
                                    "duet:request_queue_time_seconds", "duet:request_success_total", "duet:request_time_per_output_token_seconds",
                                    "duet:routed_prompt_blocks_cached_total", "duet:routed_prompt_blocks_total",
-                                   "duet:router_worker_call_seconds", "duet:time_per_output_token_seconds", "duet:time_to_first_token_seconds",
+                                   "duet:router_prefills_total", "duet:router_worker_call_seconds",
+                                   "duet:time_per_output_token_seconds", "duet:time_to_first_token_seconds",
                                    "http_request_duration_seconds", "http_requests_total"}));
   const std::set<std::string> engine = {"duet:cache_config_info", "duet:iteration_tokens_total",
                                         "duet:num_preemptions_total", "duet:num_requests_running",
@@ -119,6 +120,7 @@ TEST(VllmMetricsTest, EachRoleExportsWhatItOwns) {
   EXPECT_EQ(Families(prefill_registry.Render()), want_prefill);
   std::set<std::string> want_decode = engine;
   want_decode.insert({"duet:kv_cache_usage_perc", "duet:generation_tokens_total", "duet:request_decode_time_seconds",
+                      "duet:prompt_tokens_total",
                       "duet:spec_decode_num_drafts_total", "duet:spec_decode_num_draft_tokens_total",
                       "duet:spec_decode_num_accepted_tokens_total",
                       "duet:spec_decode_num_accepted_tokens_per_pos_total"});

@@ -2,6 +2,7 @@
 // drives them: ReserveKv (decode) → Prefill (prefill) → Decode (decode).
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -211,14 +212,17 @@ class WorkerServicesTest : public ::testing::Test {
   // Decode's stream into `r`.
   void ReadDecode(const std::string& id, uint64_t transfer_id, const v1::SamplingOptions& sampling,
                   const v1::PrefillResponse& pre, FlowResult* out) {
+    ReadStream(DecodeRequestFor(id, transfer_id, sampling, pre), out);
+  }
+  void ReadStream(const v1::DecodeRequest& request, FlowResult* out) {
     FlowResult& r = *out;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-    auto reader = decode_stub_->Decode(&ctx, DecodeRequestFor(id, transfer_id, sampling, pre));
+    auto reader = decode_stub_->Decode(&ctx, request);
     v1::GenerateResponse msg;
     bool first = true;
     while (reader->Read(&msg)) {
-      EXPECT_EQ(msg.request_id(), id);
+      EXPECT_EQ(msg.request_id(), request.request_id());
       if (first) r.prompt_echo.assign(msg.prompt_token_ids().begin(), msg.prompt_token_ids().end());
       first = false;
       r.tokens.insert(r.tokens.end(), msg.token_ids().begin(), msg.token_ids().end());
@@ -230,6 +234,46 @@ class WorkerServicesTest : public ::testing::Test {
       }
     }
     r.decode = reader->Finish();
+  }
+
+  // Conditional disaggregation: the decode worker prefills the prompt itself.
+  static v1::DecodeRequest PrefillHereRequest(const std::string& id, const std::vector<int32_t>& prompt,
+                                              const v1::SamplingOptions& sampling) {
+    v1::DecodeRequest req;
+    req.set_request_id(id);
+    for (int32_t t : prompt) req.add_prompt_token_ids(t);
+    *req.mutable_sampling() = sampling;
+    req.set_prefill_here(true);
+    return req;
+  }
+
+  // Requests 0 .. n-1 at once, each with `params_of(i)` (12 tokens past EOS), each through `run`
+  // into its FlowResult; returns them after checking every one succeeded and gave the local
+  // generation's tokens.
+  std::vector<FlowResult> RunConcurrentlyMatchingLocalGeneration(
+      int n, const std::function<SamplingParams(int)>& params_of,
+      const std::function<void(int, const v1::SamplingOptions&, FlowResult*)>& run) {
+    std::vector<SamplingParams> params(static_cast<size_t>(n));
+    std::vector<std::vector<int32_t>> expected(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      params[i] = params_of(i);
+      params[i].max_tokens = 12;
+      params[i].ignore_eos = true;
+      expected[i] = LocalOutput(prompt_, params[i]);
+    }
+    std::vector<FlowResult> results(static_cast<size_t>(n));
+    std::vector<std::thread> threads;
+    for (int i = 0; i < n; ++i) {
+      threads.emplace_back([&, i] { run(i, rpc::ToSamplingOptions(params[i]), &results[i]); });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int i = 0; i < n; ++i) {
+      EXPECT_TRUE(results[i].reserve.ok() && results[i].prefill.ok() && results[i].decode.ok())
+          << i << ": " << results[i].reserve.error_message() << results[i].prefill.error_message()
+          << results[i].decode.error_message();
+      EXPECT_EQ(results[i].tokens, expected[i]) << i;
+    }
+    return results;
   }
 
   // A Prefill whose target follows (SetKvTarget), on a thread of its own.
@@ -451,30 +495,17 @@ TEST_F(WorkerServicesTest, MetricsFollowARequest) {
 }
 
 TEST_F(WorkerServicesTest, ConcurrentRequestsMatchLocalGeneration) {
-  constexpr int kRequests = 6;
-  std::vector<SamplingParams> params(kRequests);
-  std::vector<std::vector<int32_t>> expected(kRequests);
-  for (int i = 0; i < kRequests; ++i) {
-    params[i].temperature = i % 2 ? 0.8f : 0.0f;
-    params[i].seed = 1000 + i;
-    params[i].max_tokens = 12;
-    params[i].ignore_eos = true;
-    expected[i] = LocalOutput(prompt_, params[i]);
-  }
-  std::vector<FlowResult> results(kRequests);
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kRequests; ++i) {
-    threads.emplace_back([&, i] {
-      results[i] = RunFlow("c" + std::to_string(i), 100 + i, rpc::ToSamplingOptions(params[i]));
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  for (int i = 0; i < kRequests; ++i) {
-    ASSERT_TRUE(results[i].reserve.ok() && results[i].prefill.ok() && results[i].decode.ok())
-        << i << ": " << results[i].reserve.error_message() << results[i].prefill.error_message()
-        << results[i].decode.error_message();
-    EXPECT_EQ(results[i].tokens, expected[i]) << i;
-  }
+  RunConcurrentlyMatchingLocalGeneration(
+      6,
+      [](int i) {
+        SamplingParams p;
+        p.temperature = i % 2 ? 0.8f : 0.0f;
+        p.seed = 1000 + i;
+        return p;
+      },
+      [&](int i, const v1::SamplingOptions& sampling, FlowResult* r) {
+        *r = RunFlow("c" + std::to_string(i), 100 + i, sampling);
+      });
   EXPECT_TRUE(DecodeBecomesIdle());
 }
 
@@ -800,6 +831,74 @@ TEST_F(WorkerServicesTest, ALateTargetWithTooFewBlocksFailsThePrefill) {
   EXPECT_TRUE(PrefillBecomesIdle());
   EXPECT_TRUE(DecodeBecomesIdle());
   (void)set;  // refused when the target is checked there, or the transfer fails
+}
+
+// Conditional disaggregation (DecodeRequest.prefill_here): the decode worker prefills prompts in
+// its own batch, beside requests whose KV came from the prefill worker, and every output equals
+// the local generation's.
+TEST_F(WorkerServicesTest, PrefillHereBesideTransferredRequestsMatchesLocalGeneration) {
+  EXPECT_TRUE(DecodeStats().prefill_here());
+  const std::vector<FlowResult> results = RunConcurrentlyMatchingLocalGeneration(
+      6,
+      [](int i) {
+        SamplingParams p;
+        p.temperature = i % 3 ? 0.8f : 0.0f;
+        p.seed = 2000 + i;
+        if (i == 1) p.logprobs = 2;
+        return p;
+      },
+      [&](int i, const v1::SamplingOptions& sampling, FlowResult* r) {
+        const std::string id = "mixed" + std::to_string(i);
+        if (i % 2 == 0) {
+          *r = RunFlow(id, 300 + i, sampling);
+        } else {
+          ReadStream(PrefillHereRequest(id, prompt_, sampling), r);
+        }
+      });
+  for (const FlowResult& r : results) {
+    EXPECT_EQ(r.prompt_echo, prompt_);
+    EXPECT_EQ(r.completion_tokens, 12);
+    EXPECT_EQ(r.finish_reason, "length");
+  }
+  EXPECT_EQ(results[1].num_logprobs, 12);
+  // The decode worker counts the prompts it prefilled (the others are the prefill worker's).
+  EXPECT_EQ(decode_->metrics().prompt_tokens.Value(), double(3 * prompt_.size()));
+  EXPECT_EQ(DecodeStats().num_kv_leases(), 0);
+  EXPECT_TRUE(DecodeBecomesIdle());
+}
+
+TEST_F(WorkerServicesTest, APrefillHereCallWithTransferFieldsOrPromptLogprobsIsInvalid) {
+  SamplingParams p;
+  p.max_tokens = 4;
+  v1::DecodeRequest with_transfer = PrefillHereRequest("bad1", prompt_, rpc::ToSamplingOptions(p));
+  with_transfer.set_transfer_id(9);
+  v1::DecodeRequest with_output = PrefillHereRequest("bad2", prompt_, rpc::ToSamplingOptions(p));
+  with_output.add_output_token_ids(5);
+  p.prompt_logprobs = 1;
+  v1::DecodeRequest with_prompt_logprobs = PrefillHereRequest("bad3", prompt_, rpc::ToSamplingOptions(p));
+  for (const v1::DecodeRequest& request : {with_transfer, with_output, with_prompt_logprobs}) {
+    FlowResult r;
+    ReadStream(request, &r);
+    EXPECT_EQ(r.decode.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << request.request_id();
+    EXPECT_TRUE(r.tokens.empty());
+  }
+  FlowResult empty;
+  ReadStream(PrefillHereRequest("empty", {}, LongGreedy()), &empty);
+  EXPECT_EQ(empty.decode.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(DecodeBecomesIdle());
+}
+
+TEST_F(WorkerServicesTest, CancellingAPrefillHereCallFreesItsBlocks) {
+  grpc::ClientContext ctx;
+  auto reader = decode_stub_->Decode(&ctx, PrefillHereRequest("cancel-here", prompt_, LongGreedy()));
+  v1::GenerateResponse msg;
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(reader->Read(&msg));
+  EXPECT_LT(DecodeStats().num_free_kv_blocks(), kDecodeBlocks);
+  ctx.TryCancel();
+  while (reader->Read(&msg)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(DecodeBecomesIdle());
 }
 
 TEST_F(WorkerServicesTest, ReserveKvWithoutRoomIsResourceExhausted) {

@@ -161,6 +161,15 @@ grpc::Status FakeDecodeWorker::Decode(grpc::ServerContext* context, const v1::De
     decoded_sampling_.push_back(request->sampling());
     last_decode_ = *request;
   }
+  int first_token = request->first_token_id();
+  if (request->prefill_here()) {
+    if (!prefill_here) {
+      in_decode = false;
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "no KV reservation for transfer id 0");
+    }
+    ++num_prefilled_here;
+    first_token = local_first_token;
+  }
   const int resumed = request->output_token_ids_size();
   int max_tokens = request->sampling().max_tokens() - resumed;
   if (!script.empty() && static_cast<int>(script.size()) <= max_tokens) {
@@ -185,7 +194,7 @@ grpc::Status FakeDecodeWorker::Decode(grpc::ServerContext* context, const v1::De
     }
     v1::GenerateResponse message;
     message.set_request_id("worker-side-id");
-    message.add_token_ids(request->first_token_id() + i);
+    message.add_token_ids(first_token + i);
     message.set_text(script.empty() ? "t" + std::to_string(resumed + i) + " " : script[static_cast<size_t>(i)]);
     if (request->sampling().has_logprobs()) {  // -0.5 each, top ids 0..N-1
       v1::TokenLogprobs* lp = message.add_logprobs();
@@ -244,6 +253,7 @@ grpc::Status FakeDecodeWorker::GetStats(grpc::ServerContext*, const v1::GetStats
   response->set_num_kv_blocks(100);
   response->set_num_free_kv_blocks(free_blocks);
   response->set_block_size(16);
+  response->set_prefill_here(prefill_here);
   return grpc::Status::OK;
 }
 

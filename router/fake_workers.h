@@ -61,7 +61,7 @@ class FakePrefillWorker final : public v1::PrefillWorker::Service {
   std::vector<std::string> aborted_ ABSL_GUARDED_BY(mu_);
 };
 
-// Decode streams first_token_id, then first_token_id+1, ... (max_tokens in all), one token per
+// Decode streams first_token_id (local_first_token for a prefill_here call), then +1, ... (max_tokens in all), one token per
 // message with text "t<i> " (and, with sampling.logprobs N, logprob -0.5 and top ids 0..N-1),
 // the last one finished with "length" and usage. A migrated request (output_token_ids) gets the
 // tokens after those, i counting on from them. With a script, the
@@ -80,6 +80,12 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
                         v1::WorkerStats* response) override;
 
   std::atomic<int> token_delay_ms{0};
+  // Says it takes DecodeRequest.prefill_here (set before the router polls it); such a call
+  // streams from local_first_token. Without it, a prefill_here call fails as an older worker's
+  // would (FAILED_PRECONDITION: no reservation for transfer id 0).
+  std::atomic<bool> prefill_here{false};
+  std::atomic<int> local_first_token{3000};
+  std::atomic<int> num_prefilled_here{0};
   // While held, Decode keeps its first message back (ReleaseFirstMessage lets it go).
   void HoldFirstMessage();
   void ReleaseFirstMessage();

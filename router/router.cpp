@@ -119,6 +119,11 @@ class RouterImpl : public Router {
     }
     service_options.max_request_migrations = options.max_request_migrations;
     service_options.overlap_kv_reservation = !options.sequential_kv_reservation;
+    if (options.local_prefill_max_tokens < 0 || options.local_prefill_queue_tokens < 0) {
+      return absl::InvalidArgumentError("local_prefill_max_tokens and local_prefill_queue_tokens must not be negative");
+    }
+    service_options.local_prefill_max_tokens = options.local_prefill_max_tokens;
+    service_options.local_prefill_queue_tokens = options.local_prefill_queue_tokens;
     service_options.metrics_registry = &metrics_registry_;
     service_options.chat_template = chat_template_.get();
     if (options.enable_auto_tool_choice) service_options.auto_tool_call_format = tool_call_format;

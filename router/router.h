@@ -39,6 +39,9 @@ struct RouterOptions {
   // ReserveKv, then Prefill, one after the other, instead of side by side (RouterServiceOptions::
   // overlap_kv_reservation).
   bool sequential_kv_reservation = false;
+  // Conditional disaggregation (RouterServiceOptions::local_prefill_max_tokens); 0: off.
+  int64_t local_prefill_max_tokens = 0;
+  int64_t local_prefill_queue_tokens = 0;
   // "prefix-aware" (router/prefix_aware_policy.h) or "least-loaded" (router/assignment_policy.h).
   std::string routing_policy = "prefix-aware";
   double prefix_affinity = 4.0;  // prefix-aware: requests in flight a whole cached prompt is worth

@@ -213,8 +213,16 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   // gate (both count in num_requests_waiting). kPlaced: on its workers.
   enum class Stage { kNotAdmitted, kQueued, kWaiting, kPlaced, kEnded };
 
-  // At the prefill gate: through now, or in its line.
+  // At the prefill gate: through now, or in its line; or, by conditional disaggregation, on to a
+  // decode worker that prefills the prompt itself.
   void EnterGate();
+  // Whether the prompt should be prefilled on its decode worker (RouterServiceOptions).
+  bool WantsPrefillHere() const;
+  // Places the request on a decode worker that prefills it and starts the Decode call; false
+  // (nothing done) when no decode worker up takes prefill_here.
+  bool PrefillOnDecodeWorker();
+  // The request leaves the router's waiting line for its first placement.
+  void MarkPlaced();
   // The request's n and max_tokens, once per request (an OpenAI request's n choices are n calls
   // that say which choice they are in "duet-choice: <index>/<n>" metadata; the first counts).
   void RecordParams();
@@ -327,6 +335,7 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   Worker* decode_ = nullptr;
   InFlightGuard decode_in_flight_;
   uint64_t transfer_id_ = 0;
+  bool prefill_here_ = false;    // the decode worker prefills the prompt (no reservation, no prefill worker)
   bool target_shipped_ = false;  // the reservation's KvTarget went to a prefill worker (Prefill sent)
   v1::KvTarget target_;
   Worker* prefill_ = nullptr;
@@ -444,6 +453,7 @@ class RouterService::PrefillGate {
       return true;
     }
     waiting_.push_back({call, tokens});
+    waiting_tokens_ += tokens;
     return false;
   }
   // A call let through with `tokens` is done prefilling (or ended): lets the next ones through.
@@ -455,6 +465,7 @@ class RouterService::PrefillGate {
       --inside_;
       while (!waiting_.empty() && Fits(waiting_.front().tokens)) {
         inside_tokens_ += waiting_.front().tokens;
+        waiting_tokens_ -= waiting_.front().tokens;
         ++inside_;
         admitted.push_back(std::move(waiting_.front().call));
         waiting_.pop_front();
@@ -467,8 +478,14 @@ class RouterService::PrefillGate {
     absl::MutexLock lock(&mu_);
     auto it = std::find_if(waiting_.begin(), waiting_.end(), [call](const Waiting& w) { return w.call.get() == call; });
     if (it == waiting_.end()) return false;
+    waiting_tokens_ -= it->tokens;
     waiting_.erase(it);
     return true;
+  }
+  // The prompt tokens let through or waiting, per prefill worker up: the prefill workers' load.
+  int64_t TokensPerWorker() const {
+    absl::MutexLock lock(&mu_);
+    return (inside_tokens_ + waiting_tokens_) / std::max(1, registry_->NumUp(WorkerRole::kPrefill));
   }
 
  private:
@@ -500,10 +517,11 @@ class RouterService::PrefillGate {
 
   const int64_t per_worker_;
   const WorkerRegistry* const registry_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   int64_t inside_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   int inside_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<Waiting> waiting_ ABSL_GUARDED_BY(mu_);
+  int64_t waiting_tokens_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // max_concurrent_requests slots for requests at the prefill gate or on workers, and a bounded
@@ -675,6 +693,7 @@ void RouterService::GenerateCall::LeaveQueue() {
 }
 
 void RouterService::GenerateCall::EnterGate() {
+  if (WantsPrefillHere() && PrefillOnDecodeWorker()) return;
   gate_tokens_ = int64_t(info_.prompt_token_ids.size());
   if (service_->prefill_gate_->Enter(shared_from_this(), gate_tokens_)) {
     return PassGate();
@@ -685,13 +704,44 @@ void RouterService::GenerateCall::EnterGate() {
 
 void RouterService::GenerateCall::PassGate() {
   in_gate_ = true;
-  if (stage_ == Stage::kWaiting) {  // its first placement (a migrating request is placed already)
-    stage_ = Stage::kPlaced;
-    service_->metrics_->num_requests_waiting.Dec();
-    queue_seconds_ = Seconds(std::chrono::steady_clock::now() - active_->arrival);
-    service_->metrics_->request_queue_time_seconds.Observe(queue_seconds_);
-  }
+  MarkPlaced();
   BeginReserve();
+}
+
+void RouterService::GenerateCall::MarkPlaced() {
+  if (stage_ != Stage::kWaiting) return;  // a migrating request is placed already
+  stage_ = Stage::kPlaced;
+  service_->metrics_->num_requests_waiting.Dec();
+  queue_seconds_ = Seconds(std::chrono::steady_clock::now() - active_->arrival);
+  service_->metrics_->request_queue_time_seconds.Observe(queue_seconds_);
+}
+
+bool RouterService::GenerateCall::WantsPrefillHere() const {
+  const RouterServiceOptions& options = service_->options_;
+  if (options.local_prefill_max_tokens <= 0 || resumed() || prepared_.params.prompt_logprobs >= 0 ||
+      int64_t(info_.prompt_token_ids.size()) > options.local_prefill_max_tokens) {
+    return false;
+  }
+  return service_->registry_->NumUp(WorkerRole::kPrefill) == 0 ||
+         service_->prefill_gate_->TokensPerWorker() >= options.local_prefill_queue_tokens;
+}
+
+bool RouterService::GenerateCall::PrefillOnDecodeWorker() {
+  info_.excluded = failed_decode_;
+  for (const Worker* w : service_->registry_->decode_workers()) {
+    const std::optional<v1::WorkerStats> stats = w->stats();
+    if (!stats.has_value() || !stats->prefill_here()) info_.excluded.push_back(w);
+  }
+  Worker* decode = service_->policy_->PickDecode(info_);
+  if (decode == nullptr) return false;
+  MarkPlaced();
+  decode_ = decode;
+  decode_in_flight_ = InFlightGuard(decode);
+  prefill_here_ = true;
+  RecordPlacement(decode);
+  service_->metrics_->prefills(/*on_decode_worker=*/true).Inc();
+  StartDecode();
+  return true;
 }
 
 void RouterService::GenerateCall::LeaveGate() {
@@ -878,6 +928,7 @@ void RouterService::GenerateCall::SendPrefill(Worker* prefill, bool late) {
   prefill_ = prefill;
   prefill_in_flight_ = InFlightGuard(prefill);
   RecordPlacement(prefill);
+  service_->metrics_->prefills(/*on_decode_worker=*/false).Inc();
   v1::PrefillRequest request;
   request.set_request_id(prepared_.request_id);
   request.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
@@ -1097,7 +1148,10 @@ void RouterService::GenerateCall::StartDecode() {
   request.set_transfer_id(transfer_id_);
   request.mutable_prompt_token_ids()->Assign(prepared_.prompt_token_ids.begin(), prepared_.prompt_token_ids.end());
   *request.mutable_sampling() = prepared_.sampling;
-  if (kv_attached_) {  // the stream continues after everything the client has
+  if (prefill_here_) {
+    request.clear_transfer_id();
+    request.set_prefill_here(true);
+  } else if (kv_attached_) {  // the stream continues after everything the client has
     request.mutable_output_token_ids()->Assign(output_token_ids_.begin(), output_token_ids_.end());
     request.set_output_text_bytes(output_text_bytes_);
     request.set_kv_attached(true);
@@ -1278,6 +1332,7 @@ void RouterService::GenerateCall::Migrate(const std::string& what) {
   DUET_LOG(INFO) << "request " << prepared_.request_id << ": " << what << " after " << output_token_ids_.size()
                  << " tokens; migrating it (" << migrations_ << " of at most " << limit << ")";
   failed_decode_.push_back(decode_);
+  prefill_here_ = false;
   early_first_text_.reset();  // if the failed stream had yet to repeat it, the next pair goes on after it
   decode_ = nullptr;
   decode_in_flight_.Reset();

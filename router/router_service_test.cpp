@@ -83,6 +83,7 @@ class RouterServiceTest : public ::testing::Test {
     }
     for (int i = 0; i < num_decode; ++i) {
       decode_.push_back(std::make_unique<FakeDecodeWorker>());
+      decode_.back()->prefill_here = prefill_here_fakes_;
       decode_servers_.push_back(std::make_unique<FakeServer>(decode_.back().get()));
     }
     std::vector<std::string> prefill_addresses, decode_addresses;
@@ -184,6 +185,7 @@ class RouterServiceTest : public ::testing::Test {
   std::unique_ptr<WorkerRegistry> registry_;
   bool prefix_aware_ = false;  // PrefixAwarePolicy instead of LeastLoadedPolicy
   bool late_target_fakes_ = false;  // the fake prefill workers take late KV targets
+  bool prefill_here_fakes_ = false;  // the fake decode workers take DecodeRequest.prefill_here
   PrefixIndex prefix_index_;
   std::unique_ptr<AssignmentPolicy> policy_;
   std::unique_ptr<RouterService> service_;
@@ -1566,6 +1568,138 @@ TEST(RouterTest, HealthSaysWhetherRequestsCanBeServed) {
   (*router)->StartDraining();
   expect_both(HealthCheckResponse::NOT_SERVING, 503);
   (*router)->Shutdown(100);
+}
+
+// Conditional disaggregation: decode workers that prefill short prompts themselves while the
+// prefill workers are busy (RouterServiceOptions::local_prefill_max_tokens).
+class PrefillHereTest : public RouterServiceTest {
+ protected:
+  void SetUp() override { prefill_here_fakes_ = true; }
+  static RouterServiceOptions Local(int64_t max_tokens, int64_t queue_tokens = 0) {
+    RouterServiceOptions options;
+    options.local_prefill_max_tokens = max_tokens;
+    options.local_prefill_queue_tokens = queue_tokens;
+    return options;
+  }
+  double Prefills(bool on_decode_worker) { return service_->metrics().prefills(on_decode_worker).Value(); }
+};
+
+TEST_F(PrefillHereTest, OffByDefault) {
+  Start(1, 1);
+  Result result = Generate(TokenRequest({1, 2, 3}, 3));
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(result.tokens(), (std::vector<int32_t>{1000, 1001, 1002}));
+  EXPECT_EQ(decode_[0]->num_prefilled_here, 0);
+  EXPECT_EQ(Prefills(false), 1);
+  EXPECT_EQ(Prefills(true), 0);
+}
+
+TEST_F(PrefillHereTest, AShortPromptIsPrefilledByItsDecodeWorker) {
+  Start(1, 1, Local(8));
+  Result result = Generate(TokenRequest({1, 2, 3}, 4, "here"));
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(result.tokens(), (std::vector<int32_t>{3000, 3001, 3002, 3003}));
+  EXPECT_THAT(result.messages[0].prompt_token_ids(), ::testing::ElementsAre(1, 2, 3));
+  for (size_t i = 1; i < result.messages.size(); ++i) EXPECT_EQ(result.messages[i].prompt_token_ids_size(), 0);
+  for (const v1::GenerateResponse& m : result.messages) EXPECT_EQ(m.request_id(), "here");
+  EXPECT_EQ(result.messages.back().usage().completion_tokens(), 4);
+  // No prefill worker, no reservation, no KV target.
+  EXPECT_EQ(prefill_[0]->num_prefills, 0);
+  EXPECT_EQ(decode_[0]->num_reserved, 0);
+  const v1::DecodeRequest sent = decode_[0]->last_decode();
+  EXPECT_TRUE(sent.prefill_here());
+  EXPECT_EQ(sent.transfer_id(), 0u);
+  EXPECT_THAT(sent.prompt_token_ids(), ::testing::ElementsAre(1, 2, 3));
+  EXPECT_EQ(sent.output_token_ids_size(), 0);
+  EXPECT_EQ(decode_[0]->num_prefilled_here, 1);
+  EXPECT_EQ(Prefills(true), 1);
+  EXPECT_EQ(Prefills(false), 0);
+  EXPECT_TRUE(WaitFor([&] { return service_->num_in_flight() == 0; }, 3000));
+  EXPECT_EQ(registry_->decode_workers()[0]->in_flight(), 0);
+}
+
+TEST_F(PrefillHereTest, LongerPromptsAndPromptLogprobsGoToAPrefillWorker) {
+  Start(1, 1, Local(2));
+  ASSERT_TRUE(Generate(TokenRequest({1, 2, 3}, 2)).status.ok());
+  v1::GenerateRequest scored = TokenRequest({1, 2}, 2);
+  scored.mutable_sampling()->set_prompt_logprobs(1);
+  Result result = Generate(scored);
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(result.tokens(), (std::vector<int32_t>{1000, 1001}));
+  EXPECT_EQ(result.messages[0].prompt_logprobs_size(), 1);
+  EXPECT_EQ(prefill_[0]->num_prefills, 2);
+  EXPECT_EQ(decode_[0]->num_prefilled_here, 0);
+}
+
+TEST_F(PrefillHereTest, OnlyWhileThePrefillWorkersAreBusy) {
+  Start(1, 1, Local(8, /*queue_tokens=*/5));
+  prefill_[0]->prefill_delay_ms = 1500;
+  Result first, second;
+  std::thread client([&] { first = Generate(TokenRequest({1, 2, 3, 4, 5}, 2, "first")); });
+  EXPECT_TRUE(WaitFor([&] { return prefill_[0]->num_prefills == 1; }, 1400));
+  // Five prompt tokens at the one prefill worker: busy.
+  second = Generate(TokenRequest({7, 8}, 2, "second"));
+  client.join();
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+  EXPECT_EQ(first.tokens(), (std::vector<int32_t>{1000, 1001}));
+  EXPECT_EQ(second.tokens(), (std::vector<int32_t>{3000, 3001}));
+  EXPECT_EQ(prefill_[0]->num_prefills, 1);
+  EXPECT_EQ(decode_[0]->num_prefilled_here, 1);
+  // Idle again: the next one goes to the prefill worker.
+  prefill_[0]->prefill_delay_ms = 0;
+  EXPECT_EQ(Generate(TokenRequest({7, 8}, 1)).tokens(), (std::vector<int32_t>{1000}));
+}
+
+TEST_F(PrefillHereTest, DecodeWorkersThatDoNotSayTheyTakeItAreNotAsked) {
+  prefill_here_fakes_ = false;
+  Start(1, 1, Local(8));
+  Result result = Generate(TokenRequest({1, 2, 3}, 2));
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(result.tokens(), (std::vector<int32_t>{1000, 1001}));
+  EXPECT_EQ(decode_[0]->num_reserved, 1);
+  EXPECT_FALSE(decode_[0]->last_decode().prefill_here());
+}
+
+TEST_F(PrefillHereTest, WithNoPrefillWorkerUpTheDecodeWorkerServesShortPrompts) {
+  Start(1, 1, Local(8, /*queue_tokens=*/1 << 20));
+  prefill_servers_[0]->Stop();
+  registry_->MarkDown(registry_->prefill_workers()[0], "stopped by the test");
+  Result result = Generate(TokenRequest({1, 2}, 2));
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(result.tokens(), (std::vector<int32_t>{3000, 3001}));
+  Result longer = Generate(TokenRequest({1, 2, 3, 4, 5, 6, 7, 8, 9}, 2));
+  EXPECT_EQ(longer.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(longer.status.error_message(), HasSubstr("no prefill worker is up"));
+}
+
+TEST_F(PrefillHereTest, ACancelledRequestLeavesTheDecodeWorker) {
+  Start(1, 1, Local(8));
+  decode_[0]->token_delay_ms = 300;
+  GenerateCancelled(TokenRequest({1, 2}, 50, "gone"), [&] {
+    WaitFor([&] { return decode_[0]->in_decode.load(); });
+  });
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->num_cancelled == 1; }, 3000));
+  EXPECT_TRUE(WaitFor([&] { return service_->num_in_flight() == 0; }, 3000));
+  EXPECT_EQ(registry_->decode_workers()[0]->in_flight(), 0);
+  EXPECT_EQ(prefill_[0]->num_prefills, 0);
+}
+
+TEST_F(PrefillHereTest, ABrokenStreamMigratesThroughAPrefillWorker) {
+  RouterServiceOptions options = Local(8);
+  Start(1, 2, options);
+  decode_[1]->free_blocks = 0;  // the policy takes worker 0 first
+  registry_->PollOnce();
+  decode_[0]->fail_after_tokens = 2;  // UNAVAILABLE after 3000, 3001
+  Result result = Generate(TokenRequest({1, 2, 3}, 5, "moved"));
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  // The second pair prefilled the prompt and the output so far on the prefill worker.
+  EXPECT_EQ(result.tokens(), (std::vector<int32_t>{3000, 3001, 1002, 1003, 1004}));
+  EXPECT_EQ(prefill_[0]->num_prefills, 1);
+  EXPECT_EQ(prefill_[0]->last_output_tokens(), (std::vector<int32_t>{3000, 3001}));
+  EXPECT_FALSE(decode_[1]->last_decode().prefill_here());
+  EXPECT_EQ(Prefills(true), 1);
+  EXPECT_EQ(Prefills(false), 1);
 }
 
 }  // namespace

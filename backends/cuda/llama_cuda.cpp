@@ -238,13 +238,14 @@ absl::Status LlamaCuda::LaunchGraph(const cuda::StepPlan& plan, cuda::DeviceKvCa
 }
 
 kernels::PagedDecodeAttentionPlan LlamaCuda::PlanDecodeAttention(const cuda::StepPlan& plan) const {
-  if (!plan.decode_only) return {};
+  const int num_seqs = plan.decode_only ? plan.num_seqs : plan.num_leading_decode_seqs;
+  if (num_seqs == 0) return {};
   const int nh = int(config_.num_heads), nkv = int(config_.num_kv_heads), hd = int(config_.head_dim);
   const int planned_context = plan.graph_batch > 0 ? int(options_.max_model_len) : plan.max_context_len;
   kernels::PagedDecodeAttentionPlan decode_plan =
-      kernels::PlanPagedDecodeAttention(plan.num_seqs, nh, nkv, hd, planned_context, num_sms_);
+      kernels::PlanPagedDecodeAttention(num_seqs, nh, nkv, hd, planned_context, num_sms_);
   if (decode_plan.workspace_bytes > decode_workspace_bytes_) {
-    decode_plan = kernels::PlanPagedDecodeAttention(plan.num_seqs, nh, nkv, hd, int(options_.max_model_len), num_sms_);
+    decode_plan = kernels::PlanPagedDecodeAttention(num_seqs, nh, nkv, hd, int(options_.max_model_len), num_sms_);
   }
   DUET_CHECK(decode_plan.workspace_bytes <= decode_workspace_bytes_);
   return decode_plan;
@@ -336,31 +337,35 @@ void LlamaCuda::EnqueueAttentionKernel(const cuda::StepPlan& plan,
                   layer == ring_events_layer_ ? ring_events_ : nullptr);
     return;
   }
-  if (plan.decode_only) {
+  // The first `num_decode` sequences have one query row each (rows 0 .. num_decode - 1).
+  const int num_decode = plan.decode_only ? plan.num_seqs : plan.num_leading_decode_seqs;
+  if (num_decode > 0) {
     kernels::PagedDecodeAttentionParams p{};
     p.q = q_.as<__nv_bfloat16>();
     p.kv = kv;
     p.block_tables = metadata_->block_tables();
     p.context_lens = metadata_->context_lens();
     p.out = attn_.as<__nv_bfloat16>();
-    p.num_seqs = plan.num_seqs;
+    p.num_seqs = num_decode;
     p.num_q_heads = int(config_.num_heads);
     p.max_blocks_per_seq = metadata_->max_blocks_per_seq();
     p.scale = scale;
     p.workspace = decode_workspace_.as<float>();
     p.split_counters = decode_split_counters_.as<int32_t>();
     kernels::PagedDecodeAttention(p, decode_plan, stream_);
-    return;
   }
+  if (num_decode == plan.num_seqs) return;
+  // The other sequences: their metadata from sequence num_decode on (q_start holds absolute rows).
+  const size_t first = size_t(num_decode);
   kernels::PrefillAttentionParams p{};
   p.q = q_.as<__nv_bfloat16>();
   p.kv = kv;
-  p.block_tables = metadata_->block_tables();
-  p.q_start = metadata_->q_start();
-  p.context_lens = metadata_->context_lens();
+  p.block_tables = metadata_->block_tables() + first * size_t(metadata_->max_blocks_per_seq());
+  p.q_start = metadata_->q_start() + first;
+  p.context_lens = metadata_->context_lens() + first;
   p.tree_masks = plan.has_trees ? metadata_->tree_masks() : nullptr;
   p.out = attn_.as<__nv_bfloat16>();
-  p.num_seqs = plan.num_seqs;
+  p.num_seqs = plan.num_seqs - num_decode;
   p.num_q_tokens = plan.num_tokens;
   p.max_q_len = plan.max_q_len;
   p.num_q_heads = int(config_.num_heads);

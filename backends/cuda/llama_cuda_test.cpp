@@ -173,6 +173,42 @@ TEST(LlamaCuda, Bf16ChunkedPrefillMixedWithDecodeMatchesCpu) {
   EXPECT_LT(pair.Step({rest, b_decode}), 1e-2);
 }
 
+// Decoding sequences ahead of prompt chunks, the order the scheduler gives a decode step that takes
+// a prompt in (conditional disaggregation, chunked prefill): the leading one-token sequences'
+// attention runs in the paged decode kernel, the rest's in the prefill kernel. Their logits against
+// the CPU backend's, the contexts crossing KV blocks and the decode sequences in different blocks.
+TEST(LlamaCuda, Bf16DecodeSequencesAheadOfPromptChunksMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  BackendPair pair;
+  std::vector<int32_t> table_a = {3, 9, 4}, table_b = {40, 41, 42, 43, 44, 45}, table_c = {70, 71, 72, 73, 74};
+  std::vector<int32_t> table_d = {90, 91};
+  std::vector<int32_t> prompt_a = Range(200, 33), prompt_b = Range(500, 80), prompt_c = Range(900, 60);
+  EXPECT_LT(pair.Step({SequenceChunk{prompt_a, 0, table_a, 1, 1}, SequenceChunk{prompt_b, 0, table_b, 2, 1}}), 1e-2);
+  // A and B decode; C's first 40 prompt tokens (no logits) and D's whole prompt come after them.
+  std::vector<int32_t> next_a = {17}, next_b = {23}, prompt_d = Range(1500, 12);
+  std::vector<float> logits;
+  const double mixed_error =
+      pair.Step({SequenceChunk{next_a, 33, table_a, 1, 1}, SequenceChunk{next_b, 80, table_b, 2, 1},
+                 SequenceChunk{absl::MakeSpan(prompt_c).subspan(0, 40), 0, table_c, 3, 0},
+                 SequenceChunk{prompt_d, 0, table_d, 4, 1}},
+                &logits);
+  std::printf("decode rows ahead of prompt chunks: logits relative error %.2e\n", mixed_error);
+  EXPECT_LT(mixed_error, 1e-2);
+  EXPECT_EQ(logits.size(), size_t(3 * pair.gpu().config().vocab_size));
+  // The rest of C's prompt after three decode rows, then a step of one-token chunks only, one of
+  // them without logits (not a decode step: all of it in the paged decode kernel).
+  std::vector<int32_t> next_a2 = {18}, next_b2 = {24}, next_d = {31};
+  EXPECT_LT(pair.Step({SequenceChunk{next_a2, 34, table_a, 1, 1}, SequenceChunk{next_b2, 81, table_b, 2, 1},
+                       SequenceChunk{next_d, 12, table_d, 4, 1},
+                       SequenceChunk{absl::MakeSpan(prompt_c).subspan(40), 40, table_c, 3, 1}}),
+            1e-2);
+  std::vector<int32_t> next_a3 = {19}, next_c = {44};
+  std::vector<int32_t> prompt_e = {7}, table_e = {100};
+  EXPECT_LT(pair.Step({SequenceChunk{next_a3, 35, table_a, 1, 1}, SequenceChunk{next_c, 60, table_c, 3, 1},
+                       SequenceChunk{prompt_e, 0, table_e, 5, 0}}),
+            1e-2);
+}
+
 // Speculative verification: a draft tree beside a plain decode step, tree attention against the
 // CPU backend's, then the accepted path's K/V moved and decoding continued from it. With graphs
 // the verification step replays a padded verification graph; without, it runs eagerly.

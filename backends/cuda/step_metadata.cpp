@@ -83,6 +83,7 @@ absl::StatusOr<StepPlan> StepMetadata::Plan(absl::Span<const SequenceChunk> chun
   auto* tree_masks = reinterpret_cast<uint64_t*>(meta + layout.tree_masks);
 
   plan.decode_only = true;
+  bool leading_decode = true;
   std::vector<int32_t> depths;
   int row = 0, logit_row = 0;
   q_start[0] = 0;
@@ -102,6 +103,8 @@ absl::StatusOr<StepPlan> StepMetadata::Plan(absl::Span<const SequenceChunk> chun
                                                      limits_.max_num_batched_tokens, ") tokens"));
     }
     if (n != 1 || chunk.num_logits != 1) plan.decode_only = false;
+    leading_decode = leading_decode && n == 1 && chunk.tree_parents.empty();
+    if (leading_decode) ++plan.num_leading_decode_seqs;
     // A draft tree: token j takes position start + depth(j) but slot start + j, and sees the
     // context plus its ancestors (its mask: itself and its parent's mask).
     const bool tree = !chunk.tree_parents.empty();
@@ -147,6 +150,9 @@ absl::StatusOr<StepPlan> StepMetadata::Plan(absl::Span<const SequenceChunk> chun
   plan.num_tokens = row;
   plan.num_seqs = int(chunks.size());
   plan.num_logit_rows = logit_row;
+  // Decode and verification steps replay graphs, whose kernels keep the sequence counts they were
+  // captured with: those keep their one attention kernel.
+  if (plan.decode_only || plan.has_trees) plan.num_leading_decode_seqs = 0;
   return plan;
 }
 

@@ -44,6 +44,11 @@ struct StepPlan {
   int max_context_len = 0;
   bool decode_only = false;  // one token per sequence: paged decode attention
   bool has_trees = false;    // some chunk is a draft tree: attention uses the tree masks
+  // A step that is neither decode_only nor has_trees: how many of its first sequences have one
+  // token each (decoding requests ahead of prompt chunks, as the scheduler orders them). Their
+  // attention runs in the paged decode kernel, the rest's in the prefill kernel, which would
+  // give each of them a 64-row query block per head.
+  int num_leading_decode_seqs = 0;
   int graph_batch = 0;       // > 0: replay the graph of this padded batch size
   int graph_tokens = 0;      // > 0: the graph verifies draft trees in this many (padded) rows
 };

@@ -3,8 +3,12 @@
 // bytes a step reads, weights and KV, over that bandwidth) and cuBLAS bf16 matmul throughput (the
 // prefill ceiling). The device copy bandwidth (read + write) is printed beside them for reference.
 //
+// With --mixed-prompt, it also times steps that carry a prompt chunk beside a batch's decode rows
+// (chunked prefill; a decode worker prefilling prompts itself) against the two steps apart.
+//
 //   cuda_llama_bench --model DIR [--batch 1,8,32,128] [--context 1024] [--prefill 1024,8192 | --prefill none]
-//                    [--no-pdl] [--no-fusion] [--early-groups 1|2] [--no-cuda-graphs] [--skinny-gemm-max-rows N]
+//                    [--mixed-prompt 256,512] [--no-pdl] [--no-fusion] [--early-groups 1|2] [--no-cuda-graphs]
+//                    [--skinny-gemm-max-rows N]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -118,7 +122,7 @@ std::vector<int> ParseList(const std::string& text) {
 
 int Run(int argc, char** argv) {
   CLI::App app{"CUDA backend decode/prefill benchmark"};
-  std::string model_dir, batches = "1,8,32,128", prefills = "1024,8192";
+  std::string model_dir, batches = "1,8,32,128", prefills = "1024,8192", mixed_prompts = "none";
   int context = 1024, steps = 64;
   bool graphs = true, pdl = true, fusion = true;
   int skinny_max_rows = kernels::kSkinnyGemmPreferredMaxRows;
@@ -128,6 +132,7 @@ int Run(int argc, char** argv) {
   app.add_option("--context", context, "tokens already in each sequence's KV cache when decode starts");
   app.add_option("--steps", steps, "decode steps per batch size (the first 4 are not timed)")->check(CLI::Range(5, 100000));
   app.add_option("--prefill", prefills, "single-sequence prefill lengths");
+  app.add_option("--mixed-prompt", mixed_prompts, "prompt chunk lengths to time beside each batch's decode rows");
   app.add_flag("!--no-cuda-graphs", graphs, "run decode steps eagerly");
   app.add_flag("!--no-pdl", pdl, "launch kernels without programmatic dependent launch");
   app.add_flag("!--no-fusion", fusion, "RoPE/KV write and SiLU·mul as separate kernels at batch <= 2");
@@ -139,15 +144,17 @@ int Run(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   kernels::SetGemvEarlyGroups(early_groups);
 
-  const std::vector<int> batch_sizes = ParseList(batches), prefill_lens = ParseList(prefills);
+  const std::vector<int> batch_sizes = ParseList(batches), prefill_lens = ParseList(prefills),
+                         mixed_lens = ParseList(mixed_prompts);
   if (batch_sizes.empty()) {
     std::fprintf(stderr, "--batch needs at least one batch size\n");
     return 1;
   }
   const int max_batch = *std::max_element(batch_sizes.begin(), batch_sizes.end());
-  const int max_prefill = prefill_lens.empty() ? 0 : *std::max_element(prefill_lens.begin(), prefill_lens.end());
+  int max_prefill = prefill_lens.empty() ? 0 : *std::max_element(prefill_lens.begin(), prefill_lens.end());
+  for (int n : mixed_lens) max_prefill = std::max(max_prefill, n + max_batch);
   LlamaCudaOptions options;
-  options.max_num_seqs = max_batch;
+  options.max_num_seqs = max_batch + (mixed_lens.empty() ? 0 : 1);  // a mixed step's prompt is one more
   options.max_num_batched_tokens = std::max(max_prefill, 8192);
   options.max_model_len = std::max<int64_t>(max_prefill, context + steps + 16);
   options.cuda_graphs = graphs;
@@ -236,6 +243,7 @@ int Run(int argc, char** argv) {
   // The floor of a step: the bytes it reads (weights + KV at its context length) over the read
   // ceiling; the table gives both parts, at the median timed step.
   std::printf("\ndecode floor = (weight bytes read + KV bytes read) / read ceiling %.0f GB/s\n", read_bw.bytes_per_s / 1e9);
+  std::vector<double> decode_step_seconds;  // per batch size, the median step
   std::printf("%-8s %10s %10s %11s %9s %10s %10s %10s\n", "batch", "ms/step", "tok/s", "weights GB", "KV GB", "floor ms",
               "of floor", "context");
   for (int batch : batch_sizes) {
@@ -280,10 +288,56 @@ int Run(int argc, char** argv) {
     }
     // The KV read grows by one token a step: the median step's bytes go with the median time.
     const double t = bench::Summarize(secs).median;
+    decode_step_seconds.push_back(t);
     const DecodeStepBytes median_bytes{bench::Summarize(weight_bytes_read).median, bench::Summarize(kv_bytes_read).median};
     const double floor = (median_bytes.weights + median_bytes.kv) / read_bw.bytes_per_s;
     std::printf("%-8d %10.3f %10.0f %11.3f %9.3f %10.3f %9.1f%% %10d\n", batch, t * 1e3, batch / t,
                 median_bytes.weights / 1e9, median_bytes.kv / 1e9, floor * 1e3, 100.0 * floor / t, context);
+  }
+  if (mixed_lens.empty()) return 0;
+
+  // Mixed steps: each batch's decode rows (at the context they reached) and an N-token prompt
+  // chunk in one step, sampled on the device, against the decode step above plus the prompt alone.
+  // "decode rows first" is the order the engine's scheduler gives (their attention in the paged
+  // decode kernel, the prompt's in the prefill kernel); "prompt first" sends every sequence through
+  // the prefill kernel.
+  auto time_step = [&](const std::vector<SequenceChunk>& chunks) -> double {
+    std::vector<DeviceSamplingRow> rows(chunks.size());
+    std::vector<DeviceSample> samples;
+    std::vector<double> secs;
+    for (int rep = 0; rep < 12; ++rep) {
+      const auto t0 = Clock::now();
+      if (absl::Status st = model.ForwardSample(chunks, *cache, rows, samples); !st.ok()) {
+        std::fprintf(stderr, "mixed step: %s\n", std::string(st.message()).c_str());
+        return -1;
+      }
+      if (rep >= 2) secs.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    return bench::Summarize(secs).median;
+  };
+  std::printf("\nmixed steps: a batch's decode rows and a prompt chunk in one step (ms, median of 10)\n");
+  std::printf("%-8s %8s %14s %13s %13s %13s %10s\n", "batch", "prompt", "decode first", "prompt first",
+              "decode alone", "prompt alone", "saved");
+  const std::vector<int32_t> one_token = {1};
+  for (int n : mixed_lens) {
+    const std::vector<int32_t> prompt = tokens_of(n, 2);
+    const SequenceChunk prompt_chunk{prompt, 0, prefill_table, SequenceId(max_batch + 1), 1};
+    const double alone = time_step({prompt_chunk});
+    for (size_t bi = 0; bi < batch_sizes.size(); ++bi) {
+      const int batch = batch_sizes[bi];
+      std::vector<SequenceChunk> decode_first;
+      for (int s = 0; s < batch; ++s) {
+        decode_first.push_back(SequenceChunk{one_token, int64_t(context + steps), tables[size_t(s)], SequenceId(s + 1), 1});
+      }
+      std::vector<SequenceChunk> prompt_first = {prompt_chunk};
+      prompt_first.insert(prompt_first.end(), decode_first.begin(), decode_first.end());
+      decode_first.push_back(prompt_chunk);
+      const double mixed = time_step(decode_first), reversed = time_step(prompt_first);
+      if (mixed < 0 || reversed < 0 || alone < 0) return 1;
+      const double apart = decode_step_seconds[bi] + alone;
+      std::printf("%-8d %8d %14.3f %13.3f %13.3f %13.3f %9.1f%%\n", batch, n, mixed * 1e3, reversed * 1e3,
+                  decode_step_seconds[bi] * 1e3, alone * 1e3, 100.0 * (apart - mixed) / apart);
+    }
   }
   return 0;
 }

@@ -13,6 +13,8 @@
 #   QUICK=1: no generate comparison, only the closed-loop 1 and 64 runs and the unbounded rate
 #            (a short call).
 #   SHARING="timeslice mps": how the workers share the GPU, one cluster run per mode (see below).
+#   Conditional disaggregation against the engine alone with the same step budget:
+#     SHARING="mps mps-local1024-decodebudget1024" ENGINE_BUDGET=1024 bash scripts/gpu/h200_cluster.sh
 set -uo pipefail
 QUICK=${QUICK:-0}
 OUT=${OUT:-/tmp/duet-cluster-out}
@@ -55,8 +57,10 @@ cat /tmp/gen_out_*.jsonl > "$OUT/generate.jsonl" 2>/dev/null
 # cache finds nothing); conc64 has the engine alone's seed 1, so both run the same requests.
 BENCH_COMMON=(--dataset random --tokenizer "$MODEL" --output-len 128 --ignore-eos)
 BENCH_WORKLOAD=("${BENCH_COMMON[@]}" --input-len 512)
+# ENGINE_BUDGET: the engine alone's --max-num-batched-tokens (give it a mode's decodebudget, so the
+# engine alone mixes prompts into its decode steps as that mode's decode worker does).
 ENGINE_FLAGS=(--model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --max-model-len 4096
-              --max-num-batched-tokens 8192)
+              --max-num-batched-tokens "${ENGINE_BUDGET:-8192}")
 ENGINE_SEQS=64
 ENGINE_REQUESTS=256; PREFILL_REQUESTS=8
 [[ $QUICK == 1 ]] && PREFILL_REQUESTS=4
@@ -81,6 +85,11 @@ grep -h "tok/s" "$OUT/engine.log" | sed 's/^.*\] /  /'
 # of beside it (duet serve --sequential-kv-reservation), as before late targets. With "checksums":
 # every layer's K/V checksummed by the prefill worker and verified by the decode worker
 # (--kv-checksums; a correctness check of the bytes moved, slower on the device path).
+# With "localN": conditional disaggregation, prompts of at most N tokens prefilled by the decode
+# worker itself while the prefill worker is busy (--local-prefill-max-tokens N); "queueQ" sets
+# how busy: Q prompt tokens reserving, prefilling or waiting for it (--local-prefill-queue-tokens Q;
+# without it 0: every prompt of at most N tokens). With "decodebudgetT": the decode worker's
+# --max-num-batched-tokens T (how much prompt rides along with a decode step).
 # SHARING lists the modes to run, each a whole cluster run of its own under $OUT/<mode>.
 SHARING=${SHARING:-timeslice}
 mps_dir=/tmp/duet-mps
@@ -111,8 +120,11 @@ local priority=() share=()  # serve runs prefill workers at MPS client priority 
 [[ $mode =~ decode([0-9]+) ]] && share+=(--decode-gpu-percent "${BASH_REMATCH[1]}")
 [[ $mode =~ sequential ]] && share+=(--sequential-kv-reservation)
 [[ $mode =~ checksums ]] && share+=(--kv-checksums)
+[[ $mode =~ local([0-9]+) ]] && share+=(--local-prefill-max-tokens "${BASH_REMATCH[1]}")
+[[ $mode =~ queue([0-9]+) ]] && share+=(--local-prefill-queue-tokens "${BASH_REMATCH[1]}")
+[[ $mode =~ decodebudget([0-9]+) ]] && share+=(--decode-max-num-batched-tokens "${BASH_REMATCH[1]}")
 local budget=8192
-[[ $mode =~ budget([0-9]+) ]] && budget=${BASH_REMATCH[1]}
+[[ $mode =~ (^|-)budget([0-9]+) ]] && budget=${BASH_REMATCH[2]}
 "${priority[@]}" duet serve "${share[@]}" --model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --prefill-workers 1 \
   --decode-workers 1 --max-model-len 4096 --max-num-seqs 128 --max-num-batched-tokens $budget --grpc-port 0 \
   --http-port 0 --metrics-port 0 --max-concurrent-requests 1024 > "$dir/serve.out" 2> "$dir/serve.log" &
@@ -161,6 +173,8 @@ done
 echo "late KV targets (when each came against its prefill's forward pass):"
 curl -s "127.0.0.1:$prefill_metrics/metrics" | grep '^duet:kv_late_targets_total' | sed 's/.*arrived="\([a-z_]*\)"} /  \1 /'
 curl -s "127.0.0.1:$prefill_metrics/metrics" | grep "^duet:kv_transfer_failures_total" | sed "s/^/  /"
+echo "prefills by the worker that ran them (conditional disaggregation: decode):"
+curl -s "127.0.0.1:$http_port/metrics" | grep '^duet:router_prefills_total' | sed 's/.*worker_role="\([a-z]*\)"} /  \1 /'
 kill -INT $serve_pid; wait $serve_pid; echo "serve exit $?"
 grep -h "KV peer" "$dir/serve.log" | sed "s/.*\] //" | sort | uniq -c | head -4
 grep -i -E "error|fail|warn" "$dir/serve.log" | head -5

@@ -6,11 +6,13 @@
 #include <fstream>
 #include <random>
 #include <set>
+#include <sstream>
 #include <future>
 #include <thread>
 
 #include "grpcpp/health_check_service_interface.h"
 #include "gtest/gtest.h"
+#include "metrics/test_http_client.h"
 #include "nlohmann/json.hpp"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
@@ -260,6 +262,52 @@ TEST(ClusterTest, SixtyFourConcurrentStreamsOnTwoPlusTwoWorkers) {
   }
   std::string detail;
   EXPECT_TRUE(WaitForIdleKv(cluster, 2, &detail)) << detail;
+}
+
+// The value of a counter on a process's /metrics (0 when absent).
+double CounterValue(int metrics_port, const std::string& series) {
+  const metrics::testing::HttpResponse r =
+      metrics::testing::HttpGet(uint16_t(metrics_port), "/metrics", std::chrono::seconds(5));
+  std::istringstream lines(r.body);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind(series + " ", 0) == 0) return std::stod(line.substr(series.size() + 1));
+  }
+  return 0;
+}
+
+// Conditional disaggregation: while the prefill worker has a prompt in hand, the decode worker
+// prefills the next ones itself, in its own batch. The outputs are the reference's either way,
+// both paths serve, and nothing stays held.
+TEST(ClusterTest, ConditionalDisaggregationMatchesTheReference) {
+  testing::ClusterOptions options;
+  options.router_flags = {"--local-prefill-max-tokens", "4096", "--local-prefill-queue-tokens", "1"};
+  options.metrics = true;
+  LocalCluster cluster(options);
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const json ref = Reference();
+  std::vector<std::future<StreamResult>> results;
+  for (int i = 0; i < 24; ++i) {
+    const json& c = ref["cases"][size_t(i) % ref["cases"].size()];
+    v1::GenerateRequest r = TokenRequest(c["prompt_ids"].get<std::vector<int32_t>>(), 32);
+    results.push_back(std::async(std::launch::async, [&cluster, r] { return RunGenerate(cluster.router(), r); }));
+  }
+  for (int i = 0; i < 24; ++i) {
+    StreamResult got = results[size_t(i)].get();
+    ASSERT_TRUE(got.status.ok()) << i << ": " << got.status.error_message();
+    const std::vector<int32_t> want = ref["cases"][size_t(i) % ref["cases"].size()]["greedy_ids"].get<std::vector<int32_t>>();
+    EXPECT_EQ(got.token_ids, std::vector<int32_t>(want.begin(), want.begin() + 32)) << i;
+  }
+  const std::string labels = "{model_name=\"tiny-code-llama\",role=\"router\",worker_role=\"";
+  const double on_decode = CounterValue(cluster.router_metrics_port(), "duet:router_prefills_total" + labels + "decode\"}");
+  const double on_prefill = CounterValue(cluster.router_metrics_port(), "duet:router_prefills_total" + labels + "prefill\"}");
+  EXPECT_EQ(on_decode + on_prefill, 24);
+  EXPECT_GT(on_decode, 0);
+  EXPECT_GT(on_prefill, 0);
+  EXPECT_GT(CounterValue(cluster.decode_metrics_ports()[0],
+                         "duet:prompt_tokens_total{model_name=\"tiny-code-llama\",role=\"decode\"}"),
+            0);
+  std::string detail;
+  EXPECT_TRUE(WaitForIdleKv(cluster, 1, &detail)) << detail;
 }
 
 TEST(ClusterTest, CancellationAndDeadlinesReturnKvBlocksAndRouterStaysHealthy) {
