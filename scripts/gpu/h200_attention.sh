@@ -6,9 +6,11 @@
 #
 #   here:       TARGETS="kernels_tests llama_cuda_tests attention_bench cuda_llama_bench" scripts/gpu/make_bundle.sh
 #               (carry .devbundle; models/tiny-code-llama must travel, the draft model need not)
-#   device run: [PREFILL=512,1024,2048] [BATCH=8,32,64] [CONTEXT=576] bash scripts/gpu/h200_attention.sh
+#   device run: [PREFILL=512,1024,2048] [BATCH=8,32,64] [CONTEXT=576] [MIXED=256,512] bash scripts/gpu/h200_attention.sh
+#   MIXED: also time steps carrying a prompt chunk of each length beside the batch's decode rows
+#   (cuda_llama_bench --mixed-prompt), against the decode step and the prompt apart.
 set -uo pipefail
-prefill=${PREFILL:-512,1024,2048} batch=${BATCH:-8,32,64} context=${CONTEXT:-576}
+prefill=${PREFILL:-512,1024,2048} batch=${BATCH:-8,32,64} context=${CONTEXT:-576} mixed=${MIXED:-none}
 source scripts/gpu/devbundle_prologue.sh
 export DUET_MODELS_DIR=$PWD/models
 section "checkpoint (background, during the tests)"
@@ -28,9 +30,11 @@ section "waiting for the checkpoint"
 wait $ckpt_pid
 [[ -f /tmp/llama8b/config.json ]] || { tail "$OUT/checkpoint.log"; exit 1; }
 section "cuda_llama_bench"
-cuda_llama_bench --model /tmp/llama8b --prefill "$prefill" --batch "$batch" --context "$context" > "$OUT/llama_bench.log" 2>&1
+cuda_llama_bench --model /tmp/llama8b --prefill "$prefill" --batch "$batch" --context "$context" --mixed-prompt "$mixed" \
+  > "$OUT/llama_bench.log" 2>&1
 echo "exit $?"
 grep -E "^ *(batch|[0-9]+ )" "$OUT/attention_bench.log" | grep -E "^ *(batch| *(32|64) +(576|1024) )" | head -12
 grep -A22 "^prefill attention" "$OUT/attention_bench.log" | tail -n +2
 grep -B1 -A4 "^prefill " "$OUT/llama_bench.log"
 grep -A4 "^batch" "$OUT/llama_bench.log"
+grep -A30 "^mixed steps" "$OUT/llama_bench.log"
