@@ -313,6 +313,8 @@ test('2 prefill + 4 decode GPUs', async () => {
   assert.match(keda.spec.triggers[0].metadata.query, /duet:num_requests_waiting\{role="decode",namespace="inference"/);
   assert.equal(flag(decode, 'speculation'), 'lookahead');
   assert.equal(flag(component(objects, 'router'), 'served-model-name'), 'llama-3.1-8b');
+  assert.equal(flag(component(objects, 'router'), 'local-prefill-max-tokens'), '1024');
+  assert.equal(flag(component(objects, 'router'), 'local-prefill-queue-tokens'), '4096');
   assert.equal(flag(prefill, 'served-model-name'), 'llama-3.1-8b');  // the workers' metrics say it too
   assert.equal(flag(decode, 'served-model-name'), 'llama-3.1-8b');
   assert.equal(find(objects, 'ConfigMap', 'duet-env').data.UCX_TLS, 'tcp,cuda_copy,cuda_ipc');
@@ -471,6 +473,7 @@ test('values the schema refuses', () => {
   refuses('modelArtifacts: {source: s3}\n', /modelArtifacts\.source must be one of the following/);
   refuses('prefill: {parallelism: {sequence: 0}}\n', /prefill\.parallelism\.sequence: Must be greater than or equal to 1/);
   refuses('router: {grpcPort: 70000}\n', /router\.grpcPort: Must be less than or equal to 65535/);
+  refuses('router: {localPrefillMaxTokens: -1}\n', /router\.localPrefillMaxTokens: Must be greater than or equal to 0/);
   refuses('tls: {internal: {secretName: x}}\n', /Additional property secretName is not allowed/);
   refuses('tls: {router: {clientCertRequired: "yes"}}\n', /tls\.router\.clientCertRequired: Invalid type\. Expected: boolean/);
 });
