@@ -559,6 +559,9 @@ void DecodeService::DecodeCall::StartPrefillHere() {
     invalid = absl::InvalidArgumentError("prompt logprobs come from a prefill worker, not from a prefill_here Decode call");
   }
   if (!invalid.ok()) return End(rpc::ToGrpc(invalid));
+  if (service_->draining_.load(std::memory_order_acquire)) {
+    return End(Error(grpc::StatusCode::UNAVAILABLE, "the decode worker is draining: it takes no new prompts"));
+  }
   params_ = *std::move(params);
   Settled();
 }
@@ -695,6 +698,7 @@ void DecodeService::DecodeCall::Park(LlmEngine& engine) {
 
 // Live KV migration's parking (the rest is in decode_service_migration.cpp).
 void DecodeService::StartDraining() {
+  draining_.store(true, std::memory_order_release);
   if (!options_.park_on_drain) return;
   loop_->Post([this](LlmEngine& engine) {
     parking_ = true;

@@ -9,6 +9,7 @@
 // Decode call claims within its lease).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -78,9 +79,10 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
   grpc::ServerUnaryReactor* MigrateKv(grpc::CallbackServerContext* context, const v1::MigrateKvRequest* request,
                                       v1::MigrateKvResponse* response) override;
 
-  // The worker drains (new work is refused): with park_on_drain, every decoding request leaves
-  // the batch with its KV as a parked reservation, and its stream ends with kKvParkedTrailer so
-  // the router moves it (MigrateKv) or resumes it here. Any thread.
+  // The worker drains (new work is refused, prefill_here Decode calls included): with
+  // park_on_drain, every decoding request leaves the batch with its KV as a parked reservation,
+  // and its stream ends with kKvParkedTrailer so the router moves it (MigrateKv) or resumes it
+  // here. Any thread.
   void StartDraining();
 
   const std::string& receiver_descriptor() const { return receiver_->descriptor(); }
@@ -199,6 +201,7 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
   // The streams whose requests are in the batch (engine thread only): what StartDraining parks.
   std::map<std::string, std::shared_ptr<DecodeCall>> streaming_;
   bool parking_ = false;  // engine thread only: draining with park_on_drain; calls that join now park
+  std::atomic<bool> draining_{false};  // prefill_here calls are refused (new work, as ReserveKv is)
   absl::Mutex peers_mu_;
   std::map<std::string, kvtransfer::PeerId> peers_ ABSL_GUARDED_BY(peers_mu_);  // MigrateKv's destinations
 

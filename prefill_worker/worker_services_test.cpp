@@ -901,6 +901,15 @@ TEST_F(WorkerServicesTest, CancellingAPrefillHereCallFreesItsBlocks) {
   EXPECT_TRUE(DecodeBecomesIdle());
 }
 
+TEST_F(WorkerServicesTest, ADrainingDecodeWorkerTakesNoPromptToPrefill) {
+  decode_->StartDraining();
+  FlowResult r;
+  ReadStream(PrefillHereRequest("late", prompt_, LongGreedy()), &r);
+  EXPECT_EQ(r.decode.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_TRUE(r.tokens.empty());
+  EXPECT_TRUE(DecodeBecomesIdle());
+}
+
 TEST_F(WorkerServicesTest, ReserveKvWithoutRoomIsResourceExhausted) {
   grpc::ClientContext ctx;
   v1::ReserveKvRequest req;

@@ -1365,6 +1365,7 @@ std::optional<uint64_t> RouterService::GenerateCall::ParkedTransferId(const grpc
 }
 
 void RouterService::GenerateCall::MoveParkedKv(uint64_t parked_transfer_id) {
+  prefill_here_ = false;  // prefilled or not, the stream now goes on from the parked KV
   parked_on_ = decode_;
   parked_transfer_id_ = parked_transfer_id;
   early_first_text_.reset();  // the parked output holds the first token: the stream goes on after it

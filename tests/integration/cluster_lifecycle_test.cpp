@@ -517,8 +517,9 @@ bool DecodeWorkerRuns(LocalCluster& cluster, size_t index) {
 // and the streams are too quick to be still running when the worker has gone: the moves, their
 // completion and their lengths are checked; the token-for-token check is the CPU (float32) test's.
 void ExpectDrainMovesStreamsKv(const std::string& backend, const std::vector<std::string>& worker_flags,
-                               bool exact) {
+                               bool exact, const std::vector<std::string>& router_flags = {}) {
   testing::ClusterOptions options{1, 2, worker_flags};
+  options.router_flags = router_flags;
   options.backend = backend;
   options.worker_flags.insert(options.worker_flags.end(), {"--shutdown-grace-seconds", "60"});
   options.metrics = true;
@@ -549,6 +550,12 @@ void ExpectDrainMovesStreamsKv(const std::string& backend, const std::vector<std
 }
 
 TEST(DrainTest, SigtermToADecodeWorkerMovesItsStreamsKvToTheOther) { ExpectDrainMovesStreamsKv("cpu", {}, /*exact=*/true); }
+
+// The same for streams whose prompts the decode workers prefilled themselves (conditional
+// disaggregation): once parked, they continue from their KV like the others.
+TEST(DrainTest, SigtermToADecodeWorkerMovesTheKvOfStreamsItPrefilled) {
+  ExpectDrainMovesStreamsKv("cpu", {}, /*exact=*/true, {"--local-prefill-max-tokens", "4096"});
+}
 
 // The same with the KV cache on the GPU (skipped without one): MigrateKv
 // stages the parked blocks through pinned host memory on both sides. Three workers share the GPU.
