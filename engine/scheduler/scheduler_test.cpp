@@ -29,6 +29,34 @@ class SchedulerTest : public ::testing::Test {
   std::vector<std::unique_ptr<Request>> requests_;
 };
 
+// Every step lists its decoding requests before its prompt chunks (the CUDA backend attends a
+// step's leading one-token sequences with its decode kernel): prompts arriving while others decode,
+// a long one chunked over several steps, requests finishing at different steps.
+TEST_F(SchedulerTest, DecodingRequestsComeBeforePromptChunks) {
+  BlockManager blocks(256, 4);
+  Scheduler s({/*max_num_seqs=*/16, /*max_num_batched_tokens=*/24, /*max_model_len=*/128}, blocks);
+  int steps_with_both = 0;
+  for (int step = 0; step < 60; ++step) {
+    if (step % 3 == 0 && step < 36) ASSERT_TRUE(s.Add(NewRequest(step % 9 == 0 ? 50 : 7, 4 + step % 5)).ok());
+    SchedulerOutput o = s.Schedule();
+    bool prompt_seen = false, decode_seen = false;
+    for (const ScheduledChunk& c : o.chunks) {
+      const bool decoding = c.num_new_tokens == 1 && c.request->num_computed_tokens + 1 == c.request->num_tokens() &&
+                            !c.request->output.empty();
+      if (decoding) {
+        EXPECT_FALSE(prompt_seen) << "step " << step << ": a decoding request after a prompt chunk";
+        decode_seen = true;
+      } else {
+        prompt_seen = true;
+      }
+    }
+    steps_with_both += prompt_seen && decode_seen;
+    Execute(s, o);
+  }
+  EXPECT_GT(steps_with_both, 5);
+  EXPECT_FALSE(s.HasWork());
+}
+
 TEST_F(SchedulerTest, RequestsJoinAndLeaveAtEveryStep) {
   BlockManager blocks(64, 4);
   Scheduler s({/*max_num_seqs=*/8, /*max_num_batched_tokens=*/64, /*max_model_len=*/128}, blocks);
