@@ -24,9 +24,10 @@ inline constexpr char kPrefixAffinityHelp[] =
     "prefix-aware: how many more requests in flight a worker holding the whole prompt may have and still be "
     "chosen (0: least-loaded; default 4)";
 inline constexpr char kLocalPrefillMaxTokensHelp[] =
-    "Conditional disaggregation: a prompt of at most this many tokens is prefilled by its decode worker itself, "
-    "in that worker's batch (no prefill worker, no KV transfer), while the prefill workers are busy "
-    "(--local-prefill-queue-tokens) or none is up. 0 (default): every prompt goes to a prefill worker";
+    "Conditional disaggregation: a prompt with at most this many tokens to compute on its decode worker (past "
+    "what the router predicts cached there) is prefilled by that worker itself, in its batch (no prefill "
+    "worker, no KV transfer), while the prefill workers are busy (--local-prefill-queue-tokens) or none is "
+    "up. 0 (default): every prompt goes to a prefill worker";
 inline constexpr char kLocalPrefillQueueTokensHelp[] =
     "Conditional disaggregation: the prefill workers count as busy from this many prompt tokens per prefill "
     "worker up reserving, prefilling or waiting for their turn (0: always)";

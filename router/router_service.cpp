@@ -216,11 +216,16 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   // At the prefill gate: through now, or in its line; or, by conditional disaggregation, on to a
   // decode worker that prefills the prompt itself.
   void EnterGate();
-  // Whether the prompt should be prefilled on its decode worker (RouterServiceOptions).
+  // Whether the prompt may be prefilled on its decode worker (RouterServiceOptions), its length
+  // aside: that depends on the worker (UncachedPromptTokens).
   bool WantsPrefillHere() const;
   // Places the request on a decode worker that prefills it and starts the Decode call; false
-  // (nothing done) when no decode worker up takes prefill_here.
+  // (nothing done) when no decode worker up takes prefill_here, or the one picked would have more
+  // than local_prefill_max_tokens of the prompt to compute.
   bool PrefillOnDecodeWorker();
+  // The prompt tokens `worker` would compute: those past the blocks the prefix index predicts it
+  // holds (the last token always).
+  int64_t UncachedPromptTokens(const Worker* worker);
   // The request leaves the router's waiting line for its first placement.
   void MarkPlaced();
   // The request's n and max_tokens, once per request (an OpenAI request's n choices are n calls
@@ -718,10 +723,7 @@ void RouterService::GenerateCall::MarkPlaced() {
 
 bool RouterService::GenerateCall::WantsPrefillHere() const {
   const RouterServiceOptions& options = service_->options_;
-  if (options.local_prefill_max_tokens <= 0 || resumed() || prepared_.params.prompt_logprobs >= 0 ||
-      int64_t(info_.prompt_token_ids.size()) > options.local_prefill_max_tokens) {
-    return false;
-  }
+  if (options.local_prefill_max_tokens <= 0 || resumed() || prepared_.params.prompt_logprobs >= 0) return false;
   return service_->registry_->NumUp(WorkerRole::kPrefill) == 0 ||
          service_->prefill_gate_->TokensPerWorker() >= options.local_prefill_queue_tokens;
 }
@@ -733,7 +735,7 @@ bool RouterService::GenerateCall::PrefillOnDecodeWorker() {
     if (!stats.has_value() || !stats->prefill_here()) info_.excluded.push_back(w);
   }
   Worker* decode = service_->policy_->PickDecode(info_);
-  if (decode == nullptr) return false;
+  if (decode == nullptr || UncachedPromptTokens(decode) > service_->options_.local_prefill_max_tokens) return false;
   MarkPlaced();
   decode_ = decode;
   decode_in_flight_ = InFlightGuard(decode);
@@ -742,6 +744,15 @@ bool RouterService::GenerateCall::PrefillOnDecodeWorker() {
   service_->metrics_->prefills(/*on_decode_worker=*/true).Inc();
   StartDecode();
   return true;
+}
+
+int64_t RouterService::GenerateCall::UncachedPromptTokens(const Worker* worker) {
+  const int64_t prompt = int64_t(info_.prompt_token_ids.size());
+  const PrefixIndex* index = service_->options_.prefix_index;
+  const std::optional<v1::WorkerStats> stats = worker->stats();
+  if (index == nullptr || !stats.has_value() || stats->block_size() <= 0) return prompt;
+  const int64_t cached = index->Match(worker, block_hashes_->ForBlockSize(stats->block_size())) * stats->block_size();
+  return prompt - std::min(cached, prompt - 1);
 }
 
 void RouterService::GenerateCall::LeaveGate() {

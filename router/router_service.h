@@ -15,8 +15,8 @@
 //                     the request placed once more on another prefill worker with a fresh one)
 //   decode.Decode    (streamed to the client; when the stream breaks, UNAVAILABLE or with its
 //                     worker confirmed down, the worker is marked down and the request migrates)
-// Conditional disaggregation (RouterServiceOptions::local_prefill_max_tokens): a short prompt that
-// arrives while the prefill workers are busy skips ReserveKv and Prefill; its Decode call carries
+// Conditional disaggregation (RouterServiceOptions::local_prefill_max_tokens): a prompt with little
+// to compute that arrives while the prefill workers are busy skips ReserveKv and Prefill; its Decode call carries
 // prefill_here, and the decode worker prefills it in its own batch.
 // Request migration: the request is placed again, the prompt and the output already relayed to
 // the client as the new pair's prefill (ReserveKv for both, Prefill and Decode with
@@ -77,12 +77,14 @@ struct RouterServiceOptions {
   // workers that take a late target (WorkerStats.late_kv_target): the reservation's round trip
   // overlaps the prefill instead of adding to the time to first token. False: one after the other.
   bool overlap_kv_reservation = true;
-  // Conditional disaggregation (as NVIDIA Dynamo's disaggregated router): a prompt of at most
-  // local_prefill_max_tokens tokens is prefilled by its decode worker, in that worker's own batch
-  // beside the decoding requests (DecodeRequest.prefill_here: no prefill worker, no KV transfer),
-  // when the prefill workers are busy: at least local_prefill_queue_tokens prompt tokens per
-  // prefill worker up are reserving, prefilling or waiting for their turn (0: whatever their load),
-  // or none is up. Not for a request that asks for prompt logprobs or continues a migrated output.
+  // Conditional disaggregation (as NVIDIA Dynamo's disaggregated router): a prompt with at most
+  // local_prefill_max_tokens tokens to compute (those past what the prefix index predicts its
+  // decode worker has cached: a chat's earlier turns) is prefilled by its decode worker, in that
+  // worker's own batch beside the decoding requests (DecodeRequest.prefill_here: no prefill
+  // worker, no KV transfer), when the prefill workers are busy: at least local_prefill_queue_tokens
+  // prompt tokens per prefill worker up are reserving, prefilling or waiting for their turn (0:
+  // whatever their load), or none is up. Not for a request that asks for prompt logprobs or
+  // continues a migrated output.
   // 0 (the default): every prompt goes to a prefill worker.
   int64_t local_prefill_max_tokens = 0;
   int64_t local_prefill_queue_tokens = 0;

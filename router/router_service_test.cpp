@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <functional>
+#include <numeric>
 #include <optional>
 #include <thread>
 
@@ -1649,6 +1650,30 @@ TEST_F(PrefillHereTest, OnlyWhileThePrefillWorkersAreBusy) {
   // Idle again: the next one goes to the prefill worker.
   prefill_[0]->prefill_delay_ms = 0;
   EXPECT_EQ(Generate(TokenRequest({7, 8}, 1)).tokens(), (std::vector<int32_t>{1000}));
+}
+
+// What counts is what the decode worker would compute: a chat's next turn, whose earlier turns the
+// router's prefix index predicts in that worker's cache, is short enough though its prompt is not.
+TEST_F(PrefillHereTest, ThePromptsCachedPrefixOnTheDecodeWorkerDoesNotCount) {
+  Start(1, 1, Local(16));
+  std::vector<int32_t> first_turn(40);
+  std::iota(first_turn.begin(), first_turn.end(), 100);
+  Result first = Generate(TokenRequest(first_turn, 4));
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_EQ(prefill_[0]->num_prefills, 1);  // 40 tokens to compute: too long
+  // The decode worker holds the first turn and its output (the fake's block size is 16: 32
+  // tokens in full blocks), so 14 of the next turn's 46 remain.
+  std::vector<int32_t> second_turn = first_turn;
+  second_turn.insert(second_turn.end(), {1000, 1001, 1002, 1003, 7, 8});
+  Result second = Generate(TokenRequest(second_turn, 2));
+  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+  EXPECT_EQ(second.tokens(), (std::vector<int32_t>{3000, 3001}));
+  EXPECT_EQ(decode_[0]->num_prefilled_here, 1);
+  EXPECT_EQ(prefill_[0]->num_prefills, 1);
+  // Another prompt as long, nothing of it cached: to the prefill worker.
+  std::vector<int32_t> other(46, 9);
+  EXPECT_EQ(Generate(TokenRequest(other, 1)).tokens(), (std::vector<int32_t>{1000}));
+  EXPECT_EQ(prefill_[0]->num_prefills, 2);
 }
 
 TEST_F(PrefillHereTest, DecodeWorkersThatDoNotSayTheyTakeItAreNotAsked) {
