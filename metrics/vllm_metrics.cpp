@@ -85,11 +85,17 @@ RouterMetrics::RouterMetrics(Registry& registry, std::string_view model_name, in
       "Full prompt KV blocks the router placed on workers that its prefix index predicted cached there, by worker "
       "role.",
       {"model_name", "role", "worker_role"});
+  auto& prefills = registry.AddCounter(
+      "duet:router_prefills_total",
+      "Requests placed for their prefill, by the role of the worker that prefills them: prefill, or decode "
+      "(conditional disaggregation: no KV transfer).",
+      {"model_name", "role", "worker_role"});
   for (int decode : {0, 1}) {
     const std::vector<std::string> labels = {std::string(model_name), std::string(RoleName(kRole)),
                                              decode ? "decode" : "prefill"};
     routed_prompt_blocks_[size_t(decode)] = &routed.WithLabels(labels);
     routed_prompt_blocks_cached_[size_t(decode)] = &cached.WithLabels(labels);
+    prefills_[size_t(decode)] = &prefills.WithLabels(labels);
   }
   auto& calls = registry.AddHistogram(
       "duet:router_worker_call_seconds",
@@ -120,15 +126,6 @@ RouterMetrics::RouterMetrics(Registry& registry, std::string_view model_name, in
   const char* const kv_outcomes[] = {"moved", "resumed", "failed"};
   for (size_t i = 0; i < kv_migrations_.size(); ++i) {
     kv_migrations_[i] = &kv_migrations.WithLabels({std::string(model_name), std::string(RoleName(kRole)), kv_outcomes[i]});
-  }
-  auto& prefills = registry.AddCounter(
-      "duet:router_prefills_total",
-      "Requests placed for their prefill, by the role of the worker that prefills them: prefill, or decode "
-      "(conditional disaggregation: no KV transfer).",
-      {"model_name", "role", "worker_role"});
-  for (int decode : {0, 1}) {
-    prefills_[size_t(decode)] =
-        &prefills.WithLabels({std::string(model_name), std::string(RoleName(kRole)), decode ? "decode" : "prefill"});
   }
 }
 

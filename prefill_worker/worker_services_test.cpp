@@ -236,6 +236,21 @@ class WorkerServicesTest : public ::testing::Test {
     r.decode = reader->Finish();
   }
 
+  // Reads three messages of `request`'s stream (still running: the request holds blocks), cancels
+  // it, and expects CANCELLED and the decode worker idle again.
+  void ExpectCancelMidStreamFreesItsBlocks(const v1::DecodeRequest& request) {
+    grpc::ClientContext ctx;
+    auto reader = decode_stub_->Decode(&ctx, request);
+    v1::GenerateResponse msg;
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(reader->Read(&msg));
+    EXPECT_LT(DecodeStats().num_free_kv_blocks(), kDecodeBlocks);
+    ctx.TryCancel();
+    while (reader->Read(&msg)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+    EXPECT_TRUE(DecodeBecomesIdle());
+  }
+
   // Conditional disaggregation: the decode worker prefills the prompt itself.
   static v1::DecodeRequest PrefillHereRequest(const std::string& id, const std::vector<int32_t>& prompt,
                                               const v1::SamplingOptions& sampling) {
@@ -513,16 +528,7 @@ TEST_F(WorkerServicesTest, CancellingDecodeMidStreamFreesItsBlocks) {
   const v1::SamplingOptions sampling = LongGreedy();
   v1::PrefillResponse pre;
   ASSERT_NO_FATAL_FAILURE(ReserveAndPrefill("cancel", 7, sampling, &pre));
-  grpc::ClientContext ctx;
-  auto reader = decode_stub_->Decode(&ctx, DecodeRequestFor("cancel", 7, sampling, pre));
-  v1::GenerateResponse msg;
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(reader->Read(&msg));
-  EXPECT_LT(DecodeStats().num_free_kv_blocks(), kDecodeBlocks);
-  ctx.TryCancel();
-  while (reader->Read(&msg)) {
-  }
-  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  EXPECT_TRUE(DecodeBecomesIdle());
+  ExpectCancelMidStreamFreesItsBlocks(DecodeRequestFor("cancel", 7, sampling, pre));
 }
 
 // A request reserved and prefilled before the decode worker began to drain, whose Decode call
@@ -889,16 +895,7 @@ TEST_F(WorkerServicesTest, APrefillHereCallWithTransferFieldsOrPromptLogprobsIsI
 }
 
 TEST_F(WorkerServicesTest, CancellingAPrefillHereCallFreesItsBlocks) {
-  grpc::ClientContext ctx;
-  auto reader = decode_stub_->Decode(&ctx, PrefillHereRequest("cancel-here", prompt_, LongGreedy()));
-  v1::GenerateResponse msg;
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(reader->Read(&msg));
-  EXPECT_LT(DecodeStats().num_free_kv_blocks(), kDecodeBlocks);
-  ctx.TryCancel();
-  while (reader->Read(&msg)) {
-  }
-  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  EXPECT_TRUE(DecodeBecomesIdle());
+  ExpectCancelMidStreamFreesItsBlocks(PrefillHereRequest("cancel-here", prompt_, LongGreedy()));
 }
 
 TEST_F(WorkerServicesTest, ADrainingDecodeWorkerTakesNoPromptToPrefill) {

@@ -238,7 +238,7 @@ absl::Status LlamaCuda::LaunchGraph(const cuda::StepPlan& plan, cuda::DeviceKvCa
 }
 
 kernels::PagedDecodeAttentionPlan LlamaCuda::PlanDecodeAttention(const cuda::StepPlan& plan) const {
-  const int num_seqs = plan.decode_only ? plan.num_seqs : plan.num_leading_decode_seqs;
+  const int num_seqs = plan.num_decode_kernel_seqs();
   if (num_seqs == 0) return {};
   const int nh = int(config_.num_heads), nkv = int(config_.num_kv_heads), hd = int(config_.head_dim);
   const int planned_context = plan.graph_batch > 0 ? int(options_.max_model_len) : plan.max_context_len;
@@ -338,7 +338,7 @@ void LlamaCuda::EnqueueAttentionKernel(const cuda::StepPlan& plan,
     return;
   }
   // The first `num_decode` sequences have one query row each (rows 0 .. num_decode - 1).
-  const int num_decode = plan.decode_only ? plan.num_seqs : plan.num_leading_decode_seqs;
+  const int num_decode = plan.num_decode_kernel_seqs();
   if (num_decode > 0) {
     kernels::PagedDecodeAttentionParams p{};
     p.q = q_.as<__nv_bfloat16>();

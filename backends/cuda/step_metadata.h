@@ -49,6 +49,8 @@ struct StepPlan {
   // attention runs in the paged decode kernel, the rest's in the prefill kernel, which would
   // give each of them a 64-row query block per head.
   int num_leading_decode_seqs = 0;
+  // The sequences (the first ones) whose attention runs in the paged decode kernel.
+  int num_decode_kernel_seqs() const { return decode_only ? num_seqs : num_leading_decode_seqs; }
   int graph_batch = 0;       // > 0: replay the graph of this padded batch size
   int graph_tokens = 0;      // > 0: the graph verifies draft trees in this many (padded) rows
 };

@@ -244,22 +244,28 @@ TEST(ClusterTest, MultiTurnChatsWithPrefixCachingEqualCacheOff) {
   EXPECT_TRUE(WaitForIdleKv(on, 1, &detail)) << detail;
 }
 
-TEST(ClusterTest, SixtyFourConcurrentStreamsOnTwoPlusTwoWorkers) {
-  LocalCluster cluster({2, 2});
-  ASSERT_TRUE(cluster.ok()) << cluster.error();
+// `streams` concurrent greedy streams of the reference cases (in turn), `max_tokens` each: every
+// one equals the start of its reference continuation.
+void ExpectConcurrentStreamsMatchTheReference(LocalCluster& cluster, int streams, int max_tokens) {
   const json ref = Reference();
   std::vector<std::future<StreamResult>> results;
-  for (int i = 0; i < 64; ++i) {
+  for (int i = 0; i < streams; ++i) {
     const json& c = ref["cases"][size_t(i) % ref["cases"].size()];
-    v1::GenerateRequest r = TokenRequest(c["prompt_ids"].get<std::vector<int32_t>>(), 24);
+    v1::GenerateRequest r = TokenRequest(c["prompt_ids"].get<std::vector<int32_t>>(), max_tokens);
     results.push_back(std::async(std::launch::async, [&cluster, r] { return RunGenerate(cluster.router(), r); }));
   }
-  for (int i = 0; i < 64; ++i) {
+  for (int i = 0; i < streams; ++i) {
     StreamResult got = results[size_t(i)].get();
     ASSERT_TRUE(got.status.ok()) << i << ": " << got.status.error_message();
     const std::vector<int32_t> want = ref["cases"][size_t(i) % ref["cases"].size()]["greedy_ids"].get<std::vector<int32_t>>();
-    EXPECT_EQ(got.token_ids, std::vector<int32_t>(want.begin(), want.begin() + 24)) << i;
+    EXPECT_EQ(got.token_ids, std::vector<int32_t>(want.begin(), want.begin() + max_tokens)) << i;
   }
+}
+
+TEST(ClusterTest, SixtyFourConcurrentStreamsOnTwoPlusTwoWorkers) {
+  LocalCluster cluster({2, 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  ASSERT_NO_FATAL_FAILURE(ExpectConcurrentStreamsMatchTheReference(cluster, 64, 24));
   std::string detail;
   EXPECT_TRUE(WaitForIdleKv(cluster, 2, &detail)) << detail;
 }
@@ -284,19 +290,7 @@ TEST(ClusterTest, ConditionalDisaggregationMatchesTheReference) {
   options.metrics = true;
   LocalCluster cluster(options);
   ASSERT_TRUE(cluster.ok()) << cluster.error();
-  const json ref = Reference();
-  std::vector<std::future<StreamResult>> results;
-  for (int i = 0; i < 24; ++i) {
-    const json& c = ref["cases"][size_t(i) % ref["cases"].size()];
-    v1::GenerateRequest r = TokenRequest(c["prompt_ids"].get<std::vector<int32_t>>(), 32);
-    results.push_back(std::async(std::launch::async, [&cluster, r] { return RunGenerate(cluster.router(), r); }));
-  }
-  for (int i = 0; i < 24; ++i) {
-    StreamResult got = results[size_t(i)].get();
-    ASSERT_TRUE(got.status.ok()) << i << ": " << got.status.error_message();
-    const std::vector<int32_t> want = ref["cases"][size_t(i) % ref["cases"].size()]["greedy_ids"].get<std::vector<int32_t>>();
-    EXPECT_EQ(got.token_ids, std::vector<int32_t>(want.begin(), want.begin() + 32)) << i;
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectConcurrentStreamsMatchTheReference(cluster, 24, 32));
   const std::string labels = "{model_name=\"tiny-code-llama\",role=\"router\",worker_role=\"";
   const double on_decode = CounterValue(cluster.router_metrics_port(), "duet:router_prefills_total" + labels + "decode\"}");
   const double on_prefill = CounterValue(cluster.router_metrics_port(), "duet:router_prefills_total" + labels + "prefill\"}");
