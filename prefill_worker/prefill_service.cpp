@@ -195,17 +195,25 @@ void PrefillService::PrefillCall::Start() {
   transfer_ = std::make_shared<Transfer>();
   transfer_->request_id = id();
   transfer_->prompt_len = uint32_t(prompt_len());
+  const v1::KvTarget* target = &request_.target();
+  std::optional<v1::KvTarget> held;
   if (request_.target_follows()) {
     if (request_.has_target()) {
       return End(Error(grpc::StatusCode::INVALID_ARGUMENT, "a Prefill with target_follows carries no target"));
     }
     transfer_->late = true;
-    transfer_->target_ready.store(false, std::memory_order_relaxed);
-    Admitted({});
-    service_->AwaitTarget(shared_from_this());
-    return;
+    // A target that came before the call goes in with it, as an early one does, so the forward
+    // pass never starts without it.
+    held = service_->TakeUnclaimedTarget(id());
+    if (!held.has_value()) {
+      transfer_->target_ready.store(false, std::memory_order_relaxed);
+      Admitted({});
+      service_->AwaitTarget(shared_from_this());
+      return;
+    }
+    target = &*held;
   }
-  grpc::Status resolved = ResolveTarget(request_.target(), &transfer_->to);
+  grpc::Status resolved = ResolveTarget(*target, &transfer_->to);
   if (resolved.ok()) resolved = SizeStaging(transfer_->to);
   if (!resolved.ok()) return End(resolved);
   // Over CUDA IPC the copies read the cache, ordered on its stream before any later reuse: no
@@ -488,11 +496,12 @@ void PrefillService::PrefillCall::OnCancel() {
 
 void PrefillService::PrefillCall::AbortWhileWaiting() {
   const grpc::Status aborted = Error(grpc::StatusCode::ABORTED, absl::StrCat("request '", id(), "' was aborted"));
-  if (late()) {
-    AbortLateTarget();
-    return FailLate(aborted);
+  // Waiting with its target (a late one for its staging, or one that came before the call).
+  if (late()) AbortLateTarget();
+  if (transfer_->target_ready.load(std::memory_order_acquire)) {
+    (void)service_->sender_->Abort(transfer_->to.peer, transfer_->to.transfer_id);
   }
-  (void)service_->sender_->Abort(transfer_->to.peer, transfer_->to.transfer_id);
+  if (late()) return FailLate(aborted);
   End(aborted);
 }
 
@@ -742,6 +751,15 @@ std::shared_ptr<PrefillService::PrefillCall> PrefillService::TakeWaitingCall(con
     }
   }
   return nullptr;
+}
+
+std::optional<v1::KvTarget> PrefillService::TakeUnclaimedTarget(const std::string& request_id) {
+  absl::MutexLock lock(&late_mu_);
+  auto it = unclaimed_targets_.find(request_id);
+  if (it == unclaimed_targets_.end()) return std::nullopt;
+  v1::KvTarget target = std::move(it->second);
+  unclaimed_targets_.erase(it);
+  return target;
 }
 
 void PrefillService::StopAwaitingTarget(const std::string& request_id) {

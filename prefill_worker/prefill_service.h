@@ -152,6 +152,8 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
   void AwaitTarget(const std::shared_ptr<PrefillCall>& call) ABSL_LOCKS_EXCLUDED(late_mu_);
   std::shared_ptr<PrefillCall> TakeWaitingCall(const std::string& request_id, const v1::KvTarget* unclaimed)
       ABSL_LOCKS_EXCLUDED(late_mu_);
+  // The target that came before the call `request_id`, if one did (taken: no longer held).
+  std::optional<v1::KvTarget> TakeUnclaimedTarget(const std::string& request_id) ABSL_LOCKS_EXCLUDED(late_mu_);
   void StopAwaitingTarget(const std::string& request_id) ABSL_LOCKS_EXCLUDED(late_mu_);
   // Ends a shipment: after the layers in flight when some were sent, telling the decode worker to
   // drop the blocks unless it succeeded. `why` OK: it should have succeeded.
