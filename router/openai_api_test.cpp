@@ -414,8 +414,15 @@ TEST_F(OpenAiApiTest, OrphanedPipelinedRequestsDoNotExhaustConcurrency) {
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   for (auto& c : orphans) c->Close();
   const auto closed_at = std::chrono::steady_clock::now();
-  for (int i = 0; i < 300 && decode_.num_cancelled < kMax; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  EXPECT_EQ(decode_.num_cancelled.load(), kMax) << "the orphans' generations kept running";
+  // The two queued orphans may reach the decode worker before their closed sockets are noticed
+  // (under load); then they are cancelled too. Every generation started must end cancelled.
+  const auto all_started_cancelled = [&] {
+    return decode_.num_cancelled >= kMax && decode_.num_cancelled == decode_.num_decodes;
+  };
+  for (int i = 0; i < 300 && !all_started_cancelled(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_TRUE(all_started_cancelled()) << "the orphans' generations kept running: " << decode_.num_cancelled
+                                       << " cancelled of " << decode_.num_decodes << " started";
+  EXPECT_LE(decode_.num_decodes.load(), kMax + 2);
   // Room again: every new request is served.
   decode_.token_delay_ms = 0;
   for (int i = 0; i < kMax; ++i) {
