@@ -147,7 +147,7 @@ int RunGenerate(const GenerateOptions& options) {
     }
     generated = 0;
   }
-  const int64_t preemptions_before = e.Stats().num_preemptions;
+  const EngineStats before = e.Stats();
   {
     GenerateProgress progress(int64_t(requests.size()), options.progress);
     if (int rc = run(requests.size(), &generated, &start, &progress); rc != 0) return rc;
@@ -171,10 +171,14 @@ int RunGenerate(const GenerateOptions& options) {
                       : absl::StrFormat("TTFT median %.1f ms, max %.1f ms",
                                         (ttft_ms[(ttft_ms.size() - 1) / 2] + ttft_ms[ttft_ms.size() / 2]) / 2,
                                         ttft_ms.back());
-  DUET_LOG(INFO) << absl::StrFormat("%zu requests, %lld tokens in %.2f s (%.1f tok/s), %s, %lld preemptions",
-                                    requests.size(), static_cast<long long>(generated), elapsed,
-                                    elapsed > 0 ? generated / elapsed : 0.0, ttft,
-                                    static_cast<long long>(e.Stats().num_preemptions - preemptions_before));
+  const EngineStats after = e.Stats();
+  const int64_t steps = after.num_steps - before.num_steps;
+  DUET_LOG(INFO) << absl::StrFormat(
+      "%zu requests, %lld tokens in %.2f s (%.1f tok/s), %s, %lld preemptions, %lld steps of %.2f ms (forward %.2f ms)",
+      requests.size(), static_cast<long long>(generated), elapsed, elapsed > 0 ? generated / elapsed : 0.0, ttft,
+      static_cast<long long>(after.num_preemptions - before.num_preemptions), static_cast<long long>(steps),
+      steps > 0 ? 1e3 * (after.step_seconds - before.step_seconds) / double(steps) : 0.0,
+      steps > 0 ? 1e3 * (after.forward_seconds - before.forward_seconds) / double(steps) : 0.0);
   return 0;
 }
 

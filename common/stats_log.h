@@ -1,10 +1,11 @@
 // vLLM's periodic stats line in the log of a long-running process (its LoggingStatLogger):
 //
 //   decode worker: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 412.3 tokens/s,
-//   Running: 12 reqs, Waiting: 0 reqs, CPU KV cache usage: 37.5%, Prefix cache hit rate: 61.2%
+//   Running: 12 reqs, Waiting: 0 reqs, CPU KV cache usage: 37.5%, Prefix cache hit rate: 61.2%,
+//   Steps: 104.2/s, 9.60 ms each, forward 8.90 ms
 //
-// written every interval by a thread that waits on a condition with a deadline (so it stops at
-// once). As in vLLM, an interval with no tokens after another with none is logged at DEBUG only,
+// (the steps are Duet's own: an engine's step time and its forward pass's part of it), written
+// every interval by a thread that waits on a condition with a deadline (so it stops at once). As in vLLM, an interval with no tokens after another with none is logged at DEBUG only,
 // so an idle server does not fill its log.
 #pragma once
 
@@ -31,6 +32,11 @@ struct IntervalStats {
   std::string kv_cache_device;
   // Prompt tokens found cached over those looked up in the interval; none: no prefix caching.
   std::optional<double> prefix_cache_hit_rate;
+  // An engine's steps in the interval, their wall time and its part in the forward pass (the
+  // rest: host work the device waits through). Shown only when there were steps.
+  int64_t steps = 0;
+  double step_seconds = 0;
+  double forward_seconds = 0;
 
   bool idle() const { return prompt_tokens == 0 && generation_tokens == 0; }
 };

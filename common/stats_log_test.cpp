@@ -25,6 +25,11 @@ TEST(FormatStatsLine, VllmsFieldsAndRatesOverTheInterval) {
   EXPECT_THAT(FormatStatsLine(s), ::testing::EndsWith(", Waiting: 3 reqs, GPU KV cache usage: 37.5%, Prefix cache hit "
                                                      "rate: 61.2%"));
   EXPECT_FALSE(s.idle());
+  // An engine's steps: their rate, mean wall time and mean forward time over the interval.
+  s.steps = 1042;
+  s.step_seconds = 10.003;
+  s.forward_seconds = 9.27;
+  EXPECT_THAT(FormatStatsLine(s), ::testing::EndsWith("rate: 61.2%, Steps: 104.2/s, 9.60 ms each, forward 8.90 ms"));
   // No time has passed: no rates (rather than infinities).
   EXPECT_THAT(FormatStatsLine({.seconds = 0, .prompt_tokens = 5}), HasSubstr("Avg prompt throughput: 0.0 tokens/s"));
   EXPECT_TRUE(IntervalStats{.running = 2}.idle());

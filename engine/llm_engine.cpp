@@ -383,6 +383,9 @@ EngineStats LlmEngine::Stats() const {
   stats.num_kv_evictions = blocks_.num_evictions();
   stats.num_prompt_tokens = num_prompt_tokens_;
   stats.num_generation_tokens = num_generation_tokens_;
+  stats.num_steps = num_steps_;
+  stats.step_seconds = step_seconds_;
+  stats.forward_seconds = forward_seconds_;
   if (host_tier_ != nullptr) {
     stats.host_tier = host_tier_->stats();
     stats.host_tier_slots = host_tier_->num_slots();
@@ -540,6 +543,16 @@ void LlmEngine::VerifyDraft(Request& r, const std::vector<int32_t>& tokens, cons
 }
 
 absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallback& on_layer_done) {
+  const Clock::time_point start = Clock::now();
+  absl::StatusOr<std::vector<RequestOutput>> outputs = ScheduleAndRun(on_layer_done);
+  if (last_step_num_tokens_ > 0) {
+    ++num_steps_;
+    step_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
+  }
+  return outputs;
+}
+
+absl::StatusOr<std::vector<RequestOutput>> LlmEngine::ScheduleAndRun(const LayerDoneCallback& on_layer_done) {
   const int64_t setups_before = model_->num_one_time_setups();
   if (spec_) {
     spec_->BeginStep();
@@ -559,10 +572,12 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
   const StepBatch batch = BuildBatch(plan);
   last_step_num_tokens_ = batch.num_tokens;
   const std::optional<std::vector<DeviceSamplingRow>> device_rows = DeviceSamplingRows(plan, batch);
+  const Clock::time_point forward_start = Clock::now();
   const absl::Status forward =
       device_rows ? model_->ForwardSample(batch.chunks, *cache_, *device_rows, device_samples_, on_layer_done,
                                           DeviceMaskFiller(plan))
                   : model_->Forward(batch.chunks, *cache_, logits_, on_layer_done);
+  forward_seconds_ += std::chrono::duration<double>(Clock::now() - forward_start).count();
   scheduler_.OnStepDone(plan);
   if (!forward.ok()) return FailStep(plan, forward);
   for (const ScheduledChunk& sc : plan.chunks) {  // OnStepDone has counted the chunk computed

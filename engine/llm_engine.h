@@ -90,6 +90,13 @@ struct EngineStats {
   // included), and tokens it sampled (not the first token a prefill worker sampled for it).
   int64_t num_prompt_tokens = 0;
   int64_t num_generation_tokens = 0;
+  // Since the engine started: steps that ran a forward pass, their wall time, and the part of it
+  // spent in the executor's forward (on a GPU: launches and the wait for the step's samples). The
+  // rest is host work between forwards (scheduling, batch building, applying samples), which the
+  // device waits through.
+  int64_t num_steps = 0;
+  double step_seconds = 0;
+  double forward_seconds = 0;
 };
 
 // Makes the executor for a model directory (`config.model_dir`, on `config.backend`); the
@@ -216,6 +223,7 @@ class LlmEngine {
   // them, the batch, the device-sampling rows (none: sample on the host from logits_), then,
   // after the forward, the sampled tokens applied to their requests (or every scheduled
   // request failed with the forward's error).
+  absl::StatusOr<std::vector<RequestOutput>> ScheduleAndRun(const LayerDoneCallback& on_layer_done);
   void DraftScheduled(const SchedulerOutput& plan);
   StepBatch BuildBatch(const SchedulerOutput& plan) const;
   std::optional<std::vector<DeviceSamplingRow>> DeviceSamplingRows(const SchedulerOutput& plan,
@@ -273,6 +281,9 @@ class LlmEngine {
   int64_t num_prompt_tokens_ = 0;      // EngineStats'
   int64_t num_generation_tokens_ = 0;  // EngineStats'
   int64_t last_step_num_tokens_ = 0;
+  int64_t num_steps_ = 0;       // EngineStats'
+  double step_seconds_ = 0;     // EngineStats'
+  double forward_seconds_ = 0;  // EngineStats'
   std::vector<float> logits_;
   std::vector<DeviceSample> device_samples_;
   std::unique_ptr<SpeculativeDecoder> spec_;  // null: no request speculates

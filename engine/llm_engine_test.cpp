@@ -289,5 +289,22 @@ TEST(LlmEngineTest, CountsComputedPromptTokensNotCachedOnes) {
   EXPECT_EQ(stats.num_generation_tokens, 6);
 }
 
+// Every step that ran a forward pass is counted with its wall time, of which the forward is a
+// part; a step with nothing scheduled is not.
+TEST(LlmEngineTest, CountsStepsAndTheirTimes) {
+  std::unique_ptr<LlmEngine> e = NewEngine();
+  ASSERT_TRUE(e->Step().ok());  // nothing to run
+  EXPECT_EQ(e->Stats().num_steps, 0);
+  SamplingParams p;
+  p.max_tokens = 4;
+  p.ignore_eos = true;
+  ASSERT_TRUE(e->AddRequest("a", Prompt(*e), p).ok());
+  RunToCompletion(*e);
+  const EngineStats stats = e->Stats();
+  EXPECT_EQ(stats.num_steps, 4);  // the prompt (with the first token), then three decode steps
+  EXPECT_GT(stats.forward_seconds, 0);
+  EXPECT_GE(stats.step_seconds, stats.forward_seconds);
+}
+
 }  // namespace
 }  // namespace duet

@@ -38,7 +38,10 @@ IntervalStats EngineIntervalStats(const EngineStats& before, const EngineStats& 
                   .running = now.num_running,
                   .waiting = now.num_waiting,
                   .kv_cache_usage = rpc::KvCacheUsage(now),
-                  .kv_cache_device = labels.kv_cache_device};
+                  .kv_cache_device = labels.kv_cache_device,
+                  .steps = now.num_steps - before.num_steps,
+                  .step_seconds = now.step_seconds - before.step_seconds,
+                  .forward_seconds = now.forward_seconds - before.forward_seconds};
   if (labels.prefix_caching) {
     const int64_t queries = now.prefix_cache_queries - before.prefix_cache_queries;
     s.prefix_cache_hit_rate = queries > 0 ? double(now.prefix_cache_hits - before.prefix_cache_hits) / double(queries) : 0.0;

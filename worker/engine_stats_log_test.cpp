@@ -33,6 +33,18 @@ TEST(EngineIntervalStats, TokensAndLookupsInTheIntervalStateAtItsEnd) {
   EXPECT_EQ(FormatStatsLine(s),
             "Avg prompt throughput: 500.0 tokens/s, Avg generation throughput: 125.0 tokens/s, Running: 5 reqs, "
             "Waiting: 2 reqs, GPU KV cache usage: 25.0%, Prefix cache hit rate: 75.0%");
+  // Steps in the interval: their count and times, from the counters' differences.
+  before.num_steps = 100;
+  before.step_seconds = 1.0;
+  before.forward_seconds = 0.9;
+  now.num_steps = 500;
+  now.step_seconds = 5.0;
+  now.forward_seconds = 4.1;
+  const IntervalStats steps = EngineIntervalStats(before, now, 4.0, {});
+  EXPECT_EQ(steps.steps, 400);
+  EXPECT_DOUBLE_EQ(steps.step_seconds, 4.0);
+  EXPECT_NEAR(steps.forward_seconds, 3.2, 1e-9);
+  EXPECT_THAT(FormatStatsLine(steps), ::testing::EndsWith(", Steps: 100.0/s, 10.00 ms each, forward 8.00 ms"));
   // No lookups in the interval: 0%; prefix caching off: no hit rate at all.
   EXPECT_EQ(*EngineIntervalStats(now, now, 1.0, {.prefix_caching = true}).prefix_cache_hit_rate, 0.0);
   EXPECT_FALSE(EngineIntervalStats(before, now, 1.0, {}).prefix_cache_hit_rate.has_value());
