@@ -172,13 +172,12 @@ int RunGenerate(const GenerateOptions& options) {
                                         (ttft_ms[(ttft_ms.size() - 1) / 2] + ttft_ms[ttft_ms.size() / 2]) / 2,
                                         ttft_ms.back());
   const EngineStats after = e.Stats();
-  const int64_t steps = after.num_steps - before.num_steps;
+  const IntervalStats run_stats = EngineIntervalStats(before, after, elapsed, EngineStatsLabelsOf(e));
   DUET_LOG(INFO) << absl::StrFormat(
       "%zu requests, %lld tokens in %.2f s (%.1f tok/s), %s, %lld preemptions, %lld steps of %.2f ms (forward %.2f ms)",
       requests.size(), static_cast<long long>(generated), elapsed, elapsed > 0 ? generated / elapsed : 0.0, ttft,
-      static_cast<long long>(after.num_preemptions - before.num_preemptions), static_cast<long long>(steps),
-      steps > 0 ? 1e3 * (after.step_seconds - before.step_seconds) / double(steps) : 0.0,
-      steps > 0 ? 1e3 * (after.forward_seconds - before.forward_seconds) / double(steps) : 0.0);
+      static_cast<long long>(after.num_preemptions - before.num_preemptions), static_cast<long long>(run_stats.steps),
+      run_stats.step_ms(), run_stats.forward_ms());
   return 0;
 }
 

@@ -17,7 +17,7 @@ std::string FormatStatsLine(const IntervalStats& s) {
   if (s.prefix_cache_hit_rate) absl::StrAppendFormat(&line, ", Prefix cache hit rate: %.1f%%", 100 * *s.prefix_cache_hit_rate);
   if (s.steps > 0) {
     absl::StrAppendFormat(&line, ", Steps: %.1f/s, %.2f ms each, forward %.2f ms", double(s.steps) * per_s,
-                          1e3 * s.step_seconds / double(s.steps), 1e3 * s.forward_seconds / double(s.steps));
+                          s.step_ms(), s.forward_ms());
   }
   return line;
 }

@@ -5,8 +5,9 @@
 //   Steps: 104.2/s, 9.60 ms each, forward 8.90 ms
 //
 // (the steps are Duet's own: an engine's step time and its forward pass's part of it), written
-// every interval by a thread that waits on a condition with a deadline (so it stops at once). As in vLLM, an interval with no tokens after another with none is logged at DEBUG only,
-// so an idle server does not fill its log.
+// every interval by a thread that waits on a condition with a deadline (so it stops at once). As
+// in vLLM, an interval with no tokens after another with none is logged at DEBUG only, so an idle
+// server does not fill its log.
 #pragma once
 
 #include <chrono>
@@ -39,6 +40,9 @@ struct IntervalStats {
   double forward_seconds = 0;
 
   bool idle() const { return prompt_tokens == 0 && generation_tokens == 0; }
+  // A step's mean wall time and forward time in the interval, in ms (0 without steps).
+  double step_ms() const { return steps > 0 ? 1e3 * step_seconds / double(steps) : 0.0; }
+  double forward_ms() const { return steps > 0 ? 1e3 * forward_seconds / double(steps) : 0.0; }
 };
 
 // The line after "<label>: " (percentages and rates with one decimal, as vLLM prints them).
