@@ -33,7 +33,7 @@ void Gemm(cublasHandle_t handle, const __nv_bfloat16* x, const __nv_bfloat16* we
 }  // namespace
 
 absl::StatusOr<CublasLinear> CublasLinear::Create(cudaStream_t stream, void* workspace, size_t workspace_bytes,
-                                                  int skinny_gemm_max_rows) {
+                                                  int skinny_gemm_max_rows, int wide_gemm_min_rows) {
   if (skinny_gemm_max_rows < 0 || skinny_gemm_max_rows > kernels::kSkinnyGemmMaxRows) {
     return absl::InvalidArgumentError(
         absl::StrCat("skinny GEMM rows must be 0-", kernels::kSkinnyGemmMaxRows, ", not ", skinny_gemm_max_rows));
@@ -43,8 +43,12 @@ absl::StatusOr<CublasLinear> CublasLinear::Create(cudaStream_t stream, void* wor
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (e != cudaSuccess) return absl::InternalError(absl::StrCat("device attributes: ", cudaGetErrorString(e)));
-  if (major < 9) skinny_gemm_max_rows = 0;  // its kernels need Hopper (wgmma, clusters)
+  if (wide_gemm_min_rows < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("wide GEMM rows must be >= 0, not ", wide_gemm_min_rows));
+  }
+  if (major < 9) skinny_gemm_max_rows = wide_gemm_min_rows = 0;  // their kernels need Hopper (wgmma, TMA, clusters)
   if (skinny_gemm_max_rows > 0) kernels::PrepareSkinnyGemm(num_sms);
+  if (wide_gemm_min_rows > 0) kernels::PrepareWideGemm();
   cublasHandle_t handle = nullptr;
   if (cublasStatus_t s = cublasCreate(&handle); s == CUBLAS_STATUS_ALLOC_FAILED) {
     return absl::ResourceExhaustedError(absl::StrCat("out of memory creating the cuBLAS handle: ", DeviceMemoryReport()));
@@ -54,7 +58,7 @@ absl::StatusOr<CublasLinear> CublasLinear::Create(cudaStream_t stream, void* wor
   CheckCublas(cublasSetStream(handle, stream), "cublasSetStream");
   CheckCublas(cublasSetWorkspace(handle, workspace, workspace_bytes), "cublasSetWorkspace");
   CheckCublas(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
-  return CublasLinear(handle, stream, num_sms, skinny_gemm_max_rows);
+  return CublasLinear(handle, stream, num_sms, skinny_gemm_max_rows, wide_gemm_min_rows);
 }
 
 CublasLinear::~CublasLinear() {
@@ -64,6 +68,11 @@ CublasLinear::~CublasLinear() {
 bool CublasLinear::UseSkinnyGemm(const void* x, const void* weight, int rows, int in) const {
   return rows > kernels::kGemvPreferredMaxRows && rows <= skinny_gemm_max_rows_ &&
          in % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0;
+}
+
+bool CublasLinear::UseWideGemm(const void* x, const void* weight, int rows, int in) const {
+  return wide_gemm_min_rows_ > 0 && rows >= wide_gemm_min_rows_ && in % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0;
 }
 
 void CublasLinear::RunSkinnyGemm(const __nv_bfloat16* x, const __nv_bfloat16* weight, void* y, bool y_fp32, int rows,
@@ -80,6 +89,11 @@ void CublasLinear::Forward(const __nv_bfloat16* x, const __nv_bfloat16* weight, 
   }
   if (UseSkinnyGemm(x, weight, rows, in)) {
     RunSkinnyGemm(x, weight, y, false, rows, in, out);
+    return;
+  }
+  if (UseWideGemm(x, weight, rows, in)) {
+    kernels::WideGemm({x, weight, y, rows, in, out, false}, kernels::PlanWideGemm(rows, in, out, false, num_sms_),
+                      stream_);
     return;
   }
   Gemm(handle_, x, weight, y, CUDA_R_16BF, rows, in, out);
@@ -102,6 +116,11 @@ void CublasLinear::ForwardSiluMul(const __nv_bfloat16* x, const __nv_bfloat16* g
                                   __nv_bfloat16* gate_up, __nv_bfloat16* act, int rows, int in, int inter) const {
   if (rows >= 1 && rows <= kernels::kGemvPreferredMaxRows && in % 8 == 0 && inter % 4 == 0) {
     kernels::Gemv({x, gate_up_weight, act, rows, in, 2 * inter, false, kernels::GemvEpilogue::kSiluMul}, stream_);
+    return;
+  }
+  if (UseWideGemm(x, gate_up_weight, rows, in)) {
+    kernels::WideGemm({x, gate_up_weight, act, rows, in, 2 * inter, true},
+                      kernels::PlanWideGemm(rows, in, 2 * inter, true, num_sms_), stream_);
     return;
   }
   Forward(x, gate_up_weight, gate_up, rows, in, 2 * inter);

@@ -3,7 +3,9 @@
 // materialized (cuBLAS sees the column-major transpose of each operand). Decode-sized batches go
 // to Duet's weight-streaming kernels, which beat cuBLAS there (kernels/gemm/*_bench): up to
 // kernels::kGemvPreferredMaxRows rows the warp-per-feature Gemv, up to kSkinnyGemmPreferredMaxRows
-// rows (by default) the tensor-core SkinnyGemm; larger batches to cuBLAS.
+// rows (by default) the tensor-core SkinnyGemm. Prompt-sized batches (from `wide_gemm_min_rows`
+// rows) go to WideGemm, which tiles their rows without padding and fuses SiLU·mul; the rest, and
+// fp32 outputs beyond the skinny range, to cuBLAS.
 #pragma once
 
 #include <cstddef>
@@ -14,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/gemm/skinny_gemm.h"
+#include "kernels/gemm/wide_gemm.h"
 
 namespace duet::cuda {
 
@@ -27,15 +30,26 @@ inline int64_t CublasRowCapacity(int64_t rows) {
   return (rows + kCublasRowQuantum - 1) / kCublasRowQuantum * kCublasRowQuantum;
 }
 
+// From how many rows WideGemm takes the bf16 products by default: none yet (0). Its tests and
+// scripts/gpu/h200_wide_gemm.sh (kernel against cuBLAS, the engine's steps with it and without)
+// have not run on an H200 yet; cuda_llama_bench --wide-gemm-min-rows 128 turns it on.
+inline constexpr int kWideGemmDefaultMinRows = 0;
+
 class CublasLinear {
  public:
   // `workspace` (device memory, may be shared by nothing else running concurrently) lets cuBLAS
   // run inside CUDA-graph capture without allocating. Products of more than Gemv's rows and at
-  // most `skinny_gemm_max_rows` (<= kernels::kSkinnyGemmMaxRows; 0: none) go to SkinnyGemm.
+  // most `skinny_gemm_max_rows` (<= kernels::kSkinnyGemmMaxRows; 0: none) go to SkinnyGemm, bf16
+  // products of at least `wide_gemm_min_rows` (0: none) to WideGemm.
   static absl::StatusOr<CublasLinear> Create(cudaStream_t stream, void* workspace, size_t workspace_bytes,
-                                             int skinny_gemm_max_rows = kernels::kSkinnyGemmPreferredMaxRows);
+                                             int skinny_gemm_max_rows = kernels::kSkinnyGemmPreferredMaxRows,
+                                             int wide_gemm_min_rows = kWideGemmDefaultMinRows);
   CublasLinear(CublasLinear&& o) noexcept
-      : handle_(o.handle_), stream_(o.stream_), num_sms_(o.num_sms_), skinny_gemm_max_rows_(o.skinny_gemm_max_rows_) {
+      : handle_(o.handle_),
+        stream_(o.stream_),
+        num_sms_(o.num_sms_),
+        skinny_gemm_max_rows_(o.skinny_gemm_max_rows_),
+        wide_gemm_min_rows_(o.wide_gemm_min_rows_) {
     o.handle_ = nullptr;
   }
   CublasLinear& operator=(CublasLinear&&) = delete;
@@ -47,16 +61,23 @@ class CublasLinear {
   // Same with an fp32 output (logits).
   void ForwardF32(const __nv_bfloat16* x, const __nv_bfloat16* weight, float* y, int rows, int in, int out) const;
   // Llama's MLP input: gate_up_weight: [2 * inter, in] (gate rows, then up rows), act: [rows,
-  // inter] bf16 = silu(gate) * up. Skinny batches compute it in the projection's epilogue;
-  // others go through gate_up ([rows, 2 * inter] bf16 scratch) and a SiLU·mul kernel.
+  // inter] bf16 = silu(gate) * up. Gemv's and WideGemm's batches compute it in the projection's
+  // epilogue; others go through gate_up ([rows, 2 * inter] bf16 scratch) and a SiLU·mul kernel.
   void ForwardSiluMul(const __nv_bfloat16* x, const __nv_bfloat16* gate_up_weight, __nv_bfloat16* gate_up,
                       __nv_bfloat16* act, int rows, int in, int inter) const;
 
  private:
-  CublasLinear(cublasHandle_t handle, cudaStream_t stream, int num_sms, int skinny_gemm_max_rows)
-      : handle_(handle), stream_(stream), num_sms_(num_sms), skinny_gemm_max_rows_(skinny_gemm_max_rows) {}
+  CublasLinear(cublasHandle_t handle, cudaStream_t stream, int num_sms, int skinny_gemm_max_rows,
+               int wide_gemm_min_rows)
+      : handle_(handle),
+        stream_(stream),
+        num_sms_(num_sms),
+        skinny_gemm_max_rows_(skinny_gemm_max_rows),
+        wide_gemm_min_rows_(wide_gemm_min_rows) {}
   // Whether SkinnyGemm takes this product (else Gemv's or cuBLAS's rows).
   bool UseSkinnyGemm(const void* x, const void* weight, int rows, int in) const;
+  // Whether WideGemm takes this bf16 product.
+  bool UseWideGemm(const void* x, const void* weight, int rows, int in) const;
   void RunSkinnyGemm(const __nv_bfloat16* x, const __nv_bfloat16* weight, void* y, bool y_fp32, int rows, int in,
                      int out) const;
 
@@ -64,6 +85,7 @@ class CublasLinear {
   cudaStream_t stream_ = nullptr;
   int num_sms_ = 0;
   int skinny_gemm_max_rows_ = 0;
+  int wide_gemm_min_rows_ = 0;
 };
 
 }  // namespace duet::cuda

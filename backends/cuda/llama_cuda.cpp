@@ -112,7 +112,7 @@ absl::Status LlamaCuda::InitDevice() {
   DUET_ASSIGN_OR_RETURN(cublas_workspace_, arena_.Allocate(kCublasWorkspaceBytes, "cuBLAS workspace"));
   DUET_ASSIGN_OR_RETURN(cuda::CublasLinear linear,
                         cuda::CublasLinear::Create(stream_, cublas_workspace_.get(), cublas_workspace_.bytes(),
-                                                   options_.skinny_gemm_max_rows));
+                                                   options_.skinny_gemm_max_rows, options_.wide_gemm_min_rows));
   linear_ = std::make_unique<cuda::CublasLinear>(std::move(linear));
   return absl::OkStatus();
 }
@@ -382,7 +382,8 @@ void LlamaCuda::EnqueueMlp(const cuda::CudaLayerWeights& l, int rows) {
   kernels::FusedAddRmsNorm({residual_.as<float>(), delta_.as<__nv_bfloat16>(), l.post_norm, nullptr, normed, rows,
                             hidden, float(config_.rms_norm_eps)},
                            stream_);
-  if (UseFusedEpilogues(rows)) {
+  // CublasLinear fuses SiLU·mul where its kernel can (Gemv's rows and WideGemm's).
+  if (UseFusedEpilogues(rows) || rows > kernels::kGemvPreferredMaxRows) {
     linear_->ForwardSiluMul(normed, l.gate_up, gate_up, act, rows, hidden, inter);
   } else {
     linear_->Forward(normed, l.gate_up, gate_up, rows, hidden, 2 * inter);

@@ -48,6 +48,10 @@ struct LlamaCudaOptions {
   // through the tensor-core skinny GEMM (kernels/gemm/skinny_gemm.h), larger ones through cuBLAS;
   // 0: all of them through cuBLAS.
   int skinny_gemm_max_rows = kernels::kSkinnyGemmPreferredMaxRows;
+  // Projections of at least this many rows (prompt chunks, mixed steps) go through the tiled
+  // tensor-core GEMM (kernels/gemm/wide_gemm.h); 0 (the default until it is measured on the H200):
+  // through cuBLAS.
+  int wide_gemm_min_rows = cuda::kWideGemmDefaultMinRows;
   // Logits rows one head pass computes (at least max_num_seqs): a step verifying draft trees
   // gives a row per token and replays a graph only when its rows fit one pass. Device memory:
   // rows * vocab * 4 bytes.

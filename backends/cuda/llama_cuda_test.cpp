@@ -125,6 +125,29 @@ TEST(LlamaCuda, Bf16PrefillAndGraphDecodeMatchCpu) {
   EXPECT_LT(worst, 1e-2);
 }
 
+// Prompt-sized steps through the tiled tensor-core GEMM (kernels/gemm/wide_gemm.h, SiLU·mul in
+// its epilogue): a 437-token prefill of two prompts (three 160-row tiles), then a mixed step of a
+// 150-token chunk beside both sequences' decode rows (one tile).
+TEST(LlamaCuda, Bf16PromptStepsThroughWideGemmMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  LlamaCudaOptions options;
+  options.wide_gemm_min_rows = 128;
+  BackendPair pair(options);
+  std::vector<int32_t> table_a = Range(0, 12), table_b = Range(20, 25), table_c = Range(60, 12);
+  std::vector<int32_t> prompt_a = Range(5, 137), prompt_b = Range(900, 300), prompt_c = Range(2000, 150);
+  SequenceChunk a{prompt_a, 0, table_a, 1, 1}, b{prompt_b, 0, table_b, 2, 1};
+  std::vector<float> logits;
+  const double prefill_error = pair.Step({a, b}, &logits);
+  std::printf("prefill logits relative error %.2e\n", prefill_error);
+  EXPECT_LT(prefill_error, 1e-2);
+  std::vector<int32_t> next_a = {Argmax(absl::MakeSpan(logits).subspan(0, 8192))};
+  std::vector<int32_t> next_b = {Argmax(absl::MakeSpan(logits).subspan(8192, 8192))};
+  SequenceChunk da{next_a, 137, table_a, 1, 1}, db{next_b, 300, table_b, 2, 1}, c{prompt_c, 0, table_c, 3, 1};
+  const double mixed_error = pair.Step({da, db, c});
+  std::printf("mixed step logits relative error %.2e\n", mixed_error);
+  EXPECT_LT(mixed_error, 1e-2);
+}
+
 // Graph-replayed decode of 5, 24 and 64 sequences through the tensor-core skinny GEMM (its 16-,
 // 32- and 64-row tiles, split K on the tiny model's narrow projections).
 TEST(LlamaCuda, Bf16GraphDecodeOfManySequencesMatchesCpu) {

@@ -8,7 +8,7 @@
 //
 //   cuda_llama_bench --model DIR [--batch 1,8,32,128] [--context 1024] [--prefill 1024,8192 | --prefill none]
 //                    [--mixed-prompt 256,512] [--no-pdl] [--no-fusion] [--early-groups 1|2] [--no-cuda-graphs]
-//                    [--skinny-gemm-max-rows N]
+//                    [--skinny-gemm-max-rows N] [--wide-gemm-min-rows N]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -126,6 +126,7 @@ int Run(int argc, char** argv) {
   int context = 1024, steps = 64;
   bool graphs = true, pdl = true, fusion = true;
   int skinny_max_rows = kernels::kSkinnyGemmPreferredMaxRows;
+  int wide_min_rows = cuda::kWideGemmDefaultMinRows;
   int early_groups = 2;
   app.add_option("--model", model_dir, "checkpoint directory")->required();
   app.add_option("--batch", batches, "decode batch sizes");
@@ -139,6 +140,9 @@ int Run(int argc, char** argv) {
   app.add_option("--skinny-gemm-max-rows", skinny_max_rows,
                  "projections of 3 to N rows through SkinnyGemm, larger ones through cuBLAS (0: all through cuBLAS)")
       ->check(CLI::Range(0, kernels::kSkinnyGemmMaxRows));
+  app.add_option("--wide-gemm-min-rows", wide_min_rows,
+                 "projections of at least N rows through WideGemm (0: through cuBLAS)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--early-groups", early_groups, "weight groups the skinny GEMM issues before it waits (1 or 2)")
       ->check(CLI::IsMember({1, 2}));
   CLI11_PARSE(app, argc, argv);
@@ -161,6 +165,7 @@ int Run(int argc, char** argv) {
   options.programmatic_launch = pdl;
   options.fused_decode_epilogues = fusion;
   options.skinny_gemm_max_rows = skinny_max_rows;
+  options.wide_gemm_min_rows = wide_min_rows;
   auto loaded = LlamaCuda::Load(model_dir, options);
   if (!loaded.ok()) {
     std::fprintf(stderr, "load: %s\n", std::string(loaded.status().message()).c_str());

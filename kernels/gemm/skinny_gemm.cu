@@ -9,6 +9,7 @@
 #include <cooperative_groups.h>
 
 #include "kernels/cuda_check.h"
+#include "kernels/gemm/wgmma.cuh"
 #include "kernels/launch.cuh"
 
 namespace duet::kernels {
@@ -16,11 +17,15 @@ namespace {
 
 using launch_detail::LetDependentsLaunch;
 using launch_detail::WaitForPriorKernels;
+using wgmma::FenceProxyAsync;
+using wgmma::kRowBytes;
+using wgmma::MatrixDescriptor;
+using wgmma::SharedAddress;
+using wgmma::SwizzledOffset;
 
 constexpr int kTileOut = 128;                 // W rows (output features) per CTA: two wgmma M halves
 constexpr int kTileK = 64;                    // K per pipeline stage
 constexpr int kThreads = 128;                 // one warpgroup, which issues the wgmmas
-constexpr int kRowBytes = kTileK * 2;         // one tile row in shared memory: 8 chunks of 16 bytes
 constexpr int kMaxSplits = 8;                 // the largest portable cluster
 constexpr int kMinKBlocksPerSplit = 4;
 constexpr int kSharedBytesPerSm = 228 * 1024;  // sm_90, of which 1 KiB per resident CTA is the system's
@@ -38,10 +43,6 @@ template <int... kStages>
 struct StageDepths {};
 using PipelineDepths = StageDepths<8, 6, 4, 3>;
 
-__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // 16 bytes global -> shared, bypassing L1; `valid` false writes zeros and reads nothing.
 __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
@@ -50,75 +51,6 @@ __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-// cp.async's shared-memory writes, made visible to the tensor cores' (async proxy) reads.
-__device__ __forceinline__ void FenceProxyAsync() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-// A wgmma operand in shared memory: K-major rows of 64 bf16 (128 bytes), 128-byte swizzled
-// (SwizzledOffset) in 8-row groups 1024 bytes apart; `address` 1024-byte aligned, plus 32 bytes
-// per 16-wide K step inside the rows (the swizzle works on the address bits above them).
-__device__ __forceinline__ uint64_t MatrixDescriptor(uint32_t address) {
-  return uint64_t((address & 0x3FFFF) >> 4)  // start address
-         | uint64_t(1) << 16                 // leading byte offset: unused for swizzled K-major
-         | uint64_t(1024 >> 4) << 32         // stride byte offset: 8-row groups
-         | uint64_t(1) << 62;                // 128-byte swizzle
-}
-
-__device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void WgmmaWaitAll() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-
-// d[64 x kN] += a[64 x 16] · b[kN x 16]^T, both operands K-major in shared memory (descriptors),
-// fp32 accumulators in the warpgroup's registers: kN / 2 per thread.
-template <int kN>
-__device__ __forceinline__ void Wgmma(float (&d)[kN / 2], uint64_t a, uint64_t b);
-template <>
-__device__ __forceinline__ void Wgmma<16>(float (&d)[8], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7"
-      "}, %8, %9, p, 1, 1, 0, 0;\n}\n"
-      :
-        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "l"(a), "l"(b), "r"(1));
-}
-
-template <>
-__device__ __forceinline__ void Wgmma<32>(float (&d)[16], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-      "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-      :
-        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(a), "l"(b), "r"(1));
-}
-
-template <>
-__device__ __forceinline__ void Wgmma<64>(float (&d)[32], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      :
-        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(a), "l"(b), "r"(1));
-}
-
-// Byte offset of 16-byte chunk `chunk` (0..7) of tile row `row`: the chunk index XORed with the
-// row's low 3 bits, the 128-byte swizzle MatrixDescriptor names (within 1024-byte groups of 8 rows;
-// it also keeps cp.async's row-by-row writes free of bank conflicts).
-__device__ __forceinline__ uint32_t SwizzledOffset(int row, int chunk) {
-  return uint32_t(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
 }
 
 // A stage's shared memory: W tile [kTileOut, kTileK], then x tile [kRows, kTileK], both swizzled.
@@ -162,15 +94,15 @@ using Accumulators = float[2][kRows / 2];
 // Issues the stage's 8 wgmmas (2 feature halves x 4 K steps) and waits for them.
 template <int kRows>
 __device__ __forceinline__ void MultiplyStage(const Stage<kRows>& s, Accumulators<kRows>& acc) {
-  WgmmaFence();
+  wgmma::Fence();
 #pragma unroll
   for (int kk = 0; kk < kTileK / 16; ++kk) {
     const uint64_t b = MatrixDescriptor(s.x + kk * 32);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) Wgmma<kRows>(acc[h], MatrixDescriptor(s.w + h * 64 * kRowBytes + kk * 32), b);
+    for (int h = 0; h < 2; ++h) wgmma::Wgmma<kRows>(acc[h], MatrixDescriptor(s.w + h * 64 * kRowBytes + kk * 32), b);
   }
-  WgmmaCommit();
-  WgmmaWaitAll();
+  wgmma::Commit();
+  wgmma::Wait<0>();
 }
 
 // Calls f(row, feature, value) for every accumulator of this thread that lies in the output.

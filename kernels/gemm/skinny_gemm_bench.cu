@@ -10,50 +10,20 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
 #include <cublas_v2.h>
 
 #include "kernels/cuda_check.h"
+#include "kernels/gemm/gemm_bench_util.cuh"
 #include "kernels/gemm/skinny_gemm.h"
 
 namespace {
 
-// Median over `reps` timings of `chain` back-to-back launches, per launch: in a decode step the
-// projections run back to back, each launch's start overlapping the previous one's end.
-template <typename F>
-float MedianMs(F&& launch, int chain = 1, int reps = 30) {
-  cudaEvent_t a, b;
-  DUET_CUDA_CHECK(cudaEventCreate(&a));
-  DUET_CUDA_CHECK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int i = 0; i < reps + 5; ++i) {
-    DUET_CUDA_CHECK(cudaEventRecord(a));
-    for (int c = 0; c < chain; ++c) launch();
-    DUET_CUDA_CHECK(cudaEventRecord(b));
-    DUET_CUDA_CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    DUET_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
-    if (i >= 5) ms.push_back(t / chain);
-  }
-  DUET_CUDA_CHECK(cudaEventDestroy(a));
-  DUET_CUDA_CHECK(cudaEventDestroy(b));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
-__global__ void FillRandomBf16(__nv_bfloat16* p, size_t n, uint64_t seed, float scale) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    p[i] = __float2bfloat16((float(z >> 40) / float(1 << 24) * 2.f - 1.f) * scale);
-  }
-}
+using duet::kernels::bench::FillRandomBf16;
+using duet::kernels::bench::MedianMs;
+using duet::kernels::bench::RelativeError;
 
 // Streams `n` 16-byte words once (no reuse), so its rate is the read ceiling a weight stream meets.
 __global__ void ReadOnce(const uint4* p, size_t n, unsigned* sink) {
@@ -65,37 +35,12 @@ __global__ void ReadOnce(const uint4* p, size_t n, unsigned* sink) {
   if (acc == 0x12345678u) *sink = acc;  // keeps the loads
 }
 
-std::vector<int> ParseList(const char* s) {
-  std::vector<int> v;
-  for (const char* p = s; *p;) {
-    v.push_back(std::atoi(p));
-    while (*p && *p != ',') ++p;
-    if (*p == ',') ++p;
-  }
-  return v;
-}
-
-double RelativeError(const std::vector<__nv_bfloat16>& a, const std::vector<__nv_bfloat16>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
-    num += (x - y) * (x - y);
-    den += y * y;
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<int> row_counts = {4, 8, 16, 32, 64};
-  int layers = 32, chain = 8, splits = 0;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--rows")) row_counts = ParseList(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--layers")) layers = std::atoi(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--chain")) chain = std::atoi(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--splits")) splits = std::atoi(argv[i + 1]);
-  }
+  const duet::kernels::bench::Args args = duet::kernels::bench::ParseArgs(argc, argv, {4, 8, 16, 32, 64});
+  const std::vector<int>& row_counts = args.rows;
+  const int layers = args.layers, chain = args.chain, splits = args.splits;
   cudaDeviceProp prop{};
   DUET_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
 
@@ -127,12 +72,8 @@ int main(int argc, char** argv) {
               "%read", "cublas_us", "GB/s", "speedup", "rel_err");
   for (const Shape& s : shapes) {
     const size_t wbytes = size_t(s.in) * s.out * 2;
-    const int copies = int(std::max<size_t>(2, (size_t(prop.l2CacheSize) * 4 + wbytes - 1) / wbytes));
-    std::vector<__nv_bfloat16*> w(copies);
-    for (int c = 0; c < copies; ++c) {
-      DUET_CUDA_CHECK(cudaMalloc(&w[c], wbytes));
-      FillRandomBf16<<<1024, 256>>>(w[c], wbytes / 2, 11 + c, 0.05f);
-    }
+    const std::vector<__nv_bfloat16*> w = duet::kernels::bench::RotatedWeights(s.in, s.out, prop.l2CacheSize);
+    const int copies = int(w.size());
     __nv_bfloat16 *x, *y, *y_ref;
     const int padded_rows = (max_rows + 63) / 64 * 64;
     DUET_CUDA_CHECK(cudaMalloc(&x, size_t(padded_rows) * s.in * 2));

@@ -1,0 +1,106 @@
+// What the GEMM benchmarks (skinny_gemm_bench, wide_gemm_bench) share: launch timing, random
+// bf16 data on the device, their --rows lists, and the error against cuBLAS's output.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda_check.h"
+
+namespace duet::kernels::bench {
+
+// Median over `reps` timings of `chain` back-to-back launches, per launch (after 5 untimed): in a
+// step the projections run back to back, each launch's start overlapping the previous one's end.
+template <typename F>
+float MedianMs(F&& launch, int chain = 1, int reps = 30) {
+  cudaEvent_t a, b;
+  DUET_CUDA_CHECK(cudaEventCreate(&a));
+  DUET_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int i = 0; i < reps + 5; ++i) {
+    DUET_CUDA_CHECK(cudaEventRecord(a));
+    for (int c = 0; c < chain; ++c) launch();
+    DUET_CUDA_CHECK(cudaEventRecord(b));
+    DUET_CUDA_CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    DUET_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+    if (i >= 5) ms.push_back(t / chain);
+  }
+  DUET_CUDA_CHECK(cudaEventDestroy(a));
+  DUET_CUDA_CHECK(cudaEventDestroy(b));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// p[i] uniform in [-scale, scale), a hash of (i, seed).
+__global__ void FillRandomBf16(__nv_bfloat16* p, size_t n, uint64_t seed, float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    p[i] = __float2bfloat16((float(z >> 40) / float(1 << 24) * 2.f - 1.f) * scale);
+  }
+}
+
+// Copies of a random [out, in] bf16 weight, together four times the L2 (and at least two): a
+// launch that takes the next copy streams its weights from device memory, as a step's does.
+inline std::vector<__nv_bfloat16*> RotatedWeights(int in, int out, size_t l2_bytes) {
+  const size_t bytes = size_t(in) * out * sizeof(__nv_bfloat16);
+  std::vector<__nv_bfloat16*> w(std::max<size_t>(2, (l2_bytes * 4 + bytes - 1) / bytes));
+  for (size_t c = 0; c < w.size(); ++c) {
+    DUET_CUDA_CHECK(cudaMalloc(&w[c], bytes));
+    FillRandomBf16<<<1024, 256>>>(w[c], bytes / 2, 11 + c, 0.05f);
+  }
+  return w;
+}
+
+// "4,8,16" -> {4, 8, 16}.
+inline std::vector<int> ParseList(const char* s) {
+  std::vector<int> v;
+  for (const char* p = s; *p;) {
+    v.push_back(std::atoi(p));
+    while (*p && *p != ',') ++p;
+    if (*p == ',') ++p;
+  }
+  return v;
+}
+
+// The flags both take: --rows 4,8,... --layers N --chain N (launches timed back to back; 1: each
+// alone) --splits N (0: the plan's K split).
+struct Args {
+  std::vector<int> rows;
+  int layers = 32, chain = 8, splits = 0;
+};
+inline Args ParseArgs(int argc, char** argv, std::vector<int> default_rows) {
+  Args args;
+  args.rows = std::move(default_rows);
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--rows")) args.rows = ParseList(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--layers")) args.layers = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--chain")) args.chain = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--splits")) args.splits = std::atoi(argv[i + 1]);
+  }
+  return args;
+}
+
+// Relative L2 error of a against b.
+inline double RelativeError(const std::vector<__nv_bfloat16>& a, const std::vector<__nv_bfloat16>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+}  // namespace duet::kernels::bench

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The tiled tensor-core GEMM for prompt-sized batches (kernels/gemm/wide_gemm.h) on the GPU
+# machine, in one call: its kernel tests, SkinnyGemm's (they share the wgmma helpers) and the CUDA
+# backend's, twice each; the kernel against cuBLAS at the Llama-3-8B projection shapes; and
+# cuda_llama_bench on a random-weight Llama-3-8B-shaped checkpoint with it and without it
+# (--wide-gemm-min-rows 128 / 0, alternating runs): 512-token prefill, the decode step, and mixed
+# steps of a prompt chunk beside the batch's decode rows. Logs under $OUT, the tables last.
+#
+#   here:       TARGETS="kernels_tests llama_cuda_tests cuda_llama_bench wide_gemm_bench" scripts/gpu/make_bundle.sh
+#               (carry .devbundle/bundle.tar.xz; models/tiny-code-llama must travel, the draft model need not)
+#   device run: [ROUNDS=2] [ROWS=...] [MIXED=256,512] [BATCH=64] bash scripts/gpu/h200_wide_gemm.sh
+set -uo pipefail
+rounds=${ROUNDS:-2} rows=${ROWS:-128,192,256,320,384,512,576,1024,2048} mixed=${MIXED:-256,512} batch=${BATCH:-64}
+source scripts/gpu/devbundle_prologue.sh
+export DUET_MODELS_DIR=$PWD/models
+section "checkpoint (background, during the tests)"
+python3 scripts/gpu/hf_reference.py --out /tmp/llama8b --checkpoint-only > "$OUT/checkpoint.log" 2>&1 &
+ckpt_pid=$!
+for run in 1 2; do
+  section "tests, run $run"
+  timeout 300 kernels_tests --gtest_filter='WideGemm*:SkinnyGemm*' > "$OUT/kernels_tests_$run.log" 2>&1
+  echo "kernels_tests (WideGemm, SkinnyGemm): exit $?, $(grep -c '^\[       OK' "$OUT/kernels_tests_$run.log") passed"
+  timeout 300 llama_cuda_tests --gtest_filter='-*DraftModel*:*EveryGpu*:*OverNccl*' > "$OUT/llama_cuda_tests_$run.log" 2>&1
+  echo "llama_cuda_tests: exit $?, $(grep -c '^\[       OK' "$OUT/llama_cuda_tests_$run.log") passed"
+  grep -E "FAILED|Failure|error" "$OUT/kernels_tests_$run.log" "$OUT/llama_cuda_tests_$run.log" | head -12
+done
+section "wide_gemm_bench"
+timeout 300 wide_gemm_bench --rows "$rows" > "$OUT/wide_gemm_bench.log" 2>&1; echo "exit $?"
+for splits in 1 2 4; do  # the plan's choice against each fixed split
+  timeout 300 wide_gemm_bench --rows 256,320,576 --splits $splits > "$OUT/wide_gemm_bench_splits$splits.log" 2>&1
+  echo "--splits $splits: exit $?"
+done
+section "waiting for the checkpoint"
+wait $ckpt_pid
+[[ -f /tmp/llama8b/config.json ]] || { tail "$OUT/checkpoint.log"; exit 1; }
+for round in $(seq 1 "$rounds"); do
+  for side in wide cublas; do
+    flag=(--wide-gemm-min-rows 128); [[ $side == cublas ]] && flag=(--wide-gemm-min-rows 0)
+    section "cuda_llama_bench, round $round, $side"
+    timeout 300 cuda_llama_bench --model /tmp/llama8b --prefill 512,2048 --batch "$batch" --context 576 \
+      --mixed-prompt "$mixed" "${flag[@]}" > "$OUT/llama_${side}_$round.log" 2>&1 || echo "exit $?"
+  done
+done
+cat "$OUT/wide_gemm_bench.log"
+for splits in 1 2 4; do echo "--- every shape split $splits ways"; grep -A4 "^ rows" "$OUT/wide_gemm_bench_splits$splits.log"; done
+for side in wide cublas; do
+  echo "--- $side, round 1"
+  grep -A3 "^prefill " "$OUT/llama_${side}_1.log"
+  grep -A12 "^mixed steps" "$OUT/llama_${side}_1.log"
+done
+for round in $(seq 2 "$rounds"); do
+  for side in wide cublas; do
+    echo "--- $side, round $round"
+    grep -A3 "^prefill " "$OUT/llama_${side}_$round.log"
+    grep -A12 "^mixed steps" "$OUT/llama_${side}_$round.log" | tail -n +2
+  done
+done
