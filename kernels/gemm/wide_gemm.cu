@@ -198,9 +198,10 @@ __device__ __forceinline__ void StoreFour(__nv_bfloat16* y, int row, int feature
 // stages at every kN): the warpgroup parks its accumulators in its CTA's shared memory, then the
 // cluster's CTAs (the tile's K splits; one without splits) each sum a share of the tile's
 // (row, 4 features) groups over every CTA's partial in split order and store them.
-// Every thread of the CTA takes part (the syncs); `park(pass)` writes the calling thread's
-// accumulators of that pass, if any, and only consumer threads sum.
-template <int kN, typename Park>
+// Every thread of the CTA takes part in the barriers; `park(pass)` writes the calling thread's
+// accumulators of that pass, if any, and only consumers (kSums) sum: the producer's warpgroup,
+// down to kProducerRegisters, runs nothing but the barriers.
+template <int kN, bool kSums, typename Park>
 __device__ __forceinline__ void StoreTile(Park&& park, float* partial, const WideGemmParams& p,
                                           const TileCoordinates& t, int splits) {
   namespace cg = cooperative_groups;
@@ -223,24 +224,26 @@ __device__ __forceinline__ void StoreTile(Park&& park, float* partial, const Wid
   for (int pass = 0; pass < 2; ++pass) {
     park(pass);
     sync();  // every CTA's partial of this pass is in place
-    for (int g = rank * share + int(threadIdx.x); threadIdx.x < kConsumerThreads && g < end; g += kConsumerThreads) {
-      const int n = g / groups_per_row, c = (g % groups_per_row) * 4;
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f), up = sum;
-      for (int s = 0; s < splits; ++s) {
-        const float* theirs = splits > 1 ? cg::this_cluster().map_shared_rank(partial, s) : partial;
-        const float4 v = *reinterpret_cast<const float4*>(theirs + n * kPartialStride + c);
-        sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
-        if (p.silu_mul) {
-          const float4 u = *reinterpret_cast<const float4*>(theirs + n * kPartialStride + 64 + c);
-          up.x += u.x, up.y += u.y, up.z += u.z, up.w += u.w;
+    if constexpr (kSums) {
+      for (int g = rank * share + int(threadIdx.x); g < end; g += kConsumerThreads) {
+        const int n = g / groups_per_row, c = (g % groups_per_row) * 4;
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f), up = sum;
+        for (int s = 0; s < splits; ++s) {
+          const float* theirs = splits > 1 ? cg::this_cluster().map_shared_rank(partial, s) : partial;
+          const float4 v = *reinterpret_cast<const float4*>(theirs + n * kPartialStride + c);
+          sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+          if (p.silu_mul) {
+            const float4 u = *reinterpret_cast<const float4*>(theirs + n * kPartialStride + 64 + c);
+            up.x += u.x, up.y += u.y, up.z += u.z, up.w += u.w;
+          }
         }
-      }
-      if (p.silu_mul) {
-        const float4 act =
-            make_float4(Silu(sum.x) * up.x, Silu(sum.y) * up.y, Silu(sum.z) * up.z, Silu(sum.w) * up.w);
-        StoreFour(p.y, t.row0 + n, t.box_row[0] + 64 * pass + c, width, act);
-      } else {
-        StoreFour(p.y, t.row0 + n, (c < 64 ? t.box_row[0] : t.box_row[1]) + 64 * pass + c % 64, width, sum);
+        if (p.silu_mul) {
+          const float4 act =
+              make_float4(Silu(sum.x) * up.x, Silu(sum.y) * up.y, Silu(sum.z) * up.z, Silu(sum.w) * up.w);
+          StoreFour(p.y, t.row0 + n, t.box_row[0] + 64 * pass + c, width, act);
+        } else {
+          StoreFour(p.y, t.row0 + n, (c < 64 ? t.box_row[0] : t.box_row[1]) + 64 * pass + c % 64, width, sum);
+        }
       }
     }
     sync();  // no CTA overwrites or leaves its partial while another still reads it
@@ -291,7 +294,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       WaitForPriorKernels();
     }
     __syncwarp();  // the producer's warp meets the epilogue's barriers converged
-    StoreTile<kN>([](int) {}, partial, p, t, int(gridDim.z));
+    StoreTile<kN, false>([](int) {}, partial, p, t, int(gridDim.z));
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
     WaitForPriorKernels();
@@ -300,8 +303,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Only now (the producer's warpgroup never signals): the next kernel's CTAs, once resident,
     // take SM slots and prefetch their weights.
     LetDependentsLaunch();
-    StoreTile<kN>([&](int pass) { if (group == pass) ParkAccumulators<kN>(acc, partial); }, partial, p, t,
-                  int(gridDim.z));
+    StoreTile<kN, true>([&](int pass) { if (group == pass) ParkAccumulators<kN>(acc, partial); }, partial, p, t,
+                        int(gridDim.z));
   }
 }
 
