@@ -7,9 +7,12 @@
 //
 //   wide_gemm_bench [--rows 128,256,320,384,576,1024] [--layers 32] [--chain 8]
 //                   [--splits N (every shape split N ways: 1, 2 or 4, instead of the plan's)]
+//                   [--row-tile N (64-192, a multiple of 32, instead of the plan's)]
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include <cublas_v2.h>
@@ -38,6 +41,10 @@ int main(int argc, char** argv) {
   const duet::kernels::bench::Args args = duet::kernels::bench::ParseArgs(argc, argv, {128, 256, 320, 384, 576, 1024});
   const std::vector<int>& row_counts = args.rows;
   const int layers = args.layers, chain = args.chain, splits = args.splits;
+  int row_tile = 0;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--row-tile")) row_tile = std::atoi(argv[i + 1]);
+  }
   cudaDeviceProp prop{};
   DUET_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("%s, %d SMs; %d launches back to back\n", prop.name, prop.multiProcessorCount, chain);
@@ -67,6 +74,10 @@ int main(int argc, char** argv) {
       const int rows = row_counts[ri];
       duet::kernels::WideGemmPlan plan =
           duet::kernels::PlanWideGemm(rows, s.in, s.out, s.silu_mul, prop.multiProcessorCount);
+      if (row_tile > 0) {  // an experiment: another row tile than the plan's
+        plan.row_tile = row_tile;
+        plan.row_tiles = (rows + row_tile - 1) / row_tile;
+      }
       if (splits > 0) {  // an experiment: another split than the plan's
         plan.splits = splits;
         plan.k_blocks_per_split = ((s.in + 63) / 64 + splits - 1) / splits;

@@ -30,6 +30,10 @@ for splits in 1 2 4; do  # the plan's choice against each fixed split
   timeout 300 wide_gemm_bench --rows 256,320,576 --splits $splits > "$OUT/wide_gemm_bench_splits$splits.log" 2>&1
   echo "--splits $splits: exit $?"
 done
+for tile in 128 192; do  # the plan's row tiles (160 at 320 rows) against others
+  timeout 300 wide_gemm_bench --rows 320,576,1024 --row-tile $tile > "$OUT/wide_gemm_bench_tile$tile.log" 2>&1
+  echo "--row-tile $tile: exit $?"
+done
 section "waiting for the checkpoint"
 wait $ckpt_pid
 [[ -f /tmp/llama8b/config.json ]] || { tail "$OUT/checkpoint.log"; exit 1; }
@@ -43,6 +47,7 @@ for round in $(seq 1 "$rounds"); do
 done
 cat "$OUT/wide_gemm_bench.log"
 for splits in 1 2 4; do echo "--- every shape split $splits ways"; grep -A4 "^ rows" "$OUT/wide_gemm_bench_splits$splits.log"; done
+for tile in 128 192; do echo "--- row tile $tile"; grep -A4 "^ rows" "$OUT/wide_gemm_bench_tile$tile.log"; done
 for side in wide cublas; do
   echo "--- $side, round 1"
   grep -A3 "^prefill " "$OUT/llama_${side}_1.log"
