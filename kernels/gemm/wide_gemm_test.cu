@@ -2,7 +2,9 @@
 // tile, split K, ragged shapes, the fused SiLU·mul epilogue, graph replay, and the plan.
 #include "kernels/gemm/wide_gemm.h"
 
+#include <algorithm>
 #include <cmath>
+#include <string>
 
 #include <gtest/gtest.h>
 
@@ -70,12 +72,50 @@ std::vector<float> Run(const Problem& p, const WideGemmPlan& plan) {
   return testing::ToFloat(dy.Download());
 }
 
+// Where a result is wrong: the first few outputs off by more than 5% of the output's RMS, so a
+// failure names the rows and features (tile, box, warpgroup) it lies in.
+std::string FirstMismatches(const std::vector<float>& got, const std::vector<float>& ref, int width) {
+  double sum_squares = 0;
+  for (float v : ref) sum_squares += double(v) * v;
+  const double tolerance = 0.05 * std::sqrt(sum_squares / std::max<size_t>(ref.size(), 1));
+  std::string out;
+  int shown = 0;
+  for (size_t i = 0; i < ref.size() && shown < 8; ++i) {
+    if (std::fabs(double(got[i]) - ref[i]) > tolerance || std::isnan(got[i])) {
+      out += " (row " + std::to_string(i / width) + ", feature " + std::to_string(i % width) + ": " +
+             std::to_string(got[i]) + " vs " + std::to_string(ref[i]) + ")";
+      ++shown;
+    }
+  }
+  return out;
+}
+
 void Check(int rows, int in, int out, bool silu_mul, int splits, uint64_t seed) {
   const Problem p = MakeProblem(rows, in, out, silu_mul, seed);
   const WideGemmPlan plan = Plan(p, splits);
-  EXPECT_LT(testing::RelativeError(Run(p, plan), p.ref), 1e-2)
-      << rows << "x" << in << "->" << out << (silu_mul ? " silu_mul" : "") << ", row tile " << plan.row_tile
-      << ", " << plan.splits << " splits";
+  const std::vector<float> got = Run(p, plan);
+  const double error = testing::RelativeError(got, p.ref);
+  EXPECT_LT(error, 1e-2) << rows << "x" << in << "->" << out << (silu_mul ? " silu_mul" : "") << ", row tile "
+                         << plan.row_tile << ", " << plan.splits << " splits; first mismatches:"
+                         << FirstMismatches(got, p.ref, silu_mul ? out / 2 : out);
+}
+
+// From the simplest launch up (one tile and one K block; then K blocks past the pipeline's depth,
+// so stages are reused; then several tiles), so the first failure says which part is wrong.
+TEST(WideGemm, Bf16OneTileOneKBlock) {
+  DUET_SKIP_WITHOUT_GPU();
+  Check(64, 64, 256, false, 1, 1);
+}
+
+TEST(WideGemm, Bf16OneTileManyKBlocks) {
+  DUET_SKIP_WITHOUT_GPU();
+  Check(64, 640, 256, false, 1, 2);  // 10 K blocks through 5 stages: each stage used twice
+}
+
+TEST(WideGemm, Bf16SeveralTiles) {
+  DUET_SKIP_WITHOUT_GPU();
+  Check(128, 512, 512, false, 1, 3);  // 2 feature tiles, one 128-row tile
+  Check(256, 512, 256, false, 1, 4);  // 2 row tiles of 128
 }
 
 TEST(WideGemm, Bf16EveryRowTile) {
