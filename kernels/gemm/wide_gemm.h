@@ -6,13 +6,13 @@
 // steps of 64-256, and a 4096-feature projection at ~300 rows makes too few of them for 132 SMs
 // (Llama-3-8B's o projection at 320 rows runs at 407 TFLOP/s, BENCHMARKS.md). Here the weights'
 // features are the wgmma's M and x's rows its N, which may be any multiple of 32 up to 192: 320
-// rows are two 160-row tiles, no padding. A CTA computes 256 features x kN rows. One producer warp
-// streams the W tile (two 128-feature TMA boxes) and the x tile through a 4-5 stage mbarrier
-// pipeline; two consumer warpgroups each multiply 2 x 64 features against the rows (features
-// 64w..64w+63 of each box). K is split over a thread-block cluster when tiles are too few for the
-// SMs; every split parks its partial tile in its shared memory and the cluster sums it in split
-// order (deterministic, no workspace), which is also the epilogue without splits: the sums leave as
-// coalesced rows of y.
+// rows are two 160-row tiles, no padding. A CTA computes 256 features x kN rows. One producer
+// thread streams the W tile (two 128-feature TMA boxes) and the x tile through a 4-5 stage mbarrier
+// pipeline (its warpgroup hands its registers to the others); two consumer warpgroups each multiply
+// 2 x 64 features against the rows (features 64w..64w+63 of each box). K is split over a
+// thread-block cluster when tiles are too few for the SMs; every split parks its partial tile in
+// its shared memory and the cluster sums it in split order (deterministic, no workspace), which is
+// also the epilogue without splits: the sums leave as coalesced rows of y.
 //
 // SiLU·mul (Llama's MLP input): W is [gate; up], 2 * inter rows; a CTA's first box holds gate
 // features f0..f0+127 and its second the matching up features, so each consumer thread holds gate
