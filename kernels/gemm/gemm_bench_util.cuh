@@ -74,11 +74,11 @@ inline std::vector<int> ParseList(const char* s) {
   return v;
 }
 
-// The flags both take: --rows 4,8,... --layers N --chain N (launches timed back to back; 1: each
-// alone) --splits N (0: the plan's K split).
+// Their flags: --rows 4,8,... --layers N --chain N (launches timed back to back; 1: each alone)
+// --splits N (0: the plan's K split) --row-tile N (wide_gemm_bench; 0: the plan's).
 struct Args {
   std::vector<int> rows;
-  int layers = 32, chain = 8, splits = 0;
+  int layers = 32, chain = 8, splits = 0, row_tile = 0;
 };
 inline Args ParseArgs(int argc, char** argv, std::vector<int> default_rows) {
   Args args;
@@ -88,6 +88,7 @@ inline Args ParseArgs(int argc, char** argv, std::vector<int> default_rows) {
     if (!std::strcmp(argv[i], "--layers")) args.layers = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--chain")) args.chain = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--splits")) args.splits = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--row-tile")) args.row_tile = std::atoi(argv[i + 1]);
   }
   return args;
 }

@@ -43,9 +43,11 @@ constexpr int kPartialStride = 2 * 64 + 4;
 // (kernels/gemm/wgmma.cuh), each 1024-byte aligned.
 template <int kN>
 __host__ __device__ constexpr int StageBytes() { return (kTileFeatures + kN) * kRowBytes; }
+// As many as fit beside the barriers and the alignment slack, at most 5.
 template <int kN>
 __host__ __device__ constexpr int Stages() {
-  return (kMaxDynamicSmem - 2048) / StageBytes<kN>() < 5 ? (kMaxDynamicSmem - 2048) / StageBytes<kN>() : 5;
+  constexpr int kFit = (kMaxDynamicSmem - 2048) / StageBytes<kN>();
+  return kFit < 5 ? kFit : 5;
 }
 // The stages, their full and empty barriers, and slack to align the stages to 1024 bytes.
 template <int kN>
@@ -212,7 +214,7 @@ __device__ __forceinline__ void StoreTile(Park&& park, float* partial, const Wid
       __syncthreads();
     }
   };
-  const int rank = splits > 1 ? int(cg::this_cluster().block_rank()) : 0;
+  const int rank = int(blockIdx.z);  // the split: the cluster spans the grid's z, one CTA per split
   const int valid_rows = min(kN, p.rows - t.row0);
   const int width = p.silu_mul ? p.out / 2 : p.out;
   // Without SiLU·mul a group is 4 of the pass's 128 columns (64 per box); with it, 4 gate columns

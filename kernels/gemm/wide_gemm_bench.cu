@@ -11,8 +11,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
 #include <cublas_v2.h>
@@ -40,11 +38,7 @@ double RelativeError(const __nv_bfloat16* a_dev, const __nv_bfloat16* b_dev, siz
 int main(int argc, char** argv) {
   const duet::kernels::bench::Args args = duet::kernels::bench::ParseArgs(argc, argv, {128, 256, 320, 384, 576, 1024});
   const std::vector<int>& row_counts = args.rows;
-  const int layers = args.layers, chain = args.chain, splits = args.splits;
-  int row_tile = 0;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--row-tile")) row_tile = std::atoi(argv[i + 1]);
-  }
+  const int layers = args.layers, chain = args.chain, splits = args.splits, row_tile = args.row_tile;
   cudaDeviceProp prop{};
   DUET_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("%s, %d SMs; %d launches back to back\n", prop.name, prop.multiProcessorCount, chain);

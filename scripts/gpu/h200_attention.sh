@@ -13,9 +13,7 @@ set -uo pipefail
 prefill=${PREFILL:-512,1024,2048} batch=${BATCH:-8,32,64} context=${CONTEXT:-576} mixed=${MIXED:-none}
 source scripts/gpu/devbundle_prologue.sh
 export DUET_MODELS_DIR=$PWD/models
-section "checkpoint (background, during the tests)"
-python3 scripts/gpu/hf_reference.py --out /tmp/llama8b --checkpoint-only > "$OUT/checkpoint.log" 2>&1 &
-ckpt_pid=$!
+start_checkpoint
 for run in 1 2; do
   section "tests, run $run"
   kernels_tests --gtest_filter='PrefillAttention*:PagedDecode*:PagedAttention*' > "$OUT/kernels_tests_$run.log" 2>&1
@@ -26,9 +24,7 @@ for run in 1 2; do
 done
 section "attention_bench"
 attention_bench > "$OUT/attention_bench.log" 2>&1; echo "exit $?"
-section "waiting for the checkpoint"
-wait $ckpt_pid
-[[ -f /tmp/llama8b/config.json ]] || { tail "$OUT/checkpoint.log"; exit 1; }
+await_checkpoint
 section "cuda_llama_bench"
 cuda_llama_bench --model /tmp/llama8b --prefill "$prefill" --batch "$batch" --context "$context" --mixed-prompt "$mixed" \
   > "$OUT/llama_bench.log" 2>&1

@@ -13,9 +13,7 @@ set -uo pipefail
 rounds=${ROUNDS:-2} rows=${ROWS:-128,192,256,320,384,512,576,1024,2048} mixed=${MIXED:-256,512} batch=${BATCH:-64}
 source scripts/gpu/devbundle_prologue.sh
 export DUET_MODELS_DIR=$PWD/models
-section "checkpoint (background, during the tests)"
-python3 scripts/gpu/hf_reference.py --out /tmp/llama8b --checkpoint-only > "$OUT/checkpoint.log" 2>&1 &
-ckpt_pid=$!
+start_checkpoint
 for run in 1 2; do
   section "tests, run $run"
   timeout 300 kernels_tests --gtest_filter='WideGemm*:SkinnyGemm*' > "$OUT/kernels_tests_$run.log" 2>&1
@@ -34,9 +32,7 @@ for tile in 128 192; do  # the plan's row tiles (160 at 320 rows) against others
   timeout 300 wide_gemm_bench --rows 320,576,1024 --row-tile $tile > "$OUT/wide_gemm_bench_tile$tile.log" 2>&1
   echo "--row-tile $tile: exit $?"
 done
-section "waiting for the checkpoint"
-wait $ckpt_pid
-[[ -f /tmp/llama8b/config.json ]] || { tail "$OUT/checkpoint.log"; exit 1; }
+await_checkpoint
 for round in $(seq 1 "$rounds"); do
   for side in wide cublas; do
     flag=(--wide-gemm-min-rows 128); [[ $side == cublas ]] && flag=(--wide-gemm-min-rows 0)
