@@ -19,7 +19,6 @@ OUT=$(mktemp -d)
 SERVE_PID=""
 stop() { [[ -z $SERVE_PID ]] || { kill -INT "$SERVE_PID" 2>/dev/null; wait "$SERVE_PID" || true; }; SERVE_PID=""; }
 trap 'stop; rm -rf "$OUT"' EXIT
-export OPENBLAS_NUM_THREADS=1
 
 run() {  # NAME SEED [serve flags...]
   local name=$1 seed=$2

@@ -21,7 +21,6 @@ OUT=$(mktemp -d)
 PIDS=()
 stop() { for pid in "${PIDS[@]}"; do kill -INT "$pid" 2>/dev/null || true; done; wait || true; rm -rf "$OUT"; }
 trap stop EXIT
-export OPENBLAS_NUM_THREADS=1
 
 # Starts a role with its log in $OUT/$name.log.
 start() {

@@ -58,8 +58,8 @@ __attribute__((target("avx2,fma"), always_inline)) inline void DotBlock(const fl
 // rest). The block's kW weight rows (kW·k floats) come from memory once and stay in L1/L2 for
 // the other activation rows. y's rows are `ldy` apart.
 template <int kW, int kX>
-__attribute__((target("avx2,fma"))) void BatchedGemvAvx2(const float* x, const float* w, float* y, int64_t rows,
-                                                         int64_t n, int64_t k, int64_t ldy) {
+__attribute__((target("avx2,fma"))) void RowPanel(const float* x, const float* w, float* y, int64_t rows, int64_t n,
+                                                  int64_t k, int64_t ldy) {
   int64_t j = 0;
   for (; j + kW <= n; j += kW) {
     const float* wj = w + j * k;
@@ -80,6 +80,19 @@ __attribute__((target("avx2,fma"))) void BatchedGemvAvx2(const float* x, const f
   }
   for (; j < n; ++j) {  // fewer than kW weight rows left
     for (int64_t r = 0; r < rows; ++r) DotBlock<1, 1>(x + r * k, w + j * k, y + r * ldy + j, ldy, k, nullptr);
+  }
+}
+
+// The activation rows in panels of ~kPanelBytes, which stay in L2 while every weight row streams
+// past them once: a prefill-sized x would otherwise be read from L3 or memory for every block of
+// weight rows.
+template <int kW, int kX>
+__attribute__((target("avx2,fma"))) void BatchedGemvAvx2(const float* x, const float* w, float* y, int64_t rows,
+                                                         int64_t n, int64_t k, int64_t ldy) {
+  constexpr int64_t kPanelBytes = 128 << 10;
+  const int64_t panel_rows = std::max<int64_t>(kX, kPanelBytes / (k * int64_t(sizeof(float))) / kX * kX);
+  for (int64_t r = 0; r < rows; r += panel_rows) {
+    RowPanel<kW, kX>(x + r * k, w, y + r * ldy, std::min(panel_rows, rows - r), n, k, ldy);
   }
 }
 

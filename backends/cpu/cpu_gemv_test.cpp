@@ -43,11 +43,12 @@ struct Shape {
 
 TEST(BatchedGemvTest, MatchesTheReferenceAtSeveralRowCountsAndOddShapes) {
   std::mt19937 rng(3);
-  // Row counts around the kernel's pairs of rows and the sgemm crossover; n not a multiple of
-  // the 4-row weight block; k not a multiple of the 8-lane vector (tails), and tiny shapes.
+  // Row counts around the kernel's groups of 3 rows and a prefill-sized one over several L2
+  // panels; n not a multiple of the 4-row weight block; k not a multiple of the 8-lane vector
+  // (tails), and tiny shapes.
   const std::vector<Shape> shapes = {{1, 1, 1},   {1, 3, 7},    {2, 5, 9},     {3, 4, 8},    {1, 64, 512},
                                      {2, 67, 515}, {5, 130, 64}, {7, 33, 1409}, {9, 1024, 512}, {15, 31, 17},
-                                     {16, 257, 264}, {17, 9, 40}, {32, 12, 100}};
+                                     {16, 257, 264}, {17, 9, 40}, {32, 12, 100}, {301, 67, 515}};
   for (const Shape& s : shapes) {
     SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n " << s.n << " k " << s.k);
     const std::vector<float> x = Random(s.rows * s.k, rng), w = Random(s.n * s.k, rng);
@@ -62,18 +63,22 @@ TEST(BatchedGemvTest, MatchesTheReferenceAtSeveralRowCountsAndOddShapes) {
 }
 
 TEST(BatchedGemvTest, EachRowIsTheSameWhateverTheRowCount) {
-  // A token's logits must not depend on how many tokens share its step: bitwise equal.
+  // A token's logits must not depend on how many tokens share its step: bitwise equal. Decode-
+  // sized steps, and prefill-sized ones whose rows span several L2 panels (k = 4096: 6 rows a
+  // panel; k = 700: 45).
   std::mt19937 rng(5);
-  const int64_t n = 37, k = 203, max_rows = 16;
-  const std::vector<float> x = Random(max_rows * k, rng), w = Random(n * k, rng);
-  std::vector<float> all(size_t(max_rows * n));
-  BatchedGemv(x.data(), w.data(), all.data(), max_rows, n, k);
-  for (int64_t rows = 1; rows < max_rows; ++rows) {
-    for (int64_t first = 0; first + rows <= max_rows; first += rows) {
-      std::vector<float> part(size_t(rows * n));
-      BatchedGemv(x.data() + first * k, w.data(), part.data(), rows, n, k);
-      for (int64_t i = 0; i < rows * n; ++i) {
-        ASSERT_EQ(part[size_t(i)], all[size_t(first * n + i)]) << "rows " << rows << " first " << first << " i " << i;
+  for (const Shape& s : std::vector<Shape>{{16, 37, 203}, {40, 13, 4096}, {200, 70, 700}}) {
+    SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n " << s.n << " k " << s.k);
+    const std::vector<float> x = Random(s.rows * s.k, rng), w = Random(s.n * s.k, rng);
+    std::vector<float> all(size_t(s.rows * s.n));
+    BatchedGemv(x.data(), w.data(), all.data(), s.rows, s.n, s.k);
+    for (int64_t rows = 1; rows < s.rows; ++rows) {
+      for (int64_t first = 0; first + rows <= s.rows; first += rows) {
+        std::vector<float> part(size_t(rows * s.n));
+        BatchedGemv(x.data() + first * s.k, w.data(), part.data(), rows, s.n, s.k);
+        for (int64_t i = 0; i < rows * s.n; ++i) {
+          ASSERT_EQ(part[size_t(i)], all[size_t(first * s.n + i)]) << "rows " << rows << " first " << first << " i " << i;
+        }
       }
     }
   }
@@ -84,7 +89,8 @@ TEST(BatchedGemvTest, ThreadsGiveTheSameBitsAsOne) {
   // thread's result: each y[r, j] is one thread's sum in the same order.
   std::mt19937 rng(7);
   ParallelFor pool(3);
-  for (const Shape& s : std::vector<Shape>{{1, 8192, 512}, {9, 1408, 512}, {16, 515, 257}, {2, 5, 9}, {3, 13, 4096}}) {
+  for (const Shape& s : std::vector<Shape>{
+           {1, 8192, 512}, {9, 1408, 512}, {16, 515, 257}, {2, 5, 9}, {3, 13, 4096}, {300, 1408, 512}}) {
     SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n " << s.n << " k " << s.k);
     const std::vector<float> x = Random(s.rows * s.k, rng), w = Random(s.n * s.k, rng);
     std::vector<float> one(size_t(s.rows * s.n)), split(size_t(s.rows * s.n), NAN);

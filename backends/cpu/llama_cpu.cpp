@@ -1,7 +1,5 @@
 #include "backends/cpu/llama_cpu.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <thread>
@@ -19,35 +17,14 @@
 namespace duet {
 namespace {
 
-// y[rows, n] = x[rows, k] · w[n, k]ᵀ  (w in Hugging Face [out_features, in_features] layout).
-// A decode or verification step has few rows and is bound by reading the weights: the batched
-// GEMV streams them once. Prefill-sized products go to sgemm, which packs the weights for reuse.
-// Both split the weight rows (y's columns) across the shared pool's threads; OpenBLAS itself
-// runs single-threaded (UseOneBlasThread), so the pool's are the only compute threads and no
-// BLAS thread spins on a core the pool needs.
+// y[rows, n] = x[rows, k] · w[n, k]ᵀ  (w in Hugging Face [out_features, in_features] layout),
+// split across the shared pool's threads. Every product of every step goes through the batched
+// GEMV, whose y[r, j] is one fixed-order sum whatever the step's rows and the thread count: a
+// token's results then never depend on the other tokens of its step (prefix cache on or off,
+// chunked or whole prefill, speculation) nor on the machine's cores. OpenBLAS sgemm is faster
+// above ~16 rows (cpu_gemv_bench) but sums in an order that varies with both.
 void MatMulTransposed(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k) {
-  ParallelFor& pool = ParallelFor::Shared();
-  if (rows <= kBatchedGemvMaxRows) {
-    BatchedGemv(x, w, y, rows, n, k, &pool);
-    return;
-  }
-  const int64_t parts = pool.num_threads();
-  const int64_t per_part = (n + parts - 1) / parts;
-  pool.Run([&](int part) {
-    const int64_t begin = std::min(n, int64_t(part) * per_part), end = std::min(n, begin + per_part);
-    if (begin == end) return;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows), static_cast<int>(end - begin),
-                static_cast<int>(k), 1.0f, x, static_cast<int>(k), w + begin * k, static_cast<int>(k), 0.0f, y + begin,
-                static_cast<int>(n));
-  });
-}
-
-void UseOneBlasThread() {
-  static const bool once = [] {
-    openblas_set_num_threads(1);
-    return true;
-  }();
-  (void)once;
+  BatchedGemv(x, w, y, rows, n, k, &ParallelFor::Shared());
 }
 
 // Hugging Face LlamaRMSNorm in float32: x / sqrt(mean(x²) + eps) · weight.
@@ -109,7 +86,6 @@ absl::StatusOr<std::unique_ptr<LlamaCpu>> LlamaCpu::Load(const std::string& mode
 
 absl::StatusOr<std::unique_ptr<LlamaCpu>> LlamaCpu::FromWeights(const ModelConfig& config,
                                                                 const WeightStore& weights) {
-  UseOneBlasThread();
   std::unique_ptr<LlamaCpu> model(new LlamaCpu(config));
   if (absl::Status s = model->LoadWeights(weights); !s.ok()) return s;
   model->inv_freq_ = config.rope.InverseFrequencies(static_cast<int>(config.head_dim));

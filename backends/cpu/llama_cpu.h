@@ -1,7 +1,7 @@
 // The Llama-family transformer (Llama 2/3/3.1, Mistral, Qwen2/2.5) on the CPU, float32 compute
-// from bf16/fp16/fp32 weights; few-row products (decode, verification) through a batched GEMV,
-// larger ones through OpenBLAS sgemm. The numerical reference for every other backend: greedy
-// output matches Hugging Face transformers' float32 forward.
+// from bf16/fp16/fp32 weights, every product through the batched GEMV (cpu_gemv.h), so a token's
+// results are the same bits whatever else shares its step. The numerical reference for every
+// other backend: greedy output matches Hugging Face transformers' float32 forward.
 #pragma once
 
 #include <memory>

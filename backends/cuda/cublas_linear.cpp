@@ -48,7 +48,11 @@ absl::StatusOr<CublasLinear> CublasLinear::Create(cudaStream_t stream, void* wor
   }
   if (major < 9) skinny_gemm_max_rows = wide_gemm_min_rows = 0;  // their kernels need Hopper (wgmma, TMA, clusters)
   if (skinny_gemm_max_rows > 0) kernels::PrepareSkinnyGemm(num_sms);
-  if (wide_gemm_min_rows > 0) kernels::PrepareWideGemm();
+  kernels::WideGemmCapacity wide_gemm_capacity{};
+  if (wide_gemm_min_rows > 0) {
+    kernels::PrepareWideGemm();
+    wide_gemm_capacity = kernels::QueryWideGemmCapacity();
+  }
   cublasHandle_t handle = nullptr;
   if (cublasStatus_t s = cublasCreate(&handle); s == CUBLAS_STATUS_ALLOC_FAILED) {
     return absl::ResourceExhaustedError(absl::StrCat("out of memory creating the cuBLAS handle: ", DeviceMemoryReport()));
@@ -58,7 +62,7 @@ absl::StatusOr<CublasLinear> CublasLinear::Create(cudaStream_t stream, void* wor
   CheckCublas(cublasSetStream(handle, stream), "cublasSetStream");
   CheckCublas(cublasSetWorkspace(handle, workspace, workspace_bytes), "cublasSetWorkspace");
   CheckCublas(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
-  return CublasLinear(handle, stream, num_sms, skinny_gemm_max_rows, wide_gemm_min_rows);
+  return CublasLinear(handle, stream, num_sms, skinny_gemm_max_rows, wide_gemm_min_rows, wide_gemm_capacity);
 }
 
 CublasLinear::~CublasLinear() {
@@ -92,8 +96,8 @@ void CublasLinear::Forward(const __nv_bfloat16* x, const __nv_bfloat16* weight, 
     return;
   }
   if (UseWideGemm(x, weight, rows, in)) {
-    kernels::WideGemm({x, weight, y, rows, in, out, false}, kernels::PlanWideGemm(rows, in, out, false, num_sms_),
-                      stream_);
+    kernels::WideGemm({x, weight, y, rows, in, out, false},
+                      kernels::PlanWideGemm(rows, in, out, false, wide_gemm_capacity_), stream_);
     return;
   }
   Gemm(handle_, x, weight, y, CUDA_R_16BF, rows, in, out);
@@ -120,7 +124,7 @@ void CublasLinear::ForwardSiluMul(const __nv_bfloat16* x, const __nv_bfloat16* g
   }
   if (UseWideGemm(x, gate_up_weight, rows, in)) {
     kernels::WideGemm({x, gate_up_weight, act, rows, in, 2 * inter, true},
-                      kernels::PlanWideGemm(rows, in, 2 * inter, true, num_sms_), stream_);
+                      kernels::PlanWideGemm(rows, in, 2 * inter, true, wide_gemm_capacity_), stream_);
     return;
   }
   Forward(x, gate_up_weight, gate_up, rows, in, 2 * inter);

@@ -49,7 +49,8 @@ class CublasLinear {
         stream_(o.stream_),
         num_sms_(o.num_sms_),
         skinny_gemm_max_rows_(o.skinny_gemm_max_rows_),
-        wide_gemm_min_rows_(o.wide_gemm_min_rows_) {
+        wide_gemm_min_rows_(o.wide_gemm_min_rows_),
+        wide_gemm_capacity_(o.wide_gemm_capacity_) {
     o.handle_ = nullptr;
   }
   CublasLinear& operator=(CublasLinear&&) = delete;
@@ -68,12 +69,13 @@ class CublasLinear {
 
  private:
   CublasLinear(cublasHandle_t handle, cudaStream_t stream, int num_sms, int skinny_gemm_max_rows,
-               int wide_gemm_min_rows)
+               int wide_gemm_min_rows, const kernels::WideGemmCapacity& wide_gemm_capacity)
       : handle_(handle),
         stream_(stream),
         num_sms_(num_sms),
         skinny_gemm_max_rows_(skinny_gemm_max_rows),
-        wide_gemm_min_rows_(wide_gemm_min_rows) {}
+        wide_gemm_min_rows_(wide_gemm_min_rows),
+        wide_gemm_capacity_(wide_gemm_capacity) {}
   // Whether SkinnyGemm takes this product (else Gemv's or cuBLAS's rows).
   bool UseSkinnyGemm(const void* x, const void* weight, int rows, int in) const;
   // Whether WideGemm takes this bf16 product.
@@ -86,6 +88,7 @@ class CublasLinear {
   int num_sms_ = 0;
   int skinny_gemm_max_rows_ = 0;
   int wide_gemm_min_rows_ = 0;
+  kernels::WideGemmCapacity wide_gemm_capacity_{};  // asked when wide_gemm_min_rows_ > 0
 };
 
 }  // namespace duet::cuda

@@ -20,7 +20,7 @@ for pattern in build '**/node_modules' .git; do
 done
 
 packages=$(deploy/docker/runtime-packages.sh "$duet") || fail "runtime-packages.sh failed"
-for needed in 'libgrpc++' libprotobuf libabsl libucx libopenblas; do
+for needed in 'libgrpc++' libprotobuf libabsl libucx; do
   grep -q "^$needed" <<<"$packages" || fail "no $needed* package among the runtime packages: $packages"
 done
 echo "runtime packages of $duet:"

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
-#include <set>
+#include <map>
 
 #include <cooperative_groups.h>
 
@@ -346,25 +346,63 @@ template <int... kNs>
 struct RowTiles {};
 using AllRowTiles = RowTiles<64, 96, 128, 160, 192>;
 
+// The shared-memory limit is an attribute of the kernel in each device's context. The register
+// check: setmaxnreg.inc waits until the CTA's pool has the registers asked for, so a variant
+// compiled to fewer per thread than the warpgroups' trade needs would hang, not fail.
 template <int kN>
-void SetSharedMemoryLimit() {
+void PrepareVariant() {
   DUET_CUDA_CHECK(
       cudaFuncSetAttribute(WideGemmKernel<kN>, cudaFuncAttributeMaxDynamicSharedMemorySize, SmemBytes<kN>()));
+  cudaFuncAttributes attributes{};
+  DUET_CUDA_CHECK(cudaFuncGetAttributes(&attributes, WideGemmKernel<kN>));
+  DUET_KERNEL_CHECK(attributes.numRegs * kThreads >=
+                        128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters &&
+                    "WideGemm compiled with fewer registers than its warpgroups trade");
 }
 
 template <int... kNs>
-void SetSharedMemoryLimits(RowTiles<kNs...>) {
-  (SetSharedMemoryLimit<kNs>(), ...);
+void PrepareVariants(RowTiles<kNs...>) {
+  (PrepareVariant<kNs>(), ...);
 }
 
-// Once per device: the limit is an attribute of the kernel in each device's context.
-void EnsureSharedMemoryLimits() {
+// Clusters of `splits` CTAs of the largest variant resident at once, in CTAs (every variant takes
+// one CTA per SM).
+int ResidentClusterCtas(int splits) {
+  constexpr int kN = kWideGemmMaxRowTile;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim = {1, 1, unsigned(splits)};
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(1, 1, splits);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = SmemBytes<kN>();
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  int clusters = 0;
+  DUET_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, WideGemmKernel<kN>, &config));
+  return clusters * splits;
+}
+
+struct DeviceState {
+  WideGemmCapacity capacity;
+};
+
+// Once per device: the variants prepared and the capacity asked.
+const DeviceState& PreparedDevice() {
   int device = 0;
   DUET_CUDA_CHECK(cudaGetDevice(&device));
   static std::mutex mu;
-  static std::set<int> prepared;
+  static std::map<int, DeviceState> prepared;
   std::lock_guard<std::mutex> lock(mu);
-  if (prepared.insert(device).second) SetSharedMemoryLimits(AllRowTiles{});
+  auto [it, inserted] = prepared.try_emplace(device);
+  if (inserted) {
+    PrepareVariants(AllRowTiles{});
+    int num_sms = 0;
+    DUET_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+    it->second.capacity = {{num_sms, ResidentClusterCtas(2), ResidentClusterCtas(kMaxSplits)}};
+    DUET_KERNEL_CHECK(it->second.capacity.resident_ctas[1] > 0 && it->second.capacity.resident_ctas[2] > 0);
+  }
+  return it->second;
 }
 
 template <int kN>
@@ -404,8 +442,12 @@ int CeilDiv(int a, int b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-WideGemmPlan PlanWideGemm(int rows, int in, int out, bool silu_mul, int num_sms) {
-  DUET_KERNEL_CHECK(rows >= 1 && in > 0 && out > 0 && num_sms > 0);
+WideGemmCapacity WideGemmCapacityOfSms(int num_sms) { return {{num_sms, num_sms, num_sms}}; }
+
+WideGemmCapacity QueryWideGemmCapacity() { return PreparedDevice().capacity; }
+
+WideGemmPlan PlanWideGemm(int rows, int in, int out, bool silu_mul, const WideGemmCapacity& capacity) {
+  DUET_KERNEL_CHECK(rows >= 1 && in > 0 && out > 0);
   WideGemmPlan plan;
   // As few row tiles as the largest tile allows, each as even as multiples of 32 make them.
   const int row_tiles = CeilDiv(rows, kWideGemmMaxRowTile);
@@ -414,10 +456,10 @@ WideGemmPlan PlanWideGemm(int rows, int in, int out, bool silu_mul, int num_sms)
   plan.feature_tiles = silu_mul ? CeilDiv(out / 2, kBoxFeatures) : CeilDiv(out, kTileFeatures);
   const int k_blocks = CeilDiv(in, kTileK);
   const int tiles = plan.row_tiles * plan.feature_tiles;
-  // One CTA per SM. Cost in K blocks on the busiest SM: waves x blocks per split, plus ~2 blocks'
-  // time for a split's cluster reduction; a larger split has to save a tenth.
+  // Cost in K blocks on the busiest SM: waves x blocks per split, plus ~2 blocks' time for a
+  // split's cluster reduction; a larger split has to save a tenth.
   auto cost = [&](int splits) {
-    return CeilDiv(tiles * splits, num_sms) * (CeilDiv(k_blocks, splits) + (splits > 1 ? 2 : 0));
+    return CeilDiv(tiles * splits, capacity.ResidentCtas(splits)) * (CeilDiv(k_blocks, splits) + (splits > 1 ? 2 : 0));
   };
   plan.splits = 1;
   for (int splits = 2; splits <= kMaxSplits; splits *= 2) {
@@ -428,7 +470,7 @@ WideGemmPlan PlanWideGemm(int rows, int in, int out, bool silu_mul, int num_sms)
 }
 
 void PrepareWideGemm() {
-  EnsureSharedMemoryLimits();
+  PreparedDevice();
   EncodeTiled();  // looked up once, outside any graph capture
 }
 
@@ -441,7 +483,7 @@ void WideGemm(const WideGemmParams& p, const WideGemmPlan& plan, cudaStream_t st
   DUET_KERNEL_CHECK((plan.splits == 1 || plan.splits == 2 || plan.splits == kMaxSplits) &&
                     plan.k_blocks_per_split >= 1 &&
                     size_t(plan.splits) * plan.k_blocks_per_split * kTileK >= size_t(p.in));
-  EnsureSharedMemoryLimits();
+  PreparedDevice();
   LaunchForRowTile(p, plan, stream, AllRowTiles{});
   DUET_CUDA_CHECK(cudaGetLastError());
 }

@@ -49,12 +49,25 @@ struct WideGemmPlan {
 
 constexpr int kWideGemmMaxRowTile = 192;
 
-// For any rows >= 1; the engine sends it prompt-sized batches (CublasLinear).
-WideGemmPlan PlanWideGemm(int rows, int in, int out, bool silu_mul, int num_sms);
+// How many CTAs the device runs at once, by split (cluster size). One per SM without a cluster;
+// a cluster's CTAs must share a GPC, so with 2 or 4 the SMs a GPC has left over may hold none, and
+// a plan that counted them would send a few clusters into a second wave.
+struct WideGemmCapacity {
+  int resident_ctas[3];  // splits 1, 2, 4
+  int ResidentCtas(int splits) const { return resident_ctas[splits == 1 ? 0 : splits == 2 ? 1 : 2]; }
+};
+// Every SM usable at every split: planning without a device (tests), an upper bound otherwise.
+WideGemmCapacity WideGemmCapacityOfSms(int num_sms);
+// The current device's, from the driver's occupancy calculator, asked once per device.
+WideGemmCapacity QueryWideGemmCapacity();
 
-// Sets each kernel variant's shared-memory limit on the current device and looks up the driver's
-// tensor-map encoder. Call once per device before launches are captured into graphs; WideGemm
-// does it lazily otherwise.
+// For any rows >= 1; the engine sends it prompt-sized batches (CublasLinear).
+WideGemmPlan PlanWideGemm(int rows, int in, int out, bool silu_mul, const WideGemmCapacity& capacity);
+
+// Per device, once: sets each kernel variant's shared-memory limit, checks that the compiler gave
+// every variant the registers its warpgroups trade (setmaxnreg), looks up the driver's tensor-map
+// encoder and asks the capacity. Call before launches are captured into graphs; WideGemm does it
+// lazily otherwise.
 void PrepareWideGemm();
 
 void WideGemm(const WideGemmParams& params, const WideGemmPlan& plan, cudaStream_t stream);

@@ -45,6 +45,9 @@ int main(int argc, char** argv) {
   cublasHandle_t handle;
   cublasCreate(&handle);
   duet::kernels::PrepareWideGemm();
+  const duet::kernels::WideGemmCapacity capacity = duet::kernels::QueryWideGemmCapacity();
+  std::printf("resident CTAs at split 1 / 2 / 4: %d / %d / %d\n", capacity.resident_ctas[0], capacity.resident_ctas[1],
+              capacity.resident_ctas[2]);
 
   struct Shape { const char* name; int in, out; bool silu_mul; };
   const Shape shapes[] = {
@@ -67,7 +70,7 @@ int main(int argc, char** argv) {
     for (size_t ri = 0; ri < row_counts.size(); ++ri) {
       const int rows = row_counts[ri];
       duet::kernels::WideGemmPlan plan =
-          duet::kernels::PlanWideGemm(rows, s.in, s.out, s.silu_mul, prop.multiProcessorCount);
+          duet::kernels::PlanWideGemm(rows, s.in, s.out, s.silu_mul, capacity);
       if (row_tile > 0) {  // an experiment: another row tile than the plan's
         plan.row_tile = row_tile;
         plan.row_tiles = (rows + row_tile - 1) / row_tile;

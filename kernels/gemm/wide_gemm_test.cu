@@ -49,14 +49,8 @@ Problem MakeProblem(int rows, int in, int out, bool silu_mul, uint64_t seed) {
   return p;
 }
 
-int NumSms() {
-  int n = 0;
-  DUET_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, 0));
-  return n;
-}
-
 WideGemmPlan Plan(const Problem& p, int splits = 0) {
-  WideGemmPlan plan = PlanWideGemm(p.rows, p.in, p.out, p.silu_mul, NumSms());
+  WideGemmPlan plan = PlanWideGemm(p.rows, p.in, p.out, p.silu_mul, QueryWideGemmCapacity());
   if (splits > 0) {
     plan.splits = splits;
     plan.k_blocks_per_split = ((p.in + 63) / 64 + splits - 1) / splits;
@@ -166,23 +160,27 @@ TEST(WideGemm, GraphReplay) {
 TEST(WideGemm, PlanTilesRowsEvenlyAndFillsTheDevice) {
   // Llama-3-8B at 320 rows (a 256-token chunk beside 64 decode rows) on 132 SMs: two 160-row
   // tiles; the narrow projections split K.
-  const WideGemmPlan o = PlanWideGemm(320, 4096, 4096, false, 132);
+  const WideGemmCapacity h200 = WideGemmCapacityOfSms(132);
+  const WideGemmPlan o = PlanWideGemm(320, 4096, 4096, false, h200);
   EXPECT_EQ(o.row_tile, 160);
   EXPECT_EQ(o.row_tiles, 2);
   EXPECT_EQ(o.feature_tiles, 16);
   EXPECT_EQ(o.splits, 4);
-  EXPECT_EQ(PlanWideGemm(320, 14336, 4096, false, 132).splits, 4);  // down
-  EXPECT_EQ(PlanWideGemm(320, 4096, 6144, false, 132).splits, 2);   // qkv: 48 tiles
-  const WideGemmPlan gate_up = PlanWideGemm(320, 4096, 28672, true, 132);  // with SiLU·mul
+  EXPECT_EQ(PlanWideGemm(320, 14336, 4096, false, h200).splits, 4);  // down
+  EXPECT_EQ(PlanWideGemm(320, 4096, 6144, false, h200).splits, 2);   // qkv: 48 tiles
+  const WideGemmPlan gate_up = PlanWideGemm(320, 4096, 28672, true, h200);  // with SiLU·mul
   EXPECT_EQ(gate_up.feature_tiles, 112);
   EXPECT_EQ(gate_up.splits, 1);  // 224 tiles: splitting would gain under a tenth
-  EXPECT_EQ(PlanWideGemm(576, 4096, 4096, false, 132).row_tile, 192);
-  EXPECT_EQ(PlanWideGemm(1024, 4096, 4096, false, 132).row_tiles, 6);
+  // Where clusters of 4 fit on fewer SMs (a GPC's leftover SMs hold none), o's 128 CTAs at split 4
+  // would take two waves: split 2 (64 CTAs) is cheaper.
+  EXPECT_EQ(PlanWideGemm(320, 4096, 4096, false, WideGemmCapacity{{132, 132, 120}}).splits, 2);
+  EXPECT_EQ(PlanWideGemm(576, 4096, 4096, false, h200).row_tile, 192);
+  EXPECT_EQ(PlanWideGemm(1024, 4096, 4096, false, h200).row_tiles, 6);
   for (int rows : {1, 63, 64, 65, 191, 192, 193, 320, 1000, 4096}) {
     for (int in : {8, 520, 4096, 14336}) {
       for (int out : {2, 300, 4096, 28672}) {
         for (bool silu_mul : {false, true}) {
-          const WideGemmPlan plan = PlanWideGemm(rows, in, out, silu_mul, 132);
+          const WideGemmPlan plan = PlanWideGemm(rows, in, out, silu_mul, h200);
           EXPECT_TRUE(plan.row_tile >= 64 && plan.row_tile <= kWideGemmMaxRowTile && plan.row_tile % 32 == 0);
           EXPECT_GE(plan.row_tile * plan.row_tiles, rows);
           EXPECT_LT(plan.row_tile * (plan.row_tiles - 1), rows);

@@ -1,0 +1,95 @@
+// LlamaCpu's step invariance: a token's logits are the same bits whether its prompt runs in one
+// step, in chunks of any size, or beside another sequence's tokens, and whatever the pool's
+// thread count (CMakeLists.txt runs these tests again on three threads). Prefix caching, chunked
+// prefill, continuous batching and speculation rely on it for outputs equal to a lone run.
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backends/cpu/llama_cpu.h"
+#include "engine/kv/kv_cache.h"
+#include "gtest/gtest.h"
+
+namespace duet {
+namespace {
+
+const std::string kModel = std::string(DUET_MODELS_DIR) + "/tiny-code-llama";
+constexpr int64_t kBlockSize = 16;
+
+class LlamaCpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto model = LlamaCpu::Load(kModel);
+    ASSERT_TRUE(model.ok()) << model.status();
+    model_ = std::move(*model);
+    std::mt19937 rng(11);
+    // Longer than one L2 panel of the batched GEMV's activation rows at this model's widths.
+    prompt_.resize(300);
+    for (int32_t& t : prompt_) t = int32_t(rng() % uint32_t(model_->config().vocab_size));
+  }
+
+  // Every prompt token's logits, [prompt size, vocab], from the prompt run as steps of the
+  // given chunk sizes (summing to its size). `beside` > 0 adds that many tokens of another
+  // sequence (its own blocks) to every step, ahead of the prompt's chunk.
+  std::vector<float> Logits(const std::vector<int64_t>& chunk_sizes, int64_t beside) {
+    const int64_t vocab = model_->config().vocab_size;
+    const int64_t blocks = int64_t(prompt_.size()) / kBlockSize + 1;
+    std::unique_ptr<KvCache> cache = *model_->CreateKvCache(2 * blocks + 2 * int64_t(chunk_sizes.size()), kBlockSize);
+    std::vector<int32_t> table(static_cast<size_t>(blocks)), other_table;
+    for (int64_t i = 0; i < blocks; ++i) table[size_t(i)] = int32_t(2 * i + 1);  // interleaved with the other's
+    std::vector<int32_t> other_tokens;
+    std::vector<float> out, step_logits;
+    int64_t position = 0;
+    for (int64_t size : chunk_sizes) {
+      std::vector<SequenceChunk> chunks;
+      if (beside > 0) {
+        // A fresh neighbour each step: its tokens' K/V go to blocks of its own.
+        other_tokens.assign(size_t(beside), int32_t(position % 7 + 3));
+        other_table.clear();
+        for (int64_t b = 0; b * kBlockSize < beside; ++b) other_table.push_back(int32_t(2 * b));
+        SequenceChunk& other = chunks.emplace_back();
+        other.tokens = other_tokens;
+        other.block_table = other_table;
+        other.sequence_id = 2;
+        other.num_logits = 1;
+      }
+      SequenceChunk& chunk = chunks.emplace_back();
+      chunk.tokens = absl::MakeConstSpan(prompt_).subspan(size_t(position), size_t(size));
+      chunk.start_position = position;
+      chunk.block_table = table;
+      chunk.sequence_id = 1;
+      chunk.num_logits = int32_t(size);
+      const absl::Status s = model_->Forward(chunks, *cache, step_logits);
+      EXPECT_TRUE(s.ok()) << s;
+      const int64_t skip = beside > 0 ? vocab : 0;  // the neighbour's row comes first
+      out.insert(out.end(), step_logits.begin() + skip, step_logits.end());
+      position += size;
+    }
+    return out;
+  }
+
+  std::unique_ptr<LlamaCpu> model_;
+  std::vector<int32_t> prompt_;
+};
+
+TEST_F(LlamaCpuTest, LogitsAreTheSameBitsWhateverTheStepsOfThePrompt) {
+  const std::vector<float> whole = Logits({300}, 0);
+  ASSERT_EQ(whole.size(), 300 * size_t(model_->config().vocab_size));
+  const std::vector<std::pair<std::vector<int64_t>, int64_t>> cases = {
+      {{1, 16, 17, 266}, 0},   // across the sizes of decode, verification and prefill steps
+      {{150, 150}, 0},
+      {{299, 1}, 0},           // the last token alone, as a decode step
+      {{100, 9, 191}, 5},      // beside another sequence's prompt chunk
+      {{300}, 40}};
+  for (const auto& [sizes, beside] : cases) {
+    const std::vector<float> got = Logits(sizes, beside);
+    ASSERT_EQ(got.size(), whole.size());
+    for (size_t i = 0; i < whole.size(); ++i) {
+      ASSERT_EQ(got[i], whole[i]) << "chunks of " << testing::PrintToString(sizes) << " beside " << beside
+                                  << ": token " << i / size_t(model_->config().vocab_size);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace duet
