@@ -35,9 +35,9 @@ constexpr int kConsumerRegisters = 224;
 constexpr int kMaxSplits = 4;
 constexpr int kMinKBlocksPerSplit = 8;
 constexpr int kMaxDynamicSmem = 227 * 1024;        // sm_90's per-CTA limit
-// The epilogue parks one warpgroup's accumulators at a time: [kN rows, 2 boxes x 64 features]
-// fp32, rows padded by 16 bytes so one warp's stores fall in 32 different banks.
-constexpr int kPartialStride = 2 * 64 + 4;
+// The epilogue parks the tile's sums in the stages' memory: [kN rows, 2 boxes x 128 features] fp32,
+// rows padded by 16 bytes so one warp's stores fall in 32 different banks.
+constexpr int kPartialStride = kTileFeatures + 4;
 
 // A stage: W box 0 [128, 64], W box 1 [128, 64], x [kN, 64], each in the swizzled layout
 // (kernels/gemm/wgmma.cuh), each 1024-byte aligned.
@@ -165,16 +165,17 @@ __device__ __forceinline__ void Consume(Accumulators<kN>& acc, uint32_t base, ui
   wgmma::Wait<0>();
 }
 
-// Writes warpgroup `group`'s accumulators to the partial tile [kN rows][64 features of box 0, 64 of box 1].
+// Writes warpgroup `group`'s accumulators to the partial tile [kN rows][128 features of box 0,
+// 128 of box 1], the warpgroup's at features 64 * group.. of each box.
 template <int kN>
-__device__ __forceinline__ void ParkAccumulators(const Accumulators<kN>& acc, float* partial) {
+__device__ __forceinline__ void ParkAccumulators(const Accumulators<kN>& acc, float* partial, int group) {
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
 #pragma unroll
     for (int i = 0; i < kN / 2; ++i) {
       const int m = 16 * warp + lane / 4 + 8 * ((i / 2) % 2), n = 8 * (i / 4) + 2 * (lane % 4) + i % 2;
-      partial[n * kPartialStride + 64 * h + m] = acc[h][i];
+      partial[n * kPartialStride + kBoxFeatures * h + 64 * group + m] = acc[h][i];
     }
   }
 }
@@ -196,15 +197,13 @@ __device__ __forceinline__ void StoreFour(__nv_bfloat16* y, int row, int feature
   for (int j = 0; j < 4 && feature + j < width; ++j) dst[j] = __float2bfloat16(f[j]);
 }
 
-// The epilogue, in two passes (warpgroup 0's features, then 1's, so one pass's partial fits the
-// stages at every kN): the warpgroup parks its accumulators in its CTA's shared memory, then the
+// The epilogue: the consumers park their accumulators in their CTA's shared memory, then the
 // cluster's CTAs (the tile's K splits; one without splits) each sum a share of the tile's
-// (row, 4 features) groups over every CTA's partial in split order and store them.
-// Every thread of the CTA takes part in the barriers; `park(pass)` writes the calling thread's
-// accumulators of that pass, if any, and only consumers (kSums) sum: the producer's warpgroup,
-// down to kProducerRegisters, runs nothing but the barriers.
-template <int kN, bool kSums, typename Park>
-__device__ __forceinline__ void StoreTile(Park&& park, float* partial, const WideGemmParams& p,
+// (row, 4 features) groups over every CTA's partial in split order and store them. Every thread
+// of the CTA takes part in the barriers; only consumers (kConsumer) park and sum: the producer's
+// warpgroup, down to kProducerRegisters, runs nothing but the barriers.
+template <int kN, bool kConsumer>
+__device__ __forceinline__ void StoreTile(const Accumulators<kN>* acc, float* partial, const WideGemmParams& p,
                                           const TileCoordinates& t, int splits) {
   namespace cg = cooperative_groups;
   auto sync = [&] {
@@ -214,42 +213,41 @@ __device__ __forceinline__ void StoreTile(Park&& park, float* partial, const Wid
       __syncthreads();
     }
   };
-  const int rank = int(blockIdx.z);  // the split: the cluster spans the grid's z, one CTA per split
-  const int valid_rows = min(kN, p.rows - t.row0);
-  const int width = p.silu_mul ? p.out / 2 : p.out;
-  // Without SiLU·mul a group is 4 of the pass's 128 columns (64 per box); with it, 4 gate columns
-  // and the 4 up columns 64 apart, which make 4 outputs.
-  const int groups_per_row = p.silu_mul ? 16 : 32;
-  const int groups = valid_rows * groups_per_row, share = (groups + splits - 1) / splits;
-  const int end = min(groups, (rank + 1) * share);
   __syncthreads();  // every warpgroup is done reading the stages
-  for (int pass = 0; pass < 2; ++pass) {
-    park(pass);
-    sync();  // every CTA's partial of this pass is in place
-    if constexpr (kSums) {
-      for (int g = rank * share + int(threadIdx.x); g < end; g += kConsumerThreads) {
-        const int n = g / groups_per_row, c = (g % groups_per_row) * 4;
-        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f), up = sum;
-        for (int s = 0; s < splits; ++s) {
-          const float* theirs = splits > 1 ? cg::this_cluster().map_shared_rank(partial, s) : partial;
-          const float4 v = *reinterpret_cast<const float4*>(theirs + n * kPartialStride + c);
-          sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
-          if (p.silu_mul) {
-            const float4 u = *reinterpret_cast<const float4*>(theirs + n * kPartialStride + 64 + c);
-            up.x += u.x, up.y += u.y, up.z += u.z, up.w += u.w;
-          }
-        }
+  if constexpr (kConsumer) ParkAccumulators<kN>(*acc, partial, int(threadIdx.x) / 128);
+  sync();  // every CTA's partial is in place
+  if constexpr (kConsumer) {
+    const int rank = int(blockIdx.z);  // the split: the cluster spans the grid's z, one CTA per split
+    const int width = p.silu_mul ? p.out / 2 : p.out;
+    // Without SiLU·mul a group is 4 of the 256 columns; with it, 4 gate columns (of the first 128)
+    // and the 4 up columns 128 further, which make 4 outputs.
+    const int group_shift = p.silu_mul ? 5 : 6;  // log2 of the groups per row
+    const int groups = min(kN, p.rows - t.row0) << group_shift, share = (groups + splits - 1) / splits;
+    const int end = min(groups, (rank + 1) * share);
+    for (int g = rank * share + int(threadIdx.x); g < end; g += kConsumerThreads) {
+      const int n = g >> group_shift, c = (g & ((1 << group_shift) - 1)) * 4;
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f), up = sum;
+#pragma unroll
+      for (int s = 0; s < kMaxSplits; ++s) {
+        if (s == splits) break;
+        const float* theirs = splits > 1 ? cg::this_cluster().map_shared_rank(partial, s) : partial;
+        const float4 v = *reinterpret_cast<const float4*>(theirs + n * kPartialStride + c);
+        sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
         if (p.silu_mul) {
-          const float4 act =
-              make_float4(Silu(sum.x) * up.x, Silu(sum.y) * up.y, Silu(sum.z) * up.z, Silu(sum.w) * up.w);
-          StoreFour(p.y, t.row0 + n, t.box_row[0] + 64 * pass + c, width, act);
-        } else {
-          StoreFour(p.y, t.row0 + n, (c < 64 ? t.box_row[0] : t.box_row[1]) + 64 * pass + c % 64, width, sum);
+          const float4 u = *reinterpret_cast<const float4*>(theirs + n * kPartialStride + kBoxFeatures + c);
+          up.x += u.x, up.y += u.y, up.z += u.z, up.w += u.w;
         }
       }
+      if (p.silu_mul) {
+        const float4 act =
+            make_float4(Silu(sum.x) * up.x, Silu(sum.y) * up.y, Silu(sum.z) * up.z, Silu(sum.w) * up.w);
+        StoreFour(p.y, t.row0 + n, t.box_row[0] + c, width, act);
+      } else {
+        StoreFour(p.y, t.row0 + n, (c < kBoxFeatures ? t.box_row[0] : t.box_row[1]) + c % kBoxFeatures, width, sum);
+      }
     }
-    sync();  // no CTA overwrites or leaves its partial while another still reads it
   }
+  sync();  // no CTA leaves while another still reads its partial
 }
 
 // Grid: (row tiles, feature tiles, K splits); a cluster is a tile's splits.
@@ -296,7 +294,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       WaitForPriorKernels();
     }
     __syncwarp();  // the producer's warp meets the epilogue's barriers converged
-    StoreTile<kN, false>([](int) {}, partial, p, t, int(gridDim.z));
+    StoreTile<kN, false>(nullptr, partial, p, t, int(gridDim.z));
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
     WaitForPriorKernels();
@@ -305,8 +303,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Only now (the producer's warpgroup never signals): the next kernel's CTAs, once resident,
     // take SM slots and prefetch their weights.
     LetDependentsLaunch();
-    StoreTile<kN, true>([&](int pass) { if (group == pass) ParkAccumulators<kN>(acc, partial); }, partial, p, t,
-                        int(gridDim.z));
+    StoreTile<kN, true>(&acc, partial, p, t, int(gridDim.z));
   }
 }
 
@@ -407,7 +404,7 @@ const DeviceState& PreparedDevice() {
 
 template <int kN>
 void Launch(const WideGemmParams& p, const WideGemmPlan& plan, cudaStream_t stream) {
-  static_assert(kN * kPartialStride * 4 <= Stages<kN>() * StageBytes<kN>(), "a pass's partial fits the stages");
+  static_assert(kN * kPartialStride * 4 <= Stages<kN>() * StageBytes<kN>(), "the partial tile fits the stages");
   static_assert(SmemBytes<kN>() <= kMaxDynamicSmem);
   const CUtensorMap w_map = KMajorMap(p.weight, p.out, p.in, kBoxFeatures);
   const CUtensorMap x_map = KMajorMap(p.x, p.rows, p.in, kN);
