@@ -1,6 +1,8 @@
 #include "backends/executor_factory.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -17,8 +19,28 @@ namespace duet {
 #ifdef DUET_HAVE_CUDA
 namespace {
 
+// $DUET_WIDE_GEMM_MIN_ROWS, when set: bf16 products of at least this many rows go to WideGemm, 0
+// to none (kernels/gemm/wide_gemm.h). The default is cuda::kWideGemmDefaultMinRows; the variable
+// lets a benchmark compare both on one build.
+absl::StatusOr<int> WideGemmMinRows() {
+  const char* env = std::getenv("DUET_WIDE_GEMM_MIN_ROWS");
+  if (env == nullptr) return cuda::kWideGemmDefaultMinRows;
+  char* end = nullptr;
+  const long rows = std::strtol(env, &end, 10);
+  if (end == env || *end != '\0' || rows < 0 || rows > (1 << 20)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DUET_WIDE_GEMM_MIN_ROWS=", env, " is not a row count (0 turns WideGemm off)"));
+  }
+  DUET_LOG(INFO) << "WideGemm takes products of " << (rows > 0 ? "at least " + std::to_string(rows) : "no")
+                 << " rows (DUET_WIDE_GEMM_MIN_ROWS)";
+  return int(rows);
+}
+
 absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadCudaExecutor(const EngineConfig& config) {
   LlamaCudaOptions options;
+  absl::StatusOr<int> wide_gemm_min_rows = WideGemmMinRows();
+  if (!wide_gemm_min_rows.ok()) return wide_gemm_min_rows.status();
+  options.wide_gemm_min_rows = *wide_gemm_min_rows;
   const std::vector<int>& devices = config.sequence_parallel.devices;
   if (!devices.empty() && int(devices.size()) != config.sequence_parallel.ranks) {
     return absl::InvalidArgumentError(absl::StrCat("--devices names ", devices.size(), " GPUs for --sp-ranks ",

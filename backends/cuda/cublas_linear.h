@@ -32,7 +32,8 @@ inline int64_t CublasRowCapacity(int64_t rows) {
 
 // From how many rows WideGemm takes the bf16 products by default: none yet (0). Its tests and
 // scripts/gpu/h200_wide_gemm.sh (kernel against cuBLAS, the engine's steps with it and without)
-// have not run on an H200 yet; cuda_llama_bench --wide-gemm-min-rows 128 turns it on.
+// have not run on an H200 yet; cuda_llama_bench --wide-gemm-min-rows N, or $DUET_WIDE_GEMM_MIN_ROWS
+// for every command (backends/executor_factory.cpp), turns it on.
 inline constexpr int kWideGemmDefaultMinRows = 0;
 
 class CublasLinear {

@@ -13,6 +13,8 @@
 #   QUICK=1: no generate comparison, only the closed-loop 1 and 64 runs and the unbounded rate
 #            (a short call).
 #   SHARING="timeslice mps": how the workers share the GPU, one cluster run per mode (see below).
+#   DUET_WIDE_GEMM_MIN_ROWS=64: every process (engine alone and cluster) sends bf16 products of 64+
+#            rows to WideGemm (kernels/gemm/wide_gemm.h; default off).
 #   Conditional disaggregation against the engine alone with the same step budget:
 #     SHARING="mps mps-local1024-decodebudget1024" ENGINE_BUDGET=1024 bash scripts/gpu/h200_cluster.sh
 set -uo pipefail
