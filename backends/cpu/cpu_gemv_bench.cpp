@@ -1,6 +1,7 @@
-// The few-row matrix products of a CPU decode/verification step: OpenBLAS (sgemv for one row,
-// sgemm otherwise) against BatchedGemv (engine/cpu_gemv.h), for the projection shapes of a model
-// (default: tiny-code-llama's). Prints milliseconds per product and per layer+head "step" (qkv, o,
+// The matrix products of a CPU step: OpenBLAS (sgemv for one row, sgemm otherwise) against
+// BatchedGemv (backends/cpu/cpu_gemv.h), which LlamaCpu runs for every product, for the projection
+// shapes of a model (default: tiny-code-llama's). The default rows are decode and verification
+// steps; prefill-sized ones take e.g. --rows 64,512,2048 --repeat 5. Prints milliseconds per product and per layer+head "step" (qkv, o,
 // gate_up, down of every layer plus the LM head), by row count: the median of --repeat timed runs
 // after --warmup untimed ones, with the p10-p90 spread; for the batched GEMV on one thread also its
 // thread CPU time, the figure a loaded machine moves least, and on the shared pool
@@ -61,7 +62,7 @@ std::string Cell(const std::vector<double>& ms, double per) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Few-row GEMM on the CPU: OpenBLAS vs BatchedGemv"};
+  CLI::App app{"CPU GEMM: OpenBLAS vs BatchedGemv"};
   int64_t hidden = 512, inter = 1408, q_rows = 512, kv_rows = 256, vocab = 8192, layers = 6;
   std::vector<int64_t> row_counts = {1, 2, 4, 8, 9, 12, 16, 24, 32};
   int repeat = 20, warmup = 3;
