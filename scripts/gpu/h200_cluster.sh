@@ -32,8 +32,8 @@ device_kv_cache_tests > "$OUT/device_kv_cache_tests.log" 2>&1; echo "device_kv_c
 grep -E "^\[  (PASSED|FAILED) |Failure" "$OUT/device_kv_cache_tests.log" | head
 }
 
-echo "== checkpoint (transformers, random weights)"
-python3 -c "
+echo "== checkpoint (transformers, random weights; kept from an earlier run on this machine)"
+[[ -f $MODEL/config.json ]] || python3 -c "
 import sys; sys.path.insert(0, 'scripts/gpu')
 from hf_reference import make_checkpoint
 make_checkpoint('$MODEL', 32)" 2>&1 | grep -v Warning | tail -2
