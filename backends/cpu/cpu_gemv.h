@@ -6,7 +6,7 @@
 // and however the pool splits the work, so a token's logits depend neither on the other tokens
 // of its step nor on the thread count. For a step of a few tokens (decode, verification) it is
 // also faster than OpenBLAS, which packs the weight panel on every call; from ~16 rows up sgemm
-// is faster (~1.4× at 512–2048 rows on two Zen 3 cores, cpu_gemv_bench) but its sums change
+// is faster (1.3–1.4× at 256–2048 rows on two Zen 3 cores, cpu_gemv_bench) but its sums change
 // with the row count and the column split.
 #pragma once
 

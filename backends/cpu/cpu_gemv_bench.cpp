@@ -1,11 +1,12 @@
 // The matrix products of a CPU step: OpenBLAS (sgemv for one row, sgemm otherwise) against
 // BatchedGemv (backends/cpu/cpu_gemv.h), which LlamaCpu runs for every product, for the projection
 // shapes of a model (default: tiny-code-llama's). The default rows are decode and verification
-// steps; prefill-sized ones take e.g. --rows 64,512,2048 --repeat 5. Prints milliseconds per product and per layer+head "step" (qkv, o,
-// gate_up, down of every layer plus the LM head), by row count: the median of --repeat timed runs
-// after --warmup untimed ones, with the p10-p90 spread; for the batched GEMV on one thread also its
-// thread CPU time, the figure a loaded machine moves least, and on the shared pool
-// (ParallelFor::Shared(), one thread per core), as LlamaCpu runs it.
+// steps; prefill-sized ones take e.g. --rows 64,512,2048 --repeat 5. Prints milliseconds per
+// product and per layer+head "step" (qkv, o, gate_up, down of every layer plus the LM head), by
+// row count: the median of --repeat timed runs after --warmup untimed ones, with the p10-p90
+// spread; for the batched GEMV on one thread also its thread CPU time, the figure a loaded machine
+// moves least, and on the shared pool (ParallelFor::Shared(), one thread per core), as LlamaCpu
+// runs it.
 //
 //   build/bin/cpu_gemv_bench [--hidden 512] [--intermediate 1408] [--q-rows 512] [--kv-rows 256]
 //                            [--vocab 8192] [--layers 6] [--rows 1,2,4,8,9,12,16,24,32] [--repeat 20]
