@@ -30,10 +30,10 @@ inline int64_t CublasRowCapacity(int64_t rows) {
   return (rows + kCublasRowQuantum - 1) / kCublasRowQuantum * kCublasRowQuantum;
 }
 
-// From how many rows WideGemm takes the bf16 products by default: none yet (0). Its tests and
-// scripts/gpu/h200_wide_gemm.sh (kernel against cuBLAS, the engine's steps with it and without)
-// have not run on an H200 yet; cuda_llama_bench --wide-gemm-min-rows N, or $DUET_WIDE_GEMM_MIN_ROWS
-// for every command (backends/executor_factory.cpp), turns it on.
+// From how many rows WideGemm takes the bf16 products by default: none (0). It is correct (its
+// tests pass on an H100) but slower than cuBLAS from 128 rows up (0.74-0.97x of the projections,
+// BENCHMARKS.md, "A tiled GEMM for mixed steps"); cuda_llama_bench --wide-gemm-min-rows N, or
+// $DUET_WIDE_GEMM_MIN_ROWS for every command (backends/executor_factory.cpp), turns it on.
 inline constexpr int kWideGemmDefaultMinRows = 0;
 
 class CublasLinear {
