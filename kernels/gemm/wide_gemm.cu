@@ -380,24 +380,20 @@ int ResidentClusterCtas(int splits) {
   return clusters * splits;
 }
 
-struct DeviceState {
-  WideGemmCapacity capacity;
-};
-
 // Once per device: the variants prepared and the capacity asked.
-const DeviceState& PreparedDevice() {
+const WideGemmCapacity& PreparedDevice() {
   int device = 0;
   DUET_CUDA_CHECK(cudaGetDevice(&device));
   static std::mutex mu;
-  static std::map<int, DeviceState> prepared;
+  static std::map<int, WideGemmCapacity> prepared;
   std::lock_guard<std::mutex> lock(mu);
   auto [it, inserted] = prepared.try_emplace(device);
   if (inserted) {
     PrepareVariants(AllRowTiles{});
     int num_sms = 0;
     DUET_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-    it->second.capacity = {{num_sms, ResidentClusterCtas(2), ResidentClusterCtas(kMaxSplits)}};
-    DUET_KERNEL_CHECK(it->second.capacity.resident_ctas[1] > 0 && it->second.capacity.resident_ctas[2] > 0);
+    it->second = {{num_sms, ResidentClusterCtas(2), ResidentClusterCtas(kMaxSplits)}};
+    DUET_KERNEL_CHECK(it->second.resident_ctas[1] > 0 && it->second.resident_ctas[2] > 0);
   }
   return it->second;
 }
@@ -441,7 +437,7 @@ int CeilDiv(int a, int b) { return (a + b - 1) / b; }
 
 WideGemmCapacity WideGemmCapacityOfSms(int num_sms) { return {{num_sms, num_sms, num_sms}}; }
 
-WideGemmCapacity QueryWideGemmCapacity() { return PreparedDevice().capacity; }
+WideGemmCapacity QueryWideGemmCapacity() { return PreparedDevice(); }
 
 WideGemmPlan PlanWideGemm(int rows, int in, int out, bool silu_mul, const WideGemmCapacity& capacity) {
   DUET_KERNEL_CHECK(rows >= 1 && in > 0 && out > 0);
