@@ -337,7 +337,8 @@ int Run(int argc, char** argv) {
       std::vector<SequenceChunk> prompt_first = {prompt_chunk};
       prompt_first.insert(prompt_first.end(), decode_first.begin(), decode_first.end());
       decode_first.push_back(prompt_chunk);
-      const double mixed = time_step(decode_first), reversed = time_step(prompt_first);
+      // Decode-first last, so that a profile's final steps are the engine's order.
+      const double reversed = time_step(prompt_first), mixed = time_step(decode_first);
       if (mixed < 0 || reversed < 0 || alone < 0) return 1;
       const double apart = decode_step_seconds[bi] + alone;
       std::printf("%-8d %8d %14.3f %13.3f %13.3f %13.3f %9.1f%%\n", batch, n, mixed * 1e3, reversed * 1e3,

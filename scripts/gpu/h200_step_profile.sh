@@ -6,24 +6,28 @@
 # time as the engine runs it.
 #
 # CACHE=none times each kernel with the caches as the kernels before it left them (default: all,
-# flushed before each). GEMM_ROWS=8,64 adds a throughput breakdown (DRAM, L2, L1, SM, as % of
+# flushed before each). MIXED=256 adds the mixed step: the batch's decode rows beside a prompt chunk of
+# that many tokens, as the engine runs it (eagerly). GEMM_ROWS=8,64 adds a throughput breakdown (DRAM, L2, L1, SM, as % of
 # peak) of SkinnyGemm and cuBLAS at those row counts (skinny_gemm_bench must be in the bundle).
 #
 #   here:       TARGETS="cuda_llama_bench skinny_gemm_bench" scripts/gpu/make_bundle.sh     (carry .devbundle)
 # DETAIL=regex: instead of the step tables, Nsight Compute's full sections (throughput, memory,
 # occupancy, warp stall reasons) for one decode-step launch of the kernel that matches.
 #
-#   device run: [BATCH=64] [CONTEXT=576] [PREFILL=512] [CACHE=all|none] [GEMM_ROWS=8,64] [DETAIL=regex]
+#   device run: [BATCH=64] [CONTEXT=576] [PREFILL=512] [CACHE=all|none] [MIXED=256] [GEMM_ROWS=8,64] [DETAIL=regex]
 #               bash scripts/gpu/h200_step_profile.sh
 set -uo pipefail
 batch=${BATCH:-64} context=${CONTEXT:-576} prefill=${PREFILL:-512} cache=${CACHE:-all}
 source scripts/gpu/devbundle_prologue.sh
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 section "checkpoint"
-python3 scripts/gpu/hf_reference.py --out /tmp/llama8b --checkpoint-only > "$OUT/checkpoint.log" 2>&1 ||
+[[ -f /tmp/llama8b/config.json ]] ||  # an earlier script of the same call may have made it
+  python3 scripts/gpu/hf_reference.py --out /tmp/llama8b --checkpoint-only > "$OUT/checkpoint.log" 2>&1 ||
   { tail "$OUT/checkpoint.log"; exit 1; }
 section "decode and prefill with CUDA graphs"
-cuda_llama_bench --model /tmp/llama8b --batch "$batch" --context "$context" --prefill "$prefill" 2>&1 | tee "$OUT/bench.log" | tail -8
+mixed_args=(); [[ -n ${MIXED:-} ]] && mixed_args=(--mixed-prompt "$MIXED")
+cuda_llama_bench --model /tmp/llama8b --batch "$batch" --context "$context" --prefill "$prefill" "${mixed_args[@]}" 2>&1 |
+  tee "$OUT/bench.log" | tail -12
 profile() {  # name, bench args...
   local name=$1; shift
   section "ncu: $name"
@@ -43,6 +47,10 @@ fi
 profile decode --batch "$batch" --context "$context" --prefill none
 profile prefill --batch 1 --context 16 --prefill "$prefill"
 python3 scripts/gpu/kernel_profile.py "$OUT/decode.csv" --last-step 2>&1 | tee "$OUT/decode_table.txt"
+if [[ -n ${MIXED:-} ]]; then  # the bench times the decode-first mixed step last, so it is the run's tail
+  profile mixed --batch "$batch" --context "$context" --prefill none --mixed-prompt "$MIXED"
+  python3 scripts/gpu/kernel_profile.py "$OUT/mixed.csv" --last-step 2>&1 | tee "$OUT/mixed_table.txt"
+fi
 python3 scripts/gpu/kernel_profile.py "$OUT/prefill.csv" 2>&1 | tee "$OUT/prefill_table.txt"
 if [[ -n ${GEMM_ROWS:-} ]]; then
   for rows in ${GEMM_ROWS//,/ }; do

@@ -44,6 +44,14 @@ def tail_period(keys):
     for p in range(8, len(keys) // 3):
         if run_length(keys, p, len(keys)) >= 2 * p:
             best = p  # the largest period that repeats at least three times at the end
+    if best is None:
+        return None
+    # A run of many identical steps also repeats every few steps: keep one step (a divisor of the
+    # period that the last period's launches repeat with; a layer does not, the step's ends break it).
+    for k in range(12, 1, -1):
+        q = best // k
+        if best % k == 0 and q >= 8 and run_length(keys, q, len(keys)) >= best - q:
+            return q
     return best
 
 
