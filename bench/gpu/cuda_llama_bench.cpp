@@ -4,10 +4,11 @@
 // prefill ceiling). The device copy bandwidth (read + write) is printed beside them for reference.
 //
 // With --mixed-prompt, it also times steps that carry a prompt chunk beside a batch's decode rows
-// (chunked prefill; a decode worker prefilling prompts itself) against the two steps apart.
+// (chunked prefill; a decode worker prefilling prompts itself) against the two steps apart. A chunk
+// given as N@S continues a prompt: N tokens from position S, attending to the S before them.
 //
 //   cuda_llama_bench --model DIR [--batch 1,8,32,128] [--context 1024] [--prefill 1024,8192 | --prefill none]
-//                    [--mixed-prompt 256,512] [--no-pdl] [--no-fusion] [--early-groups 1|2] [--no-cuda-graphs]
+//                    [--mixed-prompt 256,512,256@320] [--no-pdl] [--no-fusion] [--early-groups 1|2] [--no-cuda-graphs]
 //                    [--skinny-gemm-max-rows N] [--wide-gemm-min-rows N]
 #include <algorithm>
 #include <chrono>
@@ -120,6 +121,26 @@ std::vector<int> ParseList(const std::string& text) {
   return out;
 }
 
+// A prompt chunk of a mixed step: `tokens` new tokens from `start` ("N" or "N@S").
+struct MixedChunk {
+  int tokens = 0;
+  int start = 0;
+};
+
+std::vector<MixedChunk> ParseMixedChunks(const std::string& text) {
+  std::vector<MixedChunk> out;
+  if (text == "none") return out;
+  for (size_t at = 0; at < text.size();) {
+    size_t comma = text.find(',', at);
+    if (comma == std::string::npos) comma = text.size();
+    const std::string item = text.substr(at, comma - at);
+    const size_t sign = item.find('@');
+    out.push_back({std::stoi(item.substr(0, sign)), sign == std::string::npos ? 0 : std::stoi(item.substr(sign + 1))});
+    at = comma + 1;
+  }
+  return out;
+}
+
 int Run(int argc, char** argv) {
   CLI::App app{"CUDA backend decode/prefill benchmark"};
   std::string model_dir, batches = "1,8,32,128", prefills = "1024,8192", mixed_prompts = "none";
@@ -133,7 +154,8 @@ int Run(int argc, char** argv) {
   app.add_option("--context", context, "tokens already in each sequence's KV cache when decode starts");
   app.add_option("--steps", steps, "decode steps per batch size (the first 4 are not timed)")->check(CLI::Range(5, 100000));
   app.add_option("--prefill", prefills, "single-sequence prefill lengths");
-  app.add_option("--mixed-prompt", mixed_prompts, "prompt chunk lengths to time beside each batch's decode rows");
+  app.add_option("--mixed-prompt", mixed_prompts,
+                 "prompt chunks to time beside each batch's decode rows: N tokens, or N@S (from position S)");
   app.add_flag("!--no-cuda-graphs", graphs, "run decode steps eagerly");
   app.add_flag("!--no-pdl", pdl, "launch kernels without programmatic dependent launch");
   app.add_flag("!--no-fusion", fusion, "RoPE/KV write and SiLU·mul as separate kernels at batch <= 2");
@@ -148,17 +170,17 @@ int Run(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   kernels::SetGemvEarlyGroups(early_groups);
 
-  const std::vector<int> batch_sizes = ParseList(batches), prefill_lens = ParseList(prefills),
-                         mixed_lens = ParseList(mixed_prompts);
+  const std::vector<int> batch_sizes = ParseList(batches), prefill_lens = ParseList(prefills);
+  const std::vector<MixedChunk> mixed_chunks = ParseMixedChunks(mixed_prompts);
   if (batch_sizes.empty()) {
     std::fprintf(stderr, "--batch needs at least one batch size\n");
     return 1;
   }
   const int max_batch = *std::max_element(batch_sizes.begin(), batch_sizes.end());
   int max_prefill = prefill_lens.empty() ? 0 : *std::max_element(prefill_lens.begin(), prefill_lens.end());
-  for (int n : mixed_lens) max_prefill = std::max(max_prefill, n + max_batch);
+  for (const MixedChunk& m : mixed_chunks) max_prefill = std::max(max_prefill, m.start + m.tokens + max_batch);
   LlamaCudaOptions options;
-  options.max_num_seqs = max_batch + (mixed_lens.empty() ? 0 : 1);  // a mixed step's prompt is one more
+  options.max_num_seqs = max_batch + (mixed_chunks.empty() ? 0 : 1);  // a mixed step's prompt is one more
   options.max_num_batched_tokens = std::max(max_prefill, 8192);
   options.max_model_len = std::max<int64_t>(max_prefill, context + steps + 16);
   options.cuda_graphs = graphs;
@@ -299,7 +321,7 @@ int Run(int argc, char** argv) {
     std::printf("%-8d %10.3f %10.0f %11.3f %9.3f %10.3f %9.1f%% %10d\n", batch, t * 1e3, batch / t,
                 median_bytes.weights / 1e9, median_bytes.kv / 1e9, floor * 1e3, 100.0 * floor / t, context);
   }
-  if (mixed_lens.empty()) return 0;
+  if (mixed_chunks.empty()) return 0;
 
   // Mixed steps: each batch's decode rows (at the context they reached) and an N-token prompt
   // chunk in one step, sampled on the device, against the decode step above plus the prompt alone.
@@ -324,9 +346,9 @@ int Run(int argc, char** argv) {
   std::printf("%-8s %8s %14s %13s %13s %13s %10s\n", "batch", "prompt", "decode first", "prompt first",
               "decode alone", "prompt alone", "saved");
   const std::vector<int32_t> one_token = {1};
-  for (int n : mixed_lens) {
-    const std::vector<int32_t> prompt = tokens_of(n, 2);
-    const SequenceChunk prompt_chunk{prompt, 0, prefill_table, SequenceId(max_batch + 1), 1};
+  for (const MixedChunk& m : mixed_chunks) {
+    const std::vector<int32_t> prompt = tokens_of(m.tokens, 2);
+    const SequenceChunk prompt_chunk{prompt, m.start, prefill_table, SequenceId(max_batch + 1), 1};
     const double alone = time_step({prompt_chunk});
     for (size_t bi = 0; bi < batch_sizes.size(); ++bi) {
       const int batch = batch_sizes[bi];
@@ -341,7 +363,8 @@ int Run(int argc, char** argv) {
       const double reversed = time_step(prompt_first), mixed = time_step(decode_first);
       if (mixed < 0 || reversed < 0 || alone < 0) return 1;
       const double apart = decode_step_seconds[bi] + alone;
-      std::printf("%-8d %8d %14.3f %13.3f %13.3f %13.3f %9.1f%%\n", batch, n, mixed * 1e3, reversed * 1e3,
+      const std::string label = std::to_string(m.tokens) + (m.start > 0 ? "@" + std::to_string(m.start) : "");
+      std::printf("%-8d %8s %14.3f %13.3f %13.3f %13.3f %9.1f%%\n", batch, label.c_str(), mixed * 1e3, reversed * 1e3,
                   decode_step_seconds[bi] * 1e3, alone * 1e3, 100.0 * (apart - mixed) / apart);
     }
   }

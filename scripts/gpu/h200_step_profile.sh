@@ -6,8 +6,9 @@
 # time as the engine runs it.
 #
 # CACHE=none times each kernel with the caches as the kernels before it left them (default: all,
-# flushed before each). MIXED=256 adds the mixed step: the batch's decode rows beside a prompt chunk of
-# that many tokens, as the engine runs it (eagerly). GEMM_ROWS=8,64 adds a throughput breakdown (DRAM, L2, L1, SM, as % of
+# flushed before each). MIXED=256[,192@320,...] adds mixed steps: the batch's decode rows beside a
+# prompt chunk (N tokens, or N@S: from position S), as the engine runs them (eagerly); the bench
+# times each, the decode step eagerly too, and Nsight Compute profiles the first. GEMM_ROWS=8,64 adds a throughput breakdown (DRAM, L2, L1, SM, as % of
 # peak) of SkinnyGemm and cuBLAS at those row counts (skinny_gemm_bench must be in the bundle).
 #
 #   here:       TARGETS="cuda_llama_bench skinny_gemm_bench" scripts/gpu/make_bundle.sh     (carry .devbundle)
@@ -27,7 +28,12 @@ section "checkpoint"
 section "decode and prefill with CUDA graphs"
 mixed_args=(); [[ -n ${MIXED:-} ]] && mixed_args=(--mixed-prompt "$MIXED")
 cuda_llama_bench --model /tmp/llama8b --batch "$batch" --context "$context" --prefill "$prefill" "${mixed_args[@]}" 2>&1 |
-  tee "$OUT/bench.log" | tail -12
+  tee "$OUT/bench.log" | tail -16
+if [[ -n ${MIXED:-} ]]; then  # what launching a decode step eagerly (as mixed steps are) costs
+  section "decode without CUDA graphs"
+  cuda_llama_bench --model /tmp/llama8b --batch "$batch" --context "$context" --prefill none --no-cuda-graphs 2>&1 |
+    tee "$OUT/bench_eager.log" | tail -2
+fi
 profile() {  # name, bench args...
   local name=$1; shift
   section "ncu: $name"
@@ -48,7 +54,7 @@ profile decode --batch "$batch" --context "$context" --prefill none
 profile prefill --batch 1 --context 16 --prefill "$prefill"
 python3 scripts/gpu/kernel_profile.py "$OUT/decode.csv" --last-step 2>&1 | tee "$OUT/decode_table.txt"
 if [[ -n ${MIXED:-} ]]; then  # the bench times the decode-first mixed step last, so it is the run's tail
-  profile mixed --batch "$batch" --context "$context" --prefill none --mixed-prompt "$MIXED"
+  profile mixed --batch "$batch" --context "$context" --prefill none --mixed-prompt "${MIXED%%,*}"
   python3 scripts/gpu/kernel_profile.py "$OUT/mixed.csv" --last-step 2>&1 | tee "$OUT/mixed_table.txt"
 fi
 python3 scripts/gpu/kernel_profile.py "$OUT/prefill.csv" 2>&1 | tee "$OUT/prefill_table.txt"
