@@ -61,4 +61,22 @@ void LaunchKernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t s
   DUET_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
+// Clusters of `cluster` CTAs of `kernel` (its shared-memory limit already raised to `smem_bytes`)
+// that the current device runs at once. A cluster's CTAs must share a GPC, so this can be fewer
+// than the SMs divided by the cluster size.
+inline int MaxActiveClusters(const void* kernel, dim3 cluster, int threads, int smem_bytes) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim = {cluster.x, cluster.y, cluster.z};
+  cudaLaunchConfig_t config{};
+  config.gridDim = cluster;
+  config.blockDim = dim3(unsigned(threads));
+  config.dynamicSmemBytes = size_t(smem_bytes);
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  int clusters = 0;
+  DUET_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+  return clusters;
+}
+
 }  // namespace duet::kernels::launch_detail

@@ -256,16 +256,7 @@ int ResidentUnits(const void* kernel, int threads, int smem_bytes, int splits, i
     DUET_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes));
     it->second = per_sm * num_sms;
   } else {
-    cudaLaunchAttribute cluster{};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim = {1, unsigned(splits), 1};
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(1, splits);
-    config.blockDim = dim3(threads);
-    config.dynamicSmemBytes = smem_bytes;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    DUET_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&it->second, kernel, &config));
+    it->second = launch_detail::MaxActiveClusters(kernel, dim3(1, unsigned(splits), 1), threads, smem_bytes);
   }
   return it->second;
 }

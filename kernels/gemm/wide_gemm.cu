@@ -366,18 +366,8 @@ void PrepareVariants(RowTiles<kNs...>) {
 // one CTA per SM).
 int ResidentClusterCtas(int splits) {
   constexpr int kN = kWideGemmMaxRowTile;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim = {1, 1, unsigned(splits)};
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(1, 1, splits);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = SmemBytes<kN>();
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  int clusters = 0;
-  DUET_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, WideGemmKernel<kN>, &config));
-  return clusters * splits;
+  return splits * launch_detail::MaxActiveClusters(reinterpret_cast<const void*>(WideGemmKernel<kN>),
+                                                   dim3(1, 1, unsigned(splits)), kThreads, SmemBytes<kN>());
 }
 
 // Once per device: the variants prepared and the capacity asked.
