@@ -1,8 +1,10 @@
 // The Llama projections' matrix products at the row counts serving meets (decode batches, a
 // prompt, a batch of prompts), as CublasLinear runs them (cublasGemmEx, CUBLAS_GEMM_DEFAULT), against
 // every algorithm cuBLASLt's heuristic offers for the same product: is there a faster one to pick?
+// With --search, also every configuration cuBLASLt accepts beyond the heuristic's list: each
+// algorithm id's own candidates, and those again split over K (2-8 ways) where the algorithm can.
 //
-//   gemm_shapes_bench [--hidden 4096 --inter 14336 --qkv-out 6144 --rows 64,128,512,2048,8192 --reps 20]
+//   gemm_shapes_bench [--hidden 4096 --inter 14336 --qkv-out 6144 --rows 64,128,512,2048,8192 --reps 20] [--search]
 //
 // y[rows, out] = x[rows, in] · W[out, in]^T, bf16 in and out, fp32 accumulation. The weights
 // rotate over enough copies to exceed the L2 cache, so every product streams its weight from
@@ -16,6 +18,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "CLI/CLI.hpp"
@@ -42,6 +46,100 @@ __global__ void FillBf16(__nv_bfloat16* p, size_t n, unsigned seed) {
     h ^= h >> 13;
     p[i] = __float2bfloat16((float(h & 0xFFFF) / 65536.0f - 0.5f) * 0.05f);
   }
+}
+
+// Whether one launch of `algo` runs: a searched configuration may pass cublasLtMatmulAlgoCheck
+// and still be refused at launch.
+bool Runs(cublasStatus_t s) { return s == CUBLAS_STATUS_SUCCESS; }
+
+template <typename T>
+T ConfigAttribute(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  T value{};
+  size_t written = 0;
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof(value), &written);
+  return value;
+}
+
+std::string Describe(const cublasLtMatmulAlgo_t& a) {
+  char text[160];
+  std::snprintf(text, sizeof(text), "id %d tile %u stages %u splitK %d reduction %u swizzle %u custom %u cluster %u",
+                ConfigAttribute<int32_t>(a, CUBLASLT_ALGO_CONFIG_ID), ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_TILE_ID),
+                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_STAGES_ID),
+                ConfigAttribute<int32_t>(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME),
+                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION),
+                unsigned(ConfigAttribute<uint16_t>(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID)));
+  return text;
+}
+
+struct LtProduct {
+  cublasLtHandle_t lt;
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatrixLayout_t a, b, c;
+  size_t workspace_bytes;
+};
+
+// The heuristic's candidates for the product, limited to one algorithm id when `algo_id` >= 0.
+std::vector<cublasLtMatmulAlgo_t> Candidates(const LtProduct& p, int algo_id, int max_algos) {
+  cublasLtMatmulPreference_t pref;
+  Check(cublasLtMatmulPreferenceCreate(&pref), "pref");
+  Check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &p.workspace_bytes,
+                                             sizeof(p.workspace_bytes)),
+        "pref workspace");
+  std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(max_algos));
+  if (algo_id >= 0) {
+    const uint32_t mode = CUBLASLT_SEARCH_LIMITED_BY_ALGO_ID;
+    Check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_SEARCH_MODE, &mode, sizeof(mode)), "mode");
+    for (auto& r : results) {
+      cublasLtMatmulAlgoInit(p.lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF,
+                             algo_id, &r.algo);
+    }
+  }
+  int found = 0;
+  std::vector<cublasLtMatmulAlgo_t> out;
+  if (cublasLtMatmulAlgoGetHeuristic(p.lt, p.desc, p.a, p.b, p.c, p.c, pref, max_algos, results.data(), &found) ==
+      CUBLAS_STATUS_SUCCESS) {
+    for (int k = 0; k < found; ++k) {
+      if (results[size_t(k)].state == CUBLAS_STATUS_SUCCESS) out.push_back(results[size_t(k)].algo);
+    }
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  return out;
+}
+
+// Every configuration the search tries: each algorithm id's candidates, and each of those without
+// a K split again with 2-8 splits reduced in fp32, where cublasLtMatmulAlgoCheck accepts them.
+std::vector<cublasLtMatmulAlgo_t> SearchSpace(const LtProduct& p) {
+  std::vector<int> ids(512);
+  int num_ids = 0;
+  Check(cublasLtMatmulAlgoGetIds(p.lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF,
+                                 CUDA_R_16BF, int(ids.size()), ids.data(), &num_ids),
+        "algo ids");
+  std::vector<cublasLtMatmulAlgo_t> space;
+  for (int i = 0; i < num_ids; ++i) {
+    for (const cublasLtMatmulAlgo_t& algo : Candidates(p, ids[size_t(i)], 32)) {
+      space.push_back(algo);
+      int32_t splitk_support = 0;
+      size_t written = 0;
+      cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &splitk_support,
+                                        sizeof(splitk_support), &written);
+      if (splitk_support == 0 || ConfigAttribute<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1) continue;
+      for (int32_t splits : {2, 3, 4, 6, 8}) {
+        cublasLtMatmulAlgo_t split = algo;
+        const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+        cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits));
+        cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction,
+                                             sizeof(reduction));
+        cublasLtMatmulHeuristicResult_t check{};
+        if (cublasLtMatmulAlgoCheck(p.lt, p.desc, p.a, p.b, p.c, p.c, &split, &check) == CUBLAS_STATUS_SUCCESS &&
+            check.workspaceSize <= p.workspace_bytes) {
+          space.push_back(split);
+        }
+      }
+    }
+  }
+  return space;
 }
 
 // Median of `reps` timed runs of `launch(i)` (i: the launch's index, which picks the weight copy).
@@ -78,6 +176,8 @@ int main(int argc, char** argv) {
   app.add_option("--rows", row_counts)->delimiter(',');
   app.add_option("--reps", reps)->check(CLI::Range(1, 1000));
   app.add_option("--algos", max_algos, "cuBLASLt heuristic candidates to time")->check(CLI::Range(1, 64));
+  bool search = false;
+  app.add_flag("--search", search, "also time every configuration cuBLASLt accepts (slow)");
   CLI11_PARSE(app, argc, argv);
 
   const std::vector<Shape> shapes = {
@@ -138,36 +238,54 @@ int main(int argc, char** argv) {
       Check(cublasLtMatrixLayoutCreate(&a_layout, CUDA_R_16BF, s.in, s.out, s.in), "a");
       Check(cublasLtMatrixLayoutCreate(&b_layout, CUDA_R_16BF, s.in, rows, s.in), "b");
       Check(cublasLtMatrixLayoutCreate(&c_layout, CUDA_R_16BF, s.out, rows, s.out), "c");
-      cublasLtMatmulPreference_t pref;
-      Check(cublasLtMatmulPreferenceCreate(&pref), "pref");
-      Check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes,
-                                                 sizeof(workspace_bytes)),
-            "pref workspace");
-      std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(max_algos));
-      int found = 0;
-      Check(cublasLtMatmulAlgoGetHeuristic(lt, desc, a_layout, b_layout, c_layout, c_layout, pref, max_algos,
-                                           results.data(), &found),
-            "heuristic");
+      const LtProduct product{lt, desc, a_layout, b_layout, c_layout, workspace_bytes};
+      // Median time of one configuration, or a negative value where a launch is refused.
+      auto time_algo = [&](const cublasLtMatmulAlgo_t& algo, int timed_reps) {
+        auto run = [&](int i) {
+          return cublasLtMatmul(lt, desc, &alpha, weights[size_t(i % copies)], a_layout, x, b_layout, &beta, y,
+                                c_layout, y, c_layout, &algo, workspace, workspace_bytes, stream);
+        };
+        if (!Runs(run(0))) return -1.0;
+        return MedianUs(stream, timed_reps, [&](int i) { Check(run(i), "cublasLtMatmul"); });
+      };
       double best_us = 1e30;
       int timed = 0;
-      for (int k = 0; k < found; ++k) {
-        if (results[size_t(k)].state != CUBLAS_STATUS_SUCCESS) continue;
-        const double us = MedianUs(stream, reps, [&](int i) {
-          Check(cublasLtMatmul(lt, desc, &alpha, weights[size_t(i % copies)], a_layout, x, b_layout, &beta, y,
-                               c_layout, y, c_layout, &results[size_t(k)].algo, workspace, workspace_bytes, stream),
-                "cublasLtMatmul");
-        });
+      for (const cublasLtMatmulAlgo_t& algo : Candidates(product, -1, max_algos)) {
+        const double us = time_algo(algo, reps);
+        if (us < 0) continue;
         best_us = std::min(best_us, us);
         ++timed;
       }
-      cublasLtMatmulPreferenceDestroy(pref);
+      std::string searched;
+      if (search) {
+        // Every configuration briefly, then the ten fastest with the full repetitions.
+        std::vector<std::pair<double, cublasLtMatmulAlgo_t>> quick;
+        for (const cublasLtMatmulAlgo_t& algo : SearchSpace(product)) {
+          const double us = time_algo(algo, 3);
+          if (us >= 0) quick.emplace_back(us, algo);
+        }
+        std::sort(quick.begin(), quick.end(), [](const auto& l, const auto& r) { return l.first < r.first; });
+        double search_us = 1e30;
+        std::string config;
+        for (size_t k = 0; k < std::min<size_t>(10, quick.size()); ++k) {
+          const double us = time_algo(quick[k].second, reps);
+          if (us >= 0 && us < search_us) {
+            search_us = us;
+            config = Describe(quick[k].second);
+          }
+        }
+        char text[256];
+        std::snprintf(text, sizeof(text), " | searched %zu: %.1f us (%.2fx default) %s", quick.size(), search_us,
+                      default_us / search_us, config.c_str());
+        searched = text;
+      }
       cublasLtMatrixLayoutDestroy(a_layout);
       cublasLtMatrixLayoutDestroy(b_layout);
       cublasLtMatrixLayoutDestroy(c_layout);
       cublasLtMatmulDescDestroy(desc);
-      std::printf("%-8s %6d %6d %6d | %9.1f %8.1f %8.0f | %9.1f %8.1f %5.2fx | %d\n", s.name, rows, s.in, s.out,
+      std::printf("%-8s %6d %6d %6d | %9.1f %8.1f %8.0f | %9.1f %8.1f %5.2fx | %d%s\n", s.name, rows, s.in, s.out,
                   default_us, flops / default_us * 1e-6, weight_bytes / default_us * 1e-3, best_us,
-                  flops / best_us * 1e-6, default_us / best_us, timed);
+                  flops / best_us * 1e-6, default_us / best_us, timed, searched.c_str());
     }
   }
   return 0;

@@ -12,10 +12,12 @@
 # peak) of SkinnyGemm and cuBLAS at those row counts (skinny_gemm_bench must be in the bundle).
 #
 #   here:       TARGETS="cuda_llama_bench skinny_gemm_bench" scripts/gpu/make_bundle.sh     (carry .devbundle)
+# SEARCH_ROWS=64,320,576: gemm_shapes_bench --search at those rows (cuBLAS's default against every
+# configuration cuBLASLt accepts; gemm_shapes_bench must be in the bundle).
 # DETAIL=regex: instead of the step tables, Nsight Compute's full sections (throughput, memory,
 # occupancy, warp stall reasons) for one decode-step launch of the kernel that matches.
 #
-#   device run: [BATCH=64] [CONTEXT=576] [PREFILL=512] [CACHE=all|none] [MIXED=256] [GEMM_ROWS=8,64] [DETAIL=regex]
+#   device run: [BATCH=64] [CONTEXT=576] [PREFILL=512] [CACHE=all|none] [MIXED=256] [GEMM_ROWS=8,64] [SEARCH_ROWS=64,320] [DETAIL=regex]
 #               bash scripts/gpu/h200_step_profile.sh
 set -uo pipefail
 batch=${BATCH:-64} context=${CONTEXT:-576} prefill=${PREFILL:-512} cache=${CACHE:-all}
@@ -69,4 +71,9 @@ l1tex__throughput.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_pea
     echo "exit $?"
     python3 scripts/gpu/kernel_profile.py "$OUT/gemm_$rows.csv" --by-kernel 2>&1 | tee "$OUT/gemm_${rows}_table.txt"
   done
+fi
+if [[ -n ${SEARCH_ROWS:-} ]]; then
+  section "cuBLASLt configurations at $SEARCH_ROWS rows"
+  timeout 400 gemm_shapes_bench --rows "$SEARCH_ROWS" --reps 20 --search > "$OUT/gemm_search.log" 2>&1
+  echo "exit $?"; cat "$OUT/gemm_search.log"
 fi
