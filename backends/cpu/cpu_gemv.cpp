@@ -1,6 +1,8 @@
 #include "backends/cpu/cpu_gemv.h"
 
 #include <algorithm>
+#include <cmath>
+#include <new>
 
 #include "backends/cpu/cpu_simd.h"
 #include "common/check.h"
@@ -8,153 +10,160 @@
 namespace duet {
 namespace {
 
+constexpr int64_t kPanel = PackedWeights::kPanel;
+constexpr std::align_val_t kAlignment{64};
+
+// The blocking of a product. None of it changes a sum: a tile that does not start a chain
+// continues the one it reloads from y (exactly: y holds the float the registers held).
+constexpr int64_t kTileRows = 6;     // 6 × 16 outputs: 12 of the 16 ymm registers
+constexpr int64_t kBlockK = 256;     // a panel's 256 × 16 slice (16 KiB) stays in L1 for a row block's tiles
+constexpr int64_t kBlockRows = 192;  // those 256 columns of the block's x rows (192 KiB) stay in L2
+
+// y[r, 0..16) for the tile's kRows rows (y's rows ldy apart), each chain taken over the next kc
+// columns: x's rows ldx apart from the first of them, `panel` the packed rows from there on.
+// `from_zero`: the chains start here (else they continue from y).
+using TileFn = void (*)(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy,
+                        bool from_zero);
+
+template <int kRows>
+void PortableTile(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy,
+                  bool from_zero) {
+  float acc[kRows][kPanel];
+  for (int r = 0; r < kRows; ++r) {
+    for (int64_t l = 0; l < kPanel; ++l) acc[r][l] = from_zero ? 0.0f : y[r * ldy + l];
+  }
+  for (int64_t c = 0; c < kc; ++c) {
+    for (int r = 0; r < kRows; ++r) {
+      for (int64_t l = 0; l < kPanel; ++l) acc[r][l] = std::fma(x[r * ldx + c], panel[c * kPanel + l], acc[r][l]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) std::copy_n(acc[r], kPanel, y + r * ldy);
+}
+
+constexpr TileFn kPortableTiles[kTileRows + 1] = {nullptr,         PortableTile<1>, PortableTile<2>, PortableTile<3>,
+                                                  PortableTile<4>, PortableTile<5>, PortableTile<6>};
+
 #if defined(__x86_64__)
 
-// y[r, i] for i < kW weight rows w[i·k ..] and r < kX activation rows x[r·k ..] (y rows n
-// apart): kW × kX dot products sharing each weight and activation load. Every dot product runs
-// 8 lanes over k in steps of 8, sums the lanes, then adds the tail in order: the same order
-// whatever kW and kX are.
-//
-// `prefetch` (may be null) is kW rows of k floats to bring towards L2 meanwhile: the next block of
-// weight rows, so its DRAM reads overlap this block's arithmetic (a block of few weight rows
-// and many activation rows is otherwise read, then computed on with the memory idle).
-template <int kW, int kX>
-__attribute__((target("avx2,fma"), always_inline)) inline void DotBlock(const float* x, const float* w, float* y,
-                                                                        int64_t n, int64_t k,
-                                                                        const float* prefetch) {
+template <int kRows>
+__attribute__((target("avx2,fma"))) void Avx2Tile(const float* x, int64_t ldx, const float* panel, int64_t kc,
+                                                  float* y, int64_t ldy, bool from_zero) {
   // The fixed-trip loops must unroll (at -O2 too) so the accumulators live in registers.
-  __m256 acc[kW][kX];
-#pragma GCC unroll 8
-  for (int i = 0; i < kW; ++i) {
-#pragma GCC unroll 4
-    for (int r = 0; r < kX; ++r) acc[i][r] = _mm256_setzero_ps();
+  __m256 acc[kRows][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < kRows; ++r) {
+    acc[r][0] = from_zero ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * ldy);
+    acc[r][1] = from_zero ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * ldy + 8);
   }
-  const int64_t k8 = k & ~int64_t{7};
-  for (int64_t c = 0; c < k8; c += 8) {
-    if (prefetch != nullptr && (c & 15) == 0) {  // one cache line of each row per 16 floats
-#pragma GCC unroll 8
-      for (int i = 0; i < kW; ++i) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * k + c), _MM_HINT_T1);
-    }
-    __m256 xv[kX];
-#pragma GCC unroll 4
-    for (int r = 0; r < kX; ++r) xv[r] = _mm256_loadu_ps(x + r * k + c);
-#pragma GCC unroll 8
-    for (int i = 0; i < kW; ++i) {
-      const __m256 wv = _mm256_loadu_ps(w + i * k + c);
-#pragma GCC unroll 4
-      for (int r = 0; r < kX; ++r) acc[i][r] = _mm256_fmadd_ps(wv, xv[r], acc[i][r]);
+  for (int64_t c = 0; c < kc; ++c) {
+    const __m256 w0 = _mm256_load_ps(panel + c * kPanel), w1 = _mm256_load_ps(panel + c * kPanel + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * ldx + c);
+      acc[r][0] = _mm256_fmadd_ps(xr, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xr, w1, acc[r][1]);
     }
   }
-  for (int i = 0; i < kW; ++i) {
-    for (int r = 0; r < kX; ++r) {
-      float sum = HorizontalSum(acc[i][r]);
-      for (int64_t c = k8; c < k; ++c) sum += w[i * k + c] * x[r * k + c];
-      y[r * n + i] = sum;
-    }
+#pragma GCC unroll 6
+  for (int r = 0; r < kRows; ++r) {
+    _mm256_storeu_ps(y + r * ldy, acc[r][0]);
+    _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
   }
 }
 
-// Weight rows in blocks of kW; for each block, the activation rows kX at a time (then the
-// rest). The block's kW weight rows (kW·k floats) come from memory once and stay in L1/L2 for
-// the other activation rows. y's rows are `ldy` apart.
-template <int kW, int kX>
-__attribute__((target("avx2,fma"))) void RowPanel(const float* x, const float* w, float* y, int64_t rows, int64_t n,
-                                                  int64_t k, int64_t ldy) {
-  int64_t j = 0;
-  for (; j + kW <= n; j += kW) {
-    const float* wj = w + j * k;
-    // With several passes over this block (more activation rows than one pass takes), the next
-    // block's rows are fetched during the first pass; the later passes read this block from
-    // cache. A single pass streams like a GEMV, which the hardware prefetcher follows alone.
-    const float* next = rows > kX && j + 2 * kW <= n ? wj + kW * k : nullptr;
-    int64_t r = 0;
-    for (; r + kX <= rows; r += kX, next = nullptr) DotBlock<kW, kX>(x + r * k, wj, y + r * ldy + j, ldy, k, next);
-    if constexpr (kX > 2) {
-      if (r + 2 <= rows) {
-        DotBlock<kW, 2>(x + r * k, wj, y + r * ldy + j, ldy, k, next);
-        r += 2;
-        next = nullptr;
-      }
-    }
-    if (r < rows) DotBlock<kW, 1>(x + r * k, wj, y + r * ldy + j, ldy, k, next);
-  }
-  for (; j < n; ++j) {  // fewer than kW weight rows left
-    for (int64_t r = 0; r < rows; ++r) DotBlock<1, 1>(x + r * k, w + j * k, y + r * ldy + j, ldy, k, nullptr);
-  }
-}
-
-// The activation rows in panels of ~kPanelBytes, which stay in L2 while every weight row streams
-// past them once: a prefill-sized x would otherwise be read from L3 or memory for every block of
-// weight rows.
-template <int kW, int kX>
-__attribute__((target("avx2,fma"))) void BatchedGemvAvx2(const float* x, const float* w, float* y, int64_t rows,
-                                                         int64_t n, int64_t k, int64_t ldy) {
-  constexpr int64_t kPanelBytes = 128 << 10;
-  const int64_t panel_rows = std::max<int64_t>(kX, kPanelBytes / (k * int64_t(sizeof(float))) / kX * kX);
-  for (int64_t r = 0; r < rows; r += panel_rows) {
-    RowPanel<kW, kX>(x + r * k, w, y + r * ldy, std::min(panel_rows, rows - r), n, k, ldy);
-  }
-}
+constexpr TileFn kAvx2Tiles[kTileRows + 1] = {nullptr,     Avx2Tile<1>, Avx2Tile<2>, Avx2Tile<3>,
+                                              Avx2Tile<4>, Avx2Tile<5>, Avx2Tile<6>};
 
 #endif  // __x86_64__
 
-// Output columns [begin, end) of y[rows, n], portable code.
-void PortableColumns(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k, int64_t begin,
-                     int64_t end) {
-  for (int64_t j = begin; j < end; ++j) {
-    const float* wr = w + j * k;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* xr = x + r * k;
-      float sum = 0.0f;
-      for (int64_t c = 0; c < k; ++c) sum += wr[c] * xr[c];
-      y[r * n + j] = sum;
+// A tile of `rows` (≤ kTileRows) rows whose panel has `cols` of its 16 features in y: the last
+// panel's tile goes through a 16-wide copy.
+void RunTile(const TileFn* tiles, const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy,
+             int64_t rows, int64_t cols, bool from_zero) {
+  if (cols == kPanel) {
+    tiles[rows](x, ldx, panel, kc, y, ldy, from_zero);
+    return;
+  }
+  float tile[kTileRows][kPanel] = {};
+  for (int64_t r = 0; !from_zero && r < rows; ++r) std::copy_n(y + r * ldy, cols, tile[r]);
+  tiles[rows](x, ldx, panel, kc, tile[0], kPanel, from_zero);
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(tile[r], cols, y + r * ldy);
+}
+
+// Panels [begin, end) of y[rows, n]: the rows in blocks of kBlockRows, each block's columns in
+// slices of kBlockK, each slice swept over the panels tile by tile.
+void Panels(const TileFn* tiles, const float* x, const PackedWeights& w, float* y, int64_t rows, int64_t begin,
+            int64_t end) {
+  const int64_t n = w.n(), k = w.k();
+  // One tile of rows reuses no slice of a panel: its chains run through k in one go.
+  const int64_t block_k = rows <= kTileRows ? k : kBlockK;
+  for (int64_t r0 = 0; r0 < rows; r0 += kBlockRows) {
+    const int64_t r1 = std::min(rows, r0 + kBlockRows);
+    for (int64_t c0 = 0; c0 < k; c0 += block_k) {
+      const int64_t kc = std::min(block_k, k - c0);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t cols = std::min(kPanel, n - p * kPanel);
+        for (int64_t r = r0; r < r1; r += kTileRows) {
+          RunTile(tiles, x + r * k + c0, k, w.panel(p) + c0 * kPanel, kc, y + r * n + p * kPanel, n,
+                  std::min(kTileRows, r1 - r), cols, c0 == 0);
+        }
+      }
     }
   }
 }
 
-// Output columns [begin, end) of y[rows, n].
-void BatchedGemvColumns(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k, int64_t begin,
-                        int64_t end) {
+const TileFn* Tiles() {
 #if defined(__x86_64__)
-  if (CpuHasAvx2Fma()) {
-    BatchedGemvAvx2<4, 3>(x, w + begin * k, y + begin, rows, end - begin, k, n);
-    return;
-  }
+  if (CpuHasAvx2Fma()) return kAvx2Tiles;
 #endif
-  PortableColumns(x, w, y, rows, n, k, begin, end);
+  return kPortableTiles;
 }
 
 }  // namespace
 
-void BatchedGemvPortable(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k) {
-  PortableColumns(x, w, y, rows, n, k, 0, n);
+PackedWeights::PackedWeights(const float* w, int64_t n, int64_t k) : n_(n), k_(k) {
+  DUET_CHECK(n >= 1 && k >= 1);
+  const int64_t size = num_panels() * k * kPanel;  // a multiple of 16 floats: whole cache lines
+  data_.reset(static_cast<float*>(::operator new[](size_t(size) * sizeof(float), kAlignment)));
+  float* out = data_.get();
+  for (int64_t p = 0; p < num_panels(); ++p) {
+    for (int64_t c = 0; c < k; ++c) {
+      for (int64_t l = 0; l < kPanel; ++l) {
+        const int64_t j = p * kPanel + l;
+        *out++ = j < n ? w[j * k + c] : 0.0f;
+      }
+    }
+  }
 }
 
-bool BatchedGemvUsesAvx2() {
-#if defined(__x86_64__)
-  return CpuHasAvx2Fma();
-#else
-  return false;
-#endif
+void PackedWeights::Free::operator()(float* p) const { ::operator delete[](p, kAlignment); }
+
+void PackedWeights::CopyRow(int64_t j, float* out) const {
+  DUET_CHECK(j >= 0 && j < n_);
+  const float* from = panel(j / kPanel) + j % kPanel;
+  for (int64_t c = 0; c < k_; ++c) out[c] = from[c * kPanel];
 }
 
-void BatchedGemv(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k, ParallelFor* pool) {
-  DUET_CHECK(rows >= 0 && n >= 1 && k >= 1);
+void BatchedGemvPortable(const float* x, const PackedWeights& w, float* y, int64_t rows) {
+  DUET_CHECK(rows >= 0 && w.n() >= 1);
+  Panels(kPortableTiles, x, w, y, rows, 0, w.num_panels());
+}
+
+bool BatchedGemvUsesAvx2() { return Tiles() != kPortableTiles; }
+
+void BatchedGemv(const float* x, const PackedWeights& w, float* y, int64_t rows, ParallelFor* pool) {
+  DUET_CHECK(rows >= 0 && w.n() >= 1);
+  const TileFn* tiles = Tiles();
+  const int64_t panels = w.num_panels();
   // Below this many multiply-adds a call is over before workers could help.
   constexpr int64_t kMinParallelWork = int64_t(1) << 18;
-  if (pool == nullptr || pool->num_threads() == 1 || rows * n * k < kMinParallelWork) {
-    BatchedGemvColumns(x, w, y, rows, n, k, 0, n);
+  if (pool == nullptr || pool->num_threads() == 1 || rows * w.n() * w.k() < kMinParallelWork) {
+    Panels(tiles, x, w, y, rows, 0, panels);
     return;
   }
-  // Each thread streams its own slice of the weight rows (whole register blocks of 4); every
-  // y[r, j] is still one thread's sum in the same order.
+  // Each thread streams its own panels; every y[r, j] is still one thread's chain.
   const int64_t parts = pool->num_threads();
-  const int64_t per_part = (n / parts + 3) / 4 * 4;
-  pool->Run([&](int part) {
-    const int64_t begin = std::min(n, int64_t(part) * per_part);
-    const int64_t end = part + 1 == parts ? n : std::min(n, begin + per_part);
-    if (begin < end) BatchedGemvColumns(x, w, y, rows, n, k, begin, end);
-  });
+  pool->Run([&](int part) { Panels(tiles, x, w, y, rows, panels * part / parts, panels * (part + 1) / parts); });
 }
 
 }  // namespace duet

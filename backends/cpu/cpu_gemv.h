@@ -1,29 +1,57 @@
 // The CPU backend's matrix product: y[rows, n] = x[rows, k] · w[n, k]ᵀ (w in Hugging Face
-// [out_features, in_features] layout), as a batched GEMV: each weight row is dotted against every
-// activation row while it sits in L1, the activation rows taken in panels that stay in L2.
+// [out_features, in_features] layout), over weights packed once at load time (PackedWeights): a
+// register-blocked GEMM whose tiles of 6 activation rows × 16 output features accumulate in
+// registers, broadcasting x against the packed 16-feature rows of w.
 //
-// Why not BLAS: every y[r, j] here is the same float32 sum in the same order whatever `rows` is
-// and however the pool splits the work, so a token's logits depend neither on the other tokens
-// of its step nor on the thread count. For a step of a few tokens (decode, verification) it is
-// also faster than OpenBLAS, which packs the weight panel on every call; from ~16 rows up sgemm
-// is faster (1.3–1.4× at 256–2048 rows on two Zen 3 cores, cpu_gemv_bench) but its sums change
-// with the row count and the column split.
+// Why not BLAS: every y[r, j] here is one chain of fused multiply-adds over c = 0, 1, …, k - 1,
+// y = fma(x[r, c], w[j, c], y) from 0, whatever `rows` is, whichever tile or thread computes it
+// and however the product is blocked, so a token's logits depend neither on the other tokens of
+// its step nor on the thread count. OpenBLAS's sums change with the row count and the column
+// split; it also packs the weight panel on every call, which a step of a few tokens (decode,
+// verification) feels.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "common/parallel_for.h"
 
 namespace duet {
 
-// y[rows, n] = x[rows, k] · w[n, k]ᵀ. AVX2/FMA when the CPU has them, portable code otherwise.
-// With `pool`, a product big enough splits its weight rows across the pool's threads (the
-// result is bitwise the same).
-void BatchedGemv(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k,
-                 ParallelFor* pool = nullptr);
+// w[n, k] packed for BatchedGemv: panels of kPanel output features, each k-major, i.e.
+// [ceil(n / 16), k, 16]; w[j, c] is at ((j / 16) · k + c) · 16 + j % 16, and the last panel's
+// features past n are zeros. 64-byte aligned, so one feature row of a panel is a cache line.
+class PackedWeights {
+ public:
+  static constexpr int64_t kPanel = 16;
+
+  PackedWeights() = default;
+  // Packs w[n, k] (row-major).
+  PackedWeights(const float* w, int64_t n, int64_t k);
+
+  int64_t n() const { return n_; }
+  int64_t k() const { return k_; }
+  int64_t num_panels() const { return (n_ + kPanel - 1) / kPanel; }
+  // Panel p: [k, kPanel].
+  const float* panel(int64_t p) const { return data_.get() + p * k_ * kPanel; }
+  // w[j, 0..k) into out (k floats): the embedding lookup of an LM head tied to the embeddings.
+  void CopyRow(int64_t j, float* out) const;
+
+ private:
+  struct Free {
+    void operator()(float* p) const;
+  };
+  int64_t n_ = 0, k_ = 0;
+  std::unique_ptr<float[], Free> data_;
+};
+
+// y[rows, n] = x[rows, k] · w[n, k]ᵀ. AVX2/FMA when the CPU has them, portable code otherwise
+// (the same bits: both are the fma chain above). With `pool`, a product big enough splits its
+// panels across the pool's threads (the result is bitwise the same).
+void BatchedGemv(const float* x, const PackedWeights& w, float* y, int64_t rows, ParallelFor* pool = nullptr);
 
 // The portable kernel alone (the reference the AVX2 one is tested against, and the fallback).
-void BatchedGemvPortable(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k);
+void BatchedGemvPortable(const float* x, const PackedWeights& w, float* y, int64_t rows);
 
 // Whether BatchedGemv runs the AVX2/FMA kernel on this CPU.
 bool BatchedGemvUsesAvx2();

@@ -87,11 +87,13 @@ int main(int argc, char** argv) {
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   std::vector<std::vector<std::vector<float>>> weights(shapes.size());
+  std::vector<std::vector<duet::PackedWeights>> packed(shapes.size());  // BatchedGemv's, packed as at load
   for (size_t s = 0; s < shapes.size(); ++s) {
     const int64_t copies = s + 1 == shapes.size() ? 1 : layers;
     for (int64_t c = 0; c < copies; ++c) {
       std::vector<float>& w = weights[s].emplace_back(size_t(shapes[s].n * shapes[s].k));
       for (float& v : w) v = dist(rng);
+      packed[s].emplace_back(w.data(), shapes[s].n, shapes[s].k);
     }
   }
   const int64_t max_rows = *std::max_element(row_counts.begin(), row_counts.end());
@@ -117,24 +119,24 @@ int main(int argc, char** argv) {
     for (size_t s = 0; s < shapes.size(); ++s) {
       // Wall-clock and thread CPU time of each run; the CPU time matters for the single-threaded
       // kernel, which a loaded machine disturbs less that way (other processes take turns on the core).
+      // fn(c) runs the product with the weights of copy c.
       auto time = [&](auto&& fn) {
         Samples out;
         for (int i = -warmup; i < repeat; ++i) {
           const auto start = std::chrono::steady_clock::now();
           const double cpu_start = ThreadCpuMs();
-          for (const std::vector<float>& w : weights[s]) fn(x.data(), w.data(), y.data(), rows, shapes[s].n, shapes[s].k);
+          for (size_t c = 0; c < weights[s].size(); ++c) fn(c);
           if (i < 0) continue;
           out.wall_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
           out.cpu_ms.push_back(ThreadCpuMs() - cpu_start);
         }
         return out;
       };
-      const Samples blas = time(OpenBlas);
-      const Samples gemv = time([](const float* x, const float* w, float* y, int64_t r, int64_t n, int64_t k) {
-        duet::BatchedGemv(x, w, y, r, n, k);
-      });
-      const Samples pooled = time([](const float* x, const float* w, float* y, int64_t r, int64_t n, int64_t k) {
-        duet::BatchedGemv(x, w, y, r, n, k, &duet::ParallelFor::Shared());
+      const Samples blas =
+          time([&](size_t c) { OpenBlas(x.data(), weights[s][c].data(), y.data(), rows, shapes[s].n, shapes[s].k); });
+      const Samples gemv = time([&](size_t c) { duet::BatchedGemv(x.data(), packed[s][c], y.data(), rows); });
+      const Samples pooled = time([&](size_t c) {
+        duet::BatchedGemv(x.data(), packed[s][c], y.data(), rows, &duet::ParallelFor::Shared());
       });
       add_to_step(step_blas, blas);
       add_to_step(step_gemv, gemv);

@@ -9,7 +9,7 @@
 namespace duet {
 namespace {
 
-// y[r, j] = Σ_c x[r, c] · w[j, c], summed in double: the reference both kernels must be near.
+// y[r, j] = Σ_c x[r, c] · w[j, c], summed in double: what the fma chains must be near.
 std::vector<float> Reference(const std::vector<float>& x, const std::vector<float>& w, int64_t rows, int64_t n,
                              int64_t k) {
   std::vector<float> y(size_t(rows * n));
@@ -37,45 +37,85 @@ void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, i
   for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], tolerance) << "element " << i;
 }
 
+// The product as BatchedGemv defines it: y[r, j] = fma(x[r, c], w[j, c], y[r, j]) from 0 for
+// c = 0, 1, …, k - 1. Both kernels must give exactly these bits.
+std::vector<float> FmaChains(const std::vector<float>& x, const std::vector<float>& w, int64_t rows, int64_t n,
+                             int64_t k) {
+  std::vector<float> y(size_t(rows * n));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < n; ++j) {
+      float sum = 0.0f;
+      for (int64_t c = 0; c < k; ++c) sum = std::fma(x[size_t(r * k + c)], w[size_t(j * k + c)], sum);
+      y[size_t(r * n + j)] = sum;
+    }
+  }
+  return y;
+}
+
+void ExpectSameBits(const std::vector<float>& got, const std::vector<float>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << "element " << i;
+}
+
 struct Shape {
   int64_t rows, n, k;
 };
 
-TEST(BatchedGemvTest, MatchesTheReferenceAtSeveralRowCountsAndOddShapes) {
+TEST(BatchedGemvTest, PackedWeightsKeepEveryRow) {
+  std::mt19937 rng(2);
+  for (const int64_t n : {1, 15, 16, 17, 37}) {
+    const int64_t k = 19;
+    const std::vector<float> w = Random(n * k, rng);
+    const PackedWeights packed(w.data(), n, k);
+    ASSERT_EQ(packed.num_panels(), (n + 15) / 16);
+    std::vector<float> row(static_cast<size_t>(k));
+    for (int64_t j = 0; j < n; ++j) {
+      packed.CopyRow(j, row.data());
+      for (int64_t c = 0; c < k; ++c) ASSERT_EQ(row[size_t(c)], w[size_t(j * k + c)]) << "n " << n << " j " << j;
+    }
+  }
+}
+
+TEST(BatchedGemvTest, BothKernelsAreTheFmaChainsAtSeveralRowCountsAndOddShapes) {
   std::mt19937 rng(3);
-  // Row counts around the kernel's groups of 3 rows and a prefill-sized one over several L2
-  // panels; n not a multiple of the 4-row weight block; k not a multiple of the 8-lane vector
-  // (tails), and tiny shapes.
-  const std::vector<Shape> shapes = {{1, 1, 1},   {1, 3, 7},    {2, 5, 9},     {3, 4, 8},    {1, 64, 512},
-                                     {2, 67, 515}, {5, 130, 64}, {7, 33, 1409}, {9, 1024, 512}, {15, 31, 17},
-                                     {16, 257, 264}, {17, 9, 40}, {32, 12, 100}, {301, 67, 515}};
+  // Row counts that end in every tile height (1-6 rows of the 6-row tile) and a prefill-sized
+  // one over two row blocks (192 rows) that ends in a short tile; n around and off the
+  // 16-feature panel; k off the 8-lane vector and around the 256-column blocks (and tiny shapes).
+  const std::vector<Shape> shapes = {
+      {1, 1, 1},      {1, 3, 7},     {2, 5, 9},      {3, 4, 8},      {1, 64, 512},   {2, 67, 515},
+      {4, 16, 256},   {5, 130, 64},  {6, 17, 257},   {7, 33, 1409},  {8, 15, 255},   {9, 1024, 512},
+      {10, 48, 300},  {11, 31, 17},  {15, 31, 17},   {16, 257, 264}, {17, 9, 40},    {32, 12, 100},
+      {197, 20, 513}, {301, 67, 515}};
   for (const Shape& s : shapes) {
     SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n " << s.n << " k " << s.k);
     const std::vector<float> x = Random(s.rows * s.k, rng), w = Random(s.n * s.k, rng);
-    const std::vector<float> want = Reference(x, w, s.rows, s.n, s.k);
+    const PackedWeights packed(w.data(), s.n, s.k);
+    const std::vector<float> want = FmaChains(x, w, s.rows, s.n, s.k);
+    ExpectNear(want, Reference(x, w, s.rows, s.n, s.k), s.k);
     std::vector<float> y(size_t(s.rows * s.n), NAN);
-    BatchedGemv(x.data(), w.data(), y.data(), s.rows, s.n, s.k);
-    ExpectNear(y, want, s.k);
+    BatchedGemv(x.data(), packed, y.data(), s.rows);
+    ExpectSameBits(y, want);
     std::fill(y.begin(), y.end(), NAN);
-    BatchedGemvPortable(x.data(), w.data(), y.data(), s.rows, s.n, s.k);
-    ExpectNear(y, want, s.k);
+    BatchedGemvPortable(x.data(), packed, y.data(), s.rows);
+    ExpectSameBits(y, want);
   }
 }
 
 TEST(BatchedGemvTest, EachRowIsTheSameWhateverTheRowCount) {
   // A token's logits must not depend on how many tokens share its step: bitwise equal. Decode-
-  // sized steps, and prefill-sized ones whose rows span several L2 panels (k = 4096: 6 rows a
-  // panel; k = 700: 45).
+  // sized steps (up to 6 rows every chain runs through k at once, above in 256-column blocks),
+  // and prefill-sized ones over several column blocks and row blocks of 192.
   std::mt19937 rng(5);
-  for (const Shape& s : std::vector<Shape>{{16, 37, 203}, {40, 13, 4096}, {200, 70, 700}}) {
+  for (const Shape& s : std::vector<Shape>{{16, 37, 203}, {40, 13, 4096}, {200, 70, 700}, {400, 20, 300}}) {
     SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n " << s.n << " k " << s.k);
     const std::vector<float> x = Random(s.rows * s.k, rng), w = Random(s.n * s.k, rng);
+    const PackedWeights packed(w.data(), s.n, s.k);
     std::vector<float> all(size_t(s.rows * s.n));
-    BatchedGemv(x.data(), w.data(), all.data(), s.rows, s.n, s.k);
+    BatchedGemv(x.data(), packed, all.data(), s.rows);
     for (int64_t rows = 1; rows < s.rows; ++rows) {
       for (int64_t first = 0; first + rows <= s.rows; first += rows) {
         std::vector<float> part(size_t(rows * s.n));
-        BatchedGemv(x.data() + first * s.k, w.data(), part.data(), rows, s.n, s.k);
+        BatchedGemv(x.data() + first * s.k, packed, part.data(), rows);
         for (int64_t i = 0; i < rows * s.n; ++i) {
           ASSERT_EQ(part[size_t(i)], all[size_t(first * s.n + i)]) << "rows " << rows << " first " << first << " i " << i;
         }
@@ -85,18 +125,28 @@ TEST(BatchedGemvTest, EachRowIsTheSameWhateverTheRowCount) {
 }
 
 TEST(BatchedGemvTest, ThreadsGiveTheSameBitsAsOne) {
-  // Split across a pool (every shape, some below the size that splits), bitwise the single
-  // thread's result: each y[r, j] is one thread's sum in the same order.
+  // Split across pools (every shape, some below the size that splits; panels that do not
+  // divide evenly, a last panel short of 16 features), bitwise the single thread's result: each
+  // y[r, j] is one thread's chain.
   std::mt19937 rng(7);
-  ParallelFor pool(3);
-  for (const Shape& s : std::vector<Shape>{
-           {1, 8192, 512}, {9, 1408, 512}, {16, 515, 257}, {2, 5, 9}, {3, 13, 4096}, {300, 1408, 512}}) {
+  ParallelFor pool2(2), pool3(3);
+  for (const Shape& s : std::vector<Shape>{{1, 8192, 512},
+                                           {9, 1408, 512},
+                                           {16, 515, 257},
+                                           {2, 5, 9},
+                                           {3, 13, 4096},
+                                           {300, 1408, 512},
+                                           {200, 1000, 300}}) {
     SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n " << s.n << " k " << s.k);
     const std::vector<float> x = Random(s.rows * s.k, rng), w = Random(s.n * s.k, rng);
-    std::vector<float> one(size_t(s.rows * s.n)), split(size_t(s.rows * s.n), NAN);
-    BatchedGemv(x.data(), w.data(), one.data(), s.rows, s.n, s.k);
-    BatchedGemv(x.data(), w.data(), split.data(), s.rows, s.n, s.k, &pool);
-    for (size_t i = 0; i < one.size(); ++i) ASSERT_EQ(split[i], one[i]) << "i " << i;
+    const PackedWeights packed(w.data(), s.n, s.k);
+    std::vector<float> one(size_t(s.rows * s.n));
+    BatchedGemv(x.data(), packed, one.data(), s.rows);
+    for (ParallelFor* pool : {&pool2, &pool3}) {
+      std::vector<float> split(size_t(s.rows * s.n), NAN);
+      BatchedGemv(x.data(), packed, split.data(), s.rows, pool);
+      ExpectSameBits(split, one);
+    }
   }
 }
 

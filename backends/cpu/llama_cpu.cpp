@@ -17,14 +17,14 @@
 namespace duet {
 namespace {
 
-// y[rows, n] = x[rows, k] · w[n, k]ᵀ  (w in Hugging Face [out_features, in_features] layout),
-// split across the shared pool's threads. Every product of every step goes through the batched
-// GEMV, whose y[r, j] is one fixed-order sum whatever the step's rows and the thread count: a
-// token's results then never depend on the other tokens of its step (prefix cache on or off,
-// chunked or whole prefill, speculation) nor on the machine's cores. OpenBLAS sgemm is faster
-// above ~16 rows (cpu_gemv_bench) but sums in an order that varies with both.
-void MatMulTransposed(const float* x, const float* w, float* y, int64_t rows, int64_t n, int64_t k) {
-  BatchedGemv(x, w, y, rows, n, k, &ParallelFor::Shared());
+// y[rows, n] = x[rows, k] · w[n, k]ᵀ  (w in Hugging Face [out_features, in_features] layout,
+// packed), split across the shared pool's threads. Every product of every step goes through the
+// batched GEMV, whose y[r, j] is one fixed-order chain whatever the step's rows and the thread
+// count: a token's results then never depend on the other tokens of its step (prefix cache on
+// or off, chunked or whole prefill, speculation) nor on the machine's cores. OpenBLAS sgemm sums
+// in an order that varies with both.
+void MatMulTransposed(const float* x, const PackedWeights& w, float* y, int64_t rows) {
+  BatchedGemv(x, w, y, rows, &ParallelFor::Shared());
 }
 
 // Hugging Face LlamaRMSNorm in float32: x / sqrt(mean(x²) + eps) · weight.
@@ -101,14 +101,27 @@ absl::Status LlamaCpu::LoadWeights(const WeightStore& weights) {
                   size_t offset = 0) {
     if (s.ok()) s = ReadInto(weights, name, std::move(shape), out, offset);
   };
-  read("model.embed_tokens.weight", {c.vocab_size, hidden}, embed_);
+  std::vector<float> matrix;  // the one being read, before it is packed
+  // The matrices `parts` (name, rows) of `cols` columns stacked by rows, packed.
+  auto read_packed = [&](const std::vector<std::pair<std::string, int64_t>>& parts, int64_t cols,
+                         PackedWeights& out) {
+    int64_t rows = 0;
+    for (const auto& [name, part_rows] : parts) {
+      read(name, {part_rows, cols}, matrix, size_t(rows * cols));
+      rows += part_rows;
+    }
+    if (s.ok()) out = PackedWeights(matrix.data(), rows, cols);
+  };
   read("model.norm.weight", {hidden}, final_norm_);
-  if (!c.tie_word_embeddings) {
+  if (c.tie_word_embeddings) {
+    read_packed({{"model.embed_tokens.weight", c.vocab_size}}, hidden, lm_head_);
+  } else {
     if (!weights.Has("lm_head.weight")) {
       return absl::InvalidArgumentError(
           "checkpoint has no lm_head.weight and config.json does not tie word embeddings");
     }
-    read("lm_head.weight", {c.vocab_size, hidden}, lm_head_);
+    read("model.embed_tokens.weight", {c.vocab_size, hidden}, embed_);
+    read_packed({{"lm_head.weight", c.vocab_size}}, hidden, lm_head_);
   }
   layers_.resize(c.num_layers);
   for (int64_t i = 0; i < c.num_layers && s.ok(); ++i) {
@@ -116,19 +129,19 @@ absl::Status LlamaCpu::LoadWeights(const WeightStore& weights) {
     Layer& l = layers_[i];
     read(p + "input_layernorm.weight", {hidden}, l.input_norm);
     read(p + "post_attention_layernorm.weight", {hidden}, l.post_norm);
-    read(p + "self_attn.q_proj.weight", {q_rows, hidden}, l.qkv, 0);
-    read(p + "self_attn.k_proj.weight", {kv_rows, hidden}, l.qkv, q_rows * hidden);
-    read(p + "self_attn.v_proj.weight", {kv_rows, hidden}, l.qkv, (q_rows + kv_rows) * hidden);
+    read_packed({{p + "self_attn.q_proj.weight", q_rows},
+                 {p + "self_attn.k_proj.weight", kv_rows},
+                 {p + "self_attn.v_proj.weight", kv_rows}},
+                hidden, l.qkv);
     if (c.qkv_bias) {
       read(p + "self_attn.q_proj.bias", {q_rows}, l.qkv_bias, 0);
       read(p + "self_attn.k_proj.bias", {kv_rows}, l.qkv_bias, q_rows);
       read(p + "self_attn.v_proj.bias", {kv_rows}, l.qkv_bias, q_rows + kv_rows);
     }
-    read(p + "self_attn.o_proj.weight", {hidden, q_rows}, l.o);
+    read_packed({{p + "self_attn.o_proj.weight", hidden}}, q_rows, l.o);
     if (c.o_bias) read(p + "self_attn.o_proj.bias", {hidden}, l.o_bias);
-    read(p + "mlp.gate_proj.weight", {inter, hidden}, l.gate_up, 0);
-    read(p + "mlp.up_proj.weight", {inter, hidden}, l.gate_up, inter * hidden);
-    read(p + "mlp.down_proj.weight", {hidden, inter}, l.down);
+    read_packed({{p + "mlp.gate_proj.weight", inter}, {p + "mlp.up_proj.weight", inter}}, hidden, l.gate_up);
+    read_packed({{p + "mlp.down_proj.weight", hidden}}, inter, l.down);
     if (c.mlp_bias) return absl::UnimplementedError("mlp_bias is not supported");
   }
   return s;
@@ -390,7 +403,12 @@ LlamaCpu::StepBuffers LlamaCpu::Embed(absl::Span<const SequenceChunk> chunks, in
   for (const SequenceChunk& chunk : chunks) {
     depths.assign(chunk.tokens.size(), 0);
     for (size_t j = 0; j < chunk.tokens.size(); ++j, ++row) {
-      std::copy_n(embed_.data() + int64_t(chunk.tokens[j]) * hidden, hidden, b.x.data() + row * hidden);
+      float* x = b.x.data() + row * hidden;
+      if (embed_.empty()) {
+        lm_head_.CopyRow(chunk.tokens[j], x);
+      } else {
+        std::copy_n(embed_.data() + int64_t(chunk.tokens[j]) * hidden, hidden, x);
+      }
       if (!chunk.tree_parents.empty() && j > 0) depths[j] = depths[size_t(chunk.tree_parents[j])] + 1;
       b.positions.push_back(chunk.start_position + (chunk.tree_parents.empty() ? int64_t(j) : depths[j]));
     }
@@ -405,7 +423,7 @@ void LlamaCpu::ProjectQkv(const Layer& l, StepBuffers& b) const {
   for (int64_t t = 0; t < b.num_tokens; ++t) {
     RmsNorm(b.x.data() + t * hidden, l.input_norm.data(), b.h.data() + t * hidden, hidden, c.rms_norm_eps);
   }
-  MatMulTransposed(b.h.data(), l.qkv.data(), b.qkv.data(), b.num_tokens, qkv_width, hidden);
+  MatMulTransposed(b.h.data(), l.qkv, b.qkv.data(), b.num_tokens);
   for (int64_t t = 0; t < b.num_tokens; ++t) {
     float* r = b.qkv.data() + t * qkv_width;
     if (!l.qkv_bias.empty()) {
@@ -418,7 +436,7 @@ void LlamaCpu::ProjectQkv(const Layer& l, StepBuffers& b) const {
 
 void LlamaCpu::AddAttentionOutput(const Layer& l, StepBuffers& b) const {
   const int64_t hidden = config_.hidden_size;
-  MatMulTransposed(b.attn.data(), l.o.data(), b.h.data(), b.num_tokens, hidden, config_.num_heads * config_.head_dim);
+  MatMulTransposed(b.attn.data(), l.o, b.h.data(), b.num_tokens);
   for (int64_t t = 0; t < b.num_tokens; ++t) {
     float* xr = b.x.data() + t * hidden;
     const float* hr = b.h.data() + t * hidden;
@@ -432,14 +450,14 @@ void LlamaCpu::AddMlpOutput(const Layer& l, StepBuffers& b) const {
   for (int64_t t = 0; t < b.num_tokens; ++t) {
     RmsNorm(b.x.data() + t * hidden, l.post_norm.data(), b.h.data() + t * hidden, hidden, c.rms_norm_eps);
   }
-  MatMulTransposed(b.h.data(), l.gate_up.data(), b.gate_up.data(), b.num_tokens, 2 * inter, hidden);
+  MatMulTransposed(b.h.data(), l.gate_up, b.gate_up.data(), b.num_tokens);
   for (int64_t t = 0; t < b.num_tokens; ++t) {  // SiLU(gate) · up
     const float* g = b.gate_up.data() + t * 2 * inter;
     const float* u = g + inter;
     float* a = b.act.data() + t * inter;
     for (int64_t i = 0; i < inter; ++i) a[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
   }
-  MatMulTransposed(b.act.data(), l.down.data(), b.h.data(), b.num_tokens, hidden, inter);
+  MatMulTransposed(b.act.data(), l.down, b.h.data(), b.num_tokens);
   for (int64_t i = 0; i < b.num_tokens * hidden; ++i) b.x[size_t(i)] += b.h[size_t(i)];
 }
 
@@ -460,8 +478,7 @@ void LlamaCpu::ComputeLogits(absl::Span<const SequenceChunk> chunks, const std::
     row += n;
   }
   logits.resize(size_t(num_logit_rows * c.vocab_size));
-  const float* head = lm_head_.empty() ? embed_.data() : lm_head_.data();
-  MatMulTransposed(normed.data(), head, logits.data(), num_logit_rows, c.vocab_size, hidden);
+  MatMulTransposed(normed.data(), lm_head_, logits.data(), num_logit_rows);
 }
 
 absl::Status LlamaCpu::MoveKvSlots(KvCache& kv_cache, absl::Span<const int32_t> block_table,

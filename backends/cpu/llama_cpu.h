@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "backends/cpu/cpu_gemv.h"
 #include "engine/model_executor.h"
 #include "model/safetensors.h"
 
@@ -43,15 +44,16 @@ class LlamaCpu : public ModelExecutor {
   int sequence_parallel_ranks() const { return sp_ranks_; }
 
  private:
+  // The matrices packed for BatchedGemv; their shapes are HF's [out_features, in_features].
   struct Layer {
     std::vector<float> input_norm;      // [hidden]
-    std::vector<float> qkv;             // [(heads + 2 * kv_heads) * head_dim, hidden]
+    PackedWeights qkv;                  // [(heads + 2 * kv_heads) * head_dim, hidden]
     std::vector<float> qkv_bias;        // [(heads + 2 * kv_heads) * head_dim] or empty
-    std::vector<float> o;               // [hidden, heads * head_dim]
+    PackedWeights o;                    // [hidden, heads * head_dim]
     std::vector<float> o_bias;          // [hidden] or empty
     std::vector<float> post_norm;       // [hidden]
-    std::vector<float> gate_up;         // [2 * intermediate, hidden]: gate rows then up rows
-    std::vector<float> down;            // [hidden, intermediate]
+    PackedWeights gate_up;              // [2 * intermediate, hidden]: gate rows then up rows
+    PackedWeights down;                 // [hidden, intermediate]
   };
 
   // One forward's activations, [T, width] row-major over the step's T tokens.
@@ -95,9 +97,11 @@ class LlamaCpu : public ModelExecutor {
   void ApplyRope(float* vec, int64_t num_heads, int64_t position) const;
 
   ModelConfig config_;
-  std::vector<float> embed_;       // [vocab, hidden]
+  // Tied word embeddings are kept once, packed as the LM head: the lookup gathers a token's row
+  // from it (PackedWeights::CopyRow), and embed_ is empty.
+  std::vector<float> embed_;       // [vocab, hidden] or empty
   std::vector<float> final_norm_;  // [hidden]
-  std::vector<float> lm_head_;     // [vocab, hidden]; empty when tied to embed_
+  PackedWeights lm_head_;          // [vocab, hidden]
   std::vector<Layer> layers_;
   std::vector<float> inv_freq_;    // [head_dim / 2]
   int sp_ranks_ = 1;                // EnableSequenceParallel
