@@ -25,6 +25,8 @@ constexpr int64_t kBlockRows = 192;  // those 256 columns of the block's x rows 
 using TileFn = void (*)(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy,
                         bool from_zero);
 
+// std::fma is one instruction where the CPU has FMA (aarch64, x86 with FMA); on an x86 CPU
+// without it, it is emulated: slow, but the same bits as the AVX2 kernel.
 template <int kRows>
 void PortableTile(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy,
                   bool from_zero) {

@@ -8,7 +8,8 @@
 // and however the product is blocked, so a token's logits depend neither on the other tokens of
 // its step nor on the thread count. OpenBLAS's sums change with the row count and the column
 // split; it also packs the weight panel on every call, which a step of a few tokens (decode,
-// verification) feels.
+// verification) feels. On two Zen 3 cores (cpu_gemv_bench) this is level with sgemm from 256
+// rows (0.94–1.10×) and faster below (1.1–1.8× at 16–64 rows).
 #pragma once
 
 #include <cstdint>
@@ -20,7 +21,8 @@ namespace duet {
 
 // w[n, k] packed for BatchedGemv: panels of kPanel output features, each k-major, i.e.
 // [ceil(n / 16), k, 16]; w[j, c] is at ((j / 16) · k + c) · 16 + j % 16, and the last panel's
-// features past n are zeros. 64-byte aligned, so one feature row of a panel is a cache line.
+// features past n are zeros. 64-byte aligned: a panel's 16 floats of one column c are one cache
+// line.
 class PackedWeights {
  public:
   static constexpr int64_t kPanel = 16;
