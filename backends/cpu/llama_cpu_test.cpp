@@ -2,6 +2,8 @@
 // step, in chunks of any size, or beside another sequence's tokens, and whatever the pool's
 // thread count (CMakeLists.txt runs these tests again on three threads). Prefix caching, chunked
 // prefill, continuous batching and speculation rely on it for outputs equal to a lone run.
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -9,6 +11,8 @@
 #include "backends/cpu/llama_cpu.h"
 #include "engine/kv/kv_cache.h"
 #include "gtest/gtest.h"
+#include "model/safetensors.h"
+#include "nlohmann/json.hpp"
 
 namespace duet {
 namespace {
@@ -23,7 +27,7 @@ class LlamaCpuTest : public ::testing::Test {
     ASSERT_TRUE(model.ok()) << model.status();
     model_ = std::move(*model);
     std::mt19937 rng(11);
-    // Longer than one L2 panel of the batched GEMV's activation rows at this model's widths.
+    // Longer than one row block of the batched GEMV (192 rows).
     prompt_.resize(300);
     for (int32_t& t : prompt_) t = int32_t(rng() % uint32_t(model_->config().vocab_size));
   }
@@ -89,6 +93,70 @@ TEST_F(LlamaCpuTest, LogitsAreTheSameBitsWhateverTheStepsOfThePrompt) {
                                   << ": token " << i / size_t(model_->config().vocab_size);
     }
   }
+}
+
+// kModel's checkpoint as one model.safetensors in `dir`, config.json's tie_word_embeddings set to
+// `tied`: tied, without lm_head.weight; untied, with a copy of the embeddings as lm_head.weight.
+void WriteCheckpointWithTheEmbeddingsAsLmHead(const std::string& dir, bool tied) {
+  std::filesystem::create_directories(dir);
+  nlohmann::json config = nlohmann::json::parse(std::ifstream(kModel + "/config.json"));
+  config["tie_word_embeddings"] = tied;
+  std::ofstream(dir + "/config.json") << config.dump();
+  std::unique_ptr<WeightStore> store = *WeightStore::Open(kModel);
+  std::vector<std::pair<std::string, const TensorView*>> tensors;
+  for (const std::string& name : store->Names()) {
+    if (name != "lm_head.weight") tensors.emplace_back(name, *store->Get(name));
+  }
+  if (!tied) tensors.emplace_back("lm_head.weight", *store->Get("model.embed_tokens.weight"));
+  nlohmann::json header;
+  size_t offset = 0;
+  for (const auto& [name, t] : tensors) {
+    header[name] = {{"dtype", DTypeName(t->dtype)}, {"shape", t->shape}, {"data_offsets", {offset, offset + t->nbytes}}};
+    offset += t->nbytes;
+  }
+  const std::string text = header.dump();
+  const uint64_t size = text.size();  // little-endian, as the host
+  std::ofstream out(dir + "/model.safetensors", std::ios::binary);
+  out.write(reinterpret_cast<const char*>(&size), sizeof(size));
+  out << text;
+  for (const auto& [name, t] : tensors) out.write(reinterpret_cast<const char*>(t->data), std::streamsize(t->nbytes));
+}
+
+// The logits of every token of `prompt`, run as one step.
+std::vector<float> PromptLogits(LlamaCpu& model, const std::vector<int32_t>& prompt) {
+  const int64_t blocks = int64_t(prompt.size()) / kBlockSize + 1;
+  std::unique_ptr<KvCache> cache = *model.CreateKvCache(blocks, kBlockSize);
+  std::vector<int32_t> table(static_cast<size_t>(blocks));
+  for (int64_t i = 0; i < blocks; ++i) table[size_t(i)] = int32_t(i);
+  SequenceChunk chunk;
+  chunk.tokens = prompt;
+  chunk.block_table = table;
+  chunk.num_logits = int32_t(prompt.size());
+  std::vector<float> logits;
+  const absl::Status s = model.Forward(absl::MakeConstSpan(&chunk, 1), *cache, logits);
+  EXPECT_TRUE(s.ok()) << s;
+  return logits;
+}
+
+TEST(LlamaCpuTiedEmbeddingsTest, TheTableIsKeptOnceAsTheLmHeadAndLooksUpTheSameRows) {
+  // Tied, the table is kept once, packed as the LM head, and a token's embedding is gathered from
+  // it; untied with the same matrix as lm_head.weight, the lookup reads the table as read and the
+  // LM head is a packed copy: the same logits, bit for bit.
+  const std::string dir = testing::TempDir() + "/llama_cpu_tied";
+  WriteCheckpointWithTheEmbeddingsAsLmHead(dir + "/tied", true);
+  WriteCheckpointWithTheEmbeddingsAsLmHead(dir + "/untied", false);
+  absl::StatusOr<std::unique_ptr<LlamaCpu>> tied = LlamaCpu::Load(dir + "/tied");
+  absl::StatusOr<std::unique_ptr<LlamaCpu>> untied = LlamaCpu::Load(dir + "/untied");
+  ASSERT_TRUE(tied.ok()) << tied.status();
+  ASSERT_TRUE(untied.ok()) << untied.status();
+  std::mt19937 rng(13);
+  std::vector<int32_t> prompt(40);
+  for (int32_t& t : prompt) t = int32_t(rng() % uint32_t((*tied)->config().vocab_size));
+  const std::vector<float> want = PromptLogits(**untied, prompt);
+  const std::vector<float> got = PromptLogits(**tied, prompt);
+  ASSERT_EQ(got.size(), prompt.size() * size_t((*tied)->config().vocab_size));
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << "logit " << i;
 }
 
 }  // namespace
