@@ -286,6 +286,7 @@ int main(int argc, char** argv) {
       std::printf("%-8s %6d %6d %6d | %9.1f %8.1f %8.0f | %9.1f %8.1f %5.2fx | %d%s\n", s.name, rows, s.in, s.out,
                   default_us, flops / default_us * 1e-6, weight_bytes / default_us * 1e-3, best_us,
                   flops / best_us * 1e-6, default_us / best_us, timed, searched.c_str());
+      std::fflush(stdout);  // a long search may be stopped: keep the rows done
     }
   }
   return 0;
