@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The mixed step (a batch's decode rows beside a prompt chunk) on the GPU machine, in one call:
+# the GEMM kernels' tests and the CUDA backend's, twice each; cuda_llama_bench's mixed steps with
+# fresh and continuing prompt chunks (N@S: N tokens from position S, as chunked prefill sends a
+# prompt's later chunks), the decode step with and without CUDA graphs (mixed steps run eagerly),
+# and gemm_shapes_bench --search at a mixed step's row counts (cuBLAS's default against every
+# configuration cuBLASLt accepts). Each part has a time limit, so the call ends within ~7 minutes.
+# Logs under $OUT, the tables last.
+#
+#   here:       TARGETS="kernels_tests llama_cuda_tests cuda_llama_bench wide_gemm_bench gemm_shapes_bench" \
+#                 scripts/gpu/make_bundle.sh    (carry .devbundle; the draft model need not travel)
+#   device run: [MIXED=...] [SEARCH_ROWS=320,576] bash scripts/gpu/h200_mixed_step.sh
+set -uo pipefail
+mixed=${MIXED:-256,512,256@256,192@320,320@192} search_rows=${SEARCH_ROWS:-320,576}
+source scripts/gpu/devbundle_prologue.sh
+export DUET_MODELS_DIR=$PWD/models
+start_checkpoint
+for run in 1 2; do
+  section "tests, run $run"
+  timeout 200 kernels_tests --gtest_filter='WideGemm*:SkinnyGemm*' > "$OUT/kernels_tests_$run.log" 2>&1
+  echo "kernels_tests (WideGemm, SkinnyGemm): exit $?, $(grep -c '^\[       OK' "$OUT/kernels_tests_$run.log") passed"
+  timeout 200 llama_cuda_tests --gtest_filter='-*DraftModel*:*EveryGpu*:*OverNccl*' > "$OUT/llama_cuda_tests_$run.log" 2>&1
+  echo "llama_cuda_tests: exit $?, $(grep -c '^\[       OK' "$OUT/llama_cuda_tests_$run.log") passed"
+  grep -hE "^\[  FAILED|Failure$" "$OUT/kernels_tests_$run.log" "$OUT/llama_cuda_tests_$run.log" | head -8
+done
+await_checkpoint
+section "mixed steps"
+timeout 150 cuda_llama_bench --model /tmp/llama8b --batch 64 --context 576 --prefill 512 --mixed-prompt "$mixed" \
+  > "$OUT/mixed.log" 2>&1 || echo "exit $?"
+section "decode without graphs"
+timeout 90 cuda_llama_bench --model /tmp/llama8b --batch 64 --context 576 --prefill none --no-cuda-graphs \
+  > "$OUT/eager.log" 2>&1 || echo "exit $?"
+section "cuBLASLt configurations at $search_rows rows"
+timeout 150 gemm_shapes_bench --rows "$search_rows" --reps 10 --search > "$OUT/search.log" 2>&1 || echo "exit $?"
+grep -B1 -A3 "^prefill " "$OUT/mixed.log"
+grep -A2 "^decode floor" "$OUT/mixed.log"
+grep -A10 "^mixed steps" "$OUT/mixed.log"
+echo "--- without graphs"; grep -A2 "^decode floor" "$OUT/eager.log" | tail -1
+cat "$OUT/search.log"
