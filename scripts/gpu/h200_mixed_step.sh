@@ -9,7 +9,7 @@
 #
 #   here:       TARGETS="kernels_tests llama_cuda_tests cuda_llama_bench wide_gemm_bench gemm_shapes_bench" \
 #                 scripts/gpu/make_bundle.sh    (carry .devbundle; the draft model need not travel)
-#   device run: [MIXED=...] [SEARCH_ROWS=320,576] [SEARCH_SECONDS=150] bash scripts/gpu/h200_mixed_step.sh
+#   device run: [MIXED=...] [SEARCH_ROWS=320,576|none] [SEARCH_SECONDS=150] bash scripts/gpu/h200_mixed_step.sh
 set -uo pipefail
 mixed=${MIXED:-256,512,256@256,192@320,320@192} search_rows=${SEARCH_ROWS:-320,576} search_seconds=${SEARCH_SECONDS:-150}
 source scripts/gpu/devbundle_prologue.sh
@@ -30,10 +30,13 @@ timeout 150 cuda_llama_bench --model /tmp/llama8b --batch 64 --context 576 --pre
 section "decode without graphs"
 timeout 90 cuda_llama_bench --model /tmp/llama8b --batch 64 --context 576 --prefill none --no-cuda-graphs \
   > "$OUT/eager.log" 2>&1 || echo "exit $?"
-section "cuBLASLt configurations at $search_rows rows"
-timeout "$search_seconds" gemm_shapes_bench --rows "$search_rows" --reps 10 --search > "$OUT/search.log" 2>&1 || echo "exit $?"
+if [[ $search_rows != none ]]; then
+  section "cuBLASLt configurations at $search_rows rows"
+  timeout "$search_seconds" gemm_shapes_bench --rows "$search_rows" --reps 10 --search > "$OUT/search.log" 2>&1 ||
+    echo "exit $?"
+fi
 grep -B1 -A3 "^prefill " "$OUT/mixed.log"
 grep -A2 "^decode floor" "$OUT/mixed.log"
 grep -A10 "^mixed steps" "$OUT/mixed.log"
 echo "--- without graphs"; grep -A2 "^decode floor" "$OUT/eager.log" | tail -1
-cat "$OUT/search.log"
+[[ -f $OUT/search.log ]] && cat "$OUT/search.log"
