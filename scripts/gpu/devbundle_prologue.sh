@@ -2,7 +2,7 @@
 # .devbundle/bundle.tar.xz): $OUT, the bundle's programs and libraries on the path, NVLink
 # multicast off for NCCL, section() for timed headings, the GPU's name in $OUT/gpu.txt, and
 # start_checkpoint / await_checkpoint: the random-weight Llama-3-8B-shaped checkpoint made in
-# /tmp/llama8b in the background while the tests run.
+# /tmp/llama8b in the background while the tests run; gemm_and_backend_tests.
 OUT=${OUT:-/tmp/duet-gpu-out}
 mkdir -p "$OUT"
 tar -xJf .devbundle/bundle.tar.xz -C /tmp || exit 1
@@ -19,4 +19,15 @@ await_checkpoint() {
   section "waiting for the checkpoint"
   wait "$checkpoint_pid"
   [[ -f /tmp/llama8b/config.json ]] || { tail "$OUT/checkpoint.log"; exit 1; }
+}
+# The GEMM kernels' tests (WideGemm, SkinnyGemm) and the CUDA backend's, twice, logs under $OUT.
+gemm_and_backend_tests() {
+  for run in 1 2; do
+    section "tests, run $run"
+    timeout 200 kernels_tests --gtest_filter='WideGemm*:SkinnyGemm*' > "$OUT/kernels_tests_$run.log" 2>&1
+    echo "kernels_tests (WideGemm, SkinnyGemm): exit $?, $(grep -c '^\[       OK' "$OUT/kernels_tests_$run.log") passed"
+    timeout 200 llama_cuda_tests --gtest_filter='-*DraftModel*:*EveryGpu*:*OverNccl*' > "$OUT/llama_cuda_tests_$run.log" 2>&1
+    echo "llama_cuda_tests: exit $?, $(grep -c '^\[       OK' "$OUT/llama_cuda_tests_$run.log") passed"
+    grep -hE "^\[  FAILED|Failure$" "$OUT/kernels_tests_$run.log" "$OUT/llama_cuda_tests_$run.log" | head -8
+  done
 }

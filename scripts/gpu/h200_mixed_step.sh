@@ -15,14 +15,7 @@ mixed=${MIXED:-256,512,256@256,192@320,320@192} search_rows=${SEARCH_ROWS:-320,5
 source scripts/gpu/devbundle_prologue.sh
 export DUET_MODELS_DIR=$PWD/models
 start_checkpoint
-for run in 1 2; do
-  section "tests, run $run"
-  timeout 200 kernels_tests --gtest_filter='WideGemm*:SkinnyGemm*' > "$OUT/kernels_tests_$run.log" 2>&1
-  echo "kernels_tests (WideGemm, SkinnyGemm): exit $?, $(grep -c '^\[       OK' "$OUT/kernels_tests_$run.log") passed"
-  timeout 200 llama_cuda_tests --gtest_filter='-*DraftModel*:*EveryGpu*:*OverNccl*' > "$OUT/llama_cuda_tests_$run.log" 2>&1
-  echo "llama_cuda_tests: exit $?, $(grep -c '^\[       OK' "$OUT/llama_cuda_tests_$run.log") passed"
-  grep -hE "^\[  FAILED|Failure$" "$OUT/kernels_tests_$run.log" "$OUT/llama_cuda_tests_$run.log" | head -8
-done
+gemm_and_backend_tests
 await_checkpoint
 section "mixed steps"
 timeout 150 cuda_llama_bench --model /tmp/llama8b --batch 64 --context 576 --prefill 512 --mixed-prompt "$mixed" \

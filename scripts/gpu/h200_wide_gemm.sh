@@ -16,14 +16,7 @@ wide_min=${WIDE_MIN:-64}
 source scripts/gpu/devbundle_prologue.sh
 export DUET_MODELS_DIR=$PWD/models
 start_checkpoint
-for run in 1 2; do
-  section "tests, run $run"
-  timeout 300 kernels_tests --gtest_filter='WideGemm*:SkinnyGemm*' > "$OUT/kernels_tests_$run.log" 2>&1
-  echo "kernels_tests (WideGemm, SkinnyGemm): exit $?, $(grep -c '^\[       OK' "$OUT/kernels_tests_$run.log") passed"
-  timeout 300 llama_cuda_tests --gtest_filter='-*DraftModel*:*EveryGpu*:*OverNccl*' > "$OUT/llama_cuda_tests_$run.log" 2>&1
-  echo "llama_cuda_tests: exit $?, $(grep -c '^\[       OK' "$OUT/llama_cuda_tests_$run.log") passed"
-  grep -E "FAILED|Failure|error" "$OUT/kernels_tests_$run.log" "$OUT/llama_cuda_tests_$run.log" | head -12
-done
+gemm_and_backend_tests
 section "wide_gemm_bench"
 timeout 300 wide_gemm_bench --rows "$rows" > "$OUT/wide_gemm_bench.log" 2>&1; echo "exit $?"
 for splits in 1 2 4; do  # the plan's choice against each fixed split
