@@ -8,8 +8,8 @@
 // and however the product is blocked, so a token's logits depend neither on the other tokens of
 // its step nor on the thread count. OpenBLAS's sums change with the row count and the column
 // split; it also packs the weight panel on every call, which a step of a few tokens (decode,
-// verification) feels. On two Zen 3 cores (cpu_gemv_bench) this is level with sgemm from 256
-// rows (0.94–1.10×) and faster below (1.1–1.8× at 16–64 rows).
+// verification) feels. On two Zen 3 cores (cpu_gemv_bench) this runs at 0.89–1.10× sgemm's speed
+// from 256 rows (over runs) and faster below (1.1–1.8× at 16–64 rows).
 #pragma once
 
 #include <cstdint>
