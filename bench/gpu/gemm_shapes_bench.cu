@@ -88,18 +88,20 @@ std::vector<cublasLtMatmulAlgo_t> Candidates(const LtProduct& p, int algo_id, in
                                              sizeof(p.workspace_bytes)),
         "pref workspace");
   std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(max_algos));
+  bool initialized = true;  // an id the library does not support for these types has no candidates
   if (algo_id >= 0) {
     const uint32_t mode = CUBLASLT_SEARCH_LIMITED_BY_ALGO_ID;
     Check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_SEARCH_MODE, &mode, sizeof(mode)), "mode");
     for (auto& r : results) {
-      cublasLtMatmulAlgoInit(p.lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF,
-                             algo_id, &r.algo);
+      initialized = initialized && cublasLtMatmulAlgoInit(p.lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF,
+                                                          CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF, algo_id,
+                                                          &r.algo) == CUBLAS_STATUS_SUCCESS;
     }
   }
   int found = 0;
   std::vector<cublasLtMatmulAlgo_t> out;
-  if (cublasLtMatmulAlgoGetHeuristic(p.lt, p.desc, p.a, p.b, p.c, p.c, pref, max_algos, results.data(), &found) ==
-      CUBLAS_STATUS_SUCCESS) {
+  if (initialized && cublasLtMatmulAlgoGetHeuristic(p.lt, p.desc, p.a, p.b, p.c, p.c, pref, max_algos,
+                                                    results.data(), &found) == CUBLAS_STATUS_SUCCESS) {
     for (int k = 0; k < found; ++k) {
       if (results[size_t(k)].state == CUBLAS_STATUS_SUCCESS) out.push_back(results[size_t(k)].algo);
     }
