@@ -9,20 +9,6 @@
 namespace duet {
 namespace {
 
-// y[r, j] = Σ_c x[r, c] · w[j, c], summed in double: what the fma chains must be near.
-std::vector<float> Reference(const std::vector<float>& x, const std::vector<float>& w, int64_t rows, int64_t n,
-                             int64_t k) {
-  std::vector<float> y(size_t(rows * n));
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < n; ++j) {
-      double sum = 0;
-      for (int64_t c = 0; c < k; ++c) sum += double(x[size_t(r * k + c)]) * w[size_t(j * k + c)];
-      y[size_t(r * n + j)] = float(sum);
-    }
-  }
-  return y;
-}
-
 std::vector<float> Random(int64_t size, std::mt19937& rng) {
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   std::vector<float> v(static_cast<size_t>(size));
@@ -37,16 +23,18 @@ void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, i
   for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], tolerance) << "element " << i;
 }
 
-// The product as BatchedGemv defines it: y[r, j] = fma(x[r, c], w[j, c], y[r, j]) from 0 for
-// c = 0, 1, …, k - 1. Both kernels must give exactly these bits.
+// y[r, j] = fma(x[r, c], w[j, c], y[r, j]) from 0 for c = 0, 1, …, k - 1, in T. In float: the
+// product as BatchedGemv defines it, whose bits both kernels must give. In double: the reference
+// those chains must be near.
+template <typename T>
 std::vector<float> FmaChains(const std::vector<float>& x, const std::vector<float>& w, int64_t rows, int64_t n,
                              int64_t k) {
   std::vector<float> y(size_t(rows * n));
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < n; ++j) {
-      float sum = 0.0f;
-      for (int64_t c = 0; c < k; ++c) sum = std::fma(x[size_t(r * k + c)], w[size_t(j * k + c)], sum);
-      y[size_t(r * n + j)] = sum;
+      T sum = 0;
+      for (int64_t c = 0; c < k; ++c) sum = std::fma(T(x[size_t(r * k + c)]), T(w[size_t(j * k + c)]), sum);
+      y[size_t(r * n + j)] = float(sum);
     }
   }
   return y;
@@ -90,8 +78,8 @@ TEST(BatchedGemvTest, BothKernelsAreTheFmaChainsAtSeveralRowCountsAndOddShapes) 
     SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n " << s.n << " k " << s.k);
     const std::vector<float> x = Random(s.rows * s.k, rng), w = Random(s.n * s.k, rng);
     const PackedWeights packed(w.data(), s.n, s.k);
-    const std::vector<float> want = FmaChains(x, w, s.rows, s.n, s.k);
-    ExpectNear(want, Reference(x, w, s.rows, s.n, s.k), s.k);
+    const std::vector<float> want = FmaChains<float>(x, w, s.rows, s.n, s.k);
+    ExpectNear(want, FmaChains<double>(x, w, s.rows, s.n, s.k), s.k);
     std::vector<float> y(size_t(s.rows * s.n), NAN);
     BatchedGemv(x.data(), packed, y.data(), s.rows);
     ExpectSameBits(y, want);

@@ -108,16 +108,22 @@ DecodeStepBytes BytesReadByDecodeStep(const ModelConfig& c, int64_t weight_bytes
   return bytes;
 }
 
-std::vector<int> ParseList(const std::string& text) {
-  std::vector<int> out;
+// The items of a comma-separated option; "none" has none.
+std::vector<std::string> SplitList(const std::string& text) {
+  std::vector<std::string> out;
   if (text == "none") return out;
-  size_t at = 0;
-  while (at < text.size()) {
+  for (size_t at = 0; at < text.size();) {
     size_t comma = text.find(',', at);
     if (comma == std::string::npos) comma = text.size();
-    out.push_back(std::stoi(text.substr(at, comma - at)));
+    out.push_back(text.substr(at, comma - at));
     at = comma + 1;
   }
+  return out;
+}
+
+std::vector<int> ParseList(const std::string& text) {
+  std::vector<int> out;
+  for (const std::string& item : SplitList(text)) out.push_back(std::stoi(item));
   return out;
 }
 
@@ -129,14 +135,9 @@ struct MixedChunk {
 
 std::vector<MixedChunk> ParseMixedChunks(const std::string& text) {
   std::vector<MixedChunk> out;
-  if (text == "none") return out;
-  for (size_t at = 0; at < text.size();) {
-    size_t comma = text.find(',', at);
-    if (comma == std::string::npos) comma = text.size();
-    const std::string item = text.substr(at, comma - at);
+  for (const std::string& item : SplitList(text)) {
     const size_t sign = item.find('@');
     out.push_back({std::stoi(item.substr(0, sign)), sign == std::string::npos ? 0 : std::stoi(item.substr(sign + 1))});
-    at = comma + 1;
   }
   return out;
 }

@@ -8,8 +8,9 @@
 # CACHE=none times each kernel with the caches as the kernels before it left them (default: all,
 # flushed before each). MIXED=256[,192@320,...] adds mixed steps: the batch's decode rows beside a
 # prompt chunk (N tokens, or N@S: from position S), as the engine runs them (eagerly); the bench
-# times each, the decode step eagerly too, and Nsight Compute profiles the first. GEMM_ROWS=8,64 adds a throughput breakdown (DRAM, L2, L1, SM, as % of
-# peak) of SkinnyGemm and cuBLAS at those row counts (skinny_gemm_bench must be in the bundle).
+# times each and Nsight Compute profiles the first (h200_mixed_step.sh times them without ncu).
+# GEMM_ROWS=8,64 adds a throughput breakdown (DRAM, L2, L1, SM, as % of peak) of SkinnyGemm and
+# cuBLAS at those row counts (skinny_gemm_bench must be in the bundle).
 #
 #   here:       TARGETS="cuda_llama_bench skinny_gemm_bench" scripts/gpu/make_bundle.sh     (carry .devbundle)
 # SEARCH_ROWS=64,320,576: gemm_shapes_bench --search at those rows (cuBLAS's default against every
@@ -31,11 +32,6 @@ section "decode and prefill with CUDA graphs"
 mixed_args=(); [[ -n ${MIXED:-} ]] && mixed_args=(--mixed-prompt "$MIXED")
 cuda_llama_bench --model /tmp/llama8b --batch "$batch" --context "$context" --prefill "$prefill" "${mixed_args[@]}" 2>&1 |
   tee "$OUT/bench.log" | tail -16
-if [[ -n ${MIXED:-} ]]; then  # what launching a decode step eagerly (as mixed steps are) costs
-  section "decode without CUDA graphs"
-  cuda_llama_bench --model /tmp/llama8b --batch "$batch" --context "$context" --prefill none --no-cuda-graphs 2>&1 |
-    tee "$OUT/bench_eager.log" | tail -2
-fi
 profile() {  # name, bench args...
   local name=$1; shift
   section "ncu: $name"
