@@ -44,6 +44,9 @@ struct LlamaCudaOptions {
   // Skinny decode batches compute RoPE + the KV write and SiLU·mul in the projections' epilogues
   // (kernels/gemv.h); off: as separate kernels (for comparison).
   bool fused_decode_epilogues = true;
+  // A mixed step's decode rows and prompt chunks get their attention in one launch
+  // (kernels/attention/mixed_attention.h); off: the decode kernel, then the prefill kernel.
+  bool mixed_attention_launch = true;
   // Projections of 3 to this many rows (decode batches, short verification or prefill steps) go
   // through the tensor-core skinny GEMM (kernels/gemm/skinny_gemm.h), larger ones through cuBLAS;
   // 0: all of them through cuBLAS.

@@ -8,7 +8,7 @@
 // given as N@S continues a prompt: N tokens from position S, attending to the S before them.
 //
 //   cuda_llama_bench --model DIR [--batch 1,8,32,128] [--context 1024] [--prefill 1024,8192 | --prefill none]
-//                    [--mixed-prompt 256,512,256@320] [--no-pdl] [--no-fusion] [--early-groups 1|2] [--no-cuda-graphs]
+//                    [--mixed-prompt 256,512,256@320] [--no-pdl] [--no-fusion] [--no-mixed-launch] [--early-groups 1|2] [--no-cuda-graphs]
 //                    [--skinny-gemm-max-rows N] [--wide-gemm-min-rows N]
 #include <algorithm>
 #include <chrono>
@@ -146,7 +146,7 @@ int Run(int argc, char** argv) {
   CLI::App app{"CUDA backend decode/prefill benchmark"};
   std::string model_dir, batches = "1,8,32,128", prefills = "1024,8192", mixed_prompts = "none";
   int context = 1024, steps = 64;
-  bool graphs = true, pdl = true, fusion = true;
+  bool graphs = true, pdl = true, fusion = true, mixed_launch = true;
   int skinny_max_rows = kernels::kSkinnyGemmPreferredMaxRows;
   int wide_min_rows = cuda::kWideGemmDefaultMinRows;
   int early_groups = 2;
@@ -160,6 +160,8 @@ int Run(int argc, char** argv) {
   app.add_flag("!--no-cuda-graphs", graphs, "run decode steps eagerly");
   app.add_flag("!--no-pdl", pdl, "launch kernels without programmatic dependent launch");
   app.add_flag("!--no-fusion", fusion, "RoPE/KV write and SiLU·mul as separate kernels at batch <= 2");
+  app.add_flag("!--no-mixed-launch", mixed_launch,
+               "a mixed step's decode and prefill attention as two launches instead of one");
   app.add_option("--skinny-gemm-max-rows", skinny_max_rows,
                  "projections of 3 to N rows through SkinnyGemm, larger ones through cuBLAS (0: all through cuBLAS)")
       ->check(CLI::Range(0, kernels::kSkinnyGemmMaxRows));
@@ -187,6 +189,7 @@ int Run(int argc, char** argv) {
   options.cuda_graphs = graphs;
   options.programmatic_launch = pdl;
   options.fused_decode_epilogues = fusion;
+  options.mixed_attention_launch = mixed_launch;
   options.skinny_gemm_max_rows = skinny_max_rows;
   options.wide_gemm_min_rows = wide_min_rows;
   auto loaded = LlamaCuda::Load(model_dir, options);
@@ -241,8 +244,8 @@ int Run(int argc, char** argv) {
 
   // Prefill: one sequence, logits for its last token, synchronous (the time a prompt takes).
   std::printf("programmatic dependent launch %s, fused decode epilogues %s, GEMV early groups %d, "
-              "CUDA graphs %s\n",
-              pdl ? "on" : "off", fusion ? "on" : "off", early_groups, graphs ? "on" : "off");
+              "CUDA graphs %s, mixed attention in one launch %s\n",
+              pdl ? "on" : "off", fusion ? "on" : "off", early_groups, graphs ? "on" : "off", mixed_launch ? "on" : "off");
   std::printf("\n%-10s %10s %10s %12s\n", "prefill", "ms", "TFLOP/s", "of matmul");
   for (int n : prefill_lens) {
     const std::vector<int32_t> prompt = tokens_of(n, 1);

@@ -1,35 +1,45 @@
 #!/usr/bin/env bash
 # The mixed step (a batch's decode rows beside a prompt chunk) on the GPU machine, in one call:
-# the GEMM kernels' tests and the CUDA backend's, twice each; cuda_llama_bench's mixed steps with
-# fresh and continuing prompt chunks (N@S: N tokens from position S, as chunked prefill sends a
-# prompt's later chunks), the decode step with and without CUDA graphs (mixed steps run eagerly),
-# and gemm_shapes_bench --search at a mixed step's row counts (cuBLAS's default against every
-# configuration cuBLASLt accepts). Each part has a time limit, so the call ends within ~7 minutes.
-# Logs under $OUT, the tables last.
+# the attention and GEMM kernels' tests and the CUDA backend's, twice each; then cuda_llama_bench's
+# prefill and mixed steps (fresh and continuing prompt chunks: N@S is N tokens from position S, as
+# chunked prefill sends a prompt's later chunks) with the mixed step's attention in one launch and
+# in two (--no-mixed-launch), alternating, ROUNDS rounds; the SM clock and power over each run;
+# optionally gemm_shapes_bench --search at a mixed step's row counts (cuBLAS's default against
+# every configuration cuBLASLt accepts). Logs under $OUT, the tables last.
 #
-#   here:       TARGETS="kernels_tests llama_cuda_tests cuda_llama_bench wide_gemm_bench gemm_shapes_bench" \
+#   here:       TARGETS="kernels_tests llama_cuda_tests cuda_llama_bench gemm_shapes_bench" \
 #                 scripts/gpu/make_bundle.sh    (carry .devbundle; the draft model need not travel)
-#   device run: [MIXED=...] [SEARCH_ROWS=320,576|none] [SEARCH_SECONDS=150] bash scripts/gpu/h200_mixed_step.sh
+#   device run: [MIXED=...] [ROUNDS=2] [SEARCH_ROWS=320,576] [SEARCH_SECONDS=150] bash scripts/gpu/h200_mixed_step.sh
 set -uo pipefail
-mixed=${MIXED:-256,512,256@256,192@320,320@192} search_rows=${SEARCH_ROWS:-320,576} search_seconds=${SEARCH_SECONDS:-150}
+mixed=${MIXED:-256,512,256@256,192@320} rounds=${ROUNDS:-2}
+search_rows=${SEARCH_ROWS:-none} search_seconds=${SEARCH_SECONDS:-150}
 source scripts/gpu/devbundle_prologue.sh
 export DUET_MODELS_DIR=$PWD/models
 start_checkpoint
-gemm_and_backend_tests
+kernel_and_backend_tests '*Attention*:WideGemm*:SkinnyGemm*'
 await_checkpoint
-section "mixed steps"
-timeout 150 cuda_llama_bench --model /tmp/llama8b --batch 64 --context 576 --prefill 512 --mixed-prompt "$mixed" \
-  > "$OUT/mixed.log" 2>&1 || echo "exit $?"
-section "decode without graphs"
-timeout 90 cuda_llama_bench --model /tmp/llama8b --batch 64 --context 576 --prefill none --no-cuda-graphs \
-  > "$OUT/eager.log" 2>&1 || echo "exit $?"
+for round in $(seq 1 "$rounds"); do
+  for launch in one two; do
+    section "round $round: mixed attention in $launch launch(es)"
+    flag=(); [[ $launch == two ]] && flag=(--no-mixed-launch)
+    clock_mark
+    timeout 120 cuda_llama_bench --model /tmp/llama8b --batch 64 --context 576 --prefill 512 --mixed-prompt "$mixed" \
+      "${flag[@]}" > "$OUT/mixed_${launch}_$round.log" 2>&1 || echo "exit $?"
+    clock_summary "  clocks" | tee "$OUT/mixed_${launch}_${round}_clocks.txt"
+  done
+done
 if [[ $search_rows != none ]]; then
   section "cuBLASLt configurations at $search_rows rows"
   timeout "$search_seconds" gemm_shapes_bench --rows "$search_rows" --reps 10 --search > "$OUT/search.log" 2>&1 ||
     echo "exit $?"
 fi
-grep -B1 -A3 "^prefill " "$OUT/mixed.log"
-grep -A2 "^decode floor" "$OUT/mixed.log"
-grep -A10 "^mixed steps" "$OUT/mixed.log"
-echo "--- without graphs"; grep -A2 "^decode floor" "$OUT/eager.log" | tail -1
+for round in $(seq 1 "$rounds"); do
+  for launch in one two; do
+    log=$OUT/mixed_${launch}_$round.log
+    echo "--- round $round, attention in $launch launch(es)"
+    grep -A1 "^prefill " "$log" | tail -1
+    grep -A2 "^decode floor" "$log" | tail -1
+    grep -A8 "^mixed steps" "$log" | tail -n +3
+  done
+done
 [[ -f $OUT/search.log ]] && cat "$OUT/search.log"

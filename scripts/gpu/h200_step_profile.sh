@@ -30,8 +30,10 @@ section "checkpoint"
   { tail "$OUT/checkpoint.log"; exit 1; }
 section "decode and prefill with CUDA graphs"
 mixed_args=(); [[ -n ${MIXED:-} ]] && mixed_args=(--mixed-prompt "$MIXED")
+clock_mark
 cuda_llama_bench --model /tmp/llama8b --batch "$batch" --context "$context" --prefill "$prefill" "${mixed_args[@]}" 2>&1 |
   tee "$OUT/bench.log" | tail -16
+clock_summary "the bench with graphs"
 profile() {  # name, bench args...
   local name=$1; shift
   section "ncu: $name"

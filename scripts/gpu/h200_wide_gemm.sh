@@ -16,7 +16,7 @@ wide_min=${WIDE_MIN:-64}
 source scripts/gpu/devbundle_prologue.sh
 export DUET_MODELS_DIR=$PWD/models
 start_checkpoint
-gemm_and_backend_tests
+kernel_and_backend_tests
 section "wide_gemm_bench"
 timeout 300 wide_gemm_bench --rows "$rows" > "$OUT/wide_gemm_bench.log" 2>&1; echo "exit $?"
 for splits in 1 2 4; do  # the plan's choice against each fixed split
