@@ -110,8 +110,8 @@ void BenchDecode(double copy_gbs, int num_sms) {
 
   std::printf("\npaged decode attention, %d q heads / %d kv heads, head_dim %d, block %d, bf16 (L2 flushed)\n",
               kQHeads, kKvHeads, kHeadDim, kBlockSize);
-  std::printf("%6s %8s %8s %7s %7s %10s %12s %10s %8s\n", "batch", "context", "planned", "splits", "stages",
-              "time_us", "KV_MB", "GB/s", "%copy");
+  std::printf("%6s %8s %8s %7s %10s %12s %10s %8s\n", "batch", "context", "planned", "splits", "time_us", "KV_MB",
+              "GB/s", "%copy");
   constexpr int kGraphPlanContext = 8192;
   for (int batch : batches) {
     for (int context : contexts) {
@@ -141,15 +141,13 @@ void BenchDecode(double copy_gbs, int num_sms) {
         p.scale = 1.f / std::sqrt(float(kHeadDim));
         p.workspace = workspace;
         p.split_counters = split_counters;
-        for (int stages : {3, 2}) {  // 3: the default pipeline (2 CTAs an SM); 2: 3 CTAs an SM
-          const float ms = MedianMs(
-              3, 30, [&] { internal::PagedDecodeAttentionWithStages(p, plan, stages, nullptr); },
-              [&] { DUET_CUDA_CHECK(cudaMemsetAsync(flush, batch, flush_bytes)); });
-          const double kv_bytes = 2.0 * batch * context * kKvHeads * kHeadDim * sizeof(__nv_bfloat16);
-          const double gbs = kv_bytes / (ms * 1e-3) / 1e9;
-          std::printf("%6d %8d %8d %7d %7d %10.1f %12.1f %10.0f %7.1f%%\n", batch, context, planned, plan.num_splits,
-                      stages, ms * 1e3, kv_bytes / 1e6, gbs, 100.0 * gbs / copy_gbs);
-        }
+        const float ms = MedianMs(
+            3, 30, [&] { PagedDecodeAttention(p, plan, nullptr); },
+            [&] { DUET_CUDA_CHECK(cudaMemsetAsync(flush, batch, flush_bytes)); });
+        const double kv_bytes = 2.0 * batch * context * kKvHeads * kHeadDim * sizeof(__nv_bfloat16);
+        const double gbs = kv_bytes / (ms * 1e-3) / 1e9;
+        std::printf("%6d %8d %8d %7d %10.1f %12.1f %10.0f %7.1f%%\n", batch, context, planned, plan.num_splits,
+                    ms * 1e3, kv_bytes / 1e6, gbs, 100.0 * gbs / copy_gbs);
         if (workspace) DUET_CUDA_CHECK(cudaFree(workspace));
         if (split_counters) DUET_CUDA_CHECK(cudaFree(split_counters));
       }

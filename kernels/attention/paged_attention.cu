@@ -12,23 +12,22 @@ namespace {
 using namespace decode_detail;
 
 // grid: x = num_kv_heads * head_chunks, y = sequence, z = split.
-template <int kHeadDim, int kStages>
+template <int kHeadDim>
 __global__ void __launch_bounds__(kThreads) PagedDecodeKernel(const __grid_constant__ PagedDecodeAttentionParams p,
                                                               int num_splits, int max_tokens_per_split,
                                                               int head_chunks, int block_size_log2, float scale_log2) {
   extern __shared__ __align__(128) unsigned char smem[];
-  PagedDecodeBlock<kHeadDim, kStages>(p, num_splits, max_tokens_per_split, head_chunks, block_size_log2, scale_log2,
+  PagedDecodeBlock<kHeadDim>(p, num_splits, max_tokens_per_split, head_chunks, block_size_log2, scale_log2,
                              int(blockIdx.x), int(blockIdx.y), int(blockIdx.z), int(gridDim.x), smem);
 }
 
-template <int kHeadDim, int kStages = kDefaultStages>
+template <int kHeadDim>
 void Launch(const PagedDecodeAttentionParams& p, const PagedDecodeAttentionPlan& plan, cudaStream_t stream) {
   const int head_chunks = HeadChunks(p);
-  constexpr int smem = SmemBytes<kHeadDim, kStages>();
-  DUET_CUDA_CHECK(
-      cudaFuncSetAttribute(PagedDecodeKernel<kHeadDim, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  constexpr int smem = SmemBytes<kHeadDim>();
+  DUET_CUDA_CHECK(cudaFuncSetAttribute(PagedDecodeKernel<kHeadDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(p.kv.num_kv_heads * head_chunks, p.num_seqs, plan.num_splits);
-  launch_detail::LaunchKernel(PagedDecodeKernel<kHeadDim, kStages>, grid, dim3(kThreads), smem, stream, p, plan.num_splits,
+  launch_detail::LaunchKernel(PagedDecodeKernel<kHeadDim>, grid, dim3(kThreads), smem, stream, p, plan.num_splits,
                               plan.tokens_per_split, head_chunks, Log2OfPowerOfTwo(p.kv.block_size),
                               p.scale * kLog2e);
 }
@@ -63,15 +62,5 @@ void PagedDecodeAttention(const PagedDecodeAttentionParams& p, const PagedDecode
   if (p.num_seqs == 0) return;
   p.kv.head_dim == 64 ? Launch<64>(p, plan, stream) : Launch<128>(p, plan, stream);
 }
-
-namespace internal {
-void PagedDecodeAttentionWithStages(const PagedDecodeAttentionParams& p, const PagedDecodeAttentionPlan& plan,
-                                    int stages, cudaStream_t stream) {
-  CheckPagedDecodeAttentionParams(p, plan);
-  DUET_KERNEL_CHECK(p.kv.head_dim == 128 && (stages == 2 || stages == 3));
-  if (p.num_seqs == 0) return;
-  stages == 2 ? Launch<128, 2>(p, plan, stream) : Launch<128, 3>(p, plan, stream);
-}
-}  // namespace internal
 
 }  // namespace duet::kernels

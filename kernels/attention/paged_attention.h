@@ -52,11 +52,4 @@ PagedDecodeAttentionPlan PlanPagedDecodeAttention(int num_seqs, int num_q_heads,
 void PagedDecodeAttention(const PagedDecodeAttentionParams& params, const PagedDecodeAttentionPlan& plan,
                           cudaStream_t stream);
 
-namespace internal {
-// PagedDecodeAttention at head_dim 128 with a K/V pipeline of 2 or 3 stages (3: the default, 2
-// CTAs an SM; 2: 3 CTAs an SM), for the benchmark to compare.
-void PagedDecodeAttentionWithStages(const PagedDecodeAttentionParams& params, const PagedDecodeAttentionPlan& plan,
-                                    int stages, cudaStream_t stream);
-}  // namespace internal
-
 }  // namespace duet::kernels

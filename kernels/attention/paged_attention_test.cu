@@ -25,8 +25,8 @@ struct DecodeCase {
 };
 
 // Runs the kernel on fresh random inputs with a poisoned output and compares with the CPU
-// reference; returns the plan it used. stages 2 or 3: that pipeline (head_dim 128); 0: the default.
-PagedDecodeAttentionPlan RunAndCompare(const DecodeCase& c, uint64_t seed, int stages = 0) {
+// reference; returns the plan it used.
+PagedDecodeAttentionPlan RunAndCompare(const DecodeCase& c, uint64_t seed) {
   const int num_seqs = int(c.context_lens.size());
   PagedCacheFixture cache(c.context_lens, c.num_kv_heads, c.head_dim, c.block_size, seed);
   const std::vector<float> q =
@@ -64,11 +64,7 @@ PagedDecodeAttentionPlan RunAndCompare(const DecodeCase& c, uint64_t seed, int s
   // Twice: the split merge's counters must be back at zero for the second launch.
   for (int launch = 0; launch < 2; ++launch) {
     d_out.Poison();
-    if (stages == 0) {
-      PagedDecodeAttention(params, plan, nullptr);
-    } else {
-      internal::PagedDecodeAttentionWithStages(params, plan, stages, nullptr);
-    }
+    PagedDecodeAttention(params, plan, nullptr);
     DUET_CUDA_CHECK(cudaDeviceSynchronize());
     const std::vector<float> out = testing::ToFloat(d_out.Download());
     EXPECT_LE(testing::RelativeError(out, ref), kBf16Tolerance)
@@ -88,14 +84,6 @@ TEST(PagedDecodeAttention, Bf16Gqa4NoSplit) {
   DUET_SKIP_WITHOUT_GPU();
   const DecodeCase c{32, 8, 128, 16, {1, 15, 16, 17, 31, 32, 33, 200, 1000, 3000}, 3000, 1};
   EXPECT_EQ(RunAndCompare(c, 1).num_splits, 1);
-}
-
-TEST(PagedDecodeAttention, Bf16Gqa4TwoStagePipeline) {
-  DUET_SKIP_WITHOUT_GPU();
-  const DecodeCase one_split{32, 8, 128, 16, {1, 15, 16, 17, 63, 64, 65, 577, 1000, 3000}, 3000, 1};
-  EXPECT_EQ(RunAndCompare(one_split, 11, 2).num_splits, 1);
-  const DecodeCase split{32, 8, 128, 16, {1, 64, 65, 1000, 3000}, 3000, 132};
-  EXPECT_GT(RunAndCompare(split, 12, 2).num_splits, 1);
 }
 
 TEST(PagedDecodeAttention, Bf16Gqa4Split) {

@@ -19,7 +19,7 @@ using launch_detail::WaitForPriorKernels;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileTokens = 64;                      // tokens per pipeline stage; 16 per warp
-constexpr int kDefaultStages = 3;                    // cp.async pipeline depth
+constexpr int kStages = 3;                           // cp.async pipeline depth
 constexpr int kHeadsPerCta = 16;                     // query heads in one MMA row tile
 constexpr int kMinTilesPerSplit = 2;                 // below this a split's merge costs more than it hides
 
@@ -31,19 +31,17 @@ __device__ __forceinline__ int SplitTokens(int context_len, int num_splits) {
   return max(kTileTokens, (per_split + kTileTokens - 1) / kTileTokens * kTileTokens);
 }
 
-template <int kHeadDim, int kStages = kDefaultStages>
+template <int kHeadDim>
 constexpr int SmemBytes() {
   return kStages * 2 * kTileTokens * kHeadDim * int(sizeof(__nv_bfloat16));
 }
-// What an SM's shared memory (227 KB a CTA can use) holds, at most 4 (the registers' limit).
-template <int kHeadDim, int kStages = kDefaultStages>
+template <int kHeadDim>
 constexpr int CtasPerSm() {
-  return 227 * 1024 / SmemBytes<kHeadDim, kStages>() < 4 ? 227 * 1024 / SmemBytes<kHeadDim, kStages>() : 4;
+  return kHeadDim == 128 ? 2 : 4;  // what the shared memory of SmemBytes() allows
 }
-static_assert(CtasPerSm<128>() == 2 && CtasPerSm<64>() == 4 && CtasPerSm<128, 2>() == 3);
 
-static_assert(SmemBytes<64, 2>() >= (kWarps * kHeadsPerCta * (64 + 4 + 2)) * int(sizeof(float)) &&
-                  SmemBytes<128, 2>() >= (kWarps * kHeadsPerCta * (128 + 4 + 2)) * int(sizeof(float)),
+static_assert(SmemBytes<64>() >= (kWarps * kHeadsPerCta * (64 + 4 + 2)) * int(sizeof(float)) &&
+                  SmemBytes<128>() >= (kWarps * kHeadsPerCta * (128 + 4 + 2)) * int(sizeof(float)),
               "the warps' merge buffer must fit the pipeline's shared memory");
 
 inline size_t WorkspaceBytes(int num_seqs, int num_q_heads, int head_dim, int num_splits) {
@@ -78,8 +76,8 @@ inline void CheckPagedDecodeAttentionParams(const PagedDecodeAttentionParams& p,
 // Launched with programmatic dependent launch: the K/V of every token but the newest (which the
 // kernel before this one writes) are older than the step, so a CTA whose first tiles hold only
 // such tokens starts loading them before it waits for that kernel. `smem`: the CTA's dynamic
-// shared memory, SmemBytes<kHeadDim, kStages>() of it.
-template <int kHeadDim, int kStages = kDefaultStages>
+// shared memory, SmemBytes() of it.
+template <int kHeadDim>
 __device__ __forceinline__ void PagedDecodeBlock(const PagedDecodeAttentionParams& p, int num_splits,
                                                  int max_tokens_per_split, int head_chunks, int block_size_log2,
                                                  float scale_log2, int x, int seq, int split, int grid_x,

@@ -4,11 +4,10 @@
 # prefill and mixed steps (fresh and continuing prompt chunks: N@S is N tokens from position S, as
 # chunked prefill sends a prompt's later chunks) with the mixed step's attention in one launch and
 # in two (--no-mixed-launch), alternating, ROUNDS rounds; the SM clock and power over each run;
-# attention_bench (the decode kernel with a 3- and a 2-stage K/V pipeline);
 # optionally gemm_shapes_bench --search at a mixed step's row counts (cuBLAS's default against
 # every configuration cuBLASLt accepts). Logs under $OUT, the tables last.
 #
-#   here:       TARGETS="kernels_tests llama_cuda_tests cuda_llama_bench attention_bench" \
+#   here:       TARGETS="kernels_tests llama_cuda_tests cuda_llama_bench gemm_shapes_bench" \
 #                 scripts/gpu/make_bundle.sh    (carry .devbundle; the draft model need not travel)
 #   device run: [MIXED=...] [ROUNDS=2] [SEARCH_ROWS=320,576] [SEARCH_SECONDS=150] bash scripts/gpu/h200_mixed_step.sh
 set -uo pipefail
@@ -18,8 +17,6 @@ source scripts/gpu/devbundle_prologue.sh
 export DUET_MODELS_DIR=$PWD/models
 start_checkpoint
 kernel_and_backend_tests '*Attention*:WideGemm*:SkinnyGemm*'
-section "attention_bench"
-timeout 150 attention_bench > "$OUT/attention.log" 2>&1 || echo "exit $?"
 await_checkpoint
 for round in $(seq 1 "$rounds"); do
   for launch in one two; do
@@ -45,6 +42,4 @@ for round in $(seq 1 "$rounds"); do
     grep -A8 "^mixed steps" "$log" | tail -n +3
   done
 done
-echo "--- attention_bench, decode"
-grep -A200 "^paged decode attention" "$OUT/attention.log" | grep -E "^ *(batch|32|64|128) " | grep -vE " 32768 "
 [[ -f $OUT/search.log ]] && cat "$OUT/search.log"
