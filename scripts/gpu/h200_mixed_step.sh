@@ -42,4 +42,4 @@ for round in $(seq 1 "$rounds"); do
     grep -A8 "^mixed steps" "$log" | tail -n +3
   done
 done
-[[ -f $OUT/search.log ]] && cat "$OUT/search.log"
+if [[ -f $OUT/search.log ]]; then cat "$OUT/search.log"; fi
