@@ -9,14 +9,15 @@
 #
 #   here:       TARGETS="kernels_tests llama_cuda_tests cuda_llama_bench gemm_shapes_bench" \
 #                 scripts/gpu/make_bundle.sh    (carry .devbundle; the draft model need not travel)
-#   device run: [MIXED=...] [ROUNDS=2] [SEARCH_ROWS=320,576] [SEARCH_SECONDS=150] bash scripts/gpu/h200_mixed_step.sh
+#   device run: [MIXED=...] [ROUNDS=2] [TESTS=0] [SEARCH_ROWS=320,576] [SEARCH_SECONDS=150] bash scripts/gpu/h200_mixed_step.sh
+# TESTS=0 skips the tests (they need models/tiny-code-llama in the tree).
 set -uo pipefail
 mixed=${MIXED:-256,512,256@256,192@320} rounds=${ROUNDS:-2}
 search_rows=${SEARCH_ROWS:-none} search_seconds=${SEARCH_SECONDS:-150}
 source scripts/gpu/devbundle_prologue.sh
 export DUET_MODELS_DIR=$PWD/models
 start_checkpoint
-kernel_and_backend_tests '*Attention*:WideGemm*:SkinnyGemm*'
+[[ ${TESTS:-1} == 0 ]] || kernel_and_backend_tests '*Attention*:WideGemm*:SkinnyGemm*'
 await_checkpoint
 for round in $(seq 1 "$rounds"); do
   for launch in one two; do
