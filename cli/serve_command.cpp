@@ -73,6 +73,9 @@ std::vector<std::string> EngineFlags(const ServeOptions& o, bool decode) {
   if (o.engine.num_kv_blocks > 0) {
     flags.insert(flags.end(), {"--num-kv-blocks", std::to_string(o.engine.num_kv_blocks)});
   }
+  if (o.engine.scheduler.max_num_mixed_tokens > 0) {
+    flags.insert(flags.end(), {"--max-num-mixed-tokens", std::to_string(o.engine.scheduler.max_num_mixed_tokens)});
+  }
   if (o.engine.scheduler.max_model_len > 0) {
     flags.insert(flags.end(), {"--max-model-len", std::to_string(o.engine.scheduler.max_model_len)});
   }

@@ -312,6 +312,8 @@ test('2 prefill + 4 decode GPUs', async () => {
   assert.equal(keda.spec.minReplicaCount, 4);
   assert.match(keda.spec.triggers[0].metadata.query, /duet:num_requests_waiting\{role="decode",namespace="inference"/);
   assert.equal(flag(decode, 'speculation'), 'lookahead');
+  assert.equal(flag(decode, 'max-num-mixed-tokens'), '512');
+  assert.equal(flag(prefill, 'max-num-mixed-tokens'), undefined);
   assert.equal(flag(component(objects, 'router'), 'served-model-name'), 'llama-3.1-8b');
   assert.equal(flag(component(objects, 'router'), 'local-prefill-max-tokens'), '1024');
   assert.equal(flag(component(objects, 'router'), 'local-prefill-queue-tokens'), '4096');

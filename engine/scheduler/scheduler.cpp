@@ -9,7 +9,16 @@ namespace duet {
 
 Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks)
     : config_(config), blocks_(blocks) {
-  DUET_CHECK(config.max_num_seqs > 0 && config.max_num_batched_tokens > 0);
+  DUET_CHECK(config.max_num_seqs > 0 && config.max_num_batched_tokens > 0 && config.max_num_mixed_tokens >= 0);
+}
+
+int64_t Scheduler::StepTokenBudget() const {
+  const int32_t mixed = config_.max_num_mixed_tokens;
+  if (mixed <= 0 || mixed >= config_.max_num_batched_tokens) return config_.max_num_batched_tokens;
+  const bool decodes = std::any_of(running_.begin(), running_.end(), [](const Request* r) {
+    return !r->output.empty() && r->num_tokens() - r->num_computed_tokens == 1;
+  });
+  return decodes ? mixed : config_.max_num_batched_tokens;
 }
 
 absl::Status Scheduler::Add(Request* request) {
@@ -43,7 +52,7 @@ void Scheduler::Preempt(Request* request) {
 
 SchedulerOutput Scheduler::Schedule() {
   SchedulerOutput out;
-  int64_t token_budget = config_.max_num_batched_tokens;
+  int64_t token_budget = StepTokenBudget();
 
   // Capacity phase: running requests, oldest first; the youngest are preempted to make room.
   std::vector<Request*> kept;

@@ -113,6 +113,47 @@ TEST_F(SchedulerTest, MaxNumSeqsAndTokenBudgetBoundTheBatch) {
   EXPECT_EQ(chunk_sizes, (std::vector<int64_t>{10, 10, 5}));
 }
 
+// max_num_mixed_tokens bounds the steps in which a request decodes; a step with nothing decoding
+// takes max_num_batched_tokens, so an idle server's prompt is not chunked.
+TEST_F(SchedulerTest, MixedStepsTakeTheMixedBudget) {
+  BlockManager blocks(64, 4);
+  Scheduler s({/*max_num_seqs=*/8, /*max_num_batched_tokens=*/32, /*max_model_len=*/128,
+               /*max_num_mixed_tokens=*/12},
+              blocks);
+  Request* a = NewRequest(30, 20);
+  ASSERT_TRUE(s.Add(a).ok());
+  SchedulerOutput o = s.Schedule();
+  ASSERT_EQ(o.chunks.size(), 1u);
+  EXPECT_EQ(o.chunks[0].num_new_tokens, 30);  // nothing decodes: the whole prompt in one step
+  Execute(s, o);
+
+  Request* b = NewRequest(30, 2);  // arrives while a decodes
+  ASSERT_TRUE(s.Add(b).ok());
+  std::vector<int64_t> b_chunks;
+  while (!b->finished()) {
+    o = s.Schedule();
+    int64_t tokens = 0;
+    for (const ScheduledChunk& c : o.chunks) {
+      tokens += c.num_new_tokens;
+      if (c.request == b && b->output.empty()) b_chunks.push_back(c.num_new_tokens);
+    }
+    EXPECT_LE(tokens, 12);
+    Execute(s, o);
+  }
+  EXPECT_EQ(b_chunks, (std::vector<int64_t>{11, 11, 8}));  // beside a's one decode token a step
+
+  // A budget at or above max_num_batched_tokens changes nothing.
+  BlockManager blocks2(64, 4);
+  Scheduler s2({8, 32, 128, 64}, blocks2);
+  Request* c = NewRequest(5, 20);
+  ASSERT_TRUE(s2.Add(c).ok());
+  Execute(s2, s2.Schedule());
+  ASSERT_TRUE(s2.Add(NewRequest(40, 1)).ok());
+  o = s2.Schedule();
+  ASSERT_EQ(o.chunks.size(), 2u);
+  EXPECT_EQ(o.chunks[1].num_new_tokens, 31);
+}
+
 TEST_F(SchedulerTest, RejectsRequestsThatCanNeverFit) {
   BlockManager blocks(4, 4);  // 16 tokens in all
   Scheduler s({8, 64, 100}, blocks);

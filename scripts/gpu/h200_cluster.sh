@@ -60,9 +60,10 @@ cat /tmp/gen_out_*.jsonl > "$OUT/generate.jsonl" 2>/dev/null
 BENCH_COMMON=(--dataset random --tokenizer "$MODEL" --output-len 128 --ignore-eos)
 BENCH_WORKLOAD=("${BENCH_COMMON[@]}" --input-len 512)
 # ENGINE_BUDGET: the engine alone's --max-num-batched-tokens (give it a mode's decodebudget, so the
-# engine alone mixes prompts into its decode steps as that mode's decode worker does).
+# engine alone mixes prompts into its decode steps as that mode's decode worker does); ENGINE_MIXED
+# its --max-num-mixed-tokens (a mode's mixedN).
 ENGINE_FLAGS=(--model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --max-model-len 4096
-              --max-num-batched-tokens "${ENGINE_BUDGET:-8192}")
+              --max-num-batched-tokens "${ENGINE_BUDGET:-8192}" --max-num-mixed-tokens "${ENGINE_MIXED:-0}")
 ENGINE_SEQS=64
 ENGINE_REQUESTS=256; PREFILL_REQUESTS=8
 [[ $QUICK == 1 ]] && PREFILL_REQUESTS=4
@@ -91,7 +92,10 @@ grep -h "tok/s" "$OUT/engine.log" | sed 's/^.*\] /  /'
 # worker itself while the prefill worker is busy (--local-prefill-max-tokens N); "queueQ" sets
 # how busy: Q prompt tokens reserving, prefilling or waiting for it (--local-prefill-queue-tokens Q;
 # without it 0: every prompt of at most N tokens). With "decodebudgetT": the decode worker's
-# --max-num-batched-tokens T (how much prompt rides along with a decode step).
+# --max-num-batched-tokens T (how much prompt rides along with a decode step). With "mixedM": the
+# workers' --max-num-mixed-tokens M (a step in which requests decode takes at most M tokens; one with
+# nothing decoding, the whole budget), e.g. SHARING=mps-local1024-decodebudget1024-mixed384
+# ENGINE_BUDGET=1024 ENGINE_MIXED=384.
 # SHARING lists the modes to run, each a whole cluster run of its own under $OUT/<mode>.
 SHARING=${SHARING:-timeslice}
 mps_dir=/tmp/duet-mps
@@ -125,6 +129,7 @@ local priority=() share=()  # serve runs prefill workers at MPS client priority 
 [[ $mode =~ local([0-9]+) ]] && share+=(--local-prefill-max-tokens "${BASH_REMATCH[1]}")
 [[ $mode =~ queue([0-9]+) ]] && share+=(--local-prefill-queue-tokens "${BASH_REMATCH[1]}")
 [[ $mode =~ decodebudget([0-9]+) ]] && share+=(--decode-max-num-batched-tokens "${BASH_REMATCH[1]}")
+[[ $mode =~ mixed([0-9]+) ]] && share+=(--max-num-mixed-tokens "${BASH_REMATCH[1]}")
 local budget=8192
 [[ $mode =~ (^|-)budget([0-9]+) ]] && budget=${BASH_REMATCH[2]}
 "${priority[@]}" duet serve "${share[@]}" --model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --prefill-workers 1 \

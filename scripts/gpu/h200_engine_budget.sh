@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The engine alone (`duet generate --backend cuda`, the cluster's decode engine without the cluster)
 # on the cluster benchmark's workload (duet-bench's random 512-token prompts, 128 generated tokens,
-# --ignore-eos, 256 requests 64 at a time) at several step budgets (--max-num-batched-tokens),
-# alternating, ROUNDS rounds: which budget serves that closed loop fastest, and each budget's
-# steps (count, ms each). One call, ~2 minutes; the table last.
+# --ignore-eos, 256 requests 64 at a time) at several step budgets, alternating, ROUNDS rounds:
+# which budget serves that closed loop fastest, and each budget's steps (count, ms each). A budget
+# is T (--max-num-batched-tokens T) or T/M (and --max-num-mixed-tokens M). One call, ~2 minutes;
+# the table last.
 #
 #   here:   scripts/gpu/make_cluster_bundle.sh; mv models /tmp/duet-models-hold    (carry .devcluster)
-#   device: [BUDGETS="384 512 1024"] [ROUNDS=2] bash scripts/gpu/h200_engine_budget.sh
+#   device: [BUDGETS="384 1024 1024/384"] [ROUNDS=2] bash scripts/gpu/h200_engine_budget.sh
 #   here:   mv /tmp/duet-models-hold models
 set -uo pipefail
-budgets=${BUDGETS:-384 512 1024} rounds=${ROUNDS:-2}
+budgets=${BUDGETS:-384 1024 1024/384} rounds=${ROUNDS:-2}
 OUT=${OUT:-/tmp/duet-engine-out}
 mkdir -p "$OUT"
 tar -xJf .devcluster/bundle.tar.xz -C /tmp || exit 1
@@ -25,17 +26,18 @@ duet-bench --dataset random --tokenizer "$MODEL" --input-len 512 --output-len 12
   --num-prompts 256 --save-requests "$OUT/requests.jsonl" 2> "$OUT/bench.log" || echo "duet-bench exit $?"
 for round in $(seq 1 "$rounds"); do
   for budget in $budgets; do
-    echo "== round $round, --max-num-batched-tokens $budget"
+    echo "== round $round, budget $budget"
     duet generate --model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --max-model-len 4096 \
-      --max-num-batched-tokens "$budget" --max-num-seqs 64 --warmup 16 --input "$OUT/requests.jsonl" \
-      --output /tmp/engine_out.jsonl 2> "$OUT/engine_${budget}_$round.log" || echo "generate exit $?"
+      --max-num-batched-tokens "${budget%/*}" --max-num-mixed-tokens "$([[ $budget == */* ]] && echo "${budget#*/}" || echo 0)" \
+      --max-num-seqs 64 --warmup 16 --input "$OUT/requests.jsonl" \
+      --output /tmp/engine_out.jsonl 2> "$OUT/engine_${budget/\//-}_$round.log" || echo "generate exit $?"
   done
 done
-echo "budget round  out tok/s  steps  ms/step  TTFT median ms"
+echo "  budget round  out tok/s  steps  ms/step  TTFT median ms"
 for round in $(seq 1 "$rounds"); do
   for budget in $budgets; do
     sed -n 's/.*tokens in [0-9.]* s (\([0-9.]*\) tok\/s), TTFT median \([0-9.]*\) ms.*, \([0-9]*\) steps of \([0-9.]*\) ms.*/\1 \3 \4 \2/p' \
-      "$OUT/engine_${budget}_$round.log" | tail -1 |
-      while read -r toks steps ms ttft; do printf "%6s %5s %10s %6s %8s %15s\n" "$budget" "$round" "$toks" "$steps" "$ms" "$ttft"; done
+      "$OUT/engine_${budget/\//-}_$round.log" | tail -1 |
+      while read -r toks steps ms ttft; do printf "%8s %5s %10s %6s %8s %15s\n" "$budget" "$round" "$toks" "$steps" "$ms" "$ttft"; done
   done
 done

@@ -120,5 +120,10 @@ TEST_F(GenerateReferenceTest, UnderKvPressureWithChunkedPrefill) {
   ExpectReference("--num-kv-blocks 100 --block-size 8 --max-num-batched-tokens 96");
 }
 
+// A small mixed-step budget: prompts go in chunks beside decoding requests, whole when none decodes.
+TEST_F(GenerateReferenceTest, WithASmallMixedStepBudget) {
+  ExpectReference("--max-num-batched-tokens 512 --max-num-mixed-tokens 24");
+}
+
 }  // namespace
 }  // namespace duet
