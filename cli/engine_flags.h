@@ -40,8 +40,9 @@ struct EngineFlags {
     app->add_option("--max-num-batched-tokens", config->scheduler.max_num_batched_tokens, "Tokens per step")
         ->check(CLI::Range(1, 1 << 24));
     app->add_option("--max-num-mixed-tokens", config->scheduler.max_num_mixed_tokens,
-                    "Tokens per step while requests decode (their tokens and the prompt chunks beside them), "
-                    "when below --max-num-batched-tokens: shorter gaps between tokens and prompts spread over "
+                    "Tokens per step while requests decode (their tokens and the prompt chunks beside them; at "
+                    "least one a decoding request), when below --max-num-batched-tokens: shorter gaps between "
+                    "tokens and prompts spread over "
                     "steps, while a step with nothing decoding still takes --max-num-batched-tokens (default 0: "
                     "--max-num-batched-tokens)")
         ->check(CLI::Range(0, 1 << 24));

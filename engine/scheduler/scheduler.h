@@ -25,7 +25,8 @@ struct SchedulerConfig {
   int32_t max_num_batched_tokens = 2048;  // tokens processed per step
   int64_t max_model_len = 4096;           // prompt + output limit per request
   // Tokens of a step in which running requests decode (their tokens and the prompt chunks beside
-  // them), when below max_num_batched_tokens; 0: max_num_batched_tokens. A small mixed step keeps
+  // them), when below max_num_batched_tokens; 0: max_num_batched_tokens. Never fewer than the
+  // decoding requests: each keeps its one token a step. A small mixed step keeps
   // the decoding requests' inter-token latency short and spreads prompts evenly over the steps,
   // while a step with nothing decoding (an idle server's prompt) still takes a whole prompt.
   int32_t max_num_mixed_tokens = 0;
@@ -83,8 +84,8 @@ class Scheduler {
 
  private:
   void Preempt(Request* request);
-  // The step's token budget: max_num_mixed_tokens when a running request decodes, else
-  // max_num_batched_tokens.
+  // The step's token budget: max_num_mixed_tokens (or the number of decoding requests, if more)
+  // when a running request decodes, else max_num_batched_tokens.
   int64_t StepTokenBudget() const;
   // Gives a request that holds no blocks the cached blocks its tokens begin with.
   void AttachCachedPrefix(Request* request);

@@ -142,6 +142,20 @@ TEST_F(SchedulerTest, MixedStepsTakeTheMixedBudget) {
   }
   EXPECT_EQ(b_chunks, (std::vector<int64_t>{11, 11, 8}));  // beside a's one decode token a step
 
+  // More decoding requests than the mixed budget: each still gets its token, no prompt joins.
+  BlockManager blocks3(64, 4);
+  Scheduler s3({8, 32, 128, 3}, blocks3);
+  std::vector<Request*> decoding;
+  for (int i = 0; i < 5; ++i) {
+    decoding.push_back(NewRequest(2, 20));
+    ASSERT_TRUE(s3.Add(decoding.back()).ok());
+  }
+  Execute(s3, s3.Schedule());  // five prompts of 2 tokens in one step: nothing decodes yet
+  ASSERT_TRUE(s3.Add(NewRequest(10, 1)).ok());
+  o = s3.Schedule();
+  ASSERT_EQ(o.chunks.size(), 5u);
+  for (const ScheduledChunk& chunk : o.chunks) EXPECT_EQ(chunk.num_new_tokens, 1);
+
   // A budget at or above max_num_batched_tokens changes nothing.
   BlockManager blocks2(64, 4);
   Scheduler s2({8, 32, 128, 64}, blocks2);
