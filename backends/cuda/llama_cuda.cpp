@@ -329,6 +329,47 @@ void LlamaCuda::EnqueueQkvRopeKvWrite(const cuda::CudaLayerWeights& l, int rows,
   }
 }
 
+// The step's first `plan.num_decode_kernel_seqs()` sequences have one query row each (rows
+// 0 .. num_decode - 1): the decode kernel's.
+kernels::PagedDecodeAttentionParams LlamaCuda::DecodeKernelParams(const cuda::StepPlan& plan,
+                                                                  const kernels::PagedKvView& kv, float scale) {
+  kernels::PagedDecodeAttentionParams p{};
+  p.q = q_.as<__nv_bfloat16>();
+  p.kv = kv;
+  p.block_tables = metadata_->block_tables();
+  p.context_lens = metadata_->context_lens();
+  p.out = attn_.as<__nv_bfloat16>();
+  p.num_seqs = plan.num_decode_kernel_seqs();
+  p.num_q_heads = int(config_.num_heads);
+  p.max_blocks_per_seq = metadata_->max_blocks_per_seq();
+  p.scale = scale;
+  p.workspace = decode_workspace_.as<float>();
+  p.split_counters = decode_split_counters_.as<int32_t>();
+  return p;
+}
+
+// The other sequences (prompt chunks, draft trees): their metadata from sequence num_decode on
+// (q_start holds absolute rows).
+kernels::PrefillAttentionParams LlamaCuda::PrefillKernelParams(const cuda::StepPlan& plan,
+                                                               const kernels::PagedKvView& kv, float scale) {
+  const size_t first = size_t(plan.num_decode_kernel_seqs());
+  kernels::PrefillAttentionParams p{};
+  p.q = q_.as<__nv_bfloat16>();
+  p.kv = kv;
+  p.block_tables = metadata_->block_tables() + first * size_t(metadata_->max_blocks_per_seq());
+  p.q_start = metadata_->q_start() + first;
+  p.context_lens = metadata_->context_lens() + first;
+  p.tree_masks = plan.has_trees ? metadata_->tree_masks() : nullptr;
+  p.out = attn_.as<__nv_bfloat16>();
+  p.num_seqs = plan.num_seqs - int(first);
+  p.num_q_tokens = plan.num_tokens;
+  p.max_q_len = plan.max_q_len;
+  p.num_q_heads = int(config_.num_heads);
+  p.max_blocks_per_seq = metadata_->max_blocks_per_seq();
+  p.scale = scale;
+  return p;
+}
+
 void LlamaCuda::EnqueueAttentionKernel(const cuda::StepPlan& plan,
                                        const kernels::PagedDecodeAttentionPlan& decode_plan,
                                        const kernels::PagedKvView& kv, int layer) {
@@ -338,47 +379,18 @@ void LlamaCuda::EnqueueAttentionKernel(const cuda::StepPlan& plan,
                   layer == ring_events_layer_ ? ring_events_ : nullptr);
     return;
   }
-  // The first `num_decode` sequences have one query row each (rows 0 .. num_decode - 1).
   const int num_decode = plan.num_decode_kernel_seqs();
-  kernels::PagedDecodeAttentionParams decode{};
-  decode.q = q_.as<__nv_bfloat16>();
-  decode.kv = kv;
-  decode.block_tables = metadata_->block_tables();
-  decode.context_lens = metadata_->context_lens();
-  decode.out = attn_.as<__nv_bfloat16>();
-  decode.num_seqs = num_decode;
-  decode.num_q_heads = int(config_.num_heads);
-  decode.max_blocks_per_seq = metadata_->max_blocks_per_seq();
-  decode.scale = scale;
-  decode.workspace = decode_workspace_.as<float>();
-  decode.split_counters = decode_split_counters_.as<int32_t>();
+  if (plan.num_seqs == 0) return;
   if (num_decode == plan.num_seqs) {
-    kernels::PagedDecodeAttention(decode, decode_plan, stream_);
-    return;
-  }
-  // The other sequences: their metadata from sequence num_decode on (q_start holds absolute rows).
-  const size_t first = size_t(num_decode);
-  kernels::PrefillAttentionParams prefill{};
-  prefill.q = q_.as<__nv_bfloat16>();
-  prefill.kv = kv;
-  prefill.block_tables = metadata_->block_tables() + first * size_t(metadata_->max_blocks_per_seq());
-  prefill.q_start = metadata_->q_start() + first;
-  prefill.context_lens = metadata_->context_lens() + first;
-  prefill.tree_masks = plan.has_trees ? metadata_->tree_masks() : nullptr;
-  prefill.out = attn_.as<__nv_bfloat16>();
-  prefill.num_seqs = plan.num_seqs - num_decode;
-  prefill.num_q_tokens = plan.num_tokens;
-  prefill.max_q_len = plan.max_q_len;
-  prefill.num_q_heads = int(config_.num_heads);
-  prefill.max_blocks_per_seq = metadata_->max_blocks_per_seq();
-  prefill.scale = scale;
-  if (num_decode == 0) {
-    kernels::PrefillAttention(prefill, stream_);
+    kernels::PagedDecodeAttention(DecodeKernelParams(plan, kv, scale), decode_plan, stream_);
+  } else if (num_decode == 0) {
+    kernels::PrefillAttention(PrefillKernelParams(plan, kv, scale), stream_);
   } else if (options_.mixed_attention_launch) {
-    kernels::MixedAttention(decode, decode_plan, prefill, stream_);
+    kernels::MixedAttention(DecodeKernelParams(plan, kv, scale), decode_plan, PrefillKernelParams(plan, kv, scale),
+                            stream_);
   } else {
-    kernels::PagedDecodeAttention(decode, decode_plan, stream_);
-    kernels::PrefillAttention(prefill, stream_);
+    kernels::PagedDecodeAttention(DecodeKernelParams(plan, kv, scale), decode_plan, stream_);
+    kernels::PrefillAttention(PrefillKernelParams(plan, kv, scale), stream_);
   }
 }
 

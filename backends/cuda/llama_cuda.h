@@ -23,6 +23,7 @@
 #include "backends/cuda/step_metadata.h"
 #include "engine/model_executor.h"
 #include "kernels/attention/paged_attention.h"
+#include "kernels/attention/prefill_attention.h"
 #include "kernels/gemm/skinny_gemm.h"
 #include "model/safetensors.h"
 
@@ -185,6 +186,11 @@ class LlamaCuda : public ModelExecutor {
   void EnqueueAttentionOutput(const cuda::CudaLayerWeights& l, int rows);
   void EnqueueQkvRopeKvWrite(const cuda::CudaLayerWeights& l, int rows, const kernels::PagedKvView& kv,
                              RingKvWrite ring);
+  // The attention kernels' parameters for a step's decode rows and for its other sequences.
+  kernels::PagedDecodeAttentionParams DecodeKernelParams(const cuda::StepPlan& plan, const kernels::PagedKvView& kv,
+                                                         float scale);
+  kernels::PrefillAttentionParams PrefillKernelParams(const cuda::StepPlan& plan, const kernels::PagedKvView& kv,
+                                                      float scale);
   void EnqueueAttentionKernel(const cuda::StepPlan& plan, const kernels::PagedDecodeAttentionPlan& decode_plan,
                               const kernels::PagedKvView& kv, int layer);
   // One layer's MLP sublayer: norm (adding the attention output), gate/up with SiLU·mul, down
