@@ -18,3 +18,4 @@ strip "$stage"/bin/* "$stage"/lib/* 2>/dev/null || true
 mkdir -p "$bundle"
 tar -C "$(dirname "$stage")" -cJf "$bundle/bundle.tar.xz" devbundle
 du -h "$bundle/bundle.tar.xz"
+scripts/gpu/carry_size.sh "$bundle" || true  # what a call carrying it would carry

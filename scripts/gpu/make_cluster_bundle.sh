@@ -25,3 +25,4 @@ cp "$tokenizer/tokenizer.json" "$tokenizer/tokenizer_config.json" "$stage/"
 rm -rf .devcluster && mkdir -p .devcluster
 tar -C "$(dirname "$stage")" -cJf .devcluster/bundle.tar.xz devbundle
 du -h .devcluster/bundle.tar.xz
+scripts/gpu/carry_size.sh .devcluster || true  # what a call carrying it would carry
