@@ -306,6 +306,22 @@ TEST(ServeSupervisionTest, WorkersGetTheirMpsPriorityAndShare) {
   }
 }
 
+// The step budgets reach the workers: --max-num-mixed-tokens every worker's engine, and
+// --decode-max-num-batched-tokens the decode workers' in place of --max-num-batched-tokens.
+TEST(ServeSupervisionTest, StepBudgetsReachTheWorkers) {
+  Serve serve({"--max-num-batched-tokens", "512", "--decode-max-num-batched-tokens", "256", "--max-num-mixed-tokens",
+               "48"});
+  ASSERT_TRUE(serve.ok()) << serve.error;
+  const std::vector<Child> children = ChildrenOf(serve.process->pid());
+  ASSERT_EQ(children.size(), 3u);
+  for (const Child& c : children) {
+    if (c.role() == "router") continue;
+    EXPECT_EQ(c.Flag("--max-num-mixed-tokens"), "48") << c.role();
+    EXPECT_EQ(c.Flag("--max-num-batched-tokens"), c.role() == "decode-worker" ? "256" : "512") << c.role();
+  }
+  ASSERT_TRUE(FirstSuccessWithin(*serve.stub, std::chrono::seconds(10)).has_value());
+}
+
 // ---- Drain ----
 
 HealthCheckResponse::ServingStatus Health(const std::shared_ptr<grpc::Channel>& channel) {
