@@ -494,8 +494,7 @@ void LlmEngine::AppendToken(Request& r, const SampledToken& token, RequestOutput
 void LlmEngine::PlanSpeculation() {
   std::vector<Request*> decoding;
   for (auto& [id, r] : requests_) {
-    if (r->state == RequestState::kRunning && r->spec.mode != SpeculationMode::kNone && !r->output.empty() &&
-        r->num_tokens() - r->num_computed_tokens == 1) {
+    if (r->state == RequestState::kRunning && r->spec.mode != SpeculationMode::kNone && r->decoding()) {
       decoding.push_back(r.get());
     }
   }

@@ -89,6 +89,8 @@ struct Request {
     return i < int64_t(prompt.size()) ? prompt[size_t(i)] : output[size_t(i - int64_t(prompt.size()))];
   }
   bool finished() const { return state == RequestState::kFinished; }
+  // Its next step computes one token after sampled ones: it decodes (not a prompt chunk).
+  bool decoding() const { return !output.empty() && num_tokens() - num_computed_tokens == 1; }
 };
 
 }  // namespace duet

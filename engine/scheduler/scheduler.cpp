@@ -15,9 +15,8 @@ Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks)
 int64_t Scheduler::StepTokenBudget() const {
   const int64_t full = config_.max_num_batched_tokens, mixed = config_.max_num_mixed_tokens;
   if (mixed <= 0 || mixed >= full) return full;
-  const int64_t decoding = std::count_if(running_.begin(), running_.end(), [](const Request* r) {
-    return !r->output.empty() && r->num_tokens() - r->num_computed_tokens == 1;
-  });
+  const int64_t decoding =
+      std::count_if(running_.begin(), running_.end(), [](const Request* r) { return r->decoding(); });
   // Every decoding request keeps its token, however many there are.
   return decoding == 0 ? full : std::min(full, std::max(mixed, decoding));
 }

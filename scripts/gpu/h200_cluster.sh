@@ -20,11 +20,7 @@
 set -uo pipefail
 QUICK=${QUICK:-0}
 OUT=${OUT:-/tmp/duet-cluster-out}
-mkdir -p "$OUT"
-tar -xJf .devcluster/bundle.tar.xz -C /tmp || exit 1
-source /tmp/devbundle/env.sh
-MODEL=/tmp/llama8b
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+source scripts/gpu/devcluster_prologue.sh
 
 [[ $QUICK == 1 ]] || {
 echo "== device KV cache <-> pinned staging copies"
@@ -33,11 +29,7 @@ grep -E "^\[  (PASSED|FAILED) |Failure" "$OUT/device_kv_cache_tests.log" | head
 }
 
 echo "== checkpoint (transformers, random weights; kept from an earlier run on this machine)"
-[[ -f $MODEL/config.json ]] || python3 -c "
-import sys; sys.path.insert(0, 'scripts/gpu')
-from hf_reference import make_checkpoint
-make_checkpoint('$MODEL', 32)" 2>&1 | grep -v Warning | tail -2
-cp /tmp/devbundle/tokenizer.json /tmp/devbundle/tokenizer_config.json "$MODEL/"
+llama8b_checkpoint
 
 PROMPTS=("def fibonacci(n):" "The capital of France is" "import numpy as np
 x = np.")

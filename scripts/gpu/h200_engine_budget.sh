@@ -12,16 +12,8 @@
 set -uo pipefail
 budgets=${BUDGETS:-384 1024 1024/384} rounds=${ROUNDS:-2}
 OUT=${OUT:-/tmp/duet-engine-out}
-mkdir -p "$OUT"
-tar -xJf .devcluster/bundle.tar.xz -C /tmp || exit 1
-source /tmp/devbundle/env.sh
-MODEL=/tmp/llama8b
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-[[ -f $MODEL/config.json ]] || python3 -c "
-import sys; sys.path.insert(0, 'scripts/gpu')
-from hf_reference import make_checkpoint
-make_checkpoint('$MODEL', 32)" 2>&1 | grep -v Warning | tail -2
-cp /tmp/devbundle/tokenizer.json /tmp/devbundle/tokenizer_config.json "$MODEL/"
+source scripts/gpu/devcluster_prologue.sh
+llama8b_checkpoint
 duet-bench --dataset random --tokenizer "$MODEL" --input-len 512 --output-len 128 --ignore-eos --seed 1 \
   --num-prompts 256 --save-requests "$OUT/requests.jsonl" 2> "$OUT/bench.log" || echo "duet-bench exit $?"
 for round in $(seq 1 "$rounds"); do
