@@ -18,6 +18,10 @@ std::string FormatStatsLine(const IntervalStats& s) {
   if (s.steps > 0) {
     absl::StrAppendFormat(&line, ", Steps: %.1f/s, %.2f ms each, forward %.2f ms", double(s.steps) * per_s,
                           s.step_ms(), s.forward_ms());
+    if (s.delivery_seconds > 0 || s.posted_seconds > 0) {
+      absl::StrAppendFormat(&line, ", between steps: delivery %.2f ms, posted work %.2f ms",
+                            1e3 * s.delivery_seconds / double(s.steps), 1e3 * s.posted_seconds / double(s.steps));
+    }
   }
   return line;
 }

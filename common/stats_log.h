@@ -38,6 +38,10 @@ struct IntervalStats {
   int64_t steps = 0;
   double step_seconds = 0;
   double forward_seconds = 0;
+  // Host time between those steps (an engine loop's): handing outputs to their streams, and
+  // running posted work (new requests, aborts). Shown when there was some.
+  double delivery_seconds = 0;
+  double posted_seconds = 0;
 
   bool idle() const { return prompt_tokens == 0 && generation_tokens == 0; }
   // A step's mean wall time and forward time in the interval, in ms (0 without steps).

@@ -30,6 +30,11 @@ TEST(FormatStatsLine, VllmsFieldsAndRatesOverTheInterval) {
   s.step_seconds = 10.003;
   s.forward_seconds = 9.27;
   EXPECT_THAT(FormatStatsLine(s), ::testing::EndsWith("rate: 61.2%, Steps: 104.2/s, 9.60 ms each, forward 8.90 ms"));
+  // An engine loop's host time between them, per step.
+  s.delivery_seconds = 0.521;
+  s.posted_seconds = 0.0521;
+  EXPECT_THAT(FormatStatsLine(s),
+              ::testing::EndsWith("forward 8.90 ms, between steps: delivery 0.50 ms, posted work 0.05 ms"));
   // No time has passed: no rates (rather than infinities).
   EXPECT_THAT(FormatStatsLine({.seconds = 0, .prompt_tokens = 5}), HasSubstr("Avg prompt throughput: 0.0 tokens/s"));
   EXPECT_TRUE(IntervalStats{.running = 2}.idle());

@@ -1,5 +1,7 @@
 #include "engine/engine_loop.h"
 
+#include <chrono>
+
 #include "common/logging.h"
 
 namespace duet {
@@ -77,19 +79,26 @@ void EngineLoop::Run() {
       if (stopping_) return;
       work.swap(pending_);
     }
+    using Clock = std::chrono::steady_clock;
+    const Clock::time_point posted_start = Clock::now();
     for (auto& fn : work) fn(*engine_);
+    if (!work.empty()) posted_seconds_ += std::chrono::duration<double>(Clock::now() - posted_start).count();
     if (engine_->HasUnfinished()) {
       idle_work_left_ = true;  // a step may leave work for the next idle time
       absl::StatusOr<std::vector<RequestOutput>> outputs = engine_->Step(on_layer_done_);
       if (!outputs.ok()) {
         DUET_LOG(ERROR) << "engine step failed: " << outputs.status().message();
       } else {
+        const Clock::time_point delivery_start = Clock::now();
         if (on_step_done_ && engine_->last_step_num_tokens() > 0) on_step_done_(engine_->last_step_num_tokens());
         for (const RequestOutput& out : *outputs) Deliver(out);
+        delivery_seconds_ += std::chrono::duration<double>(Clock::now() - delivery_start).count();
       }
     }
     std::lock_guard<std::mutex> lock(mu_);
     stats_ = engine_->Stats();
+    stats_.delivery_seconds = delivery_seconds_;
+    stats_.posted_seconds = posted_seconds_;
   }
 }
 

@@ -78,6 +78,8 @@ class EngineLoop {
   bool stopping_ = false;                                 // guarded by mu_
   EngineStats stats_;                                     // guarded by mu_
   bool idle_work_left_ = false;  // the engine may have idle work (loop thread only)
+  double delivery_seconds_ = 0;  // EngineStats' (loop thread only)
+  double posted_seconds_ = 0;    // EngineStats' (loop thread only)
   std::map<std::string, OutputCallback> subscribers_;     // loop thread only
   std::thread thread_;
 };

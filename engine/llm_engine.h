@@ -97,6 +97,10 @@ struct EngineStats {
   int64_t num_steps = 0;
   double step_seconds = 0;
   double forward_seconds = 0;
+  // Filled by an EngineLoop (0 without one): host time its thread spent between steps handing the
+  // steps' outputs to subscribers, and running posted work. The device waits through both.
+  double delivery_seconds = 0;
+  double posted_seconds = 0;
 };
 
 // Makes the executor for a model directory (`config.model_dir`, on `config.backend`); the

@@ -41,7 +41,9 @@ IntervalStats EngineIntervalStats(const EngineStats& before, const EngineStats& 
                   .kv_cache_device = labels.kv_cache_device,
                   .steps = now.num_steps - before.num_steps,
                   .step_seconds = now.step_seconds - before.step_seconds,
-                  .forward_seconds = now.forward_seconds - before.forward_seconds};
+                  .forward_seconds = now.forward_seconds - before.forward_seconds,
+                  .delivery_seconds = now.delivery_seconds - before.delivery_seconds,
+                  .posted_seconds = now.posted_seconds - before.posted_seconds};
   if (labels.prefix_caching) {
     const int64_t queries = now.prefix_cache_queries - before.prefix_cache_queries;
     s.prefix_cache_hit_rate = queries > 0 ? double(now.prefix_cache_hits - before.prefix_cache_hits) / double(queries) : 0.0;

@@ -45,6 +45,12 @@ TEST(EngineIntervalStats, TokensAndLookupsInTheIntervalStateAtItsEnd) {
   EXPECT_DOUBLE_EQ(steps.step_seconds, 4.0);
   EXPECT_NEAR(steps.forward_seconds, 3.2, 1e-9);
   EXPECT_THAT(FormatStatsLine(steps), ::testing::EndsWith(", Steps: 100.0/s, 10.00 ms each, forward 8.00 ms"));
+  // An engine loop's time between the steps, from its counters' differences too.
+  now.delivery_seconds = 0.5;
+  now.posted_seconds = 0.02;
+  before.delivery_seconds = 0.1;
+  EXPECT_THAT(FormatStatsLine(EngineIntervalStats(before, now, 4.0, {})),
+              ::testing::EndsWith("forward 8.00 ms, between steps: delivery 1.00 ms, posted work 0.05 ms"));
   // No lookups in the interval: 0%; prefix caching off: no hit rate at all.
   EXPECT_EQ(*EngineIntervalStats(now, now, 1.0, {.prefix_caching = true}).prefix_cache_hit_rate, 0.0);
   EXPECT_FALSE(EngineIntervalStats(before, now, 1.0, {}).prefix_cache_hit_rate.has_value());

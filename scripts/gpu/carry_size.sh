@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 limit=$((64 << 20))
-tree=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+tree=$( (git ls-files -z | xargs -0 stat -c %s 2>/dev/null || true) | awk '{s += $1} END {print s + 0}')
 carried=0
 for dir in "$@"; do carried=$((carried + $(du -sb "$dir" | cut -f1))); done
 total=$((tree + carried))

