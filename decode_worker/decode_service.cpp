@@ -728,7 +728,8 @@ void DecodeService::DecodeCall::OnOutput(const RequestOutput& out) {
     absl::MutexLock lock(&mu_);
     queued_.push_back(std::move(message));
   }
-  Pump();
+  // Queued in order here; the write starts off the engine thread.
+  service_->stream_writer_.Post([self = shared_from_this()] { self->Pump(); });
 }
 
 v1::GenerateResponse DecodeService::DecodeCall::ToMessage(const RequestOutput& out) {

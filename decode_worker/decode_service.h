@@ -24,6 +24,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "duet/v1/worker.grpc.pb.h"
+#include "common/serial_executor.h"
 #include "engine/engine_loop.h"
 #include "engine/llm_engine.h"
 #include "kvtransfer/kv_transport.h"
@@ -192,6 +193,11 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
   absl::Mutex metrics_mu_;
   EngineStats recorded_stats_ ABSL_GUARDED_BY(metrics_mu_);
   SpecDecodeStats spec_seen_ ABSL_GUARDED_BY(metrics_mu_);  // spec-decode counters already exported
+
+  // Starts the streams' writes that the engine thread's outputs queue (gRPC may write to the
+  // socket inline in StartWrite: ~10 µs an output, which the GPU would wait through between
+  // steps). Before loop_, whose callbacks post to it.
+  SerialExecutor stream_writer_;
 
   std::unique_ptr<EngineLoop> loop_;
 
