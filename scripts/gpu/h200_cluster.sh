@@ -151,7 +151,7 @@ same=0
 for i in "${!PROMPTS[@]}"; do
   duet complete --address 127.0.0.1:$port --prompt "${PROMPTS[$i]}" --max-tokens 32 --temperature 0 \
     > /tmp/complete_$i.txt 2>> "$dir/complete.log"
-  python3 - "$i" "$OUT/generate.jsonl" /tmp/complete_$i.txt <<'PY' && same=$((same + 1))
+  python3 - "$i" "$OUT/generate.jsonl" /tmp/complete_$i.txt <<'PY' > /tmp/compare_$i.txt && same=$((same + 1))
 import json, sys
 i, gen, got = sys.argv[1], sys.argv[2], open(sys.argv[3]).read()
 want = {json.loads(l)["id"]: json.loads(l)["text"] for l in open(gen)}["p" + i]
@@ -160,8 +160,9 @@ print(f"prompt {i}: {'same' if got == want else f'DIFFERENT from char {first}'} 
 print("  generate:", repr(want[:70])); print("  cluster: ", repr(got[:70]))
 sys.exit(0 if got == want else 1)
 PY
+  tee -a "$dir/compare.txt" < /tmp/compare_$i.txt
 done
-echo "cluster output equals duet generate for $same of ${#PROMPTS[@]} prompts"
+echo "cluster output equals duet generate for $same of ${#PROMPTS[@]} prompts" | tee -a "$dir/compare.txt"
 
 echo "== duet-bench (random 512 in / 128 out, ignore_eos)"
 bench warmup 100 --input-len 512 --num-prompts 8 --max-concurrency 8
