@@ -89,21 +89,17 @@ std::vector<Stream> Collect(std::vector<std::future<Stream>>& streams) {
   return done;
 }
 
-// Waits until a decode worker runs two or more streams and returns it (killed at once, both
-// migrate), or -1. Running, not only reserved: a request still waiting for its prefill when its
-// worker dies is placed again, not migrated. With `total`, also until all `total` streams are on
-// the decode workers (none still prefilling).
+// Waits until a decode worker holds two or more unfinished streams and returns it (killed at
+// once, both migrate), or -1. With `total`, also until all `total` streams are on the decode
+// workers (none still prefilling).
 int WaitForTwoStreamsOnADecodeWorker(LocalCluster& cluster, int total = 0) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (std::chrono::steady_clock::now() < deadline) {
     const std::vector<v1::WorkerStats> stats = cluster.DecodeStats();
     if (stats.size() == 2) {
-      const int running_zero = stats[0].num_requests_running(), running_one = stats[1].num_requests_running();
-      const int on_zero = running_zero + stats[0].num_requests_waiting();
-      const int on_one = running_one + stats[1].num_requests_waiting();
-      if ((total == 0 || on_zero + on_one == total) && std::max(running_zero, running_one) >= 2) {
-        return running_zero >= 2 ? 0 : 1;
-      }
+      const int on_zero = stats[0].num_requests_running() + stats[0].num_requests_waiting();
+      const int on_one = stats[1].num_requests_running() + stats[1].num_requests_waiting();
+      if ((total == 0 || on_zero + on_one == total) && std::max(on_zero, on_one) >= 2) return on_zero >= 2 ? 0 : 1;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
