@@ -19,28 +19,33 @@ namespace duet {
 #ifdef DUET_HAVE_CUDA
 namespace {
 
-// $DUET_WIDE_GEMM_MIN_ROWS, when set: bf16 products of at least this many rows go to WideGemm, 0
-// to none (kernels/gemm/wide_gemm.h). The default is cuda::kWideGemmDefaultMinRows; the variable
-// lets a benchmark compare both on one build.
-absl::StatusOr<int> WideGemmMinRows() {
-  const char* env = std::getenv("DUET_WIDE_GEMM_MIN_ROWS");
-  if (env == nullptr) return cuda::kWideGemmDefaultMinRows;
+// A row count from the environment variable `name` when it is set, else `default_rows`. Two lets a
+// benchmark compare kernel choices on one build:
+//   $DUET_WIDE_GEMM_MIN_ROWS: bf16 products of at least this many rows go to WideGemm, 0 to none
+//     (kernels/gemm/wide_gemm.h; default cuda::kWideGemmDefaultMinRows);
+//   $DUET_GEMM_TUNING_MAX_ROWS: the projections' cuBLASLt algorithms are tuned at load up to this
+//     many rows, 0: none (backends/cuda/gemm_tuning.h; default cuda::kGemmTuningDefaultMaxRows).
+absl::StatusOr<int> RowsFromEnvironment(const char* name, int default_rows) {
+  const char* env = std::getenv(name);
+  if (env == nullptr) return default_rows;
   char* end = nullptr;
   const long rows = std::strtol(env, &end, 10);
   if (end == env || *end != '\0' || rows < 0 || rows > (1 << 20)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("DUET_WIDE_GEMM_MIN_ROWS=", env, " is not a row count (0 turns WideGemm off)"));
+    return absl::InvalidArgumentError(absl::StrCat(name, "=", env, " is not a row count (0 turns it off)"));
   }
-  DUET_LOG(INFO) << "WideGemm takes products of " << (rows > 0 ? "at least " + std::to_string(rows) : "no")
-                 << " rows (DUET_WIDE_GEMM_MIN_ROWS)";
+  DUET_LOG(INFO) << name << "=" << rows;
   return int(rows);
 }
 
 absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadCudaExecutor(const EngineConfig& config) {
   LlamaCudaOptions options;
-  absl::StatusOr<int> wide_gemm_min_rows = WideGemmMinRows();
+  absl::StatusOr<int> wide_gemm_min_rows = RowsFromEnvironment("DUET_WIDE_GEMM_MIN_ROWS", cuda::kWideGemmDefaultMinRows);
   if (!wide_gemm_min_rows.ok()) return wide_gemm_min_rows.status();
   options.wide_gemm_min_rows = *wide_gemm_min_rows;
+  absl::StatusOr<int> tuning_max_rows =
+      RowsFromEnvironment("DUET_GEMM_TUNING_MAX_ROWS", cuda::kGemmTuningDefaultMaxRows);
+  if (!tuning_max_rows.ok()) return tuning_max_rows.status();
+  options.gemm_tuning_max_rows = *tuning_max_rows;
   const std::vector<int>& devices = config.sequence_parallel.devices;
   if (!devices.empty() && int(devices.size()) != config.sequence_parallel.ranks) {
     return absl::InvalidArgumentError(absl::StrCat("--devices names ", devices.size(), " GPUs for --sp-ranks ",

@@ -62,7 +62,13 @@ absl::StatusOr<CublasLinear> CublasLinear::Create(cudaStream_t stream, void* wor
   CheckCublas(cublasSetStream(handle, stream), "cublasSetStream");
   CheckCublas(cublasSetWorkspace(handle, workspace, workspace_bytes), "cublasSetWorkspace");
   CheckCublas(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
-  return CublasLinear(handle, stream, num_sms, skinny_gemm_max_rows, wide_gemm_min_rows, wide_gemm_capacity);
+  absl::StatusOr<std::unique_ptr<GemmTuning>> tuning = GemmTuning::Create(stream, workspace, workspace_bytes);
+  if (!tuning.ok()) {
+    cublasDestroy(handle);
+    return tuning.status();
+  }
+  return CublasLinear(handle, stream, num_sms, skinny_gemm_max_rows, wide_gemm_min_rows, wide_gemm_capacity,
+                      *std::move(tuning));
 }
 
 CublasLinear::~CublasLinear() {
@@ -100,7 +106,21 @@ void CublasLinear::Forward(const __nv_bfloat16* x, const __nv_bfloat16* weight, 
                       kernels::PlanWideGemm(rows, in, out, false, wide_gemm_capacity_), stream_);
     return;
   }
+  if (tuning_->Run({int(CublasRowCapacity(rows)), in, out}, x, weight, y)) return;
   Gemm(handle_, x, weight, y, CUDA_R_16BF, rows, in, out);
+}
+
+bool CublasLinear::RunsOnCublas(int rows) const {
+  return rows > kernels::kGemvPreferredMaxRows && rows > skinny_gemm_max_rows_ &&
+         (wide_gemm_min_rows_ == 0 || rows < wide_gemm_min_rows_);
+}
+
+absl::StatusOr<GemmTuning::Result> CublasLinear::Tune(int rows, int in, int out,
+                                                      absl::Span<const __nv_bfloat16* const> weights,
+                                                      const __nv_bfloat16* x, __nv_bfloat16* y) {
+  return tuning_->Tune({int(CublasRowCapacity(rows)), in, out}, weights, x, y, [&](const __nv_bfloat16* w) {
+    Gemm(handle_, x, w, y, CUDA_R_16BF, rows, in, out);
+  });
 }
 
 void CublasLinear::ForwardF32(const __nv_bfloat16* x, const __nv_bfloat16* weight, float* y, int rows, int in,

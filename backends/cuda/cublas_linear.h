@@ -9,12 +9,15 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "backends/cuda/gemm_tuning.h"
 #include "kernels/gemm/skinny_gemm.h"
 #include "kernels/gemm/wide_gemm.h"
 
@@ -36,6 +39,13 @@ inline int64_t CublasRowCapacity(int64_t rows) {
 // $DUET_WIDE_GEMM_MIN_ROWS for every command (backends/executor_factory.cpp), turns it on.
 inline constexpr int kWideGemmDefaultMinRows = 0;
 
+// Up to how many rows (as cuBLAS sees them) the bf16 projections' cuBLASLt algorithms are tuned
+// at load by default (GemmTuning): the decode batches and mixed steps, whose few row tiles the
+// default heuristic spreads worst over the SMs. 0: none (until it is measured on a GPU;
+// cuda_llama_bench --gemm-tuning-max-rows N, or $DUET_GEMM_TUNING_MAX_ROWS for every command,
+// turns it on).
+inline constexpr int kGemmTuningDefaultMaxRows = 0;
+
 class CublasLinear {
  public:
   // `workspace` (device memory, may be shared by nothing else running concurrently) lets cuBLAS
@@ -51,7 +61,8 @@ class CublasLinear {
         num_sms_(o.num_sms_),
         skinny_gemm_max_rows_(o.skinny_gemm_max_rows_),
         wide_gemm_min_rows_(o.wide_gemm_min_rows_),
-        wide_gemm_capacity_(o.wide_gemm_capacity_) {
+        wide_gemm_capacity_(o.wide_gemm_capacity_),
+        tuning_(std::move(o.tuning_)) {
     o.handle_ = nullptr;
   }
   CublasLinear& operator=(CublasLinear&&) = delete;
@@ -68,15 +79,26 @@ class CublasLinear {
   void ForwardSiluMul(const __nv_bfloat16* x, const __nv_bfloat16* gate_up_weight, __nv_bfloat16* gate_up,
                       __nv_bfloat16* act, int rows, int in, int inter) const;
 
+  // Whether a bf16 product of `rows` rows reaches cuBLAS (not Gemv, SkinnyGemm or WideGemm).
+  bool RunsOnCublas(int rows) const;
+  // Times the bf16 product y[rows, in] · W[out, in]^T as cuBLAS runs it (rows rounded) on
+  // `weights` (the projection's W of each layer) against cuBLASLt's candidates, and runs it with
+  // the fastest from now on where that beats the default (GemmTuning). x and y: device scratch of
+  // CublasRowCapacity(rows) × in and × out. Before any graph capture.
+  absl::StatusOr<GemmTuning::Result> Tune(int rows, int in, int out, absl::Span<const __nv_bfloat16* const> weights,
+                                          const __nv_bfloat16* x, __nv_bfloat16* y);
+
  private:
   CublasLinear(cublasHandle_t handle, cudaStream_t stream, int num_sms, int skinny_gemm_max_rows,
-               int wide_gemm_min_rows, const kernels::WideGemmCapacity& wide_gemm_capacity)
+               int wide_gemm_min_rows, const kernels::WideGemmCapacity& wide_gemm_capacity,
+               std::unique_ptr<GemmTuning> tuning)
       : handle_(handle),
         stream_(stream),
         num_sms_(num_sms),
         skinny_gemm_max_rows_(skinny_gemm_max_rows),
         wide_gemm_min_rows_(wide_gemm_min_rows),
-        wide_gemm_capacity_(wide_gemm_capacity) {}
+        wide_gemm_capacity_(wide_gemm_capacity),
+        tuning_(std::move(tuning)) {}
   // Whether SkinnyGemm takes this product (else Gemv's or cuBLAS's rows).
   bool UseSkinnyGemm(const void* x, const void* weight, int rows, int in) const;
   // Whether WideGemm takes this bf16 product.
@@ -90,6 +112,7 @@ class CublasLinear {
   int skinny_gemm_max_rows_ = 0;
   int wide_gemm_min_rows_ = 0;
   kernels::WideGemmCapacity wide_gemm_capacity_{};  // asked when wide_gemm_min_rows_ > 0
+  std::unique_ptr<GemmTuning> tuning_;               // the bf16 products' tuned algorithms
 };
 
 }  // namespace duet::cuda

@@ -56,6 +56,10 @@ struct LlamaCudaOptions {
   // tensor-core GEMM (kernels/gemm/wide_gemm.h); 0 (the default until it is measured on the H200):
   // through cuBLAS.
   int wide_gemm_min_rows = cuda::kWideGemmDefaultMinRows;
+  // The projections that reach cuBLAS, at each multiple of 64 rows up to this many (and
+  // max_num_batched_tokens), get the cuBLASLt algorithm timed fastest on this model's weights at
+  // load (cuda::GemmTuning); 0: cuBLAS's default algorithm throughout.
+  int gemm_tuning_max_rows = cuda::kGemmTuningDefaultMaxRows;
   // Logits rows one head pass computes (at least max_num_seqs): a step verifying draft trees
   // gives a row per token and replays a graph only when its rows fit one pass. Device memory:
   // rows * vocab * 4 bytes.
@@ -136,6 +140,9 @@ class LlamaCuda : public ModelExecutor {
     ring_events_layer_ = layer;
   }
 
+  // What the load's GEMM tuning found, one entry per projection shape it timed.
+  const std::vector<cuda::GemmTuning::Result>& gemm_tuning() const { return gemm_tuning_; }
+
   cudaStream_t stream() const { return stream_; }
   int64_t weight_bytes() const { return weights_->bytes(); }
 
@@ -158,6 +165,8 @@ class LlamaCuda : public ModelExecutor {
   absl::Status InitDevice();
   absl::Status UploadRopeTable();
   absl::Status AllocateActivations();
+  // Options' gemm_tuning_max_rows: tunes the projections' shapes that reach cuBLAS.
+  absl::Status TuneProjections();
 
   // The cache as this executor's own (created by CreateDeviceKvCache).
   absl::StatusOr<cuda::DeviceKvCache*> OwnCache(KvCache& cache) const;
@@ -216,6 +225,7 @@ class LlamaCuda : public ModelExecutor {
   int num_sms_ = 0;
   cuda::DeviceArena arena_;
   std::unique_ptr<cuda::CublasLinear> linear_;
+  std::vector<cuda::GemmTuning::Result> gemm_tuning_;
   std::shared_ptr<const cuda::CudaWeights> weights_;  // shared by the sequence-parallel ranks on this device
   cuda::DeviceAllocation rope_table_;  // [max_model_len, head_dim / 2] float2
 

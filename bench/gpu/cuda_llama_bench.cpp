@@ -9,7 +9,7 @@
 //
 //   cuda_llama_bench --model DIR [--batch 1,8,32,128] [--context 1024] [--prefill 1024,8192 | --prefill none]
 //                    [--mixed-prompt 256,512,256@320] [--no-pdl] [--no-fusion] [--no-mixed-launch] [--early-groups 1|2] [--no-cuda-graphs]
-//                    [--skinny-gemm-max-rows N] [--wide-gemm-min-rows N]
+//                    [--skinny-gemm-max-rows N] [--wide-gemm-min-rows N] [--gemm-tuning-max-rows N]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -142,6 +142,17 @@ std::vector<MixedChunk> ParseMixedChunks(const std::string& text) {
   return out;
 }
 
+// The load's GEMM tuning, one line per shape: cuBLAS's default against cuBLASLt's fastest candidate.
+void PrintGemmTuning(const std::vector<cuda::GemmTuning::Result>& tuning) {
+  if (tuning.empty()) return;
+  std::printf("GEMM tuning at load (us per launch, weights not in L2)\n%6s %6s %6s %9s %9s %6s %5s  %s\n", "rows", "in",
+              "out", "default", "fastest", "ratio", "kept", "fastest candidate");
+  for (const cuda::GemmTuning::Result& r : tuning) {
+    std::printf("%6d %6d %6d %9.1f %9.1f %6.3f %5s  %s\n", r.shape.rows, r.shape.in, r.shape.out, r.default_us,
+                r.best_us, r.best_us > 0 ? r.best_us / r.default_us : 0.0, r.kept ? "yes" : "no", r.algorithm.c_str());
+  }
+}
+
 int Run(int argc, char** argv) {
   CLI::App app{"CUDA backend decode/prefill benchmark"};
   std::string model_dir, batches = "1,8,32,128", prefills = "1024,8192", mixed_prompts = "none";
@@ -149,6 +160,7 @@ int Run(int argc, char** argv) {
   bool graphs = true, pdl = true, fusion = true, mixed_launch = true;
   int skinny_max_rows = kernels::kSkinnyGemmPreferredMaxRows;
   int wide_min_rows = cuda::kWideGemmDefaultMinRows;
+  int tuning_max_rows = cuda::kGemmTuningDefaultMaxRows;
   int early_groups = 2;
   app.add_option("--model", model_dir, "checkpoint directory")->required();
   app.add_option("--batch", batches, "decode batch sizes");
@@ -167,6 +179,9 @@ int Run(int argc, char** argv) {
       ->check(CLI::Range(0, kernels::kSkinnyGemmMaxRows));
   app.add_option("--wide-gemm-min-rows", wide_min_rows,
                  "projections of at least N rows through WideGemm (0: through cuBLAS)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--gemm-tuning-max-rows", tuning_max_rows,
+                 "tune the cuBLAS projections' algorithms at load up to N rows (0: cuBLAS's default algorithm)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--early-groups", early_groups, "weight groups the skinny GEMM issues before it waits (1 or 2)")
       ->check(CLI::IsMember({1, 2}));
@@ -192,6 +207,8 @@ int Run(int argc, char** argv) {
   options.mixed_attention_launch = mixed_launch;
   options.skinny_gemm_max_rows = skinny_max_rows;
   options.wide_gemm_min_rows = wide_min_rows;
+  options.gemm_tuning_max_rows = tuning_max_rows;
+  const auto load_started = std::chrono::steady_clock::now();
   auto loaded = LlamaCuda::Load(model_dir, options);
   if (!loaded.ok()) {
     std::fprintf(stderr, "load: %s\n", std::string(loaded.status().message()).c_str());
@@ -199,6 +216,8 @@ int Run(int argc, char** argv) {
   }
   LlamaCuda& model = **loaded;
   const ModelConfig& c = model.config();
+  std::printf("load %.1f s\n", std::chrono::duration<double>(std::chrono::steady_clock::now() - load_started).count());
+  PrintGemmTuning(model.gemm_tuning());
   // Decode sequences own `context + steps` tokens each; the prefill sequence reuses the first ones.
   const int block_size = 16;
   const int blocks_per_seq = (context + steps + 16 + block_size - 1) / block_size;

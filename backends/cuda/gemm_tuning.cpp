@@ -1,0 +1,256 @@
+#include "backends/cuda/gemm_tuning.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+
+namespace duet::cuda {
+namespace {
+
+// The heuristic's candidates timed per shape, and how many of the fastest are tried split over K.
+constexpr int kHeuristicCandidates = 8;
+constexpr int kSplitCandidates = 3;
+constexpr int kSplits[] = {2, 3, 4};
+// Launches per pass: weights spread over the layers (more than L2 holds), and passes timed.
+constexpr size_t kLaunchesPerPass = 8;
+constexpr int kTimedPasses = 2;
+
+absl::Status LtStatus(cublasStatus_t s, const char* what) {
+  if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("cuBLASLt ", what, ": ", cublasGetStatusString(s)));
+}
+
+absl::Status CudaOk(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+}
+
+template <typename T>
+T ConfigAttribute(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  T value{};
+  size_t written = 0;
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof(value), &written);
+  return value;
+}
+
+}  // namespace
+
+std::string DescribeAlgorithm(const cublasLtMatmulAlgo_t& a) {
+  char text[160];
+  std::snprintf(text, sizeof(text), "id %d tile %u stages %u splitK %d reduction %u swizzle %u custom %u cluster %u",
+                ConfigAttribute<int32_t>(a, CUBLASLT_ALGO_CONFIG_ID),
+                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_TILE_ID),
+                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_STAGES_ID),
+                ConfigAttribute<int32_t>(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME),
+                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION),
+                unsigned(ConfigAttribute<uint16_t>(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID)));
+  return text;
+}
+
+absl::StatusOr<std::unique_ptr<GemmTuning>> GemmTuning::Create(cudaStream_t stream, void* workspace,
+                                                               size_t workspace_bytes) {
+  cublasLtHandle_t handle = nullptr;
+  DUET_RETURN_IF_ERROR(LtStatus(cublasLtCreate(&handle), "create"));
+  cudaEvent_t start = nullptr, stop = nullptr;
+  absl::Status events = CudaOk(cudaEventCreate(&start), "event");
+  if (events.ok()) events = CudaOk(cudaEventCreate(&stop), "event");
+  if (!events.ok()) {
+    if (start != nullptr) cudaEventDestroy(start);
+    cublasLtDestroy(handle);
+    return events;
+  }
+  return std::unique_ptr<GemmTuning>(new GemmTuning(handle, stream, workspace, workspace_bytes, start, stop));
+}
+
+GemmTuning::~GemmTuning() {
+  for (auto& [shape, kept] : kept_) Destroy(kept.product);
+  cudaEventDestroy(start_);
+  cudaEventDestroy(stop_);
+  cublasLtDestroy(handle_);
+}
+
+absl::StatusOr<GemmTuning::Product> GemmTuning::Describe(const Shape& s) const {
+  Product p;
+  // Column-major: y^T[out, rows] = op_T(W stored [in, out]) · x^T (stored [in, rows]).
+  absl::Status status = LtStatus(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "descriptor");
+  const cublasOperation_t transpose = CUBLAS_OP_T, as_is = CUBLAS_OP_N;
+  if (status.ok()) {
+    status = LtStatus(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)),
+                      "transa");
+  }
+  if (status.ok()) {
+    status = LtStatus(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &as_is, sizeof(as_is)),
+                      "transb");
+  }
+  if (status.ok()) status = LtStatus(cublasLtMatrixLayoutCreate(&p.w, CUDA_R_16BF, s.in, s.out, s.in), "layout");
+  if (status.ok()) status = LtStatus(cublasLtMatrixLayoutCreate(&p.x, CUDA_R_16BF, s.in, s.rows, s.in), "layout");
+  if (status.ok()) status = LtStatus(cublasLtMatrixLayoutCreate(&p.y, CUDA_R_16BF, s.out, s.rows, s.out), "layout");
+  if (!status.ok()) {
+    Destroy(p);
+    return status;
+  }
+  return p;
+}
+
+void GemmTuning::Destroy(Product& p) {
+  if (p.w != nullptr) cublasLtMatrixLayoutDestroy(p.w);
+  if (p.x != nullptr) cublasLtMatrixLayoutDestroy(p.x);
+  if (p.y != nullptr) cublasLtMatrixLayoutDestroy(p.y);
+  if (p.desc != nullptr) cublasLtMatmulDescDestroy(p.desc);
+  p = Product{};
+}
+
+cublasStatus_t GemmTuning::Launch(const Product& p, const cublasLtMatmulAlgo_t& algo, const __nv_bfloat16* x,
+                                  const __nv_bfloat16* weight, __nv_bfloat16* y) const {
+  const float alpha = 1.0f, beta = 0.0f;
+  return cublasLtMatmul(handle_, p.desc, &alpha, weight, p.w, x, p.x, &beta, y, p.y, y, p.y, &algo, workspace_,
+                        workspace_bytes_, stream_);
+}
+
+std::vector<cublasLtMatmulAlgo_t> GemmTuning::Candidates(const Product& p) const {
+  std::vector<cublasLtMatmulAlgo_t> out;
+  cublasLtMatmulPreference_t preference = nullptr;
+  if (cublasLtMatmulPreferenceCreate(&preference) != CUBLAS_STATUS_SUCCESS) return out;
+  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
+                                       sizeof(workspace_bytes_));
+  std::vector<cublasLtMatmulHeuristicResult_t> results(kHeuristicCandidates);
+  int found = 0;
+  if (cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.w, p.x, p.y, p.y, preference, kHeuristicCandidates,
+                                     results.data(), &found) == CUBLAS_STATUS_SUCCESS) {
+    for (int k = 0; k < found; ++k) {
+      if (results[size_t(k)].state == CUBLAS_STATUS_SUCCESS) out.push_back(results[size_t(k)].algo);
+    }
+  }
+  cublasLtMatmulPreferenceDestroy(preference);
+  return out;
+}
+
+std::vector<cublasLtMatmulAlgo_t> GemmTuning::SplitOverK(const Product& p, const cublasLtMatmulAlgo_t& algo) const {
+  std::vector<cublasLtMatmulAlgo_t> out;
+  int32_t support = 0;
+  size_t written = 0;
+  cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &support, sizeof(support), &written);
+  if (support == 0 || ConfigAttribute<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1) return out;
+  for (int32_t splits : kSplits) {
+    cublasLtMatmulAlgo_t split = algo;
+    // Partial sums reduced in fp32, in the workspace.
+    const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits));
+    cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction, sizeof(reduction));
+    cublasLtMatmulHeuristicResult_t check{};
+    if (cublasLtMatmulAlgoCheck(handle_, p.desc, p.w, p.x, p.y, p.y, &split, &check) == CUBLAS_STATUS_SUCCESS &&
+        check.workspaceSize <= workspace_bytes_) {
+      out.push_back(split);
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<double> GemmTuning::TimePerLaunch(absl::Span<const __nv_bfloat16* const> weights,
+                                                 const std::function<bool(const __nv_bfloat16*)>& launch) {
+  // Weights spread over the whole list: consecutive launches read different layers' weights.
+  const size_t n = std::min(weights.size(), kLaunchesPerPass);
+  std::vector<const __nv_bfloat16*> pass;
+  for (size_t i = 0; i < n; ++i) pass.push_back(weights[i * weights.size() / n]);
+  for (const __nv_bfloat16* w : pass) {
+    if (!launch(w)) return -1.0;
+  }
+  float best_ms = 0;
+  for (int timed = 0; timed < kTimedPasses; ++timed) {
+    DUET_RETURN_IF_ERROR(CudaOk(cudaEventRecord(start_, stream_), "event record"));
+    for (const __nv_bfloat16* w : pass) {
+      if (!launch(w)) return -1.0;
+    }
+    DUET_RETURN_IF_ERROR(CudaOk(cudaEventRecord(stop_, stream_), "event record"));
+    DUET_RETURN_IF_ERROR(CudaOk(cudaEventSynchronize(stop_), "timing a GEMM"));
+    float ms = 0;
+    DUET_RETURN_IF_ERROR(CudaOk(cudaEventElapsedTime(&ms, start_, stop_), "event time"));
+    best_ms = timed == 0 ? ms : std::min(best_ms, ms);
+  }
+  return double(best_ms) * 1000.0 / double(n);
+}
+
+absl::StatusOr<GemmTuning::Result> GemmTuning::Tune(const Shape& shape, absl::Span<const __nv_bfloat16* const> weights,
+                                                    const __nv_bfloat16* x, __nv_bfloat16* y,
+                                                    const std::function<void(const __nv_bfloat16*)>& run_default,
+                                                    double max_time_ratio) {
+  if (shape.rows <= 0 || shape.in <= 0 || shape.out <= 0 || weights.empty()) {
+    return absl::InvalidArgumentError("a GEMM shape to tune needs rows, in, out and weights");
+  }
+  if (auto it = kept_.find(shape); it != kept_.end()) {  // tuned again: start from the default
+    Destroy(it->second.product);
+    kept_.erase(it);
+  }
+  Result result;
+  result.shape = shape;
+  DUET_ASSIGN_OR_RETURN(result.default_us, TimePerLaunch(weights, [&](const __nv_bfloat16* w) {
+                          run_default(w);
+                          return true;
+                        }));
+  DUET_ASSIGN_OR_RETURN(Product product, Describe(shape));
+  auto time_algo = [&](const cublasLtMatmulAlgo_t& algo) {
+    return TimePerLaunch(weights, [&](const __nv_bfloat16* w) {
+      return Launch(product, algo, x, w, y) == CUBLAS_STATUS_SUCCESS;
+    });
+  };
+  std::vector<std::pair<double, cublasLtMatmulAlgo_t>> timed;
+  auto try_all = [&](const std::vector<cublasLtMatmulAlgo_t>& algos) -> absl::Status {
+    for (const cublasLtMatmulAlgo_t& algo : algos) {
+      DUET_ASSIGN_OR_RETURN(const double us, time_algo(algo));
+      if (us > 0) timed.emplace_back(us, algo);
+    }
+    return absl::OkStatus();
+  };
+  absl::Status status = try_all(Candidates(product));
+  std::sort(timed.begin(), timed.end(), [](const auto& l, const auto& r) { return l.first < r.first; });
+  std::vector<cublasLtMatmulAlgo_t> splits;
+  for (size_t k = 0; status.ok() && k < std::min<size_t>(kSplitCandidates, timed.size()); ++k) {
+    for (const cublasLtMatmulAlgo_t& split : SplitOverK(product, timed[k].second)) splits.push_back(split);
+  }
+  if (status.ok()) status = try_all(splits);
+  if (!status.ok()) {
+    Destroy(product);
+    return status;
+  }
+  result.candidates = int(timed.size());
+  const auto best = std::min_element(timed.begin(), timed.end(),
+                                     [](const auto& l, const auto& r) { return l.first < r.first; });
+  if (best == timed.end()) {
+    Destroy(product);
+    return result;
+  }
+  result.best_us = best->first;
+  result.algorithm = DescribeAlgorithm(best->second);
+  result.kept = best->first <= max_time_ratio * result.default_us;
+  if (result.kept) {
+    kept_.emplace(shape, Kept{product, best->second});
+  } else {
+    Destroy(product);
+  }
+  return result;
+}
+
+bool GemmTuning::Run(const Shape& shape, const __nv_bfloat16* x, const __nv_bfloat16* weight,
+                     __nv_bfloat16* y) const {
+  // The heuristic's candidates assume 256-byte aligned operands (cuBLASLt's default preference).
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 256 == 0; };
+  if (!aligned(x) || !aligned(weight) || !aligned(y)) return false;
+  const auto it = kept_.find(shape);
+  if (it == kept_.end()) return false;
+  // It launched while it was tuned, on the same shape and workspace: failing now is a bug or a
+  // dead device.
+  if (const cublasStatus_t s = Launch(it->second.product, it->second.algo, x, weight, y); s != CUBLAS_STATUS_SUCCESS) {
+    DUET_LOG(FATAL) << "cublasLtMatmul with a tuned algorithm failed: " << cublasGetStatusString(s);
+  }
+  return true;
+}
+
+}  // namespace duet::cuda
