@@ -117,10 +117,11 @@ bool CublasLinear::RunsOnCublas(int rows) const {
 
 absl::StatusOr<GemmTuning::Result> CublasLinear::Tune(int rows, int in, int out,
                                                       absl::Span<const __nv_bfloat16* const> weights,
-                                                      const __nv_bfloat16* x, __nv_bfloat16* y) {
-  return tuning_->Tune({int(CublasRowCapacity(rows)), in, out}, weights, x, y, [&](const __nv_bfloat16* w) {
-    Gemm(handle_, x, w, y, CUDA_R_16BF, rows, in, out);
-  });
+                                                      const __nv_bfloat16* x, __nv_bfloat16* y,
+                                                      double max_time_ratio) {
+  return tuning_->Tune(
+      {int(CublasRowCapacity(rows)), in, out}, weights, x, y,
+      [&](const __nv_bfloat16* w) { Gemm(handle_, x, w, y, CUDA_R_16BF, rows, in, out); }, max_time_ratio);
 }
 
 void CublasLinear::ForwardF32(const __nv_bfloat16* x, const __nv_bfloat16* weight, float* y, int rows, int in,

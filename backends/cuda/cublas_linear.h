@@ -86,7 +86,8 @@ class CublasLinear {
   // the fastest from now on where that beats the default (GemmTuning). x and y: device scratch of
   // CublasRowCapacity(rows) × in and × out. Before any graph capture.
   absl::StatusOr<GemmTuning::Result> Tune(int rows, int in, int out, absl::Span<const __nv_bfloat16* const> weights,
-                                          const __nv_bfloat16* x, __nv_bfloat16* y);
+                                          const __nv_bfloat16* x, __nv_bfloat16* y,
+                                          double max_time_ratio = GemmTuning::kMaxTimeRatio);
 
  private:
   CublasLinear(cublasHandle_t handle, cudaStream_t stream, int num_sms, int skinny_gemm_max_rows,

@@ -205,7 +205,8 @@ absl::Status LlamaCuda::TuneProjections() {
     for (const Projection& p : projections) {
       std::vector<const __nv_bfloat16*> weights;
       for (size_t l = 0; l < weights_->num_layers(); ++l) weights.push_back(weights_->layer(l).*p.weight);
-      DUET_ASSIGN_OR_RETURN(cuda::GemmTuning::Result r, linear_->Tune(rows, p.in, p.out, weights, x, y));
+      DUET_ASSIGN_OR_RETURN(cuda::GemmTuning::Result r, linear_->Tune(rows, p.in, p.out, weights, x, y,
+                                                                            options_.gemm_tuning_max_time_ratio));
       default_us += r.default_us;
       tuned_us += r.kept ? r.best_us : r.default_us;
       kept += r.kept ? 1 : 0;

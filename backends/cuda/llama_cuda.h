@@ -60,6 +60,9 @@ struct LlamaCudaOptions {
   // max_num_batched_tokens), get the cuBLASLt algorithm timed fastest on this model's weights at
   // load (cuda::GemmTuning); 0: cuBLAS's default algorithm throughout.
   int gemm_tuning_max_rows = cuda::kGemmTuningDefaultMaxRows;
+  // A tuned candidate replaces the default where it takes at most this share of its time (tests
+  // give a large value, so that every tuned shape runs a cuBLASLt candidate).
+  double gemm_tuning_max_time_ratio = cuda::GemmTuning::kMaxTimeRatio;
   // Logits rows one head pass computes (at least max_num_seqs): a step verifying draft trees
   // gives a row per token and replays a graph only when its rows fit one pass. Device memory:
   // rows * vocab * 4 bytes.

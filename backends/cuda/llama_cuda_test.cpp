@@ -148,6 +148,49 @@ TEST(LlamaCuda, Bf16PromptStepsThroughWideGemmMatchCpu) {
   EXPECT_LT(mixed_error, 1e-2);
 }
 
+// Every projection shape that reaches cuBLAS run by a tuned cuBLASLt algorithm (kept whatever
+// the timing says): a 437-token prefill of two prompts (448 rows as cuBLAS sees them), a mixed
+// step of a 150-token chunk beside both sequences' decode rows, and graph-replayed decode of 40
+// sequences (64 rows, captured with the tuned algorithm).
+TEST(LlamaCuda, Bf16StepsThroughTunedGemmsMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  LlamaCudaOptions options;
+  options.gemm_tuning_max_rows = 512;
+  options.gemm_tuning_max_time_ratio = 1e9;
+  BackendPair pair(options);
+  const std::vector<cuda::GemmTuning::Result>& tuning = pair.gpu().gemm_tuning();
+  EXPECT_EQ(tuning.size(), 8u * 4u);  // 64, 128, ..., 512 rows × qkv, o, gate_up, down
+  for (const cuda::GemmTuning::Result& r : tuning) EXPECT_TRUE(r.kept) << r.shape.rows << " " << r.shape.out;
+  std::vector<int32_t> table_a = Range(0, 12), table_b = Range(20, 25), table_c = Range(60, 12);
+  std::vector<int32_t> prompt_a = Range(5, 137), prompt_b = Range(900, 300), prompt_c = Range(2000, 150);
+  SequenceChunk a{prompt_a, 0, table_a, 1, 1}, b{prompt_b, 0, table_b, 2, 1};
+  std::vector<float> logits;
+  EXPECT_LT(pair.Step({a, b}, &logits), 1e-2);
+  std::vector<int32_t> next_a = {Argmax(absl::MakeSpan(logits).subspan(0, 8192))};
+  std::vector<int32_t> next_b = {Argmax(absl::MakeSpan(logits).subspan(8192, 8192))};
+  SequenceChunk da{next_a, 137, table_a, 1, 1}, db{next_b, 300, table_b, 2, 1}, c{prompt_c, 0, table_c, 3, 1};
+  EXPECT_LT(pair.Step({da, db, c}), 1e-2);
+  constexpr int kSeqs = 40;
+  std::vector<std::vector<int32_t>> tables(kSeqs), prompts = tables, next = tables;
+  std::vector<SequenceChunk> step;
+  for (int i = 0; i < kSeqs; ++i) {
+    tables[size_t(i)] = {100 + 2 * i, 101 + 2 * i};  // 32 tokens of room
+    prompts[size_t(i)] = Range(50 + 37 * i, 9);
+    step.push_back(SequenceChunk{prompts[size_t(i)], 0, tables[size_t(i)], SequenceId(10 + i), 1});
+  }
+  EXPECT_LT(pair.Step(step, &logits), 1e-2);
+  double worst = 0;
+  for (int t = 0; t < 4; ++t) {
+    step.clear();
+    for (int i = 0; i < kSeqs; ++i) {
+      next[size_t(i)] = {Argmax(absl::MakeSpan(logits).subspan(size_t(i) * 8192, 8192))};
+      step.push_back(SequenceChunk{next[size_t(i)], int64_t(9 + t), tables[size_t(i)], SequenceId(10 + i), 1});
+    }
+    worst = std::max(worst, pair.Step(step, &logits));
+  }
+  EXPECT_LT(worst, 1e-2);
+}
+
 // Graph-replayed decode of 5, 24 and 64 sequences through the tensor-core skinny GEMM (its 16-,
 // 32- and 64-row tiles, split K on the tiny model's narrow projections).
 TEST(LlamaCuda, Bf16GraphDecodeOfManySequencesMatchesCpu) {
