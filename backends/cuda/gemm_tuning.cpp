@@ -31,27 +31,19 @@ absl::Status CudaOk(cudaError_t e, const char* what) {
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
 }
 
-template <typename T>
-T ConfigAttribute(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
-  T value{};
-  size_t written = 0;
-  cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof(value), &written);
-  return value;
-}
-
 }  // namespace
 
 std::string DescribeAlgorithm(const cublasLtMatmulAlgo_t& a) {
   char text[160];
   std::snprintf(text, sizeof(text), "id %d tile %u stages %u splitK %d reduction %u swizzle %u custom %u cluster %u",
-                ConfigAttribute<int32_t>(a, CUBLASLT_ALGO_CONFIG_ID),
-                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_TILE_ID),
-                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_STAGES_ID),
-                ConfigAttribute<int32_t>(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
-                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME),
-                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
-                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION),
-                unsigned(ConfigAttribute<uint16_t>(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID)));
+                AlgorithmConfig<int32_t>(a, CUBLASLT_ALGO_CONFIG_ID),
+                AlgorithmConfig<uint32_t>(a, CUBLASLT_ALGO_CONFIG_TILE_ID),
+                AlgorithmConfig<uint32_t>(a, CUBLASLT_ALGO_CONFIG_STAGES_ID),
+                AlgorithmConfig<int32_t>(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+                AlgorithmConfig<uint32_t>(a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME),
+                AlgorithmConfig<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+                AlgorithmConfig<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION),
+                unsigned(AlgorithmConfig<uint16_t>(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID)));
   return text;
 }
 
@@ -138,7 +130,7 @@ std::vector<cublasLtMatmulAlgo_t> GemmTuning::SplitOverK(const Product& p, const
   int32_t support = 0;
   size_t written = 0;
   cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &support, sizeof(support), &written);
-  if (support == 0 || ConfigAttribute<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1) return out;
+  if (support == 0 || AlgorithmConfig<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1) return out;
   for (int32_t splits : kSplits) {
     cublasLtMatmulAlgo_t split = algo;
     // Partial sums reduced in fp32, in the workspace.

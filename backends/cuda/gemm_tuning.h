@@ -107,6 +107,15 @@ class GemmTuning {
   absl::flat_hash_map<Shape, Kept> kept_;
 };
 
+// One of a cuBLASLt algorithm's configuration attributes (T: the attribute's documented type).
+template <typename T>
+T AlgorithmConfig(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  T value{};
+  size_t written = 0;
+  cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof(value), &written);
+  return value;
+}
+
 // A description of a cuBLASLt algorithm for logs: id, tile, stages, K split.
 std::string DescribeAlgorithm(const cublasLtMatmulAlgo_t& algo);
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "backends/cuda/gemm_tuning.h"
 #include "bench/sample_stats.h"
 #include "kernels/cuda_check.h"
 
@@ -51,27 +52,6 @@ __global__ void FillBf16(__nv_bfloat16* p, size_t n, unsigned seed) {
 // Whether one launch of `algo` runs: a searched configuration may pass cublasLtMatmulAlgoCheck
 // and still be refused at launch.
 bool Runs(cublasStatus_t s) { return s == CUBLAS_STATUS_SUCCESS; }
-
-template <typename T>
-T ConfigAttribute(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
-  T value{};
-  size_t written = 0;
-  cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof(value), &written);
-  return value;
-}
-
-std::string Describe(const cublasLtMatmulAlgo_t& a) {
-  char text[160];
-  std::snprintf(text, sizeof(text), "id %d tile %u stages %u splitK %d reduction %u swizzle %u custom %u cluster %u",
-                ConfigAttribute<int32_t>(a, CUBLASLT_ALGO_CONFIG_ID), ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_TILE_ID),
-                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_STAGES_ID),
-                ConfigAttribute<int32_t>(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
-                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME),
-                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
-                ConfigAttribute<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION),
-                unsigned(ConfigAttribute<uint16_t>(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID)));
-  return text;
-}
 
 struct LtProduct {
   cublasLtHandle_t lt;
@@ -126,7 +106,7 @@ std::vector<cublasLtMatmulAlgo_t> SearchSpace(const LtProduct& p) {
       size_t written = 0;
       cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &splitk_support,
                                         sizeof(splitk_support), &written);
-      if (splitk_support == 0 || ConfigAttribute<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1) continue;
+      if (splitk_support == 0 || duet::cuda::AlgorithmConfig<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1) continue;
       for (int32_t splits : {2, 3, 4, 6, 8}) {
         cublasLtMatmulAlgo_t split = algo;
         const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
@@ -273,7 +253,7 @@ int main(int argc, char** argv) {
           const double us = time_algo(quick[k].second, reps);
           if (us >= 0 && us < search_us) {
             search_us = us;
-            config = Describe(quick[k].second);
+            config = duet::cuda::DescribeAlgorithm(quick[k].second);
           }
         }
         char text[256];
