@@ -40,11 +40,11 @@ inline int64_t CublasRowCapacity(int64_t rows) {
 inline constexpr int kWideGemmDefaultMinRows = 0;
 
 // Up to how many rows (as cuBLAS sees them) the bf16 projections' cuBLASLt algorithms are tuned
-// at load by default (GemmTuning): the decode batches and mixed steps, whose few row tiles the
-// default heuristic spreads worst over the SMs. 0: none (until it is measured on a GPU;
-// cuda_llama_bench --gemm-tuning-max-rows N, or $DUET_GEMM_TUNING_MAX_ROWS for every command,
-// turns it on).
-inline constexpr int kGemmTuningDefaultMaxRows = 0;
+// at load by default (GemmTuning): the decode batches and mixed steps, where cuBLAS's default
+// heuristic has its cliffs (a 64 + 384-row mixed step of Llama-3-8B: 18.7 ms with it, 15.2
+// tuned, on an H100). Llama-3-8B's 64 shapes take ~2.3 s. cuda_llama_bench
+// --gemm-tuning-max-rows N, or $DUET_GEMM_TUNING_MAX_ROWS for every command, changes it; 0: none.
+inline constexpr int kGemmTuningDefaultMaxRows = 1024;
 
 class CublasLinear {
  public:
