@@ -27,19 +27,21 @@ TEST(ExecutorFactoryTest, UnknownBackendIsRefused) {
 }
 
 #ifdef DUET_HAVE_CUDA
-// The variable is read before any device is touched, so this holds on a machine without a GPU.
-TEST(ExecutorFactoryTest, AWideGemmRowCountThatIsNotOneIsAClearError) {
+// The variables are read before any device is touched, so this holds on a machine without a GPU.
+TEST(ExecutorFactoryTest, AKernelRowCountThatIsNotOneIsAClearError) {
   EngineConfig config;
   config.model_dir = kModel;
   config.backend = "cuda";
-  for (const char* bad : {"abc", "-1", "64rows", ""}) {
-    ASSERT_EQ(setenv("DUET_WIDE_GEMM_MIN_ROWS", bad, 1), 0);
-    absl::StatusOr<std::unique_ptr<ModelExecutor>> executor = LoadExecutor(config);
-    ASSERT_FALSE(executor.ok()) << bad;
-    EXPECT_EQ(executor.status().code(), absl::StatusCode::kInvalidArgument) << bad;
-    EXPECT_NE(executor.status().message().find("DUET_WIDE_GEMM_MIN_ROWS"), std::string::npos) << executor.status();
+  for (const char* name : {"DUET_WIDE_GEMM_MIN_ROWS", "DUET_GEMM_TUNING_MAX_ROWS"}) {
+    for (const char* bad : {"abc", "-1", "64rows", ""}) {
+      ASSERT_EQ(setenv(name, bad, 1), 0);
+      absl::StatusOr<std::unique_ptr<ModelExecutor>> executor = LoadExecutor(config);
+      ASSERT_FALSE(executor.ok()) << name << "=" << bad;
+      EXPECT_EQ(executor.status().code(), absl::StatusCode::kInvalidArgument) << name << "=" << bad;
+      EXPECT_NE(executor.status().message().find(name), std::string::npos) << executor.status();
+    }
+    unsetenv(name);
   }
-  unsetenv("DUET_WIDE_GEMM_MIN_ROWS");
 }
 #endif
 
