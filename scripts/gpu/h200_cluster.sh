@@ -73,6 +73,7 @@ duet generate "${ENGINE_FLAGS[@]}" --max-num-seqs 1 --warmup 1 --input /tmp/pref
 duet generate "${ENGINE_FLAGS[@]}" --max-num-seqs $ENGINE_SEQS --warmup 16 --input "$OUT/requests.jsonl" \
   --output "$OUT/engine_batch.jsonl" 2>> "$OUT/engine.log" || echo "generate (batch) exit $?"
 grep -h "tok/s" "$OUT/engine.log" | sed 's/^.*\] /  /'
+grep -h "GEMM tuning:" "$OUT/engine.log" | head -1 | sed 's/^.*\] /  engine alone: /'
 
 # How the two worker processes share the GPU: "timeslice" (the driver's default: one process's
 # kernels at a time), "mps" (an MPS control daemon of this script's own, private pipe and log
@@ -183,6 +184,7 @@ echo "prefills by the worker that ran them (conditional disaggregation: decode):
 curl -s "127.0.0.1:$http_port/metrics" | grep '^duet:router_prefills_total' | sed 's/.*worker_role="\([a-z]*\)"} /  \1 /'
 kill -INT $serve_pid; wait $serve_pid; echo "serve exit $?"
 grep -h "KV peer" "$dir/serve.log" | sed "s/.*\] //" | sort | uniq -c | head -4
+grep -h "GEMM tuning:" "$dir/serve.log" | sed "s/.*\] /  workers' /"  # each worker's load-time tuning
 grep -i -E "error|fail|warn" "$dir/serve.log" | head -5
 if [[ $mode == mps* ]]; then stop_mps; fi
 }
