@@ -181,12 +181,15 @@ absl::StatusOr<GemmTuning::Result> GemmTuning::Tune(const Shape& shape, absl::Sp
     Destroy(it->second.product);
     kept_.erase(it);
   }
+  auto time_default = [&] {
+    return TimePerLaunch(weights, [&](const __nv_bfloat16* w) {
+      run_default(w);
+      return true;
+    });
+  };
   Result result;
   result.shape = shape;
-  DUET_ASSIGN_OR_RETURN(result.default_us, TimePerLaunch(weights, [&](const __nv_bfloat16* w) {
-                          run_default(w);
-                          return true;
-                        }));
+  DUET_ASSIGN_OR_RETURN(result.default_us, time_default());
   DUET_ASSIGN_OR_RETURN(Product product, Describe(shape));
   auto time_algo = [&](const cublasLtMatmulAlgo_t& algo) {
     return TimePerLaunch(weights, [&](const __nv_bfloat16* w) {
@@ -224,10 +227,7 @@ absl::StatusOr<GemmTuning::Result> GemmTuning::Tune(const Shape& shape, absl::Sp
   if (result.best_us <= max_time_ratio * result.default_us) {
     // Timed again, the default first: a gain that came from the GPU getting busier or idler during
     // the search (another process tuning beside this one) does not hold up.
-    absl::StatusOr<double> default_again = TimePerLaunch(weights, [&](const __nv_bfloat16* w) {
-      run_default(w);
-      return true;
-    });
+    absl::StatusOr<double> default_again = time_default();
     absl::StatusOr<double> best_again = time_algo(best->second);
     if (!default_again.ok() || !best_again.ok()) {
       Destroy(product);

@@ -188,12 +188,17 @@ absl::Status LlamaCuda::TuneProjections() {
   const int qkv_width = int((c.num_heads + 2 * c.num_kv_heads) * c.head_dim), q_width = int(c.num_heads * c.head_dim);
   struct Projection {
     int in, out;
-    const __nv_bfloat16* cuda::CudaLayerWeights::*weight;
+    std::vector<const __nv_bfloat16*> weights;  // one per layer
   };
-  const Projection projections[] = {{hidden, qkv_width, &cuda::CudaLayerWeights::qkv},
-                                    {q_width, hidden, &cuda::CudaLayerWeights::o},
-                                    {hidden, 2 * inter, &cuda::CudaLayerWeights::gate_up},
-                                    {inter, hidden, &cuda::CudaLayerWeights::down}};
+  std::vector<Projection> projections = {{hidden, qkv_width, {}}, {q_width, hidden, {}}, {hidden, 2 * inter, {}},
+                                         {inter, hidden, {}}};
+  for (size_t l = 0; l < weights_->num_layers(); ++l) {
+    const cuda::CudaLayerWeights& w = weights_->layer(l);
+    projections[0].weights.push_back(w.qkv);
+    projections[1].weights.push_back(w.o);
+    projections[2].weights.push_back(w.gate_up);
+    projections[3].weights.push_back(w.down);
+  }
   // Scratch: act_ holds [T, inter] (every projection's input fits), gate_up_ [T, 2 * inter].
   const __nv_bfloat16* x = act_.as<__nv_bfloat16>();
   __nv_bfloat16* y = gate_up_.as<__nv_bfloat16>();
@@ -203,9 +208,7 @@ absl::Status LlamaCuda::TuneProjections() {
   for (int rows = cuda::kCublasRowQuantum; rows <= max_rows; rows += cuda::kCublasRowQuantum) {
     if (!linear_->RunsOnCublas(rows)) continue;
     for (const Projection& p : projections) {
-      std::vector<const __nv_bfloat16*> weights;
-      for (size_t l = 0; l < weights_->num_layers(); ++l) weights.push_back(weights_->layer(l).*p.weight);
-      DUET_ASSIGN_OR_RETURN(cuda::GemmTuning::Result r, linear_->Tune(rows, p.in, p.out, weights, x, y,
+      DUET_ASSIGN_OR_RETURN(cuda::GemmTuning::Result r, linear_->Tune(rows, p.in, p.out, p.weights, x, y,
                                                                             options_.gemm_tuning_max_time_ratio));
       default_us += r.default_us;
       tuned_us += r.kept ? r.best_us : r.default_us;

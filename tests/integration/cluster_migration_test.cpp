@@ -112,8 +112,8 @@ struct Victim {
 // and returns it (killed at once, they move), or index -1. With `total`, also until all `total`
 // streams are on the decode workers (none still prefilling). With `progress`, also until no stream
 // still open has received more than `max_received` tokens, so that none of the victim's decoding
-// streams can finish between this look and the kill: each of them migrates. (A stream only reserved there, its
-// KV not yet sent, is placed again rather than migrated.)
+// streams can finish between this look and the kill: each of them migrates. (A stream only
+// reserved there, its KV not yet sent, is placed again rather than migrated.)
 Victim WaitForTwoStreamsOnADecodeWorker(LocalCluster& cluster, int total = 0, const Progress* progress = nullptr,
                                         int max_received = 0) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
