@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -170,6 +171,27 @@ absl::StatusOr<double> GemmTuning::TimePerLaunch(absl::Span<const __nv_bfloat16*
   return double(best_ms) * 1000.0 / double(n);
 }
 
+absl::StatusOr<std::vector<GemmTuning::Timed>> GemmTuning::Search(const Product& p, const TimeAlgorithm& time) const {
+  std::vector<Timed> timed;
+  auto time_all = [&](const std::vector<cublasLtMatmulAlgo_t>& algos) -> absl::Status {
+    for (const cublasLtMatmulAlgo_t& algo : algos) {
+      DUET_ASSIGN_OR_RETURN(const double us, time(algo));
+      if (us > 0) timed.push_back({us, algo});
+    }
+    return absl::OkStatus();
+  };
+  const auto faster = [](const Timed& l, const Timed& r) { return l.us < r.us; };
+  DUET_RETURN_IF_ERROR(time_all(Candidates(p)));
+  std::sort(timed.begin(), timed.end(), faster);
+  std::vector<cublasLtMatmulAlgo_t> splits;
+  for (size_t k = 0; k < std::min<size_t>(kSplitCandidates, timed.size()); ++k) {
+    for (const cublasLtMatmulAlgo_t& split : SplitOverK(p, timed[k].algo)) splits.push_back(split);
+  }
+  DUET_RETURN_IF_ERROR(time_all(splits));
+  std::stable_sort(timed.begin(), timed.end(), faster);
+  return timed;
+}
+
 absl::StatusOr<GemmTuning::Result> GemmTuning::Tune(const Shape& shape, absl::Span<const __nv_bfloat16* const> weights,
                                                     const __nv_bfloat16* x, __nv_bfloat16* y,
                                                     const std::function<void(const __nv_bfloat16*)>& run_default,
@@ -191,56 +213,30 @@ absl::StatusOr<GemmTuning::Result> GemmTuning::Tune(const Shape& shape, absl::Sp
   result.shape = shape;
   DUET_ASSIGN_OR_RETURN(result.default_us, time_default());
   DUET_ASSIGN_OR_RETURN(Product product, Describe(shape));
+  absl::Cleanup destroy_product = [&product] { Destroy(product); };
   auto time_algo = [&](const cublasLtMatmulAlgo_t& algo) {
     return TimePerLaunch(weights, [&](const __nv_bfloat16* w) {
       return Launch(product, algo, x, w, y) == CUBLAS_STATUS_SUCCESS;
     });
   };
-  std::vector<std::pair<double, cublasLtMatmulAlgo_t>> timed;
-  auto try_all = [&](const std::vector<cublasLtMatmulAlgo_t>& algos) -> absl::Status {
-    for (const cublasLtMatmulAlgo_t& algo : algos) {
-      DUET_ASSIGN_OR_RETURN(const double us, time_algo(algo));
-      if (us > 0) timed.emplace_back(us, algo);
-    }
-    return absl::OkStatus();
-  };
-  absl::Status status = try_all(Candidates(product));
-  std::sort(timed.begin(), timed.end(), [](const auto& l, const auto& r) { return l.first < r.first; });
-  std::vector<cublasLtMatmulAlgo_t> splits;
-  for (size_t k = 0; status.ok() && k < std::min<size_t>(kSplitCandidates, timed.size()); ++k) {
-    for (const cublasLtMatmulAlgo_t& split : SplitOverK(product, timed[k].second)) splits.push_back(split);
-  }
-  if (status.ok()) status = try_all(splits);
-  if (!status.ok()) {
-    Destroy(product);
-    return status;
-  }
+  DUET_ASSIGN_OR_RETURN(const std::vector<Timed> timed, Search(product, time_algo));
   result.candidates = int(timed.size());
-  const auto best = std::min_element(timed.begin(), timed.end(),
-                                     [](const auto& l, const auto& r) { return l.first < r.first; });
-  if (best == timed.end()) {
-    Destroy(product);
-    return result;
-  }
-  result.best_us = best->first;
-  result.algorithm = DescribeAlgorithm(best->second);
+  if (timed.empty()) return result;
+  const Timed& best = timed.front();
+  result.best_us = best.us;
+  result.algorithm = DescribeAlgorithm(best.algo);
   if (result.best_us <= max_time_ratio * result.default_us) {
     // Timed again, the default first: a gain that came from the GPU getting busier or idler during
     // the search (another process tuning beside this one) does not hold up.
-    absl::StatusOr<double> default_again = time_default();
-    absl::StatusOr<double> best_again = time_algo(best->second);
-    if (!default_again.ok() || !best_again.ok()) {
-      Destroy(product);
-      return !default_again.ok() ? default_again.status() : best_again.status();
-    }
-    result.default_us = std::min(result.default_us, *default_again);
-    result.best_us = std::max(result.best_us, *best_again);
+    DUET_ASSIGN_OR_RETURN(const double default_again, time_default());
+    DUET_ASSIGN_OR_RETURN(const double best_again, time_algo(best.algo));
+    result.default_us = std::min(result.default_us, default_again);
+    result.best_us = std::max(result.best_us, best_again);
   }
-  result.kept = result.best_us > 0 && result.best_us <= max_time_ratio * result.default_us;
+  result.kept = result.best_us <= max_time_ratio * result.default_us;
   if (result.kept) {
-    kept_.emplace(shape, Kept{product, best->second});
-  } else {
-    Destroy(product);
+    kept_.emplace(shape, Kept{product, best.algo});
+    std::move(destroy_product).Cancel();  // kept_ owns it now
   }
   return result;
 }

@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -82,6 +83,12 @@ class GemmTuning {
     Product product;
     cublasLtMatmulAlgo_t algo;
   };
+  struct Timed {
+    double us = 0;  // per launch
+    cublasLtMatmulAlgo_t algo;
+  };
+  // Microseconds per launch of the product with an algorithm over the weights being tuned.
+  using TimeAlgorithm = std::function<absl::StatusOr<double>(const cublasLtMatmulAlgo_t&)>;
   GemmTuning(cublasLtHandle_t handle, cudaStream_t stream, void* workspace, size_t workspace_bytes, cudaEvent_t start,
              cudaEvent_t stop)
       : handle_(handle),
@@ -97,6 +104,8 @@ class GemmTuning {
   // The heuristic's candidates, then the fastest few split over K where cuBLASLt accepts it.
   std::vector<cublasLtMatmulAlgo_t> Candidates(const Product& p) const;
   std::vector<cublasLtMatmulAlgo_t> SplitOverK(const Product& p, const cublasLtMatmulAlgo_t& algo) const;
+  // The candidates that launched, timed, fastest first.
+  absl::StatusOr<std::vector<Timed>> Search(const Product& p, const TimeAlgorithm& time) const;
   // Microseconds per launch of `launch(w)` over `weights`, the better of kTimedPasses passes after
   // a warm-up pass; negative where a launch fails.
   absl::StatusOr<double> TimePerLaunch(absl::Span<const __nv_bfloat16* const> weights,
