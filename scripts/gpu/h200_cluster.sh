@@ -20,12 +20,35 @@
 #            sustained load, where the first and last 64 requests' ramp weighs less).
 #   DUET_WIDE_GEMM_MIN_ROWS=64: every process (engine alone and cluster) sends bf16 products of 64+
 #            rows to WideGemm (kernels/gemm/wide_gemm.h; default off).
+#   TESTS="gemm_tuning_tests llama_cuda_tests": those GPU test programs (bundled with
+#            EXTRA_TARGETS="..." scripts/gpu/make_cluster_bundle.sh) run twice before the cluster.
+#            Where the tiny model's weights stayed here (models/tiny-code-llama/*.safetensors moved
+#            out, so that tree + bundle fit the carry), random weights are made from its config and
+#            the tests against the Hugging Face reference are left out (TEST_FILTER).
 #   Every prompt disaggregated, against the default:
 #     SHARING="mps mps-local1024-decodebudget1024-mixed384" bash scripts/gpu/h200_cluster.sh
 set -uo pipefail
 QUICK=${QUICK:-0}
 OUT=${OUT:-/tmp/duet-cluster-out}
 source scripts/gpu/devcluster_prologue.sh
+
+if [[ -n ${TESTS:-} ]]; then
+  filter=${TEST_FILTER:-'-*DraftModel*:*EveryGpu*:*OverNccl*'}
+  export DUET_MODELS_DIR=$PWD/models NCCL_NVLS_ENABLE=0
+  if ! ls models/tiny-code-llama/*.safetensors > /dev/null 2>&1; then
+    echo "== tiny model: random weights from its config"
+    python3 scripts/gpu/random_tiny_model.py models/tiny-code-llama/config.json models/tiny-code-llama 2>&1 |
+      grep -v Warning | tail -2
+    filter=${TEST_FILTER:-'-*HuggingFace*:*DraftModel*:*EveryGpu*:*OverNccl*'}
+  fi
+  for run in 1 2; do
+    for t in $TESTS; do
+      timeout 300 "$t" --gtest_filter="$filter" > "$OUT/${t}_$run.log" 2>&1
+      echo "$t run $run: exit $?, $(grep -c '^\[       OK' "$OUT/${t}_$run.log") passed"
+      grep -hE "^\[  FAILED|Failure$" "$OUT/${t}_$run.log" | head -5
+    done
+  done
+fi
 
 [[ $QUICK == 1 ]] || {
 echo "== device KV cache <-> pinned staging copies"
