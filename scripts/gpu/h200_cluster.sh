@@ -33,6 +33,8 @@ OUT=${OUT:-/tmp/duet-cluster-out}
 source scripts/gpu/devcluster_prologue.sh
 
 if [[ -n ${TESTS:-} ]]; then
+  llama8b_checkpoint > "$OUT/checkpoint.log" 2>&1 &  # on the CPUs, while the tests run
+  checkpoint_pid=$!
   filter=${TEST_FILTER:-'-*DraftModel*:*EveryGpu*:*OverNccl*'}
   export DUET_MODELS_DIR=$PWD/models NCCL_NVLS_ENABLE=0
   if ! ls models/tiny-code-llama/*.safetensors > /dev/null 2>&1; then
@@ -48,6 +50,7 @@ if [[ -n ${TESTS:-} ]]; then
       grep -hE "^\[  FAILED|Failure$" "$OUT/${t}_$run.log" | head -5
     done
   done
+  wait "$checkpoint_pid"
 fi
 
 [[ $QUICK == 1 ]] || {
