@@ -41,6 +41,12 @@ class LogMessage {
   std::ostringstream stream_;
 };
 
+// Turns a streamed line into void, so DUET_LOG can be one expression (`&` binds after `<<`). An
+// expression, unlike an if/else, leaves no dangling else after `if (x) DUET_LOG(INFO) << ...;`.
+struct LogVoidify {
+  void operator&(std::ostream&) {}
+};
+
 }  // namespace duet
 
 #define DUET_LOG_LEVEL_DEBUG ::duet::LogLevel::kDebug
@@ -50,12 +56,14 @@ class LogMessage {
 #define DUET_LOG_LEVEL_FATAL ::duet::LogLevel::kFatal
 
 // The stream is evaluated only when the level is enabled.
-#define DUET_LOG(severity)                                         \
-  if (!::duet::LogEnabled(DUET_LOG_LEVEL_##severity)) {            \
-  } else                                                           \
-    ::duet::LogMessage(DUET_LOG_LEVEL_##severity, __FILE__, __LINE__).stream()
+#define DUET_LOG(severity)                                       \
+  !::duet::LogEnabled(DUET_LOG_LEVEL_##severity)                 \
+      ? (void)0                                                  \
+      : ::duet::LogVoidify() &                                   \
+            ::duet::LogMessage(DUET_LOG_LEVEL_##severity, __FILE__, __LINE__).stream()
 
-#define DUET_LOG_REQUEST(severity, request_id)                     \
-  if (!::duet::LogEnabled(DUET_LOG_LEVEL_##severity)) {            \
-  } else                                                           \
-    ::duet::LogMessage(DUET_LOG_LEVEL_##severity, __FILE__, __LINE__, (request_id)).stream()
+#define DUET_LOG_REQUEST(severity, request_id)                   \
+  !::duet::LogEnabled(DUET_LOG_LEVEL_##severity)                 \
+      ? (void)0                                                  \
+      : ::duet::LogVoidify() &                                   \
+            ::duet::LogMessage(DUET_LOG_LEVEL_##severity, __FILE__, __LINE__, (request_id)).stream()

@@ -254,7 +254,9 @@ TEST(LlmEnginePrefixCacheTest, ResetForgetsCachedBlocks) {
       // 2 blocks with the host tier: the second prompt evicts the first one's full block there.
       std::unique_ptr<LlmEngine> e = NewEngine(cache, /*num_blocks=*/cache == Cache::kOn ? 4 : 2);
       const auto first = RunWaves(*e, {{{prompt, Params(4, true)}}, {{other, Params(4, true)}}});
-      if (cache == Cache::kOnWithHostTier) ASSERT_EQ(e->Stats().host_tier_used_slots, 1);
+      if (cache == Cache::kOnWithHostTier) {
+        ASSERT_EQ(e->Stats().host_tier_used_slots, 1);
+      }
       if (reset) {
         ASSERT_TRUE(e->ResetPrefixCache().ok());
         EXPECT_EQ(e->Stats().host_tier_used_slots, 0);

@@ -386,7 +386,9 @@ TEST_F(WorkerServicesTest, ResumedOutputContinuesTheLocalGeneration) {
         EXPECT_EQ(msg.prompt_token_ids_size(), 0) << id;  // the client has the prompt
         tokens.insert(tokens.end(), msg.token_ids().begin(), msg.token_ids().end());
         emitted += msg.text();
-        if (msg.finished()) EXPECT_EQ(msg.usage().completion_tokens(), 20) << id;
+        if (msg.finished()) {
+          EXPECT_EQ(msg.usage().completion_tokens(), 20) << id;
+        }
       }
       const grpc::Status decoded = reader->Finish();
       ASSERT_TRUE(decoded.ok()) << decoded.error_message();
@@ -748,8 +750,12 @@ TEST_P(LateTargetWorkerTest, OutputMatchesLocalGenerationAndNothingStaysHeld) {
   const double during = m.kv_late_targets_total("during_forward").Value();
   const double after = m.kv_late_targets_total("after_forward").Value();
   EXPECT_EQ(before + during + after, 1);
-  if (GetParam() == TargetTiming::kAfterTheForwardPass) EXPECT_EQ(after, 1);
-  if (GetParam() == TargetTiming::kBeforeTheCall) EXPECT_EQ(before, 1);
+  if (GetParam() == TargetTiming::kAfterTheForwardPass) {
+    EXPECT_EQ(after, 1);
+  }
+  if (GetParam() == TargetTiming::kBeforeTheCall) {
+    EXPECT_EQ(before, 1);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Timing, LateTargetWorkerTest,

@@ -96,7 +96,7 @@ TEST(Llama3JsonParserTest, Calls) {
 
 TEST(Llama3JsonParserTest, WhatIsNotACallIsContent) {
   const Factory f = Auto(ToolCallFormat::kLlama3Json);
-  for (const std::string text : {
+  for (const std::string& text : {
            std::string("The answer is 4."),
            std::string(""),
            std::string("  \n"),
@@ -140,7 +140,7 @@ TEST(HermesParserTest, Calls) {
 
 TEST(HermesParserTest, WhatIsNotACallIsContent) {
   const Factory f = Auto(ToolCallFormat::kHermes);
-  for (const std::string text : {
+  for (const std::string& text : {
            std::string("Hello\n"),
            std::string("a < b <tool"),
            std::string("<tool_call>{bad json}</tool_call> after"),

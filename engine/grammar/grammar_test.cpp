@@ -395,7 +395,9 @@ x ::= [^"\\] x? | "(" root ")")G"},
 TEST(GrammarFuzz, HugeRepetitionsAreErrorsOrSmall) {
   for (const char* pattern : {"(a{1000}){1000}", "((ab){100}){100}{100}", "(a|b){0,10000}", "x{10000}y{10000}"}) {
     absl::StatusOr<std::shared_ptr<const Grammar>> g = RegexToGrammar(pattern);
-    if (g.ok()) EXPECT_LT((*g)->elements().size(), size_t(1) << 22) << pattern;
+    if (g.ok()) {
+      EXPECT_LT((*g)->elements().size(), size_t(1) << 22) << pattern;
+    }
   }
 }
 

@@ -37,7 +37,9 @@ TEST_F(SchedulerTest, DecodingRequestsComeBeforePromptChunks) {
   Scheduler s({/*max_num_seqs=*/16, /*max_num_batched_tokens=*/24, /*max_model_len=*/128}, blocks);
   int steps_with_both = 0;
   for (int step = 0; step < 60; ++step) {
-    if (step % 3 == 0 && step < 36) ASSERT_TRUE(s.Add(NewRequest(step % 9 == 0 ? 50 : 7, 4 + step % 5)).ok());
+    if (step % 3 == 0 && step < 36) {
+      ASSERT_TRUE(s.Add(NewRequest(step % 9 == 0 ? 50 : 7, 4 + step % 5)).ok());
+    }
     SchedulerOutput o = s.Schedule();
     bool prompt_seen = false, decode_seen = false;
     for (const ScheduledChunk& c : o.chunks) {

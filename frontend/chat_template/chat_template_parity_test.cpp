@@ -65,7 +65,9 @@ TEST_P(ChatTemplateParityTest, MatchesHuggingFaceJinja) {
     if (expected.contains("error")) {
       EXPECT_FALSE(rendered.ok()) << name << " rendered although the reference failed: "
                                   << expected["error"].get<std::string>();
-      if (!rendered.ok()) EXPECT_EQ(std::string(rendered.status().message()), expected["error"].get<std::string>()) << name;
+      if (!rendered.ok()) {
+        EXPECT_EQ(std::string(rendered.status().message()), expected["error"].get<std::string>()) << name;
+      }
     } else {
       ASSERT_TRUE(rendered.ok()) << name << ": " << rendered.status();
       EXPECT_EQ(*rendered, expected["output"].get<std::string>()) << name;

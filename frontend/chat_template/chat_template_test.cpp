@@ -172,7 +172,9 @@ TEST(ChatTemplate, SyntaxErrorsNameLineAndColumn) {
   auto parse_error = [](const std::string& source) {
     absl::StatusOr<ChatTemplate> t = ChatTemplate::Parse(source);
     EXPECT_FALSE(t.ok()) << source;
-    if (!t.ok()) EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+    if (!t.ok()) {
+      EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+    }
     return t.ok() ? std::string() : std::string(t.status().message());
   };
   EXPECT_EQ(parse_error("a\n  {% if x %}yes"), "template syntax error at line 2, column 3: unclosed block: missing {% endif %}");
