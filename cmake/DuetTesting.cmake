@@ -1,7 +1,7 @@
 # duet_add_test(NAME <name> SOURCES <files...> LIBS <targets...> [LABELS <labels...>])
 # Builds one GoogleTest binary and registers each of its tests with CTest.
 # The *_test.cpp files compile without optimisation: a test spends its time in the libraries it
-# tests (built at the build type's level), and -O0 compiles the gtest/gRPC-heavy test files ~40%
+# tests (built at the build type's level), and -O0 compiles the gtest/gRPC-heavy test files ~30%
 # faster, the cold CI build's largest part.
 include(GoogleTest)
 function(duet_add_test)
