@@ -106,12 +106,11 @@ std::vector<v1::WorkerStats> Stats(std::vector<std::unique_ptr<Stub>>& stubs, co
 std::vector<v1::WorkerStats> LocalCluster::DecodeStats() { return Stats(decode_stubs_, internal_token_); }
 std::vector<v1::WorkerStats> LocalCluster::PrefillStats() { return Stats(prefill_stubs_, internal_token_); }
 
-StreamResult RunGenerate(v1::Duet::Stub& stub, const v1::GenerateRequest& request,
-                         int cancel_after_tokens, int deadline_ms) {
+namespace {
+
+StreamResult ReadGenerate(v1::Duet::Stub& stub, const v1::GenerateRequest& request, grpc::ClientContext& ctx,
+                          int cancel_after_tokens) {
   StreamResult result;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(deadline_ms > 0 ? deadline_ms : 300000));
   std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = stub.Generate(&ctx, request);
   v1::GenerateResponse msg;
   bool cancelled = false;
@@ -127,6 +126,20 @@ StreamResult RunGenerate(v1::Duet::Stub& stub, const v1::GenerateRequest& reques
   }
   result.status = reader->Finish();
   return result;
+}
+
+}  // namespace
+
+StreamResult RunGenerate(v1::Duet::Stub& stub, const v1::GenerateRequest& request,
+                         int cancel_after_tokens, int deadline_ms) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(deadline_ms > 0 ? deadline_ms : 300000));
+  return ReadGenerate(stub, request, ctx, cancel_after_tokens);
+}
+
+StreamResult RunGenerate(v1::Duet::Stub& stub, const v1::GenerateRequest& request, grpc::ClientContext& ctx) {
+  return ReadGenerate(stub, request, ctx, /*cancel_after_tokens=*/0);
 }
 
 }  // namespace duet::testing

@@ -83,5 +83,7 @@ struct StreamResult {
 // many tokens; with deadline_ms > 0 the call has that deadline.
 StreamResult RunGenerate(v1::Duet::Stub& stub, const v1::GenerateRequest& request,
                          int cancel_after_tokens = 0, int deadline_ms = 0);
+// Runs Generate to the end on the caller's context (its deadline, and TryCancel from any thread).
+StreamResult RunGenerate(v1::Duet::Stub& stub, const v1::GenerateRequest& request, grpc::ClientContext& ctx);
 
 }  // namespace duet::testing
