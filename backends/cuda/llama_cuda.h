@@ -58,7 +58,7 @@ struct LlamaCudaOptions {
   int wide_gemm_min_rows = cuda::kWideGemmDefaultMinRows;
   // The projections that reach cuBLAS, at each multiple of 64 rows up to this many (and
   // max_num_batched_tokens), get the cuBLASLt algorithm timed fastest on this model's weights at
-  // load (cuda::GemmTuning; ~2.3 s for Llama-3-8B's 64 shapes); 0: cuBLAS's default throughout.
+  // load (cuda::GemmTuning; 2-5 s for Llama-3-8B's 64 shapes); 0: cuBLAS's default throughout.
   int gemm_tuning_max_rows = cuda::kGemmTuningDefaultMaxRows;
   // A tuned candidate replaces the default where it takes at most this share of its time (tests
   // give a large value, so that every tuned shape runs a cuBLASLt candidate).

@@ -35,14 +35,15 @@ source scripts/gpu/devcluster_prologue.sh
 if [[ -n ${TESTS:-} ]]; then
   llama8b_checkpoint > "$OUT/checkpoint.log" 2>&1 &  # on the CPUs, while the tests run
   checkpoint_pid=$!
-  filter=${TEST_FILTER:-'-*DraftModel*:*EveryGpu*:*OverNccl*'}
+  exclude='*DraftModel*:*EveryGpu*:*OverNccl*'
   export DUET_MODELS_DIR=$PWD/models NCCL_NVLS_ENABLE=0
   if ! ls models/tiny-code-llama/*.safetensors > /dev/null 2>&1; then
     echo "== tiny model: random weights from its config"
     python3 scripts/gpu/random_tiny_model.py models/tiny-code-llama/config.json models/tiny-code-llama 2>&1 |
       grep -v Warning | tail -2
-    filter=${TEST_FILTER:-'-*HuggingFace*:*DraftModel*:*EveryGpu*:*OverNccl*'}
+    exclude="*HuggingFace*:$exclude"
   fi
+  filter=${TEST_FILTER:--$exclude}
   for run in 1 2; do
     for t in $TESTS; do
       timeout 300 "$t" --gtest_filter="$filter" > "$OUT/${t}_$run.log" 2>&1
