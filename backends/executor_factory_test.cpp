@@ -43,6 +43,21 @@ TEST(ExecutorFactoryTest, AKernelRowCountThatIsNotOneIsAClearError) {
     unsetenv(name);
   }
 }
+
+TEST(ExecutorFactoryTest, AKernelRowRangeThatIsNotOneIsAClearError) {
+  EngineConfig config;
+  config.model_dir = kModel;
+  config.backend = "cuda";
+  const char* name = "DUET_WIDE_GEMM_SILU_ROWS";
+  for (const char* bad : {"abc", "192", "192-", "-448", "448-192", "0-448", "192-448rows", ""}) {
+    ASSERT_EQ(setenv(name, bad, 1), 0);
+    absl::StatusOr<std::unique_ptr<ModelExecutor>> executor = LoadExecutor(config);
+    ASSERT_FALSE(executor.ok()) << name << "=" << bad;
+    EXPECT_EQ(executor.status().code(), absl::StatusCode::kInvalidArgument) << name << "=" << bad;
+    EXPECT_NE(executor.status().message().find(name), std::string::npos) << executor.status();
+  }
+  unsetenv(name);
+}
 #endif
 
 }  // namespace

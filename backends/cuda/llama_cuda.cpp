@@ -17,6 +17,7 @@
 #include "kernels/elementwise/bias.h"
 #include "kernels/elementwise/embedding.h"
 #include "kernels/elementwise/norm.h"
+#include "kernels/elementwise/random_fill.h"
 #include "kernels/elementwise/rope.h"
 #include "kernels/gemm/gemv.h"
 #include "kernels/launch.h"
@@ -116,7 +117,8 @@ absl::Status LlamaCuda::InitDevice() {
   DUET_ASSIGN_OR_RETURN(cublas_workspace_, arena_.Allocate(kCublasWorkspaceBytes, "cuBLAS workspace"));
   DUET_ASSIGN_OR_RETURN(cuda::CublasLinear linear,
                         cuda::CublasLinear::Create(stream_, cublas_workspace_.get(), cublas_workspace_.bytes(),
-                                                   options_.skinny_gemm_max_rows, options_.wide_gemm_min_rows));
+                                                   options_.skinny_gemm_max_rows, options_.wide_gemm_min_rows,
+                                                   options_.wide_gemm_silu_rows));
   linear_ = std::make_unique<cuda::CublasLinear>(std::move(linear));
   return absl::OkStatus();
 }
@@ -199,7 +201,10 @@ absl::Status LlamaCuda::TuneProjections() {
     projections[2].weights.push_back(w.gate_up);
     projections[3].weights.push_back(w.down);
   }
-  // Scratch: act_ holds [T, inter] (every projection's input fits), gate_up_ [T, 2 * inter].
+  // Scratch: act_ holds [T, inter] (every projection's input fits), gate_up_ [T, 2 * inter]. The
+  // input is random, as activations are: on zeros the products draw less power and run faster
+  // than they do in a step (kernels/elementwise/random_fill.h).
+  kernels::FillRandomBf16(act_.as<__nv_bfloat16>(), act_.bytes() / sizeof(__nv_bfloat16), /*seed=*/1, 1.f, stream_);
   const __nv_bfloat16* x = act_.as<__nv_bfloat16>();
   __nv_bfloat16* y = gate_up_.as<__nv_bfloat16>();
   const auto started = std::chrono::steady_clock::now();

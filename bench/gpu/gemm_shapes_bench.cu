@@ -26,6 +26,7 @@
 #include "backends/cuda/gemm_tuning.h"
 #include "bench/sample_stats.h"
 #include "kernels/cuda_check.h"
+#include "kernels/elementwise/random_fill.h"
 
 namespace {
 
@@ -40,14 +41,6 @@ struct Shape {
   const char* name;
   int in, out;
 };
-
-__global__ void FillBf16(__nv_bfloat16* p, size_t n, unsigned seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    unsigned h = unsigned(i) * 2654435761u ^ seed;
-    h ^= h >> 13;
-    p[i] = __float2bfloat16((float(h & 0xFFFF) / 65536.0f - 0.5f) * 0.05f);
-  }
-}
 
 // Whether one launch of `algo` runs: a searched configuration may pass cublasLtMatmulAlgoCheck
 // and still be refused at launch.
@@ -188,12 +181,12 @@ int main(int argc, char** argv) {
   std::vector<__nv_bfloat16*> weights(static_cast<size_t>(copies));
   for (auto& w : weights) {
     DUET_CUDA_CHECK(cudaMalloc(&w, max_weight * 2));
-    FillBf16<<<1024, 256, 0, stream>>>(w, max_weight, unsigned(&w - weights.data()));
+    duet::kernels::FillRandomBf16(w, max_weight, uint64_t(&w - weights.data()), 0.025f, stream);
   }
   __nv_bfloat16 *x, *y;
   DUET_CUDA_CHECK(cudaMalloc(&x, size_t(max_rows) * max_in * 2));
   DUET_CUDA_CHECK(cudaMalloc(&y, size_t(max_rows) * max_out * 2));
-  FillBf16<<<1024, 256, 0, stream>>>(x, size_t(max_rows) * max_in, 99);
+  duet::kernels::FillRandomBf16(x, size_t(max_rows) * max_in, 99, 0.025f, stream);
   DUET_CUDA_CHECK(cudaStreamSynchronize(stream));
 
   std::printf("%-8s %6s %6s %6s | %9s %8s %8s | %9s %8s %6s | %s\n", "proj", "rows", "in", "out", "default us",

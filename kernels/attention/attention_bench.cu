@@ -20,6 +20,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/attention/paged_attention.h"
+#include "kernels/elementwise/random_fill.h"
 #include "kernels/attention/prefill_attention.h"
 #include "kernels/cuda_check.h"
 
@@ -28,20 +29,7 @@ namespace {
 
 constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128, kBlockSize = 16;
 
-__global__ void FillRandomBf16(__nv_bfloat16* data, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t x = uint32_t(i) * 2654435761u ^ seed;
-    x ^= x >> 15;
-    x *= 2246822519u;
-    x ^= x >> 13;
-    data[i] = __float2bfloat16(float(x & 0xffff) / 32768.f - 1.f);
-  }
-}
-
-void FillRandom(__nv_bfloat16* data, size_t n, uint32_t seed) {
-  FillRandomBf16<<<1024, 256>>>(data, n, seed);
-  DUET_CUDA_CHECK(cudaGetLastError());
-}
+void FillRandom(__nv_bfloat16* data, size_t n, uint32_t seed) { FillRandomBf16(data, n, seed, 1.f, nullptr); }
 
 // Median milliseconds of `reps` timed calls of `launch` (after `warmup` untimed ones);
 // `between` runs untimed before each call.

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda_check.h"
+#include "kernels/elementwise/random_fill.h"
 
 namespace duet::kernels::bench {
 
@@ -40,17 +41,6 @@ float MedianMs(F&& launch, int chain = 1, int reps = 30) {
   return ms[ms.size() / 2];
 }
 
-// p[i] uniform in [-scale, scale), a hash of (i, seed).
-__global__ void FillRandomBf16(__nv_bfloat16* p, size_t n, uint64_t seed, float scale) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    p[i] = __float2bfloat16((float(z >> 40) / float(1 << 24) * 2.f - 1.f) * scale);
-  }
-}
-
 // Copies of a random [out, in] bf16 weight, together four times the L2 (and at least two): a
 // launch that takes the next copy streams its weights from device memory, as a step's does.
 inline std::vector<__nv_bfloat16*> RotatedWeights(int in, int out, size_t l2_bytes) {
@@ -58,7 +48,7 @@ inline std::vector<__nv_bfloat16*> RotatedWeights(int in, int out, size_t l2_byt
   std::vector<__nv_bfloat16*> w(std::max<size_t>(2, (l2_bytes * 4 + bytes - 1) / bytes));
   for (size_t c = 0; c < w.size(); ++c) {
     DUET_CUDA_CHECK(cudaMalloc(&w[c], bytes));
-    FillRandomBf16<<<1024, 256>>>(w[c], bytes / 2, 11 + c, 0.05f);
+    FillRandomBf16(w[c], bytes / 2, 11 + c, 0.05f, nullptr);
   }
   return w;
 }

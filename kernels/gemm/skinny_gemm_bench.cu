@@ -21,7 +21,7 @@
 
 namespace {
 
-using duet::kernels::bench::FillRandomBf16;
+using duet::kernels::FillRandomBf16;
 using duet::kernels::bench::MedianMs;
 using duet::kernels::bench::RelativeError;
 
@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
     DUET_CUDA_CHECK(cudaMalloc(&x, size_t(padded_rows) * s.in * 2));
     DUET_CUDA_CHECK(cudaMalloc(&y, size_t(padded_rows) * s.out * 2));
     DUET_CUDA_CHECK(cudaMalloc(&y_ref, size_t(padded_rows) * s.out * 2));
-    FillRandomBf16<<<1024, 256>>>(x, size_t(padded_rows) * s.in, 7, 1.0f);
+    FillRandomBf16(x, size_t(padded_rows) * s.in, 7, 1.0f, nullptr);
     duet::kernels::SkinnyGemmPlan plan = duet::kernels::PlanSkinnyGemm(s.in, s.out, prop.multiProcessorCount);
     if (splits > 0 && plan.splits > 1) {  // an experiment: another split for the shapes the plan splits
       plan.splits = splits;

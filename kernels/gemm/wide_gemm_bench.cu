@@ -22,7 +22,7 @@
 
 namespace {
 
-using duet::kernels::bench::FillRandomBf16;
+using duet::kernels::FillRandomBf16;
 using duet::kernels::bench::MedianMs;
 
 // Relative L2 error of a's first n elements against b's (both on the device).
@@ -66,7 +66,7 @@ int main(int argc, char** argv) {
     DUET_CUDA_CHECK(cudaMalloc(&y, size_t(max_rows) * width * 2));
     DUET_CUDA_CHECK(cudaMalloc(&y_ref, size_t(max_rows) * width * 2));
     DUET_CUDA_CHECK(cudaMalloc(&gate_up, size_t(max_rows) * s.out * 2));
-    FillRandomBf16<<<1024, 256>>>(x, size_t(max_rows) * s.in, 7, 1.0f);
+    FillRandomBf16(x, size_t(max_rows) * s.in, 7, 1.0f, nullptr);
     for (size_t ri = 0; ri < row_counts.size(); ++ri) {
       const int rows = row_counts[ri];
       duet::kernels::WideGemmPlan plan =

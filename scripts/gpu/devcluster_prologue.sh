@@ -2,16 +2,44 @@
 # (carried as .devcluster/bundle.tar.xz): $OUT (the caller's default unless the device tool set
 # it), the bundle's programs and libraries on the path, $MODEL, the GPU's name in $OUT/gpu.txt, and
 # llama8b_checkpoint: the random-weight Llama-3-8B-shaped checkpoint in $MODEL (kept from an earlier
-# run on the machine) with the bundle's Llama-3 tokenizer.
+# run on the machine) with the bundle's Llama-3 tokenizer; the clock sampler of clocks.sh.
 mkdir -p "$OUT"
 tar -xJf .devcluster/bundle.tar.xz -C /tmp || exit 1
 source /tmp/devbundle/env.sh
 MODEL=/tmp/llama8b
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+source scripts/gpu/clocks.sh
 llama8b_checkpoint() {
   [[ -f $MODEL/config.json ]] || python3 -c "
 import sys; sys.path.insert(0, 'scripts/gpu')
 from hf_reference import make_checkpoint
 make_checkpoint('$MODEL', 32)" 2>&1 | grep -v Warning | tail -2
   cp /tmp/devbundle/tokenizer.json /tmp/devbundle/tokenizer_config.json "$MODEL/"
+}
+# The bundled test programs named in $TESTS, twice each (gtest filter $TEST_FILTER, default: all
+# but the tests that need several GPUs or the draft model; PROGRAM=FILTER gives one program its
+# own, e.g. "llama_cuda_tests kernels_tests=WideGemm*:FillRandom*"), with the checkpoint made on the CPUs
+# meanwhile. Where the tiny model's weights did not travel (the carry limit), they are remade at
+# random from its config and the tests against the stored Hugging Face reference are left out.
+run_bundled_tests() {
+  llama8b_checkpoint > "$OUT/checkpoint.log" 2>&1 &
+  local checkpoint_pid=$! exclude='*DraftModel*:*EveryGpu*:*OverNccl*' filter run t program
+  export DUET_MODELS_DIR=$PWD/models NCCL_NVLS_ENABLE=0
+  if ! ls models/tiny-code-llama/*.safetensors > /dev/null 2>&1; then
+    echo "== tiny model: random weights from its config"
+    python3 scripts/gpu/random_tiny_model.py models/tiny-code-llama/config.json models/tiny-code-llama 2>&1 |
+      grep -v Warning | tail -2
+    exclude="*HuggingFace*:$exclude"
+  fi
+  filter=${TEST_FILTER:--$exclude}
+  for run in 1 2; do
+    for t in $TESTS; do
+      program=${t%%=*}
+      timeout 300 "$program" --gtest_filter="$([[ $t == *=* ]] && echo "${t#*=}" || echo "$filter")" \
+        > "$OUT/${program}_$run.log" 2>&1
+      echo "$t run $run: exit $?, $(grep -c '^\[       OK' "$OUT/${program}_$run.log") passed"
+      grep -hE "^\[  FAILED|Failure$" "$OUT/${program}_$run.log" | head -5
+    done
+  done
+  wait "$checkpoint_pid"
 }

@@ -32,27 +32,7 @@ QUICK=${QUICK:-0}
 OUT=${OUT:-/tmp/duet-cluster-out}
 source scripts/gpu/devcluster_prologue.sh
 
-if [[ -n ${TESTS:-} ]]; then
-  llama8b_checkpoint > "$OUT/checkpoint.log" 2>&1 &  # on the CPUs, while the tests run
-  checkpoint_pid=$!
-  exclude='*DraftModel*:*EveryGpu*:*OverNccl*'
-  export DUET_MODELS_DIR=$PWD/models NCCL_NVLS_ENABLE=0
-  if ! ls models/tiny-code-llama/*.safetensors > /dev/null 2>&1; then
-    echo "== tiny model: random weights from its config"
-    python3 scripts/gpu/random_tiny_model.py models/tiny-code-llama/config.json models/tiny-code-llama 2>&1 |
-      grep -v Warning | tail -2
-    exclude="*HuggingFace*:$exclude"
-  fi
-  filter=${TEST_FILTER:--$exclude}
-  for run in 1 2; do
-    for t in $TESTS; do
-      timeout 300 "$t" --gtest_filter="$filter" > "$OUT/${t}_$run.log" 2>&1
-      echo "$t run $run: exit $?, $(grep -c '^\[       OK' "$OUT/${t}_$run.log") passed"
-      grep -hE "^\[  FAILED|Failure$" "$OUT/${t}_$run.log" | head -5
-    done
-  done
-  wait "$checkpoint_pid"
-fi
+[[ -n ${TESTS:-} ]] && run_bundled_tests
 
 [[ $QUICK == 1 ]] || {
 echo "== device KV cache <-> pinned staging copies"
@@ -97,9 +77,11 @@ duet-bench "${BENCH_WORKLOAD[@]}" --seed 1 --num-prompts $ENGINE_REQUESTS --save
 head -n $PREFILL_REQUESTS "$OUT/requests.jsonl" > /tmp/prefill_in.jsonl
 duet generate "${ENGINE_FLAGS[@]}" --max-num-seqs 1 --warmup 1 --input /tmp/prefill_in.jsonl \
   --output "$OUT/engine_prefill.jsonl" 2>> "$OUT/engine.log" || echo "generate (prefill) exit $?"
+clock_mark
 duet generate "${ENGINE_FLAGS[@]}" --max-num-seqs $ENGINE_SEQS --warmup 16 --input "$OUT/requests.jsonl" \
   --output "$OUT/engine_batch.jsonl" 2>> "$OUT/engine.log" || echo "generate (batch) exit $?"
 grep -h "tok/s" "$OUT/engine.log" | sed 's/^.*\] /  /'
+clock_summary "  engine alone (load, warm-up and the batch)"
 grep -h "GEMM tuning:" "$OUT/engine.log" | head -1 | sed 's/^.*\] /  engine alone: /'
 
 # How the two worker processes share the GPU: "timeslice" (the driver's default: one process's
@@ -137,7 +119,7 @@ stop_mps() {
   cp -r "$mps_dir/log" "$OUT/mps_log" 2>/dev/null
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
-trap stop_mps EXIT
+trap 'stop_mps; kill $clock_sampler_pid 2>/dev/null' EXIT
 
 run_cluster() {  # MODE: the cluster's runs under $OUT/MODE
 local mode=$1 dir=$OUT/$1
@@ -197,8 +179,10 @@ bench warmup 100 --input-len 512 --num-prompts 8 --max-concurrency 8
 # 16-token prompts: what disaggregation adds to the time to first token, with little compute.
 bench conc1_short 101 --input-len 16 --num-prompts 16 --max-concurrency 1
 for c in "${CONCURRENCY[@]}"; do
+  clock_mark
   bench conc$c $((c == 64 ? 1 : 1000 + c)) --input-len 512 --num-prompts $((c < 8 ? 16 : c == 64 ? ENGINE_REQUESTS : 4 * c)) \
     --max-concurrency $c
+  [[ $c == 64 ]] && clock_summary "  $mode conc64" | tee "$dir/conc64_clocks.txt"
 done
 for i in "${!RATES[@]}"; do
   bench rate${RATES[$i]} $((2000 + i)) --input-len 512 --num-prompts 256 --request-rate ${RATES[$i]}
@@ -243,4 +227,5 @@ for mode in $SHARING; do
   done
 done
 # At most 8 files come back: keep the table's inputs and logs in one archive.
+kill "$clock_sampler_pid" 2>/dev/null
 (cd "$OUT" && tar -czf /tmp/cluster_logs.tgz ./* && rm -rf ./* && mv /tmp/cluster_logs.tgz .)

@@ -6,8 +6,10 @@
 # tuned run prints the tuning's table (cuBLAS's default against cuBLASLt's fastest candidate, per
 # shape). Logs under $OUT, the tables last.
 #
-#   here:       TARGETS="gemm_tuning_tests llama_cuda_tests cuda_llama_bench" scripts/gpu/make_bundle.sh
-#               (carry .devbundle; the draft model need not travel)
+#   here:       TARGETS="gemm_tuning_tests llama_cuda_tests kernels_tests cuda_llama_bench" scripts/gpu/make_bundle.sh
+#               (carry .devbundle; the draft model need not travel), or the cluster pack with
+#               EXTRA_TARGETS="gemm_tuning_tests llama_cuda_tests cuda_llama_bench" scripts/gpu/make_cluster_bundle.sh
+#               (carry .devcluster; run with BUNDLE=.devcluster/bundle.tar.xz)
 #   device run: [MIXED=...] [ROUNDS=2] [TESTS=0] bash scripts/gpu/h200_gemm_tuning.sh
 set -uo pipefail
 mixed=${MIXED:-320,256@256,384@128} rounds=${ROUNDS:-2}
@@ -21,7 +23,10 @@ if [[ ${TESTS:-1} != 0 ]]; then
     echo "gemm_tuning_tests: exit $?, $(grep -c '^\[       OK' "$OUT/gemm_tuning_tests_$run.log") passed"
     timeout 200 llama_cuda_tests --gtest_filter='-*DraftModel*:*EveryGpu*:*OverNccl*' > "$OUT/llama_cuda_tests_$run.log" 2>&1
     echo "llama_cuda_tests: exit $?, $(grep -c '^\[       OK' "$OUT/llama_cuda_tests_$run.log") passed"
-    grep -hE "^\[  FAILED|Failure$" "$OUT/gemm_tuning_tests_$run.log" "$OUT/llama_cuda_tests_$run.log" | head -8
+    # The tuning's random input, and WideGemm (which takes the gate/up products of --wide-gemm-silu-rows).
+    timeout 200 kernels_tests --gtest_filter='FillRandomBf16*:WideGemm*' > "$OUT/kernels_tests_$run.log" 2>&1
+    echo "kernels_tests: exit $?, $(grep -c '^\[       OK' "$OUT/kernels_tests_$run.log") passed"
+    grep -hE "^\[  FAILED|Failure$" "$OUT"/{gemm_tuning,llama_cuda,kernels}_tests_$run.log | head -8
   done
 fi
 await_checkpoint
