@@ -27,36 +27,30 @@ TEST(ExecutorFactoryTest, UnknownBackendIsRefused) {
 }
 
 #ifdef DUET_HAVE_CUDA
+// Loading the CUDA backend with $name=value fails with an InvalidArgument that names the variable.
 // The variables are read before any device is touched, so this holds on a machine without a GPU.
-TEST(ExecutorFactoryTest, AKernelRowCountThatIsNotOneIsAClearError) {
+void ExpectClearErrorFor(const char* name, const char* value) {
   EngineConfig config;
   config.model_dir = kModel;
   config.backend = "cuda";
+  ASSERT_EQ(setenv(name, value, 1), 0);
+  absl::StatusOr<std::unique_ptr<ModelExecutor>> executor = LoadExecutor(config);
+  unsetenv(name);
+  ASSERT_FALSE(executor.ok()) << name << "=" << value;
+  EXPECT_EQ(executor.status().code(), absl::StatusCode::kInvalidArgument) << name << "=" << value;
+  EXPECT_NE(executor.status().message().find(name), std::string::npos) << executor.status();
+}
+
+TEST(ExecutorFactoryTest, AKernelRowCountThatIsNotOneIsAClearError) {
   for (const char* name : {"DUET_WIDE_GEMM_MIN_ROWS", "DUET_GEMM_TUNING_MAX_ROWS"}) {
-    for (const char* bad : {"abc", "-1", "64rows", ""}) {
-      ASSERT_EQ(setenv(name, bad, 1), 0);
-      absl::StatusOr<std::unique_ptr<ModelExecutor>> executor = LoadExecutor(config);
-      ASSERT_FALSE(executor.ok()) << name << "=" << bad;
-      EXPECT_EQ(executor.status().code(), absl::StatusCode::kInvalidArgument) << name << "=" << bad;
-      EXPECT_NE(executor.status().message().find(name), std::string::npos) << executor.status();
-    }
-    unsetenv(name);
+    for (const char* bad : {"abc", "-1", "64rows", ""}) ExpectClearErrorFor(name, bad);
   }
 }
 
 TEST(ExecutorFactoryTest, AKernelRowRangeThatIsNotOneIsAClearError) {
-  EngineConfig config;
-  config.model_dir = kModel;
-  config.backend = "cuda";
-  const char* name = "DUET_WIDE_GEMM_SILU_ROWS";
   for (const char* bad : {"abc", "192", "192-", "-448", "448-192", "0-448", "192-448rows", ""}) {
-    ASSERT_EQ(setenv(name, bad, 1), 0);
-    absl::StatusOr<std::unique_ptr<ModelExecutor>> executor = LoadExecutor(config);
-    ASSERT_FALSE(executor.ok()) << name << "=" << bad;
-    EXPECT_EQ(executor.status().code(), absl::StatusCode::kInvalidArgument) << name << "=" << bad;
-    EXPECT_NE(executor.status().message().find(name), std::string::npos) << executor.status();
+    ExpectClearErrorFor("DUET_WIDE_GEMM_SILU_ROWS", bad);
   }
-  unsetenv(name);
 }
 #endif
 
