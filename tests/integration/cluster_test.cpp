@@ -333,8 +333,8 @@ TEST(ClusterTest, CancellationAndDeadlinesReturnKvBlocksAndRouterStaysHealthy) {
 }
 
 // Clients that give up at random times (a cancel, or a short deadline) while their requests reserve
-// KV, prefill or have just begun decoding: within a second of the last one, every worker has all
-// its KV blocks free and no lease left (none waits for its lease to run out).
+// KV, prefill or have just begun decoding: soon after the last one, every worker has all its KV
+// blocks free and no lease left (none waits for its lease to run out).
 TEST(ClusterTest, RequestsCancelledAtRandomTimesLeaveNoReservationBehind) {
   LocalCluster cluster({1, 2});
   ASSERT_TRUE(cluster.ok()) << cluster.error();
@@ -377,8 +377,10 @@ TEST(ClusterTest, RequestsCancelledAtRandomTimesLeaveNoReservationBehind) {
   }
   for (std::thread& t : threads) t.join();
   std::string detail;
-  // Well inside the 30 s lease: a reservation left behind would hold its blocks until then.
-  EXPECT_TRUE(WaitForIdleKv(cluster, 2, &detail, /*timeout_ms=*/3000)) << detail;
+  // Well inside the 30 s lease: a reservation left behind would hold its blocks until then. On a
+  // 2-core VM the prefill worker still held cancelled requests (1 running, up to 17 waiting) 3 s
+  // after the last client; all was idle after 2.5-3.7 s.
+  EXPECT_TRUE(WaitForIdleKv(cluster, 2, &detail, /*timeout_ms=*/10000)) << detail;
   EXPECT_GT(cancelled + expired, kThreads * kPerThread / 2) << ok << " completed";
   EXPECT_EQ(other.load(), 0);
   EXPECT_TRUE(RouterServing(cluster));
