@@ -37,22 +37,6 @@ absl::StatusOr<int> RowsFromEnvironment(const char* name, int default_rows) {
   return int(rows);
 }
 
-// A row range MIN-MAX from the environment variable `name` when it is set, else none:
-//   $DUET_WIDE_GEMM_SILU_ROWS: gate/up products with SiLU·mul of MIN-MAX rows go to WideGemm.
-absl::StatusOr<cuda::RowRange> RowRangeFromEnvironment(const char* name) {
-  const char* env = std::getenv(name);
-  if (env == nullptr) return cuda::RowRange{};
-  char* dash = nullptr;
-  char* end = nullptr;
-  const long min = std::strtol(env, &dash, 10);
-  const long max = dash != env && *dash == '-' ? std::strtol(dash + 1, &end, 10) : -1;
-  if (end == nullptr || end == dash + 1 || *end != '\0' || min < 1 || max < min || max > (1 << 20)) {
-    return absl::InvalidArgumentError(absl::StrCat(name, "=", env, " is not a row range MIN-MAX (1 <= MIN <= MAX)"));
-  }
-  DUET_LOG(INFO) << name << "=" << min << "-" << max;
-  return cuda::RowRange{int(min), int(max)};
-}
-
 absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadCudaExecutor(const EngineConfig& config) {
   LlamaCudaOptions options;
   absl::StatusOr<int> wide_gemm_min_rows = RowsFromEnvironment("DUET_WIDE_GEMM_MIN_ROWS", cuda::kWideGemmDefaultMinRows);
@@ -62,9 +46,6 @@ absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadCudaExecutor(const EngineConf
       RowsFromEnvironment("DUET_GEMM_TUNING_MAX_ROWS", cuda::kGemmTuningDefaultMaxRows);
   if (!tuning_max_rows.ok()) return tuning_max_rows.status();
   options.gemm_tuning_max_rows = *tuning_max_rows;
-  absl::StatusOr<cuda::RowRange> silu_rows = RowRangeFromEnvironment("DUET_WIDE_GEMM_SILU_ROWS");
-  if (!silu_rows.ok()) return silu_rows.status();
-  options.wide_gemm_silu_rows = *silu_rows;
   const std::vector<int>& devices = config.sequence_parallel.devices;
   if (!devices.empty() && int(devices.size()) != config.sequence_parallel.ranks) {
     return absl::InvalidArgumentError(absl::StrCat("--devices names ", devices.size(), " GPUs for --sp-ranks ",

@@ -46,12 +46,6 @@ TEST(ExecutorFactoryTest, AKernelRowCountThatIsNotOneIsAClearError) {
     for (const char* bad : {"abc", "-1", "64rows", ""}) ExpectClearErrorFor(name, bad);
   }
 }
-
-TEST(ExecutorFactoryTest, AKernelRowRangeThatIsNotOneIsAClearError) {
-  for (const char* bad : {"abc", "192", "192-", "-448", "448-192", "0-448", "192-448rows", ""}) {
-    ExpectClearErrorFor("DUET_WIDE_GEMM_SILU_ROWS", bad);
-  }
-}
 #endif
 
 }  // namespace

@@ -33,8 +33,7 @@ void Gemm(cublasHandle_t handle, const __nv_bfloat16* x, const __nv_bfloat16* we
 }  // namespace
 
 absl::StatusOr<CublasLinear> CublasLinear::Create(cudaStream_t stream, void* workspace, size_t workspace_bytes,
-                                                  int skinny_gemm_max_rows, int wide_gemm_min_rows,
-                                                  RowRange wide_gemm_silu_rows) {
+                                                  int skinny_gemm_max_rows, int wide_gemm_min_rows) {
   if (skinny_gemm_max_rows < 0 || skinny_gemm_max_rows > kernels::kSkinnyGemmMaxRows) {
     return absl::InvalidArgumentError(
         absl::StrCat("skinny GEMM rows must be 0-", kernels::kSkinnyGemmMaxRows, ", not ", skinny_gemm_max_rows));
@@ -47,17 +46,10 @@ absl::StatusOr<CublasLinear> CublasLinear::Create(cudaStream_t stream, void* wor
   if (wide_gemm_min_rows < 0) {
     return absl::InvalidArgumentError(absl::StrCat("wide GEMM rows must be >= 0, not ", wide_gemm_min_rows));
   }
-  if (wide_gemm_silu_rows.max > 0 && (wide_gemm_silu_rows.min < 1 || wide_gemm_silu_rows.min > wide_gemm_silu_rows.max)) {
-    return absl::InvalidArgumentError(absl::StrCat("wide GEMM SiLU·mul rows must be a range MIN-MAX of 1 <= MIN <= MAX, not ",
-                                                   wide_gemm_silu_rows.min, "-", wide_gemm_silu_rows.max));
-  }
-  if (major < 9) {  // their kernels need Hopper (wgmma, TMA, clusters)
-    skinny_gemm_max_rows = wide_gemm_min_rows = 0;
-    wide_gemm_silu_rows = {};
-  }
+  if (major < 9) skinny_gemm_max_rows = wide_gemm_min_rows = 0;  // their kernels need Hopper (wgmma, TMA, clusters)
   if (skinny_gemm_max_rows > 0) kernels::PrepareSkinnyGemm(num_sms);
   kernels::WideGemmCapacity wide_gemm_capacity{};
-  if (wide_gemm_min_rows > 0 || wide_gemm_silu_rows.max > 0) {
+  if (wide_gemm_min_rows > 0) {
     kernels::PrepareWideGemm();
     wide_gemm_capacity = kernels::QueryWideGemmCapacity();
   }
@@ -75,8 +67,8 @@ absl::StatusOr<CublasLinear> CublasLinear::Create(cudaStream_t stream, void* wor
     cublasDestroy(handle);
     return tuning.status();
   }
-  return CublasLinear(handle, stream, num_sms, skinny_gemm_max_rows, wide_gemm_min_rows, wide_gemm_silu_rows,
-                      wide_gemm_capacity, *std::move(tuning));
+  return CublasLinear(handle, stream, num_sms, skinny_gemm_max_rows, wide_gemm_min_rows, wide_gemm_capacity,
+                      *std::move(tuning));
 }
 
 CublasLinear::~CublasLinear() {
@@ -88,10 +80,8 @@ bool CublasLinear::UseSkinnyGemm(const void* x, const void* weight, int rows, in
          in % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0;
 }
 
-bool CublasLinear::UseWideGemm(const void* x, const void* weight, int rows, int in, bool silu_mul) const {
-  const bool takes = (wide_gemm_min_rows_ > 0 && rows >= wide_gemm_min_rows_) ||
-                     (silu_mul && wide_gemm_silu_rows_.Contains(rows));
-  return takes && in % 8 == 0 &&
+bool CublasLinear::UseWideGemm(const void* x, const void* weight, int rows, int in) const {
+  return wide_gemm_min_rows_ > 0 && rows >= wide_gemm_min_rows_ && in % 8 == 0 &&
          reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0;
 }
 
@@ -153,7 +143,7 @@ void CublasLinear::ForwardSiluMul(const __nv_bfloat16* x, const __nv_bfloat16* g
     kernels::Gemv({x, gate_up_weight, act, rows, in, 2 * inter, false, kernels::GemvEpilogue::kSiluMul}, stream_);
     return;
   }
-  if (UseWideGemm(x, gate_up_weight, rows, in, /*silu_mul=*/true)) {
+  if (UseWideGemm(x, gate_up_weight, rows, in)) {
     kernels::WideGemm({x, gate_up_weight, act, rows, in, 2 * inter, true},
                       kernels::PlanWideGemm(rows, in, 2 * inter, true, wide_gemm_capacity_), stream_);
     return;

@@ -39,13 +39,6 @@ inline int64_t CublasRowCapacity(int64_t rows) {
 // $DUET_WIDE_GEMM_MIN_ROWS for every command (backends/executor_factory.cpp), turns it on.
 inline constexpr int kWideGemmDefaultMinRows = 0;
 
-// The row counts, from min to max, for which one kind of product takes a kernel other than its
-// default; none by default.
-struct RowRange {
-  int min = 0, max = 0;
-  bool Contains(int rows) const { return max > 0 && rows >= min && rows <= max; }
-};
-
 // Up to how many rows (as cuBLAS sees them) the bf16 projections' cuBLASLt algorithms are tuned
 // at load by default (GemmTuning): the decode batches and mixed steps, where cuBLAS's default
 // heuristic has its cliffs (a 64 + 384-row mixed step of Llama-3-8B: 18.7 ms with it, 15.2
@@ -58,19 +51,16 @@ class CublasLinear {
   // `workspace` (device memory, may be shared by nothing else running concurrently) lets cuBLAS
   // run inside CUDA-graph capture without allocating. Products of more than Gemv's rows and at
   // most `skinny_gemm_max_rows` (<= kernels::kSkinnyGemmMaxRows; 0: none) go to SkinnyGemm, bf16
-  // products of at least `wide_gemm_min_rows` (0: none) to WideGemm, and so do the gate/up
-  // products with SiLU·mul (ForwardSiluMul) of `wide_gemm_silu_rows` rows, for its fused epilogue.
+  // products of at least `wide_gemm_min_rows` (0: none) to WideGemm.
   static absl::StatusOr<CublasLinear> Create(cudaStream_t stream, void* workspace, size_t workspace_bytes,
                                              int skinny_gemm_max_rows = kernels::kSkinnyGemmPreferredMaxRows,
-                                             int wide_gemm_min_rows = kWideGemmDefaultMinRows,
-                                             RowRange wide_gemm_silu_rows = {});
+                                             int wide_gemm_min_rows = kWideGemmDefaultMinRows);
   CublasLinear(CublasLinear&& o) noexcept
       : handle_(o.handle_),
         stream_(o.stream_),
         num_sms_(o.num_sms_),
         skinny_gemm_max_rows_(o.skinny_gemm_max_rows_),
         wide_gemm_min_rows_(o.wide_gemm_min_rows_),
-        wide_gemm_silu_rows_(o.wide_gemm_silu_rows_),
         wide_gemm_capacity_(o.wide_gemm_capacity_),
         tuning_(std::move(o.tuning_)) {
     o.handle_ = nullptr;
@@ -101,20 +91,19 @@ class CublasLinear {
 
  private:
   CublasLinear(cublasHandle_t handle, cudaStream_t stream, int num_sms, int skinny_gemm_max_rows,
-               int wide_gemm_min_rows, RowRange wide_gemm_silu_rows,
-               const kernels::WideGemmCapacity& wide_gemm_capacity, std::unique_ptr<GemmTuning> tuning)
+               int wide_gemm_min_rows, const kernels::WideGemmCapacity& wide_gemm_capacity,
+               std::unique_ptr<GemmTuning> tuning)
       : handle_(handle),
         stream_(stream),
         num_sms_(num_sms),
         skinny_gemm_max_rows_(skinny_gemm_max_rows),
         wide_gemm_min_rows_(wide_gemm_min_rows),
-        wide_gemm_silu_rows_(wide_gemm_silu_rows),
         wide_gemm_capacity_(wide_gemm_capacity),
         tuning_(std::move(tuning)) {}
   // Whether SkinnyGemm takes this product (else Gemv's or cuBLAS's rows).
   bool UseSkinnyGemm(const void* x, const void* weight, int rows, int in) const;
-  // Whether WideGemm takes this bf16 product; `silu_mul`: a gate/up product with SiLU·mul.
-  bool UseWideGemm(const void* x, const void* weight, int rows, int in, bool silu_mul = false) const;
+  // Whether WideGemm takes this bf16 product.
+  bool UseWideGemm(const void* x, const void* weight, int rows, int in) const;
   void RunSkinnyGemm(const __nv_bfloat16* x, const __nv_bfloat16* weight, void* y, bool y_fp32, int rows, int in,
                      int out) const;
 
@@ -123,8 +112,7 @@ class CublasLinear {
   int num_sms_ = 0;
   int skinny_gemm_max_rows_ = 0;
   int wide_gemm_min_rows_ = 0;
-  RowRange wide_gemm_silu_rows_;
-  kernels::WideGemmCapacity wide_gemm_capacity_{};  // asked when WideGemm takes any product
+  kernels::WideGemmCapacity wide_gemm_capacity_{};  // asked when wide_gemm_min_rows_ > 0
   std::unique_ptr<GemmTuning> tuning_;               // the bf16 products' tuned algorithms
 };
 

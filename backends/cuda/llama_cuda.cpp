@@ -117,8 +117,7 @@ absl::Status LlamaCuda::InitDevice() {
   DUET_ASSIGN_OR_RETURN(cublas_workspace_, arena_.Allocate(kCublasWorkspaceBytes, "cuBLAS workspace"));
   DUET_ASSIGN_OR_RETURN(cuda::CublasLinear linear,
                         cuda::CublasLinear::Create(stream_, cublas_workspace_.get(), cublas_workspace_.bytes(),
-                                                   options_.skinny_gemm_max_rows, options_.wide_gemm_min_rows,
-                                                   options_.wide_gemm_silu_rows));
+                                                   options_.skinny_gemm_max_rows, options_.wide_gemm_min_rows));
   linear_ = std::make_unique<cuda::CublasLinear>(std::move(linear));
   return absl::OkStatus();
 }

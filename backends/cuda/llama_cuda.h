@@ -56,9 +56,6 @@ struct LlamaCudaOptions {
   // tensor-core GEMM (kernels/gemm/wide_gemm.h); 0 (the default until it is measured on the H200):
   // through cuBLAS.
   int wide_gemm_min_rows = cuda::kWideGemmDefaultMinRows;
-  // The MLP's gate/up products of this many rows go through WideGemm as well, which computes
-  // SiLU·mul in its epilogue (no gate_up round trip, one kernel fewer); none by default.
-  cuda::RowRange wide_gemm_silu_rows;
   // The projections that reach cuBLAS, at each multiple of 64 rows up to this many (and
   // max_num_batched_tokens), get the cuBLASLt algorithm timed fastest on this model's weights at
   // load (cuda::GemmTuning; 2-5 s for Llama-3-8B's 64 shapes); 0: cuBLAS's default throughout.

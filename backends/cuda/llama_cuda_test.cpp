@@ -126,9 +126,12 @@ TEST(LlamaCuda, Bf16PrefillAndGraphDecodeMatchCpu) {
 }
 
 // Prompt-sized steps through the tiled tensor-core GEMM (kernels/gemm/wide_gemm.h, SiLU·mul in
-// its epilogue) with `options`: a 437-token prefill of two prompts (three 160-row tiles), then a
-// mixed step of a 150-token chunk beside both sequences' decode rows (one tile).
-void CheckPromptStepsMatchCpu(const LlamaCudaOptions& options) {
+// its epilogue): a 437-token prefill of two prompts (three 160-row tiles), then a mixed step of a
+// 150-token chunk beside both sequences' decode rows (one tile).
+TEST(LlamaCuda, Bf16PromptStepsThroughWideGemmMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  LlamaCudaOptions options;
+  options.wide_gemm_min_rows = 128;
   BackendPair pair(options);
   std::vector<int32_t> table_a = Range(0, 12), table_b = Range(20, 25), table_c = Range(60, 12);
   std::vector<int32_t> prompt_a = Range(5, 137), prompt_b = Range(900, 300), prompt_c = Range(2000, 150);
@@ -143,22 +146,6 @@ void CheckPromptStepsMatchCpu(const LlamaCudaOptions& options) {
   const double mixed_error = pair.Step({da, db, c});
   std::printf("mixed step logits relative error %.2e\n", mixed_error);
   EXPECT_LT(mixed_error, 1e-2);
-}
-
-TEST(LlamaCuda, Bf16PromptStepsThroughWideGemmMatchCpu) {
-  SKIP_WITHOUT_GPU();
-  LlamaCudaOptions options;
-  options.wide_gemm_min_rows = 128;
-  CheckPromptStepsMatchCpu(options);
-}
-
-// Only the gate/up products with SiLU·mul through WideGemm (the prefill's 437 rows and the mixed
-// step's 152), the other projections through cuBLAS.
-TEST(LlamaCuda, Bf16GateUpThroughWideGemmMatchCpu) {
-  SKIP_WITHOUT_GPU();
-  LlamaCudaOptions options;
-  options.wide_gemm_silu_rows = {128, 448};
-  CheckPromptStepsMatchCpu(options);
 }
 
 // Every projection shape that reaches cuBLAS run by a tuned cuBLASLt algorithm (kept whatever

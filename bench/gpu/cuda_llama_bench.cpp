@@ -9,8 +9,7 @@
 //
 //   cuda_llama_bench --model DIR [--batch 1,8,32,128] [--context 1024] [--prefill 1024,8192 | --prefill none]
 //                    [--mixed-prompt 256,512,256@320] [--no-pdl] [--no-fusion] [--no-mixed-launch] [--early-groups 1|2] [--no-cuda-graphs]
-//                    [--skinny-gemm-max-rows N] [--wide-gemm-min-rows N] [--wide-gemm-silu-rows MIN-MAX]
-//                    [--gemm-tuning-max-rows N]
+//                    [--skinny-gemm-max-rows N] [--wide-gemm-min-rows N] [--gemm-tuning-max-rows N]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -169,7 +168,6 @@ int Run(int argc, char** argv) {
   bool graphs = true, pdl = true, fusion = true, mixed_launch = true;
   int skinny_max_rows = kernels::kSkinnyGemmPreferredMaxRows;
   int wide_min_rows = cuda::kWideGemmDefaultMinRows;
-  std::string wide_silu_rows = "none";
   int tuning_max_rows = cuda::kGemmTuningDefaultMaxRows;
   int early_groups = 2;
   app.add_option("--model", model_dir, "checkpoint directory")->required();
@@ -190,8 +188,6 @@ int Run(int argc, char** argv) {
   app.add_option("--wide-gemm-min-rows", wide_min_rows,
                  "projections of at least N rows through WideGemm (0: through cuBLAS)")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--wide-gemm-silu-rows", wide_silu_rows,
-                 "gate/up products with SiLU·mul of MIN-MAX rows through WideGemm (none: as the others)");
   app.add_option("--gemm-tuning-max-rows", tuning_max_rows,
                  "tune the cuBLAS projections' algorithms at load up to N rows (0: cuBLAS's default algorithm)")
       ->check(CLI::NonNegativeNumber);
@@ -219,11 +215,6 @@ int Run(int argc, char** argv) {
   options.mixed_attention_launch = mixed_launch;
   options.skinny_gemm_max_rows = skinny_max_rows;
   options.wide_gemm_min_rows = wide_min_rows;
-  if (wide_silu_rows != "none" &&
-      std::sscanf(wide_silu_rows.c_str(), "%d-%d", &options.wide_gemm_silu_rows.min, &options.wide_gemm_silu_rows.max) != 2) {
-    std::fprintf(stderr, "--wide-gemm-silu-rows: MIN-MAX or none, not %s\n", wide_silu_rows.c_str());
-    return 1;
-  }
   options.gemm_tuning_max_rows = tuning_max_rows;
   const auto load_started = std::chrono::steady_clock::now();
   auto loaded = LlamaCuda::Load(model_dir, options);

@@ -23,8 +23,8 @@ if [[ ${TESTS:-1} != 0 ]]; then
     echo "gemm_tuning_tests: exit $?, $(grep -c '^\[       OK' "$OUT/gemm_tuning_tests_$run.log") passed"
     timeout 200 llama_cuda_tests --gtest_filter='-*DraftModel*:*EveryGpu*:*OverNccl*' > "$OUT/llama_cuda_tests_$run.log" 2>&1
     echo "llama_cuda_tests: exit $?, $(grep -c '^\[       OK' "$OUT/llama_cuda_tests_$run.log") passed"
-    # The tuning's random input, and WideGemm (which takes the gate/up products of --wide-gemm-silu-rows).
-    timeout 200 kernels_tests --gtest_filter='FillRandomBf16*:WideGemm*' > "$OUT/kernels_tests_$run.log" 2>&1
+    # The tuning's random input.
+    timeout 200 kernels_tests --gtest_filter='FillRandomBf16*' > "$OUT/kernels_tests_$run.log" 2>&1
     echo "kernels_tests: exit $?, $(grep -c '^\[       OK' "$OUT/kernels_tests_$run.log") passed"
     grep -hE "^\[  FAILED|Failure$" "$OUT"/{gemm_tuning,llama_cuda,kernels}_tests_$run.log | head -8
   done
