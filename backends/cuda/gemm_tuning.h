@@ -3,7 +3,9 @@
 // hundred rows its tiles can leave SMs idle (the down projection at 384 rows ran at 549 TFLOP/s
 // against gate_up's 704 in the same step: docs/BENCHMARKS.md). For each shape, Tune() times the
 // default against the candidates cuBLASLt's heuristic offers and the best of them split over K,
-// on the model's own weights (one launch per layer, so L2 holds none of them), and keeps the
+// on the model's own weights (one launch per layer, so L2 holds none of them) and a random input
+// (the card runs at its power cap in serving; on zeros the products draw less power, run faster
+// and rank the candidates differently: docs/BENCHMARKS.md), and keeps the
 // fastest where, timed again after the default is timed again, it takes at most kMaxTimeRatio of
 // the default's time. Run() launches a kept algorithm with the workspace given at creation, so
 // products keep working inside CUDA-graph capture. On an H100 (docs/BENCHMARKS.md) cuBLAS's
@@ -60,8 +62,9 @@ class GemmTuning {
   GemmTuning(const GemmTuning&) = delete;
   GemmTuning& operator=(const GemmTuning&) = delete;
 
-  // Times `shape` on `weights` (each [out, in], e.g. one per layer), reading x ([rows, in]) and
-  // writing y ([rows, out]), both device scratch. `run_default(w)` launches the default product on
+  // Times `shape` on `weights` (each [out, in], e.g. one per layer), reading x ([rows, in], random
+  // values as activations have: kernels::FillRandomBf16) and writing y ([rows, out]), both device
+  // scratch. `run_default(w)` launches the default product on
   // this stream. The fastest candidate is kept where it takes at most `max_time_ratio` of the
   // default's time. Not while a graph is being captured on the stream.
   absl::StatusOr<Result> Tune(const Shape& shape, absl::Span<const __nv_bfloat16* const> weights,
