@@ -42,7 +42,7 @@ inline constexpr int kWideGemmDefaultMinRows = 0;
 // Up to how many rows (as cuBLAS sees them) the bf16 projections' cuBLASLt algorithms are tuned
 // at load by default (GemmTuning): the decode batches and mixed steps, where cuBLAS's default
 // heuristic has its cliffs (a 64 + 384-row mixed step of Llama-3-8B: 18.7 ms with it, 15.2
-// tuned, on an H100). Llama-3-8B's 64 shapes take 2-3 s on an H200, 4-5 s on an H100. cuda_llama_bench
+// tuned, on an H100). Llama-3-8B's 64 shapes take 2-3 s on an H200, 2.6-5 s on H100s. cuda_llama_bench
 // --gemm-tuning-max-rows N, or $DUET_GEMM_TUNING_MAX_ROWS for every command, changes it; 0: none.
 inline constexpr int kGemmTuningDefaultMaxRows = 1024;
 
