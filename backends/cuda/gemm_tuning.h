@@ -5,9 +5,8 @@
 // default against the candidates cuBLASLt's heuristic offers and the best of them split over K,
 // on the model's own weights (one launch per layer, so L2 holds none of them) and a random input
 // (the card runs at its power cap in serving; on zeros the products draw less power, run faster
-// and rank the candidates differently: docs/BENCHMARKS.md), and keeps the
-// fastest where, timed again after the default is timed again, it takes at most kMaxTimeRatio of
-// the default's time. Run() launches a kept algorithm with the workspace given at creation, so
+// and rank the candidates differently: docs/BENCHMARKS.md), and keeps the fastest where, timed
+// again after the default is timed again, it takes at most kMaxTimeRatio of the default's time. Run() launches a kept algorithm with the workspace given at creation, so
 // products keep working inside CUDA-graph capture. On an H100 (docs/BENCHMARKS.md) cuBLAS's
 // default is 1.2-1.8x slower than the best candidate at some row counts (gate_up at 448 rows,
 // qkv and o at 832), and as fast at most.
@@ -64,9 +63,9 @@ class GemmTuning {
 
   // Times `shape` on `weights` (each [out, in], e.g. one per layer), reading x ([rows, in], random
   // values as activations have: kernels::FillRandomBf16) and writing y ([rows, out]), both device
-  // scratch. `run_default(w)` launches the default product on
-  // this stream. The fastest candidate is kept where it takes at most `max_time_ratio` of the
-  // default's time. Not while a graph is being captured on the stream.
+  // scratch. `run_default(w)` launches the default product on this stream. The fastest candidate
+  // is kept where it takes at most `max_time_ratio` of the default's time. Not while a graph is
+  // being captured on the stream.
   absl::StatusOr<Result> Tune(const Shape& shape, absl::Span<const __nv_bfloat16* const> weights,
                               const __nv_bfloat16* x, __nv_bfloat16* y,
                               const std::function<void(const __nv_bfloat16*)>& run_default,

@@ -18,16 +18,12 @@ export DUET_MODELS_DIR=$PWD/models
 start_checkpoint
 if [[ ${TESTS:-1} != 0 ]]; then
   for run in 1 2; do
-    section "tests, run $run"
+    section "gemm_tuning_tests, run $run"
     timeout 120 gemm_tuning_tests > "$OUT/gemm_tuning_tests_$run.log" 2>&1
     echo "gemm_tuning_tests: exit $?, $(grep -c '^\[       OK' "$OUT/gemm_tuning_tests_$run.log") passed"
-    timeout 200 llama_cuda_tests --gtest_filter='-*DraftModel*:*EveryGpu*:*OverNccl*' > "$OUT/llama_cuda_tests_$run.log" 2>&1
-    echo "llama_cuda_tests: exit $?, $(grep -c '^\[       OK' "$OUT/llama_cuda_tests_$run.log") passed"
-    # The tuning's random input.
-    timeout 200 kernels_tests --gtest_filter='FillRandomBf16*' > "$OUT/kernels_tests_$run.log" 2>&1
-    echo "kernels_tests: exit $?, $(grep -c '^\[       OK' "$OUT/kernels_tests_$run.log") passed"
-    grep -hE "^\[  FAILED|Failure$" "$OUT"/{gemm_tuning,llama_cuda,kernels}_tests_$run.log | head -8
+    grep -hE "^\[  FAILED|Failure$" "$OUT/gemm_tuning_tests_$run.log" | head -8
   done
+  kernel_and_backend_tests 'FillRandomBf16*'  # the tuning's random input; the CUDA backend's tests
 fi
 await_checkpoint
 for round in $(seq 1 "$rounds"); do
