@@ -1,9 +1,11 @@
 #include "engine/sampler.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <random>
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
@@ -71,8 +73,20 @@ absl::Status SamplingParams::Validate() const {
   return absl::OkStatus();
 }
 
-SamplerRng::SamplerRng(std::optional<uint64_t> seed)
-    : engine_(seed.has_value() ? *seed : std::random_device{}() * 0x9E3779B97F4A7C15ull ^ std::random_device{}()) {}
+namespace {
+
+uint64_t UnseededRequestSeed() {
+  static const uint64_t process_seed = (uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
+  static std::atomic<uint64_t> requests{0};
+  uint64_t z = process_seed + requests.fetch_add(1, std::memory_order_relaxed) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+SamplerRng::SamplerRng(std::optional<uint64_t> seed) : engine_(seed.has_value() ? *seed : UnseededRequestSeed()) {}
 
 double SamplerRng::Uniform() { return double(engine_() >> 11) * 0x1.0p-53; }
 

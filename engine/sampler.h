@@ -31,7 +31,9 @@ struct ScoredToken {
   std::vector<TokenLogprob> top; // the distribution's top-K, most likely first
 };
 
-// A request's random stream: seeded for reproducibility, else from the OS entropy source.
+// A request's random stream: seeded for reproducibility, else distinct per request (one draw from
+// the OS entropy source per process, then a counter mixed through splitmix64: opening the entropy
+// source per request cost ~3% of the engine's host time per step).
 class SamplerRng {
  public:
   explicit SamplerRng(std::optional<uint64_t> seed);

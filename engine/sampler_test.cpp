@@ -67,6 +67,16 @@ TEST(SamplerTest, SeededSamplingIsDeterministic) {
   EXPECT_NE(a, c);
 }
 
+// Requests without a seed each get their own stream (no two of many start alike).
+TEST(SamplerTest, UnseededStreamsDiffer) {
+  std::set<uint64_t> firsts;
+  for (int i = 0; i < 1000; ++i) {
+    SamplerRng rng(std::nullopt);
+    firsts.insert(uint64_t(rng.Uniform() * 0x1.0p53));
+  }
+  EXPECT_EQ(firsts.size(), 1000u);
+}
+
 TEST(SamplerTest, TopKTopPMinPFilterAsSpecified) {
   const std::vector<float> full = Softmax(Logits(), 1.0f);
   SamplingParams p;

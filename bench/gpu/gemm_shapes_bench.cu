@@ -4,7 +4,13 @@
 // With --search, also every configuration cuBLASLt accepts beyond the heuristic's list: each
 // algorithm id's own candidates, and those again split over K (2-8 ways) where the algorithm can.
 //
+// With --sustain-ms N, each of the heuristic's candidates (and each split over K 2-4 ways) is also
+// timed over the second half of N ms of back-to-back launches: long enough for the card to reach
+// its power cap, as serving keeps it. The choice by a short timing (what GemmTuning does at load)
+// is set against the choice by the sustained one, both at the sustained cost.
+//
 //   gemm_shapes_bench [--hidden 4096 --inter 14336 --qkv-out 6144 --rows 64,128,512,2048,8192 --reps 20] [--search]
+//                     [--sustain-ms 200]
 //
 // y[rows, out] = x[rows, in] · W[out, in]^T, bf16 in and out, fp32 accumulation. The weights
 // rotate over enough copies to exceed the L2 cache, so every product streams its weight from
@@ -139,6 +145,50 @@ double MedianUs(cudaStream_t stream, int reps, Launch launch) {
   return duet::bench::Summarize(std::move(us)).median;
 }
 
+// Time per launch over the second half of `sustain_ms` of back-to-back launches of `launch(i)`.
+template <typename Launch>
+double SustainedUs(cudaStream_t stream, double sustain_ms, Launch launch) {
+  const double one_us = MedianUs(stream, 5, launch);
+  const int half = std::max(1, int(sustain_ms * 500.0 / one_us));
+  cudaEvent_t start, stop;
+  DUET_CUDA_CHECK(cudaEventCreate(&start));
+  DUET_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < half; ++i) launch(i);
+  DUET_CUDA_CHECK(cudaEventRecord(start, stream));
+  for (int i = 0; i < half; ++i) launch(i);
+  DUET_CUDA_CHECK(cudaEventRecord(stop, stream));
+  DUET_CUDA_CHECK(cudaEventSynchronize(stop));
+  float ms = 0;
+  DUET_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return double(ms) * 1000.0 / half;
+}
+
+// The heuristic's candidates and each of them split over K 2-4 ways (GemmTuning's search, with
+// splits of every candidate rather than of the fastest three).
+std::vector<cublasLtMatmulAlgo_t> WithSplits(const LtProduct& p, const std::vector<cublasLtMatmulAlgo_t>& algos) {
+  std::vector<cublasLtMatmulAlgo_t> out = algos;
+  for (const cublasLtMatmulAlgo_t& algo : algos) {
+    int32_t support = 0;
+    size_t written = 0;
+    cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &support, sizeof(support), &written);
+    if (support == 0 || duet::cuda::AlgorithmConfig<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1) continue;
+    for (int32_t splits : {2, 3, 4}) {
+      cublasLtMatmulAlgo_t split = algo;
+      const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+      cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits));
+      cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction, sizeof(reduction));
+      cublasLtMatmulHeuristicResult_t check{};
+      if (cublasLtMatmulAlgoCheck(p.lt, p.desc, p.a, p.b, p.c, p.c, &split, &check) == CUBLAS_STATUS_SUCCESS &&
+          check.workspaceSize <= p.workspace_bytes) {
+        out.push_back(split);
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -153,6 +203,9 @@ int main(int argc, char** argv) {
   app.add_option("--algos", max_algos, "cuBLASLt heuristic candidates to time")->check(CLI::Range(1, 64));
   bool search = false;
   app.add_flag("--search", search, "also time every configuration cuBLASLt accepts (slow)");
+  double sustain_ms = 0;
+  app.add_option("--sustain-ms", sustain_ms, "also time candidates over this long a run, at the power cap")
+      ->check(CLI::Range(0.0, 5000.0));
   CLI11_PARSE(app, argc, argv);
 
   const std::vector<Shape> shapes = {
@@ -254,13 +307,55 @@ int main(int argc, char** argv) {
                       default_us / search_us, config.c_str());
         searched = text;
       }
+      std::string sustained;
+      if (sustain_ms > 0) {
+        // Short (median of --reps single launches) and sustained per candidate; each choice's
+        // sustained cost.
+        struct Timing {
+          double short_us, sustained_us;
+          cublasLtMatmulAlgo_t algo;
+        };
+        std::vector<Timing> timings;
+        for (const cublasLtMatmulAlgo_t& algo : WithSplits(product, Candidates(product, -1, max_algos))) {
+          const double short_us = time_algo(algo, reps);
+          if (short_us < 0) continue;
+          const double sustained_us = SustainedUs(stream, sustain_ms, [&](int i) {
+            Check(cublasLtMatmul(lt, desc, &alpha, weights[size_t(i % copies)], a_layout, x, b_layout, &beta, y,
+                                 c_layout, y, c_layout, &algo, workspace, workspace_bytes, stream),
+                  "cublasLtMatmul");
+          });
+          timings.push_back({short_us, sustained_us, algo});
+        }
+        const double default_sustained = SustainedUs(stream, sustain_ms, [&](int i) {
+          Check(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, s.out, rows, s.in, &alpha, weights[size_t(i % copies)],
+                             CUDA_R_16BF, s.in, x, CUDA_R_16BF, s.in, &beta, y, CUDA_R_16BF, s.out, CUBLAS_COMPUTE_32F,
+                             CUBLAS_GEMM_DEFAULT),
+                "cublasGemmEx");
+        });
+        if (!timings.empty()) {
+          auto by = [&](auto key) {
+            return *std::min_element(timings.begin(), timings.end(),
+                                     [&](const Timing& l, const Timing& r) { return key(l) < key(r); });
+          };
+          const Timing by_short = by([](const Timing& t) { return t.short_us; });
+          const Timing by_sustained = by([](const Timing& t) { return t.sustained_us; });
+          char text[512];
+          std::snprintf(text, sizeof(text),
+                        " | sustained %.0f ms, %zu candidates: default %.1f us, chosen by short timing %.1f us "
+                        "(short %.1f), chosen by sustained %.1f us (%.3fx; %s)",
+                        sustain_ms, timings.size(), default_sustained, by_short.sustained_us, by_short.short_us,
+                        by_sustained.sustained_us, by_short.sustained_us / by_sustained.sustained_us,
+                        duet::cuda::DescribeAlgorithm(by_sustained.algo).c_str());
+          sustained = text;
+        }
+      }
       cublasLtMatrixLayoutDestroy(a_layout);
       cublasLtMatrixLayoutDestroy(b_layout);
       cublasLtMatrixLayoutDestroy(c_layout);
       cublasLtMatmulDescDestroy(desc);
       std::printf("%-8s %6d %6d %6d | %9.1f %8.1f %8.0f | %9.1f %8.1f %5.2fx | %d%s\n", s.name, rows, s.in, s.out,
                   default_us, flops / default_us * 1e-6, weight_bytes / default_us * 1e-3, best_us,
-                  flops / best_us * 1e-6, default_us / best_us, timed, searched.c_str());
+                  flops / best_us * 1e-6, default_us / best_us, timed, (searched + sustained).c_str());
       std::fflush(stdout);  // a long search may be stopped: keep the rows done
     }
   }
