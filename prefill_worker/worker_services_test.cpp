@@ -594,14 +594,16 @@ TEST_F(WorkerServicesTest, AReceivedReservationIsReleasedAtItsLeaseDeadline) {
 
 TEST_F(WorkerServicesTest, UnclaimedReservationIsReleasedWhenItsLeaseExpires) {
   v1::KvTarget target;
-  ASSERT_TRUE(Reserve("unclaimed", 8, 600, &target).ok());
+  // A lease long enough to be seen held on a loaded machine (600 ms had run out before the stats
+  // call below in a full suite on 2 cores).
+  ASSERT_TRUE(Reserve("unclaimed", 8, 3000, &target).ok());
   EXPECT_EQ(target.transfer_id(), 8u);
   EXPECT_FALSE(target.receiver_descriptor().empty());
   EXPECT_EQ(target.block_ids_size(), int((prompt_.size() + 7) / 8));
   v1::WorkerStats stats = DecodeStats();
   EXPECT_EQ(stats.num_kv_leases(), 1);
   EXPECT_EQ(stats.num_free_kv_blocks(), kDecodeBlocks - target.block_ids_size());
-  EXPECT_TRUE(DecodeBecomesIdle());
+  EXPECT_TRUE(DecodeBecomesIdle(std::chrono::seconds(10)));
 
   // A Decode for it now fails cleanly.
   grpc::ClientContext ctx;

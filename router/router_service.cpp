@@ -29,18 +29,22 @@
 namespace duet::router {
 
 // What Abort and the client's cancellation need of a request: why it was interrupted, and the
-// downstream call it is waiting on so that call can be cancelled from another thread.
+// downstream calls it has running so they can be cancelled from another thread. Calls overlap: a
+// Prefill runs beside the ReserveKv and SetKvTarget of its decode reservation, so each is kept
+// until it ends, not only the latest (a cancelled request's Prefill would otherwise run on).
 class RouterService::ActiveCall {
  public:
   // When the request reached the router (time to first token and e2e latency start here).
   const std::chrono::steady_clock::time_point arrival = std::chrono::steady_clock::now();
 
-  // Makes `context` the request's current downstream call. Called before the call starts, so a
-  // request already interrupted cancels it at once (and nothing can run inline).
+  // Adds `context` to the request's downstream calls. Called before the call starts, so a request
+  // already interrupted cancels it at once (and nothing can run inline).
   void Attach(std::shared_ptr<grpc::ClientContext> context) {
     absl::MutexLock lock(&mu_);
     if (aborted_ || client_gone_) context->TryCancel();
-    downstream_ = std::move(context);
+    // A context no one else holds belongs to a call that has ended.
+    std::erase_if(downstream_, [](const std::shared_ptr<grpc::ClientContext>& c) { return c.use_count() == 1; });
+    downstream_.push_back(std::move(context));
   }
   // Runs on each interruption, on the interrupting thread (for a request waiting on no call).
   void SetOnInterrupt(std::function<void()> on_interrupt) {
@@ -60,7 +64,7 @@ class RouterService::ActiveCall {
 
  private:
   void Interrupt(bool* flag) {
-    std::shared_ptr<grpc::ClientContext> downstream;
+    std::vector<std::shared_ptr<grpc::ClientContext>> downstream;
     std::function<void()> on_interrupt;
     {
       absl::MutexLock lock(&mu_);
@@ -68,13 +72,13 @@ class RouterService::ActiveCall {
       downstream = downstream_;
       on_interrupt = on_interrupt_;
     }
-    // Outside the lock: the cancelled call's callbacks may run on this thread.
-    if (downstream != nullptr) downstream->TryCancel();
+    // Outside the lock: the cancelled calls' callbacks may run on this thread.
+    for (const std::shared_ptr<grpc::ClientContext>& context : downstream) context->TryCancel();
     if (on_interrupt) on_interrupt();
   }
 
   mutable absl::Mutex mu_;
-  std::shared_ptr<grpc::ClientContext> downstream_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<grpc::ClientContext>> downstream_ ABSL_GUARDED_BY(mu_);
   std::function<void()> on_interrupt_ ABSL_GUARDED_BY(mu_);
   bool aborted_ ABSL_GUARDED_BY(mu_) = false;
   bool client_gone_ ABSL_GUARDED_BY(mu_) = false;

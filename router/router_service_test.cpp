@@ -1408,6 +1408,22 @@ TEST_F(LateTargetTest, ClientCancelWhileReservingReachesBothWorkers) {
   EXPECT_TRUE(WaitFor([&] { return service_->num_in_flight() == 0; }, 3000));
 }
 
+// The client leaves after the target went out (SetKvTarget has ended; the Prefill still runs):
+// the Prefill call is cancelled too, so the prefill worker stops working for no one.
+TEST_F(LateTargetTest, ClientCancelAfterTheTargetWentOutCancelsThePrefill) {
+  Start(1, 1);
+  prefill_[0]->prefill_delay_ms = 5000;
+  const auto start = std::chrono::steady_clock::now();
+  GenerateCancelled(TokenRequest({1}, 5, "gone-later"), [&] {
+    WaitFor([&] { return prefill_[0]->targets_set().size() == 1; });
+  });
+  EXPECT_TRUE(WaitFor([&] { return prefill_[0]->num_cancelled == 1; }, 3000));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));  // not the Prefill's 5 s
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 1; }, 3000));  // the reservation too
+  EXPECT_EQ(decode_[0]->num_decodes, 0);
+  EXPECT_TRUE(WaitFor([&] { return service_->num_in_flight() == 0; }, 3000));
+}
+
 // A decode worker stalled (SIGSTOPped) while a request it holds a reservation for is cancelled:
 // the router's Abort reaches it once it is back, longer than abort_timeout later, whether or not
 // the registry marked it down meanwhile; the reservation does not wait for its lease to end.
