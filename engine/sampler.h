@@ -33,7 +33,7 @@ struct ScoredToken {
 
 // A request's random stream: seeded for reproducibility, else distinct per request (one draw from
 // the OS entropy source per process, then a counter mixed through splitmix64: opening the entropy
-// source per request cost ~3% of the engine's host time per step).
+// source for each request took ~3% of the engine's host time in bench/engine_host_overhead).
 class SamplerRng {
  public:
   explicit SamplerRng(std::optional<uint64_t> seed);

@@ -1,6 +1,6 @@
 """A copy of a safetensors checkpoint whose every weight holds one value (1e-3), for measuring how
 much of a step's time the card's power cap takes: the same work on operands that barely switch draws
-far less power (docs/BENCHMARKS.md, "At the power cap").
+far less power (docs/BENCHMARKS.md, "What the power cap costs").
 
     python3 scripts/gpu/constant_checkpoint.py SRC_DIR DST_DIR
 """
