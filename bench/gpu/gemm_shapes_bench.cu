@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -89,8 +90,32 @@ std::vector<cublasLtMatmulAlgo_t> Candidates(const LtProduct& p, int algo_id, in
   return out;
 }
 
+// `algo` split over K each of `splits` ways (partials reduced in fp32), where the algorithm can split
+// and cublasLtMatmulAlgoCheck accepts the split within the workspace; none for an algorithm that
+// already splits.
+std::vector<cublasLtMatmulAlgo_t> SplitsOf(const LtProduct& p, const cublasLtMatmulAlgo_t& algo,
+                                           std::initializer_list<int32_t> splits) {
+  std::vector<cublasLtMatmulAlgo_t> out;
+  int32_t support = 0;
+  size_t written = 0;
+  cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &support, sizeof(support), &written);
+  if (support == 0 || duet::cuda::AlgorithmConfig<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1) return out;
+  for (int32_t n : splits) {
+    cublasLtMatmulAlgo_t split = algo;
+    const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &n, sizeof(n));
+    cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction, sizeof(reduction));
+    cublasLtMatmulHeuristicResult_t check{};
+    if (cublasLtMatmulAlgoCheck(p.lt, p.desc, p.a, p.b, p.c, p.c, &split, &check) == CUBLAS_STATUS_SUCCESS &&
+        check.workspaceSize <= p.workspace_bytes) {
+      out.push_back(split);
+    }
+  }
+  return out;
+}
+
 // Every configuration the search tries: each algorithm id's candidates, and each of those without
-// a K split again with 2-8 splits reduced in fp32, where cublasLtMatmulAlgoCheck accepts them.
+// a K split again with 2-8 splits.
 std::vector<cublasLtMatmulAlgo_t> SearchSpace(const LtProduct& p) {
   std::vector<int> ids(512);
   int num_ids = 0;
@@ -101,23 +126,7 @@ std::vector<cublasLtMatmulAlgo_t> SearchSpace(const LtProduct& p) {
   for (int i = 0; i < num_ids; ++i) {
     for (const cublasLtMatmulAlgo_t& algo : Candidates(p, ids[size_t(i)], 32)) {
       space.push_back(algo);
-      int32_t splitk_support = 0;
-      size_t written = 0;
-      cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &splitk_support,
-                                        sizeof(splitk_support), &written);
-      if (splitk_support == 0 || duet::cuda::AlgorithmConfig<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1) continue;
-      for (int32_t splits : {2, 3, 4, 6, 8}) {
-        cublasLtMatmulAlgo_t split = algo;
-        const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-        cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits));
-        cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction,
-                                             sizeof(reduction));
-        cublasLtMatmulHeuristicResult_t check{};
-        if (cublasLtMatmulAlgoCheck(p.lt, p.desc, p.a, p.b, p.c, p.c, &split, &check) == CUBLAS_STATUS_SUCCESS &&
-            check.workspaceSize <= p.workspace_bytes) {
-          space.push_back(split);
-        }
-      }
+      for (const cublasLtMatmulAlgo_t& split : SplitsOf(p, algo, {2, 3, 4, 6, 8})) space.push_back(split);
     }
   }
   return space;
@@ -170,21 +179,7 @@ double SustainedUs(cudaStream_t stream, double sustain_ms, Launch launch) {
 std::vector<cublasLtMatmulAlgo_t> WithSplits(const LtProduct& p, const std::vector<cublasLtMatmulAlgo_t>& algos) {
   std::vector<cublasLtMatmulAlgo_t> out = algos;
   for (const cublasLtMatmulAlgo_t& algo : algos) {
-    int32_t support = 0;
-    size_t written = 0;
-    cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &support, sizeof(support), &written);
-    if (support == 0 || duet::cuda::AlgorithmConfig<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1) continue;
-    for (int32_t splits : {2, 3, 4}) {
-      cublasLtMatmulAlgo_t split = algo;
-      const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-      cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits));
-      cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction, sizeof(reduction));
-      cublasLtMatmulHeuristicResult_t check{};
-      if (cublasLtMatmulAlgoCheck(p.lt, p.desc, p.a, p.b, p.c, p.c, &split, &check) == CUBLAS_STATUS_SUCCESS &&
-          check.workspaceSize <= p.workspace_bytes) {
-        out.push_back(split);
-      }
-    }
+    for (const cublasLtMatmulAlgo_t& split : SplitsOf(p, algo, {2, 3, 4})) out.push_back(split);
   }
   return out;
 }
@@ -250,12 +245,13 @@ int main(int argc, char** argv) {
       const double weight_bytes = 2.0 * s.in * s.out;
       const float alpha = 1.0f, beta = 0.0f;
       // As CublasLinear: column-major y^T[out, rows] = W (op T) · x^T.
-      const double default_us = MedianUs(stream, reps, [&](int i) {
+      const auto run_default = [&](int i) {
         Check(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, s.out, rows, s.in, &alpha, weights[size_t(i % copies)],
                            CUDA_R_16BF, s.in, x, CUDA_R_16BF, s.in, &beta, y, CUDA_R_16BF, s.out, CUBLAS_COMPUTE_32F,
                            CUBLAS_GEMM_DEFAULT),
               "cublasGemmEx");
-      });
+      };
+      const double default_us = MedianUs(stream, reps, run_default);
 
       cublasLtMatmulDesc_t desc;
       Check(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
@@ -326,12 +322,7 @@ int main(int argc, char** argv) {
           });
           timings.push_back({short_us, sustained_us, algo});
         }
-        const double default_sustained = SustainedUs(stream, sustain_ms, [&](int i) {
-          Check(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, s.out, rows, s.in, &alpha, weights[size_t(i % copies)],
-                             CUDA_R_16BF, s.in, x, CUDA_R_16BF, s.in, &beta, y, CUDA_R_16BF, s.out, CUBLAS_COMPUTE_32F,
-                             CUBLAS_GEMM_DEFAULT),
-                "cublasGemmEx");
-        });
+        const double default_sustained = SustainedUs(stream, sustain_ms, run_default);
         if (!timings.empty()) {
           auto by = [&](auto key) {
             return *std::min_element(timings.begin(), timings.end(),
