@@ -9,6 +9,7 @@
 #include "backends/cpu/cpu_gemv.h"
 #include "backends/cpu/ring_attention.h"
 #include "common/check.h"
+#include "common/status_macros.h"
 #include "common/parallel_for.h"
 #include "engine/kv/kv_cache.h"
 #include "parallel/host_communicator.h"
@@ -235,8 +236,10 @@ void LlamaCpu::Attention(absl::Span<const SequenceChunk> chunks, int64_t layer, 
 }
 
 absl::StatusOr<std::unique_ptr<KvCache>> LlamaCpu::CreateKvCache(int64_t num_blocks, int64_t block_size) {
-  return std::make_unique<HostKvCache>(
-      KvCacheShape{config_.num_layers, num_blocks, config_.num_kv_heads, block_size, config_.head_dim});
+  DUET_ASSIGN_OR_RETURN(std::unique_ptr<HostKvCache> cache,
+                        HostKvCache::Create(KvCacheShape{config_.num_layers, num_blocks, config_.num_kv_heads,
+                                                         block_size, config_.head_dim}));
+  return cache;
 }
 
 absl::Status LlamaCpu::Forward(absl::Span<const SequenceChunk> chunks, KvCache& kv_cache,

@@ -220,19 +220,20 @@ TEST(BlockManagerPrefixCacheTest, DuplicateComputationKeepsOneCachedCopy) {
 class ContentCache {
  public:
   ContentCache(int32_t num_blocks, int32_t block_size)
-      : cache_(KvCacheShape{1, num_blocks, 1, block_size, 1, KvDtype::kFloat32}), block_size_(block_size) {}
+      : cache_(std::move(HostKvCache::Create(KvCacheShape{1, num_blocks, 1, block_size, 1, KvDtype::kFloat32})).value()),
+        block_size_(block_size) {}
   static float Value(int32_t token, int64_t position) { return float(token) * 1000.0f + float(position); }
   void Write(const std::vector<int32_t>& table, int64_t position, int32_t token) {
-    cache_.keys(0)[cache_.Offset(table[size_t(position / block_size_)], 0, position % block_size_)] =
+    cache_->keys(0)[cache_->Offset(table[size_t(position / block_size_)], 0, position % block_size_)] =
         Value(token, position);
   }
   float Read(const std::vector<int32_t>& table, int64_t position) {
-    return cache_.keys(0)[cache_.Offset(table[size_t(position / block_size_)], 0, position % block_size_)];
+    return cache_->keys(0)[cache_->Offset(table[size_t(position / block_size_)], 0, position % block_size_)];
   }
-  HostKvCache& cache() { return cache_; }
+  HostKvCache& cache() { return *cache_; }
 
  private:
-  HostKvCache cache_;
+  std::unique_ptr<HostKvCache> cache_;
   int32_t block_size_;
 };
 

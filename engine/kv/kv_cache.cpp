@@ -58,18 +58,28 @@ absl::Status KvCache::CheckHostCopies(int64_t first_layer, int64_t num_layers, a
   return absl::OkStatus();
 }
 
-HostKvCache::HostKvCache(KvCacheShape shape) : KvCache(WithFloat32(shape)) {
+absl::StatusOr<std::unique_ptr<HostKvCache>> HostKvCache::Create(KvCacheShape shape) {
+  std::unique_ptr<HostKvCache> cache(new HostKvCache(WithFloat32(shape)));
   const size_t layer_elems = static_cast<size_t>(shape.num_blocks * shape.block_elems());
-  keys_.assign(shape.num_layers, std::vector<float>(layer_elems, 0.0f));
-  values_.assign(shape.num_layers, std::vector<float>(layer_elems, 0.0f));
+  for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
+    // calloc of a large size maps fresh zero pages rather than writing zeros.
+    for (std::vector<Pool>* pools : {&cache->keys_, &cache->values_}) {
+      pools->emplace_back(static_cast<float*>(std::calloc(std::max<size_t>(layer_elems, 1), sizeof(float))));
+      if (pools->back() == nullptr) {
+        return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", layer_elems * sizeof(float),
+                                                         " bytes of host memory for a KV pool"));
+      }
+    }
+  }
+  return cache;
 }
 
 void HostKvCache::CopyBlocks(const std::vector<BlockCopy>& copies) {
   const int64_t n = shape().block_elems();
   for (int64_t layer = 0; layer < shape().num_layers; ++layer) {
     for (const BlockCopy& c : copies) {
-      std::copy_n(keys_[layer].data() + c.src * n, n, keys_[layer].data() + c.dst * n);
-      std::copy_n(values_[layer].data() + c.src * n, n, values_[layer].data() + c.dst * n);
+      std::copy_n(keys(layer) + c.src * n, n, keys(layer) + c.dst * n);
+      std::copy_n(values(layer) + c.src * n, n, values(layer) + c.dst * n);
     }
   }
 }

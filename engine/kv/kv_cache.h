@@ -106,10 +106,13 @@ class KvCache {
   KvCacheShape shape_;
 };
 
-// float32 pools in host memory (the CPU backend).
+// float32 pools in host memory (the CPU backend). The pools start zeroed without being written:
+// the kernel hands out zero pages as blocks are first used, so a large cache costs nothing to
+// create (writing a GiB of zeros took seconds of every worker's start-up).
 class HostKvCache : public KvCache {
  public:
-  explicit HostKvCache(KvCacheShape shape);
+  // ResourceExhausted when the host has no room for the pools.
+  static absl::StatusOr<std::unique_ptr<HostKvCache>> Create(KvCacheShape shape);
 
   MemorySpace memory_space() const override { return MemorySpace::kHost; }
   void* key_pool(int64_t layer) override { return keys(layer); }
@@ -120,15 +123,21 @@ class HostKvCache : public KvCache {
   absl::Status CopyBlocksFromHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
                                   const HostKvBlocks& host) override;
 
-  float* keys(int64_t layer) { return keys_[layer].data(); }
-  float* values(int64_t layer) { return values_[layer].data(); }
+  float* keys(int64_t layer) { return keys_[size_t(layer)].get(); }
+  float* values(int64_t layer) { return values_[size_t(layer)].get(); }
 
  private:
+  struct FreePool {
+    void operator()(float* pool) const { std::free(pool); }
+  };
+  using Pool = std::unique_ptr<float[], FreePool>;
+
+  explicit HostKvCache(KvCacheShape shape) : KvCache(shape) {}
   absl::Status CopyWithHost(int64_t first_layer, int64_t num_layers, absl::Span<const BlockCopy> copies,
                             const HostKvBlocks& host, bool to_host);
 
-  std::vector<std::vector<float>> keys_;    // [num_layers][num_blocks * block_elems]
-  std::vector<std::vector<float>> values_;  // same
+  std::vector<Pool> keys_;    // [num_layers][num_blocks * block_elems]
+  std::vector<Pool> values_;  // same
 };
 
 }  // namespace duet

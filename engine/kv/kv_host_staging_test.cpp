@@ -17,6 +17,8 @@ KvCacheShape SmallShape() {
                       KvDtype::kFloat32};
 }
 
+std::unique_ptr<HostKvCache> SmallCache() { return std::move(HostKvCache::Create(SmallShape())).value(); }
+
 void FillRandom(HostKvCache& cache, uint32_t seed) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
@@ -36,12 +38,12 @@ std::vector<float> Block(HostKvCache& cache, bool keys, int64_t layer, int32_t b
 }
 
 TEST(KvHostStagingTest, BlocksTravelThroughStagingUnchanged) {
-  HostKvCache sender(SmallShape());
-  HostKvCache receiver(SmallShape());
-  FillRandom(sender, 1);
-  FillRandom(receiver, 2);
-  auto out = KvHostStaging::Create(sender, 6);
-  auto in = KvHostStaging::Create(receiver, 6);
+  const std::unique_ptr<HostKvCache> sender = SmallCache();
+  const std::unique_ptr<HostKvCache> receiver = SmallCache();
+  FillRandom(*sender, 1);
+  FillRandom(*receiver, 2);
+  auto out = KvHostStaging::Create(*sender, 6);
+  auto in = KvHostStaging::Create(*receiver, 6);
   ASSERT_TRUE(out.ok() && in.ok());
 
   const std::vector<int32_t> src_blocks = {7, 2, 3};
@@ -67,19 +69,19 @@ TEST(KvHostStagingTest, BlocksTravelThroughStagingUnchanged) {
   ASSERT_TRUE((*in)->Unstage(*landing, dst_blocks).ok());
   for (int64_t layer = 0; layer < 3; ++layer) {
     for (size_t i = 0; i < 3; ++i) {
-      EXPECT_EQ(Block(receiver, true, layer, dst_blocks[i]), Block(sender, true, layer, src_blocks[i]));
-      EXPECT_EQ(Block(receiver, false, layer, dst_blocks[i]), Block(sender, false, layer, src_blocks[i]));
+      EXPECT_EQ(Block(*receiver, true, layer, dst_blocks[i]), Block(*sender, true, layer, src_blocks[i]));
+      EXPECT_EQ(Block(*receiver, false, layer, dst_blocks[i]), Block(*sender, false, layer, src_blocks[i]));
     }
   }
   // Blocks outside the copy are untouched.
-  HostKvCache reference(SmallShape());
-  FillRandom(reference, 2);
-  EXPECT_EQ(Block(receiver, true, 1, 5), Block(reference, true, 1, 5));
+  const std::unique_ptr<HostKvCache> reference = SmallCache();
+  FillRandom(*reference, 2);
+  EXPECT_EQ(Block(*receiver, true, 1, 5), Block(*reference, true, 1, 5));
 }
 
 TEST(KvHostStagingTest, AllocationIsBoundedAndFreedBlocksComeBack) {
-  HostKvCache cache(SmallShape());
-  auto staging = KvHostStaging::Create(cache, 4);
+  const std::unique_ptr<HostKvCache> cache = SmallCache();
+  auto staging = KvHostStaging::Create(*cache, 4);
   ASSERT_TRUE(staging.ok());
   absl::StatusOr<std::vector<int32_t>> a = (*staging)->Allocate(3);
   ASSERT_TRUE(a.ok());
@@ -93,8 +95,8 @@ TEST(KvHostStagingTest, AllocationIsBoundedAndFreedBlocksComeBack) {
 }
 
 TEST(KvHostStagingTest, BadBlockIdsAreRefused) {
-  HostKvCache cache(SmallShape());
-  auto staging = KvHostStaging::Create(cache, 4);
+  const std::unique_ptr<HostKvCache> cache = SmallCache();
+  auto staging = KvHostStaging::Create(*cache, 4);
   ASSERT_TRUE(staging.ok());
   const std::vector<int32_t> cache_blocks = {1, 2};
   EXPECT_EQ((*staging)->StageLayer(0, cache_blocks, std::vector<int32_t>{0, 4}).code(),
@@ -104,7 +106,7 @@ TEST(KvHostStagingTest, BadBlockIdsAreRefused) {
   EXPECT_EQ((*staging)->StageLayer(3, cache_blocks, std::vector<int32_t>{0, 1}).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*staging)->Unstage(std::vector<int32_t>{0}, cache_blocks).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(KvHostStaging::Create(cache, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(KvHostStaging::Create(*cache, 0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
