@@ -108,7 +108,8 @@ class KvCache {
 
 // float32 pools in host memory (the CPU backend). The pools start zeroed without being written:
 // the kernel hands out zero pages as blocks are first used, so a large cache costs nothing to
-// create (writing a GiB of zeros took seconds of every worker's start-up).
+// create (writing a GiB of zeros took seconds of every worker's start-up) and the process's
+// resident memory grows with the blocks in use.
 class HostKvCache : public KvCache {
  public:
   // ResourceExhausted when the host has no room for the pools.
