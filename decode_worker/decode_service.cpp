@@ -441,6 +441,8 @@ class DecodeService::DecodeCall final : public grpc::ServerWriteReactor<v1::Gene
   void OnDone() override {
     auto last_reference = std::move(self_);  // may destroy this at the end of the scope
   }
+  // The transfer whose reservation the request decodes from (0: it prefilled here).
+  uint64_t transfer_id() const { return reservation_ != nullptr ? reservation_->transfer_id : 0; }
 
  private:
   enum class Stage { kWaiting, kJoining, kStreaming };
@@ -817,25 +819,37 @@ grpc::ServerUnaryReactor* DecodeService::Abort(grpc::CallbackServerContext* cont
   const kvtransfer::KvReceiver::CancelRelease release = request->release_now()
                                                             ? kvtransfer::KvReceiver::CancelRelease::kNow
                                                             : kvtransfer::KvReceiver::CancelRelease::kAfterSender;
+  const uint64_t transfer = request->transfer_id();
+  // The request's reservation: the one of `transfer` when the Abort names it, else the latest.
+  auto reservation = [this, id, transfer]() -> std::shared_ptr<Reservation> {
+    if (transfer == 0) return FindByRequest(id);
+    std::shared_ptr<Reservation> r = FindByTransfer(transfer);
+    return r != nullptr && r->request_id == id ? r : nullptr;
+  };
   bool found = false;
-  if (std::shared_ptr<Reservation> r = FindByRequest(id)) {
+  if (std::shared_ptr<Reservation> r = reservation()) {
     found = CancelReservation(r, absl::CancelledError(absl::StrCat("request '", id, "' was aborted")), release);
   }
   // A running request is aborted between steps; the answer goes out from there.
-  loop_->Post([this, id, found, release, reactor, response](LlmEngine& engine) mutable {
+  loop_->Post([this, id, transfer, reservation, found, release, reactor, response](LlmEngine& engine) mutable {
     // A ReserveKv queued on the engine before this Abort reserved meanwhile: release it too.
     if (!found) {
-      if (std::shared_ptr<Reservation> r = FindByRequest(id)) {
+      if (std::shared_ptr<Reservation> r = reservation()) {
         found = CancelReservation(r, absl::CancelledError(absl::StrCat("request '", id, "' was aborted")), release);
       }
     }
     const Request* req = engine.Find(id);
-    const bool running = req != nullptr && !req->finished();
+    const bool running = req != nullptr && !req->finished() && (transfer == 0 || StreamTransfer(id) == transfer);
     if (running) loop_->Abort(id);
     response->set_found(found || running);
     reactor->Finish(grpc::Status::OK);
   });
   return reactor;
+}
+
+uint64_t DecodeService::StreamTransfer(const std::string& request_id) const {
+  auto it = streaming_.find(request_id);
+  return it != streaming_.end() ? it->second->transfer_id() : 0;
 }
 
 void DecodeService::RefreshMetrics() {

@@ -170,6 +170,9 @@ class DecodeService final : public v1::DecodeWorker::CallbackService {
   void ForgetLocked(const Reservation& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::shared_ptr<Reservation> FindByTransfer(uint64_t transfer_id) ABSL_LOCKS_EXCLUDED(mu_);
   std::shared_ptr<Reservation> FindByRequest(const std::string& request_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Engine thread: the transfer the streaming request `request_id` decodes from (0: none, or
+  // it prefilled here).
+  uint64_t StreamTransfer(const std::string& request_id) const;
 
   // ---- Live KV migration (decode_service_migration.cpp) ----
   // Engine thread: the request leaves the batch as a parked reservation, whose transfer id this

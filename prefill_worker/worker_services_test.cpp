@@ -636,6 +636,34 @@ TEST_F(WorkerServicesTest, AbortReleasesAReservation) {
   EXPECT_TRUE(DecodeBecomesIdle(std::chrono::milliseconds(2000)));
 }
 
+// A request placed on the same decode worker again (a retry, a migration) while the Abort of its
+// earlier placement is on the way: the Abort names its transfer, so it releases that reservation
+// and leaves the new one, which the request goes on with (an Abort by request id alone would take
+// the latest reservation and leave the earlier one to its lease).
+TEST_F(WorkerServicesTest, AnAbortNamingATransferReleasesOnlyThatReservation) {
+  v1::KvTarget first, second;
+  ASSERT_TRUE(Reserve("placed-twice", 31, 10000, &first).ok());
+  ASSERT_TRUE(Reserve("placed-twice", 32, 10000, &second).ok());
+  EXPECT_EQ(DecodeStats().num_kv_leases(), 2);
+  auto abort = [&](uint64_t transfer_id) {
+    grpc::ClientContext ctx;
+    v1::WorkerAbortRequest req;
+    req.set_request_id("placed-twice");
+    req.set_release_now(true);
+    req.set_transfer_id(transfer_id);
+    v1::WorkerAbortResponse resp;
+    EXPECT_TRUE(decode_stub_->Abort(&ctx, req, &resp).ok());
+    return resp.found();
+  };
+  EXPECT_TRUE(abort(31));
+  const v1::WorkerStats stats = DecodeStats();
+  EXPECT_EQ(stats.num_kv_leases(), 1);
+  EXPECT_EQ(stats.num_free_kv_blocks(), kDecodeBlocks - second.block_ids_size());
+  EXPECT_FALSE(abort(31));  // nothing left of that placement
+  EXPECT_TRUE(abort(32));
+  EXPECT_TRUE(DecodeBecomesIdle(std::chrono::milliseconds(2000)));
+}
+
 // An Abort while a prefill worker may be writing the KV (its target was handed on) keeps the
 // blocks until that sender has stopped: its puts land in blocks no other request has been given,
 // and the reservation ends at the sender's finish notice. Released at the Abort, the blocks would

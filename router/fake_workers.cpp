@@ -244,6 +244,7 @@ grpc::Status FakeDecodeWorker::Abort(grpc::ServerContext* context, const v1::Wor
   absl::MutexLock lock(&mu_);
   aborted_.push_back(request->request_id());
   aborted_release_now_.push_back(request->release_now());
+  aborted_transfer_ids_.push_back(request->transfer_id());
   return grpc::Status::OK;
 }
 
@@ -265,6 +266,11 @@ std::vector<std::string> FakeDecodeWorker::aborted() const {
 std::vector<bool> FakeDecodeWorker::aborted_release_now() const {
   absl::MutexLock lock(&mu_);
   return aborted_release_now_;
+}
+
+std::vector<uint64_t> FakeDecodeWorker::aborted_transfer_ids() const {
+  absl::MutexLock lock(&mu_);
+  return aborted_transfer_ids_;
 }
 
 uint64_t FakeDecodeWorker::last_transfer_id() const {

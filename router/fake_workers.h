@@ -107,6 +107,7 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
 
   std::vector<std::string> aborted() const;
   std::vector<bool> aborted_release_now() const;  // each Abort's release_now, in the same order
+  std::vector<uint64_t> aborted_transfer_ids() const;  // each Abort's transfer_id, in the same order
   uint64_t last_transfer_id() const;
   std::vector<v1::SamplingOptions> decoded_sampling() const;  // each Decode's, in arrival order
   v1::DecodeRequest last_decode() const;
@@ -115,6 +116,7 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
   mutable absl::Mutex mu_;
   std::vector<std::string> aborted_ ABSL_GUARDED_BY(mu_);
   std::vector<bool> aborted_release_now_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> aborted_transfer_ids_ ABSL_GUARDED_BY(mu_);
   uint64_t last_transfer_id_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<v1::SamplingOptions> decoded_sampling_ ABSL_GUARDED_BY(mu_);
   bool hold_first_message_ ABSL_GUARDED_BY(mu_) = false;

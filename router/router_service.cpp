@@ -303,6 +303,10 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   // A decode worker releases a reservation whose target went to a prefill worker once that
   // sender has stopped writing into it, unless `sender_gone` (worker.proto, release_now).
   void AbortOnWorker(Worker* worker, bool sender_gone = false);
+  // AbortOnWorker for this placement's reservation on decode_ (transfer_id_) only: the request
+  // may be placed on that worker again before the Abort arrives, and the new reservation stays.
+  void ReleaseReservation(bool sender_gone = false);
+  void AbortOnWorker(Worker* worker, bool sender_gone, uint64_t transfer_id);
   // Gives the request's place in the prefill gate to the next one (its prefill is over).
   void LeaveGate();
   // Releases what the request holds in the router and finishes the client's call (a migration
@@ -850,7 +854,7 @@ void RouterService::GenerateCall::OnReserved(const grpc::Status& status, const v
   if (Interrupted() || IsWorkerFailure(status.error_code())) {
     // Cancelled, timed out or cut off: the worker may have reserved before it heard (its answer
     // crossing the cancellation). Release that now, not at the lease's end.
-    AbortOnWorker(decode);
+    ReleaseReservation();
   }
   decode_ = nullptr;
   decode_in_flight_.Reset();
@@ -923,7 +927,7 @@ Worker* RouterService::GenerateCall::PickPrefillWorker() {
 void RouterService::GenerateCall::StartPrefill() {
   Worker* prefill = PickPrefillWorker();
   if (prefill == nullptr) {
-    AbortOnWorker(decode_);
+    ReleaseReservation();
     return EndWithoutPrefillWorker();
   }
   SendPrefill(prefill, /*late=*/false);
@@ -1061,7 +1065,7 @@ void RouterService::GenerateCall::HandlePrefilled(const grpc::Status& status, co
       return StartDecode();
     }
   }
-  AbortOnWorker(decode_);  // release the KV reservation now, not at lease end
+  ReleaseReservation();  // now, not at lease end
   if (!invalid.empty()) {
     return End(grpc::Status(grpc::StatusCode::INTERNAL, absl::StrCat(prefill_->label(), " sent ", invalid)));
   }
@@ -1087,7 +1091,7 @@ void RouterService::GenerateCall::HandlePrefilled(const grpc::Status& status, co
                                                         what](WorkerRegistry::Probe prefill) {
       // A prefill worker that is gone writes no more: the reservation may go at once. One that
       // only does not answer may be stalled with puts still to make: its blocks wait (above).
-      if (prefill == WorkerRegistry::Probe::kGone) self->AbortOnWorker(self->decode_, /*sender_gone=*/true);
+      if (prefill == WorkerRegistry::Probe::kGone) self->ReleaseReservation(/*sender_gone=*/true);
       self->service_->registry_->ConfirmDown(
           self->decode_, reason, [self, what](WorkerRegistry::Probe) { self->OnPrefillUnavailable(what); });
     });
@@ -1493,12 +1497,21 @@ void RouterService::GenerateCall::EndInterrupted() {
 }
 
 void RouterService::GenerateCall::AbortOnWorker(Worker* worker, bool sender_gone) {
+  AbortOnWorker(worker, sender_gone, /*transfer_id=*/0);
+}
+
+void RouterService::GenerateCall::ReleaseReservation(bool sender_gone) {
+  AbortOnWorker(decode_, sender_gone, transfer_id_);
+}
+
+void RouterService::GenerateCall::AbortOnWorker(Worker* worker, bool sender_gone, uint64_t transfer_id) {
   // Also to a worker marked down: a stalled one that comes back still holds the request's blocks.
   if (worker == nullptr) return;
   v1::WorkerAbortRequest request;
   request.set_request_id(prepared_.request_id);
   if (worker->decode() != nullptr) {
     request.set_release_now(sender_gone || !target_shipped_);
+    request.set_transfer_id(transfer_id);
   } else if (target_shipped_) {
     // Should the Prefill call not have reached it, the prefill worker tells the decode worker.
     *request.mutable_kv_target() = target_;

@@ -721,6 +721,12 @@ TEST_F(RouterServiceTest, DeadPrefillWorkerIsMarkedDownAndRetried) {
   // confirmed gone, at once (two Aborts, sent concurrently: either may arrive first).
   EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted().size() == 2; }, 3000));
   EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::UnorderedElementsAre(false, true));
+  // Both name that reservation's transfer: arriving after the retry reserved again on this
+  // worker, they leave the retry's reservation alone.
+  const std::vector<uint64_t> transfers = decode_[0]->aborted_transfer_ids();
+  ASSERT_EQ(transfers.size(), 2u);
+  EXPECT_NE(transfers[0], 0u);
+  EXPECT_EQ(transfers[0], transfers[1]);
 }
 
 // A prefill worker whose Prefill fails and which then does not answer its probe is down, but it

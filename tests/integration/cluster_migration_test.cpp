@@ -288,11 +288,14 @@ TEST(ClusterMigrationTest, WithNoPrefillWorkerLeftMigrationFailsClearly) {
   ASSERT_TRUE(cluster.ok()) << cluster.error();
   const json ref = Reference();
   // Long streams: every one is on a decode worker before the first ends, however slow the
-  // prefill (only the failures' messages are checked, not the tokens).
-  constexpr int kLongTokens = 200;
+  // prefill, and the victim is chosen while each has hundreds of tokens to go, so that none ends
+  // while the prefill worker is killed and reaped (only the failures' messages are checked, not
+  // the tokens).
+  constexpr int kLongTokens = 600;
   const std::vector<v1::GenerateRequest> requests = GreedyRequests(ref, kLongTokens);
-  std::vector<std::future<Stream>> streams = StartStreams(cluster, requests);
-  const int victim = WaitForTwoStreamsOnADecodeWorker(cluster, int(requests.size())).index;
+  Progress progress(requests.size());
+  std::vector<std::future<Stream>> streams = StartStreams(cluster, requests, &progress);
+  const int victim = WaitForTwoStreamsOnADecodeWorker(cluster, int(requests.size()), &progress, kLongTokens / 2).index;
   ASSERT_GE(victim, 0);
   cluster.prefill_process(0).Signal(SIGKILL);
   ASSERT_NE(cluster.prefill_process(0).Wait(std::chrono::seconds(10)), Subprocess::kStillRunning);
