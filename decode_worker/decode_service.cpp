@@ -820,24 +820,18 @@ grpc::ServerUnaryReactor* DecodeService::Abort(grpc::CallbackServerContext* cont
                                                             ? kvtransfer::KvReceiver::CancelRelease::kNow
                                                             : kvtransfer::KvReceiver::CancelRelease::kAfterSender;
   const uint64_t transfer = request->transfer_id();
-  // The request's reservation: the one of `transfer` when the Abort names it, else the latest.
-  auto reservation = [this, id, transfer]() -> std::shared_ptr<Reservation> {
-    if (transfer == 0) return FindByRequest(id);
-    std::shared_ptr<Reservation> r = FindByTransfer(transfer);
-    return r != nullptr && r->request_id == id ? r : nullptr;
+  // Cancels the request's reservation: the one of `transfer` when the Abort names it, else the
+  // latest. False: none to cancel.
+  auto cancel_reservation = [this, id, transfer, release] {
+    std::shared_ptr<Reservation> r = transfer == 0 ? FindByRequest(id) : FindByTransfer(transfer);
+    if (r == nullptr || r->request_id != id) return false;
+    return CancelReservation(r, absl::CancelledError(absl::StrCat("request '", id, "' was aborted")), release);
   };
-  bool found = false;
-  if (std::shared_ptr<Reservation> r = reservation()) {
-    found = CancelReservation(r, absl::CancelledError(absl::StrCat("request '", id, "' was aborted")), release);
-  }
+  bool found = cancel_reservation();
   // A running request is aborted between steps; the answer goes out from there.
-  loop_->Post([this, id, transfer, reservation, found, release, reactor, response](LlmEngine& engine) mutable {
+  loop_->Post([this, id, transfer, cancel_reservation, found, reactor, response](LlmEngine& engine) mutable {
     // A ReserveKv queued on the engine before this Abort reserved meanwhile: release it too.
-    if (!found) {
-      if (std::shared_ptr<Reservation> r = reservation()) {
-        found = CancelReservation(r, absl::CancelledError(absl::StrCat("request '", id, "' was aborted")), release);
-      }
-    }
+    if (!found) found = cancel_reservation();
     const Request* req = engine.Find(id);
     const bool running = req != nullptr && !req->finished() && (transfer == 0 || StreamTransfer(id) == transfer);
     if (running) loop_->Abort(id);

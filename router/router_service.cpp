@@ -301,12 +301,12 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   }
   // Best effort, in the background: tells a worker to drop the request (its KV, its queue slot).
   // A decode worker releases a reservation whose target went to a prefill worker once that
-  // sender has stopped writing into it, unless `sender_gone` (worker.proto, release_now).
-  void AbortOnWorker(Worker* worker, bool sender_gone = false);
+  // sender has stopped writing into it, unless `sender_gone` (worker.proto, release_now). A
+  // nonzero `transfer_id` limits a decode worker's abort to that transfer's reservation.
+  void AbortOnWorker(Worker* worker, bool sender_gone = false, uint64_t transfer_id = 0);
   // AbortOnWorker for this placement's reservation on decode_ (transfer_id_) only: the request
   // may be placed on that worker again before the Abort arrives, and the new reservation stays.
-  void ReleaseReservation(bool sender_gone = false);
-  void AbortOnWorker(Worker* worker, bool sender_gone, uint64_t transfer_id);
+  void ReleaseReservation(bool sender_gone = false) { AbortOnWorker(decode_, sender_gone, transfer_id_); }
   // Gives the request's place in the prefill gate to the next one (its prefill is over).
   void LeaveGate();
   // Releases what the request holds in the router and finishes the client's call (a migration
@@ -1494,14 +1494,6 @@ void RouterService::GenerateCall::EndInterrupted() {
     return End(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded"));
   }
   End(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
-}
-
-void RouterService::GenerateCall::AbortOnWorker(Worker* worker, bool sender_gone) {
-  AbortOnWorker(worker, sender_gone, /*transfer_id=*/0);
-}
-
-void RouterService::GenerateCall::ReleaseReservation(bool sender_gone) {
-  AbortOnWorker(decode_, sender_gone, transfer_id_);
 }
 
 void RouterService::GenerateCall::AbortOnWorker(Worker* worker, bool sender_gone, uint64_t transfer_id) {
