@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -37,8 +38,25 @@ absl::StatusOr<int> RowsFromEnvironment(const char* name, int default_rows) {
   return int(rows);
 }
 
+// A switch from the environment variable `name` (0 or 1) when it is set, else `default_on`, for
+// the same kind of comparison:
+//   $DUET_LAST_LAYER_LOGIT_ROWS_ONLY: 0 runs the last layer's output projection and MLP on every
+//     row of an eager step, 1 (the default) only on the rows that give logits.
+absl::StatusOr<bool> SwitchFromEnvironment(const char* name, bool default_on) {
+  const char* env = std::getenv(name);
+  if (env == nullptr) return default_on;
+  if (std::string_view(env) != "0" && std::string_view(env) != "1") {
+    return absl::InvalidArgumentError(absl::StrCat(name, "=", env, " is not 0 or 1"));
+  }
+  DUET_LOG(INFO) << name << "=" << env;
+  return env[0] == '1';
+}
+
 absl::StatusOr<std::unique_ptr<ModelExecutor>> LoadCudaExecutor(const EngineConfig& config) {
   LlamaCudaOptions options;
+  absl::StatusOr<bool> last_layer_rows = SwitchFromEnvironment("DUET_LAST_LAYER_LOGIT_ROWS_ONLY", true);
+  if (!last_layer_rows.ok()) return last_layer_rows.status();
+  options.last_layer_logit_rows_only = *last_layer_rows;
   absl::StatusOr<int> wide_gemm_min_rows = RowsFromEnvironment("DUET_WIDE_GEMM_MIN_ROWS", cuda::kWideGemmDefaultMinRows);
   if (!wide_gemm_min_rows.ok()) return wide_gemm_min_rows.status();
   options.wide_gemm_min_rows = *wide_gemm_min_rows;

@@ -272,10 +272,11 @@ absl::Status LlamaCpu::ForwardLayers(absl::Span<const SequenceChunk> chunks, KvC
     ProjectQkv(l, b);
     Attention(chunks, li, b.qkv.data(), cache, b.attn.data());
     if (on_layer_done) on_layer_done(li, chunks);
+    if (li + 1 == num_layers) KeepLogitRows(chunks, b);
     AddAttentionOutput(l, b);
     AddMlpOutput(l, b);
   }
-  ComputeLogits(chunks, b.x, logits);
+  ComputeLogits(b, logits);
   return absl::OkStatus();
 }
 
@@ -343,10 +344,11 @@ absl::Status LlamaCpu::ForwardSequenceParallel(const SequenceChunk& chunk, HostK
         if (absl::Status s = comm.Barrier(); !s.ok()) status[size_t(rank)] = s;
         if (rank == 0) on_layer_done(li, absl::MakeConstSpan(&chunk, 1));
       }
+      if (li + 1 == num_layers) KeepLogitRows(mine, b);  // none on ranks other than 0
       AddAttentionOutput(l, b);
       AddMlpOutput(l, b);
     }
-    if (rank == 0 && status[0].ok()) ComputeLogits(mine, b.x, logits);
+    if (rank == 0 && status[0].ok()) ComputeLogits(b, logits);
   };
   std::vector<std::thread> ranks;
   for (int rank = 1; rank < sp_ranks_; ++rank) ranks.emplace_back(run_rank, rank);
@@ -464,24 +466,30 @@ void LlamaCpu::AddMlpOutput(const Layer& l, StepBuffers& b) const {
   for (int64_t i = 0; i < b.num_tokens * hidden; ++i) b.x[size_t(i)] += b.h[size_t(i)];
 }
 
-void LlamaCpu::ComputeLogits(absl::Span<const SequenceChunk> chunks, const std::vector<float>& x,
-                             std::vector<float>& logits) const {
-  const ModelConfig& c = config_;
-  const int64_t hidden = c.hidden_size;
-  int64_t num_logit_rows = 0;
-  for (const SequenceChunk& chunk : chunks) num_logit_rows += chunk.num_logits;
-  std::vector<float> normed(size_t(num_logit_rows * hidden));
-  int64_t row = 0, out_row = 0;
+void LlamaCpu::KeepLogitRows(absl::Span<const SequenceChunk> chunks, StepBuffers& b) const {
+  const int64_t hidden = config_.hidden_size, q_width = config_.num_heads * config_.head_dim;
+  int64_t row = 0, kept = 0;
   for (const SequenceChunk& chunk : chunks) {
     const int64_t n = int64_t(chunk.tokens.size());
-    for (int64_t j = n - chunk.num_logits; j < n; ++j, ++out_row) {
-      RmsNorm(x.data() + (row + j) * hidden, final_norm_.data(), normed.data() + out_row * hidden,
-              hidden, c.rms_norm_eps);
+    // Rows move only toward the front (kept <= the source row), so in place, in order.
+    for (int64_t j = n - chunk.num_logits; j < n; ++j, ++kept) {
+      std::copy_n(b.x.data() + (row + j) * hidden, hidden, b.x.data() + kept * hidden);
+      std::copy_n(b.attn.data() + (row + j) * q_width, q_width, b.attn.data() + kept * q_width);
     }
     row += n;
   }
-  logits.resize(size_t(num_logit_rows * c.vocab_size));
-  MatMulTransposed(normed.data(), lm_head_, logits.data(), num_logit_rows);
+  b.num_tokens = kept;
+}
+
+void LlamaCpu::ComputeLogits(const StepBuffers& b, std::vector<float>& logits) const {
+  const ModelConfig& c = config_;
+  const int64_t hidden = c.hidden_size;
+  std::vector<float> normed(size_t(b.num_tokens * hidden));
+  for (int64_t row = 0; row < b.num_tokens; ++row) {
+    RmsNorm(b.x.data() + row * hidden, final_norm_.data(), normed.data() + row * hidden, hidden, c.rms_norm_eps);
+  }
+  logits.resize(size_t(b.num_tokens * c.vocab_size));
+  MatMulTransposed(normed.data(), lm_head_, logits.data(), b.num_tokens);
 }
 
 absl::Status LlamaCpu::MoveKvSlots(KvCache& kv_cache, absl::Span<const int32_t> block_table,

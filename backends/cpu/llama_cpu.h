@@ -79,9 +79,12 @@ class LlamaCpu : public ModelExecutor {
   void ProjectQkv(const Layer& l, StepBuffers& b) const;
   void AddAttentionOutput(const Layer& l, StepBuffers& b) const;
   void AddMlpOutput(const Layer& l, StepBuffers& b) const;
-  // The final norm and LM head for the rows that need logits (each chunk's last num_logits).
-  void ComputeLogits(absl::Span<const SequenceChunk> chunks, const std::vector<float>& x,
-                     std::vector<float>& logits) const;
+  // Before the last layer's output projection: keeps only the rows that need logits (each
+  // chunk's last num_logits), moved to the front of x and attn. Their hidden state is all the LM
+  // head reads, and the other rows' K/V of that layer are already in the cache.
+  void KeepLogitRows(absl::Span<const SequenceChunk> chunks, StepBuffers& b) const;
+  // The final norm and LM head for every row of b (the rows KeepLogitRows kept).
+  void ComputeLogits(const StepBuffers& b, std::vector<float>& logits) const;
   // Writes this step's K/V (already rotated) into the cache, then attends: causally, or within
   // a draft tree to the context and the token's ancestors (SequenceChunk::tree_parents).
   void WriteStepKv(absl::Span<const SequenceChunk> chunks, int64_t layer, const float* qkv, HostKvCache& cache) const;

@@ -2,6 +2,7 @@
 // step, in chunks of any size, or beside another sequence's tokens, and whatever the pool's
 // thread count (CMakeLists.txt runs these tests again on three threads). Prefix caching, chunked
 // prefill, continuous batching and speculation rely on it for outputs equal to a lone run.
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -34,8 +35,9 @@ class LlamaCpuTest : public ::testing::Test {
 
   // Every prompt token's logits, [prompt size, vocab], from the prompt run as steps of the
   // given chunk sizes (summing to its size). `beside` > 0 adds that many tokens of another
-  // sequence (its own blocks) to every step, ahead of the prompt's chunk.
-  std::vector<float> Logits(const std::vector<int64_t>& chunk_sizes, int64_t beside) {
+  // sequence (its own blocks) to every step, ahead of the prompt's chunk. `last_rows` > 0: each
+  // chunk asks for the logits of its last `last_rows` tokens only (what the result then holds).
+  std::vector<float> Logits(const std::vector<int64_t>& chunk_sizes, int64_t beside, int64_t last_rows = 0) {
     const int64_t vocab = model_->config().vocab_size;
     const int64_t blocks = int64_t(prompt_.size()) / kBlockSize + 1;
     std::unique_ptr<KvCache> cache = *model_->CreateKvCache(2 * blocks + 2 * int64_t(chunk_sizes.size()), kBlockSize);
@@ -62,7 +64,7 @@ class LlamaCpuTest : public ::testing::Test {
       chunk.start_position = position;
       chunk.block_table = table;
       chunk.sequence_id = 1;
-      chunk.num_logits = int32_t(size);
+      chunk.num_logits = int32_t(last_rows > 0 ? std::min(size, last_rows) : size);
       const absl::Status s = model_->Forward(chunks, *cache, step_logits);
       EXPECT_TRUE(s.ok()) << s;
       const int64_t skip = beside > 0 ? vocab : 0;  // the neighbour's row comes first
@@ -91,6 +93,33 @@ TEST_F(LlamaCpuTest, LogitsAreTheSameBitsWhateverTheStepsOfThePrompt) {
     for (size_t i = 0; i < whole.size(); ++i) {
       ASSERT_EQ(got[i], whole[i]) << "chunks of " << testing::PrintToString(sizes) << " beside " << beside
                                   << ": token " << i / size_t(model_->config().vocab_size);
+    }
+  }
+}
+
+// The last layer's output projection and MLP run only on the rows that give logits
+// (LlamaCpu::KeepLogitRows): a chunk asking for its last one or three rows' logits, alone or beside
+// another sequence's chunk, gets the same bits for them as a step giving every row's logits.
+TEST_F(LlamaCpuTest, ChunksGivingFewerLogitsGetTheSameBitsForTheirRows) {
+  const size_t vocab = size_t(model_->config().vocab_size);
+  const std::vector<float> whole = Logits({300}, 0);
+  const std::vector<std::pair<std::vector<int64_t>, int64_t>> cases = {
+      {{1, 16, 17, 266}, 0}, {{150, 150}, 0}, {{100, 9, 191}, 5}, {{300}, 40}};
+  for (const int64_t last_rows : {1, 3}) {
+    for (const auto& [sizes, beside] : cases) {
+      const std::vector<float> got = Logits(sizes, beside, last_rows);
+      std::vector<float> want;
+      int64_t end = 0;
+      for (int64_t size : sizes) {
+        end += size;
+        const int64_t first = end - std::min(size, last_rows);
+        want.insert(want.end(), whole.begin() + first * int64_t(vocab), whole.begin() + end * int64_t(vocab));
+      }
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < want.size(); ++i) {
+        ASSERT_EQ(got[i], want[i]) << "last " << last_rows << " rows of chunks of " << testing::PrintToString(sizes)
+                                   << " beside " << beside << ": row " << i / vocab;
+      }
     }
   }
 }

@@ -16,6 +16,7 @@
 #include "kernels/elementwise/activation.h"
 #include "kernels/elementwise/bias.h"
 #include "kernels/elementwise/embedding.h"
+#include "kernels/elementwise/gather_rows.h"
 #include "kernels/elementwise/norm.h"
 #include "kernels/elementwise/random_fill.h"
 #include "kernels/elementwise/rope.h"
@@ -313,20 +314,29 @@ void LlamaCuda::Enqueue(const cuda::StepPlan& plan, cuda::DeviceKvCache& cache, 
   const kernels::PagedDecodeAttentionPlan decode_plan = PlanDecodeAttention(plan);
   kernels::EmbeddingGather(metadata_->tokens(), weights_->embed(), residual_.as<float>(), plan.num_tokens,
                            int(config_.hidden_size), stream_);
+  const LayerRows last_rows = LastLayerRows(plan);
   for (int li = 0; li < num_layers; ++li) {
     const cuda::CudaLayerWeights& l = weights_->layer(size_t(li));
-    EnqueueAttention(l, li, plan, decode_plan, cache.Layer(li));
-    EnqueueMlp(l, plan.num_tokens);
+    const LayerRows rows = li + 1 == num_layers ? last_rows : AllRows(plan.num_tokens);
+    EnqueueAttention(l, li, plan, decode_plan, cache.Layer(li), rows);
+    EnqueueMlp(l, rows);
     // The layer's K/V are in the cache once the stream reaches here; the hook orders its reads
     // after this point of the stream (LayerDoneCallback), so the host does not wait.
     if (on_layer_done) on_layer_done(int64_t(li), chunks);
   }
-  EnqueueFinalNorm(plan, sample);
+  EnqueueFinalNorm(plan, sample, last_rows);
+}
+
+LlamaCuda::LayerRows LlamaCuda::LastLayerRows(const cuda::StepPlan& plan) const {
+  if (options_.last_layer_logit_rows_only && plan.graph_batch == 0 && plan.num_logit_rows < plan.num_tokens) {
+    return {plan.num_logit_rows, metadata_->logit_rows()};
+  }
+  return AllRows(plan.num_tokens);
 }
 
 void LlamaCuda::EnqueueAttention(const cuda::CudaLayerWeights& l, int layer, const cuda::StepPlan& plan,
                                  const kernels::PagedDecodeAttentionPlan& decode_plan,
-                                 const kernels::PagedKvView& kv) {
+                                 const kernels::PagedKvView& kv, LayerRows out_rows) {
   const int t = plan.num_tokens;
   if (sp_step_) {
     const kernels::PagedKvView ring_view = ring_->send_view();
@@ -335,7 +345,7 @@ void LlamaCuda::EnqueueAttention(const cuda::CudaLayerWeights& l, int layer, con
     EnqueueAttentionInput(l, layer == 0, t, kv);
   }
   EnqueueAttentionKernel(plan, decode_plan, kv, layer);
-  EnqueueAttentionOutput(l, t);
+  EnqueueAttentionOutput(l, out_rows);
 }
 
 void LlamaCuda::EnqueueAttentionInput(const cuda::CudaLayerWeights& l, bool first_layer, int rows,
@@ -347,12 +357,18 @@ void LlamaCuda::EnqueueAttentionInput(const cuda::CudaLayerWeights& l, bool firs
   EnqueueQkvRopeKvWrite(l, rows, kv, ring);
 }
 
-void LlamaCuda::EnqueueAttentionOutput(const cuda::CudaLayerWeights& l, int rows) {
+void LlamaCuda::EnqueueAttentionOutput(const cuda::CudaLayerWeights& l, LayerRows rows) {
+  if (rows.count == 0) return;  // a last layer without logits rows (a prompt's earlier chunk)
   const int hidden = int(config_.hidden_size);
   const int q_width = int(config_.num_heads * config_.head_dim);
   auto* delta = delta_.as<__nv_bfloat16>();
-  linear_->Forward(attn_.as<__nv_bfloat16>(), l.o, delta, rows, q_width, hidden);
-  if (l.o_bias != nullptr) kernels::AddBias(delta, l.o_bias, rows, hidden, stream_);
+  const __nv_bfloat16* attn = attn_.as<__nv_bfloat16>();
+  if (rows.index != nullptr) {  // q_ is free once the attention has read it
+    kernels::GatherRows(attn, rows.index, q_.as<__nv_bfloat16>(), rows.count, q_width, stream_);
+    attn = q_.as<__nv_bfloat16>();
+  }
+  linear_->Forward(attn, l.o, delta, rows.count, q_width, hidden);
+  if (l.o_bias != nullptr) kernels::AddBias(delta, l.o_bias, rows.count, hidden, stream_);
 }
 
 void LlamaCuda::EnqueueQkvRopeKvWrite(const cuda::CudaLayerWeights& l, int rows, const kernels::PagedKvView& kv,
@@ -445,13 +461,15 @@ void LlamaCuda::EnqueueAttentionKernel(const cuda::StepPlan& plan,
   }
 }
 
-void LlamaCuda::EnqueueMlp(const cuda::CudaLayerWeights& l, int rows) {
+void LlamaCuda::EnqueueMlp(const cuda::CudaLayerWeights& l, LayerRows mlp_rows) {
   const int hidden = int(config_.hidden_size), inter = int(config_.intermediate_size);
+  const int rows = mlp_rows.count;
+  if (rows == 0) return;
   auto* normed = normed_.as<__nv_bfloat16>();
   auto* gate_up = gate_up_.as<__nv_bfloat16>();
   auto* act = act_.as<__nv_bfloat16>();
-  kernels::FusedAddRmsNorm({residual_.as<float>(), delta_.as<__nv_bfloat16>(), l.post_norm, nullptr, normed, rows,
-                            hidden, float(config_.rms_norm_eps)},
+  kernels::FusedAddRmsNorm({residual_.as<float>(), delta_.as<__nv_bfloat16>(), l.post_norm, mlp_rows.index, normed,
+                            rows, hidden, float(config_.rms_norm_eps)},
                            stream_);
   // CublasLinear fuses SiLU·mul where its kernel can (Gemv's rows and WideGemm's).
   if (UseFusedEpilogues(rows) || rows > kernels::kGemvPreferredMaxRows) {
@@ -463,7 +481,7 @@ void LlamaCuda::EnqueueMlp(const cuda::CudaLayerWeights& l, int rows) {
   linear_->Forward(act, l.down, delta_.as<__nv_bfloat16>(), rows, inter, hidden);
 }
 
-void LlamaCuda::EnqueueFinalNorm(const cuda::StepPlan& plan, bool sample) {
+void LlamaCuda::EnqueueFinalNorm(const cuda::StepPlan& plan, bool sample, LayerRows last_rows) {
   const int t = plan.num_tokens, hidden = int(config_.hidden_size);
   const float eps = float(config_.rms_norm_eps);
   auto* residual = residual_.as<float>();
@@ -471,14 +489,14 @@ void LlamaCuda::EnqueueFinalNorm(const cuda::StepPlan& plan, bool sample) {
   if (plan.graph_batch == 0) {
     // The last MLP output joins the residual stream (the normalized copy is unused); EagerHead
     // normalizes the rows that give logits.
-    kernels::FusedAddRmsNorm({residual, delta, weights_->final_norm(), nullptr, normed_.as<__nv_bfloat16>(), t, hidden,
-                              eps},
+    kernels::FusedAddRmsNorm({residual, delta, weights_->final_norm(), last_rows.index, normed_.as<__nv_bfloat16>(),
+                              last_rows.count, hidden, eps},
                              stream_);
     return;
   }
   // A graph's step: row i gives logits row i, and they all fit one head pass, so the last MLP
   // output joins the residual stream and the final norm writes the head's input in one kernel.
-  DUET_CHECK(plan.num_logit_rows == t && t <= max_logit_rows_);
+  DUET_CHECK(plan.num_logit_rows == t && t <= max_logit_rows_ && last_rows.index == nullptr);
   auto* final_normed = final_normed_.as<__nv_bfloat16>();
   kernels::FusedAddRmsNorm({residual, delta, weights_->final_norm(), nullptr, final_normed, t, hidden, eps}, stream_);
   linear_->ForwardF32(final_normed, weights_->lm_head(), logits_.as<float>(), plan.num_logit_rows, hidden,

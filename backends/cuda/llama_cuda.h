@@ -48,6 +48,9 @@ struct LlamaCudaOptions {
   // A mixed step's decode rows and prompt chunks get their attention in one launch
   // (kernels/attention/mixed_attention.h); off: the decode kernel, then the prefill kernel.
   bool mixed_attention_launch = true;
+  // An eager step's last layer runs its output projection and MLP only on the rows that give
+  // logits (a prompt's other rows need only that layer's K/V); off: on every row (for comparison).
+  bool last_layer_logit_rows_only = true;
   // Projections of 3 to this many rows (decode batches, short verification or prefill steps) go
   // through the tensor-core skinny GEMM (kernels/gemm/skinny_gemm.h), larger ones through cuBLAS;
   // 0: all of them through cuBLAS.
@@ -187,15 +190,27 @@ class LlamaCuda : public ModelExecutor {
   bool UseFusedEpilogues(int rows) const;
   // Whether the step runs sequence-parallel (EnableSequenceParallel).
   bool RunsSequenceParallel(absl::Span<const SequenceChunk> chunks) const;
+  // The rows a layer's output projection and MLP run on: rows 0 .. count - 1 of the step, or
+  // (index set, device [count]) the step's rows index[0 .. count), their outputs compacted into
+  // rows 0 .. count - 1 of delta_ while the residual stream keeps every row in place.
+  struct LayerRows {
+    int count = 0;
+    const int32_t* index = nullptr;
+  };
+  static LayerRows AllRows(int count) { return {count, nullptr}; }
+  // The last layer's rows: in an eager step only those that give logits (their hidden state is
+  // all the LM head reads; the other rows' K/V come from the layer's input), otherwise all.
+  LayerRows LastLayerRows(const cuda::StepPlan& plan) const;
   // One layer's attention sublayer: norm (adding the previous sublayer's output), QKV
-  // projection, RoPE and the KV write, attention, output projection into delta_.
+  // projection, RoPE and the KV write, attention, output projection of `out_rows` into delta_.
   void EnqueueAttention(const cuda::CudaLayerWeights& l, int layer, const cuda::StepPlan& plan,
-                        const kernels::PagedDecodeAttentionPlan& decode_plan, const kernels::PagedKvView& kv);
+                        const kernels::PagedDecodeAttentionPlan& decode_plan, const kernels::PagedKvView& kv,
+                        LayerRows out_rows);
   // The sublayer up to its attention (norm, QKV, RoPE, K/V into kv and the ring's block, q into
-  // q_) and after it (output projection of attn_ into delta_).
+  // q_) and after it (output projection of attn_'s `rows` into delta_).
   void EnqueueAttentionInput(const cuda::CudaLayerWeights& l, bool first_layer, int rows,
                              const kernels::PagedKvView& kv, RingKvWrite ring = {});
-  void EnqueueAttentionOutput(const cuda::CudaLayerWeights& l, int rows);
+  void EnqueueAttentionOutput(const cuda::CudaLayerWeights& l, LayerRows rows);
   void EnqueueQkvRopeKvWrite(const cuda::CudaLayerWeights& l, int rows, const kernels::PagedKvView& kv,
                              RingKvWrite ring);
   // The attention kernels' parameters for a step's decode rows and for its other sequences.
@@ -205,12 +220,13 @@ class LlamaCuda : public ModelExecutor {
                                                       float scale);
   void EnqueueAttentionKernel(const cuda::StepPlan& plan, const kernels::PagedDecodeAttentionPlan& decode_plan,
                               const kernels::PagedKvView& kv, int layer);
-  // One layer's MLP sublayer: norm (adding the attention output), gate/up with SiLU·mul, down
-  // projection into delta_.
-  void EnqueueMlp(const cuda::CudaLayerWeights& l, int rows);
-  // After the last layer: a graph's step joins the last MLP output, normalizes and computes
-  // every row's logits (and samples); an eager step only joins it (EagerHead does the rest).
-  void EnqueueFinalNorm(const cuda::StepPlan& plan, bool sample);
+  // One layer's MLP sublayer on `rows`: norm (adding the attention output), gate/up with
+  // SiLU·mul, down projection into delta_.
+  void EnqueueMlp(const cuda::CudaLayerWeights& l, LayerRows rows);
+  // After the last layer (which ran on `last_rows`): a graph's step joins the last MLP output,
+  // normalizes and computes every row's logits (and samples); an eager step only joins it
+  // (EagerHead does the rest).
+  void EnqueueFinalNorm(const cuda::StepPlan& plan, bool sample, LayerRows last_rows);
   // Samples logits rows [first_row, first_row + rows) (in logits_ from its row 0) with the
   // uploaded per-row parameters.
   void EnqueueSampling(int first_row, int rows);

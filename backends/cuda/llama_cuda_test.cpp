@@ -239,6 +239,38 @@ TEST(LlamaCuda, Bf16ChunkedPrefillMixedWithDecodeMatchesCpu) {
   EXPECT_LT(pair.Step({rest, b_decode}), 1e-2);
 }
 
+// An eager step's last layer runs its output projection and MLP only on the rows that give logits
+// (LlamaCudaOptions::last_layer_logit_rows_only): the same steps with it off give the same
+// logits within bf16 rounding, both against the CPU backend's. The steps: a chunk without logits alone
+// (no row leaves the last layer), its continuation beside a prompt asking for its last 3 rows'
+// logits, then decode rows ahead of a prompt chunk. The later steps attend to the earlier steps'
+// last-layer K/V, so skipped rows that wrote wrong K/V would show.
+TEST(LlamaCuda, Bf16LastLayerOnLogitRowsOnlyMatchesEveryRow) {
+  SKIP_WITHOUT_GPU();
+  LlamaCudaOptions every_row;
+  every_row.last_layer_logit_rows_only = false;
+  BackendPair pruned, full(every_row);
+  std::vector<int32_t> table_a = Range(0, 10), table_b = Range(40, 10), table_c = Range(80, 10);
+  std::vector<int32_t> prompt_a = Range(11, 130), prompt_b = Range(700, 70), prompt_c = Range(3000, 90);
+  std::vector<int32_t> next_a = {5}, next_b = {9};
+  const std::vector<std::vector<SequenceChunk>> steps = {
+      {SequenceChunk{absl::MakeSpan(prompt_a).subspan(0, 64), 0, table_a, 1, 0}},
+      {SequenceChunk{absl::MakeSpan(prompt_a).subspan(64), 64, table_a, 1, 1}, SequenceChunk{prompt_b, 0, table_b, 2, 3}},
+      {SequenceChunk{next_a, 130, table_a, 1, 1}, SequenceChunk{next_b, 70, table_b, 2, 1},
+       SequenceChunk{prompt_c, 0, table_c, 3, 1}}};
+  for (size_t i = 0; i < steps.size(); ++i) {
+    std::vector<float> pruned_logits, full_logits;
+    const double pruned_error = pruned.Step(steps[i], &pruned_logits);
+    const double full_error = full.Step(steps[i], &full_logits);
+    ASSERT_EQ(pruned_logits.size(), full_logits.size());
+    const double between = RelativeError(pruned_logits, full_logits);
+    std::printf("step %zu: against the CPU %.2e (every row %.2e), between the two %.2e\n", i, pruned_error, full_error,
+                between);
+    EXPECT_LT(pruned_error, 1e-2);
+    EXPECT_LT(between, 1e-2);
+  }
+}
+
 // Decoding sequences ahead of prompt chunks, the order the scheduler gives a decode step that takes
 // a prompt in (conditional disaggregation, chunked prefill): the leading one-token sequences'
 // attention runs in the paged decode kernel, the rest's in the prefill kernel. Their logits against

@@ -165,8 +165,9 @@ absl::Status SequenceParallelGroup::EnqueueLayer(int layer, DeviceKvCache& cache
     LlamaCuda& m = *ranks_[size_t(r)];
     ScopedDevice on(devices_[size_t(r)]);
     const CudaLayerWeights& l = m.weights_->layer(size_t(layer));
-    m.EnqueueAttentionOutput(l, rows_[size_t(r)]);
-    m.EnqueueMlp(l, rows_[size_t(r)]);
+    const LlamaCuda::LayerRows rows = last ? m.LastLayerRows(leader_plan_) : LlamaCuda::AllRows(rows_[size_t(r)]);
+    m.EnqueueAttentionOutput(l, rows);
+    m.EnqueueMlp(l, rows);
   }
   return absl::OkStatus();
 }
@@ -283,7 +284,7 @@ absl::Status SequenceParallelGroup::Prefill(absl::Span<const SequenceChunk> chun
       return s;
     }
   }
-  leader_.EnqueueFinalNorm(leader_plan_, sample);
+  leader_.EnqueueFinalNorm(leader_plan_, sample, leader_.LastLayerRows(leader_plan_));
   if (masks_later) {
     fill_masks();
     leader_.metadata_->UploadBitmasks(sampling, leader_.stream_);

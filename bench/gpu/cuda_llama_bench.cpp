@@ -8,7 +8,7 @@
 // given as N@S continues a prompt: N tokens from position S, attending to the S before them.
 //
 //   cuda_llama_bench --model DIR [--batch 1,8,32,128] [--context 1024] [--prefill 1024,8192 | --prefill none]
-//                    [--mixed-prompt 256,512,256@320] [--no-pdl] [--no-fusion] [--no-mixed-launch] [--early-groups 1|2] [--no-cuda-graphs]
+//                    [--mixed-prompt 256,512,256@320] [--no-pdl] [--no-fusion] [--no-mixed-launch] [--no-last-layer-rows] [--early-groups 1|2] [--no-cuda-graphs]
 //                    [--skinny-gemm-max-rows N] [--wide-gemm-min-rows N] [--gemm-tuning-max-rows N]
 #include <algorithm>
 #include <chrono>
@@ -165,7 +165,7 @@ int Run(int argc, char** argv) {
   CLI::App app{"CUDA backend decode/prefill benchmark"};
   std::string model_dir, batches = "1,8,32,128", prefills = "1024,8192", mixed_prompts = "none";
   int context = 1024, steps = 64;
-  bool graphs = true, pdl = true, fusion = true, mixed_launch = true;
+  bool graphs = true, pdl = true, fusion = true, mixed_launch = true, last_layer_rows = true;
   int skinny_max_rows = kernels::kSkinnyGemmPreferredMaxRows;
   int wide_min_rows = cuda::kWideGemmDefaultMinRows;
   int tuning_max_rows = cuda::kGemmTuningDefaultMaxRows;
@@ -182,6 +182,8 @@ int Run(int argc, char** argv) {
   app.add_flag("!--no-fusion", fusion, "RoPE/KV write and SiLU·mul as separate kernels at batch <= 2");
   app.add_flag("!--no-mixed-launch", mixed_launch,
                "a mixed step's decode and prefill attention as two launches instead of one");
+  app.add_flag("!--no-last-layer-rows", last_layer_rows,
+               "the last layer's output projection and MLP on every row, not only the rows that give logits");
   app.add_option("--skinny-gemm-max-rows", skinny_max_rows,
                  "projections of 3 to N rows through SkinnyGemm, larger ones through cuBLAS (0: all through cuBLAS)")
       ->check(CLI::Range(0, kernels::kSkinnyGemmMaxRows));
@@ -213,6 +215,7 @@ int Run(int argc, char** argv) {
   options.programmatic_launch = pdl;
   options.fused_decode_epilogues = fusion;
   options.mixed_attention_launch = mixed_launch;
+  options.last_layer_logit_rows_only = last_layer_rows;
   options.skinny_gemm_max_rows = skinny_max_rows;
   options.wide_gemm_min_rows = wide_min_rows;
   options.gemm_tuning_max_rows = tuning_max_rows;

@@ -66,7 +66,6 @@ __global__ void __launch_bounds__(kMaxThreads) FusedAddRmsNormKernel(RmsNormPara
 void FusedAddRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
   DUET_KERNEL_CHECK(p.rows >= 0 && p.dim > 0 && p.dim % 8 == 0 && p.dim <= 8 * 8 * kMaxThreads);
   DUET_KERNEL_CHECK(p.residual != nullptr && p.weight != nullptr && p.out != nullptr);
-  DUET_KERNEL_CHECK(p.row_index == nullptr || p.delta == nullptr);
   DUET_KERNEL_CHECK(IsAligned(p.residual, 16) && IsAligned(p.weight, 16) && IsAligned(p.out, 16) &&
                     (p.delta == nullptr || IsAligned(p.delta, 16)));
   if (p.rows == 0) return;

@@ -102,6 +102,14 @@ TEST(FusedAddRmsNorm, Bf16RowIndexNormalizesPickedRows) {
   CheckFusedAddRmsNorm(1, 512, false, &one_row, 5, 9);
 }
 
+TEST(FusedAddRmsNorm, Bf16RowIndexWithDeltaAddsIntoPickedRows) {
+  DUET_SKIP_WITHOUT_GPU();
+  // The last layer of a step with 384 rows of which 3 give logits: delta row i joins residual
+  // row row_index[i]; the other residual rows stay as they were.
+  const std::vector<int32_t> rows_needing_logits = {0, 1, 383};
+  CheckFusedAddRmsNorm(3, 4096, /*with_delta=*/true, &rows_needing_logits, /*residual_rows=*/384, 10);
+}
+
 TEST(FusedAddRmsNorm, Bf16GraphCaptureMatchesEager) {
   DUET_SKIP_WITHOUT_GPU();
   const int rows = 4, dim = 4096;
