@@ -15,7 +15,6 @@
 #include "kernels/attention/prefill_attention.h"
 #include "kernels/elementwise/activation.h"
 #include "kernels/elementwise/bias.h"
-#include "kernels/elementwise/embedding.h"
 #include "kernels/elementwise/gather_rows.h"
 #include "kernels/elementwise/norm.h"
 #include "kernels/elementwise/random_fill.h"

@@ -8,7 +8,7 @@
 #include "backends/cuda/llama_cuda.h"
 #include "common/check.h"
 #include "common/status_macros.h"
-#include "kernels/elementwise/embedding.h"
+#include "kernels/elementwise/gather_rows.h"
 #include "parallel/ring_schedule.h"
 #include "parallel/zigzag.h"
 

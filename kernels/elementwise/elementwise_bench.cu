@@ -13,7 +13,7 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/elementwise/activation.h"
-#include "kernels/elementwise/embedding.h"
+#include "kernels/elementwise/gather_rows.h"
 #include "kernels/elementwise/norm.h"
 #include "kernels/elementwise/rope.h"
 #include "kernels/sampling/sampling.h"
