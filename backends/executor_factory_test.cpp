@@ -46,6 +46,10 @@ TEST(ExecutorFactoryTest, AKernelRowCountThatIsNotOneIsAClearError) {
     for (const char* bad : {"abc", "-1", "64rows", ""}) ExpectClearErrorFor(name, bad);
   }
 }
+
+TEST(ExecutorFactoryTest, ASwitchThatIsNotZeroOrOneIsAClearError) {
+  for (const char* bad : {"yes", "2", "01", ""}) ExpectClearErrorFor("DUET_LAST_LAYER_LOGIT_ROWS_ONLY", bad);
+}
 #endif
 
 }  // namespace
