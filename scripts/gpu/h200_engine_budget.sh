@@ -7,8 +7,9 @@
 # or T/M (and --max-num-mixed-tokens M); a variant is "default" or the environment of its runs,
 # VAR=VALUE[,VAR=VALUE...] (e.g. DUET_GEMM_TUNING_MAX_ROWS=0, backends/executor_factory.cpp), where
 # weights=constant is no variable but runs a copy of the checkpoint whose every weight holds one
-# value (constant_checkpoint.py: the same work drawing less power). One call, ~1 minute a run; the
-# table last.
+# value (constant_checkpoint.py: the same work drawing less power) and build=before runs the bundle's
+# build before a change (make_cluster_bundle.sh's BEFORE_DIR) instead of its own.
+# One call, ~1 minute a run; the table last.
 #
 #   here:   scripts/gpu/make_cluster_bundle.sh; mv models /tmp/duet-models-hold    (carry .devcluster)
 #   device: [BUDGETS="384 1024 1024/384"] [VARIANTS="default ..."] [ROUNDS=2] [NUM_PROMPTS=256] [TESTS="..."] \
@@ -27,18 +28,22 @@ for round in $(seq 1 "$rounds"); do
   for budget in $budgets; do
     for variant in $variants; do
       echo "== round $round, budget $budget, $variant"
-      environment=() model=$MODEL
+      environment=() model=$MODEL program=duet kept=()
+      before=/tmp/devbundle/before
       [[ $variant != default ]] && IFS=, read -ra environment <<< "$variant"
-      if [[ " ${environment[*]} " == *" weights=constant "* ]]; then
-        model=/tmp/llama8b-constant
-        [[ -f $model/config.json ]] || python3 scripts/gpu/constant_checkpoint.py "$MODEL" "$model"
-        kept=()
-        for e in "${environment[@]}"; do [[ $e == weights=constant ]] || kept+=("$e"); done
-        environment=("${kept[@]}")
-      fi
+      for e in "${environment[@]}"; do
+        case $e in
+          weights=constant)
+            model=/tmp/llama8b-constant
+            [[ -f $model/config.json ]] || python3 scripts/gpu/constant_checkpoint.py "$MODEL" "$model" ;;
+          build=before) program=$before/bin/duet kept+=("LD_LIBRARY_PATH=$before/lib:$LD_LIBRARY_PATH") ;;
+          *) kept+=("$e") ;;
+        esac
+      done
+      environment=("${kept[@]}")
       log=$OUT/engine_$(run_name "$budget" "$variant")_$round.log
       clock_mark
-      env "${environment[@]}" duet generate --model "$model" --backend cuda --gpu-memory-utilization 0.9 \
+      env "${environment[@]}" "$program" generate --model "$model" --backend cuda --gpu-memory-utilization 0.9 \
         --max-model-len 4096 --max-num-batched-tokens "${budget%/*}" \
         --max-num-mixed-tokens "$([[ $budget == */* ]] && echo "${budget#*/}" || echo 0)" \
         --max-num-seqs 64 --warmup 16 --input "$OUT/requests.jsonl" --output /tmp/engine_out.jsonl 2> "$log" ||

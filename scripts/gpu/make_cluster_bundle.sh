@@ -10,6 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 build=${BUILD_DIR:-build}
 extra=${EXTRA_TARGETS:-}  # more programs for the same call, e.g. EXTRA_TARGETS="wide_gemm_bench"
+# The build before a change, for an A/B in one call: a folder with bin/ (e.g. duet) and lib/
+# (libduet_kernels.so), packed as devbundle/before (h200_engine_budget.sh's build=before variant).
+before=${BEFORE_DIR:-}
 programs="duet duet-bench device_kv_cache_tests cuda_ipc_transport_tests kv_transfer_bench kernels_tests $extra"
 cmake --build "$build" --target duet duet_bench device_kv_cache_tests cuda_ipc_transport_tests kv_transfer_bench kernels_tests \
   $extra -j"$(nproc)"
@@ -23,6 +26,7 @@ stage=$(mktemp -d)/devbundle
 bash ../shared/device/bundle.sh "$stage" $(for p in $programs; do echo "$build/bin/$p"; done) >/dev/null
 strip "$stage"/bin/* "$stage"/lib/* 2>/dev/null || true
 cp "$tokenizer/tokenizer.json" "$tokenizer/tokenizer_config.json" "$stage/"
+[[ -n $before ]] && cp -r "$before" "$stage/before"
 rm -rf .devcluster && mkdir -p .devcluster
 tar -C "$(dirname "$stage")" -cJf .devcluster/bundle.tar.xz devbundle
 du -h .devcluster/bundle.tar.xz
