@@ -14,6 +14,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/attention/paged_kv.h"
 #include "kernels/cuda_check.h"
 
 
@@ -92,51 +93,75 @@ __device__ __forceinline__ float QuadSum(float x) {
 // Copies K and V tiles of `kTileTokens` consecutive tokens of one KV head from the paged caches
 // ([num_blocks, num_kv_heads, block_size, head_dim]) into swizzled shared-memory tiles with
 // cp.async, every thread of the block taking a share. Two phases, so that the block-table read
-// of the next tile is in flight while the current one is computed: Prefetch(tile) reads the
-// block ids of this thread's rows into registers, Issue(tile) starts the copies. Tokens at or
-// past `end_token` are zero-filled, so masked columns hold zeros (never NaN garbage that 0 * x
-// would turn into NaN). K and V share the address arithmetic (same layout).
+// of the next tile is in flight while the current one is computed: Prefetch(tile) turns the block
+// ids of this thread's rows into byte offsets, Issue(tile) starts the copies. Tokens at or past
+// `end_token` are zero-filled, so masked columns hold zeros (never NaN garbage that 0 * x would
+// turn into NaN); their source address is block 0's, valid memory. A thread's column chunk and
+// KV head are the same in every row it copies, so its byte offset inside a block is computed
+// once: a row costs one 32-bit slot offset and two 64-bit adds (K and V share the offsets).
 template <int kHeadDim, int kTileTokens, int kThreads>
 struct PagedKvTileLoader {
   static constexpr int kChunksPerRow = kHeadDim / 8;
   static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
   static constexpr int kPasses = kTileTokens / kRowsPerPass;
+  static constexpr int kRowBytesLog2 = kHeadDim == 128 ? 8 : 7;  // head_dim bf16
   static_assert(kThreads % kChunksPerRow == 0 && kTileTokens % kRowsPerPass == 0, "tile must split evenly");
+  static_assert((1 << kRowBytesLog2) == kHeadDim * 2, "head_dim 64 or 128");
+  // A pass moves the rows by a multiple of 8, so a row's swizzle (row % 8) is its first pass's.
+  static_assert(kRowsPerPass % 8 == 0, "passes keep the swizzle");
+  static constexpr uint32_t kPassBytes = kRowsPerPass * kChunksPerRow * 16;
 
-  const __nv_bfloat16* __restrict__ k_cache;
-  const __nv_bfloat16* __restrict__ v_cache;
+  const char* __restrict__ k_bytes;
+  const char* __restrict__ v_bytes;
   const int32_t* __restrict__ block_table;  // this sequence's row
-  int end_token, kv_head, num_kv_heads, block_size_log2;
-  int32_t blocks[kPasses];  // block ids of this thread's rows of the prefetched tile
+  int end_token, block_size_log2;
+  uint32_t slot_mask;     // block_size - 1
+  int block_bytes;        // one block of every KV head
+  uint32_t thread_bytes;  // this thread's KV head and column chunk within a block
+  uint32_t thread_dst;    // this thread's first row and chunk in a tile (swizzled)
+  int64_t block_offset[kPasses];  // byte offsets of the blocks of this thread's rows of the prefetched tile
+
+  __device__ __forceinline__ PagedKvTileLoader(const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
+                                               const int32_t* table, int end, int kv_head, int num_kv_heads,
+                                               int size_log2)
+      : k_bytes(reinterpret_cast<const char*>(k_cache)),
+        v_bytes(reinterpret_cast<const char*>(v_cache)),
+        block_table(table),
+        end_token(end),
+        block_size_log2(size_log2),
+        slot_mask((1u << size_log2) - 1),
+        block_bytes((num_kv_heads << size_log2) << kRowBytesLog2),
+        thread_bytes(uint32_t(((kv_head << size_log2) << kRowBytesLog2) + int(threadIdx.x) % kChunksPerRow * 16)),
+        thread_dst(SwizzledOffset<kChunksPerRow>(int(threadIdx.x) / kChunksPerRow, int(threadIdx.x) % kChunksPerRow)) {}
 
   __device__ __forceinline__ void Prefetch(int first_token) {
     const int row0 = int(threadIdx.x) / kChunksPerRow;
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int token = first_token + pass * kRowsPerPass + row0;
-      blocks[pass] = token < end_token ? block_table[token >> block_size_log2] : 0;
+      const int32_t block = token < end_token ? block_table[token >> block_size_log2] : 0;
+      block_offset[pass] = int64_t(block) * block_bytes;
     }
   }
 
   __device__ __forceinline__ void Issue(uint32_t k_tile, uint32_t v_tile, int first_token) const {
-    const int row0 = int(threadIdx.x) / kChunksPerRow, chunk = int(threadIdx.x) % kChunksPerRow;
-    const int slot_mask = (1 << block_size_log2) - 1;
+    const int row0 = int(threadIdx.x) / kChunksPerRow;
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
-      const int row = pass * kRowsPerPass + row0;
-      const int token = first_token + row;
+      const int token = first_token + pass * kRowsPerPass + row0;
+      const int64_t offset = block_offset[pass] + (((uint32_t(token) & slot_mask) << kRowBytesLog2) + thread_bytes);
+      const uint32_t dst = thread_dst + pass * kPassBytes;
       const bool valid = token < end_token;
-      const int64_t offset =
-          valid ? (((int64_t(blocks[pass]) * num_kv_heads + kv_head) << block_size_log2) + (token & slot_mask)) *
-                          kHeadDim +
-                      chunk * 8
-                : 0;
-      const uint32_t dst = SwizzledOffset<kChunksPerRow>(row, chunk);
-      CpAsync16(k_tile + dst, k_cache + offset, valid);
-      CpAsync16(v_tile + dst, v_cache + offset, valid);
+      CpAsync16(k_tile + dst, k_bytes + offset, valid);
+      CpAsync16(v_tile + dst, v_bytes + offset, valid);
     }
   }
 };
+
+// Whether one block of every KV head fits PagedKvTileLoader's 32-bit byte count.
+inline bool KvBlockBytesFit(const PagedKvView& kv) {
+  return int64_t(kv.num_kv_heads) * kv.block_size * kv.head_dim * int64_t(sizeof(__nv_bfloat16)) < (int64_t(1) << 31);
+}
 
 inline int Log2OfPowerOfTwo(int x) {
   int log2 = 0;

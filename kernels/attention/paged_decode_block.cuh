@@ -59,6 +59,7 @@ inline void CheckPagedDecodeAttentionParams(const PagedDecodeAttentionParams& p,
   DUET_KERNEL_CHECK(p.kv.num_kv_heads > 0 && p.num_q_heads % p.kv.num_kv_heads == 0);
   DUET_KERNEL_CHECK(p.kv.block_size >= 1 && p.max_blocks_per_seq >= 1);
   DUET_KERNEL_CHECK(p.kv.head_dim == 64 || p.kv.head_dim == 128);
+  DUET_KERNEL_CHECK(KvBlockBytesFit(p.kv));  // the tile loader counts a block's bytes in 32 bits
   DUET_KERNEL_CHECK(plan.num_splits >= 1 && plan.tokens_per_split > 0 && plan.tokens_per_split % kTileTokens == 0);
   DUET_KERNEL_CHECK(plan.num_splits == 1 || (p.workspace != nullptr && p.split_counters != nullptr));
   // The merging CTA keeps one weight per (query head, split) in its shared memory.
@@ -118,8 +119,8 @@ __device__ __forceinline__ void PagedDecodeBlock(const PagedDecodeAttentionParam
   const int32_t* block_table = p.block_tables + size_t(seq) * p.max_blocks_per_seq;
   const uint32_t smem_base = SmemAddress(smem);
 
-  PagedKvTileLoader<kHeadDim, kTileTokens, kThreads> loader{p.kv.k, p.kv.v, block_table, split_end, kv_head,
-                                                            p.kv.num_kv_heads, block_size_log2};
+  PagedKvTileLoader<kHeadDim, kTileTokens, kThreads> loader(p.kv.k, p.kv.v, block_table, split_end, kv_head,
+                                                            p.kv.num_kv_heads, block_size_log2);
   auto tile_first_token = [&](int tile) { return split_begin + tile * kTileTokens; };
   auto issue_tile = [&](int tile) {
     const uint32_t stage = smem_base + uint32_t(tile % kStages) * 2 * kTileBytes;

@@ -42,6 +42,7 @@ inline void CheckPrefillAttentionParams(const PrefillAttentionParams& p) {
   DUET_KERNEL_CHECK(p.kv.num_kv_heads > 0 && p.num_q_heads % p.kv.num_kv_heads == 0);
   DUET_KERNEL_CHECK(p.kv.block_size >= 1 && p.max_blocks_per_seq >= 1);
   DUET_KERNEL_CHECK(p.kv.head_dim == 64 || p.kv.head_dim == 128);
+  DUET_KERNEL_CHECK(KvBlockBytesFit(p.kv));  // the tile loader counts a block's bytes in 32 bits
   DUET_KERNEL_CHECK(p.state_out == nullptr || p.state_lse != nullptr);
 }
 
@@ -146,8 +147,8 @@ __device__ __forceinline__ void PrefillAttentionBlock(const PrefillAttentionPara
       CpAsync16(q_smem + SwizzledOffset<kChunksPerRow>(row, chunk), src, valid);
     }
   }
-  PagedKvTileLoader<kHeadDim, kBlockN, kThreads> loader{p.kv.k, p.kv.v, block_table, kv_end, kv_head,
-                                                        p.kv.num_kv_heads, block_size_log2};
+  PagedKvTileLoader<kHeadDim, kBlockN, kThreads> loader(p.kv.k, p.kv.v, block_table, kv_end, kv_head,
+                                                        p.kv.num_kv_heads, block_size_log2);
   constexpr int kStages = KvStages<kHeadDim, kBlockN>();
   auto issue_tile = [&](int tile) {
     const uint32_t stage = kv_smem + uint32_t(tile % kStages) * 2 * kKvTileBytes;
