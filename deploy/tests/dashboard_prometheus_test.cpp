@@ -3,16 +3,9 @@
 // real cluster (router, prefill and decode worker as processes) after load: every panel's query
 // returns a number, the dashboard's variables list the model, every alert expression evaluates,
 // and those that watch for a broken cluster match nothing on this healthy one.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <signal.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <future>
 #include <regex>
@@ -24,9 +17,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
-#include "common/subprocess.h"
 #include "gtest/gtest.h"
-#include "metrics/test_http_client.h"
+#include "metrics/test_prometheus_server.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/local_cluster.h"
 
@@ -38,55 +30,13 @@ using testing::ClusterOptions;
 using testing::LocalCluster;
 using testing::RunGenerate;
 using testing::StreamResult;
-
-constexpr const char* kPrometheus = "/usr/bin/prometheus";
+using metrics::testing::PrometheusServer;
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
   std::stringstream s;
   s << in.rdbuf();
   return s.str();
-}
-
-uint16_t FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
-std::string UrlEncode(const std::string& s) {
-  std::string out;
-  for (unsigned char c : s) {
-    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~') {
-      out += static_cast<char>(c);
-    } else {
-      char buf[4];
-      std::snprintf(buf, sizeof(buf), "%%%02X", c);
-      out += buf;
-    }
-  }
-  return out;
-}
-
-// GET on Prometheus's API; null json when it did not answer with success.
-json Api(uint16_t port, const std::string& path_and_query) {
-  auto r = metrics::testing::HttpGet(port, path_and_query, std::chrono::seconds(5));
-  if (r.status != 200) return json();
-  json body = json::parse(r.body, nullptr, /*allow_exceptions=*/false);
-  if (body.is_discarded() || body.value("status", "") != "success") return json();
-  return body["data"];
-}
-
-// The instant vector `promql` evaluates to now; null json when the query failed.
-json Query(uint16_t port, const std::string& promql) {
-  json data = Api(port, "/api/v1/query?query=" + UrlEncode(promql));
-  return data.is_null() ? data : data["result"];
 }
 
 double Number(const json& sample) { return std::stod(sample["value"][1].get<std::string>()); }
@@ -117,30 +67,14 @@ std::vector<Panel> DashboardPanels() {
 class DashboardPrometheusTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (::access(kPrometheus, X_OK) != 0) GTEST_SKIP() << "prometheus not installed (scripts/install_deps.sh)";
-    char dir_template[] = "/tmp/duet_dashboard_XXXXXX";
-    ASSERT_NE(::mkdtemp(dir_template), nullptr);
-    dir_ = dir_template;
-  }
-  void TearDown() override {
-    if (prometheus_ != nullptr) prometheus_->Stop(std::chrono::milliseconds(5000));
-    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+    if (!metrics::testing::PrometheusInstalled()) GTEST_SKIP() << "prometheus not installed (scripts/install_deps.sh)";
   }
 
   // Prometheus scraping `ports` every second as job "duet".
   void StartPrometheus(const std::vector<int>& ports) {
-    std::string targets;
-    for (int port : ports) absl::StrAppend(&targets, targets.empty() ? "" : ", ", "'127.0.0.1:", port, "'");
-    std::ofstream(dir_ / "prometheus.yml")
-        << "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        << "scrape_configs:\n  - job_name: duet\n    scrape_interval: 1s\n    scrape_timeout: 1s\n"
-        << "    static_configs:\n      - targets: [" << targets << "]\n";
-    port_ = FreePort();
-    const std::string command = absl::StrCat(
-        "exec ", kPrometheus, " --config.file=", (dir_ / "prometheus.yml").string(), " --storage.tsdb.path=",
-        (dir_ / "data").string(), " --web.listen-address=127.0.0.1:", port_, " > ", (dir_ / "prometheus.log").string(),
-        " 2>&1");
-    absl::StatusOr<std::unique_ptr<Subprocess>> p = Subprocess::Start({"/bin/sh", "-c", command});
+    std::vector<std::string> targets;
+    for (int port : ports) targets.push_back(absl::StrCat("127.0.0.1:", port));
+    absl::StatusOr<std::unique_ptr<PrometheusServer>> p = PrometheusServer::Start(targets);
     ASSERT_TRUE(p.ok()) << p.status();
     prometheus_ = *std::move(p);
   }
@@ -149,17 +83,15 @@ class DashboardPrometheusTest : public ::testing::Test {
   bool WaitForValue(const std::string& promql, double want) {
     const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     while (std::chrono::steady_clock::now() < give_up) {
-      json result = Query(port_, promql);
+      json result = prometheus_->Query(promql);
       if (result.is_array() && result.size() == 1 && Number(result[0]) == want) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
-    ADD_FAILURE() << promql << " never became " << want << "; prometheus log:\n" << ReadFile(dir_ / "prometheus.log");
+    ADD_FAILURE() << promql << " never became " << want << "; prometheus log:\n" << prometheus_->Log();
     return false;
   }
 
-  std::filesystem::path dir_;
-  std::unique_ptr<Subprocess> prometheus_;
-  uint16_t port_ = 0;
+  std::unique_ptr<PrometheusServer> prometheus_;
 };
 
 TEST_F(DashboardPrometheusTest, EveryPanelHasDataUnderLoadAndNoFailureAlertMatchesAHealthyCluster) {
@@ -199,7 +131,7 @@ TEST_F(DashboardPrometheusTest, EveryPanelHasDataUnderLoadAndNoFailureAlertMatch
     int finite = 0;
     std::string seen;
     for (const std::string& expr : panel.exprs) {
-      const json result = Query(port_, Substitute(expr));
+      const json result = prometheus_->Query(Substitute(expr));
       ASSERT_TRUE(result.is_array()) << panel.title << ": Prometheus refused " << Substitute(expr);
       for (const json& sample : result) {
         const double v = Number(sample);
@@ -212,7 +144,8 @@ TEST_F(DashboardPrometheusTest, EveryPanelHasDataUnderLoadAndNoFailureAlertMatch
   }
 
   // The dashboard's variables: the model and the job.
-  const json models = Api(port_, "/api/v1/label/model_name/values?match[]=" + UrlEncode("duet:num_requests_running"));
+  const json models = prometheus_->Api("/api/v1/label/model_name/values?match[]=" +
+                                       metrics::testing::UrlEncode("duet:num_requests_running"));
   EXPECT_EQ(models, json::array({"tiny-code-llama"}));
 
   // Every alert expression evaluates; those that watch for a broken cluster match nothing on this
@@ -230,7 +163,7 @@ TEST_F(DashboardPrometheusTest, EveryPanelHasDataUnderLoadAndNoFailureAlertMatch
     std::smatch m;
     if (std::regex_match(line, m, alert_line)) alert = m[1].str();
     if (!std::regex_match(line, m, expr_line)) continue;
-    const json result = Query(port_, m[1].str());
+    const json result = prometheus_->Query(m[1].str());
     ASSERT_TRUE(result.is_array()) << alert << ": Prometheus refused " << m[1].str();
     if (quiet_when_healthy.count(alert)) {
       EXPECT_TRUE(result.empty()) << alert << " matches " << result.dump();

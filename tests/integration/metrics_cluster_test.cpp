@@ -26,7 +26,7 @@
 #include "tests/integration/process.h"
 #include "common/subprocess.h"
 #include "gtest/gtest.h"
-#include "metrics/test_http_client.h"
+#include "metrics/test_prometheus_server.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/local_cluster.h"
 
@@ -37,9 +37,9 @@ using testing::ClusterOptions;
 using testing::LocalCluster;
 using testing::RunGenerate;
 using testing::StreamResult;
+using metrics::testing::PrometheusServer;
 
 constexpr const char* kPromtool = "/usr/bin/promtool";
-constexpr const char* kPrometheus = "/usr/bin/prometheus";
 constexpr const char* kIterationTokensLint =
     "duet:iteration_tokens_total non-counter metrics should not have \"_total\" suffix";
 
@@ -119,68 +119,12 @@ void ExpectPromtoolAccepts(const std::string& what, const std::string& text, con
       << what;
 }
 
-uint16_t FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
-std::string UrlEncode(const std::string& s) {
-  std::string out;
-  for (unsigned char c : s) {
-    if (std::isalnum(c) || c == '_' || c == '-' || c == '.' || c == '~') {
-      out += char(c);
-    } else {
-      char buf[4];
-      std::snprintf(buf, sizeof(buf), "%%%02X", c);
-      out += buf;
-    }
-  }
-  return out;
-}
-
 // The PromQL instant query's single value ("" when there is none, or several), evaluated now or
 // at `unix_seconds`.
-std::string Query(uint16_t port, const std::string& promql, double unix_seconds = 0) {
-  std::string target = "/api/v1/query?query=" + UrlEncode(promql);
-  if (unix_seconds > 0) target += absl::StrFormat("&time=%.3f", unix_seconds);
-  auto r = metrics::testing::HttpGet(port, target, std::chrono::seconds(2));
-  if (r.status != 200) return "";
-  auto json = nlohmann::json::parse(r.body, nullptr, /*allow_exceptions=*/false);
-  if (json.is_discarded() || json.value("status", "") != "success") return "";
-  const auto& result = json["data"]["result"];
+std::string Query(const PrometheusServer& prometheus, const std::string& promql, double unix_seconds = 0) {
+  const nlohmann::json result = prometheus.Query(promql, unix_seconds);
   if (!result.is_array() || result.size() != 1) return "";
   return result[0]["value"][1].get<std::string>();
-}
-
-// A real Prometheus server scraping `targets` (host:port) every second, in `dir`.
-absl::StatusOr<std::unique_ptr<Subprocess>> StartPrometheus(const std::filesystem::path& dir,
-                                                            const std::vector<std::string>& targets, uint16_t port) {
-  std::ofstream config(dir / "prometheus.yml");
-  config << "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-         << "scrape_configs:\n  - job_name: duet\n    scrape_interval: 1s\n    scrape_timeout: 1s\n"
-         << "    static_configs:\n      - targets: [";
-  for (size_t i = 0; i < targets.size(); ++i) config << (i > 0 ? ", '" : "'") << targets[i] << "'";
-  config << "]\n";
-  config.close();
-  return Subprocess::Start({"/bin/sh", "-c",
-                            absl::StrCat("exec ", kPrometheus, " --config.file=", (dir / "prometheus.yml").string(),
-                                         " --storage.tsdb.path=", (dir / "data").string(),
-                                         " --web.listen-address=127.0.0.1:", port, " > ",
-                                         (dir / "prometheus.log").string(), " 2>&1")});
-}
-
-void StopPrometheus(Subprocess& prometheus) {
-  prometheus.Signal(SIGTERM);
-  if (prometheus.Wait(std::chrono::seconds(15)) == Subprocess::kStillRunning) {
-    prometheus.Stop(std::chrono::milliseconds(100));
-  }
 }
 
 double UnixSeconds(std::chrono::system_clock::time_point t) {
@@ -189,23 +133,12 @@ double UnixSeconds(std::chrono::system_clock::time_point t) {
 
 // The times of the first and the last sample of the range selector `selector` (one series) at
 // `unix_seconds`: the span a rate() over it measures; (0, 0) when there is none.
-std::pair<double, double> SampleSpan(uint16_t port, const std::string& selector, double unix_seconds) {
-  auto r = metrics::testing::HttpGet(
-      port, absl::StrCat("/api/v1/query?query=", UrlEncode(selector), absl::StrFormat("&time=%.3f", unix_seconds)),
-      std::chrono::seconds(2));
-  auto json = nlohmann::json::parse(r.body, nullptr, /*allow_exceptions=*/false);
-  if (r.status != 200 || json.is_discarded() || json.value("status", "") != "success") return {0, 0};
-  const auto& result = json["data"]["result"];
+std::pair<double, double> SampleSpan(const PrometheusServer& prometheus, const std::string& selector,
+                                     double unix_seconds) {
+  const nlohmann::json result = prometheus.Query(selector, unix_seconds);
   if (!result.is_array() || result.size() != 1 || result[0]["values"].size() < 2) return {0, 0};
   const auto& values = result[0]["values"];
   return {values.front()[0].get<double>(), values.back()[0].get<double>()};
-}
-
-std::string ReadFile(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
 }
 
 TEST(MetricsClusterTest, PromtoolAndARealPrometheusAgreeWithTheTokensGenerated) {
@@ -329,16 +262,13 @@ TEST(MetricsClusterTest, PromtoolAndARealPrometheusAgreeWithTheTokensGenerated) 
     std::printf("promtool not installed: skipping promtool checks\n");
   }
 
-  if (::access(kPrometheus, X_OK) != 0) {
-    std::filesystem::remove_all(dir);
-    GTEST_SKIP() << "prometheus not installed";
-  }
-  const uint16_t prom_port = FreePort();
-  auto prometheus = StartPrometheus(dir,
-                                    {absl::StrCat("127.0.0.1:", router_port), absl::StrCat("127.0.0.1:", prefill_port),
-                                     absl::StrCat("127.0.0.1:", decode_port)},
-                                    prom_port);
-  ASSERT_TRUE(prometheus.ok()) << prometheus.status();
+  std::filesystem::remove_all(dir);
+  if (!metrics::testing::PrometheusInstalled()) GTEST_SKIP() << "prometheus not installed";
+  auto started = PrometheusServer::Start({absl::StrCat("127.0.0.1:", router_port),
+                                          absl::StrCat("127.0.0.1:", prefill_port),
+                                          absl::StrCat("127.0.0.1:", decode_port)});
+  ASSERT_TRUE(started.ok()) << started.status();
+  PrometheusServer& prometheus = **started;
 
   const std::string want_tokens = std::to_string(tokens);
   const std::string want_prompt = std::to_string(prompt_tokens);
@@ -346,11 +276,11 @@ TEST(MetricsClusterTest, PromtoolAndARealPrometheusAgreeWithTheTokensGenerated) 
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   while (std::chrono::steady_clock::now() < deadline) {
     // The sums over every process, without a role filter: each thing is counted once.
-    up = Query(prom_port, "sum(up{job=\"duet\"})");
-    generated = Query(prom_port, "sum(duet:generation_tokens_total)");
-    prompted = Query(prom_port, "sum(duet:prompt_tokens_total)");
-    kv_usage = Query(prom_port, "max(duet:kv_cache_usage_perc)");
-    successes = Query(prom_port, "sum(duet:request_success_total{finished_reason=\"length\"})");
+    up = Query(prometheus, "sum(up{job=\"duet\"})");
+    generated = Query(prometheus, "sum(duet:generation_tokens_total)");
+    prompted = Query(prometheus, "sum(duet:prompt_tokens_total)");
+    kv_usage = Query(prometheus, "max(duet:kv_cache_usage_perc)");
+    successes = Query(prometheus, "sum(duet:request_success_total{finished_reason=\"length\"})");
     if (up == "3" && generated == want_tokens && prompted == want_prompt && kv_usage == "0" &&
         successes == std::to_string(kRequests)) {
       break;
@@ -364,13 +294,12 @@ TEST(MetricsClusterTest, PromtoolAndARealPrometheusAgreeWithTheTokensGenerated) 
       up.c_str(), generated.c_str(), prompted.c_str(), kv_usage.c_str(), successes.c_str(), want_tokens.c_str(),
       want_prompt.c_str());
 
-  StopPrometheus(**prometheus);
-  EXPECT_EQ(up, "3") << ReadFile(dir / "prometheus.log");
+  EXPECT_EQ(prometheus.Stop(), 0) << "prometheus did not exit cleanly on SIGTERM";
+  EXPECT_EQ(up, "3") << prometheus.Log();
   EXPECT_EQ(generated, want_tokens);
   EXPECT_EQ(prompted, want_prompt);
   EXPECT_EQ(kv_usage, "0");
   EXPECT_EQ(successes, std::to_string(kRequests));
-  std::filesystem::remove_all(dir);
 }
 
 // The rest of a "key=value ..." line after "key=", up to the next space.
@@ -395,7 +324,7 @@ struct ClientStream {
 // of the scrapes the rate() covers: one decode worker, so one series and one span), and the totals
 // exactly.
 TEST(MetricsClusterTest, VllmDashboardQueriesOverADuetServeClusterMatchTheClient) {
-  if (::access(kPrometheus, X_OK) != 0) GTEST_SKIP() << "prometheus not installed";
+  if (!metrics::testing::PrometheusInstalled()) GTEST_SKIP() << "prometheus not installed";
   auto serve = Subprocess::Start({testing::DuetBinary(), "serve", "--model", std::string(DUET_MODELS_DIR) + "/tiny-code-llama",
                                   "--backend", "cpu", "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0",
                                   "--prefill-workers", "1", "--decode-workers", "1"});
@@ -416,16 +345,13 @@ TEST(MetricsClusterTest, VllmDashboardQueriesOverADuetServeClusterMatchTheClient
   auto stub = v1::Duet::NewStub(
       grpc::CreateChannel(absl::StrCat("127.0.0.1:", *grpc_port), grpc::InsecureChannelCredentials()));
 
-  char dir_template[] = "/tmp/duet_metrics_serve_XXXXXX";
-  ASSERT_NE(::mkdtemp(dir_template), nullptr);
-  const std::filesystem::path dir = dir_template;
-  const uint16_t prom_port = FreePort();
-  auto prometheus = StartPrometheus(dir, targets, prom_port);
-  ASSERT_TRUE(prometheus.ok()) << prometheus.status();
-  for (int i = 0; i < 120 && Query(prom_port, "sum(up{job=\"duet\"})") != "3"; ++i) {
+  auto started = PrometheusServer::Start(targets);
+  ASSERT_TRUE(started.ok()) << started.status();
+  PrometheusServer& prometheus = **started;
+  for (int i = 0; i < 120 && Query(prometheus, "sum(up{job=\"duet\"})") != "3"; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(250));
   }
-  ASSERT_EQ(Query(prom_port, "sum(up{job=\"duet\"})"), "3") << ReadFile(dir / "prometheus.log");
+  ASSERT_EQ(Query(prometheus, "sum(up{job=\"duet\"})"), "3") << prometheus.Log();
 
   // The HTTP API counts responses by status: a 404, a 400, a /health 200.
   EXPECT_EQ(metrics::testing::HttpGet(uint16_t(http_port), "/no/such/path", std::chrono::seconds(5)).status, 404);
@@ -482,12 +408,12 @@ TEST(MetricsClusterTest, VllmDashboardQueriesOverADuetServeClusterMatchTheClient
                     want_requests = std::to_string(streams.size());
   std::string generated, prompted, successes, e2e_count, running, waiting;
   for (int i = 0; i < 120; ++i) {
-    generated = Query(prom_port, "sum(duet:generation_tokens_total)");
-    prompted = Query(prom_port, "sum(duet:prompt_tokens_total)");
-    successes = Query(prom_port, "sum(duet:request_success_total)");
-    e2e_count = Query(prom_port, "sum(duet:e2e_request_latency_seconds_count)");
-    running = Query(prom_port, "sum(duet:num_requests_running)");
-    waiting = Query(prom_port, "sum(duet:num_requests_waiting)");
+    generated = Query(prometheus, "sum(duet:generation_tokens_total)");
+    prompted = Query(prometheus, "sum(duet:prompt_tokens_total)");
+    successes = Query(prometheus, "sum(duet:request_success_total)");
+    e2e_count = Query(prometheus, "sum(duet:e2e_request_latency_seconds_count)");
+    running = Query(prometheus, "sum(duet:num_requests_running)");
+    waiting = Query(prometheus, "sum(duet:num_requests_waiting)");
     if (generated == want_tokens && prompted == want_prompt && successes == want_requests && running == "0" &&
         waiting == "0") {
       break;
@@ -496,18 +422,18 @@ TEST(MetricsClusterTest, VllmDashboardQueriesOverADuetServeClusterMatchTheClient
   }
   // The dashboard's panels (vLLM's grafana.json), summed over the cluster.
   const std::string window = absl::StrCat("[", kWindow, "s]");
-  const std::string rate = Query(prom_port, "sum(rate(duet:generation_tokens_total" + window + "))", eval);
-  const std::string itl = Query(prom_port,
+  const std::string rate = Query(prometheus, "sum(rate(duet:generation_tokens_total" + window + "))", eval);
+  const std::string itl = Query(prometheus,
                                 "sum(rate(duet:inter_token_latency_seconds_sum" + window +
                                     ")) / sum(rate(duet:inter_token_latency_seconds_count" + window + "))",
                                 eval);
-  const std::string tpot = Query(prom_port,
+  const std::string tpot = Query(prometheus,
                                  "sum(rate(duet:time_per_output_token_seconds_sum" + window +
                                      ")) / sum(rate(duet:time_per_output_token_seconds_count" + window + "))",
                                  eval);
   // The client's truth over what rate() measures: the span of the scrapes inside the window.
-  const auto [rate_from, rate_to] = SampleSpan(prom_port, "duet:generation_tokens_total" + window, eval);
-  const auto [itl_from, itl_to] = SampleSpan(prom_port, "duet:inter_token_latency_seconds_count" + window, eval);
+  const auto [rate_from, rate_to] = SampleSpan(prometheus, "duet:generation_tokens_total" + window, eval);
+  const auto [itl_from, itl_to] = SampleSpan(prometheus, "duet:inter_token_latency_seconds_count" + window, eval);
   int64_t span_tokens = 0, gaps = 0;
   double gap_seconds = 0;
   for (const ClientStream& s : streams) {
@@ -522,8 +448,8 @@ TEST(MetricsClusterTest, VllmDashboardQueriesOverADuetServeClusterMatchTheClient
   }
   const double client_rate = double(span_tokens) / (rate_to - rate_from);
   const double client_itl = gap_seconds / double(gaps);
-  const std::string not_found = Query(prom_port, "sum(http_requests_total{handler=\"none\",status=\"404\"})");
-  const std::string health_ok = Query(prom_port, "sum(http_requests_total{handler=\"/health\",status=\"200\"})");
+  const std::string not_found = Query(prometheus, "sum(http_requests_total{handler=\"none\",status=\"404\"})");
+  const std::string health_ok = Query(prometheus, "sum(http_requests_total{handler=\"/health\",status=\"200\"})");
   std::printf(
       "%zu requests, %lld tokens, %lld prompt tokens; window of %d s (scrapes over %.2f s): client %.1f tok/s, "
       "ITL %.2f ms (%lld gaps)\n"
@@ -534,11 +460,12 @@ TEST(MetricsClusterTest, VllmDashboardQueriesOverADuetServeClusterMatchTheClient
       client_itl * 1e3,
       (long long)gaps, rate.c_str(), itl.c_str(), tpot.c_str(), generated.c_str(), prompted.c_str(),
       successes.c_str(), e2e_count.c_str(), running.c_str(), waiting.c_str(), not_found.c_str(), health_ok.c_str());
-  StopPrometheus(**prometheus);
+  const std::string prometheus_log = prometheus.Log();
+  EXPECT_EQ(prometheus.Stop(), 0) << "prometheus did not exit cleanly on SIGTERM";
   (*serve)->Signal(SIGTERM);
   EXPECT_EQ((*serve)->Wait(std::chrono::seconds(60)), 0);
 
-  EXPECT_EQ(generated, want_tokens) << ReadFile(dir / "prometheus.log");
+  EXPECT_EQ(generated, want_tokens) << prometheus_log;
   EXPECT_EQ(prompted, want_prompt);
   EXPECT_EQ(successes, want_requests);
   EXPECT_EQ(e2e_count, want_requests);
@@ -556,7 +483,6 @@ TEST(MetricsClusterTest, VllmDashboardQueriesOverADuetServeClusterMatchTheClient
   // The router observes each gap into both histograms, one after the other: a scrape that lands between the two
   // sees one more gap in ITL than in TPOT, so the two means agree up to a gap per running stream.
   EXPECT_NEAR(std::stod(tpot) / std::stod(itl), 1.0, 0.01) << tpot << " vs " << itl;
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
