@@ -92,8 +92,6 @@ class PrometheusServer {
   PrometheusServer(const PrometheusServer&) = delete;
   PrometheusServer& operator=(const PrometheusServer&) = delete;
 
-  uint16_t port() const { return port_; }
-
   // GET on the API: the answer's "data", or null json unless it answered success.
   nlohmann::json Api(const std::string& path_and_query) const {
     const HttpResponse r = HttpGet(port_, path_and_query, std::chrono::seconds(5));

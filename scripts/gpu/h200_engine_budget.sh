@@ -23,13 +23,13 @@ source scripts/gpu/devcluster_prologue.sh
 llama8b_checkpoint
 duet-bench --dataset random --tokenizer "$MODEL" --input-len 512 --output-len 128 --ignore-eos --seed 1 \
   --num-prompts "$num_prompts" --save-requests "$OUT/requests.jsonl" 2> "$OUT/bench.log" || echo "duet-bench exit $?"
+before=/tmp/devbundle/before  # make_cluster_bundle.sh's BEFORE_DIR, unpacked
 run_name() { echo "${1/\//-}_$(tr -c 'A-Za-z0-9_-' '_' <<< "$2")"; }  # budget, variant
 for round in $(seq 1 "$rounds"); do
   for budget in $budgets; do
     for variant in $variants; do
       echo "== round $round, budget $budget, $variant"
       environment=() model=$MODEL program=duet kept=()
-      before=/tmp/devbundle/before
       [[ $variant != default ]] && IFS=, read -ra environment <<< "$variant"
       for e in "${environment[@]}"; do
         case $e in
