@@ -17,7 +17,7 @@
 namespace duet::kernels {
 
 constexpr int kGemvMaxRows = 8;
-// Up to this many rows the kernel beats cuBLAS on the H200 (kernels/gemv_bench.cu); from there
+// Up to this many rows the kernel beats cuBLAS on the H200 (kernels/gemm/gemv_bench.cpp); from there
 // on cuBLAS's tiling reuses each weight load across rows better.
 constexpr int kGemvPreferredMaxRows = 2;
 

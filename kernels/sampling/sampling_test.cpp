@@ -286,7 +286,9 @@ void CheckGreedy(int rows, int vocab, uint64_t seed) {
     EXPECT_EQ(out.tokens[r], expected) << "row " << r;
     EXPECT_NEAR(out.logprobs[r], reference::LogSoftmax(row, vocab, expected), 2e-4) << "row " << r;
   }
-  if (vocab >= 100) EXPECT_EQ(out.tokens[0], 42);
+  if (vocab >= 100) {
+    EXPECT_EQ(out.tokens[0], 42);
+  }
 }
 
 TEST(SampleTokens, Fp32GreedyMatchesArgmaxLlama8bVocab) {

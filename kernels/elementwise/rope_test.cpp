@@ -104,7 +104,9 @@ void CheckRope(const RopeShape& s, uint64_t seed, int skip_every = 4) {
       }
     }
     EXPECT_EQ(poison_lost, 0u) << "cache entries outside slot_mapping were written";
-    if (!ref_written.empty()) EXPECT_LE(RelativeError(got_written, ref_written), 1e-2);
+    if (!ref_written.empty()) {
+      EXPECT_LE(RelativeError(got_written, ref_written), 1e-2);
+    }
   }
 }
 
