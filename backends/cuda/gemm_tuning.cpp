@@ -2,11 +2,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
 #include <utility>
 #include <vector>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -17,7 +15,7 @@ namespace {
 // The heuristic's candidates timed per shape, and how many of the fastest are tried split over K.
 constexpr int kHeuristicCandidates = 8;
 constexpr int kSplitCandidates = 3;
-constexpr int kSplits[] = {2, 3, 4};
+constexpr int32_t kSplits[] = {2, 3, 4};
 // Launches per pass: weights spread over the layers (more than L2 holds), and passes timed.
 constexpr size_t kLaunchesPerPass = 8;
 constexpr int kTimedPasses = 2;
@@ -33,20 +31,6 @@ absl::Status CudaOk(cudaError_t e, const char* what) {
 }
 
 }  // namespace
-
-std::string DescribeAlgorithm(const cublasLtMatmulAlgo_t& a) {
-  char text[160];
-  std::snprintf(text, sizeof(text), "id %d tile %u stages %u splitK %d reduction %u swizzle %u custom %u cluster %u",
-                AlgorithmConfig<int32_t>(a, CUBLASLT_ALGO_CONFIG_ID),
-                AlgorithmConfig<uint32_t>(a, CUBLASLT_ALGO_CONFIG_TILE_ID),
-                AlgorithmConfig<uint32_t>(a, CUBLASLT_ALGO_CONFIG_STAGES_ID),
-                AlgorithmConfig<int32_t>(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
-                AlgorithmConfig<uint32_t>(a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME),
-                AlgorithmConfig<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
-                AlgorithmConfig<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION),
-                unsigned(AlgorithmConfig<uint16_t>(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID)));
-  return text;
-}
 
 absl::StatusOr<std::unique_ptr<GemmTuning>> GemmTuning::Create(cudaStream_t stream, void* workspace,
                                                                size_t workspace_bytes) {
@@ -64,87 +48,10 @@ absl::StatusOr<std::unique_ptr<GemmTuning>> GemmTuning::Create(cudaStream_t stre
 }
 
 GemmTuning::~GemmTuning() {
-  for (auto& [shape, kept] : kept_) Destroy(kept.product);
+  kept_.clear();  // the products, before the handle they were made with
   cudaEventDestroy(start_);
   cudaEventDestroy(stop_);
   cublasLtDestroy(handle_);
-}
-
-absl::StatusOr<GemmTuning::Product> GemmTuning::Describe(const Shape& s) const {
-  Product p;
-  // Column-major: y^T[out, rows] = op_T(W stored [in, out]) · x^T (stored [in, rows]).
-  absl::Status status = LtStatus(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "descriptor");
-  const cublasOperation_t transpose = CUBLAS_OP_T, as_is = CUBLAS_OP_N;
-  if (status.ok()) {
-    status = LtStatus(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)),
-                      "transa");
-  }
-  if (status.ok()) {
-    status = LtStatus(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &as_is, sizeof(as_is)),
-                      "transb");
-  }
-  if (status.ok()) status = LtStatus(cublasLtMatrixLayoutCreate(&p.w, CUDA_R_16BF, s.in, s.out, s.in), "layout");
-  if (status.ok()) status = LtStatus(cublasLtMatrixLayoutCreate(&p.x, CUDA_R_16BF, s.in, s.rows, s.in), "layout");
-  if (status.ok()) status = LtStatus(cublasLtMatrixLayoutCreate(&p.y, CUDA_R_16BF, s.out, s.rows, s.out), "layout");
-  if (!status.ok()) {
-    Destroy(p);
-    return status;
-  }
-  return p;
-}
-
-void GemmTuning::Destroy(Product& p) {
-  if (p.w != nullptr) cublasLtMatrixLayoutDestroy(p.w);
-  if (p.x != nullptr) cublasLtMatrixLayoutDestroy(p.x);
-  if (p.y != nullptr) cublasLtMatrixLayoutDestroy(p.y);
-  if (p.desc != nullptr) cublasLtMatmulDescDestroy(p.desc);
-  p = Product{};
-}
-
-cublasStatus_t GemmTuning::Launch(const Product& p, const cublasLtMatmulAlgo_t& algo, const __nv_bfloat16* x,
-                                  const __nv_bfloat16* weight, __nv_bfloat16* y) const {
-  const float alpha = 1.0f, beta = 0.0f;
-  return cublasLtMatmul(handle_, p.desc, &alpha, weight, p.w, x, p.x, &beta, y, p.y, y, p.y, &algo, workspace_,
-                        workspace_bytes_, stream_);
-}
-
-std::vector<cublasLtMatmulAlgo_t> GemmTuning::Candidates(const Product& p) const {
-  std::vector<cublasLtMatmulAlgo_t> out;
-  cublasLtMatmulPreference_t preference = nullptr;
-  if (cublasLtMatmulPreferenceCreate(&preference) != CUBLAS_STATUS_SUCCESS) return out;
-  cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
-                                       sizeof(workspace_bytes_));
-  std::vector<cublasLtMatmulHeuristicResult_t> results(kHeuristicCandidates);
-  int found = 0;
-  if (cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.w, p.x, p.y, p.y, preference, kHeuristicCandidates,
-                                     results.data(), &found) == CUBLAS_STATUS_SUCCESS) {
-    for (int k = 0; k < found; ++k) {
-      if (results[size_t(k)].state == CUBLAS_STATUS_SUCCESS) out.push_back(results[size_t(k)].algo);
-    }
-  }
-  cublasLtMatmulPreferenceDestroy(preference);
-  return out;
-}
-
-std::vector<cublasLtMatmulAlgo_t> GemmTuning::SplitOverK(const Product& p, const cublasLtMatmulAlgo_t& algo) const {
-  std::vector<cublasLtMatmulAlgo_t> out;
-  int32_t support = 0;
-  size_t written = 0;
-  cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &support, sizeof(support), &written);
-  if (support == 0 || AlgorithmConfig<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1) return out;
-  for (int32_t splits : kSplits) {
-    cublasLtMatmulAlgo_t split = algo;
-    // Partial sums reduced in fp32, in the workspace.
-    const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-    cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits));
-    cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction, sizeof(reduction));
-    cublasLtMatmulHeuristicResult_t check{};
-    if (cublasLtMatmulAlgoCheck(handle_, p.desc, p.w, p.x, p.y, p.y, &split, &check) == CUBLAS_STATUS_SUCCESS &&
-        check.workspaceSize <= workspace_bytes_) {
-      out.push_back(split);
-    }
-  }
-  return out;
 }
 
 absl::StatusOr<double> GemmTuning::TimePerLaunch(absl::Span<const __nv_bfloat16* const> weights,
@@ -171,7 +78,7 @@ absl::StatusOr<double> GemmTuning::TimePerLaunch(absl::Span<const __nv_bfloat16*
   return double(best_ms) * 1000.0 / double(n);
 }
 
-absl::StatusOr<std::vector<GemmTuning::Timed>> GemmTuning::Search(const Product& p, const TimeAlgorithm& time) const {
+absl::StatusOr<std::vector<GemmTuning::Timed>> GemmTuning::Search(const LtProduct& p, const TimeAlgorithm& time) const {
   std::vector<Timed> timed;
   auto time_all = [&](const std::vector<cublasLtMatmulAlgo_t>& algos) -> absl::Status {
     for (const cublasLtMatmulAlgo_t& algo : algos) {
@@ -181,11 +88,11 @@ absl::StatusOr<std::vector<GemmTuning::Timed>> GemmTuning::Search(const Product&
     return absl::OkStatus();
   };
   const auto faster = [](const Timed& l, const Timed& r) { return l.us < r.us; };
-  DUET_RETURN_IF_ERROR(time_all(Candidates(p)));
+  DUET_RETURN_IF_ERROR(time_all(p.Candidates(kHeuristicCandidates)));
   std::sort(timed.begin(), timed.end(), faster);
   std::vector<cublasLtMatmulAlgo_t> splits;
   for (size_t k = 0; k < std::min<size_t>(kSplitCandidates, timed.size()); ++k) {
-    for (const cublasLtMatmulAlgo_t& split : SplitOverK(p, timed[k].algo)) splits.push_back(split);
+    for (const cublasLtMatmulAlgo_t& split : p.SplitsOverK(timed[k].algo, kSplits)) splits.push_back(split);
   }
   DUET_RETURN_IF_ERROR(time_all(splits));
   std::stable_sort(timed.begin(), timed.end(), faster);
@@ -199,10 +106,7 @@ absl::StatusOr<GemmTuning::Result> GemmTuning::Tune(const Shape& shape, absl::Sp
   if (shape.rows <= 0 || shape.in <= 0 || shape.out <= 0 || weights.empty()) {
     return absl::InvalidArgumentError("a GEMM shape to tune needs rows, in, out and weights");
   }
-  if (auto it = kept_.find(shape); it != kept_.end()) {  // tuned again: start from the default
-    Destroy(it->second.product);
-    kept_.erase(it);
-  }
+  kept_.erase(shape);  // tuned again: start from the default
   auto time_default = [&] {
     return TimePerLaunch(weights, [&](const __nv_bfloat16* w) {
       run_default(w);
@@ -212,14 +116,14 @@ absl::StatusOr<GemmTuning::Result> GemmTuning::Tune(const Shape& shape, absl::Sp
   Result result;
   result.shape = shape;
   DUET_ASSIGN_OR_RETURN(result.default_us, time_default());
-  DUET_ASSIGN_OR_RETURN(Product product, Describe(shape));
-  absl::Cleanup destroy_product = [&product] { Destroy(product); };
+  DUET_ASSIGN_OR_RETURN(std::unique_ptr<LtProduct> product,
+                        LtProduct::Create(handle_, shape.rows, shape.in, shape.out, workspace_bytes_));
   auto time_algo = [&](const cublasLtMatmulAlgo_t& algo) {
     return TimePerLaunch(weights, [&](const __nv_bfloat16* w) {
-      return Launch(product, algo, x, w, y) == CUBLAS_STATUS_SUCCESS;
+      return product->Launch(algo, x, w, y, workspace_, stream_) == CUBLAS_STATUS_SUCCESS;
     });
   };
-  DUET_ASSIGN_OR_RETURN(const std::vector<Timed> timed, Search(product, time_algo));
+  DUET_ASSIGN_OR_RETURN(const std::vector<Timed> timed, Search(*product, time_algo));
   result.candidates = int(timed.size());
   if (timed.empty()) return result;
   const Timed& best = timed.front();
@@ -234,10 +138,7 @@ absl::StatusOr<GemmTuning::Result> GemmTuning::Tune(const Shape& shape, absl::Sp
     result.best_us = std::max(result.best_us, best_again);
   }
   result.kept = result.best_us <= max_time_ratio * result.default_us;
-  if (result.kept) {
-    kept_.emplace(shape, Kept{product, best.algo});
-    std::move(destroy_product).Cancel();  // kept_ owns it now
-  }
+  if (result.kept) kept_.emplace(shape, Kept{std::move(product), best.algo});
   return result;
 }
 
@@ -250,7 +151,8 @@ bool GemmTuning::Run(const Shape& shape, const __nv_bfloat16* x, const __nv_bflo
   if (it == kept_.end()) return false;
   // It launched while it was tuned, on the same shape and workspace: failing now is a bug or a
   // dead device.
-  if (const cublasStatus_t s = Launch(it->second.product, it->second.algo, x, weight, y); s != CUBLAS_STATUS_SUCCESS) {
+  if (const cublasStatus_t s = it->second.product->Launch(it->second.algo, x, weight, y, workspace_, stream_);
+      s != CUBLAS_STATUS_SUCCESS) {
     DUET_LOG(FATAL) << "cublasLtMatmul with a tuned algorithm failed: " << cublasGetStatusString(s);
   }
   return true;

@@ -25,6 +25,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "backends/cuda/lt_product.h"
 
 namespace duet::cuda {
 
@@ -76,13 +77,8 @@ class GemmTuning {
   size_t num_kept() const { return kept_.size(); }
 
  private:
-  // A product's cuBLASLt descriptors (the column-major view CublasLinear gives cuBLAS).
-  struct Product {
-    cublasLtMatmulDesc_t desc = nullptr;
-    cublasLtMatrixLayout_t w = nullptr, x = nullptr, y = nullptr;
-  };
   struct Kept {
-    Product product;
+    std::unique_ptr<LtProduct> product;
     cublasLtMatmulAlgo_t algo;
   };
   struct Timed {
@@ -99,15 +95,9 @@ class GemmTuning {
         workspace_bytes_(workspace_bytes),
         start_(start),
         stop_(stop) {}
-  absl::StatusOr<Product> Describe(const Shape& shape) const;
-  static void Destroy(Product& p);
-  cublasStatus_t Launch(const Product& p, const cublasLtMatmulAlgo_t& algo, const __nv_bfloat16* x,
-                        const __nv_bfloat16* weight, __nv_bfloat16* y) const;
-  // The heuristic's candidates, then the fastest few split over K where cuBLASLt accepts it.
-  std::vector<cublasLtMatmulAlgo_t> Candidates(const Product& p) const;
-  std::vector<cublasLtMatmulAlgo_t> SplitOverK(const Product& p, const cublasLtMatmulAlgo_t& algo) const;
-  // The candidates that launched, timed, fastest first.
-  absl::StatusOr<std::vector<Timed>> Search(const Product& p, const TimeAlgorithm& time) const;
+  // The heuristic's candidates, then the fastest few split over K where cuBLASLt accepts it: those
+  // that launched, timed, fastest first.
+  absl::StatusOr<std::vector<Timed>> Search(const LtProduct& p, const TimeAlgorithm& time) const;
   // Microseconds per launch of `launch(w)` over `weights`, the better of kTimedPasses passes after
   // a warm-up pass; negative where a launch fails.
   absl::StatusOr<double> TimePerLaunch(absl::Span<const __nv_bfloat16* const> weights,
@@ -120,17 +110,5 @@ class GemmTuning {
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
   absl::flat_hash_map<Shape, Kept> kept_;
 };
-
-// One of a cuBLASLt algorithm's configuration attributes (T: the attribute's documented type).
-template <typename T>
-T AlgorithmConfig(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
-  T value{};
-  size_t written = 0;
-  cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof(value), &written);
-  return value;
-}
-
-// A description of a cuBLASLt algorithm for logs: id, tile, stages, K split.
-std::string DescribeAlgorithm(const cublasLtMatmulAlgo_t& algo);
 
 }  // namespace duet::cuda

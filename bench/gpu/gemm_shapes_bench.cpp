@@ -25,12 +25,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "CLI/CLI.hpp"
-#include "backends/cuda/gemm_tuning.h"
+#include "backends/cuda/lt_product.h"
 #include "bench/sample_stats.h"
 #include "kernels/cuda_check.h"
 #include "kernels/elementwise/random_fill.h"
@@ -53,80 +54,19 @@ struct Shape {
 // and still be refused at launch.
 bool Runs(cublasStatus_t s) { return s == CUBLAS_STATUS_SUCCESS; }
 
-struct LtProduct {
-  cublasLtHandle_t lt;
-  cublasLtMatmulDesc_t desc;
-  cublasLtMatrixLayout_t a, b, c;
-  size_t workspace_bytes;
-};
-
-// The heuristic's candidates for the product, limited to one algorithm id when `algo_id` >= 0.
-std::vector<cublasLtMatmulAlgo_t> Candidates(const LtProduct& p, int algo_id, int max_algos) {
-  cublasLtMatmulPreference_t pref;
-  Check(cublasLtMatmulPreferenceCreate(&pref), "pref");
-  Check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &p.workspace_bytes,
-                                             sizeof(p.workspace_bytes)),
-        "pref workspace");
-  std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(max_algos));
-  bool initialized = true;  // an id the library does not support for these types has no candidates
-  if (algo_id >= 0) {
-    const uint32_t mode = CUBLASLT_SEARCH_LIMITED_BY_ALGO_ID;
-    Check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_SEARCH_MODE, &mode, sizeof(mode)), "mode");
-    for (auto& r : results) {
-      initialized = initialized && cublasLtMatmulAlgoInit(p.lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF,
-                                                          CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF, algo_id,
-                                                          &r.algo) == CUBLAS_STATUS_SUCCESS;
-    }
-  }
-  int found = 0;
-  std::vector<cublasLtMatmulAlgo_t> out;
-  if (initialized && cublasLtMatmulAlgoGetHeuristic(p.lt, p.desc, p.a, p.b, p.c, p.c, pref, max_algos,
-                                                    results.data(), &found) == CUBLAS_STATUS_SUCCESS) {
-    for (int k = 0; k < found; ++k) {
-      if (results[size_t(k)].state == CUBLAS_STATUS_SUCCESS) out.push_back(results[size_t(k)].algo);
-    }
-  }
-  cublasLtMatmulPreferenceDestroy(pref);
-  return out;
-}
-
-// `algo` split over K each of `splits` ways (partials reduced in fp32), where the algorithm can split
-// and cublasLtMatmulAlgoCheck accepts the split within the workspace; none for an algorithm that
-// already splits.
-std::vector<cublasLtMatmulAlgo_t> SplitsOf(const LtProduct& p, const cublasLtMatmulAlgo_t& algo,
-                                           std::initializer_list<int32_t> splits) {
-  std::vector<cublasLtMatmulAlgo_t> out;
-  int32_t support = 0;
-  size_t written = 0;
-  cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &support, sizeof(support), &written);
-  if (support == 0 || duet::cuda::AlgorithmConfig<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) > 1) return out;
-  for (int32_t n : splits) {
-    cublasLtMatmulAlgo_t split = algo;
-    const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-    cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &n, sizeof(n));
-    cublasLtMatmulAlgoConfigSetAttribute(&split, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction, sizeof(reduction));
-    cublasLtMatmulHeuristicResult_t check{};
-    if (cublasLtMatmulAlgoCheck(p.lt, p.desc, p.a, p.b, p.c, p.c, &split, &check) == CUBLAS_STATUS_SUCCESS &&
-        check.workspaceSize <= p.workspace_bytes) {
-      out.push_back(split);
-    }
-  }
-  return out;
-}
-
 // Every configuration the search tries: each algorithm id's candidates, and each of those without
 // a K split again with 2-8 splits.
-std::vector<cublasLtMatmulAlgo_t> SearchSpace(const LtProduct& p) {
+std::vector<cublasLtMatmulAlgo_t> SearchSpace(cublasLtHandle_t lt, const duet::cuda::LtProduct& p) {
   std::vector<int> ids(512);
   int num_ids = 0;
-  Check(cublasLtMatmulAlgoGetIds(p.lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF,
+  Check(cublasLtMatmulAlgoGetIds(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF,
                                  CUDA_R_16BF, int(ids.size()), ids.data(), &num_ids),
         "algo ids");
   std::vector<cublasLtMatmulAlgo_t> space;
   for (int i = 0; i < num_ids; ++i) {
-    for (const cublasLtMatmulAlgo_t& algo : Candidates(p, ids[size_t(i)], 32)) {
+    for (const cublasLtMatmulAlgo_t& algo : p.Candidates(32, ids[size_t(i)])) {
       space.push_back(algo);
-      for (const cublasLtMatmulAlgo_t& split : SplitsOf(p, algo, {2, 3, 4, 6, 8})) space.push_back(split);
+      for (const cublasLtMatmulAlgo_t& split : p.SplitsOverK(algo, {2, 3, 4, 6, 8})) space.push_back(split);
     }
   }
   return space;
@@ -176,10 +116,11 @@ double SustainedUs(cudaStream_t stream, double sustain_ms, Launch launch) {
 
 // The heuristic's candidates and each of them split over K 2-4 ways (GemmTuning's search, with
 // splits of every candidate rather than of the fastest three).
-std::vector<cublasLtMatmulAlgo_t> WithSplits(const LtProduct& p, const std::vector<cublasLtMatmulAlgo_t>& algos) {
+std::vector<cublasLtMatmulAlgo_t> WithSplits(const duet::cuda::LtProduct& p,
+                                             const std::vector<cublasLtMatmulAlgo_t>& algos) {
   std::vector<cublasLtMatmulAlgo_t> out = algos;
   for (const cublasLtMatmulAlgo_t& algo : algos) {
-    for (const cublasLtMatmulAlgo_t& split : SplitsOf(p, algo, {2, 3, 4})) out.push_back(split);
+    for (const cublasLtMatmulAlgo_t& split : p.SplitsOverK(algo, {2, 3, 4})) out.push_back(split);
   }
   return out;
 }
@@ -253,28 +194,24 @@ int main(int argc, char** argv) {
       };
       const double default_us = MedianUs(stream, reps, run_default);
 
-      cublasLtMatmulDesc_t desc;
-      Check(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
-      const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
-      Check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)), "transa");
-      Check(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)), "transb");
-      cublasLtMatrixLayout_t a_layout, b_layout, c_layout;
-      Check(cublasLtMatrixLayoutCreate(&a_layout, CUDA_R_16BF, s.in, s.out, s.in), "a");
-      Check(cublasLtMatrixLayoutCreate(&b_layout, CUDA_R_16BF, s.in, rows, s.in), "b");
-      Check(cublasLtMatrixLayoutCreate(&c_layout, CUDA_R_16BF, s.out, rows, s.out), "c");
-      const LtProduct product{lt, desc, a_layout, b_layout, c_layout, workspace_bytes};
+      const absl::StatusOr<std::unique_ptr<duet::cuda::LtProduct>> made =
+          duet::cuda::LtProduct::Create(lt, rows, s.in, s.out, workspace_bytes);
+      if (!made.ok()) {
+        std::fprintf(stderr, "%s\n", made.status().ToString().c_str());
+        return 1;
+      }
+      const duet::cuda::LtProduct& product = **made;
+      const auto run_algo = [&](const cublasLtMatmulAlgo_t& algo, int i) {
+        return product.Launch(algo, x, weights[size_t(i % copies)], y, workspace, stream);
+      };
       // Median time of one configuration, or a negative value where a launch is refused.
       auto time_algo = [&](const cublasLtMatmulAlgo_t& algo, int timed_reps) {
-        auto run = [&](int i) {
-          return cublasLtMatmul(lt, desc, &alpha, weights[size_t(i % copies)], a_layout, x, b_layout, &beta, y,
-                                c_layout, y, c_layout, &algo, workspace, workspace_bytes, stream);
-        };
-        if (!Runs(run(0))) return -1.0;
-        return MedianUs(stream, timed_reps, [&](int i) { Check(run(i), "cublasLtMatmul"); });
+        if (!Runs(run_algo(algo, 0))) return -1.0;
+        return MedianUs(stream, timed_reps, [&](int i) { Check(run_algo(algo, i), "cublasLtMatmul"); });
       };
       double best_us = 1e30;
       int timed = 0;
-      for (const cublasLtMatmulAlgo_t& algo : Candidates(product, -1, max_algos)) {
+      for (const cublasLtMatmulAlgo_t& algo : product.Candidates(max_algos)) {
         const double us = time_algo(algo, reps);
         if (us < 0) continue;
         best_us = std::min(best_us, us);
@@ -284,7 +221,7 @@ int main(int argc, char** argv) {
       if (search) {
         // Every configuration briefly, then the ten fastest with the full repetitions.
         std::vector<std::pair<double, cublasLtMatmulAlgo_t>> quick;
-        for (const cublasLtMatmulAlgo_t& algo : SearchSpace(product)) {
+        for (const cublasLtMatmulAlgo_t& algo : SearchSpace(lt, product)) {
           const double us = time_algo(algo, 3);
           if (us >= 0) quick.emplace_back(us, algo);
         }
@@ -312,14 +249,11 @@ int main(int argc, char** argv) {
           cublasLtMatmulAlgo_t algo;
         };
         std::vector<Timing> timings;
-        for (const cublasLtMatmulAlgo_t& algo : WithSplits(product, Candidates(product, -1, max_algos))) {
+        for (const cublasLtMatmulAlgo_t& algo : WithSplits(product, product.Candidates(max_algos))) {
           const double short_us = time_algo(algo, reps);
           if (short_us < 0) continue;
-          const double sustained_us = SustainedUs(stream, sustain_ms, [&](int i) {
-            Check(cublasLtMatmul(lt, desc, &alpha, weights[size_t(i % copies)], a_layout, x, b_layout, &beta, y,
-                                 c_layout, y, c_layout, &algo, workspace, workspace_bytes, stream),
-                  "cublasLtMatmul");
-          });
+          const double sustained_us =
+              SustainedUs(stream, sustain_ms, [&](int i) { Check(run_algo(algo, i), "cublasLtMatmul"); });
           timings.push_back({short_us, sustained_us, algo});
         }
         const double default_sustained = SustainedUs(stream, sustain_ms, run_default);
@@ -340,10 +274,6 @@ int main(int argc, char** argv) {
           sustained = text;
         }
       }
-      cublasLtMatrixLayoutDestroy(a_layout);
-      cublasLtMatrixLayoutDestroy(b_layout);
-      cublasLtMatrixLayoutDestroy(c_layout);
-      cublasLtMatmulDescDestroy(desc);
       std::printf("%-8s %6d %6d %6d | %9.1f %8.1f %8.0f | %9.1f %8.1f %5.2fx | %d%s\n", s.name, rows, s.in, s.out,
                   default_us, flops / default_us * 1e-6, weight_bytes / default_us * 1e-3, best_us,
                   flops / best_us * 1e-6, default_us / best_us, timed, (searched + sustained).c_str());

@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -27,6 +28,7 @@
 #include <cuda_runtime.h>
 
 #include "CLI/CLI.hpp"
+#include "backends/cuda/lt_product.h"
 #include "kernels/attention/paged_attention.h"
 #include "kernels/cuda_check.h"
 #include "kernels/elementwise/random_fill.h"
@@ -49,53 +51,25 @@ void CheckLt(cublasStatus_t s, const char* what) {
 class Product {
  public:
   Product(cublasLtHandle_t lt, int rows, int in, int out, int sm_count, void* workspace, size_t workspace_bytes)
-      : lt_(lt), workspace_(workspace), workspace_bytes_(workspace_bytes) {
-    CheckLt(cublasLtMatmulDescCreate(&desc_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
-    const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
-    CheckLt(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)), "transa");
-    CheckLt(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)), "transb");
-    if (sm_count > 0) {
-      const int32_t target = sm_count;
-      CheckLt(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &target, sizeof(target)),
-              "SM count target");
-    }
-    CheckLt(cublasLtMatrixLayoutCreate(&w_, CUDA_R_16BF, in, out, in), "w");
-    CheckLt(cublasLtMatrixLayoutCreate(&x_, CUDA_R_16BF, in, rows, in), "x");
-    CheckLt(cublasLtMatrixLayoutCreate(&y_, CUDA_R_16BF, out, rows, out), "y");
-    cublasLtMatmulPreference_t pref;
-    CheckLt(cublasLtMatmulPreferenceCreate(&pref), "pref");
-    CheckLt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
-                                                 sizeof(workspace_bytes_)),
-            "pref workspace");
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    CheckLt(cublasLtMatmulAlgoGetHeuristic(lt_, desc_, w_, x_, y_, y_, pref, 1, &result, &found), "heuristic");
-    if (found == 0) {
+      : workspace_(workspace) {
+    absl::StatusOr<std::unique_ptr<cuda::LtProduct>> made =
+        cuda::LtProduct::Create(lt, rows, in, out, workspace_bytes, sm_count);
+    std::vector<cublasLtMatmulAlgo_t> algos;
+    if (made.ok()) algos = (*made)->Candidates(1);
+    if (algos.empty()) {
       std::fprintf(stderr, "no cuBLASLt algorithm for %d x %d x %d\n", rows, in, out);
       std::exit(1);
     }
-    algo_ = result.algo;
-    cublasLtMatmulPreferenceDestroy(pref);
-  }
-  ~Product() {
-    cublasLtMatrixLayoutDestroy(w_);
-    cublasLtMatrixLayoutDestroy(x_);
-    cublasLtMatrixLayoutDestroy(y_);
-    cublasLtMatmulDescDestroy(desc_);
+    product_ = *std::move(made);
+    algo_ = algos.front();
   }
   void Run(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, cudaStream_t stream) const {
-    const float alpha = 1.f, beta = 0.f;
-    CheckLt(cublasLtMatmul(lt_, desc_, &alpha, w, w_, x, x_, &beta, y, y_, y, y_, &algo_, workspace_,
-                           workspace_bytes_, stream),
-            "matmul");
+    CheckLt(product_->Launch(algo_, x, w, y, workspace_, stream), "matmul");
   }
 
  private:
-  cublasLtHandle_t lt_;
   void* workspace_;
-  size_t workspace_bytes_;
-  cublasLtMatmulDesc_t desc_ = nullptr;
-  cublasLtMatrixLayout_t w_ = nullptr, x_ = nullptr, y_ = nullptr;
+  std::unique_ptr<cuda::LtProduct> product_;
   cublasLtMatmulAlgo_t algo_{};
 };
 
