@@ -14,13 +14,10 @@
 // i - 1's), the product's cuBLASLt heuristic told to leave `reserve` SMs free
 // (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET).
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <memory>
-#include <numeric>
-#include <random>
 #include <vector>
 
 #include <cublasLt.h>
@@ -29,7 +26,7 @@
 
 #include "CLI/CLI.hpp"
 #include "backends/cuda/lt_product.h"
-#include "kernels/attention/paged_attention.h"
+#include "kernels/attention/decode_attention_bench_util.h"
 #include "kernels/cuda_check.h"
 #include "kernels/elementwise/random_fill.h"
 
@@ -135,50 +132,11 @@ int Run(int argc, char** argv) {
   CheckLt(cublasLtCreate(&lt), "cublasLtCreate");
 
   // The decode attention's cache: each sequence on random blocks.
-  const int blocks_per_seq = (context + kBlockSize - 1) / kBlockSize;
-  const size_t num_blocks = size_t(batch) * blocks_per_seq;
-  const size_t cache_elems = num_blocks * kKvHeads * kBlockSize * kHeadDim;
-  __nv_bfloat16 *k, *v, *q, *out;
-  DUET_CUDA_CHECK(cudaMalloc(&k, cache_elems * 2));
-  DUET_CUDA_CHECK(cudaMalloc(&v, cache_elems * 2));
-  DUET_CUDA_CHECK(cudaMalloc(&q, size_t(batch) * kQHeads * kHeadDim * 2));
-  DUET_CUDA_CHECK(cudaMalloc(&out, size_t(batch) * kQHeads * kHeadDim * 2));
-  kernels::FillRandomBf16(k, cache_elems, 1, 1.f, nullptr);
-  kernels::FillRandomBf16(v, cache_elems, 2, 1.f, nullptr);
-  kernels::FillRandomBf16(q, size_t(batch) * kQHeads * kHeadDim, 3, 1.f, nullptr);
-  std::vector<int32_t> ids(num_blocks);
-  std::iota(ids.begin(), ids.end(), 0);
-  std::shuffle(ids.begin(), ids.end(), std::mt19937_64(7));
-  int32_t *tables, *lens;
-  DUET_CUDA_CHECK(cudaMalloc(&tables, ids.size() * sizeof(int32_t)));
-  DUET_CUDA_CHECK(cudaMemcpy(tables, ids.data(), ids.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-  DUET_CUDA_CHECK(cudaMalloc(&lens, batch * sizeof(int32_t)));
-  const std::vector<int32_t> host_lens(size_t(batch), context);
-  DUET_CUDA_CHECK(cudaMemcpy(lens, host_lens.data(), batch * sizeof(int32_t), cudaMemcpyHostToDevice));
-  const kernels::PagedDecodeAttentionPlan plan =
-      kernels::PlanPagedDecodeAttention(batch, kQHeads, kKvHeads, kHeadDim, context, num_sms);
-  float* attention_workspace = nullptr;
-  int32_t* split_counters = nullptr;
-  if (plan.workspace_bytes > 0) DUET_CUDA_CHECK(cudaMalloc(&attention_workspace, plan.workspace_bytes));
-  if (plan.num_split_counters > 0) {
-    DUET_CUDA_CHECK(cudaMalloc(&split_counters, plan.num_split_counters * sizeof(int32_t)));
-    DUET_CUDA_CHECK(cudaMemset(split_counters, 0, plan.num_split_counters * sizeof(int32_t)));
-  }
-  kernels::PagedDecodeAttentionParams p{};
-  p.q = q;
-  p.kv = {k, v, kKvHeads, kBlockSize, kHeadDim};
-  p.block_tables = tables;
-  p.context_lens = lens;
-  p.out = out;
-  p.num_seqs = batch;
-  p.num_q_heads = kQHeads;
-  p.max_blocks_per_seq = blocks_per_seq;
-  p.scale = 1.f / std::sqrt(float(kHeadDim));
-  p.workspace = attention_workspace;
-  p.split_counters = split_counters;
+  kernels::bench::RandomPagedDecode decode(batch, context, kQHeads, kKvHeads, kHeadDim, kBlockSize);
+  decode.Prepare(batch, context, context, num_sms);
   DUET_CUDA_CHECK(cudaDeviceSynchronize());
 
-  auto attend = [&](cudaStream_t s) { kernels::PagedDecodeAttention(p, plan, s); };
+  auto attend = [&](cudaStream_t s) { decode.Launch(s); };
   const Product full(lt, rows, kHidden, kGateUp, 0, workspace, workspace_bytes);
   auto multiply = [&](const Product& product, int i, cudaStream_t s) {
     product.Run(x, weights[size_t(i % copies)], y, s);
@@ -189,7 +147,7 @@ int Run(int argc, char** argv) {
     multiply(full, i, s1);
     attend(s1);
   });
-  const double kv_mb = 2.0 * batch * context * kKvHeads * kHeadDim * 2 / 1e6;
+  const double kv_mb = decode.KvBytes() / 1e6;
   std::printf("%d SMs; gate_up %d x %d x %d (%.1f TFLOP/s alone); decode attention %d x %d (%.0f MB of KV, %.0f GB/s "
               "alone); %.0f ms per figure\n",
               num_sms, rows, kHidden, kGateUp, 2.0 * rows * kHidden * kGateUp / product_alone * 1e-6, batch, context,

@@ -19,9 +19,9 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "kernels/attention/paged_attention.h"
-#include "kernels/elementwise/random_fill.h"
+#include "kernels/attention/decode_attention_bench_util.h"
 #include "kernels/attention/prefill_attention.h"
+#include "kernels/elementwise/random_fill.h"
 #include "kernels/cuda_check.h"
 
 namespace duet::kernels {
@@ -70,28 +70,7 @@ double CopyBandwidthGBs() {
 void BenchDecode(double copy_gbs, int num_sms) {
   const std::vector<int> batches = {1, 8, 32, 64, 128};
   const std::vector<int> contexts = {576, 1024, 4096, 32768};
-  const int max_batch = batches.back(), max_context = contexts.back();
-  const int blocks_per_seq = max_context / kBlockSize;
-  const size_t num_blocks = size_t(max_batch) * blocks_per_seq;
-  const size_t cache_elems = num_blocks * kKvHeads * kBlockSize * kHeadDim;
-  __nv_bfloat16 *k, *v, *q, *out;
-  DUET_CUDA_CHECK(cudaMalloc(&k, cache_elems * sizeof(__nv_bfloat16)));
-  DUET_CUDA_CHECK(cudaMalloc(&v, cache_elems * sizeof(__nv_bfloat16)));
-  DUET_CUDA_CHECK(cudaMalloc(&q, size_t(max_batch) * kQHeads * kHeadDim * sizeof(__nv_bfloat16)));
-  DUET_CUDA_CHECK(cudaMalloc(&out, size_t(max_batch) * kQHeads * kHeadDim * sizeof(__nv_bfloat16)));
-  FillRandom(k, cache_elems, 1);
-  FillRandom(v, cache_elems, 2);
-  FillRandom(q, size_t(max_batch) * kQHeads * kHeadDim, 3);
-
-  // Every sequence owns a random, non-contiguous set of blocks, as after a while of serving.
-  std::vector<int32_t> ids(num_blocks);
-  std::iota(ids.begin(), ids.end(), 0);
-  std::shuffle(ids.begin(), ids.end(), std::mt19937_64(7));
-  int32_t* tables;
-  DUET_CUDA_CHECK(cudaMalloc(&tables, ids.size() * sizeof(int32_t)));
-  DUET_CUDA_CHECK(cudaMemcpy(tables, ids.data(), ids.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-  int32_t* lens;
-  DUET_CUDA_CHECK(cudaMalloc(&lens, max_batch * sizeof(int32_t)));
+  bench::RandomPagedDecode decode(batches.back(), contexts.back(), kQHeads, kKvHeads, kHeadDim, kBlockSize);
   const size_t flush_bytes = size_t(256) << 20;  // several times L2
   void* flush;
   DUET_CUDA_CHECK(cudaMalloc(&flush, flush_bytes));
@@ -106,44 +85,17 @@ void BenchDecode(double copy_gbs, int num_sms) {
       std::vector<int> planned_contexts = {context};
       if (batch <= 8 && context < kGraphPlanContext) planned_contexts.push_back(kGraphPlanContext);
       for (int planned : planned_contexts) {
-        const std::vector<int32_t> host_lens(batch, context);
-        DUET_CUDA_CHECK(cudaMemcpy(lens, host_lens.data(), batch * sizeof(int32_t), cudaMemcpyHostToDevice));
-        const PagedDecodeAttentionPlan plan =
-            PlanPagedDecodeAttention(batch, kQHeads, kKvHeads, kHeadDim, planned, num_sms);
-        float* workspace = nullptr;
-        int32_t* split_counters = nullptr;
-        if (plan.workspace_bytes > 0) DUET_CUDA_CHECK(cudaMalloc(&workspace, plan.workspace_bytes));
-        if (plan.num_split_counters > 0) {
-          DUET_CUDA_CHECK(cudaMalloc(&split_counters, plan.num_split_counters * sizeof(int32_t)));
-          DUET_CUDA_CHECK(cudaMemset(split_counters, 0, plan.num_split_counters * sizeof(int32_t)));
-        }
-        PagedDecodeAttentionParams p{};
-        p.q = q;
-        p.kv = {k, v, kKvHeads, kBlockSize, kHeadDim};
-        p.block_tables = tables;
-        p.context_lens = lens;
-        p.out = out;
-        p.num_seqs = batch;
-        p.num_q_heads = kQHeads;
-        p.max_blocks_per_seq = blocks_per_seq;
-        p.scale = 1.f / std::sqrt(float(kHeadDim));
-        p.workspace = workspace;
-        p.split_counters = split_counters;
+        decode.Prepare(batch, context, planned, num_sms);
         const float ms = MedianMs(
-            3, 30, [&] { PagedDecodeAttention(p, plan, nullptr); },
+            3, 30, [&] { decode.Launch(nullptr); },
             [&] { DUET_CUDA_CHECK(cudaMemsetAsync(flush, batch, flush_bytes)); });
-        const double kv_bytes = 2.0 * batch * context * kKvHeads * kHeadDim * sizeof(__nv_bfloat16);
-        const double gbs = kv_bytes / (ms * 1e-3) / 1e9;
-        std::printf("%6d %8d %8d %7d %10.1f %12.1f %10.0f %7.1f%%\n", batch, context, planned, plan.num_splits,
-                    ms * 1e3, kv_bytes / 1e6, gbs, 100.0 * gbs / copy_gbs);
-        if (workspace) DUET_CUDA_CHECK(cudaFree(workspace));
-        if (split_counters) DUET_CUDA_CHECK(cudaFree(split_counters));
+        const double gbs = decode.KvBytes() / (ms * 1e-3) / 1e9;
+        std::printf("%6d %8d %8d %7d %10.1f %12.1f %10.0f %7.1f%%\n", batch, context, planned, decode.plan().num_splits,
+                    ms * 1e3, decode.KvBytes() / 1e6, gbs, 100.0 * gbs / copy_gbs);
       }
     }
   }
-  for (void* ptr : {(void*)k, (void*)v, (void*)q, (void*)out, (void*)tables, (void*)lens, flush}) {
-    DUET_CUDA_CHECK(cudaFree(ptr));
-  }
+  DUET_CUDA_CHECK(cudaFree(flush));
 }
 
 void BenchPrefill() {
