@@ -2,7 +2,8 @@
 # (carried as .devcluster/bundle.tar.xz): $OUT (the caller's default unless the device tool set
 # it), the bundle's programs and libraries on the path, $MODEL, the GPU's name in $OUT/gpu.txt, and
 # llama8b_checkpoint: the random-weight Llama-3-8B-shaped checkpoint in $MODEL (kept from an earlier
-# run on the machine) with the bundle's Llama-3 tokenizer; the clock sampler of clocks.sh.
+# run on the machine) with the bundle's Llama-3 tokenizer; the clock sampler of clocks.sh;
+# run_bundled_tests, and finish_out, which the scripts call last.
 mkdir -p "$OUT"
 tar -xJf .devcluster/bundle.tar.xz -C /tmp || exit 1
 source /tmp/devbundle/env.sh
@@ -41,9 +42,23 @@ run_bundled_tests() {
       program=${t%%=*}
       timeout 300 "$program" --gtest_filter="$([[ $t == *=* ]] && echo "${t#*=}" || echo "$filter")" \
         > "$OUT/${program}_$run.log" 2>&1
-      echo "$t run $run: exit $?, $(grep -c '^\[       OK' "$OUT/${program}_$run.log") passed"
+      bundled_test_results+=("$t run $run: exit $?, $(grep -c '^\[       OK' "$OUT/${program}_$run.log") passed")
+      echo "${bundled_test_results[-1]}"
       grep -hE "^\[  FAILED|Failure$" "$OUT/${program}_$run.log" | head -5
     done
   done
   (( checkpoint_pid == 0 )) || wait "$checkpoint_pid"
+}
+
+# The bundled tests' results again (the last lines a caller reads), and $OUT packed into one
+# archive where it holds more files than the device tool brings back (8).
+bundled_test_results=()
+finish_out() {
+  (( ${#bundled_test_results[@]} == 0 )) || printf '%s\n' "== bundled tests" "${bundled_test_results[@]}"
+  local files
+  files=$(find "$OUT" -type f | wc -l)
+  if (( files > 8 )); then
+    tar -C "$OUT" -cJf /tmp/duet-out.tar.xz . && find "$OUT" -mindepth 1 -delete && mv /tmp/duet-out.tar.xz "$OUT/out.tar.xz" &&
+      echo "== $files files of \$OUT packed into out.tar.xz"
+  fi
 }

@@ -65,3 +65,4 @@ for round in $(seq 1 "$rounds"); do
   done
 done
 kill "$clock_sampler_pid" 2>/dev/null
+finish_out

@@ -22,3 +22,4 @@ for round in $(seq 1 "${BENCH_ROUNDS:-2}"); do
   LD_LIBRARY_PATH=$before/lib:$LD_LIBRARY_PATH timeout 180 "$before/bin/kv_transfer_bench" --runs=7 \
     2>> "$OUT/kv_transfer_bench.log" | tee -a "$OUT/kv_transfer_bench_before.txt"
 done
+finish_out
