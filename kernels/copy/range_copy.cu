@@ -22,7 +22,8 @@ struct Params {
 // grid: x = 8 KiB tile of the range, y = range, z = buffer (K, V). A dependent launch
 // (kernels/launch.cuh): a layer's copy gets resident while the kernel that wrote the layer
 // finishes, and the next layer's first kernel while the copy does, instead of each launch waiting
-// for the one before to drain (a few MiB move in ~1 µs; the launch costs more).
+// for the one before to drain (a layer of a few MiB moves in about the time a launch takes to
+// ramp up and drain: docs/BENCHMARKS.md, "KV copies as dependent launches").
 template <typename Word, int kCapacity>
 __global__ void CopyRangesKernel(const __grid_constant__ Params<kCapacity> p) {
   launch_detail::EnterDependentKernel();
