@@ -15,7 +15,7 @@ constexpr auto kTerminalRedraw = std::chrono::milliseconds(100);
 constexpr auto kLineEvery = std::chrono::seconds(1);
 
 // tqdm's clock: MM:SS, or H:MM:SS from an hour on.
-std::string Clock(double seconds) {
+std::string FormatClock(double seconds) {
   const int64_t s = static_cast<int64_t>(std::llround(std::max(seconds, 0.0)));
   if (s >= 3600) return absl::StrFormat("%d:%02d:%02d", s / 3600, s / 60 % 60, s % 60);
   return absl::StrFormat("%02d:%02d", s / 60, s % 60);
@@ -28,11 +28,11 @@ std::string FormatGenerateProgress(const GenerateProgressFigures& f) {
   const int filled = static_cast<int>(fraction * kBarWidth);
   const double per_s = f.elapsed_s > 0 ? 1.0 / f.elapsed_s : 0.0;
   const std::string remaining =
-      f.done > 0 ? Clock(f.elapsed_s * double(f.total - f.done) / double(f.done)) : std::string("?");
+      f.done > 0 ? FormatClock(f.elapsed_s * double(f.total - f.done) / double(f.done)) : std::string("?");
   return absl::StrFormat(
       "Processed prompts: %3d%%|%s%s| %d/%d [%s<%s, %.2f it/s, est. speed input: %.2f toks/s, output: %.2f toks/s]",
       static_cast<int>(fraction * 100), std::string(static_cast<size_t>(filled), '#'),
-      std::string(static_cast<size_t>(kBarWidth - filled), ' '), f.done, f.total, Clock(f.elapsed_s), remaining,
+      std::string(static_cast<size_t>(kBarWidth - filled), ' '), f.done, f.total, FormatClock(f.elapsed_s), remaining,
       double(f.done) * per_s, double(f.prompt_tokens) * per_s, double(f.output_tokens) * per_s);
 }
 

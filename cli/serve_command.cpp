@@ -58,7 +58,7 @@ std::string SelfPath() {
 }
 
 // `decode`: a decode worker's (its own token budget, when given).
-std::vector<std::string> EngineFlags(const ServeOptions& o, bool decode) {
+std::vector<std::string> WorkerEngineFlags(const ServeOptions& o, bool decode) {
   const int64_t budget = decode && o.decode_max_num_batched_tokens > 0 ? o.decode_max_num_batched_tokens
                                                                       : o.engine.scheduler.max_num_batched_tokens;
   std::vector<std::string> flags = {"--model", o.engine.model_dir, "--block-size", std::to_string(o.engine.block_size),
@@ -309,7 +309,7 @@ int RunServe(const ServeOptions& options) {
       if (!options.served_model_names.empty()) argv.insert(argv.end(), {"--served-model-name", options.served_model_names[0]});
       if (options.api_key_on_health_and_metrics) argv.push_back("--api-key-on-health-and-metrics");
       for (std::string& f : InternalTlsFlags(options.internal_tls)) argv.push_back(std::move(f));
-      for (std::string& f : EngineFlags(options, std::string_view(role) == "decode")) argv.push_back(std::move(f));
+      for (std::string& f : WorkerEngineFlags(options, std::string_view(role) == "decode")) argv.push_back(std::move(f));
       // Only prefill workers prefill: --sp-ranks (or --prefill-sp-ranks) is theirs.
       if (std::string_view(role) == "prefill" && sp_ranks > 1) {
         argv.insert(argv.end(), {"--sp-ranks", std::to_string(sp_ranks), "--sp-min-tokens",

@@ -20,11 +20,6 @@ constexpr int32_t kSplits[] = {2, 3, 4};
 constexpr size_t kLaunchesPerPass = 8;
 constexpr int kTimedPasses = 2;
 
-absl::Status LtStatus(cublasStatus_t s, const char* what) {
-  if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("cuBLASLt ", what, ": ", cublasGetStatusString(s)));
-}
-
 absl::Status CudaOk(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));

@@ -5,12 +5,12 @@
 #include "absl/strings/str_cat.h"
 
 namespace duet::cuda {
-namespace {
-
-absl::Status LtStatus(cublasStatus_t s, const char* what) {
-  if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("cuBLASLt ", what, ": ", cublasGetStatusString(s)));
+absl::Status LtStatus(cublasStatus_t status, const char* what) {
+  if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("cuBLASLt ", what, ": ", cublasGetStatusString(status)));
 }
+
+namespace {
 
 template <typename T>
 absl::Status SetDescAttribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T& value,

@@ -51,6 +51,9 @@ class LtProduct {
   cublasLtMatrixLayout_t w_ = nullptr, x_ = nullptr, y_ = nullptr;  // [in, out], [in, rows], [out, rows]
 };
 
+// OK, or an internal error naming the cuBLASLt call `what` and its status.
+absl::Status LtStatus(cublasStatus_t status, const char* what);
+
 // One of a cuBLASLt algorithm's configuration attributes (T: the attribute's documented type).
 template <typename T>
 T AlgorithmConfig(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {

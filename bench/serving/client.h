@@ -1,6 +1,7 @@
 // What the benchmark sends and the interface every backend implements.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <optional>
 #include <string>
@@ -10,6 +11,11 @@
 #include "bench/serving/metrics.h"
 
 namespace duet::bench {
+
+// Seconds from `start` until now.
+inline double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
 
 struct ChatMessage {
   std::string role;  // "system", "user", "assistant"

@@ -10,10 +10,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double SecondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
 // One Generate stream; deletes itself when the call is over.
 class GenerateCall final : public grpc::ClientReadReactor<v1::GenerateResponse> {
  public:

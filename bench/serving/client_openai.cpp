@@ -29,7 +29,6 @@ using Json = nlohmann::json;
 
 constexpr size_t kMaxErrorBodyBytes = 4096;
 
-double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 struct Url {
   bool tls = false;  // https://

@@ -11,7 +11,7 @@
 namespace duet::bench {
 namespace {
 
-using Json = nlohmann::ordered_json;
+using OrderedJson = nlohmann::ordered_json;
 
 constexpr int kWidth = 50;
 
@@ -98,20 +98,20 @@ std::string FormatReport(const RunInfo& info, const BenchmarkMetrics& m) {
   return out;
 }
 
-Json ReportJson(const RunInfo& info, const BenchmarkMetrics& m, const std::vector<RequestResult>& results,
+OrderedJson ReportJson(const RunInfo& info, const BenchmarkMetrics& m, const std::vector<RequestResult>& results,
                 bool detailed) {
-  Json j;
+  OrderedJson j;
   j["date"] = info.date;
   j["endpoint_type"] = info.backend;
   j["backend"] = info.backend;
-  j["label"] = info.label.empty() ? Json() : Json(info.label);
-  j["model_id"] = info.model_id.empty() ? Json() : Json(info.model_id);
-  j["tokenizer_id"] = info.tokenizer_id.empty() ? Json() : Json(info.tokenizer_id);
+  j["label"] = info.label.empty() ? OrderedJson() : OrderedJson(info.label);
+  j["model_id"] = info.model_id.empty() ? OrderedJson() : OrderedJson(info.model_id);
+  j["tokenizer_id"] = info.tokenizer_id.empty() ? OrderedJson() : OrderedJson(info.tokenizer_id);
   j["num_prompts"] = info.num_prompts;
   for (const auto& [key, value] : info.metadata) j[key] = value;
-  j["request_rate"] = std::isinf(info.request_rate) ? Json("inf") : Json(info.request_rate);
+  j["request_rate"] = std::isinf(info.request_rate) ? OrderedJson("inf") : OrderedJson(info.request_rate);
   j["burstiness"] = info.burstiness;
-  j["max_concurrency"] = info.max_concurrency > 0 ? Json(info.max_concurrency) : Json();
+  j["max_concurrency"] = info.max_concurrency > 0 ? OrderedJson(info.max_concurrency) : OrderedJson();
   j["base_url"] = info.base_url;
   j["model"] = info.model;
   j["dataset"] = info.dataset;
@@ -123,17 +123,17 @@ Json ReportJson(const RunInfo& info, const BenchmarkMetrics& m, const std::vecto
   j["total_input_tokens"] = m.total_input_tokens;
   j["total_output_tokens"] = m.total_output_tokens;
   j["request_throughput"] = m.request_throughput;
-  j["request_goodput"] = m.request_goodput ? Json(*m.request_goodput) : Json();
+  j["request_goodput"] = m.request_goodput ? OrderedJson(*m.request_goodput) : OrderedJson();
   j["output_throughput"] = m.output_throughput;
   j["total_token_throughput"] = m.total_token_throughput;
   if (detailed) {
-    Json input_lens = Json::array(), output_lens = input_lens, ttfts = input_lens, itls = input_lens,
+    OrderedJson input_lens = OrderedJson::array(), output_lens = input_lens, ttfts = input_lens, itls = input_lens,
          latencies = input_lens, start_times = input_lens, texts = input_lens, errors = input_lens;
     for (const RequestResult& r : results) {
       input_lens.push_back(r.prompt_tokens);
       output_lens.push_back(r.success ? r.output_tokens : 0);
       ttfts.push_back(r.success && !r.chunk_times.empty() ? r.chunk_times.front() : 0.0);
-      Json gaps = Json::array();
+      OrderedJson gaps = OrderedJson::array();
       for (size_t i = 1; i < r.chunk_times.size(); ++i) gaps.push_back(r.chunk_times[i] - r.chunk_times[i - 1]);
       itls.push_back(std::move(gaps));
       latencies.push_back(r.latency);

@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "frontend/chat_template/chat_template_lexer.h"
 #include "absl/strings/str_join.h"
 
 namespace duet::jinja {
@@ -25,8 +26,6 @@ struct RaisedException {
 };
 struct BreakSignal {};
 struct ContinueSignal {};
-
-bool IsSpace(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
 
 // The UTF-8 characters of s (malformed bytes stand alone), for indexing, slicing and length.
 std::vector<std::string> Characters(const std::string& s) {

@@ -11,6 +11,10 @@
 
 namespace duet::jinja {
 
+// Whitespace as the language sees it (Python's str.isspace() on ASCII): what the lexer trims and
+// what strip() and split() remove.
+inline bool IsSpace(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+
 enum class TokenType {
   kText,
   kNumber,
