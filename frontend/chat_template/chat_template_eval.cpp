@@ -10,8 +10,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "frontend/chat_template/chat_template_lexer.h"
 #include "absl/strings/str_join.h"
+#include "frontend/chat_template/chat_template_lexer.h"
 
 namespace duet::jinja {
 namespace {
