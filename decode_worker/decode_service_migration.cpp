@@ -125,16 +125,14 @@ void DecodeService::Ship(LlmEngine& engine, const std::shared_ptr<Reservation>& 
     }
   }
   const std::vector<int32_t>& sent = staging_ != nullptr ? staged : source;
-  for (int64_t layer = 0; layer < engine.model_config().num_layers; ++layer) {
-    kvtransfer::LayerSend send;
-    send.request_id = target.transfer_id();
-    send.layer = uint32_t(layer);
-    send.num_tokens = uint32_t(r->num_tokens) - target.first_token();
-    send.src_block_ids.assign(sent.begin(), sent.end());
-    send.dst_block_ids.assign(target.block_ids().begin(), target.block_ids().end());
-    send.with_checksums = options_.verify_kv_checksums;
-    (void)sender_->SendLayer(peer, std::move(send));  // Finish reports every layer's outcome
-  }
+  kvtransfer::LayerSend send;
+  send.request_id = target.transfer_id();
+  send.num_layers = uint32_t(engine.model_config().num_layers);
+  send.num_tokens = uint32_t(r->num_tokens) - target.first_token();
+  send.src_block_ids.assign(sent.begin(), sent.end());
+  send.dst_block_ids.assign(target.block_ids().begin(), target.block_ids().end());
+  send.with_checksums = options_.verify_kv_checksums;
+  (void)sender_->SendLayer(peer, std::move(send));  // Finish reports every layer's outcome
   sender_->Finish(peer, target.transfer_id(),
                   [this, peer, staged, transfer_id = target.transfer_id(), done = std::move(done)](const absl::Status& s) {
                     if (!s.ok()) (void)sender_->Abort(peer, transfer_id);

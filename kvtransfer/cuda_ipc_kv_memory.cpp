@@ -122,20 +122,25 @@ class CudaIpcKvPeer final : public DeviceKvPeer {
   const KvLayout& layout() const override { return layout_; }
   uint32_t num_blocks() const override { return num_blocks_; }
 
-  absl::Status EnqueueLayerCopy(uint32_t layer, std::span<const CopyRange> plan, void* stream) override {
-    if (layer >= layout_.num_layers) return absl::InvalidArgumentError("KV copy names a layer out of range");
+  absl::Status EnqueueLayerCopies(uint32_t first_layer, uint32_t num_layers, std::span<const CopyRange> plan,
+                                  void* stream) override {
+    if (num_layers == 0 || first_layer >= layout_.num_layers || num_layers > layout_.num_layers - first_layer) {
+      return absl::InvalidArgumentError("KV copy names a layer out of range");
+    }
     cudaSetDevice(device_);
     const auto s = static_cast<cudaStream_t>(stream);
     std::lock_guard<std::mutex> lock(mu_);
     streams_.insert(s);
-    // K and V in one launch (CopyRange and ByteRange are the same three offsets).
+    // Every layer's K and V in one launch (CopyRange and ByteRange are the same three offsets).
     static_assert(sizeof(CopyRange) == sizeof(kernels::ByteRange));
     ranges_.resize(plan.size());
     for (size_t i = 0; i < plan.size(); ++i) ranges_[i] = {plan[i].src_offset, plan[i].dst_offset, plan[i].bytes};
-    const char* src[2] = {static_cast<const char*>(local_.key_pools[layer]),
-                          static_cast<const char*>(local_.value_pools[layer])};
-    char* dst[2] = {key_pools_[layer], value_pools_[layer]};
-    kernels::CopyRanges(src, dst, ranges_.data(), ranges_.size(), s);
+    buffers_.clear();
+    for (uint32_t layer = first_layer; layer < first_layer + num_layers; ++layer) {
+      buffers_.push_back({static_cast<const char*>(local_.key_pools[layer]), key_pools_[layer]});
+      buffers_.push_back({static_cast<const char*>(local_.value_pools[layer]), value_pools_[layer]});
+    }
+    kernels::CopyRanges(buffers_.data(), buffers_.size(), ranges_.data(), ranges_.size(), s);
     return CudaError(cudaGetLastError(), "KV device-to-device copy");
   }
 
@@ -149,6 +154,7 @@ class CudaIpcKvPeer final : public DeviceKvPeer {
   std::mutex mu_;
   std::set<cudaStream_t> streams_ ABSL_GUARDED_BY(mu_);  // every stream a copy was enqueued on
   std::vector<kernels::ByteRange> ranges_ ABSL_GUARDED_BY(mu_);
+  std::vector<kernels::BufferPair> buffers_ ABSL_GUARDED_BY(mu_);
 };
 
 class CudaIpcKvMemory final : public DeviceKvMemory {

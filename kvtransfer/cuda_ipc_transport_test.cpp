@@ -169,6 +169,27 @@ TEST_P(CudaIpcTransportTest, InOneProcessTheDeviceBytesEqualTheSource) {
   EXPECT_EQ(receiver.receiver->active_leases(), 0u);
 }
 
+TEST_P(CudaIpcTransportTest, AllLayersInOneSendEqualTheSource) {
+  SKIP_WITHOUT_GPU();
+  DeviceReceiver receiver;
+  DeviceSender sender(GetParam());
+  absl::StatusOr<PeerId> peer = sender.sender->Connect(receiver.receiver->descriptor());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  ASSERT_EQ(sender.sender->path(*peer), TransferPath::kCudaIpc);
+  ASSERT_TRUE(receiver.receiver->Expect(receiver.Expected()).ok());
+  LayerSend all = sender.Layer(0, kReceiverIds);
+  all.num_layers = kLayers;  // one copy launch for every layer
+  std::future<absl::Status> sent = sender.sender->SendLayer(*peer, all);
+  EXPECT_TRUE(sender.sender->Finish(*peer, kRequest).get().ok());
+  EXPECT_TRUE(sent.get().ok());
+  const auto [status, landed] = receiver.probe.Wait(kRequest);
+  ASSERT_TRUE(status.ok()) << status;  // every layer's checksums verified
+  EXPECT_EQ(landed, MemoryKind::kDevice);
+  EXPECT_EQ(receiver.DeviceHashes(), LayerHashes(sender.layout, sender.host, sender.ids));
+  EXPECT_EQ(sender.sender->pending_operations(), 0u);
+  EXPECT_EQ(receiver.receiver->active_leases(), 0u);
+}
+
 TEST_P(CudaIpcTransportTest, BetweenProcessesTheDeviceBytesEqualTheSource) {
   SKIP_WITHOUT_GPU();
   Child child("receiver");

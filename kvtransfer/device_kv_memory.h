@@ -44,10 +44,12 @@ class DeviceKvPeer {
   virtual ~DeviceKvPeer() = default;
   virtual const KvLayout& layout() const = 0;
   virtual uint32_t num_blocks() const = 0;
-  // Enqueues on `stream` (a cudaStream_t) the copies of one layer's K and V pools from the local
-  // pools into the peer's, `plan` from PlanLayerCopy. Stream-ordered: after the work already on
-  // `stream`, before what comes later.
-  virtual absl::Status EnqueueLayerCopy(uint32_t layer, std::span<const CopyRange> plan, void* stream) = 0;
+  // Enqueues on `stream` (a cudaStream_t) the copies of the K and V pools of layers
+  // [first_layer, first_layer + num_layers) from the local pools into the peer's, `plan` (from
+  // PlanLayerCopy) applied to each: one launch for them all. Stream-ordered: after the work
+  // already on `stream`, before what comes later.
+  virtual absl::Status EnqueueLayerCopies(uint32_t first_layer, uint32_t num_layers, std::span<const CopyRange> plan,
+                                          void* stream) = 0;
 };
 
 class DeviceKvMemory {

@@ -319,11 +319,13 @@ void RunDeviceThroughput(int runs, uint32_t max_tokens) {
 
   std::printf("\nKV transfer device to device between two processes on one GPU (llama-3-8b bf16 blk16, all\n"
               "layers K+V, blocks in runs of 4), median of %d runs after a warm-up, GB/s = 1e9 B/s:\n"
-              "  end to end: first SendLayer to the receiver process's completion (notices over UCX)\n"
-              "  copies: device time of the request's copies, queued on the producer's stream behind a gate\n"
-              "  cudaMemcpy: one copy of the same byte count in this process (the device copy bandwidth)\n", runs);
-  std::printf("| tokens |     MiB | end to end | copies | cudaMemcpy | copies / cudaMemcpy | end-to-end ms |\n");
-  std::printf("|--------|---------|------------|--------|------------|---------------------|---------------|\n");
+              "  cudaMemcpy: one copy of the same byte count in this process (the device copy bandwidth)\n"
+              "  copies: device time of the request's copies, queued on the producer's stream behind a gate,\n"
+              "    sent layer by layer (32 sends, as a forward pass produces them) or all at once (one send:\n"
+              "    a target that came after the forward pass, a kept prompt)\n"
+              "  end to end: first send to the receiver process's completion (notices over UCX)\n", runs);
+  std::printf("| tokens |     MiB | cudaMemcpy | by layer | / cudaMemcpy | at once | / cudaMemcpy | end-to-end ms by layer | at once |\n");
+  std::printf("|--------|---------|------------|----------|--------------|---------|--------------|------------------------|---------|\n");
   uint64_t request = 1;
   for (uint32_t tokens : {16u, 64u, 512u, 2048u, 8192u}) {
     if (tokens > max_tokens) continue;
@@ -331,16 +333,16 @@ void RunDeviceThroughput(int runs, uint32_t max_tokens) {
     const std::vector<uint32_t> src_ids = EngineLikeIds(blocks, 11);
     const std::vector<uint32_t> dst_ids = EngineLikeIds(blocks, 5);
     const double bytes = 2.0 * kLlama8b.num_layers * blocks * kLlama8b.BlockBytes();
-    std::vector<double> end_to_end, copies, memcpy_s;
-    for (int run = -1; run < runs; ++run) {
+    // One request sent in sends of `layers_per_send` layers: {copies' device seconds, end to end}.
+    auto transfer = [&](uint32_t layers_per_send) {
       child.Send(absl::StrCat("expect ", request, " ", tokens));
       if (child.ReadLine() != "ok") std::exit(1);
       const auto start = Clock::now();
       const double copy_seconds = DeviceSeconds(stream, [&] {
-        for (uint32_t layer = 0; layer < kLlama8b.num_layers; ++layer) {
-          (void)(*sender)->SendLayer(*peer, {.request_id = request, .layer = layer, .num_tokens = tokens,
-                                             .src_block_ids = src_ids, .dst_block_ids = dst_ids,
-                                             .device_stream = stream});
+        for (uint32_t layer = 0; layer < kLlama8b.num_layers; layer += layers_per_send) {
+          (void)(*sender)->SendLayer(*peer, {.request_id = request, .layer = layer, .num_layers = layers_per_send,
+                                             .num_tokens = tokens, .src_block_ids = src_ids,
+                                             .dst_block_ids = dst_ids, .device_stream = stream});
         }
       });
       const absl::Status finished = (*sender)->Finish(*peer, request).get();
@@ -351,18 +353,27 @@ void RunDeviceThroughput(int runs, uint32_t max_tokens) {
         std::exit(1);
       }
       ++request;
+      return std::pair{copy_seconds, seconds};
+    };
+    std::vector<double> by_layer, by_layer_e2e, at_once, at_once_e2e, memcpy_s;
+    for (int run = -1; run < runs; ++run) {
+      const auto [layer_copies, layer_e2e] = transfer(1);
+      const auto [once_copies, once_e2e] = transfer(kLlama8b.num_layers);
       const double m = DeviceSeconds(stream, [&] {
         cudaMemcpyAsync(local_dst.key(0), device.key(0), size_t(bytes), cudaMemcpyDeviceToDevice, stream);
       });
       if (run < 0) continue;
-      end_to_end.push_back(seconds);
-      copies.push_back(copy_seconds);
+      by_layer.push_back(layer_copies);
+      by_layer_e2e.push_back(layer_e2e);
+      at_once.push_back(once_copies);
+      at_once_e2e.push_back(once_e2e);
       memcpy_s.push_back(m);
     }
-    const double copy_gbs = bytes / Median(copies) / 1e9, memcpy_gbs = bytes / Median(memcpy_s) / 1e9;
-    std::printf("| %6u | %7.1f | %10.1f | %6.0f | %10.0f | %18.0f%% | %13.3f |\n", tokens, bytes / (1 << 20),
-                bytes / Median(end_to_end) / 1e9, copy_gbs, memcpy_gbs, 100 * copy_gbs / memcpy_gbs,
-                Median(end_to_end) * 1e3);
+    const double memcpy_gbs = bytes / Median(memcpy_s) / 1e9;
+    const double layer_gbs = bytes / Median(by_layer) / 1e9, once_gbs = bytes / Median(at_once) / 1e9;
+    std::printf("| %6u | %7.1f | %10.0f | %8.0f | %11.0f%% | %7.0f | %11.0f%% | %22.3f | %7.3f |\n", tokens,
+                bytes / (1 << 20), memcpy_gbs, layer_gbs, 100 * layer_gbs / memcpy_gbs, once_gbs,
+                100 * once_gbs / memcpy_gbs, Median(by_layer_e2e) * 1e3, Median(at_once_e2e) * 1e3);
     std::fflush(stdout);
   }
   sender->reset();

@@ -124,18 +124,22 @@ class KvReceiver {
 
 using PeerId = uint64_t;
 
+// Layers [layer, layer + num_layers) of a request: one layer as a forward pass produces it, or
+// several that are ready together (a target that came late, a kept prompt), which kCudaIpc
+// copies in one launch.
 struct LayerSend {
   uint64_t request_id = 0;
   uint32_t layer = 0;
+  uint32_t num_layers = 1;
   uint32_t num_tokens = 0;
   // Host paths: ids in both sides' host pools. kCudaIpc: ids in the sender's device pools and
   // the receiver's device_block_ids.
   std::vector<uint32_t> src_block_ids;  // ceil(num_tokens / sender block_size) ids
   std::vector<uint32_t> dst_block_ids;  // ceil(num_tokens / receiver block_size) ids
   bool with_checksums = false;
-  // kCudaIpc: the cudaStream_t that produced the layer. The copies are enqueued on it at once,
+  // kCudaIpc: the cudaStream_t that produced the layers. The copies are enqueued on it at once,
   // behind that work and ahead of anything later (so the producer may reuse its blocks); the
-  // layer's notice goes out once Finish sees the stream pass them.
+  // layers' notices go out once Finish sees the stream pass them.
   void* device_stream = nullptr;
 };
 
@@ -148,8 +152,9 @@ class KvSender {
   virtual void Disconnect(PeerId peer) = 0;
   // The path chosen for the peer at Connect.
   virtual TransferPath path(PeerId peer) const = 0;
-  // Writes one layer's K and V blocks; the future resolves once the data is remotely complete
-  // and the notice is sent, or with the error (invalid ids, peer failure, timeout).
+  // Writes the layers' K and V blocks; the future resolves once the data is remotely complete
+  // and every layer's notice is sent, or with the first error (invalid ids, peer failure,
+  // timeout).
   virtual std::future<absl::Status> SendLayer(PeerId peer, LayerSend send) = 0;
   // Resolves after every earlier SendLayer of the request has resolved: OK once the finish
   // notice is sent, else the first failure (the receiver is then told to abort the request).

@@ -6,13 +6,16 @@
 //   host paths: puts issued (fire and forget) -> ep flush (remote completion) -> notice sent;
 //   kCudaIpc:   copies enqueued on the producer's stream by SendLayer -> the stream passes them
 //               (reported once per request, after Finish) -> notice sent.
+#include <algorithm>
 #include <atomic>
 #include <memory>
+#include <span>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/node_hash_map.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "common/check.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -113,27 +116,42 @@ class UcxKvSender final : public KvSender {
   }
 
   std::future<absl::Status> SendLayer(PeerId peer, LayerSend send) override {
-    auto op = NewOp(OpKind::kLayer, peer, send.request_id, NoticeType::kLayerDone);
-    op->notice.layer = send.layer;
-    op->notice.num_tokens = send.num_tokens;
-    std::future<absl::Status> future = op->done.get_future();
+    // One op per layer, each with its notice; the call's future hears from all of them.
+    auto group = std::make_shared<LayerGroup>();
+    std::future<absl::Status> future = group->done.get_future();
+    // (At most the model's layers: more fail validation below, in one op each.)
+    const uint32_t num_ops = std::clamp<uint32_t>(send.num_layers, 1, pools_.layout.num_layers);
+    {
+      absl::MutexLock lock(&group->mu);
+      group->remaining = num_ops;
+    }
+    std::vector<std::unique_ptr<Op>> ops;
+    for (uint32_t i = 0; i < num_ops; ++i) {
+      ops.push_back(NewOp(OpKind::kLayer, peer, send.request_id, NoticeType::kLayerDone));
+      ops.back()->notice.layer = send.layer + i;
+      ops.back()->notice.num_tokens = send.num_tokens;
+      ops.back()->on_done = [group](const absl::Status& status) { group->End(status); };
+    }
     if (std::shared_ptr<DeviceKvPeer> device = DevicePeer(peer); device != nullptr) {
-      // Enqueued here, on the caller's thread, so the copies sit right behind the layer's work.
-      absl::Status local = EnqueueDeviceLayer(*device, peer, send, op->notice);
-      worker_->Post([this, op = op.release(), local] { StartDeviceLayer(std::unique_ptr<Op>(op), local); });
+      // Enqueued here, on the caller's thread, so the copies sit right behind the layers' work.
+      absl::Status local = EnqueueDeviceLayers(*device, peer, send, ops);
+      worker_->Post([this, ops = Shared(std::move(ops)), local] {
+        for (std::unique_ptr<Op>& op : *ops) StartDeviceLayer(std::move(op), local);
+      });
       return future;
     }
     absl::Status local = ValidateSource(send);
-    if (local.ok() && send.with_checksums) {
+    for (uint32_t i = 0; local.ok() && send.with_checksums && i < ops.size(); ++i) {
       // Hashing here keeps the progress thread free for other transfers.
-      op->notice.flags |= Notice::kHasChecksums;
-      op->notice.key_checksum = HashLayerTokens(pools_.layout, pools_.key_pools[send.layer],
-                                                send.src_block_ids, send.num_tokens);
-      op->notice.value_checksum = HashLayerTokens(pools_.layout, pools_.value_pools[send.layer],
-                                                  send.src_block_ids, send.num_tokens);
+      Notice& notice = ops[i]->notice;
+      notice.flags |= Notice::kHasChecksums;
+      notice.key_checksum =
+          HashLayerTokens(pools_.layout, pools_.key_pools[notice.layer], send.src_block_ids, send.num_tokens);
+      notice.value_checksum =
+          HashLayerTokens(pools_.layout, pools_.value_pools[notice.layer], send.src_block_ids, send.num_tokens);
     }
-    worker_->Post([this, op = op.release(), send = std::move(send), local] {
-      StartLayer(std::unique_ptr<Op>(op), send, local);
+    worker_->Post([this, ops = Shared(std::move(ops)), send = std::move(send), local] {
+      for (std::unique_ptr<Op>& op : *ops) StartLayer(std::move(op), send, local);
     });
     return future;
   }
@@ -182,6 +200,19 @@ class UcxKvSender final : public KvSender {
     Notice notice;  // sent once the op's data is remotely complete
     bool awaiting_device = false;  // kCudaIpc: copies enqueued, the stream not yet past them
   };
+  // The layers of one SendLayer call: its future resolves, with the first failure, once every
+  // layer's op has ended.
+  struct LayerGroup {
+    std::promise<absl::Status> done;
+    absl::Mutex mu;
+    uint32_t remaining ABSL_GUARDED_BY(mu) = 0;
+    absl::Status first_error ABSL_GUARDED_BY(mu);
+    void End(const absl::Status& status) {
+      absl::MutexLock lock(&mu);
+      if (!status.ok() && first_error.ok()) first_error = status;
+      if (--remaining == 0) done.set_value(first_error);
+    }
+  };
   // Per (peer, request): what Finish has to wait for.
   struct OutgoingRequest {
     uint32_t layers_in_flight = 0;
@@ -205,6 +236,11 @@ class UcxKvSender final : public KvSender {
     UcxKvSender* sender;
     std::vector<ucp_rkey_h> rkeys;
   };
+
+  // The worker's tasks are copyable functions: ops travel to them shared.
+  static std::shared_ptr<std::vector<std::unique_ptr<Op>>> Shared(std::vector<std::unique_ptr<Op>> ops) {
+    return std::make_shared<std::vector<std::unique_ptr<Op>>>(std::move(ops));
+  }
 
   std::unique_ptr<Op> NewOp(OpKind kind, PeerId peer, uint64_t request_id, NoticeType type) {
     auto op = std::make_unique<Op>();
@@ -248,32 +284,33 @@ class UcxKvSender final : public KvSender {
     return it == device_peers_.end() ? nullptr : it->second;
   }
 
-  // Caller's thread: validates a kCudaIpc layer and enqueues its copies on the producer's stream.
-  absl::Status EnqueueDeviceLayer(DeviceKvPeer& device, PeerId peer, const LayerSend& send, Notice& notice) {
+  // Caller's thread: validates kCudaIpc layers and enqueues their copies on the producer's stream
+  // (one launch), filling in the layers' notices.
+  absl::Status EnqueueDeviceLayers(DeviceKvPeer& device, PeerId peer, const LayerSend& send,
+                                   std::span<const std::unique_ptr<Op>> ops) {
     DeviceKvMemory& local = *options_.device;
     const KvLayout& layout = local.pools().layout;
     if (send.device_stream == nullptr) {
       return absl::InvalidArgumentError("a KV layer sent over CUDA IPC needs the stream that produced it");
     }
-    if (send.layer >= layout.num_layers) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("layer %u is outside the sender's %u layers", send.layer, layout.num_layers));
-    }
+    DUET_RETURN_IF_ERROR(ValidateLayers(send, layout));
     DUET_RETURN_IF_ERROR(
         ValidateBlockIds(layout, send.src_block_ids, send.num_tokens, local.pools().num_blocks, "source"));
     DUET_RETURN_IF_ERROR(
         ValidateBlockIds(device.layout(), send.dst_block_ids, send.num_tokens, device.num_blocks(), "destination"));
     DUET_ASSIGN_OR_RETURN(std::vector<CopyRange> plan, PlanLayerCopy(layout, send.src_block_ids, device.layout(),
                                                                      send.dst_block_ids, send.num_tokens));
-    notice.flags |= Notice::kDeviceData;
-    if (send.with_checksums) {
-      DUET_ASSIGN_OR_RETURN(notice.key_checksum, local.HashLayer(true, send.layer, send.src_block_ids,
+    for (const std::unique_ptr<Op>& op : ops) {
+      Notice& notice = op->notice;
+      notice.flags |= Notice::kDeviceData;
+      if (!send.with_checksums) continue;
+      DUET_ASSIGN_OR_RETURN(notice.key_checksum, local.HashLayer(true, notice.layer, send.src_block_ids,
                                                                  send.num_tokens, send.device_stream));
-      DUET_ASSIGN_OR_RETURN(notice.value_checksum, local.HashLayer(false, send.layer, send.src_block_ids,
+      DUET_ASSIGN_OR_RETURN(notice.value_checksum, local.HashLayer(false, notice.layer, send.src_block_ids,
                                                                    send.num_tokens, send.device_stream));
       notice.flags |= Notice::kHasChecksums;
     }
-    DUET_RETURN_IF_ERROR(device.EnqueueLayerCopy(send.layer, plan, send.device_stream));
+    DUET_RETURN_IF_ERROR(device.EnqueueLayerCopies(send.layer, uint32_t(ops.size()), plan, send.device_stream));
     absl::MutexLock lock(&device_mu_);
     device_streams_[{peer, send.request_id}] = send.device_stream;
     return absl::OkStatus();
@@ -338,11 +375,16 @@ class UcxKvSender final : public KvSender {
     }
   }
 
-  absl::Status ValidateSource(const LayerSend& send) const {
-    if (send.layer >= pools_.layout.num_layers) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "layer %u is outside the sender's %u layers", send.layer, pools_.layout.num_layers));
+  static absl::Status ValidateLayers(const LayerSend& send, const KvLayout& layout) {
+    if (send.num_layers == 0 || send.layer >= layout.num_layers || send.num_layers > layout.num_layers - send.layer) {
+      return absl::InvalidArgumentError(absl::StrFormat("layers %u..%u are outside the sender's %u layers", send.layer,
+                                                        uint64_t(send.layer) + send.num_layers, layout.num_layers));
     }
+    return absl::OkStatus();
+  }
+
+  absl::Status ValidateSource(const LayerSend& send) const {
+    DUET_RETURN_IF_ERROR(ValidateLayers(send, pools_.layout));
     return ValidateBlockIds(pools_.layout, send.src_block_ids, send.num_tokens,
                             pools_.num_blocks, "source");
   }
@@ -416,7 +458,7 @@ class UcxKvSender final : public KvSender {
                       send.num_tokens);
     if (!plan.ok()) return CompleteOp(op_id, plan.status());
 
-    for (size_t region : {KeyRegion(send.layer), ValueRegion(send.layer)}) {
+    for (size_t region : {KeyRegion(op.notice.layer), ValueRegion(op.notice.layer)}) {
       const auto* local_base = static_cast<const uint8_t*>(regions_[region]->address());
       const uint64_t remote_base = peer->remote.regions[region].base_address;
       ucp_request_param_t param{};

@@ -377,6 +377,37 @@ TEST_F(UcxProtocolTest, SenderAbortReleasesReceiverBlocks) {
 
 // Finish's completion form reports the same outcomes without a future: OK after the layers, the
 // first failure otherwise.
+TEST_F(UcxProtocolTest, LayersSentTogetherArriveAsLayers) {
+  ASSERT_TRUE(receiver_->Expect(Expected(12)).ok());
+  std::future<absl::Status> first = sender_->SendLayer(peer_, Layer(12, 0));
+  LayerSend rest = Layer(12, 1);
+  rest.num_layers = kLayout.num_layers - 1;
+  std::future<absl::Status> together = sender_->SendLayer(peer_, rest);
+  EXPECT_TRUE(sender_->Finish(peer_, 12).get().ok());
+  EXPECT_TRUE(first.get().ok());
+  EXPECT_TRUE(together.get().ok());
+  EXPECT_TRUE(probe_.WaitDone(12).ok());  // every layer's checksum verified
+  EXPECT_EQ(probe_.layers(12), int(kLayout.num_layers));
+  ExpectSameTokens(src_, {1, 2, 3}, dst_, {7, 5, 6}, kLayout.num_layers, 40);
+  EXPECT_EQ(sender_->pending_operations(), 0u);
+}
+
+TEST_F(UcxProtocolTest, LayersOutsideTheModelAreRefused) {
+  ASSERT_TRUE(receiver_->Expect(Expected(13)).ok());
+  LayerSend past_the_end = Layer(13, 2);
+  past_the_end.num_layers = kLayout.num_layers - 1;
+  absl::Status refused = sender_->SendLayer(peer_, past_the_end).get();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(), HasSubstr("layers 2..5"));
+  LayerSend none = Layer(13, 0);
+  none.num_layers = 0;
+  EXPECT_EQ(sender_->SendLayer(peer_, none).get().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(sender_->Finish(peer_, 13).get().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(probe_.WaitDone(13).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(sender_->pending_operations(), 0u);
+  EXPECT_EQ(receiver_->active_leases(), 0u);
+}
+
 TEST_F(UcxProtocolTest, FinishWithACompletionReportsOnce) {
   auto finish_then = [this](uint64_t request_id) {
     auto reported = std::make_shared<std::promise<absl::Status>>();

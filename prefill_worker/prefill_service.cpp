@@ -567,13 +567,14 @@ void PrefillService::OnLayerDone(int64_t layer, absl::Span<const SequenceChunk> 
     // Only the chunk that completes the prompt ships (chunked prefill: all blocks at once).
     if (chunk.start_position + int64_t(chunk.tokens.size()) != int64_t(t->prompt_len)) continue;
     if (t->stage == Transfer::Stage::kUnsent) {
-      // A late target ships from the layer during which it came, the layers before at once.
+      // A late target ships from the layer during which it came, with the layers before in one send.
       if (!t->target_ready.load(std::memory_order_acquire)) continue;
       if (t->late) metrics_->kv_late_targets_total(layer == 0 ? "before_forward" : "during_forward").Inc();
       if (!BeginShipment(t, chunk.block_table)) continue;
-      for (int64_t before = 0; before < layer && t->stage == Transfer::Stage::kSending; ++before) ShipLayer(t, before);
+      ShipLayers(t, 0, layer + 1);
+    } else if (t->stage == Transfer::Stage::kSending) {
+      ShipLayers(t, layer, 1);
     }
-    if (t->stage == Transfer::Stage::kSending) ShipLayer(t, layer);
   }
 }
 
@@ -592,28 +593,31 @@ bool PrefillService::BeginShipment(const std::shared_ptr<Transfer>& t, absl::Spa
   return true;
 }
 
-void PrefillService::ShipLayer(const std::shared_ptr<Transfer>& t, int64_t layer) {
+void PrefillService::ShipLayers(const std::shared_ptr<Transfer>& t, int64_t first_layer, int64_t num_layers) {
   kvtransfer::LayerSend send;
   send.request_id = t->to.transfer_id;
-  send.layer = uint32_t(layer);
+  send.layer = uint32_t(first_layer);
+  send.num_layers = uint32_t(num_layers);
   send.num_tokens = t->num_tokens;
   send.dst_block_ids = t->to.dst_block_ids;
   send.with_checksums = options_.verify_kv_checksums;
   if (t->to.device()) {
-    // Copied from the cache blocks on the executor's stream, right behind the layer.
+    // Copied from the cache blocks on the executor's stream, right behind the layers.
     send.src_block_ids.assign(t->cache_block_ids.begin(), t->cache_block_ids.end());
     send.device_stream = device_stream_;
   } else {
-    // Copied out of the cache once the layer is complete, so the sends never read blocks the
+    // Copied out of the cache once the layers are complete, so the sends never read blocks the
     // engine may reuse after this step.
-    if (absl::Status s = staging_->StageLayer(layer, t->cache_block_ids, t->staging_block_ids); !s.ok()) {
-      return FinishShipment(t, s);
+    for (int64_t layer = first_layer; layer < first_layer + num_layers; ++layer) {
+      if (absl::Status s = staging_->StageLayer(layer, t->cache_block_ids, t->staging_block_ids); !s.ok()) {
+        return FinishShipment(t, s);
+      }
     }
     send.src_block_ids.assign(t->staging_block_ids.begin(), t->staging_block_ids.end());
   }
   // Its outcome is reported by Finish, which resolves after every SendLayer of the request.
   (void)sender_->SendLayer(t->to.peer, std::move(send));
-  if (layer == num_layers_ - 1) FinishShipment(t, absl::OkStatus());
+  if (first_layer + num_layers == num_layers_) FinishShipment(t, absl::OkStatus());
 }
 
 void PrefillService::FinishShipment(const std::shared_ptr<Transfer>& t, absl::Status why) {
@@ -693,9 +697,7 @@ void PrefillService::ShipKept(LlmEngine& engine, const std::shared_ptr<Transfer>
     return;
   }
   metrics_->kv_late_targets_total("after_forward").Inc();
-  if (BeginShipment(t, engine.BlockTable(*t->kept_kv))) {
-    for (int64_t layer = 0; layer < num_layers_ && t->stage == Transfer::Stage::kSending; ++layer) ShipLayer(t, layer);
-  }
+  if (BeginShipment(t, engine.BlockTable(*t->kept_kv))) ShipLayers(t, 0, num_layers_);
   // The copies are on the cache's stream (or staged) ahead of any reuse of the blocks.
   ReleaseKept(engine, t);
 }

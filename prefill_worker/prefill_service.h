@@ -137,7 +137,8 @@ class PrefillService final : public v1::PrefillWorker::CallbackService {
   void OnLayerDone(int64_t layer, absl::Span<const SequenceChunk> chunks);
   // `block_table`: the prompt's blocks in the cache.
   bool BeginShipment(const std::shared_ptr<Transfer>& t, absl::Span<const int32_t> block_table);
-  void ShipLayer(const std::shared_ptr<Transfer>& t, int64_t layer);
+  // Layers [first_layer, first_layer + num_layers), complete on the engine's stream: one send.
+  void ShipLayers(const std::shared_ptr<Transfer>& t, int64_t first_layer, int64_t num_layers);
   // Engine thread. The forward pass ended before a late target came: the engine keeps the prompt's
   // blocks (`kept`) until ShipKept has sent them or DropKept gives up on them.
   void KeepForLateTarget(LlmEngine& engine, const std::shared_ptr<Transfer>& t, SequenceId kept);

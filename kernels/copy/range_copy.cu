@@ -11,68 +11,78 @@ using launch_detail::LaunchKernel;
 
 constexpr int kThreads = 256;
 constexpr uint64_t kTileBytes = 8 * 1024;  // per CTA: 2 16-byte words per thread (many CTAs for a few MiB)
+constexpr size_t kMaxBuffers = 128;        // 64 layers' K and V
+constexpr size_t kMaxRanges = 512;
 
-template <int kCapacity>
+template <int kBuffers, int kRanges>
 struct Params {
-  const char* src[2];
-  char* dst[2];
-  ByteRange ranges[kCapacity];
+  BufferPair buffers[kBuffers];
+  ByteRange ranges[kRanges];
 };
 
-// grid: x = 8 KiB tile of the range, y = range, z = buffer (K, V). A dependent launch
+// grid: x = 8 KiB tile of the range, y = range, z = buffer. A dependent launch
 // (kernels/launch.cuh): a layer's copy gets resident while the kernel that wrote the layer
 // finishes, and the next layer's first kernel while the copy does, instead of each launch waiting
 // for the one before to drain (a layer of a few MiB moves in about the time a launch takes to
 // ramp up and drain: docs/BENCHMARKS.md, "KV copies as dependent launches").
-template <typename Word, int kCapacity>
-__global__ void CopyRangesKernel(const __grid_constant__ Params<kCapacity> p) {
+template <typename Word, int kBuffers, int kRanges>
+__global__ void CopyRangesKernel(const __grid_constant__ Params<kBuffers, kRanges> p) {
   launch_detail::EnterDependentKernel();
   const ByteRange r = p.ranges[blockIdx.y];
   const uint64_t start = uint64_t(blockIdx.x) * kTileBytes;
   if (start >= r.bytes) return;
   const uint64_t words = min(kTileBytes, r.bytes - start) / sizeof(Word);
-  const Word* src = reinterpret_cast<const Word*>(p.src[blockIdx.z] + r.src_offset + start);
-  Word* dst = reinterpret_cast<Word*>(p.dst[blockIdx.z] + r.dst_offset + start);
+  const Word* src = reinterpret_cast<const Word*>(p.buffers[blockIdx.z].src + r.src_offset + start);
+  Word* dst = reinterpret_cast<Word*>(p.buffers[blockIdx.z].dst + r.dst_offset + start);
 #pragma unroll 2
   for (uint64_t i = threadIdx.x; i < words; i += kThreads) dst[i] = src[i];
 }
 
-template <int kCapacity>
-void Launch(const char* const src[2], char* const dst[2], const ByteRange* ranges, size_t num_ranges, cudaStream_t stream) {
-  Params<kCapacity> p;
+template <int kBuffers, int kRanges>
+void Launch(const BufferPair* buffers, size_t num_buffers, const ByteRange* ranges, size_t num_ranges,
+            cudaStream_t stream) {
+  Params<kBuffers, kRanges> p;
   uint64_t longest = 0, bits = 0;
-  for (int b = 0; b < 2; ++b) {
-    p.src[b] = src[b];
-    p.dst[b] = dst[b];
-    bits |= reinterpret_cast<uintptr_t>(src[b]) | reinterpret_cast<uintptr_t>(dst[b]);
+  for (size_t b = 0; b < num_buffers; ++b) {
+    p.buffers[b] = buffers[b];
+    bits |= reinterpret_cast<uintptr_t>(buffers[b].src) | reinterpret_cast<uintptr_t>(buffers[b].dst);
   }
   for (size_t i = 0; i < num_ranges; ++i) {
     p.ranges[i] = ranges[i];
     longest = std::max(longest, ranges[i].bytes);
     bits |= ranges[i].src_offset | ranges[i].dst_offset | ranges[i].bytes;
   }
-  const dim3 grid(unsigned((longest + kTileBytes - 1) / kTileBytes), unsigned(num_ranges), 2);
+  const dim3 grid(unsigned((longest + kTileBytes - 1) / kTileBytes), unsigned(num_ranges), unsigned(num_buffers));
   if ((bits & 15) == 0) {
-    LaunchKernel(CopyRangesKernel<uint4, kCapacity>, grid, dim3(kThreads), 0, stream, p);
+    LaunchKernel(CopyRangesKernel<uint4, kBuffers, kRanges>, grid, dim3(kThreads), 0, stream, p);
   } else {
-    LaunchKernel(CopyRangesKernel<unsigned char, kCapacity>, grid, dim3(kThreads), 0, stream, p);
+    LaunchKernel(CopyRangesKernel<unsigned char, kBuffers, kRanges>, grid, dim3(kThreads), 0, stream, p);
   }
+}
+
+// One launch of at most kMaxBuffers buffers and kMaxRanges ranges, its parameters sized to them.
+template <int kBuffers>
+void LaunchForRanges(const BufferPair* buffers, size_t num_buffers, const ByteRange* ranges, size_t num_ranges,
+                     cudaStream_t stream) {
+  if (num_ranges <= 8) return Launch<kBuffers, 8>(buffers, num_buffers, ranges, num_ranges, stream);
+  if (num_ranges <= 64) return Launch<kBuffers, 64>(buffers, num_buffers, ranges, num_ranges, stream);
+  Launch<kBuffers, kMaxRanges>(buffers, num_buffers, ranges, num_ranges, stream);
 }
 
 }  // namespace
 
-void CopyRanges(const char* const src[2], char* const dst[2], const ByteRange* ranges, size_t num_ranges,
+void CopyRanges(const BufferPair* buffers, size_t num_buffers, const ByteRange* ranges, size_t num_ranges,
                 cudaStream_t stream) {
-  for (size_t first = 0; first < num_ranges;) {
-    const size_t n = std::min<size_t>(num_ranges - first, 512);
-    if (n <= 8) {
-      Launch<8>(src, dst, ranges + first, n, stream);
-    } else if (n <= 64) {
-      Launch<64>(src, dst, ranges + first, n, stream);
-    } else {
-      Launch<512>(src, dst, ranges + first, n, stream);
+  for (size_t b = 0; b < num_buffers; b += kMaxBuffers) {
+    const size_t some_buffers = std::min(num_buffers - b, kMaxBuffers);
+    for (size_t r = 0; r < num_ranges; r += kMaxRanges) {
+      const size_t some_ranges = std::min(num_ranges - r, kMaxRanges);
+      if (some_buffers <= 2) {
+        LaunchForRanges<2>(buffers + b, some_buffers, ranges + r, some_ranges, stream);
+      } else {
+        LaunchForRanges<kMaxBuffers>(buffers + b, some_buffers, ranges + r, some_ranges, stream);
+      }
     }
-    first += n;
   }
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <random>
 #include <vector>
 
@@ -14,15 +15,17 @@ namespace {
 // Host reference of the same copies.
 void CopyOnHost(const std::vector<ByteRange>& ranges, const std::vector<std::vector<char>>& src,
                 std::vector<std::vector<char>>& dst) {
-  for (int b = 0; b < 2; ++b) {
+  for (size_t b = 0; b < src.size(); ++b) {
     for (const ByteRange& r : ranges) std::memcpy(dst[b].data() + r.dst_offset, src[b].data() + r.src_offset, r.bytes);
   }
 }
 
-// Random non-overlapping ranges of `unit`-multiple sizes and offsets in buffers of `size` bytes.
-void RunCase(size_t size, uint64_t unit, int num_ranges, uint64_t max_units, uint32_t seed) {
+// Random non-overlapping ranges of `unit`-multiple sizes and offsets in `num_buffers` buffers of
+// `size` bytes (2: one layer's K and V).
+void RunCase(size_t size, uint64_t unit, int num_ranges, uint64_t max_units, uint32_t seed, size_t num_buffers = 2) {
   std::mt19937 rng(seed);
-  std::vector<std::vector<char>> src(2, std::vector<char>(size)), want(2, std::vector<char>(size, 0));
+  std::vector<std::vector<char>> src(num_buffers, std::vector<char>(size));
+  std::vector<std::vector<char>> want(num_buffers, std::vector<char>(size, 0));
   for (auto& s : src) {
     for (char& c : s) c = char(rng());
   }
@@ -39,24 +42,18 @@ void RunCase(size_t size, uint64_t unit, int num_ranges, uint64_t max_units, uin
   }
   CopyOnHost(ranges, src, want);
 
-  char* device[4];
-  for (int i = 0; i < 4; ++i) {
-    ASSERT_EQ(cudaMalloc(&device[i], size), cudaSuccess);
-    ASSERT_EQ(cudaMemset(device[i], 0, size), cudaSuccess);
+  std::deque<testing::DeviceBuffer<char>> from, to;  // neither copied nor moved
+  std::vector<BufferPair> buffers;
+  for (size_t b = 0; b < num_buffers; ++b) {
+    from.emplace_back(src[b]);
+    to.emplace_back(std::vector<char>(size, 0));
+    buffers.push_back({from.back().get(), to.back().get()});
   }
-  const char* from[2] = {device[0], device[1]};
-  char* to[2] = {device[2], device[3]};
-  for (int b = 0; b < 2; ++b) {
-    ASSERT_EQ(cudaMemcpy(device[b], src[b].data(), size, cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  CopyRanges(from, to, ranges.data(), ranges.size(), nullptr);
+  CopyRanges(buffers.data(), buffers.size(), ranges.data(), ranges.size(), nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  for (int b = 0; b < 2; ++b) {
-    std::vector<char> got(size);
-    ASSERT_EQ(cudaMemcpy(got.data(), device[2 + b], size, cudaMemcpyDeviceToHost), cudaSuccess);
-    EXPECT_EQ(std::memcmp(got.data(), want[b].data(), size), 0) << "buffer " << b;
+  for (size_t b = 0; b < num_buffers; ++b) {
+    EXPECT_EQ(std::memcmp(to[b].Download().data(), want[b].data(), size), 0) << "buffer " << b;
   }
-  for (char* d : device) cudaFree(d);
 }
 
 TEST(RangeCopyTest, WholeBlocksOf32KiB) {
@@ -77,6 +74,16 @@ TEST(RangeCopyTest, AFewRanges) {
 TEST(RangeCopyTest, UnalignedBytesTakeTheByteLoop) {
   DUET_SKIP_WITHOUT_GPU();
   RunCase(1 << 20, 12, 500, 5, 3);
+}
+
+TEST(RangeCopyTest, ThirtyTwoLayersInOneLaunch) {
+  DUET_SKIP_WITHOUT_GPU();
+  RunCase(1 << 20, 32 << 10, 24, 1, 6, /*num_buffers=*/64);
+}
+
+TEST(RangeCopyTest, MoreBuffersThanOneLaunchTakes) {
+  DUET_SKIP_WITHOUT_GPU();
+  RunCase(256 << 10, 4 << 10, 40, 1, 7, /*num_buffers=*/130);
 }
 
 TEST(RangeCopyTest, OneLongRange) {
