@@ -11,6 +11,7 @@ using launch_detail::LaunchKernel;
 
 constexpr int kThreads = 256;
 constexpr uint64_t kTileBytes = 8 * 1024;  // per CTA: 2 16-byte words per thread (many CTAs for a few MiB)
+static_assert(kTileBytes % (kThreads * 16) == 0);
 constexpr size_t kMaxBuffers = 128;        // 64 layers' K and V
 constexpr size_t kMaxRanges = 512;
 
@@ -32,10 +33,22 @@ __global__ void CopyRangesKernel(const __grid_constant__ Params<kBuffers, kRange
   const uint64_t start = uint64_t(blockIdx.x) * kTileBytes;
   if (start >= r.bytes) return;
   const uint64_t words = min(kTileBytes, r.bytes - start) / sizeof(Word);
-  const Word* src = reinterpret_cast<const Word*>(p.buffers[blockIdx.z].src + r.src_offset + start);
-  Word* dst = reinterpret_cast<Word*>(p.buffers[blockIdx.z].dst + r.dst_offset + start);
-#pragma unroll 2
-  for (uint64_t i = threadIdx.x; i < words; i += kThreads) dst[i] = src[i];
+  const Word* __restrict__ src = reinterpret_cast<const Word*>(p.buffers[blockIdx.z].src + r.src_offset + start);
+  Word* __restrict__ dst = reinterpret_cast<Word*>(p.buffers[blockIdx.z].dst + r.dst_offset + start);
+  // Every load of the tile issued before the first store: one trip to memory, not one per word
+  // (a layer's copy of a few MiB is that latency, twice, more than its bandwidth).
+  constexpr int kWordsPerThread = int(kTileBytes / (kThreads * sizeof(Word)));
+  Word tile[kWordsPerThread];
+#pragma unroll
+  for (int k = 0; k < kWordsPerThread; ++k) {
+    const uint64_t i = threadIdx.x + uint64_t(k) * kThreads;
+    if (i < words) tile[k] = src[i];
+  }
+#pragma unroll
+  for (int k = 0; k < kWordsPerThread; ++k) {
+    const uint64_t i = threadIdx.x + uint64_t(k) * kThreads;
+    if (i < words) dst[i] = tile[k];
+  }
 }
 
 template <int kBuffers, int kRanges>
