@@ -319,13 +319,16 @@ void RunDeviceThroughput(int runs, uint32_t max_tokens) {
 
   std::printf("\nKV transfer device to device between two processes on one GPU (llama-3-8b bf16 blk16, all\n"
               "layers K+V, blocks in runs of 4), median of %d runs after a warm-up, GB/s = 1e9 B/s:\n"
-              "  cudaMemcpy: one copy of the same byte count in this process (the device copy bandwidth)\n"
+              "  cudaMemcpy: one copy of the same byte count in this process (the device copy bandwidth);\n"
+              "    per layer: 32 copies of a layer's bytes each, back to back\n"
               "  copies: device time of the request's copies, queued on the producer's stream behind a gate,\n"
               "    sent layer by layer (32 sends, as a forward pass produces them) or all at once (one send:\n"
               "    a target that came after the forward pass, a kept prompt)\n"
               "  end to end: first send to the receiver process's completion (notices over UCX)\n", runs);
-  std::printf("| tokens |     MiB | cudaMemcpy | by layer | / cudaMemcpy | at once | / cudaMemcpy | end-to-end ms by layer | at once |\n");
-  std::printf("|--------|---------|------------|----------|--------------|---------|--------------|------------------------|---------|\n");
+  std::printf("| tokens |     MiB | cudaMemcpy | per layer | by layer | / cudaMemcpy | / per layer | at once | / cudaMemcpy "
+              "| end-to-end ms by layer | at once |\n");
+  std::printf("|--------|---------|------------|-----------|----------|--------------|-------------|---------|--------------"
+              "|------------------------|---------|\n");
   uint64_t request = 1;
   for (uint32_t tokens : {16u, 64u, 512u, 2048u, 8192u}) {
     if (tokens > max_tokens) continue;
@@ -355,25 +358,34 @@ void RunDeviceThroughput(int runs, uint32_t max_tokens) {
       ++request;
       return std::pair{copy_seconds, seconds};
     };
-    std::vector<double> by_layer, by_layer_e2e, at_once, at_once_e2e, memcpy_s;
+    std::vector<double> by_layer, by_layer_e2e, at_once, at_once_e2e, memcpy_s, memcpy_layers_s;
     for (int run = -1; run < runs; ++run) {
       const auto [layer_copies, layer_e2e] = transfer(1);
       const auto [once_copies, once_e2e] = transfer(kLlama8b.num_layers);
       const double m = DeviceSeconds(stream, [&] {
         cudaMemcpyAsync(local_dst.key(0), device.key(0), size_t(bytes), cudaMemcpyDeviceToDevice, stream);
       });
+      const double layer_bytes = bytes / kLlama8b.num_layers;
+      const double per_layer = DeviceSeconds(stream, [&] {
+        for (uint32_t layer = 0; layer < kLlama8b.num_layers; ++layer) {
+          cudaMemcpyAsync(local_dst.key(0) + size_t(layer * layer_bytes), device.key(0) + size_t(layer * layer_bytes),
+                          size_t(layer_bytes), cudaMemcpyDeviceToDevice, stream);
+        }
+      });
       if (run < 0) continue;
+      memcpy_layers_s.push_back(per_layer);
       by_layer.push_back(layer_copies);
       by_layer_e2e.push_back(layer_e2e);
       at_once.push_back(once_copies);
       at_once_e2e.push_back(once_e2e);
       memcpy_s.push_back(m);
     }
-    const double memcpy_gbs = bytes / Median(memcpy_s) / 1e9;
+    const double memcpy_gbs = bytes / Median(memcpy_s) / 1e9, per_layer_gbs = bytes / Median(memcpy_layers_s) / 1e9;
     const double layer_gbs = bytes / Median(by_layer) / 1e9, once_gbs = bytes / Median(at_once) / 1e9;
-    std::printf("| %6u | %7.1f | %10.0f | %8.0f | %11.0f%% | %7.0f | %11.0f%% | %22.3f | %7.3f |\n", tokens,
-                bytes / (1 << 20), memcpy_gbs, layer_gbs, 100 * layer_gbs / memcpy_gbs, once_gbs,
-                100 * once_gbs / memcpy_gbs, Median(by_layer_e2e) * 1e3, Median(at_once_e2e) * 1e3);
+    std::printf("| %6u | %7.1f | %10.0f | %9.0f | %8.0f | %11.0f%% | %10.0f%% | %7.0f | %11.0f%% | %22.3f | %7.3f |\n",
+                tokens, bytes / (1 << 20), memcpy_gbs, per_layer_gbs, layer_gbs, 100 * layer_gbs / memcpy_gbs,
+                100 * layer_gbs / per_layer_gbs, once_gbs, 100 * once_gbs / memcpy_gbs, Median(by_layer_e2e) * 1e3,
+                Median(at_once_e2e) * 1e3);
     std::fflush(stdout);
   }
   sender->reset();
