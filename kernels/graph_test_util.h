@@ -13,7 +13,7 @@ namespace duet::kernels::testing {
 // Captures launch(stream) on a fresh non-blocking stream (global capture mode, the strictest),
 // then runs before_replay() (e.g. re-poison outputs), replays the graph once and waits for it.
 // The replay does not wait for the legacy default stream: what before_replay() changes must have
-// landed when it returns (testing::DeviceBuffer's Upload and Poison have).
+// landed when it returns (DeviceBuffer's Upload and Poison have).
 inline void CaptureAndReplay(const std::function<void(cudaStream_t)>& launch, const std::function<void()>& before_replay) {
   cudaStream_t stream;
   DUET_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

@@ -1,5 +1,5 @@
 // Shared helpers for kernel tests: skip without a GPU, fresh random inputs, poisoned outputs,
-// device buffers, bf16 conversion and the relative error ||out - ref|| / ||ref||.
+// bf16 conversion and the relative error ||out - ref|| / ||ref||.
 #pragma once
 
 #include <cmath>
@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "kernels/cuda_check.h"
+#include "kernels/device_buffer.h"
 
 namespace duet::kernels::testing {
 
@@ -61,41 +62,5 @@ inline double RelativeError(const std::vector<float>& out, const std::vector<flo
   }
   return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
 }
-
-// A device buffer of T, freed on scope exit.
-template <typename T>
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t n) : n_(n) { DUET_CUDA_CHECK(cudaMalloc(&ptr_, std::max<size_t>(1, n) * sizeof(T))); }
-  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { Upload(host); }
-  ~DeviceBuffer() { cudaFree(ptr_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-
-  T* get() const { return ptr_; }
-  size_t size() const { return n_; }
-  // Upload and Poison have landed when they return, so a kernel on any stream sees them. (Left
-  // to themselves, cudaMemset and a pageable-memory cudaMemcpy may return before the device
-  // memory changes, ordered only on the legacy default stream — which a cudaStreamNonBlocking
-  // stream, like the one graphs replay on, does not wait for.)
-  void Upload(const std::vector<T>& host) {
-    DUET_CUDA_CHECK(cudaMemcpy(ptr_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-    DUET_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-  std::vector<T> Download() const {
-    std::vector<T> host(n_);
-    DUET_CUDA_CHECK(cudaMemcpy(host.data(), ptr_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-  // Fills every byte with 0xFF: NaN for float and bf16, so an unwritten output fails the test.
-  void Poison() {
-    DUET_CUDA_CHECK(cudaMemset(ptr_, 0xFF, n_ * sizeof(T)));
-    DUET_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-
- private:
-  T* ptr_ = nullptr;
-  size_t n_ = 0;
-};
 
 }  // namespace duet::kernels::testing

@@ -16,7 +16,6 @@
 namespace duet::kernels {
 namespace {
 
-using testing::DeviceBuffer;
 
 constexpr int kHidden = 1024, kInter = 2816, kLayers = 6;
 

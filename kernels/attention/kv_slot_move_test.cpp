@@ -9,7 +9,6 @@
 namespace duet::kernels {
 namespace {
 
-using testing::DeviceBuffer;
 
 struct Move {
   int32_t from, to;

@@ -12,7 +12,6 @@
 namespace duet::kernels {
 namespace {
 
-using testing::DeviceBuffer;
 using testing::PagedCacheFixture;
 
 constexpr double kBf16Tolerance = 1e-2;

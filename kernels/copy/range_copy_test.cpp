@@ -42,7 +42,7 @@ void RunCase(size_t size, uint64_t unit, int num_ranges, uint64_t max_units, uin
   }
   CopyOnHost(ranges, src, want);
 
-  std::deque<testing::DeviceBuffer<char>> from, to;  // neither copied nor moved
+  std::deque<DeviceBuffer<char>> from, to;  // neither copied nor moved
   std::vector<BufferPair> buffers;
   for (size_t b = 0; b < num_buffers; ++b) {
     from.emplace_back(src[b]);

@@ -11,7 +11,6 @@
 namespace duet::kernels {
 namespace {
 
-using testing::DeviceBuffer;
 using testing::RandomFloats;
 using testing::RelativeError;
 using testing::RoundToBf16;

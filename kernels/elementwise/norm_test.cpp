@@ -12,7 +12,6 @@
 namespace duet::kernels {
 namespace {
 
-using testing::DeviceBuffer;
 using testing::RandomFloats;
 using testing::RelativeError;
 using testing::RoundToBf16;

@@ -11,7 +11,6 @@
 namespace duet::kernels {
 namespace {
 
-using testing::DeviceBuffer;
 using testing::ToFloat;
 
 std::vector<float> Fill(size_t n, uint64_t seed, float scale) {

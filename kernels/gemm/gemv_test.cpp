@@ -9,7 +9,6 @@
 namespace duet::kernels {
 namespace {
 
-using testing::DeviceBuffer;
 
 void CheckGemv(int rows, int in, int out, bool fp32_out, uint64_t seed) {
   const std::vector<float> x = testing::RoundToBf16(testing::RandomFloats(size_t(rows) * in, seed));

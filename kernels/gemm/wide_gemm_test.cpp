@@ -14,7 +14,6 @@
 namespace duet::kernels {
 namespace {
 
-using testing::DeviceBuffer;
 
 struct Problem {
   int rows, in, out;

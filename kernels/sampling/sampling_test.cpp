@@ -16,7 +16,6 @@
 namespace duet::kernels {
 namespace {
 
-using testing::DeviceBuffer;
 
 constexpr int kLlamaVocab = 128256;
 constexpr int kTinyVocab = 8192;
