@@ -116,10 +116,10 @@ class UcxKvSender final : public KvSender {
   }
 
   std::future<absl::Status> SendLayer(PeerId peer, LayerSend send) override {
-    // One op per layer, each with its notice; the call's future hears from all of them.
+    // Each layer an op with its own notice; the call's future hears from all of them.
     auto group = std::make_shared<LayerGroup>();
     std::future<absl::Status> future = group->done.get_future();
-    // (At most the model's layers: more fail validation below, in one op each.)
+    // An op per layer, at most the model's count: a range past the model fails validation below.
     const uint32_t num_ops = std::clamp<uint32_t>(send.num_layers, 1, pools_.layout.num_layers);
     {
       absl::MutexLock lock(&group->mu);
