@@ -152,8 +152,8 @@ class ScriptedServer {
             boost::asio::ip::tcp::socket socket(io_);
             acceptor_.accept(socket);
             ReadRequest(socket);  // all of it: closing with unread bytes would reset the connection
+            ++answered_;          // before the write: the client may check it once it has the answer
             boost::asio::write(socket, boost::asio::buffer(response));
-            ++answered_;
           }
         }) {}
   ~ScriptedServer() { thread_.join(); }

@@ -466,6 +466,7 @@ TEST(DrainTest, SigtermToTheRouterDrainsItsStreams) {
 TEST(DrainTest, SigtermToADecodeWorkerFinishesItsStreams) {
   LocalCluster cluster({1, 2, {"--shutdown-grace-seconds", "60"}});
   ASSERT_TRUE(cluster.ok()) << cluster.error();
+  ASSERT_TRUE(cluster.WaitForAllWorkersUp());  // streams on both decode workers
   constexpr int kStreams = kDrainStreams;
   constexpr int kTokens = 160;
   Streams streams;
@@ -541,6 +542,7 @@ void ExpectDrainMovesStreamsKv(const std::string& backend, const std::vector<std
   options.metrics = true;
   LocalCluster cluster(options);
   ASSERT_TRUE(cluster.ok()) << cluster.error();
+  ASSERT_TRUE(cluster.WaitForAllWorkersUp());  // streams on both decode workers
   constexpr int kStreams = 8;
   constexpr int kTokens = 600;
   Streams streams;

@@ -447,6 +447,7 @@ TEST(ClusterTest, DecodeWorkerReleasesReservationsOfCancelledReserveKvCalls) {
 TEST(ClusterTest, KilledDecodeWorkerFailsItsStreamsPromptlyAndSurvivorsServe) {
   LocalCluster cluster({1, 2, {}, {"--max-request-migrations", "0"}});
   ASSERT_TRUE(cluster.ok()) << cluster.error();
+  ASSERT_TRUE(cluster.WaitForAllWorkersUp());  // streams on both decode workers
   const json ref = Reference();
   struct Ended {
     StreamResult result;

@@ -1,5 +1,8 @@
 #include "tests/integration/local_cluster.h"
 
+#include <chrono>
+#include <thread>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "tests/integration/process.h"
@@ -102,6 +105,21 @@ std::vector<v1::WorkerStats> Stats(std::vector<std::unique_ptr<Stub>>& stubs, co
   return out;
 }
 }  // namespace
+
+bool LocalCluster::WaitForAllWorkersUp() {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < give_up) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    v1::ModelInfo info;
+    if (router_stub_->GetModelInfo(&context, v1::GetModelInfoRequest(), &info).ok() &&
+        info.num_prefill_workers() == int(prefill_.size()) && info.num_decode_workers() == int(decode_.size())) {
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
 
 std::vector<v1::WorkerStats> LocalCluster::DecodeStats() { return Stats(decode_stubs_, internal_token_); }
 std::vector<v1::WorkerStats> LocalCluster::PrefillStats() { return Stats(prefill_stubs_, internal_token_); }

@@ -41,6 +41,10 @@ class LocalCluster {
   v1::Duet::Stub& router() { return *router_stub_; }
   std::shared_ptr<grpc::Channel> router_channel() { return router_channel_; }
   int router_port() const { return router_port_; }
+  // Waits (up to 60 s) until the router counts every worker of the cluster up. The router is
+  // ready before its first probes answer, so requests sent at once may all go to the workers
+  // found first: a test that needs them spread over every worker waits for this.
+  bool WaitForAllWorkersUp();
   std::vector<v1::WorkerStats> DecodeStats();   // one per decode worker still answering
   std::vector<v1::WorkerStats> PrefillStats();
   Subprocess& decode_process(int i) { return *decode_[size_t(i)]; }
