@@ -147,47 +147,39 @@ class Child : public ChildProcess {
 
 class CudaIpcTransportTest : public ::testing::TestWithParam<uint32_t> {};
 
-TEST_P(CudaIpcTransportTest, InOneProcessTheDeviceBytesEqualTheSource) {
-  SKIP_WITHOUT_GPU();
+// In one process: the request in sends of `layers_per_send` layers (1: as a forward pass produces
+// them; kLayers: one copy launch for all), then the receiver's device bytes.
+void ExpectDeviceBytesEqualTheSource(uint32_t sender_block_size, uint32_t layers_per_send) {
   DeviceReceiver receiver;
-  DeviceSender sender(GetParam());
+  DeviceSender sender(sender_block_size);
   absl::StatusOr<PeerId> peer = sender.sender->Connect(receiver.receiver->descriptor());
   ASSERT_TRUE(peer.ok()) << peer.status();
   ASSERT_EQ(sender.sender->path(*peer), TransferPath::kCudaIpc);
   ASSERT_TRUE(receiver.receiver->Expect(receiver.Expected()).ok());
-  std::vector<std::future<absl::Status>> layers;
-  for (uint32_t layer = 0; layer < kLayers; ++layer) {
-    layers.push_back(sender.sender->SendLayer(*peer, sender.Layer(layer, kReceiverIds)));
+  std::vector<std::future<absl::Status>> sends;
+  for (uint32_t layer = 0; layer < kLayers; layer += layers_per_send) {
+    LayerSend send = sender.Layer(layer, kReceiverIds);
+    send.num_layers = layers_per_send;
+    sends.push_back(sender.sender->SendLayer(*peer, send));
   }
   EXPECT_TRUE(sender.sender->Finish(*peer, kRequest).get().ok());
-  for (auto& layer : layers) EXPECT_TRUE(layer.get().ok());
-  const auto [status, landed] = receiver.probe.Wait(kRequest);
-  ASSERT_TRUE(status.ok()) << status;
-  EXPECT_EQ(landed, MemoryKind::kDevice);
-  EXPECT_EQ(receiver.DeviceHashes(), LayerHashes(sender.layout, sender.host, sender.ids));
-  EXPECT_EQ(sender.sender->pending_operations(), 0u);
-  EXPECT_EQ(receiver.receiver->active_leases(), 0u);
-}
-
-TEST_P(CudaIpcTransportTest, AllLayersInOneSendEqualTheSource) {
-  SKIP_WITHOUT_GPU();
-  DeviceReceiver receiver;
-  DeviceSender sender(GetParam());
-  absl::StatusOr<PeerId> peer = sender.sender->Connect(receiver.receiver->descriptor());
-  ASSERT_TRUE(peer.ok()) << peer.status();
-  ASSERT_EQ(sender.sender->path(*peer), TransferPath::kCudaIpc);
-  ASSERT_TRUE(receiver.receiver->Expect(receiver.Expected()).ok());
-  LayerSend all = sender.Layer(0, kReceiverIds);
-  all.num_layers = kLayers;  // one copy launch for every layer
-  std::future<absl::Status> sent = sender.sender->SendLayer(*peer, all);
-  EXPECT_TRUE(sender.sender->Finish(*peer, kRequest).get().ok());
-  EXPECT_TRUE(sent.get().ok());
+  for (auto& send : sends) EXPECT_TRUE(send.get().ok());
   const auto [status, landed] = receiver.probe.Wait(kRequest);
   ASSERT_TRUE(status.ok()) << status;  // every layer's checksums verified
   EXPECT_EQ(landed, MemoryKind::kDevice);
   EXPECT_EQ(receiver.DeviceHashes(), LayerHashes(sender.layout, sender.host, sender.ids));
   EXPECT_EQ(sender.sender->pending_operations(), 0u);
   EXPECT_EQ(receiver.receiver->active_leases(), 0u);
+}
+
+TEST_P(CudaIpcTransportTest, InOneProcessTheDeviceBytesEqualTheSource) {
+  SKIP_WITHOUT_GPU();
+  ExpectDeviceBytesEqualTheSource(GetParam(), 1);
+}
+
+TEST_P(CudaIpcTransportTest, AllLayersInOneSendEqualTheSource) {
+  SKIP_WITHOUT_GPU();
+  ExpectDeviceBytesEqualTheSource(GetParam(), kLayers);
 }
 
 TEST_P(CudaIpcTransportTest, BetweenProcessesTheDeviceBytesEqualTheSource) {
