@@ -150,8 +150,10 @@ class UcxKvSender final : public KvSender {
       notice.value_checksum =
           HashLayerTokens(pools_.layout, pools_.value_pools[notice.layer], send.src_block_ids, send.num_tokens);
     }
-    worker_->Post([this, ops = Shared(std::move(ops)), send = std::move(send), local] {
-      for (std::unique_ptr<Op>& op : *ops) StartLayer(std::move(op), send, local);
+    worker_->Post([this, peer, ops = Shared(std::move(ops)), send = std::move(send), local] {
+      // One plan for the send's layers: they share the block ids.
+      const absl::StatusOr<std::vector<CopyRange>> plan = local.ok() ? PlanPuts(peer, send) : local;
+      for (std::unique_ptr<Op>& op : *ops) StartLayer(std::move(op), plan);
     });
     return future;
   }
@@ -440,24 +442,27 @@ class UcxKvSender final : public KvSender {
     return id;
   }
 
-  void StartLayer(std::unique_ptr<Op> owned, const LayerSend& send, const absl::Status& local) {
+  // The puts of one layer of `send` to `id` (the same for every layer): its destination
+  // block ids checked against the peer's pools.
+  absl::StatusOr<std::vector<CopyRange>> PlanPuts(PeerId id, const LayerSend& send) {
+    absl::Status why;
+    const Peer* peer = UsablePeer(id, &why);
+    if (peer == nullptr) return why;
+    DUET_RETURN_IF_ERROR(ValidateBlockIds(peer->remote.layout, send.dst_block_ids, send.num_tokens,
+                                          peer->remote.num_blocks, "destination"));
+    return PlanLayerCopy(pools_.layout, send.src_block_ids, peer->remote.layout, send.dst_block_ids,
+                         send.num_tokens);
+  }
+
+  void StartLayer(std::unique_ptr<Op> owned, const absl::StatusOr<std::vector<CopyRange>>& plan) {
     const uint64_t op_id = Register(std::move(owned));
     const Op& op = *ops_.at(op_id);
     ++requests_[{op.peer, op.request_id}].layers_in_flight;
-    if (!local.ok()) return CompleteOp(op_id, local);
-
-    absl::Status why;
-    Peer* peer = UsablePeer(op.peer, &why);
-    if (peer == nullptr) return CompleteOp(op_id, why);
-    absl::Status valid = ValidateBlockIds(peer->remote.layout, send.dst_block_ids,
-                                          send.num_tokens, peer->remote.num_blocks,
-                                          "destination");
-    if (!valid.ok()) return CompleteOp(op_id, valid);
-    absl::StatusOr<std::vector<CopyRange>> plan =
-        PlanLayerCopy(pools_.layout, send.src_block_ids, peer->remote.layout, send.dst_block_ids,
-                      send.num_tokens);
     if (!plan.ok()) return CompleteOp(op_id, plan.status());
 
+    absl::Status why;
+    Peer* peer = UsablePeer(op.peer, &why);  // an earlier layer's put may have failed it
+    if (peer == nullptr) return CompleteOp(op_id, why);
     for (size_t region : {KeyRegion(op.notice.layer), ValueRegion(op.notice.layer)}) {
       const auto* local_base = static_cast<const uint8_t*>(regions_[region]->address());
       const uint64_t remote_base = peer->remote.regions[region].base_address;
