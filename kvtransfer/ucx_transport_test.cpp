@@ -446,6 +446,23 @@ TEST_F(UcxProtocolTest, FailedLayerMakesFinishFailAndAbortsTheReceiver) {
   EXPECT_EQ(receiver_->active_leases(), 0u);
 }
 
+
+// The destination is checked once for a send of several layers; every layer fails with it.
+TEST_F(UcxProtocolTest, BadDestinationFailsEveryLayerOfASend) {
+  ASSERT_TRUE(receiver_->Expect(Expected(14)).ok());
+  LayerSend bad = Layer(14, 0);
+  bad.num_layers = kLayout.num_layers;
+  bad.dst_block_ids = {7, 5, kBlocks};  // outside the receiver's pool
+  absl::Status bad_status = sender_->SendLayer(peer_, bad).get();
+  EXPECT_EQ(bad_status.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(bad_status.message(), HasSubstr("destination block id 32"));
+  absl::Status finish = sender_->Finish(peer_, 14).get();
+  EXPECT_EQ(finish.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(probe_.WaitDone(14).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(probe_.layers(14), 0);
+  EXPECT_EQ(sender_->pending_operations(), 0u);
+  EXPECT_EQ(receiver_->active_leases(), 0u);
+}
 TEST_F(UcxProtocolTest, MissingChecksumFailsAVerifyingRequest) {
   ASSERT_TRUE(receiver_->Expect(Expected(4)).ok());
   EXPECT_TRUE(sender_->SendLayer(peer_, Layer(4, 0, /*checksums=*/false)).get().ok());
