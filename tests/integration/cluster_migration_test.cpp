@@ -288,9 +288,10 @@ TEST(ClusterMigrationTest, WithNoPrefillWorkerLeftMigrationFailsClearly) {
   ASSERT_TRUE(cluster.ok()) << cluster.error();
   const json ref = Reference();
   // Long streams: every one is on a decode worker before the first ends, however slow the
-  // prefill, and the victim is chosen while each has hundreds of tokens to go, so that none ends
-  // while the prefill worker is killed and reaped (only the failures' messages are checked, not
-  // the tokens).
+  // prefill, and the victim is chosen while each has hundreds of tokens to go (only the failures'
+  // messages are checked, not the tokens). The two kills follow each other at once: a killed
+  // process can take seconds to be reaped on a loaded machine, long enough for the streams to end,
+  // and a prefill worker that has been sent SIGKILL serves nothing more.
   constexpr int kLongTokens = 600;
   const std::vector<v1::GenerateRequest> requests = GreedyRequests(ref, kLongTokens);
   Progress progress(requests.size());
@@ -298,8 +299,8 @@ TEST(ClusterMigrationTest, WithNoPrefillWorkerLeftMigrationFailsClearly) {
   const int victim = WaitForTwoStreamsOnADecodeWorker(cluster, int(requests.size()), &progress, kLongTokens / 2).index;
   ASSERT_GE(victim, 0);
   cluster.prefill_process(0).Signal(SIGKILL);
-  ASSERT_NE(cluster.prefill_process(0).Wait(std::chrono::seconds(10)), Subprocess::kStillRunning);
   cluster.decode_process(victim).Signal(SIGKILL);
+  ASSERT_NE(cluster.prefill_process(0).Wait(std::chrono::seconds(10)), Subprocess::kStillRunning);
   int failed = 0;
   for (Stream& s : Collect(streams)) {
     if (s.status.ok()) {
