@@ -1,6 +1,7 @@
 #include "router/openai_api.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <optional>
 #include <vector>
@@ -364,7 +365,12 @@ void Job::Finish() {
 
 OpenAiApi::OpenAiApi(OpenAiApiOptions options, const Tokenizer* tokenizer, const LoadedChatTemplate* chat,
                      std::shared_ptr<grpc::Channel> channel)
-    : options_(std::move(options)), tokenizer_(tokenizer), chat_(chat), channel_(std::move(channel)) {
+    : options_(std::move(options)),
+      started_at_(
+          std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count()),
+      tokenizer_(tokenizer),
+      chat_(chat),
+      channel_(std::move(channel)) {
   context_.model_name = options_.model_name;
   context_.tokenizer = tokenizer_;
   context_.chat = chat_;
@@ -413,7 +419,7 @@ Json OpenAiApi::ModelCard(const std::string& name) const {
   Json model;
   model["id"] = name;
   model["object"] = "model";
-  model["created"] = 0;
+  model["created"] = started_at_;
   model["owned_by"] = "duet";
   model["root"] = options_.model_name;
   model["parent"] = nullptr;

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -81,6 +82,7 @@ class OpenAiApi {
   void Offload(const std::shared_ptr<HttpResponder>& responder, std::function<void()> work);
 
   const OpenAiApiOptions options_;
+  const int64_t started_at_;  // Unix seconds: the model cards' `created`
   const Tokenizer* const tokenizer_;
   const LoadedChatTemplate* const chat_;
   openai::ProtocolContext context_;
