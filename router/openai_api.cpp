@@ -1,7 +1,6 @@
 #include "router/openai_api.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <optional>
 #include <vector>
@@ -366,8 +365,7 @@ void Job::Finish() {
 OpenAiApi::OpenAiApi(OpenAiApiOptions options, const Tokenizer* tokenizer, const LoadedChatTemplate* chat,
                      std::shared_ptr<grpc::Channel> channel)
     : options_(std::move(options)),
-      started_at_(
-          std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count()),
+      started_at_(openai::UnixSecondsNow()),
       tokenizer_(tokenizer),
       chat_(chat),
       channel_(std::move(channel)) {

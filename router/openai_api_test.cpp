@@ -4,7 +4,6 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/write.hpp>
-#include <chrono>
 #include <thread>
 
 #include "duet/v1/duet.grpc.pb.h"
@@ -302,8 +301,7 @@ TEST_F(OpenAiApiTest, ErrorsAndEndpoints) {
   ASSERT_EQ(r.status, 200);
   EXPECT_EQ(json::parse(r.body)["data"][0]["id"], "tiny-code-llama");
   // When the server started, as vLLM's model cards: a recent Unix time, not 0.
-  const int64_t now =
-      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  const int64_t now = openai::UnixSecondsNow();
   const int64_t created = json::parse(r.body)["data"][0]["created"].get<int64_t>();
   EXPECT_LE(created, now);
   EXPECT_GT(created, now - 600);

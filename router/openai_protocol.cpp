@@ -563,8 +563,7 @@ absl::Status ParseCommon(const Json& j, const ProtocolContext& context, ParsedRe
     if (absl::Status s = CheckRequestIdLength(id); !s.ok()) return BadRequest(s.message(), "request_id");
     if (!id.empty()) out->request_id = id;
   }
-  out->created =
-      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  out->created = UnixSecondsNow();
   return absl::OkStatus();
 }
 
@@ -664,6 +663,10 @@ absl::Status CheckModel(const Json& j, const ProtocolContext& context) {
                     "model");
   }
   return absl::OkStatus();
+}
+
+int64_t UnixSecondsNow() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 absl::StatusOr<ParsedRequest> ParseCompletionRequest(std::string_view body, const ProtocolContext& context) {

@@ -117,6 +117,9 @@ struct ParsedRequest {
 // does not parse tool calls.
 std::unique_ptr<ToolCallParser> NewToolCallParser(const ToolCalling& tools, ToolCallIdFn new_id = nullptr);
 
+// The `created` of responses and model cards: Unix seconds now.
+int64_t UnixSecondsNow();
+
 absl::StatusOr<ParsedRequest> ParseCompletionRequest(std::string_view body, const ProtocolContext& context);
 absl::StatusOr<ParsedRequest> ParseChatRequest(std::string_view body, const ProtocolContext& context);
 
