@@ -79,22 +79,9 @@ class Router {
 
   // Waits (up to 30 s) until the router counts exactly this many workers up.
   bool WaitForWorkersUp(int prefill, int decode) {
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    while (true) {
-      grpc::ClientContext context;
-      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-      v1::ModelInfo info;
-      if (stub_->GetModelInfo(&context, v1::GetModelInfoRequest(), &info).ok() &&
-          info.num_prefill_workers() == prefill && info.num_decode_workers() == decode) {
-        return true;
-      }
-      if (std::chrono::steady_clock::now() > give_up) {
-        ADD_FAILURE() << "the router counts " << info.num_prefill_workers() << " prefill and "
-                      << info.num_decode_workers() << " decode workers up, not " << prefill << " and " << decode;
-        return false;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+    const absl::Status up = testing::WaitForWorkersUp(*stub_, prefill, decode, std::chrono::seconds(30));
+    if (!up.ok()) ADD_FAILURE() << up.message();
+    return up.ok();
   }
 
  private:

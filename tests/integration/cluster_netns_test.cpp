@@ -181,20 +181,9 @@ class NetnsClusterTest : public ::testing::Test {
   }
 
   bool WaitForWorkersUp(int prefill, int decode) {
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    v1::ModelInfo info;
-    while (std::chrono::steady_clock::now() < give_up) {
-      grpc::ClientContext context;
-      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-      if (router_->GetModelInfo(&context, v1::GetModelInfoRequest(), &info).ok() &&
-          info.num_prefill_workers() == prefill && info.num_decode_workers() == decode) {
-        return true;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    ADD_FAILURE() << "the router counts " << info.num_prefill_workers() << " prefill and " << info.num_decode_workers()
-                  << " decode workers up, not " << prefill << " and " << decode;
-    return false;
+    const absl::Status up = testing::WaitForWorkersUp(*router_, prefill, decode, std::chrono::seconds(60));
+    if (!up.ok()) ADD_FAILURE() << up.message();
+    return up.ok();
   }
 
   void ExpectReferenceOutput(const std::string& stage) {

@@ -106,19 +106,25 @@ std::vector<v1::WorkerStats> Stats(std::vector<std::unique_ptr<Stub>>& stubs, co
 }
 }  // namespace
 
-bool LocalCluster::WaitForAllWorkersUp() {
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+absl::Status WaitForWorkersUp(v1::Duet::Stub& router, int prefill, int decode, std::chrono::seconds timeout) {
+  const auto give_up = std::chrono::steady_clock::now() + timeout;
+  v1::ModelInfo info;
   while (std::chrono::steady_clock::now() < give_up) {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    v1::ModelInfo info;
-    if (router_stub_->GetModelInfo(&context, v1::GetModelInfoRequest(), &info).ok() &&
-        info.num_prefill_workers() == int(prefill_.size()) && info.num_decode_workers() == int(decode_.size())) {
-      return true;
+    if (router.GetModelInfo(&context, v1::GetModelInfoRequest(), &info).ok() &&
+        info.num_prefill_workers() == prefill && info.num_decode_workers() == decode) {
+      return absl::OkStatus();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  return false;
+  return absl::DeadlineExceededError(absl::StrCat("the router counts ", info.num_prefill_workers(), " prefill and ",
+                                                  info.num_decode_workers(), " decode workers up, not ", prefill,
+                                                  " and ", decode));
+}
+
+bool LocalCluster::WaitForAllWorkersUp() {
+  return WaitForWorkersUp(*router_stub_, int(prefill_.size()), int(decode_.size()), std::chrono::seconds(60)).ok();
 }
 
 std::vector<v1::WorkerStats> LocalCluster::DecodeStats() { return Stats(decode_stubs_, internal_token_); }

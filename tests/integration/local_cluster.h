@@ -2,10 +2,12 @@
 // workers and a router started from build/bin/duet on ephemeral ports, stopped on destruction.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "common/subprocess.h"
 #include "duet/v1/duet.grpc.pb.h"
 #include "duet/v1/worker.grpc.pb.h"
@@ -31,6 +33,10 @@ struct ClusterOptions {
   std::string backend = "cpu";
 };
 
+// Waits (up to `timeout`) until the router behind `router` counts exactly `prefill` prefill and
+// `decode` decode workers up (GetModelInfo); otherwise DEADLINE_EXCEEDED naming what it counted.
+absl::Status WaitForWorkersUp(v1::Duet::Stub& router, int prefill, int decode, std::chrono::seconds timeout);
+
 class LocalCluster {
  public:
   explicit LocalCluster(const ClusterOptions& options);
@@ -41,9 +47,9 @@ class LocalCluster {
   v1::Duet::Stub& router() { return *router_stub_; }
   std::shared_ptr<grpc::Channel> router_channel() { return router_channel_; }
   int router_port() const { return router_port_; }
-  // Waits (up to 60 s) until the router counts every worker of the cluster up. The router is
-  // ready before its first probes answer, so requests sent at once may all go to the workers
-  // found first: a test that needs them spread over every worker waits for this.
+  // Waits (up to 60 s) until the router counts every worker of the cluster up. The router polls
+  // its workers once before it is ready, but a poll that times out on a loaded machine leaves that
+  // worker out until a later round: a test that needs streams spread over every worker waits.
   bool WaitForAllWorkersUp();
   std::vector<v1::WorkerStats> DecodeStats();   // one per decode worker still answering
   std::vector<v1::WorkerStats> PrefillStats();
