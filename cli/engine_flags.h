@@ -46,6 +46,10 @@ struct EngineFlags {
                     "steps, while a step with nothing decoding still takes --max-num-batched-tokens (default 0: "
                     "--max-num-batched-tokens)")
         ->check(CLI::Range(0, 1 << 24));
+    app->add_flag("--async-scheduling,!--no-async-scheduling", config->async_scheduling,
+                  "cuda: launch each step before the previous step's tokens reach the host, so the GPU does not "
+                  "wait while the host schedules (on by default; steps of requests that sample on the host run "
+                  "one at a time)");
     app->add_option("--max-model-len", config->scheduler.max_model_len, "Context limit (default: the model's)")
         ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
         ->default_str("");

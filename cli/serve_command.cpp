@@ -86,6 +86,7 @@ std::vector<std::string> WorkerEngineFlags(const ServeOptions& o, bool decode) {
   if (spec.self_spec_layers > 0) flags.insert(flags.end(), {"--self-spec-layers", std::to_string(spec.self_spec_layers)});
   if (o.kv_checksums) flags.push_back("--kv-checksums");
   if (!o.engine.enable_prefix_caching) flags.push_back("--no-enable-prefix-caching");
+  if (!o.engine.async_scheduling) flags.push_back("--no-async-scheduling");
   if (o.engine.host_kv_cache_bytes > 0) {
     flags.insert(flags.end(), {"--host-kv-cache-gib", std::to_string(double(o.engine.host_kv_cache_bytes) / double(1ull << 30))});
   }

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <iterator>
 #include <numeric>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
@@ -277,6 +279,7 @@ absl::StatusOr<LlmEngine::KvReservation> LlmEngine::ReserveKv(absl::Span<const i
 void LlmEngine::ReleaseKv(SequenceId reservation) { blocks_.Free(reservation); }
 
 absl::Status LlmEngine::KeepKvWhenFinished(const std::string& id) {
+  DrainLaunched();
   auto it = requests_.find(id);
   if (it == requests_.end() || it->second->finished()) {
     return absl::NotFoundError(absl::StrCat("no unfinished request '", id, "'"));
@@ -315,6 +318,7 @@ absl::StatusOr<RequestOutput> LlmEngine::AddPrefilledRequest(const std::string& 
 }
 
 absl::StatusOr<LlmEngine::DetachedRequest> LlmEngine::Detach(const std::string& id) {
+  DrainLaunched();  // its last token known, and none of its K/V still being written
   auto it = requests_.find(id);
   if (it == requests_.end() || it->second->finished()) {
     return absl::NotFoundError(absl::StrCat("no running request '", id, "'"));
@@ -370,6 +374,7 @@ void LlmEngine::Release(const std::string& id) {
   auto it = requests_.find(id);
   if (it == requests_.end()) return;
   if (!it->second->finished()) FinishRequest(*it->second, FinishReason::kAbort);
+  if (it->second->num_launched_tokens > 0) released_while_launched_.push_back(std::move(it->second));
   requests_.erase(it);
 }
 
@@ -416,7 +421,12 @@ void LlmEngine::FinishRequest(Request& r, FinishReason reason) {
     DUET_CHECK_MSG(forked.ok(), forked.ToString());  // the request's sequence exists until Remove
     r.kept_kv = kept;
   }
-  scheduler_.Remove(&r);
+  if (r.num_launched_tokens > 0) {  // a launched step still writes its K/V: freed once collected
+    scheduler_.Detach(&r);
+    deferred_frees_.push_back(r.seq_id);
+  } else {
+    scheduler_.Remove(&r);
+  }
   if (spec_) spec_->OnFinished(r);
   r.finish_reason = reason;
   r.finish_time = Clock::now();
@@ -466,7 +476,7 @@ void LlmEngine::AppendToken(Request& r, const SampledToken& token, RequestOutput
     }
   }
   if (reason == FinishReason::kNone &&
-      (int32_t(r.output.size()) >= p.max_tokens || r.num_tokens() >= config_.scheduler.max_model_len)) {
+      (int32_t(r.output.size()) >= p.max_tokens || r.num_known_tokens() >= config_.scheduler.max_model_len)) {
     reason = FinishReason::kLength;
   }
   if (reason != FinishReason::kNone) {
@@ -552,6 +562,19 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
 }
 
 absl::StatusOr<std::vector<RequestOutput>> LlmEngine::ScheduleAndRun(const LayerDoneCallback& on_layer_done) {
+  std::vector<RequestOutput> outputs = std::exchange(drained_outputs_, {});
+  auto append = [&outputs](std::vector<RequestOutput> more) {
+    outputs.insert(outputs.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
+  };
+  last_step_num_tokens_ = 0;
+  const bool ahead = CanLaunchAhead(on_layer_done);
+  // A step run one at a time needs every token known: the launched step is collected first, and
+  // this one runs on the next call.
+  if (!ahead && launched_) {
+    DrainLaunched();
+    append(std::exchange(drained_outputs_, {}));
+    return outputs;
+  }
   const int64_t setups_before = model_->num_one_time_setups();
   if (spec_) {
     spec_->BeginStep();
@@ -559,18 +582,34 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::ScheduleAndRun(const Layer
   }
   SchedulerOutput plan = scheduler_.Schedule();
   num_preemptions_ += plan.num_preempted;
-  last_step_num_tokens_ = 0;
-  if (plan.empty()) return std::vector<RequestOutput>();
+  std::optional<SchedulerOutput> previous = std::exchange(launched_, std::nullopt);
+  if (plan.empty()) {
+    if (previous) append(CollectLaunched(*previous));
+    return outputs;
+  }
   // Ordered ahead of the step's kernels, not waited for here.
   if (absl::Status s = FlushTierCopies(HostKvTier::FlushMode::kOrdered); !s.ok()) {
     scheduler_.OnStepDone(plan);
-    return FailStep(plan, s);
+    append(FailStep(plan, s));
+    if (previous) append(CollectLaunched(*previous));
+    return outputs;
   }
   cache_->CopyBlocks(plan.block_copies);
   DraftScheduled(plan);
   const StepBatch batch = BuildBatch(plan);
   last_step_num_tokens_ = batch.num_tokens;
   const std::optional<std::vector<DeviceSamplingRow>> device_rows = DeviceSamplingRows(plan, batch);
+  if (ahead) {
+    DUET_CHECK(device_rows.has_value());  // CanLaunchAhead found no request that samples on the host
+    if (absl::Status s = LaunchAhead(plan, batch, *device_rows); s.ok()) {
+      launched_ = std::move(plan);
+    } else {
+      scheduler_.OnStepDone(plan);
+      append(FailStep(plan, s));
+    }
+    if (previous) append(CollectLaunched(*previous));  // the device runs the new step meanwhile
+    return outputs;
+  }
   const Clock::time_point forward_start = Clock::now();
   const absl::Status forward =
       device_rows ? model_->ForwardSample(batch.chunks, *cache_, *device_rows, device_samples_, on_layer_done,
@@ -578,14 +617,15 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::ScheduleAndRun(const Layer
                   : model_->Forward(batch.chunks, *cache_, logits_, on_layer_done);
   forward_seconds_ += std::chrono::duration<double>(Clock::now() - forward_start).count();
   scheduler_.OnStepDone(plan);
-  if (!forward.ok()) return FailStep(plan, forward);
-  for (const ScheduledChunk& sc : plan.chunks) {  // OnStepDone has counted the chunk computed
-    const int64_t first = sc.request->num_computed_tokens - sc.num_new_tokens;
-    num_prompt_tokens_ += std::clamp<int64_t>(int64_t(sc.request->prompt.size()) - first, 0, sc.num_new_tokens);
+  if (!forward.ok()) {
+    append(FailStep(plan, forward));
+    return outputs;
   }
+  CountPromptTokens(plan);
   scheduler_.CommitComputedBlocks(plan);
-  std::vector<RequestOutput> outputs = ApplySamples(plan, batch, device_rows.has_value());
-  for (const RequestOutput& out : outputs) num_generation_tokens_ += int64_t(out.new_token_ids.size());
+  std::vector<RequestOutput> sampled = ApplySamples(plan, batch, device_rows.has_value());
+  for (const RequestOutput& out : sampled) num_generation_tokens_ += int64_t(out.new_token_ids.size());
+  append(std::move(sampled));
   // What the step cost teaches the planner, unless it paid a one-time setup (a graph capture).
   if (spec_ && model_->num_one_time_setups() == setups_before) {
     const bool verification = std::any_of(batch.parents.begin(), batch.parents.end(),
@@ -593,6 +633,90 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::ScheduleAndRun(const Layer
     spec_->EndStep(batch.num_tokens, verification);
   }
   return outputs;
+}
+
+void LlmEngine::CountPromptTokens(const SchedulerOutput& plan) {
+  for (const ScheduledChunk& sc : plan.chunks) {  // OnStepDone has counted the chunk computed
+    const int64_t first = sc.request->num_computed_tokens - sc.num_new_tokens;
+    num_prompt_tokens_ += std::clamp<int64_t>(int64_t(sc.request->prompt.size()) - first, 0, sc.num_new_tokens);
+  }
+}
+
+namespace {
+
+// Whether a request's steps must run one at a time: its token is sampled on the host (or with a
+// mask of the grammar's state after the previous token), speculated, or its KV kept for a
+// transfer that starts after the step.
+bool NeedsStepsOneAtATime(const Request& r) {
+  const SamplingParams& p = r.params;
+  return p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f ||
+         p.logprobs > 0 || !p.logit_bias.empty() || p.prompt_logprobs >= 0 || r.grammar != nullptr ||
+         r.spec.mode != SpeculationMode::kNone || r.keep_kv_when_finished;
+}
+
+}  // namespace
+
+bool LlmEngine::CanLaunchAhead(const LayerDoneCallback& on_layer_done) const {
+  if (!config_.async_scheduling || on_layer_done || !model_->CanLaunchAhead() || !model_->CanSampleOnDevice()) {
+    return false;
+  }
+  return !scheduler_.AnyUnfinished(NeedsStepsOneAtATime);
+}
+
+absl::Status LlmEngine::LaunchAhead(const SchedulerOutput& plan, const StepBatch& batch,
+                                    const std::vector<DeviceSamplingRow>& rows) {
+  const Clock::time_point start = Clock::now();
+  const absl::Status launched = model_->LaunchSample(batch.chunks, *cache_, rows);
+  forward_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
+  if (!launched.ok()) return launched;
+  scheduler_.OnStepDone(plan);
+  CountPromptTokens(plan);
+  int32_t row = 0;  // one sampled row per sampling chunk: no trees, no prompt logprobs here
+  for (const ScheduledChunk& sc : plan.chunks) {
+    sc.request->num_launched_tokens += sc.num_new_tokens;
+    if (sc.samples) sc.request->pending_rows.push_back(row++);
+  }
+  return absl::OkStatus();
+}
+
+std::vector<RequestOutput> LlmEngine::CollectLaunched(const SchedulerOutput& step) {
+  const Clock::time_point start = Clock::now();
+  const absl::Status collected = model_->CollectSamples(device_samples_);
+  forward_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
+  // The device is done with the step: the blocks of requests that finished while it ran can go.
+  const std::vector<SequenceId> frees = std::exchange(deferred_frees_, {});
+  for (const ScheduledChunk& sc : step.chunks) sc.request->num_launched_tokens -= sc.num_new_tokens;
+  if (collected.ok()) scheduler_.CommitComputedBlocks(step);
+  std::vector<RequestOutput> outputs;
+  int32_t row = 0;
+  for (const ScheduledChunk& sc : step.chunks) {
+    if (!sc.samples) continue;
+    Request& r = *sc.request;
+    DUET_CHECK(!r.pending_rows.empty() && r.pending_rows.front() == row);
+    r.pending_rows.erase(r.pending_rows.begin());
+    const DeviceSample sample = collected.ok() ? device_samples_[size_t(row)] : DeviceSample{};
+    ++row;
+    if (r.finished()) continue;  // it finished while the step ran (stop, abort): the token goes
+    RequestOutput& out = outputs.emplace_back(RequestOutput{r.id});
+    if (!collected.ok()) {
+      FinishWithError(r, collected, out);
+      continue;
+    }
+    AppendToken(r, SampledToken{sample.token, sample.logprob, {}}, out);
+    num_generation_tokens_ += int64_t(out.new_token_ids.size());
+  }
+  for (SequenceId seq : frees) blocks_.Free(seq);
+  std::erase_if(released_while_launched_, [](const std::unique_ptr<Request>& r) { return r->num_launched_tokens == 0; });
+  return outputs;
+}
+
+void LlmEngine::DrainLaunched() {
+  if (!launched_) return;
+  const SchedulerOutput step = std::move(*launched_);
+  launched_.reset();
+  std::vector<RequestOutput> collected = CollectLaunched(step);
+  drained_outputs_.insert(drained_outputs_.end(), std::make_move_iterator(collected.begin()),
+                          std::make_move_iterator(collected.end()));
 }
 
 void LlmEngine::DraftScheduled(const SchedulerOutput& plan) {
@@ -617,7 +741,12 @@ LlmEngine::StepBatch LlmEngine::BuildBatch(const SchedulerOutput& plan) const {
     const Request& r = *sc.request;
     std::vector<int32_t>& tokens = batch.tokens[i];
     std::vector<int32_t>& parents = batch.parents[i];
-    for (int64_t t = 0; t < sc.num_new_tokens; ++t) tokens.push_back(r.TokenAt(r.num_computed_tokens + t));
+    for (int64_t pos = r.num_computed_tokens; pos < r.num_computed_tokens + sc.num_new_tokens; ++pos) {
+      // A pending token (async scheduling) is the launched step's sample, resolved on the device.
+      tokens.push_back(pos < r.num_known_tokens()
+                           ? r.TokenAt(pos)
+                           : PreviousStepSample(r.pending_rows[size_t(pos - r.num_known_tokens())]));
+    }
     if (sc.num_draft_slots > 0 && !r.spec.tree.empty()) {
       parents.push_back(-1);
       for (int32_t j = 0; j < r.spec.tree.size(); ++j) {
@@ -689,7 +818,7 @@ std::optional<std::vector<DeviceSamplingRow>> LlmEngine::DeviceSamplingRows(cons
     const auto key = static_cast<uint64_t>(r.rng.Uniform() * 9007199254740992.0);
     if (r.grammar) r.token_mask.resize(size_t(r.grammar->compiled().vocab().mask_words()));
     const DeviceSamplingRow row{p.greedy() ? 0.0f : p.temperature, p.top_k, p.top_p, p.min_p, key,
-                                uint64_t(r.output.size()),
+                                uint64_t(r.output.size() + r.pending_rows.size()),
                                 r.grammar ? absl::Span<const uint32_t>(r.token_mask) : absl::Span<const uint32_t>()};
     if (parents.empty()) {
       rows.push_back(row);

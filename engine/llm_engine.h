@@ -39,6 +39,12 @@ struct EngineConfig {
   // weights and activations are in (like vLLM's --gpu-memory-utilization).
   double gpu_memory_utilization = 0.9;
   SchedulerConfig scheduler;  // max_model_len 0: the model's max_position_embeddings
+  // Async scheduling (vLLM's --async-scheduling): with an executor that can (CUDA), each step is
+  // launched before the previous one's tokens reach the host, so the device does not idle while
+  // the host applies them and schedules. Steps with requests that need host-side sampling
+  // (penalties, logit bias, top-N logprobs, prompt logprobs, structured output, speculation) and
+  // steps with a layer callback run one at a time. Outputs are the same either way.
+  bool async_scheduling = true;
   SpeculationConfig speculation;
   // Sequence-parallel prefill (ring attention): a prompt of at least `min_tokens` that a step
   // takes whole runs on `ranks` ranks (cpu: threads of this process). 1: off.
@@ -190,7 +196,8 @@ class LlmEngine {
   absl::Status AttachRequest(const std::string& id, std::vector<int32_t> prompt, SamplingParams params,
                              SequenceId reservation, const ResumedOutput& resumed);
   KvCache& kv_cache() { return *cache_; }
-  bool HasUnfinished() const { return scheduler_.HasWork(); }
+  // Requests to run, a launched step to collect (async scheduling), or collected outputs to give.
+  bool HasUnfinished() const { return scheduler_.HasWork() || launched_.has_value() || !drained_outputs_.empty(); }
   // Tokens in the last Step's forward pass (0 when it ran none).
   int64_t last_step_num_tokens() const { return last_step_num_tokens_; }
   // Forgets the prefix cache's blocks on the device and in the host tier (vLLM's
@@ -243,6 +250,19 @@ class LlmEngine {
   // planned guess (lookahead's tree, kept for this) foresaw `token`.
   void ScorePlannedGuess(Request& r, int32_t token);
 
+  // Async scheduling. Whether the next step may be launched ahead of the collection of the one
+  // launched before it; launching one (its samples become the requests' pending tokens); and
+  // collecting the launched step: its samples applied, the blocks of requests that finished
+  // while it ran freed. DrainLaunched collects it outside Step (before what needs every token
+  // known), keeping its outputs for the next Step.
+  bool CanLaunchAhead(const LayerDoneCallback& on_layer_done) const;
+  absl::Status LaunchAhead(const SchedulerOutput& plan, const StepBatch& batch,
+                           const std::vector<DeviceSamplingRow>& rows);
+  std::vector<RequestOutput> CollectLaunched(const SchedulerOutput& step);
+  void DrainLaunched();
+  // Counts the prompt tokens of a step's chunks (after OnStepDone).
+  void CountPromptTokens(const SchedulerOutput& plan);
+
   // Appends a sampled token; finishes the request on EOS, stop id, stop string or length.
   void AppendToken(Request& r, const SampledToken& token, RequestOutput& out);
   void FinishRequest(Request& r, FinishReason reason);
@@ -290,6 +310,13 @@ class LlmEngine {
   double forward_seconds_ = 0;  // EngineStats'
   std::vector<float> logits_;
   std::vector<DeviceSample> device_samples_;
+  // Async scheduling: the launched step not yet collected; outputs collected outside Step; the
+  // sequences of requests that finished while in it (freed once it is collected); requests
+  // released while in it (destroyed then).
+  std::optional<SchedulerOutput> launched_;
+  std::vector<RequestOutput> drained_outputs_;
+  std::vector<SequenceId> deferred_frees_;
+  std::vector<std::unique_ptr<Request>> released_while_launched_;
   std::unique_ptr<SpeculativeDecoder> spec_;  // null: no request speculates
   std::unique_ptr<grammar::GrammarCompiler> grammar_compiler_;
 };

@@ -76,6 +76,12 @@ struct DeviceSample {
   float logprob = 0.0f;  // log-softmax of the raw logits at `token`
 };
 
+// Async scheduling: a chunk's token id that the host does not know yet, the token that the step
+// launched before this one samples in its logits row `row` (resolved on the device).
+constexpr int32_t PreviousStepSample(int32_t row) { return -1 - row; }
+constexpr bool IsPreviousStepSample(int32_t token) { return token < 0; }
+constexpr int32_t PreviousStepSampleRow(int32_t token) { return -1 - token; }
+
 // A self-speculation draft runs at least one layer and leaves at least one out.
 inline absl::Status CheckLayerPrefix(const ModelConfig& config, int64_t num_layers) {
   if (num_layers >= 1 && num_layers < config.num_layers) return absl::OkStatus();
@@ -109,6 +115,22 @@ class ModelExecutor {
                                      const LayerDoneCallback& on_layer_done = nullptr,
                                      const FillMasksCallback& fill_masks = nullptr) {
     return absl::UnimplementedError("this executor samples on the host");
+  }
+
+  // Async scheduling (vLLM's --async-scheduling, SGLang's overlap scheduler): the engine launches
+  // step n + 1 before step n's tokens reach the host, so the device does not wait while the host
+  // applies them and schedules. LaunchSample is ForwardSample without the wait (no layer callback,
+  // no grammar masks); its chunks' token ids may be PreviousStepSample(row). CollectSamples waits
+  // for the oldest launched step not yet collected and gives its samples; at most two launched
+  // steps wait to be collected. A step run any other way (Forward, ForwardSample) first needs every
+  // launched step collected.
+  virtual bool CanLaunchAhead() const { return false; }
+  virtual absl::Status LaunchSample(absl::Span<const SequenceChunk> chunks, KvCache& cache,
+                                    absl::Span<const DeviceSamplingRow> rows) {
+    return absl::UnimplementedError("this executor cannot launch a step ahead");
+  }
+  virtual absl::Status CollectSamples(std::vector<DeviceSample>& samples) {
+    return absl::UnimplementedError("this executor cannot launch a step ahead");
   }
 
   // Speculative decoding. The engine speculates only with executors that honour

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "common/finish_reason.h"
 #include "engine/grammar/matcher.h"
 #include "engine/kv/block_hash.h"
@@ -79,18 +80,30 @@ struct Request {
   std::unique_ptr<grammar::GrammarMatcher> grammar;
   std::vector<uint32_t> token_mask;
 
+  // Async scheduling (LlmEngine: a step launched before the previous one's tokens reach the
+  // host). `pending_rows`: the request's tokens that launched steps have sampled and the host has
+  // not seen yet, oldest first, each as its logits row in its step (at most one a step, two steps
+  // launched); counted in num_tokens(), their ids unknown. `num_launched_tokens`: its tokens in
+  // launched steps not yet collected; while any are, its blocks stay allocated.
+  absl::InlinedVector<int32_t, 2> pending_rows;
+  int64_t num_launched_tokens = 0;
+
   Clock::time_point arrival_time = Clock::now();
   Clock::time_point first_scheduled_time{};
   Clock::time_point first_token_time{};
   Clock::time_point finish_time{};
 
-  int64_t num_tokens() const { return int64_t(prompt.size() + output.size()); }
+  // Prompt and output tokens, with the pending ones; TokenAt knows all but the pending.
+  int64_t num_tokens() const { return num_known_tokens() + int64_t(pending_rows.size()); }
+  int64_t num_known_tokens() const { return int64_t(prompt.size() + output.size()); }
   int32_t TokenAt(int64_t i) const {
     return i < int64_t(prompt.size()) ? prompt[size_t(i)] : output[size_t(i - int64_t(prompt.size()))];
   }
   bool finished() const { return state == RequestState::kFinished; }
   // Its next step computes one token after sampled ones: it decodes (not a prompt chunk).
-  bool decoding() const { return !output.empty() && num_tokens() - num_computed_tokens == 1; }
+  bool decoding() const {
+    return (!output.empty() || !pending_rows.empty()) && num_tokens() - num_computed_tokens == 1;
+  }
 };
 
 }  // namespace duet

@@ -178,6 +178,7 @@ absl::Status LlamaCuda::AllocateActivations() {
   // Logits of one head pass, or every row's sampled token and logprob (up to t rows each).
   // Host logits travel through it in passes of max_num_seqs rows; sampled tokens and logprobs
   // (up to t rows each) in one.
+  DUET_RETURN_IF_ERROR(launched_samples_.Init(t));
   return results_host_.Resize(std::max(size_t(options_.max_num_seqs) * size_t(c.vocab_size), 2 * size_t(t) + 8) * 4);
 }
 
@@ -560,14 +561,18 @@ absl::Status LlamaCuda::CopySamplesToHost(int rows, std::vector<DeviceSample>& s
 absl::Status LlamaCuda::RunLayers(absl::Span<const SequenceChunk> chunks, KvCache& kv_cache,
                                   absl::Span<const DeviceSamplingRow> sampling, const LayerDoneCallback& on_layer_done,
                                   std::vector<float>* logits, std::vector<DeviceSample>* samples, int num_layers,
-                                  const FillMasksCallback& fill_masks) {
+                                  const FillMasksCallback& fill_masks, bool launch_ahead) {
   DUET_CHECK(num_layers >= 1 && num_layers <= int(weights_->num_layers()));
   DUET_ASSIGN_OR_RETURN(cuda::DeviceKvCache* const cache, OwnCache(kv_cache));
+  if (launch_ahead ? launched_samples_.full() : !launched_samples_.empty()) {
+    return absl::FailedPreconditionError(launch_ahead ? "two launched steps are not collected yet"
+                                                      : "a step launched ahead is not collected yet");
+  }
   if (group_ != nullptr && num_layers == int(weights_->num_layers()) && group_->Takes(chunks)) {
     return group_->Prefill(chunks, *cache, sampling, on_layer_done, logits, samples, fill_masks);
   }
-  DUET_ASSIGN_OR_RETURN(cuda::StepPlan plan, metadata_->Plan(chunks));
-  const bool sample = samples != nullptr;
+  DUET_ASSIGN_OR_RETURN(cuda::StepPlan plan, metadata_->Plan(chunks, /*previous_samples=*/launch_ahead));
+  const bool sample = samples != nullptr || launch_ahead;
   const int real_rows = plan.num_logit_rows;
   if (sample && size_t(real_rows) != sampling.size()) {
     return absl::InvalidArgumentError(absl::StrCat("device sampling needs one row per logits row (", real_rows,
@@ -589,6 +594,7 @@ absl::Status LlamaCuda::RunLayers(absl::Span<const SequenceChunk> chunks, KvCach
   // Masks filled by the caller go up once the model's work is enqueued, before the sampling.
   const bool masks_later = sample && fill_masks != nullptr;
   metadata_->Upload(plan, sampling, stream_, /*with_bitmasks=*/!masks_later);
+  metadata_->ResolvePreviousSamples(plan, stream_);
   auto upload_masks = [&] {
     fill_masks();
     metadata_->UploadBitmasks(sampling, stream_);
@@ -606,6 +612,9 @@ absl::Status LlamaCuda::RunLayers(absl::Span<const SequenceChunk> chunks, KvCach
     Enqueue(plan, *cache, sample, chunks, on_layer_done, num_layers);
     if (masks_later) upload_masks();
     DUET_RETURN_IF_ERROR(EagerHead(plan, sample, logits));
+  }
+  if (launch_ahead) {
+    return launched_samples_.Enqueue(metadata_->sampled_tokens(), metadata_->sampled_logprobs(), real_rows, stream_);
   }
   if (sample) return CopySamplesToHost(real_rows, *samples);
   return absl::OkStatus();
@@ -662,6 +671,15 @@ absl::Status LlamaCuda::ForwardSample(absl::Span<const SequenceChunk> chunks, Kv
                                       const LayerDoneCallback& on_layer_done, const FillMasksCallback& fill_masks) {
   return RunLayers(chunks, cache, rows, on_layer_done, nullptr, &samples, int(weights_->num_layers()), fill_masks);
 }
+
+absl::Status LlamaCuda::LaunchSample(absl::Span<const SequenceChunk> chunks, KvCache& cache,
+                                     absl::Span<const DeviceSamplingRow> rows) {
+  if (!CanLaunchAhead()) return absl::FailedPreconditionError("a sequence-parallel executor runs steps one at a time");
+  return RunLayers(chunks, cache, rows, nullptr, nullptr, nullptr, int(weights_->num_layers()), nullptr,
+                   /*launch_ahead=*/true);
+}
+
+absl::Status LlamaCuda::CollectSamples(std::vector<DeviceSample>& samples) { return launched_samples_.Collect(samples); }
 
 absl::Status LlamaCuda::MoveKvSlots(KvCache& kv_cache, absl::Span<const int32_t> block_table,
                                    absl::Span<const KvSlotMove> moves) {

@@ -19,6 +19,7 @@
 #include "backends/cuda/device_kv_cache.h"
 #include "backends/cuda/device_memory.h"
 #include "backends/cuda/graph_runner.h"
+#include "backends/cuda/launched_samples.h"
 #include "backends/cuda/ring_attention.h"
 #include "backends/cuda/step_metadata.h"
 #include "engine/model_executor.h"
@@ -96,6 +97,13 @@ class LlamaCuda : public ModelExecutor {
                              absl::Span<const DeviceSamplingRow> rows, std::vector<DeviceSample>& samples,
                              const LayerDoneCallback& on_layer_done = nullptr,
                              const FillMasksCallback& fill_masks = nullptr) override;
+  // Async scheduling, on one rank (sequence-parallel executors run steps one at a time): a
+  // launched step's placeholders are resolved on the device from the step before's samples,
+  // which stay in the step metadata until the launched step's sampling writes its own.
+  bool CanLaunchAhead() const override { return ring_ == nullptr && group_ == nullptr; }
+  absl::Status LaunchSample(absl::Span<const SequenceChunk> chunks, KvCache& cache,
+                            absl::Span<const DeviceSamplingRow> rows) override;
+  absl::Status CollectSamples(std::vector<DeviceSample>& samples) override;
 
   // Speculative verification: draft trees attend through per-token ancestor masks (at most 64
   // tokens per tree); the accepted path's K/V move on the device, stream-ordered.
@@ -114,11 +122,12 @@ class LlamaCuda : public ModelExecutor {
   int64_t num_one_time_setups() const override { return graphs_ ? graphs_->num_captures() : 0; }
 
   // Run with only the first `num_layers` layers, then the final norm and LM head (what
-  // LayerPrefix's executor calls). Either logits or samples is null.
+  // LayerPrefix's executor calls). Either logits or samples is null; both are with
+  // `launch_ahead` (LaunchSample: the samples go to launched_samples_, nothing is waited for).
   absl::Status RunLayers(absl::Span<const SequenceChunk> chunks, KvCache& cache,
                          absl::Span<const DeviceSamplingRow> sampling, const LayerDoneCallback& on_layer_done,
                          std::vector<float>* logits, std::vector<DeviceSample>* samples, int num_layers,
-                         const FillMasksCallback& fill_masks = nullptr);
+                         const FillMasksCallback& fill_masks = nullptr, bool launch_ahead = false);
 
   // Sequence-parallel prefill: a step that is one whole prompt of at least min_tokens tokens runs
   // as zigzag ring attention over `ranks` ranks, everything else as one rank.
@@ -265,6 +274,7 @@ class LlamaCuda : public ModelExecutor {
   cuda::DeviceAllocation decode_split_counters_;  // int32, zero between launches (the kernel resets them)
   int decode_split_counters_count_ = 0;
   cuda::PinnedBuffer results_host_;
+  cuda::LaunchedSamples launched_samples_;  // LaunchSample's steps, until CollectSamples
   int max_logit_rows_ = 0;
   // Fixed once the KV cache (its block size) is known.
   std::unique_ptr<cuda::StepMetadata> metadata_;

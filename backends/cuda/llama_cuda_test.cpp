@@ -620,6 +620,61 @@ TEST(LlamaCuda, Bf16ConstrainedRequestsSampleOnTheDeviceWithTheirMasks) {
   EXPECT_EQ(drawn, run(0.9f, false, 100));
 }
 
+// Async scheduling on the device: each step launched before the previous one's tokens are on the
+// host, its decode tokens put in from the previous step's samples on the device. Requests that all
+// fit the batch and end by length keep the schedule of steps run one at a time (prompt chunks
+// beside decode rows in eager mixed steps, decode-only steps as graphs), so greedy and seeded
+// outputs are the same tokens.
+TEST(LlamaCuda, Bf16AsyncSchedulingGivesTheTokensOfStepsOneAtATime) {
+  SKIP_WITHOUT_GPU();
+  auto run = [](bool async) {
+    EngineConfig config;
+    config.model_dir = ModelDir();
+    config.backend = "cuda";
+    config.gpu_memory_utilization = 0.2;
+    config.async_scheduling = async;
+    config.scheduler.max_num_seqs = 16;
+    config.scheduler.max_num_batched_tokens = 256;
+    config.scheduler.max_num_mixed_tokens = 96;
+    absl::StatusOr<std::unique_ptr<LlmEngine>> engine = CreateEngine(config);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    const std::vector<int32_t> base = (*engine)->tokenizer().Encode(
+        "import numpy as np\n\ndef moving_average(x, n):\n    return np.convolve(x, np.ones(n) / n, mode='valid')\n");
+    for (int i = 0; i < 16; ++i) {
+      std::vector<int32_t> prompt;
+      for (int k = 0; k <= i % 5; ++k) prompt.insert(prompt.end(), base.begin() + (k + i) % 7, base.end());
+      SamplingParams p;
+      p.temperature = i % 3 == 0 ? 0.8f : 0.0f;
+      p.seed = uint64_t(i);
+      p.max_tokens = 6 + (i * 7) % 29;
+      p.ignore_eos = true;
+      EXPECT_TRUE((*engine)->AddRequest(std::to_string(i), prompt, p).ok());
+    }
+    std::map<std::string, std::vector<int32_t>> tokens;
+    bool first_step_gave_tokens = false;
+    for (int step = 0; (*engine)->HasUnfinished(); ++step) {
+      absl::StatusOr<std::vector<RequestOutput>> outputs = (*engine)->Step();
+      EXPECT_TRUE(outputs.ok()) << outputs.status();
+      if (!outputs.ok()) break;
+      if (step == 0) first_step_gave_tokens = !outputs->empty();
+      for (const RequestOutput& out : *outputs) {
+        tokens[out.id].insert(tokens[out.id].end(), out.new_token_ids.begin(), out.new_token_ids.end());
+      }
+    }
+    // A launched first step gives its tokens with the second.
+    EXPECT_EQ(first_step_gave_tokens, !async);
+    const EngineStats stats = (*engine)->Stats();
+    EXPECT_EQ(stats.num_free_kv_blocks, stats.num_kv_blocks);
+    return tokens;
+  };
+  const std::map<std::string, std::vector<int32_t>> one_at_a_time = run(false), ahead = run(true);
+  ASSERT_EQ(ahead.size(), 16u);
+  for (const auto& [id, want] : one_at_a_time) {
+    EXPECT_EQ(ahead.at(id), want) << "request " << id;
+    EXPECT_EQ(want.size(), size_t(6 + (std::stoi(id) * 7) % 29)) << "request " << id;
+  }
+}
+
 // Device out-of-memory is an error the caller sees (ResourceExhausted, saying what was asked
 // for), not an abort; the executor stays usable after a cache that did not fit.
 // Disaggregation's late KV target on the device: a prefill engine keeps a finished prompt's blocks

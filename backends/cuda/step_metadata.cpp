@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/check.h"
+#include "kernels/copy/previous_samples.h"
 
 namespace duet::cuda {
 
@@ -56,6 +57,7 @@ absl::StatusOr<std::unique_ptr<StepMetadata>> StepMetadata::Create(const StepLim
   const size_t bytes = m->layout_.total * 4;
   DUET_ASSIGN_OR_RETURN(m->device_, arena.Allocate(bytes, "step metadata"));
   DUET_RETURN_IF_ERROR(m->host_.Resize(bytes));
+  DUET_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&m->uploaded_, cudaEventDisableTiming), "upload event"));
   std::memset(m->host(), 0, bytes);
   const size_t mask_bytes = size_t(limits.max_num_seqs) * size_t(m->bitmask_words_) * 4;
   DUET_ASSIGN_OR_RETURN(m->bitmasks_device_, arena.Allocate(mask_bytes, "grammar token masks"));
@@ -63,7 +65,14 @@ absl::StatusOr<std::unique_ptr<StepMetadata>> StepMetadata::Create(const StepLim
   return m;
 }
 
-absl::StatusOr<StepPlan> StepMetadata::Plan(absl::Span<const SequenceChunk> chunks) {
+StepMetadata::~StepMetadata() {
+  if (uploaded_ != nullptr) cudaEventDestroy(uploaded_);
+}
+
+void StepMetadata::WaitForLastUpload() { DUET_CHECK_CUDA(cudaEventSynchronize(uploaded_)); }
+
+absl::StatusOr<StepPlan> StepMetadata::Plan(absl::Span<const SequenceChunk> chunks, bool previous_samples) {
+  WaitForLastUpload();
   StepPlan plan;
   if (chunks.empty()) return absl::InvalidArgumentError("empty step");
   if (int(chunks.size()) > limits_.max_num_seqs) {
@@ -118,7 +127,12 @@ absl::StatusOr<StepPlan> StepMetadata::Plan(absl::Span<const SequenceChunk> chun
     }
     for (int j = 0; j < n; ++j) {
       const int32_t id = chunk.tokens[size_t(j)];
-      if (id < 0 || id >= limits_.vocab_size) {
+      if (previous_samples && IsPreviousStepSample(id)) {
+        if (PreviousStepSampleRow(id) >= limits_.max_num_batched_tokens) {
+          return absl::InvalidArgumentError(absl::StrCat("previous step's row ", PreviousStepSampleRow(id), " out of range"));
+        }
+        plan.has_previous_samples = true;
+      } else if (id < 0 || id >= limits_.vocab_size) {
         return absl::InvalidArgumentError(absl::StrCat("token id ", id, " out of range"));
       }
       const int64_t slot = chunk.start_position + j;
@@ -157,6 +171,7 @@ absl::StatusOr<StepPlan> StepMetadata::Plan(absl::Span<const SequenceChunk> chun
 }
 
 absl::StatusOr<StepPlan> StepMetadata::PlanRows(const SequenceChunk& chunk, absl::Span<const int64_t> positions) {
+  WaitForLastUpload();
   const int64_t n = int64_t(chunk.tokens.size());
   if (chunk.start_position != 0 || !chunk.tree_parents.empty()) {
     return absl::InternalError("a sequence-parallel shard comes from a prompt chunk at position 0");
@@ -251,6 +266,7 @@ void StepMetadata::PadTreeStepForGraph(StepPlan& plan, int batch, int tokens) {
 }
 
 StepPlan StepMetadata::PaddingOnly(int batch, int tree_tokens) {
+  WaitForLastUpload();
   StepPlan plan;
   host()[layout_.q_start] = 0;
   if (tree_tokens > 0) {
@@ -314,6 +330,12 @@ void StepMetadata::Upload(const StepPlan& plan, absl::Span<const DeviceSamplingR
                                       sampling_pitch, size_t(rows) * 8, 7, cudaMemcpyHostToDevice, stream));
     if (with_bitmasks) UploadBitmasks(sampling, stream);
   }
+  DUET_CHECK_CUDA(cudaEventRecord(uploaded_, stream));
+}
+
+void StepMetadata::ResolvePreviousSamples(const StepPlan& plan, cudaStream_t stream) {
+  if (!plan.has_previous_samples) return;
+  kernels::ResolvePreviousStepSamples(device() + layout_.tokens, plan.num_tokens, sampled_tokens(), stream);
 }
 
 void StepMetadata::UploadBitmasks(absl::Span<const DeviceSamplingRow> sampling, cudaStream_t stream) {

@@ -53,6 +53,9 @@ struct StepPlan {
   int num_decode_kernel_seqs() const { return decode_only ? num_seqs : num_leading_decode_seqs; }
   int graph_batch = 0;       // > 0: replay the graph of this padded batch size
   int graph_tokens = 0;      // > 0: the graph verifies draft trees in this many (padded) rows
+  // Some token ids are PreviousStepSample placeholders (async scheduling): ResolvePreviousSamples
+  // puts the previous step's samples in after the upload.
+  bool has_previous_samples = false;
 };
 
 // What a step may hold.
@@ -68,12 +71,14 @@ class StepMetadata {
   // Device and pinned host room for steps within `limits` over a KV cache of `block_size`.
   static absl::StatusOr<std::unique_ptr<StepMetadata>> Create(const StepLimits& limits, int block_size,
                                                               DeviceArena& arena);
+  ~StepMetadata();
 
   int block_size() const { return block_size_; }
   int max_blocks_per_seq() const { return max_blocks_per_seq_; }
 
-  // Checks the chunks against the limits and writes their metadata to the host copy.
-  absl::StatusOr<StepPlan> Plan(absl::Span<const SequenceChunk> chunks);
+  // Checks the chunks against the limits and writes their metadata to the host copy (once the
+  // last upload has read it). `previous_samples`: token ids may be PreviousStepSample(row).
+  absl::StatusOr<StepPlan> Plan(absl::Span<const SequenceChunk> chunks, bool previous_samples = false);
   // A step of some rows of one prompt chunk starting at position 0 (a sequence-parallel rank's
   // shard): row i is the token at chunk position positions[i], writing its K/V to the slot the
   // chunk's block table gives it; the rows of the chunk's last num_logits positions give logits,
@@ -97,6 +102,9 @@ class StepMetadata {
   void Upload(const StepPlan& plan, absl::Span<const DeviceSamplingRow> sampling, cudaStream_t stream,
               bool with_bitmasks = true);
   void UploadBitmasks(absl::Span<const DeviceSamplingRow> sampling, cudaStream_t stream);
+  // After Upload, for a plan with previous samples: the placeholders become the tokens the step
+  // before sampled (still in sampled_tokens()), on the device.
+  void ResolvePreviousSamples(const StepPlan& plan, cudaStream_t stream);
 
   // The device arrays.
   const int32_t* tokens() const { return device() + layout_.tokens; }
@@ -124,6 +132,9 @@ class StepMetadata {
   StepMetadata(const StepLimits& limits, int block_size, int max_blocks_per_seq);
   int32_t* device() const { return device_.as<int32_t>(); }
   int32_t* host() const { return host_.as<int32_t>(); }
+  // The pinned host copy may be rewritten only after the copies of the last Upload have read it
+  // (with async scheduling the next step is planned while those may still wait on the stream).
+  void WaitForLastUpload();
 
   StepLimits limits_;
   int block_size_;
@@ -134,6 +145,7 @@ class StepMetadata {
   int bitmask_words_;
   DeviceAllocation bitmasks_device_;
   PinnedBuffer bitmasks_host_;
+  cudaEvent_t uploaded_ = nullptr;  // recorded after each Upload's copies
 };
 
 }  // namespace duet::cuda

@@ -57,9 +57,13 @@ SchedulerOutput Scheduler::Schedule() {
   // Capacity phase: running requests, oldest first; the youngest are preempted to make room.
   std::vector<Request*> kept;
   kept.reserve(running_.size());
+  int32_t num_ending = 0;  // running requests whose pending token is their last: their seats are free
   for (size_t i = 0; i < running_.size(); ++i) {
     Request* r = running_[i];
-    if (token_budget == 0) {  // no room this step; stays running with its blocks
+    // No room this step, or nothing to compute: its pending token (async scheduling) is its last.
+    const bool ending = EndsWithPendingToken(*r);
+    num_ending += ending ? 1 : 0;
+    if (token_budget == 0 || ending) {  // stays running with its blocks
       kept.push_back(r);
       continue;
     }
@@ -105,7 +109,7 @@ SchedulerOutput Scheduler::Schedule() {
   // Micro-batch phase: admit waiting requests oldest first, but not right after preempting
   // (the freed blocks belong to the requests that stayed).
   while (out.num_preempted == 0 && !waiting_.empty() && token_budget > 0 &&
-         int32_t(running_.size()) < config_.max_num_seqs) {
+         int32_t(running_.size()) - num_ending < config_.max_num_seqs) {
     Request* r = waiting_.front();
     const bool attached = blocks_.prefix_caching() && !blocks_.HasSequence(r->seq_id);
     if (attached) AttachCachedPrefix(r);
@@ -135,6 +139,16 @@ SchedulerOutput Scheduler::Schedule() {
   return out;
 }
 
+bool Scheduler::EndsWithPendingToken(const Request& r) const {
+  return !r.pending_rows.empty() && (int64_t(r.output.size() + r.pending_rows.size()) >= r.params.max_tokens ||
+                                     r.num_tokens() >= config_.max_model_len);
+}
+
+bool Scheduler::AnyUnfinished(const std::function<bool(const Request&)>& predicate) const {
+  return std::any_of(running_.begin(), running_.end(), [&](const Request* r) { return predicate(*r); }) ||
+         std::any_of(waiting_.begin(), waiting_.end(), [&](const Request* r) { return predicate(*r); });
+}
+
 void Scheduler::AttachCachedPrefix(Request* r) {
   // At most all but the last token: the step that computes it produces the logits to sample.
   int32_t max_blocks = int32_t((r->num_tokens() - 1) / blocks_.block_size());
@@ -156,7 +170,9 @@ void Scheduler::CommitComputedBlocks(const SchedulerOutput& output) {
   if (!blocks_.prefix_caching()) return;
   for (const ScheduledChunk& c : output.chunks) {
     const Request* r = c.request;
-    blocks_.CommitFullBlocks(r->seq_id, r->prefix_seed, r->num_computed_tokens,
+    if (r->finished()) continue;
+    // Not the tokens of a step launched since (async scheduling): their K/V are not written yet.
+    blocks_.CommitFullBlocks(r->seq_id, r->prefix_seed, r->num_computed_tokens - r->num_launched_tokens,
                              [r](int64_t i) { return r->TokenAt(i); });
   }
 }

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -65,6 +66,9 @@ class Scheduler {
   // queue) and leaves its blocks allocated (live KV migration: their owner frees them).
   void Detach(Request* request);
 
+  // Whether a running or waiting request satisfies `predicate`.
+  bool AnyUnfinished(const std::function<bool(const Request&)>& predicate) const;
+
   // Registers the full blocks the step computed in the prefix cache (after a successful step).
   void CommitComputedBlocks(const SchedulerOutput& output);
 
@@ -89,6 +93,8 @@ class Scheduler {
   int64_t StepTokenBudget() const;
   // Gives a request that holds no blocks the cached blocks its tokens begin with.
   void AttachCachedPrefix(Request* request);
+  // A request whose pending token (async scheduling) ends it by length: nothing of it to run.
+  bool EndsWithPendingToken(const Request& request) const;
 
   SchedulerConfig config_;
   BlockManager& blocks_;

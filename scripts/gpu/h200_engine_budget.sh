@@ -7,8 +7,9 @@
 # or T/M (and --max-num-mixed-tokens M); a variant is "default" or the environment of its runs,
 # VAR=VALUE[,VAR=VALUE...] (e.g. DUET_GEMM_TUNING_MAX_ROWS=0, backends/executor_factory.cpp), where
 # weights=constant is no variable but runs a copy of the checkpoint whose every weight holds one
-# value (constant_checkpoint.py: the same work drawing less power) and build=before runs the bundle's
-# build before a change (make_cluster_bundle.sh's BEFORE_DIR) instead of its own.
+# value (constant_checkpoint.py: the same work drawing less power), build=before runs the bundle's
+# build before a change (make_cluster_bundle.sh's BEFORE_DIR) instead of its own, and flag=F adds
+# the flag F to `duet generate` (e.g. flag=--no-async-scheduling).
 # One call, ~1 minute a run; the table last.
 #
 #   here:   scripts/gpu/make_cluster_bundle.sh; mv models /tmp/duet-models-hold    (carry .devcluster)
@@ -29,7 +30,7 @@ for round in $(seq 1 "$rounds"); do
   for budget in $budgets; do
     for variant in $variants; do
       echo "== round $round, budget $budget, $variant"
-      environment=() model=$MODEL program=duet kept=()
+      environment=() model=$MODEL program=duet kept=() flags=()
       [[ $variant != default ]] && IFS=, read -ra environment <<< "$variant"
       for e in "${environment[@]}"; do
         case $e in
@@ -37,6 +38,7 @@ for round in $(seq 1 "$rounds"); do
             model=/tmp/llama8b-constant
             [[ -f $model/config.json ]] || python3 scripts/gpu/constant_checkpoint.py "$MODEL" "$model" ;;
           build=before) program=$before/bin/duet kept+=("LD_LIBRARY_PATH=$before/lib:$LD_LIBRARY_PATH") ;;
+          flag=*) flags+=("${e#flag=}") ;;
           *) kept+=("$e") ;;
         esac
       done
@@ -46,7 +48,7 @@ for round in $(seq 1 "$rounds"); do
       env "${environment[@]}" "$program" generate --model "$model" --backend cuda --gpu-memory-utilization 0.9 \
         --max-model-len 4096 --max-num-batched-tokens "${budget%/*}" \
         --max-num-mixed-tokens "$([[ $budget == */* ]] && echo "${budget#*/}" || echo 0)" \
-        --max-num-seqs 64 --warmup 16 --input "$OUT/requests.jsonl" --output /tmp/engine_out.jsonl 2> "$log" ||
+        --max-num-seqs 64 --warmup 16 "${flags[@]}" --input "$OUT/requests.jsonl" --output /tmp/engine_out.jsonl 2> "$log" ||
         echo "generate exit $?"
       clock_summary "  clocks" | tee "${log%.log}_clocks.txt"
     done

@@ -1,0 +1,332 @@
+// Async scheduling in the engine (EngineConfig::async_scheduling): each step launched before the
+// previous one's tokens reach the host. With an executor whose tokens are a function of the K/V it
+// reads, every request's output must be the one of steps run one at a time, through stops,
+// aborts, preemption, prefix caching and seeded sampling; blocks of a request that finished
+// while a launched step still writes them stay allocated until that step is collected.
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status_macros.h"
+#include "engine/llm_engine.h"
+#include "gtest/gtest.h"
+#include "model/model_config.h"
+
+namespace duet {
+namespace {
+
+constexpr char kModel[] = DUET_MODELS_DIR "/tiny-code-llama";
+
+// A cache whose "K/V" of a slot is the token id written there ([num_blocks * block_size]).
+class TokenKvCache : public KvCache {
+ public:
+  explicit TokenKvCache(const KvCacheShape& shape)
+      : KvCache(shape), slots_(size_t(shape.num_blocks * shape.block_size), -1) {}
+  MemorySpace memory_space() const override { return MemorySpace::kHost; }
+  void* key_pool(int64_t) override { return slots_.data(); }
+  void* value_pool(int64_t) override { return slots_.data(); }
+  void CopyBlocks(const std::vector<BlockCopy>& copies) override {
+    const int64_t bs = shape().block_size;
+    for (const BlockCopy& c : copies) {
+      std::copy_n(slots_.begin() + c.src * bs, bs, slots_.begin() + c.dst * bs);
+    }
+  }
+  absl::Status CopyBlocksToHost(int64_t, int64_t, absl::Span<const BlockCopy>, const HostKvBlocks&) override {
+    return absl::UnimplementedError("no host tier in this test");
+  }
+  absl::Status CopyBlocksFromHost(int64_t, int64_t, absl::Span<const BlockCopy>, const HostKvBlocks&) override {
+    return absl::UnimplementedError("no host tier in this test");
+  }
+  std::vector<int32_t>& slots() { return slots_; }
+
+ private:
+  std::vector<int32_t> slots_;
+};
+
+// Writes each chunk token into its slot, then samples the token after a sampled row from a hash
+// of the whole context as the cache holds it (and of the row's seed and offset when it draws),
+// so a block freed or overwritten too early changes the output. Runs a step when it is given;
+// with `launch_ahead`, LaunchSample resolves PreviousStepSample placeholders from the samples of
+// the step before, as a device would.
+class ContextHashExecutor : public ModelExecutor {
+ public:
+  ContextHashExecutor(ModelConfig config, bool launch_ahead, int32_t eos)
+      : config_(std::move(config)), launch_ahead_(launch_ahead), eos_(eos) {}
+  const ModelConfig& config() const override { return config_; }
+  KvDtype kv_dtype() const override { return KvDtype::kFloat32; }
+  absl::StatusOr<std::unique_ptr<KvCache>> CreateKvCache(int64_t num_blocks, int64_t block_size) override {
+    return std::unique_ptr<KvCache>(std::make_unique<TokenKvCache>(
+        KvCacheShape{1, num_blocks, 1, block_size, 1, kv_dtype()}));
+  }
+  // The host sampler's logits: the greedy token of each row far above the rest.
+  absl::Status Forward(absl::Span<const SequenceChunk> chunks, KvCache& cache, std::vector<float>& logits,
+                       const LayerDoneCallback&) override {
+    if (!launched_.empty()) return absl::FailedPreconditionError("a launched step is not collected");
+    int64_t rows = 0;
+    for (const SequenceChunk& c : chunks) rows += c.num_logits;
+    std::vector<DeviceSample> samples;
+    DUET_RETURN_IF_ERROR(Run(chunks, cache, std::vector<DeviceSamplingRow>(size_t(rows)), samples));
+    logits.assign(size_t(rows) * size_t(config_.vocab_size), 0.0f);
+    for (size_t i = 0; i < samples.size(); ++i) logits[i * size_t(config_.vocab_size) + size_t(samples[i].token)] = 100.0f;
+    return absl::OkStatus();
+  }
+  bool CanSampleOnDevice() const override { return true; }
+  absl::Status ForwardSample(absl::Span<const SequenceChunk> chunks, KvCache& cache,
+                             absl::Span<const DeviceSamplingRow> rows, std::vector<DeviceSample>& samples,
+                             const LayerDoneCallback&, const FillMasksCallback&) override {
+    if (!launched_.empty()) return absl::FailedPreconditionError("a launched step is not collected");
+    return Run(chunks, cache, rows, samples);
+  }
+  bool CanLaunchAhead() const override { return launch_ahead_; }
+  absl::Status LaunchSample(absl::Span<const SequenceChunk> chunks, KvCache& cache,
+                            absl::Span<const DeviceSamplingRow> rows) override {
+    if (launched_.size() == 2) return absl::FailedPreconditionError("two launched steps are not collected");
+    std::vector<DeviceSample> samples;
+    DUET_RETURN_IF_ERROR(Run(chunks, cache, rows, samples));
+    launched_.push_back(std::move(samples));
+    ++num_launched_;
+    return absl::OkStatus();
+  }
+  absl::Status CollectSamples(std::vector<DeviceSample>& samples) override {
+    if (launched_.empty()) return absl::FailedPreconditionError("nothing launched");
+    samples = std::move(launched_.front());
+    launched_.pop_front();
+    return absl::OkStatus();
+  }
+  int64_t num_launched() const { return num_launched_; }
+
+ private:
+  absl::Status Run(absl::Span<const SequenceChunk> chunks, KvCache& cache, absl::Span<const DeviceSamplingRow> rows,
+                   std::vector<DeviceSample>& samples) {
+    std::vector<int32_t>& slots = static_cast<TokenKvCache&>(cache).slots();
+    const int64_t bs = cache.shape().block_size;
+    auto slot = [&](const SequenceChunk& c, int64_t pos) -> int32_t& {
+      return slots[size_t(c.block_table[size_t(pos / bs)] * bs + pos % bs)];
+    };
+    std::vector<DeviceSample> out;
+    size_t row = 0;
+    for (const SequenceChunk& c : chunks) {
+      for (size_t j = 0; j < c.tokens.size(); ++j) {
+        int32_t token = c.tokens[j];
+        if (IsPreviousStepSample(token)) {
+          const int32_t previous_row = PreviousStepSampleRow(token);
+          if (size_t(previous_row) >= last_samples_.size()) return absl::InternalError("no such previous row");
+          token = last_samples_[size_t(previous_row)].token;
+        }
+        if (token < 0 || token >= config_.vocab_size) return absl::InvalidArgumentError("token out of range");
+        slot(c, c.start_position + int64_t(j)) = token;
+      }
+      if (c.num_logits == 0) continue;
+      if (row >= rows.size()) return absl::InvalidArgumentError("fewer sampling rows than logits rows");
+      const DeviceSamplingRow& r = rows[row++];
+      uint64_t h = 1469598103934665603ull;
+      const int64_t end = c.start_position + int64_t(c.tokens.size());
+      for (int64_t pos = 0; pos < end; ++pos) h = (h ^ uint64_t(uint32_t(slot(c, pos)))) * 1099511628211ull;
+      if (r.temperature > 0) h = (h ^ r.seed ^ (r.offset << 32)) * 1099511628211ull;
+      h ^= h >> 29;
+      // EOS about one token in 40, the rest spread over the vocabulary.
+      const int32_t token = h % 40 == 0 ? eos_ : int32_t(3 + (h >> 8) % uint64_t(config_.vocab_size - 3));
+      out.push_back(DeviceSample{token, -float(h % 1000) / 100.0f});
+    }
+    if (row != rows.size()) return absl::InvalidArgumentError("more sampling rows than logits rows");
+    last_samples_ = out;
+    samples = std::move(out);
+    return absl::OkStatus();
+  }
+
+  ModelConfig config_;
+  bool launch_ahead_;
+  int32_t eos_;
+  std::vector<DeviceSample> last_samples_;
+  std::deque<std::vector<DeviceSample>> launched_;
+  int64_t num_launched_ = 0;
+};
+
+struct Finished {
+  std::vector<int32_t> tokens;
+  std::string text;
+  FinishReason reason = FinishReason::kNone;
+};
+
+struct Engine {
+  std::unique_ptr<LlmEngine> engine;
+  ContextHashExecutor* executor = nullptr;
+};
+
+Engine NewEngine(bool async, int32_t num_kv_blocks, bool prefix_caching) {
+  absl::StatusOr<ModelConfig> model = LoadModelConfig(kModel);
+  EXPECT_TRUE(model.ok()) << model.status();
+  EngineConfig config;
+  config.model_dir = kModel;
+  config.num_kv_blocks = num_kv_blocks;
+  config.block_size = 4;
+  config.enable_prefix_caching = prefix_caching;
+  config.async_scheduling = async;
+  config.scheduler.max_num_seqs = 12;
+  config.scheduler.max_num_batched_tokens = 64;
+  config.scheduler.max_num_mixed_tokens = 24;
+  config.scheduler.max_model_len = 512;
+  Engine e;
+  absl::StatusOr<std::unique_ptr<LlmEngine>> created =
+      LlmEngine::Create(config, [&](const EngineConfig&) -> absl::StatusOr<std::unique_ptr<ModelExecutor>> {
+        // The tiny model's EOS (token 1) ends some requests.
+        auto executor = std::make_unique<ContextHashExecutor>(*model, /*launch_ahead=*/true, 1);
+        e.executor = executor.get();
+        return std::unique_ptr<ModelExecutor>(std::move(executor));
+      });
+  EXPECT_TRUE(created.ok()) << created.status();
+  e.engine = std::move(*created);
+  return e;
+}
+
+// Forty requests in a closed loop of twelve: prompts sharing prefixes, greedy and seeded draws,
+// EOS and stop ids, max_tokens from 1 to 60, one request aborted once it has 5 tokens. Returns
+// what each request produced in `finished`.
+void RunWorkload(Engine& e, std::map<std::string, Finished>& finished) {
+  std::map<std::string, Finished> streaming;
+  int next = 0;
+  constexpr int kRequests = 40;
+  auto add = [&] {
+    const int i = next++;
+    std::vector<int32_t> prompt;
+    for (int t = 0; t < 9 + (i * 7) % 23; ++t) prompt.push_back(int32_t(100 + (t < 8 ? t : i * 31 + t) % 5000));
+    SamplingParams p;
+    p.temperature = 0.0f;
+    p.max_tokens = 1 + (i * 13) % 60;
+    p.ignore_eos = i % 3 == 0;
+    if (i % 4 == 1) {
+      p.temperature = 0.8f;
+      p.seed = uint64_t(i);
+    }
+    if (i % 5 == 2) p.stop_token_ids = {int32_t(3 + i)};
+    const std::string id = "r" + std::to_string(i);
+    ASSERT_TRUE(e.engine->AddRequest(id, std::move(prompt), p).ok());
+    streaming[id];
+  };
+  for (int i = 0; i < 12; ++i) add();
+  int steps = 0;
+  while (e.engine->HasUnfinished()) {
+    ASSERT_LT(++steps, 10000);
+    absl::StatusOr<std::vector<RequestOutput>> outputs = e.engine->Step();
+    ASSERT_TRUE(outputs.ok()) << outputs.status();
+    for (const RequestOutput& out : *outputs) {
+      Finished& f = streaming.at(out.id);
+      f.tokens.insert(f.tokens.end(), out.new_token_ids.begin(), out.new_token_ids.end());
+      f.text += out.new_text;
+      if (!out.finished) continue;
+      f.reason = out.finish_reason;
+      finished[out.id] = std::move(f);
+      streaming.erase(out.id);
+      e.engine->Release(out.id);
+      if (next < kRequests) add();
+    }
+    auto aborted = streaming.find("r7");
+    if (aborted != streaming.end() && aborted->second.tokens.size() >= 5) {
+      ASSERT_TRUE(e.engine->Abort("r7"));
+      aborted->second.reason = FinishReason::kAbort;
+      finished["r7"] = std::move(aborted->second);
+      streaming.erase(aborted);
+      e.engine->Release("r7");
+      if (next < kRequests) add();
+    }
+  }
+  EXPECT_TRUE(streaming.empty());
+}
+
+void ExpectSameOutputs(const std::map<std::string, Finished>& got, const std::map<std::string, Finished>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [id, w] : want) {
+    const Finished& g = got.at(id);
+    EXPECT_EQ(g.tokens, w.tokens) << id;
+    EXPECT_EQ(g.text, w.text) << id;
+    EXPECT_EQ(g.reason, w.reason) << id;
+  }
+}
+
+TEST(LlmEngineAsyncTest, OutputsEqualStepsOneAtATime) {
+  Engine one_at_a_time = NewEngine(/*async=*/false, 1024, /*prefix_caching=*/true);
+  Engine ahead = NewEngine(/*async=*/true, 1024, /*prefix_caching=*/true);
+  std::map<std::string, Finished> want, got;
+  RunWorkload(one_at_a_time, want);
+  RunWorkload(ahead, got);
+  EXPECT_EQ(one_at_a_time.executor->num_launched(), 0);
+  EXPECT_GT(ahead.executor->num_launched(), 100);
+  ExpectSameOutputs(got, want);
+  int stops = 0, lengths = 0;
+  for (const auto& [id, f] : want) (f.reason == FinishReason::kStop ? stops : lengths) += 1;
+  EXPECT_GT(stops, 3);  // the workload stops some requests on EOS and stop ids
+  EXPECT_GT(lengths, 3);
+  const EngineStats stats = ahead.engine->Stats();
+  EXPECT_EQ(stats.num_free_kv_blocks, stats.num_kv_blocks);  // nothing leaked
+}
+
+TEST(LlmEngineAsyncTest, OutputsEqualUnderPreemption) {
+  // 40 blocks of 4 tokens for twelve running requests of up to ~90 tokens: preemption.
+  Engine one_at_a_time = NewEngine(/*async=*/false, 40, /*prefix_caching=*/false);
+  Engine ahead = NewEngine(/*async=*/true, 40, /*prefix_caching=*/false);
+  std::map<std::string, Finished> want, got;
+  RunWorkload(one_at_a_time, want);
+  RunWorkload(ahead, got);
+  EXPECT_GT(ahead.engine->Stats().num_preemptions, 0);
+  ExpectSameOutputs(got, want);
+  const EngineStats stats = ahead.engine->Stats();
+  EXPECT_EQ(stats.num_free_kv_blocks, stats.num_kv_blocks);
+}
+
+TEST(LlmEngineAsyncTest, BlocksOfARequestStoppedInALaunchedStepWaitForIt) {
+  Engine e = NewEngine(/*async=*/true, 64, /*prefix_caching=*/false);
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = 50;
+  p.ignore_eos = true;
+  ASSERT_TRUE(e.engine->AddRequest("a", {5, 6, 7, 8, 9}, p).ok());
+  // The first step is launched and gives nothing yet; each later one collects the step before.
+  absl::StatusOr<std::vector<RequestOutput>> first = e.engine->Step();
+  ASSERT_TRUE(first.ok());
+  EXPECT_TRUE(first->empty());
+  absl::StatusOr<std::vector<RequestOutput>> second = e.engine->Step();
+  ASSERT_TRUE(second.ok());
+  ASSERT_EQ(second->size(), 1u);
+  // Aborted while a launched step computes its next token: its blocks stay until that step is
+  // collected, and the token it samples is dropped.
+  ASSERT_TRUE(e.engine->Abort("a"));
+  e.engine->Release("a");
+  EXPECT_LT(e.engine->Stats().num_free_kv_blocks, 64);
+  EXPECT_TRUE(e.engine->HasUnfinished());
+  absl::StatusOr<std::vector<RequestOutput>> third = e.engine->Step();
+  ASSERT_TRUE(third.ok());
+  EXPECT_TRUE(third->empty());
+  EXPECT_EQ(e.engine->Stats().num_free_kv_blocks, 64);
+  EXPECT_FALSE(e.engine->HasUnfinished());
+}
+
+TEST(LlmEngineAsyncTest, RequestsThatSampleOnTheHostRunStepsOneAtATime) {
+  Engine e = NewEngine(/*async=*/true, 256, /*prefix_caching=*/false);
+  SamplingParams plain;
+  plain.temperature = 0.0f;
+  plain.max_tokens = 8;
+  plain.ignore_eos = true;
+  SamplingParams penalized = plain;
+  penalized.max_tokens = 20;
+  penalized.repetition_penalty = 1.2f;  // the host sampler's
+  ASSERT_TRUE(e.engine->AddRequest("plain", {5, 6, 7}, plain).ok());
+  ASSERT_TRUE(e.engine->Step().ok());
+  EXPECT_EQ(e.executor->num_launched(), 1);
+  ASSERT_TRUE(e.engine->AddRequest("penalized", {5, 6, 7}, penalized).ok());
+  // The launched step is collected first; no step is launched while "penalized" is unfinished.
+  std::map<std::string, size_t> tokens;
+  while (e.engine->Find("penalized")->state != RequestState::kFinished) {
+    absl::StatusOr<std::vector<RequestOutput>> outputs = e.engine->Step();
+    ASSERT_TRUE(outputs.ok()) << outputs.status();
+    for (const RequestOutput& out : *outputs) tokens[out.id] += out.new_token_ids.size();
+    EXPECT_EQ(e.executor->num_launched(), 1);
+  }
+  EXPECT_EQ(tokens["plain"], 8u);
+  EXPECT_EQ(tokens["penalized"], 20u);
+}
+
+}  // namespace
+}  // namespace duet
