@@ -503,10 +503,8 @@ void LlmEngine::AppendToken(Request& r, const SampledToken& token, RequestOutput
 
 void LlmEngine::PlanSpeculation() {
   std::vector<Request*> decoding;
-  for (auto& [id, r] : requests_) {
-    if (r->state == RequestState::kRunning && r->spec.mode != SpeculationMode::kNone && r->decoding()) {
-      decoding.push_back(r.get());
-    }
+  for (Request* r : scheduler_.running()) {  // not every request kept until Release
+    if (r->spec.mode != SpeculationMode::kNone && r->decoding()) decoding.push_back(r);
   }
   if (decoding.empty()) return;
   spec_->WarmUpCosts(config_.scheduler.max_num_seqs);  // once

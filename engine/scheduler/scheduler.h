@@ -83,6 +83,8 @@ class Scheduler {
     num_prefix_hits_ += hits;
   }
   size_t num_running() const { return running_.size(); }
+  // The running requests, in admission order.
+  const std::vector<Request*>& running() const { return running_; }
   size_t num_waiting() const { return waiting_.size(); }
   const SchedulerConfig& config() const { return config_; }
 

@@ -222,5 +222,33 @@ TEST_F(SchedulerTest, RemoveWhileWaitingOrRunningFreesBlocks) {
   EXPECT_EQ(blocks.num_free_blocks(), 16);
 }
 
+// Async scheduling: a request whose pending token (sampled by a launched step, not yet seen)
+// reaches max_tokens is not scheduled again, and its seat in the batch goes to a waiting request
+// at once; its blocks stay until the engine removes it.
+TEST_F(SchedulerTest, ARequestEndingWithItsPendingTokenGivesUpItsSeat) {
+  BlockManager blocks(64, 4);
+  Scheduler s({/*max_num_seqs=*/1, /*max_num_batched_tokens=*/64, /*max_model_len=*/128}, blocks);
+  Request* ending = NewRequest(8, 3);
+  Request* next = NewRequest(8, 3);
+  ASSERT_TRUE(s.Add(ending).ok());
+  ASSERT_TRUE(s.Add(next).ok());
+  SchedulerOutput prompt = s.Schedule();
+  ASSERT_EQ(prompt.chunks.size(), 1u);
+  s.OnStepDone(prompt);
+  ending->output = {7};
+  ending->pending_rows = {0};  // its second token: launched, not yet known
+  SchedulerOutput second = s.Schedule();
+  ASSERT_EQ(second.chunks.size(), 1u);
+  EXPECT_EQ(second.chunks[0].request, ending);  // the pending token is computed: it decodes
+  s.OnStepDone(second);
+  ending->pending_rows = {0, 0};  // the third, its last, launched too
+  const int32_t free_before = blocks.num_free_blocks();
+  SchedulerOutput third = s.Schedule();
+  ASSERT_EQ(third.chunks.size(), 1u);
+  EXPECT_EQ(third.chunks[0].request, next);  // the seat went to the waiting request
+  EXPECT_EQ(ending->state, RequestState::kRunning);  // still holding its blocks
+  EXPECT_LT(blocks.num_free_blocks(), free_before);  // the newcomer's blocks came from the free ones
+}
+
 }  // namespace
 }  // namespace duet

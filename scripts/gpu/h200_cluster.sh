@@ -75,7 +75,9 @@ echo "== engine alone (duet generate --backend cuda) on duet-bench's requests"
 duet-bench "${BENCH_WORKLOAD[@]}" --seed 1 --num-prompts $ENGINE_REQUESTS --save-requests "$OUT/requests.jsonl" \
   2>> "$OUT/engine.log" || echo "duet-bench --save-requests exit $?"
 head -n $PREFILL_REQUESTS "$OUT/requests.jsonl" > /tmp/prefill_in.jsonl
-duet generate "${ENGINE_FLAGS[@]}" --max-num-seqs 1 --warmup 1 --input /tmp/prefill_in.jsonl \
+# Steps one at a time here: with async scheduling a request is admitted while the one before it
+# still runs its last step, so its scheduled-to-first-token time would include that step.
+duet generate "${ENGINE_FLAGS[@]}" --max-num-seqs 1 --warmup 1 --no-async-scheduling --input /tmp/prefill_in.jsonl \
   --output "$OUT/engine_prefill.jsonl" 2>> "$OUT/engine.log" || echo "generate (prefill) exit $?"
 clock_mark
 duet generate "${ENGINE_FLAGS[@]}" --max-num-seqs $ENGINE_SEQS --warmup 16 --input "$OUT/requests.jsonl" \
