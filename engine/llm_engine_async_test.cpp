@@ -263,10 +263,11 @@ TEST(LlmEngineAsyncTest, OutputsEqualStepsOneAtATime) {
   EXPECT_EQ(stats.num_free_kv_blocks, stats.num_kv_blocks);  // nothing leaked
 }
 
-TEST(LlmEngineAsyncTest, OutputsEqualUnderPreemption) {
-  // 40 blocks of 4 tokens for twelve running requests of up to ~90 tokens: preemption.
-  Engine one_at_a_time = NewEngine(/*async=*/false, 40, /*prefix_caching=*/false);
-  Engine ahead = NewEngine(/*async=*/true, 40, /*prefix_caching=*/false);
+// 40 blocks of 4 tokens for twelve running requests of up to ~90 tokens: preemption (with the
+// prefix cache: evictions, and preempted requests finding their own blocks again).
+void ExpectSameOutputsUnderPreemption(bool prefix_caching) {
+  Engine one_at_a_time = NewEngine(/*async=*/false, 40, prefix_caching);
+  Engine ahead = NewEngine(/*async=*/true, 40, prefix_caching);
   std::map<std::string, Finished> want, got;
   RunWorkload(one_at_a_time, want);
   RunWorkload(ahead, got);
@@ -275,6 +276,10 @@ TEST(LlmEngineAsyncTest, OutputsEqualUnderPreemption) {
   const EngineStats stats = ahead.engine->Stats();
   EXPECT_EQ(stats.num_free_kv_blocks, stats.num_kv_blocks);
 }
+
+TEST(LlmEngineAsyncTest, OutputsEqualUnderPreemption) { ExpectSameOutputsUnderPreemption(false); }
+
+TEST(LlmEngineAsyncTest, OutputsEqualUnderPreemptionWithThePrefixCache) { ExpectSameOutputsUnderPreemption(true); }
 
 TEST(LlmEngineAsyncTest, BlocksOfARequestStoppedInALaunchedStepWaitForIt) {
   Engine e = NewEngine(/*async=*/true, 64, /*prefix_caching=*/false);
