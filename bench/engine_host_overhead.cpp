@@ -1,8 +1,9 @@
 // The engine's host time per step: scheduling, batch building, block bookkeeping, the sampling
 // rows, and the outputs (detokenization, stop checks), with an executor that does no model work
-// and returns a token per sampled row at once. On a GPU the device idles through this time
-// between forward passes (docs/BENCHMARKS.md: 0.28-0.48 ms a step, 2.5-4%, for the cluster's
-// workload on an H100), so it is what overlapping or trimming the host side could win.
+// and returns a token per sampled row at once. On a GPU whose steps run one at a time the device
+// idles through this time between forward passes (docs/BENCHMARKS.md: 0.28-0.48 ms a step,
+// 2.5-4%, for the cluster's workload on an H100); async scheduling runs it while the device
+// computes the launched step, as long as it stays below a step's device time.
 //
 //   build/bin/engine_host_overhead [--model DIR] [--requests 1024] [--prompt-len 512] [--gen-len 128]
 //       [--max-num-seqs 64] [--max-num-batched-tokens 1024] [--max-num-mixed-tokens 384] [--repeat 3]

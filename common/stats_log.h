@@ -34,7 +34,8 @@ struct IntervalStats {
   // Prompt tokens found cached over those looked up in the interval; none: no prefix caching.
   std::optional<double> prefix_cache_hit_rate;
   // An engine's steps in the interval, their wall time and its part in the forward pass (the
-  // rest: host work the device waits through). Shown only when there were steps.
+  // rest: host work, which the device waits through unless steps are launched ahead). Shown only
+  // when there were steps.
   int64_t steps = 0;
   double step_seconds = 0;
   double forward_seconds = 0;

@@ -99,12 +99,14 @@ struct EngineStats {
   // Since the engine started: steps that ran a forward pass, their wall time, and the part of it
   // spent in the executor's forward (on a GPU: launches and the wait for the step's samples). The
   // rest is host work between forwards (scheduling, batch building, applying samples), which the
-  // device waits through.
+  // device waits through when steps run one at a time; with async scheduling it runs while the
+  // device computes the launched step.
   int64_t num_steps = 0;
   double step_seconds = 0;
   double forward_seconds = 0;
   // Filled by an EngineLoop (0 without one): host time its thread spent between steps handing the
-  // steps' outputs to subscribers, and running posted work. The device waits through both.
+  // steps' outputs to subscribers, and running posted work (the device waits through both when
+  // steps run one at a time).
   double delivery_seconds = 0;
   double posted_seconds = 0;
 };
