@@ -3,14 +3,19 @@
 // reads, every request's output must be the one of steps run one at a time, through stops,
 // aborts, preemption, prefix caching and seeded sampling; blocks of a request that finished
 // while a launched step still writes them stay allocated until that step is collected.
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/status_macros.h"
+#include "engine/engine_loop.h"
 #include "engine/llm_engine.h"
 #include "gtest/gtest.h"
 #include "model/model_config.h"
@@ -331,6 +336,61 @@ TEST(LlmEngineAsyncTest, RequestsThatSampleOnTheHostRunStepsOneAtATime) {
   }
   EXPECT_EQ(tokens["plain"], 8u);
   EXPECT_EQ(tokens["penalized"], 20u);
+}
+
+// As a worker runs it: an EngineLoop streams each request's tokens to its subscriber once, in
+// order, ends it with the finishing output (an abort's too: its launched token is dropped), and
+// releases it while a launched step may still hold it; the tokens are those of steps one at a time.
+std::map<std::string, Finished> StreamThroughALoop(bool async) {
+  Engine e = NewEngine(async, 1024, /*prefix_caching=*/true);
+  EngineLoop loop(std::move(e.engine));
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::string, Finished> finished;
+  constexpr int kRequests = 24;
+  for (int i = 0; i < kRequests; ++i) {
+    const std::string id = "r" + std::to_string(i);
+    loop.Call([&, i, id](LlmEngine& engine) {
+      SamplingParams p;
+      p.temperature = i % 4 == 1 ? 0.8f : 0.0f;
+      p.seed = uint64_t(i);
+      p.max_tokens = 4 + (i * 11) % 40;
+      p.ignore_eos = i % 2 == 0;
+      std::vector<int32_t> prompt;
+      for (int t = 0; t < 6 + i % 9; ++t) prompt.push_back(int32_t(200 + (t < 4 ? t : i * 17 + t) % 3000));
+      EXPECT_TRUE(engine.AddRequest(id, std::move(prompt), p).ok());
+      auto streamed = std::make_shared<Finished>();
+      loop.Subscribe(id, [&, id, streamed](const RequestOutput& out) {
+        streamed->tokens.insert(streamed->tokens.end(), out.new_token_ids.begin(), out.new_token_ids.end());
+        streamed->text += out.new_text;
+        if (id == "r5" && !out.finished && streamed->tokens.size() >= 3) loop.Abort(id);
+        if (!out.finished) return;
+        streamed->reason = out.finish_reason;
+        std::lock_guard<std::mutex> lock(mu);
+        EXPECT_EQ(finished.count(id), 0u) << id << " finished twice";
+        finished[id] = *streamed;
+        cv.notify_all();
+      });
+    });
+  }
+  std::unique_lock<std::mutex> lock(mu);
+  EXPECT_TRUE(cv.wait_for(lock, std::chrono::seconds(30), [&] { return finished.size() == size_t(kRequests); }));
+  lock.unlock();
+  // The last launched step is collected (and its held blocks freed) once the loop runs out of work.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (loop.Stats().num_free_kv_blocks != loop.Stats().num_kv_blocks && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(loop.Stats().num_free_kv_blocks, loop.Stats().num_kv_blocks);
+  EXPECT_EQ(loop.Call([](LlmEngine& engine) { return engine.HasUnfinished(); }), false);
+  lock.lock();
+  return finished;
+}
+
+TEST(LlmEngineAsyncTest, AnEngineLoopStreamsTheTokensOfStepsOneAtATime) {
+  const std::map<std::string, Finished> want = StreamThroughALoop(false), got = StreamThroughALoop(true);
+  ExpectSameOutputs(got, want);
+  EXPECT_EQ(want.at("r5").reason, FinishReason::kAbort);
 }
 
 }  // namespace
