@@ -642,13 +642,17 @@ void LlmEngine::CountPromptTokens(const SchedulerOutput& plan) {
 
 namespace {
 
-// Whether a request's steps must run one at a time: its token is sampled on the host (or with a
-// mask of the grammar's state after the previous token), speculated, or its KV kept for a
-// transfer that starts after the step.
-bool NeedsStepsOneAtATime(const Request& r) {
-  const SamplingParams& p = r.params;
+// Whether a request's tokens need the host sampler: penalties, logit bias, top-N logprobs.
+bool SamplesOnHost(const SamplingParams& p) {
   return p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f ||
-         p.logprobs > 0 || !p.logit_bias.empty() || p.prompt_logprobs >= 0 || r.grammar != nullptr ||
+         p.logprobs > 0 || !p.logit_bias.empty();
+}
+
+// Whether a request's steps must run one at a time: its token or its prompt's logprobs come from
+// the host, its mask from the grammar's state after the previous token, its tokens from
+// speculation, or its KV is kept for a transfer that starts after the step.
+bool NeedsStepsOneAtATime(const Request& r) {
+  return SamplesOnHost(r.params) || r.params.prompt_logprobs >= 0 || r.grammar != nullptr ||
          r.spec.mode != SpeculationMode::kNone || r.keep_kv_when_finished;
 }
 
@@ -795,12 +799,8 @@ std::optional<std::vector<DeviceSamplingRow>> LlmEngine::DeviceSamplingRows(cons
   for (size_t i = 0; i < plan.chunks.size(); ++i) {
     const ScheduledChunk& sc = plan.chunks[i];
     if (!sc.samples) continue;
-    Request& r = *sc.request;
-    const SamplingParams& p = r.params;
-    if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f || p.logprobs > 0 ||
-        !p.logit_bias.empty()) {
-      return std::nullopt;
-    }
+    const Request& r = *sc.request;
+    if (SamplesOnHost(r.params)) return std::nullopt;
     if (r.grammar && !batch.parents[i].empty()) return std::nullopt;
   }
   std::vector<DeviceSamplingRow> rows;
