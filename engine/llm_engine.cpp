@@ -569,8 +569,7 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::ScheduleAndRun(const Layer
   // A step run one at a time needs every token known: the launched step is collected first, and
   // this one runs on the next call.
   if (!ahead && launched_) {
-    DrainLaunched();
-    append(std::exchange(drained_outputs_, {}));
+    append(CollectLaunched(*std::exchange(launched_, std::nullopt)));
     return outputs;
   }
   const int64_t setups_before = model_->num_one_time_setups();
@@ -659,10 +658,8 @@ bool NeedsStepsOneAtATime(const Request& r) {
 }  // namespace
 
 bool LlmEngine::CanLaunchAhead(const LayerDoneCallback& on_layer_done) const {
-  if (!config_.async_scheduling || on_layer_done || !model_->CanLaunchAhead() || !model_->CanSampleOnDevice()) {
-    return false;
-  }
-  return !scheduler_.AnyUnfinished(NeedsStepsOneAtATime);
+  return config_.async_scheduling && !on_layer_done && model_->CanLaunchAhead() &&
+         !scheduler_.AnyUnfinished(NeedsStepsOneAtATime);
 }
 
 absl::Status LlmEngine::LaunchAhead(const SchedulerOutput& plan, const StepBatch& batch,
@@ -714,9 +711,7 @@ std::vector<RequestOutput> LlmEngine::CollectLaunched(const SchedulerOutput& ste
 
 void LlmEngine::DrainLaunched() {
   if (!launched_) return;
-  const SchedulerOutput step = std::move(*launched_);
-  launched_.reset();
-  std::vector<RequestOutput> collected = CollectLaunched(step);
+  std::vector<RequestOutput> collected = CollectLaunched(*std::exchange(launched_, std::nullopt));
   drained_outputs_.insert(drained_outputs_.end(), std::make_move_iterator(collected.begin()),
                           std::make_move_iterator(collected.end()));
 }

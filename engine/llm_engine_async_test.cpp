@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "common/status_macros.h"
@@ -150,6 +151,14 @@ class ContextHashExecutor : public ModelExecutor {
   int64_t num_launched_ = 0;
 };
 
+SamplingParams Greedy(int32_t max_tokens) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = max_tokens;
+  p.ignore_eos = true;
+  return p;
+}
+
 struct Finished {
   std::vector<int32_t> tokens;
   std::string text;
@@ -251,48 +260,44 @@ void ExpectSameOutputs(const std::map<std::string, Finished>& got, const std::ma
   }
 }
 
-TEST(LlmEngineAsyncTest, OutputsEqualStepsOneAtATime) {
-  Engine one_at_a_time = NewEngine(/*async=*/false, 1024, /*prefix_caching=*/true);
-  Engine ahead = NewEngine(/*async=*/true, 1024, /*prefix_caching=*/true);
+// The workload on an engine running steps one at a time and on one launching them ahead: the
+// same outputs, and nothing leaked. Returns the second engine's stats and the first's outputs.
+std::pair<EngineStats, std::map<std::string, Finished>> ExpectAsyncOutputsEqual(int32_t num_kv_blocks,
+                                                                               bool prefix_caching) {
+  Engine one_at_a_time = NewEngine(/*async=*/false, num_kv_blocks, prefix_caching);
+  Engine ahead = NewEngine(/*async=*/true, num_kv_blocks, prefix_caching);
   std::map<std::string, Finished> want, got;
   RunWorkload(one_at_a_time, want);
   RunWorkload(ahead, got);
   EXPECT_EQ(one_at_a_time.executor->num_launched(), 0);
   EXPECT_GT(ahead.executor->num_launched(), 100);
   ExpectSameOutputs(got, want);
+  const EngineStats stats = ahead.engine->Stats();
+  EXPECT_EQ(stats.num_free_kv_blocks, stats.num_kv_blocks);  // nothing leaked
+  return {stats, want};
+}
+
+TEST(LlmEngineAsyncTest, OutputsEqualStepsOneAtATime) {
+  const auto [stats, want] = ExpectAsyncOutputsEqual(1024, /*prefix_caching=*/true);
   int stops = 0, lengths = 0;
   for (const auto& [id, f] : want) (f.reason == FinishReason::kStop ? stops : lengths) += 1;
   EXPECT_GT(stops, 3);  // the workload stops some requests on EOS and stop ids
   EXPECT_GT(lengths, 3);
-  const EngineStats stats = ahead.engine->Stats();
-  EXPECT_EQ(stats.num_free_kv_blocks, stats.num_kv_blocks);  // nothing leaked
 }
 
 // 40 blocks of 4 tokens for twelve running requests of up to ~90 tokens: preemption (with the
 // prefix cache: evictions, and preempted requests finding their own blocks again).
-void ExpectSameOutputsUnderPreemption(bool prefix_caching) {
-  Engine one_at_a_time = NewEngine(/*async=*/false, 40, prefix_caching);
-  Engine ahead = NewEngine(/*async=*/true, 40, prefix_caching);
-  std::map<std::string, Finished> want, got;
-  RunWorkload(one_at_a_time, want);
-  RunWorkload(ahead, got);
-  EXPECT_GT(ahead.engine->Stats().num_preemptions, 0);
-  ExpectSameOutputs(got, want);
-  const EngineStats stats = ahead.engine->Stats();
-  EXPECT_EQ(stats.num_free_kv_blocks, stats.num_kv_blocks);
+TEST(LlmEngineAsyncTest, OutputsEqualUnderPreemption) {
+  EXPECT_GT(ExpectAsyncOutputsEqual(40, /*prefix_caching=*/false).first.num_preemptions, 0);
 }
 
-TEST(LlmEngineAsyncTest, OutputsEqualUnderPreemption) { ExpectSameOutputsUnderPreemption(false); }
-
-TEST(LlmEngineAsyncTest, OutputsEqualUnderPreemptionWithThePrefixCache) { ExpectSameOutputsUnderPreemption(true); }
+TEST(LlmEngineAsyncTest, OutputsEqualUnderPreemptionWithThePrefixCache) {
+  EXPECT_GT(ExpectAsyncOutputsEqual(40, /*prefix_caching=*/true).first.num_preemptions, 0);
+}
 
 TEST(LlmEngineAsyncTest, BlocksOfARequestStoppedInALaunchedStepWaitForIt) {
   Engine e = NewEngine(/*async=*/true, 64, /*prefix_caching=*/false);
-  SamplingParams p;
-  p.temperature = 0.0f;
-  p.max_tokens = 50;
-  p.ignore_eos = true;
-  ASSERT_TRUE(e.engine->AddRequest("a", {5, 6, 7, 8, 9}, p).ok());
+  ASSERT_TRUE(e.engine->AddRequest("a", {5, 6, 7, 8, 9}, Greedy(50)).ok());
   // The first step is launched and gives nothing yet; each later one collects the step before.
   absl::StatusOr<std::vector<RequestOutput>> first = e.engine->Step();
   ASSERT_TRUE(first.ok());
@@ -315,12 +320,8 @@ TEST(LlmEngineAsyncTest, BlocksOfARequestStoppedInALaunchedStepWaitForIt) {
 
 TEST(LlmEngineAsyncTest, RequestsThatSampleOnTheHostRunStepsOneAtATime) {
   Engine e = NewEngine(/*async=*/true, 256, /*prefix_caching=*/false);
-  SamplingParams plain;
-  plain.temperature = 0.0f;
-  plain.max_tokens = 8;
-  plain.ignore_eos = true;
-  SamplingParams penalized = plain;
-  penalized.max_tokens = 20;
+  const SamplingParams plain = Greedy(8);
+  SamplingParams penalized = Greedy(20);
   penalized.repetition_penalty = 1.2f;  // the host sampler's
   ASSERT_TRUE(e.engine->AddRequest("plain", {5, 6, 7}, plain).ok());
   ASSERT_TRUE(e.engine->Step().ok());

@@ -119,8 +119,9 @@ class ModelExecutor {
 
   // Async scheduling (vLLM's --async-scheduling, SGLang's overlap scheduler): the engine launches
   // step n + 1 before step n's tokens reach the host, so the device does not wait while the host
-  // applies them and schedules. LaunchSample is ForwardSample without the wait (no layer callback,
-  // no grammar masks); its chunks' token ids may be PreviousStepSample(row). CollectSamples waits
+  // applies them and schedules (an executor that can samples on its device). LaunchSample is
+  // ForwardSample without the wait (no layer callback, no grammar masks); its chunks' token ids
+  // may be PreviousStepSample(row). CollectSamples waits
   // for the oldest launched step not yet collected and gives its samples; at most two launched
   // steps wait to be collected. A step run any other way (Forward, ForwardSample) first needs every
   // launched step collected.

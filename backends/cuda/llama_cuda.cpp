@@ -175,10 +175,10 @@ absl::Status LlamaCuda::AllocateActivations() {
     DUET_RETURN_IF_ERROR(cuda::CudaStatus(
         cudaMemset(decode_split_counters_.get(), 0, size_t(decode_split_counters_count_) * 4), "split counters"));
   }
+  DUET_RETURN_IF_ERROR(launched_samples_.Init(t));  // the samples of steps launched ahead
   // Logits of one head pass, or every row's sampled token and logprob (up to t rows each).
   // Host logits travel through it in passes of max_num_seqs rows; sampled tokens and logprobs
   // (up to t rows each) in one.
-  DUET_RETURN_IF_ERROR(launched_samples_.Init(t));
   return results_host_.Resize(std::max(size_t(options_.max_num_seqs) * size_t(c.vocab_size), 2 * size_t(t) + 8) * 4);
 }
 
