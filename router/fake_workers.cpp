@@ -32,7 +32,7 @@ grpc::Status FakePrefillWorker::Prefill(grpc::ServerContext* context, const v1::
     last_prompt_.assign(request->prompt_token_ids().begin(), request->prompt_token_ids().end());
     last_output_tokens_.assign(request->output_token_ids().begin(), request->output_token_ids().end());
   }
-  if (fail_unavailable || (fail_resumed && request->output_token_ids_size() > 0)) {
+  if (gone || fail_unavailable || (fail_resumed && request->output_token_ids_size() > 0)) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake prefill is unavailable");
   }
   if (request->target_follows()) {
@@ -45,7 +45,10 @@ grpc::Status FakePrefillWorker::Prefill(grpc::ServerContext* context, const v1::
         return late_targets_.count(id) != 0 || std::count(aborted_.begin(), aborted_.end(), id) != 0;
       };
       if (mu_.AwaitWithTimeout(absl::Condition(&arrived), absl::Milliseconds(5))) {
-        if (late_targets_.erase(id) == 0) return grpc::Status(grpc::StatusCode::ABORTED, "aborted");
+        if (late_targets_.erase(id) == 0) {
+          return gone ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake prefill is gone")
+                      : grpc::Status(grpc::StatusCode::ABORTED, "aborted");
+        }
         break;
       }
       if (context->IsCancelled()) {
@@ -77,7 +80,7 @@ grpc::Status FakePrefillWorker::Prefill(grpc::ServerContext* context, const v1::
 
 grpc::Status FakePrefillWorker::SetKvTarget(grpc::ServerContext*, const v1::SetKvTargetRequest* request,
                                             v1::SetKvTargetResponse*) {
-  if (fail_set_kv_target) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake SetKvTarget failure");
+  if (gone || fail_set_kv_target) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake SetKvTarget failure");
   absl::MutexLock lock(&mu_);
   late_targets_[request->request_id()] = request->target();
   targets_set_.push_back(request->target().transfer_id());
@@ -89,11 +92,12 @@ grpc::Status FakePrefillWorker::Abort(grpc::ServerContext*, const v1::WorkerAbor
   if (request->has_kv_target()) ++num_aborts_with_kv_target;
   absl::MutexLock lock(&mu_);
   aborted_.push_back(request->request_id());
-  return grpc::Status::OK;
+  return gone ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake prefill is gone") : grpc::Status::OK;
 }
 
 grpc::Status FakePrefillWorker::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
                                          v1::WorkerStats* response) {
+  if (gone) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake prefill is gone");
   std::this_thread::sleep_for(std::chrono::milliseconds(stats_delay_ms.load()));
   response->set_role("prefill");
   response->set_late_kv_target(late_kv_target);

@@ -30,6 +30,9 @@ class FakePrefillWorker final : public v1::PrefillWorker::Service {
   // target_follows waits for its SetKvTarget before it goes on (ABORTED by an Abort first).
   std::atomic<bool> late_kv_target{false};
   std::atomic<bool> fail_set_kv_target{false};  // SetKvTarget returns UNAVAILABLE
+  // The process is gone: every call returns UNAVAILABLE, a Prefill waiting for its target once
+  // its Abort has come (so that its SetKvTarget's failure, which sends that Abort, comes first).
+  std::atomic<bool> gone{false};
   std::atomic<int> num_late_prefills{0};
   // The first token; for a migrated request (output_token_ids) first_token + their number.
   std::atomic<int> first_token{1000};

@@ -1073,16 +1073,9 @@ void RouterService::GenerateCall::HandlePrefilled(const grpc::Status& status, co
     AbortOnWorker(prefill_);
     return EndInterrupted();
   }
-  std::string target_failure;
-  if (late_target_) {
-    absl::MutexLock lock(&join_mu_);
-    target_failure = target_failure_;
-  }
-  if (!target_failure.empty()) {  // aborted for want of its target
-    return End(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                            absl::StrCat("the KV target could not be sent to the prefill worker: ", target_failure)));
-  }
   const std::string what = WorkerError(*prefill_, status, prepared_.request_id);
+  // Before a target that could not be sent: a worker that died has failed both calls, in either
+  // order, and only the probe below lets its reservation go before the lease ends.
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
     // The prefill worker died, or its KV transfer to the decode worker failed (then the decode
     // worker may be the dead one). Whichever does not answer is marked down; retry once.
@@ -1096,6 +1089,15 @@ void RouterService::GenerateCall::HandlePrefilled(const grpc::Status& status, co
           self->decode_, reason, [self, what](WorkerRegistry::Probe) { self->OnPrefillUnavailable(what); });
     });
     return;
+  }
+  std::string target_failure;
+  if (late_target_) {
+    absl::MutexLock lock(&join_mu_);
+    target_failure = target_failure_;
+  }
+  if (!target_failure.empty()) {  // aborted for want of its target
+    return End(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            absl::StrCat("the KV target could not be sent to the prefill worker: ", target_failure)));
   }
   // Given up on (its timeout, a failure): should the call not have reached the prefill worker, the
   // Abort's target lets it tell the decode worker that nothing will be written.

@@ -1401,6 +1401,42 @@ TEST_F(LateTargetTest, ATargetThatCannotBeSentEndsTheRequestUnavailable) {
   EXPECT_TRUE(WaitFor([&] { return service_->num_in_flight() == 0; }, 3000));
 }
 
+// A prefill worker that dies while its Prefill waits for the target fails both calls, here
+// SetKvTarget first: the probe finds it gone and the reservation goes at once, not at lease end,
+// and the request is retried (no other prefill worker: UNAVAILABLE saying so).
+TEST_F(LateTargetTest, APrefillWorkerGoneWhileItsTargetWentOutReleasesTheReservationAtOnce) {
+  Start(1, 1);
+  decode_[0]->reserve_delay_ms = 300;
+  Result result;
+  std::thread client([&] { result = Generate(TokenRequest({1, 2}, 2, "dying")); });
+  EXPECT_TRUE(WaitFor([&] { return prefill_[0]->num_late_prefills == 1; }, 3000));
+  prefill_[0]->gone = true;
+  client.join();
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(result.status.error_message(), HasSubstr("prefill worker 0 failed and no prefill worker is up"));
+  EXPECT_FALSE(registry_->prefill_workers()[0]->up());
+  // The reservation whose target went out is aborted twice: once its sender stops (release_now
+  // false) and, the worker confirmed gone, at once. (The retry may reserve again before it finds
+  // no prefill worker up; that target went nowhere and is released at once too.)
+  auto released_at_once = [&] {
+    const std::vector<uint64_t> transfers = decode_[0]->aborted_transfer_ids();
+    const std::vector<bool> now = decode_[0]->aborted_release_now();
+    if (transfers.size() != now.size()) return false;  // an Abort arriving between the two reads
+    const auto waiting = std::find(now.begin(), now.end(), false);
+    if (waiting == now.end()) return false;
+    const uint64_t shipped = transfers[waiting - now.begin()];
+    for (size_t i = 0; i < now.size(); ++i) {
+      if (now[i] && transfers[i] == shipped) return true;
+    }
+    return false;
+  };
+  EXPECT_TRUE(WaitFor(released_at_once, 3000));
+  const std::vector<bool> release_now = decode_[0]->aborted_release_now();
+  EXPECT_EQ(std::count(release_now.begin(), release_now.end(), false), 1);
+  EXPECT_EQ(decode_[0]->num_decodes, 0);
+  EXPECT_TRUE(WaitFor([&] { return service_->num_in_flight() == 0; }, 3000));
+}
+
 TEST_F(LateTargetTest, ClientCancelWhileReservingReachesBothWorkers) {
   Start(1, 1);
   decode_[0]->reserve_delay_ms = 300;
