@@ -55,10 +55,15 @@ class RandomPagedDecode {
     lens_.Upload(std::vector<int32_t>(size_t(max_batch_), context));
     plan_ = PlanPagedDecodeAttention(batch, params_.num_q_heads, params_.kv.num_kv_heads, params_.kv.head_dim,
                                      planned_context, num_sms);
-    workspace_ = std::make_unique<DeviceBuffer<float>>(plan_.workspace_bytes / sizeof(float));
-    split_counters_ = std::make_unique<DeviceBuffer<int32_t>>(std::vector<int32_t>(plan_.num_split_counters, 0));
-    params_.workspace = plan_.workspace_bytes > 0 ? workspace_->get() : nullptr;
-    params_.split_counters = plan_.num_split_counters > 0 ? split_counters_->get() : nullptr;
+    // A plan that does not split the contexts needs neither.
+    workspace_ = plan_.workspace_bytes > 0
+                     ? std::make_unique<DeviceBuffer<float>>(plan_.workspace_bytes / sizeof(float))
+                     : nullptr;
+    split_counters_ = plan_.num_split_counters > 0 ? std::make_unique<DeviceBuffer<int32_t>>(
+                                                         std::vector<int32_t>(plan_.num_split_counters, 0))
+                                                   : nullptr;
+    params_.workspace = workspace_ != nullptr ? workspace_->get() : nullptr;
+    params_.split_counters = split_counters_ != nullptr ? split_counters_->get() : nullptr;
     params_.num_seqs = batch;
     context_ = context;
   }
