@@ -580,15 +580,18 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::ScheduleAndRun(const Layer
   SchedulerOutput plan = scheduler_.Schedule();
   num_preemptions_ += plan.num_preempted;
   std::optional<SchedulerOutput> previous = std::exchange(launched_, std::nullopt);
-  if (plan.empty()) {
+  auto collect_previous = [&] {
     if (previous) append(CollectLaunched(*previous));
+  };
+  if (plan.empty()) {
+    collect_previous();
     return outputs;
   }
   // Ordered ahead of the step's kernels, not waited for here.
   if (absl::Status s = FlushTierCopies(HostKvTier::FlushMode::kOrdered); !s.ok()) {
     scheduler_.OnStepDone(plan);
     append(FailStep(plan, s));
-    if (previous) append(CollectLaunched(*previous));
+    collect_previous();
     return outputs;
   }
   cache_->CopyBlocks(plan.block_copies);
@@ -604,7 +607,7 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::ScheduleAndRun(const Layer
       scheduler_.OnStepDone(plan);
       append(FailStep(plan, s));
     }
-    if (previous) append(CollectLaunched(*previous));  // the device runs the new step meanwhile
+    collect_previous();  // the device runs the new step meanwhile
     return outputs;
   }
   const Clock::time_point forward_start = Clock::now();

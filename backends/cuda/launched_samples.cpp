@@ -25,7 +25,7 @@ absl::Status LaunchedSamples::Enqueue(const int32_t* tokens, const float* logpro
   DUET_CHECK(!full() && rows >= 0 && rows <= max_rows_);
   const int slot = next_slot_;
   next_slot_ = (next_slot_ + 1) % kMaxLaunched;
-  int32_t* host_tokens = host_.as<int32_t>() + size_t(slot) * 2 * size_t(max_rows_);
+  int32_t* host_tokens = SlotTokens(slot);
   auto* host_logprobs = reinterpret_cast<float*>(host_tokens + max_rows_);
   if (rows > 0) {
     DUET_RETURN_IF_ERROR(CudaStatus(
@@ -43,7 +43,7 @@ absl::Status LaunchedSamples::Collect(std::vector<DeviceSample>& samples) {
   const Launched l = launched_.front();
   launched_.pop_front();
   DUET_RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(copied_[l.slot]), "step"));
-  const int32_t* host_tokens = host_.as<int32_t>() + size_t(l.slot) * 2 * size_t(max_rows_);
+  const int32_t* host_tokens = SlotTokens(l.slot);
   const auto* host_logprobs = reinterpret_cast<const float*>(host_tokens + max_rows_);
   samples.resize(size_t(l.rows));
   for (int i = 0; i < l.rows; ++i) samples[size_t(i)] = DeviceSample{host_tokens[i], host_logprobs[i]};

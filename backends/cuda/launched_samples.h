@@ -39,6 +39,9 @@ class LaunchedSamples {
     int slot = 0;
     int rows = 0;
   };
+  // A slot's tokens; its logprobs follow them, max_rows_ on.
+  int32_t* SlotTokens(int slot) { return host_.as<int32_t>() + size_t(slot) * 2 * size_t(max_rows_); }
+
   int max_rows_ = 0;
   PinnedBuffer host_;  // kMaxLaunched slots of [max_rows] tokens then [max_rows] logprobs
   cudaEvent_t copied_[kMaxLaunched] = {};
