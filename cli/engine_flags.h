@@ -50,6 +50,9 @@ struct EngineFlags {
                   "cuda: launch each step before the previous step's tokens reach the host, so the GPU does not "
                   "wait while the host schedules (on by default; steps of requests that sample on the host run "
                   "one at a time)");
+    app->add_flag("--late-scheduling,!--no-late-scheduling", config->late_scheduling,
+                  "with async scheduling in a server: plan the next step when the running step is halfway, so "
+                  "requests that arrive meanwhile join it (on by default)");
     app->add_option("--max-model-len", config->scheduler.max_model_len, "Context limit (default: the model's)")
         ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
         ->default_str("");

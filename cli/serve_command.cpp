@@ -87,6 +87,7 @@ std::vector<std::string> WorkerEngineFlags(const ServeOptions& o, bool decode) {
   if (o.kv_checksums) flags.push_back("--kv-checksums");
   if (!o.engine.enable_prefix_caching) flags.push_back("--no-enable-prefix-caching");
   if (!o.engine.async_scheduling) flags.push_back("--no-async-scheduling");
+  if (!o.engine.late_scheduling) flags.push_back("--no-late-scheduling");
   if (o.engine.host_kv_cache_bytes > 0) {
     flags.insert(flags.end(), {"--host-kv-cache-gib", std::to_string(double(o.engine.host_kv_cache_bytes) / double(1ull << 30))});
   }

@@ -22,6 +22,10 @@ std::string FormatStatsLine(const IntervalStats& s) {
       absl::StrAppendFormat(&line, ", between steps: delivery %.2f ms, posted work %.2f ms",
                             1e3 * s.delivery_seconds / double(s.steps), 1e3 * s.posted_seconds / double(s.steps));
     }
+    if (s.late_scheduled_steps > 0) {
+      absl::StrAppendFormat(&line, ", planned late: %d steps, %d launched late", s.late_scheduled_steps,
+                            s.late_launches);
+    }
   }
   return line;
 }

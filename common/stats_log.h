@@ -43,6 +43,10 @@ struct IntervalStats {
   // running posted work (new requests, aborts). Shown when there was some.
   double delivery_seconds = 0;
   double posted_seconds = 0;
+  // Late scheduling (EngineConfig::late_scheduling): steps planned at the launched step's midpoint,
+  // and those launched after the device had finished the step before. Shown when there were some.
+  int64_t late_scheduled_steps = 0;
+  int64_t late_launches = 0;
 
   bool idle() const { return prompt_tokens == 0 && generation_tokens == 0; }
   // A step's mean wall time and forward time in the interval, in ms (0 without steps).

@@ -35,6 +35,10 @@ TEST(FormatStatsLine, VllmsFieldsAndRatesOverTheInterval) {
   s.posted_seconds = 0.0521;
   EXPECT_THAT(FormatStatsLine(s),
               ::testing::EndsWith("forward 8.90 ms, between steps: delivery 0.50 ms, posted work 0.05 ms"));
+  // Late scheduling's steps, and those launched late.
+  s.late_scheduled_steps = 1000;
+  s.late_launches = 3;
+  EXPECT_THAT(FormatStatsLine(s), ::testing::EndsWith("posted work 0.05 ms, planned late: 1000 steps, 3 launched late"));
   // No time has passed: no rates (rather than infinities).
   EXPECT_THAT(FormatStatsLine({.seconds = 0, .prompt_tokens = 5}), HasSubstr("Avg prompt throughput: 0.0 tokens/s"));
   EXPECT_TRUE(IntervalStats{.running = 2}.idle());

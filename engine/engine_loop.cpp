@@ -65,6 +65,8 @@ EngineStats EngineLoop::Stats() const {
 
 void EngineLoop::Run() {
   for (;;) {
+    // Late scheduling: what is posted while the launched step's first half runs joins the next step.
+    engine_->WaitForSchedulingPoint();
     std::vector<std::function<void(LlmEngine&)>> work;
     {
       std::unique_lock<std::mutex> lock(mu_);

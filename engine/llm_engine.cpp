@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 
 namespace duet {
@@ -391,6 +392,8 @@ EngineStats LlmEngine::Stats() const {
   stats.num_steps = num_steps_;
   stats.step_seconds = step_seconds_;
   stats.forward_seconds = forward_seconds_;
+  stats.num_late_scheduled_steps = num_late_scheduled_steps_;
+  stats.num_late_launches = num_late_launches_;
   if (host_tier_ != nullptr) {
     stats.host_tier = host_tier_->stats();
     stats.host_tier_slots = host_tier_->num_slots();
@@ -559,7 +562,31 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step(const LayerDoneCallba
   return outputs;
 }
 
+void LlmEngine::WaitForSchedulingPoint() {
+  if (!config_.late_scheduling || late_scheduling_off_ || !launched_) return;
+  // Device time: counted in the step's wall time and forward time as the collection's wait is.
+  const Clock::time_point start = Clock::now();
+  model_->WaitForLaunchedStepMidpoint();
+  const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+  step_seconds_ += waited;
+  forward_seconds_ += waited;
+  planned_late_ = true;
+}
+
+void LlmEngine::CountLateLaunch() {
+  constexpr int64_t kTrialSteps = 64;
+  ++num_late_scheduled_steps_;
+  if (model_->OldestLaunchedStepDone()) ++num_late_launches_;
+  if (num_late_scheduled_steps_ >= kTrialSteps && num_late_launches_ * 8 > num_late_scheduled_steps_) {
+    late_scheduling_off_ = true;
+    DUET_LOG(WARNING) << "late scheduling off: " << num_late_launches_ << " of " << num_late_scheduled_steps_
+                      << " steps planned at the launched step's midpoint were launched after it had finished; "
+                         "steps are planned as soon as the one before is launched";
+  }
+}
+
 absl::StatusOr<std::vector<RequestOutput>> LlmEngine::ScheduleAndRun(const LayerDoneCallback& on_layer_done) {
+  const bool planned_late = std::exchange(planned_late_, false);
   std::vector<RequestOutput> outputs = std::exchange(drained_outputs_, {});
   auto append = [&outputs](std::vector<RequestOutput> more) {
     outputs.insert(outputs.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
@@ -603,6 +630,7 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::ScheduleAndRun(const Layer
     DUET_CHECK(device_rows.has_value());  // CanLaunchAhead found no request that samples on the host
     if (absl::Status s = LaunchAhead(plan, batch, *device_rows); s.ok()) {
       launched_ = std::move(plan);
+      if (planned_late && previous) CountLateLaunch();
     } else {
       scheduler_.OnStepDone(plan);
       append(FailStep(plan, s));

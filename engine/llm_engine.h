@@ -45,6 +45,13 @@ struct EngineConfig {
   // (penalties, logit bias, top-N logprobs, prompt logprobs, structured output, speculation) and
   // steps with a layer callback run one at a time. Outputs are the same either way.
   bool async_scheduling = true;
+  // Late scheduling (with async scheduling, for an engine fed while it runs: an EngineLoop's): the
+  // step after the launched one is planned once the launched step is halfway through its layers,
+  // not as soon as it is launched, so requests that arrive meanwhile (a closed loop's next request
+  // after one finishes) join it rather than the step after; the host still has half a step to
+  // launch it. Turns itself off when more than one late launch in 8 finishes after the device has
+  // finished the step before (the device waited).
+  bool late_scheduling = true;
   SpeculationConfig speculation;
   // Sequence-parallel prefill (ring attention): a prompt of at least `min_tokens` that a step
   // takes whole runs on `ranks` ranks (cpu: threads of this process). 1: off.
@@ -109,6 +116,10 @@ struct EngineStats {
   // steps run one at a time).
   double delivery_seconds = 0;
   double posted_seconds = 0;
+  // Late scheduling: steps planned at the launched step's midpoint, and those of them whose launch
+  // finished after the device had finished the step before.
+  int64_t num_late_scheduled_steps = 0;
+  int64_t num_late_launches = 0;
 };
 
 // Makes the executor for a model directory (`config.model_dir`, on `config.backend`); the
@@ -151,6 +162,10 @@ class LlmEngine {
   // Runs one scheduling step and forward pass; returns the requests that advanced.
   // `on_layer_done` sees each layer's K/V as soon as the step has written it.
   absl::StatusOr<std::vector<RequestOutput>> Step(const LayerDoneCallback& on_layer_done = nullptr);
+  // Late scheduling (EngineConfig::late_scheduling): with a step launched ahead, waits until it is
+  // halfway; whoever feeds the engine while it runs calls this before adding what arrived and
+  // calling Step. Returns at once otherwise.
+  void WaitForSchedulingPoint();
 
   // Disaggregated decode. ReserveKv sets aside blocks for the prompt's tokens that a prefill
   // worker will write (BlockTable gives their ids); AddPrefilledRequest then joins the request
@@ -261,6 +276,8 @@ class LlmEngine {
   absl::Status LaunchAhead(const SchedulerOutput& plan, const StepBatch& batch,
                            const std::vector<DeviceSamplingRow>& rows);
   std::vector<RequestOutput> CollectLaunched(const SchedulerOutput& step);
+  // After a step planned late was launched: counts it, and whether it was launched too late.
+  void CountLateLaunch();
   void DrainLaunched();
   // Counts the prompt tokens of a step's chunks (after OnStepDone).
   void CountPromptTokens(const SchedulerOutput& plan);
@@ -321,6 +338,12 @@ class LlmEngine {
   std::vector<std::unique_ptr<Request>> released_while_launched_;
   std::unique_ptr<SpeculativeDecoder> spec_;  // null: no request speculates
   std::unique_ptr<grammar::GrammarCompiler> grammar_compiler_;
+  // Late scheduling: whether the step being planned waited for the launched one's midpoint; the
+  // counts (EngineStats'); off once too many late launches were late.
+  bool planned_late_ = false;
+  int64_t num_late_scheduled_steps_ = 0;
+  int64_t num_late_launches_ = 0;
+  bool late_scheduling_off_ = false;
 };
 
 }  // namespace duet

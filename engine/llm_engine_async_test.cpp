@@ -2,11 +2,13 @@
 // previous one's tokens reach the host. With an executor whose tokens are a function of the K/V it
 // reads, every request's output must be the one of steps run one at a time, through stops,
 // aborts, preemption, prefix caching and seeded sampling; blocks of a request that finished
-// while a launched step still writes them stay allocated until that step is collected.
+// while a launched step still writes them stay allocated until that step is collected. Late
+// scheduling plans a step at the launched step's midpoint, so what arrives before it joins.
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -56,7 +58,9 @@ class TokenKvCache : public KvCache {
 // of the whole context as the cache holds it (and of the row's seed and offset when it draws),
 // so a block freed or overwritten too early changes the output. Runs a step when it is given;
 // with `launch_ahead`, LaunchSample resolves PreviousStepSample placeholders from the samples of
-// the step before, as a device would.
+// the step before, as a device would. Its launched steps "reach their midpoint" when the engine
+// waits for it (counted; `on_midpoint_wait` runs then), and are done by the next launch or not as
+// `launches_late` says.
 class ContextHashExecutor : public ModelExecutor {
  public:
   ContextHashExecutor(ModelConfig config, bool launch_ahead, int32_t eos)
@@ -94,6 +98,9 @@ class ContextHashExecutor : public ModelExecutor {
     DUET_RETURN_IF_ERROR(Run(chunks, cache, rows, samples));
     launched_.push_back(std::move(samples));
     ++num_launched_;
+    for (const SequenceChunk& c : chunks) {
+      if (c.start_position == 0 && !c.tokens.empty()) first_launch_starting_.emplace(c.tokens[0], num_launched_);
+    }
     return absl::OkStatus();
   }
   absl::Status CollectSamples(std::vector<DeviceSample>& samples) override {
@@ -102,7 +109,21 @@ class ContextHashExecutor : public ModelExecutor {
     launched_.pop_front();
     return absl::OkStatus();
   }
+  void WaitForLaunchedStepMidpoint() override {
+    ++num_midpoint_waits_;
+    if (on_midpoint_wait) on_midpoint_wait();
+  }
+  bool OldestLaunchedStepDone() override { return launches_late && !launched_.empty(); }
   int64_t num_launched() const { return num_launched_; }
+  int64_t num_midpoint_waits() const { return num_midpoint_waits_; }
+  // The launch (1-based) of the first chunk that starts a sequence with `token`, 0 if none did.
+  int64_t FirstLaunchStarting(int32_t token) const {
+    auto it = first_launch_starting_.find(token);
+    return it == first_launch_starting_.end() ? 0 : it->second;
+  }
+
+  std::function<void()> on_midpoint_wait;
+  bool launches_late = false;
 
  private:
   absl::Status Run(absl::Span<const SequenceChunk> chunks, KvCache& cache, absl::Span<const DeviceSamplingRow> rows,
@@ -149,6 +170,8 @@ class ContextHashExecutor : public ModelExecutor {
   std::vector<DeviceSample> last_samples_;
   std::deque<std::vector<DeviceSample>> launched_;
   int64_t num_launched_ = 0;
+  int64_t num_midpoint_waits_ = 0;
+  std::map<int32_t, int64_t> first_launch_starting_;
 };
 
 SamplingParams Greedy(int32_t max_tokens) {
@@ -170,7 +193,7 @@ struct Engine {
   ContextHashExecutor* executor = nullptr;
 };
 
-Engine NewEngine(bool async, int32_t num_kv_blocks, bool prefix_caching) {
+Engine NewEngine(bool async, int32_t num_kv_blocks, bool prefix_caching, bool late = true) {
   absl::StatusOr<ModelConfig> model = LoadModelConfig(kModel);
   EXPECT_TRUE(model.ok()) << model.status();
   EngineConfig config;
@@ -179,6 +202,7 @@ Engine NewEngine(bool async, int32_t num_kv_blocks, bool prefix_caching) {
   config.block_size = 4;
   config.enable_prefix_caching = prefix_caching;
   config.async_scheduling = async;
+  config.late_scheduling = late;
   config.scheduler.max_num_seqs = 12;
   config.scheduler.max_num_batched_tokens = 64;
   config.scheduler.max_num_mixed_tokens = 24;
@@ -224,6 +248,7 @@ void RunWorkload(Engine& e, std::map<std::string, Finished>& finished) {
   int steps = 0;
   while (e.engine->HasUnfinished()) {
     ASSERT_LT(++steps, 10000);
+    e.engine->WaitForSchedulingPoint();  // as an EngineLoop does
     absl::StatusOr<std::vector<RequestOutput>> outputs = e.engine->Step();
     ASSERT_TRUE(outputs.ok()) << outputs.status();
     for (const RequestOutput& out : *outputs) {
@@ -293,6 +318,88 @@ TEST(LlmEngineAsyncTest, OutputsEqualUnderPreemption) {
 
 TEST(LlmEngineAsyncTest, OutputsEqualUnderPreemptionWithThePrefixCache) {
   EXPECT_GT(ExpectAsyncOutputsEqual(40, /*prefix_caching=*/true).first.num_preemptions, 0);
+}
+
+// The workload with late scheduling: each step after the first launched one is planned at the
+// launched step's midpoint; the outputs are those of steps one at a time either way.
+TEST(LlmEngineAsyncTest, LateSchedulingPlansAtTheMidpointWithTheSameOutputs) {
+  Engine one_at_a_time = NewEngine(/*async=*/false, 1024, /*prefix_caching=*/true);
+  Engine late = NewEngine(/*async=*/true, 1024, /*prefix_caching=*/true);
+  Engine at_once = NewEngine(/*async=*/true, 1024, /*prefix_caching=*/true, /*late=*/false);
+  std::map<std::string, Finished> want, got_late, got_at_once;
+  RunWorkload(one_at_a_time, want);
+  RunWorkload(late, got_late);
+  RunWorkload(at_once, got_at_once);
+  ExpectSameOutputs(got_late, want);
+  ExpectSameOutputs(got_at_once, want);
+  EXPECT_EQ(one_at_a_time.executor->num_midpoint_waits(), 0);
+  EXPECT_EQ(at_once.executor->num_midpoint_waits(), 0);
+  const EngineStats stats = late.engine->Stats();
+  EXPECT_GT(stats.num_late_scheduled_steps, 100);
+  EXPECT_EQ(stats.num_late_launches, 0);
+  // Every wait had a launched step and every step planned after one was launched ahead of it,
+  // except those that ran no forward pass or ran one at a time.
+  EXPECT_GE(late.executor->num_midpoint_waits(), stats.num_late_scheduled_steps);
+  EXPECT_LE(late.executor->num_midpoint_waits(), late.executor->num_launched());
+  EXPECT_EQ(at_once.engine->Stats().num_late_scheduled_steps, 0);
+}
+
+// A device that finishes each step before the host has launched the next one planned late: after
+// 64 such steps the engine plans each step as soon as the one before is launched again.
+TEST(LlmEngineAsyncTest, LateSchedulingTurnsItselfOffWhenLaunchesAreLate) {
+  Engine e = NewEngine(/*async=*/true, 1024, /*prefix_caching=*/true);
+  e.executor->launches_late = true;
+  std::map<std::string, Finished> got;
+  RunWorkload(e, got);
+  const EngineStats stats = e.engine->Stats();
+  EXPECT_EQ(stats.num_late_scheduled_steps, 64);
+  EXPECT_EQ(stats.num_late_launches, 64);
+  EXPECT_EQ(e.executor->num_midpoint_waits(), 64);
+  EXPECT_GT(e.executor->num_launched(), 100);
+  Engine one_at_a_time = NewEngine(/*async=*/false, 1024, /*prefix_caching=*/true);
+  std::map<std::string, Finished> want;
+  RunWorkload(one_at_a_time, want);
+  ExpectSameOutputs(got, want);
+}
+
+// In an EngineLoop: a request posted while the loop waits for the launched step's midpoint is in
+// the very next step launched (without late scheduling it would wait for the one after).
+TEST(LlmEngineAsyncTest, ARequestPostedBeforeTheMidpointJoinsTheNextStep) {
+  Engine e = NewEngine(/*async=*/true, 1024, /*prefix_caching=*/false);
+  ContextHashExecutor* executor = e.executor;
+  EngineLoop* loop_ptr = nullptr;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool b_finished = false;
+  int64_t launched_at_post = -1;
+  constexpr int32_t kMarker = 4321;  // the first token of b's prompt
+  auto add_b = [&](LlmEngine& engine) {
+    EXPECT_TRUE(engine.AddRequest("b", {kMarker, 7, 8}, Greedy(4)).ok());
+    loop_ptr->Subscribe("b", [&](const RequestOutput& out) {
+      if (!out.finished) return;
+      std::lock_guard<std::mutex> lock(mu);
+      b_finished = true;
+      cv.notify_all();
+    });
+  };
+  // Runs on the loop thread, inside the wait: the third midpoint posts b.
+  int waits = 0;
+  executor->on_midpoint_wait = [&] {
+    if (++waits != 3) return;
+    launched_at_post = executor->num_launched();
+    loop_ptr->Post(add_b);
+  };
+  EngineLoop loop(std::move(e.engine));
+  loop_ptr = &loop;
+  loop.Call([&](LlmEngine& engine) {
+    EXPECT_TRUE(engine.AddRequest("a", {5, 6, 7, 8, 9}, Greedy(40)).ok());
+    loop.Subscribe("a", [](const RequestOutput&) {});
+  });
+  std::unique_lock<std::mutex> lock(mu);
+  ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(30), [&] { return b_finished; }));
+  lock.unlock();
+  ASSERT_GT(launched_at_post, 0);
+  EXPECT_EQ(executor->FirstLaunchStarting(kMarker), launched_at_post + 1);
 }
 
 TEST(LlmEngineAsyncTest, BlocksOfARequestStoppedInALaunchedStepWaitForIt) {

@@ -133,6 +133,13 @@ class ModelExecutor {
   virtual absl::Status CollectSamples(std::vector<DeviceSample>& samples) {
     return absl::UnimplementedError("this executor cannot launch a step ahead");
   }
+  // Late scheduling (EngineConfig::late_scheduling): blocks until the newest launched step has run
+  // half its layers (at once when none is launched, or for an executor that cannot tell). Errors
+  // are not reported here: CollectSamples reports the device's.
+  virtual void WaitForLaunchedStepMidpoint() {}
+  // Whether the oldest launched step not yet collected has finished on the device; right after a
+  // launch, true means the device may have waited for it.
+  virtual bool OldestLaunchedStepDone() { return false; }
 
   // Speculative decoding. The engine speculates only with executors that honour
   // SequenceChunk::tree_parents and can compact the accepted path's K/V.

@@ -43,7 +43,9 @@ IntervalStats EngineIntervalStats(const EngineStats& before, const EngineStats& 
                   .step_seconds = now.step_seconds - before.step_seconds,
                   .forward_seconds = now.forward_seconds - before.forward_seconds,
                   .delivery_seconds = now.delivery_seconds - before.delivery_seconds,
-                  .posted_seconds = now.posted_seconds - before.posted_seconds};
+                  .posted_seconds = now.posted_seconds - before.posted_seconds,
+                  .late_scheduled_steps = now.num_late_scheduled_steps - before.num_late_scheduled_steps,
+                  .late_launches = now.num_late_launches - before.num_late_launches};
   if (labels.prefix_caching) {
     const int64_t queries = now.prefix_cache_queries - before.prefix_cache_queries;
     s.prefix_cache_hit_rate = queries > 0 ? double(now.prefix_cache_hits - before.prefix_cache_hits) / double(queries) : 0.0;

@@ -51,6 +51,13 @@ TEST(EngineIntervalStats, TokensAndLookupsInTheIntervalStateAtItsEnd) {
   before.delivery_seconds = 0.1;
   EXPECT_THAT(FormatStatsLine(EngineIntervalStats(before, now, 4.0, {})),
               ::testing::EndsWith("forward 8.00 ms, between steps: delivery 1.00 ms, posted work 0.05 ms"));
+  // Late scheduling's counts in the interval.
+  before.num_late_scheduled_steps = 10;
+  now.num_late_scheduled_steps = 410;
+  now.num_late_launches = 2;
+  const IntervalStats late = EngineIntervalStats(before, now, 4.0, {});
+  EXPECT_EQ(late.late_scheduled_steps, 400);
+  EXPECT_EQ(late.late_launches, 2);
   // No lookups in the interval: 0%; prefix caching off: no hit rate at all.
   EXPECT_EQ(*EngineIntervalStats(now, now, 1.0, {.prefix_caching = true}).prefix_cache_hit_rate, 0.0);
   EXPECT_FALSE(EngineIntervalStats(before, now, 1.0, {}).prefix_cache_hit_rate.has_value());

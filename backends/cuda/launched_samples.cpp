@@ -2,6 +2,7 @@
 
 #include "common/check.h"
 #include "common/status_macros.h"
+#include "kernels/cuda_check.h"
 
 namespace duet::cuda {
 
@@ -9,6 +10,7 @@ LaunchedSamples::~LaunchedSamples() {
   for (cudaEvent_t e : copied_) {
     if (e != nullptr) cudaEventDestroy(e);
   }
+  if (midpoint_ != nullptr) cudaEventDestroy(midpoint_);
 }
 
 absl::Status LaunchedSamples::Init(int max_rows) {
@@ -17,6 +19,9 @@ absl::Status LaunchedSamples::Init(int max_rows) {
   DUET_RETURN_IF_ERROR(host_.Resize(size_t(kMaxLaunched) * 2 * size_t(max_rows) * 4));
   for (cudaEvent_t& e : copied_) {
     if (e == nullptr) DUET_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event"));
+  }
+  if (midpoint_ == nullptr) {
+    DUET_RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&midpoint_, cudaEventDisableTiming), "event"));
   }
   return absl::OkStatus();
 }
@@ -48,6 +53,21 @@ absl::Status LaunchedSamples::Collect(std::vector<DeviceSample>& samples) {
   samples.resize(size_t(l.rows));
   for (int i = 0; i < l.rows; ++i) samples[size_t(i)] = DeviceSample{host_tokens[i], host_logprobs[i]};
   return absl::OkStatus();
+}
+
+void LaunchedSamples::MarkMidpoint(cudaStream_t stream) {
+  DUET_CHECK(midpoint_ != nullptr);
+  // External: under stream capture the record becomes a graph node rather than a capture-internal
+  // dependency.
+  DUET_CUDA_CHECK(cudaEventRecordWithFlags(midpoint_, stream, cudaEventRecordExternal));
+}
+
+void LaunchedSamples::WaitForMidpoint() {
+  if (!launched_.empty()) cudaEventSynchronize(midpoint_);
+}
+
+bool LaunchedSamples::OldestDone() const {
+  return !launched_.empty() && cudaEventQuery(copied_[launched_.front().slot]) == cudaSuccess;
 }
 
 }  // namespace duet::cuda

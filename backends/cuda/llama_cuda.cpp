@@ -318,6 +318,7 @@ void LlamaCuda::Enqueue(const cuda::StepPlan& plan, cuda::DeviceKvCache& cache, 
   for (int li = 0; li < num_layers; ++li) {
     const cuda::CudaLayerWeights& l = weights_->layer(size_t(li));
     const LayerRows rows = li + 1 == num_layers ? last_rows : AllRows(plan.num_tokens);
+    if (li == num_layers / 2) launched_samples_.MarkMidpoint(stream_);
     EnqueueAttention(l, li, plan, decode_plan, cache.Layer(li), rows);
     EnqueueMlp(l, rows);
     // The layer's K/V are in the cache once the stream reaches here; the hook orders its reads

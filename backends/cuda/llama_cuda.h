@@ -104,6 +104,9 @@ class LlamaCuda : public ModelExecutor {
   absl::Status LaunchSample(absl::Span<const SequenceChunk> chunks, KvCache& cache,
                             absl::Span<const DeviceSamplingRow> rows) override;
   absl::Status CollectSamples(std::vector<DeviceSample>& samples) override;
+  // Every step marks its midpoint (the start of layer num_layers / 2) for late scheduling.
+  void WaitForLaunchedStepMidpoint() override { launched_samples_.WaitForMidpoint(); }
+  bool OldestLaunchedStepDone() override { return launched_samples_.OldestDone(); }
 
   // Speculative verification: draft trees attend through per-token ancestor masks (at most 64
   // tokens per tree); the accepted path's K/V move on the device, stream-ordered.

@@ -624,7 +624,8 @@ TEST(LlamaCuda, Bf16ConstrainedRequestsSampleOnTheDeviceWithTheirMasks) {
 // host, its decode tokens put in from the previous step's samples on the device. Requests that all
 // fit the batch and end by length keep the schedule of steps run one at a time (prompt chunks
 // beside decode rows in eager mixed steps, decode-only steps as graphs), so greedy and seeded
-// outputs are the same tokens.
+// outputs are the same tokens. Each step after a launched one is planned at its midpoint (late
+// scheduling: the event every step, eager or graph, records halfway through its layers).
 TEST(LlamaCuda, Bf16AsyncSchedulingGivesTheTokensOfStepsOneAtATime) {
   SKIP_WITHOUT_GPU();
   auto run = [](bool async) {
@@ -653,6 +654,7 @@ TEST(LlamaCuda, Bf16AsyncSchedulingGivesTheTokensOfStepsOneAtATime) {
     std::map<std::string, std::vector<int32_t>> tokens;
     bool first_step_gave_tokens = false;
     for (int step = 0; (*engine)->HasUnfinished(); ++step) {
+      (*engine)->WaitForSchedulingPoint();
       absl::StatusOr<std::vector<RequestOutput>> outputs = (*engine)->Step();
       EXPECT_TRUE(outputs.ok()) << outputs.status();
       if (!outputs.ok()) break;
@@ -665,6 +667,7 @@ TEST(LlamaCuda, Bf16AsyncSchedulingGivesTheTokensOfStepsOneAtATime) {
     EXPECT_EQ(first_step_gave_tokens, !async);
     const EngineStats stats = (*engine)->Stats();
     EXPECT_EQ(stats.num_free_kv_blocks, stats.num_kv_blocks);
+    EXPECT_EQ(stats.num_late_scheduled_steps > 10, async) << stats.num_late_scheduled_steps;
     return tokens;
   };
   const std::map<std::string, std::vector<int32_t>> one_at_a_time = run(false), ahead = run(true);

@@ -104,7 +104,8 @@ grep -h "GEMM tuning:" "$OUT/engine.log" | head -1 | sed 's/^.*\] /  engine alon
 # --max-num-batched-tokens T (how much prompt rides along with a decode step). With "mixedM": the
 # workers' --max-num-mixed-tokens M (a step in which requests decode takes at most M tokens; one with
 # nothing decoding, the whole budget), e.g. SHARING=mps-local1024-decodebudget1024-mixed384
-# ENGINE_BUDGET=1024 ENGINE_MIXED=384.
+# ENGINE_BUDGET=1024 ENGINE_MIXED=384. With "nolate": the workers plan each step as soon as the one
+# before is launched (--no-late-scheduling).
 # SHARING lists the modes to run, each a whole cluster run of its own under $OUT/<mode>.
 SHARING=${SHARING:-mps-local1024-decodebudget1024-mixed384}
 mps_dir=/tmp/duet-mps
@@ -139,6 +140,7 @@ local priority=() share=()  # serve runs prefill workers at MPS client priority 
 [[ $mode =~ queue([0-9]+) ]] && share+=(--local-prefill-queue-tokens "${BASH_REMATCH[1]}")
 [[ $mode =~ decodebudget([0-9]+) ]] && share+=(--decode-max-num-batched-tokens "${BASH_REMATCH[1]}")
 [[ $mode =~ mixed([0-9]+) ]] && share+=(--max-num-mixed-tokens "${BASH_REMATCH[1]}")
+[[ $mode =~ nolate ]] && share+=(--no-late-scheduling)
 local budget=8192
 [[ $mode =~ (^|-)budget([0-9]+) ]] && budget=${BASH_REMATCH[2]}
 "${priority[@]}" duet serve "${share[@]}" --model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --prefill-workers 1 \
@@ -195,6 +197,8 @@ curl -s "127.0.0.1:$prefill_metrics/metrics" | grep '^duet:kv_late_targets_total
 curl -s "127.0.0.1:$prefill_metrics/metrics" | grep "^duet:kv_transfer_failures_total" | sed "s/^/  /"
 echo "prefills by the worker that ran them (conditional disaggregation: decode):"
 curl -s "127.0.0.1:$http_port/metrics" | grep '^duet:router_prefills_total' | sed 's/.*worker_role="\([a-z]*\)"} /  \1 /'
+echo "decode worker's engine, the last stats line of the run:"
+grep -h "decode.*Steps:" "$dir/serve.log" | grep -v "generation throughput: 0.0" | tail -1 | sed 's/.*Steps:/  Steps:/'
 kill -INT $serve_pid; wait $serve_pid; echo "serve exit $?"
 grep -h "KV peer" "$dir/serve.log" | sed "s/.*\] //" | sort | uniq -c | head -4
 grep -h "GEMM tuning:" "$dir/serve.log" | sed "s/.*\] /  workers' /"  # each worker's load-time tuning
