@@ -57,9 +57,12 @@ absl::Status LaunchedSamples::Collect(std::vector<DeviceSample>& samples) {
 
 void LaunchedSamples::MarkMidpoint(cudaStream_t stream) {
   DUET_CHECK(midpoint_ != nullptr);
-  // External: under stream capture the record becomes a graph node rather than a capture-internal
-  // dependency.
-  DUET_CUDA_CHECK(cudaEventRecordWithFlags(midpoint_, stream, cudaEventRecordExternal));
+  // Under stream capture only "external" makes the record a graph node (a plain record there is a
+  // capture-internal dependency); outside capture the flag is an error.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  DUET_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  DUET_CUDA_CHECK(cudaEventRecordWithFlags(
+      midpoint_, stream, capture == cudaStreamCaptureStatusActive ? cudaEventRecordExternal : cudaEventRecordDefault));
 }
 
 void LaunchedSamples::WaitForMidpoint() {
