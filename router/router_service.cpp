@@ -307,6 +307,9 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   // AbortOnWorker for this placement's reservation on decode_ (transfer_id_) only: the request
   // may be placed on that worker again before the Abort arrives, and the new reservation stays.
   void ReleaseReservation(bool sender_gone = false) { AbortOnWorker(decode_, sender_gone, transfer_id_); }
+  // For a prefill worker that failed and then did not answer (maybe only stalled, with puts still
+  // to make): releases this placement's reservation at once should a later poll find it gone.
+  void ReleaseReservationWhenGone();
   // Gives the request's place in the prefill gate to the next one (its prefill is over).
   void LeaveGate();
   // Releases what the request holds in the router and finishes the client's call (a migration
@@ -1083,8 +1086,10 @@ void RouterService::GenerateCall::HandlePrefilled(const grpc::Status& status, co
     service_->registry_->ConfirmDown(prefill_, reason, [self = shared_from_this(), reason,
                                                         what](WorkerRegistry::Probe prefill) {
       // A prefill worker that is gone writes no more: the reservation may go at once. One that
-      // only does not answer may be stalled with puts still to make: its blocks wait (above).
+      // only does not answer may be stalled with puts still to make: its blocks wait (above), for
+      // the lease or until a poll finds it gone.
       if (prefill == WorkerRegistry::Probe::kGone) self->ReleaseReservation(/*sender_gone=*/true);
+      if (prefill == WorkerRegistry::Probe::kUnresponsive) self->ReleaseReservationWhenGone();
       self->service_->registry_->ConfirmDown(
           self->decode_, reason, [self, what](WorkerRegistry::Probe) { self->OnPrefillUnavailable(what); });
     });
@@ -1104,6 +1109,17 @@ void RouterService::GenerateCall::HandlePrefilled(const grpc::Status& status, co
   AbortOnWorker(prefill_);
   if (IsWorkerFailure(status.error_code())) return End(grpc::Status(grpc::StatusCode::UNAVAILABLE, what));
   End(grpc::Status(status.error_code(), what));
+}
+
+void RouterService::GenerateCall::ReleaseReservationWhenGone() {
+  // What ReleaseReservation(true) sends now, kept by the registry: the call may have moved on to
+  // another placement (or ended) by then.
+  v1::WorkerAbortRequest release;
+  release.set_request_id(prepared_.request_id);
+  release.set_release_now(true);
+  release.set_transfer_id(transfer_id_);
+  service_->registry_->WhenGone(prefill_, absl::Now() + absl::Milliseconds(service_->options_.kv_lease_ms),
+                                [aborts = service_->aborts_, decode = decode_, release] { aborts->Send(decode, release); });
 }
 
 void RouterService::GenerateCall::OnPrefillUnavailable(const std::string& what) {
@@ -1614,7 +1630,7 @@ RouterService::RouterService(RouterServiceOptions options, const Tokenizer* toke
                                                       std::max<int64_t>(1, options_.max_model_len));
   admission_ = std::make_unique<AdmissionQueue>(options_.max_concurrent_requests, options_.max_queued_requests);
   prefill_gate_ = std::make_unique<PrefillGate>(options_.max_prefill_tokens_per_worker, registry_);
-  aborts_ = std::make_unique<WorkerAborts>(std::max(options_.abort_timeout, absl::Milliseconds(options_.kv_lease_ms)));
+  aborts_ = std::make_shared<WorkerAborts>(std::max(options_.abort_timeout, absl::Milliseconds(options_.kv_lease_ms)));
   absl::BitGen gen;
   next_transfer_id_.store(absl::Uniform<uint64_t>(gen) | 1);
   chat_context_.model_name = options_.model_name;

@@ -172,8 +172,10 @@ class RouterService final : public v1::Duet::CallbackService {
   // By (client, client's request id); see the top of this file.
   absl::flat_hash_map<std::pair<std::string, std::string>, std::shared_ptr<ActiveCall>> active_ ABSL_GUARDED_BY(mu_);
   int live_calls_ ABSL_GUARDED_BY(mu_) = 0;
-  // Last: destroyed first, once every call has ended; cancels the aborts still pending.
-  std::unique_ptr<WorkerAborts> aborts_;
+  // Last: let go first, once every call has ended; cancels the aborts still pending when the last
+  // holder lets go (the registry holds it for releases it sends once a worker is found gone,
+  // until it stops).
+  std::shared_ptr<WorkerAborts> aborts_;
 };
 
 }  // namespace duet::router

@@ -747,6 +747,29 @@ TEST_F(RouterServiceTest, StalledPrefillWorkerIsMarkedDownWithoutReleasingItsTar
   EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false));
 }
 
+// The stalled prefill worker of the test above then dies: the first poll that finds its port
+// refusing releases the reservation it was writing into at once (release_now, that placement's
+// transfer only), not at the end of the lease.
+TEST_F(RouterServiceTest, AStalledPrefillWorkerFoundGoneLaterReleasesItsTargetsReservation) {
+  Start(2, 1);
+  prefill_[0]->fail_unavailable = true;
+  prefill_[0]->stats_delay_ms = 1500;  // past the registry's poll_timeout (1 s)
+  Result result = Generate(TokenRequest({1, 2}, 3));
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  ASSERT_EQ(prefill_[0]->num_prefills, 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false));
+  prefill_[0]->stats_delay_ms = 0;
+  prefill_[0]->gone = true;
+  registry_->PollOnce();  // the poller's next round (its interval is long in these tests)
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted_release_now().size() == 2; }));
+  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false, true));
+  const std::vector<uint64_t> transfers = decode_[0]->aborted_transfer_ids();
+  ASSERT_EQ(transfers.size(), 2u);
+  EXPECT_NE(transfers[0], 0u);
+  EXPECT_EQ(transfers[0], transfers[1]);
+}
+
 TEST_F(RouterServiceTest, DecodeStreamErrorIsUnavailable) {
   Start(1, 1);
   decode_[0]->fail_after_tokens = 2;  // the worker fails the stream but stays alive

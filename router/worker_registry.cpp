@@ -187,6 +187,18 @@ void WorkerRegistry::Stop() {
   }
   if (poller_.joinable()) poller_.join();
   if (discovery_.joinable()) discovery_.join();  // waits for a resolution under way
+  // No poll will run them; what they hold (the router's aborts) goes while the workers are here.
+  std::vector<Worker::WhenGone> dropped;
+  {
+    absl::MutexLock lock(&members_mu_);
+    for (Members* m : {&prefill_, &decode_}) {
+      for (const std::unique_ptr<Worker>& worker : m->all) {
+        absl::MutexLock worker_lock(&worker->mu_);
+        for (Worker::WhenGone& w : worker->when_gone_) dropped.push_back(std::move(w));
+        worker->when_gone_.clear();
+      }
+    }
+  }
 }
 
 void WorkerRegistry::PollLoop() {
@@ -246,6 +258,7 @@ void WorkerRegistry::PollOnce() {
     DUET_CHECK(cq.Next(&tag, &ok));
     PendingPoll* poll = static_cast<PendingPoll*>(tag);
     Worker* worker = poll->worker;
+    SettleWhenGone(worker, poll->status);
     if (poll->status.ok()) {
       {
         absl::MutexLock lock(&worker->mu_);
@@ -289,6 +302,7 @@ void WorkerRegistry::ConfirmDown(Worker* worker, std::string reason, std::functi
   probe->context.set_deadline(absl::ToChronoTime(absl::Now() + options_.poll_timeout));
   auto on_answer = [this, worker, probe, reason = std::move(reason),
                     done = std::move(done)](grpc::Status status) mutable {
+    SettleWhenGone(worker, status);
     if (status.ok()) {
       absl::MutexLock lock(&worker->mu_);
       worker->stats_ = probe->stats;
@@ -307,6 +321,27 @@ void WorkerRegistry::ConfirmDown(Worker* worker, std::string reason, std::functi
   } else {
     worker->decode()->async()->GetStats(&probe->context, &probe->request, &probe->stats, std::move(on_answer));
   }
+}
+
+void WorkerRegistry::WhenGone(Worker* worker, absl::Time deadline, std::function<void()> gone) {
+  absl::MutexLock lock(&worker->mu_);
+  worker->when_gone_.push_back({deadline, std::move(gone)});
+}
+
+void WorkerRegistry::SettleWhenGone(Worker* worker, const grpc::Status& status) {
+  std::vector<Worker::WhenGone> run;
+  {
+    absl::MutexLock lock(&worker->mu_);
+    std::vector<Worker::WhenGone>& pending = worker->when_gone_;
+    if (status.ok()) {
+      pending.clear();
+    } else {
+      const absl::Time now = absl::Now();
+      std::erase_if(pending, [now](const Worker::WhenGone& w) { return w.deadline <= now; });
+      if (status.error_code() == grpc::StatusCode::UNAVAILABLE) run.swap(pending);
+    }
+  }
+  for (Worker::WhenGone& w : run) w.run();  // outside the lock: they may call into the registry
 }
 
 void WorkerRegistry::SetUp(Worker* worker, bool up, std::string_view reason) {

@@ -92,6 +92,11 @@ class Worker {
   mutable absl::Mutex mu_;
   std::optional<v1::WorkerStats> stats_ ABSL_GUARDED_BY(mu_);
   int consecutive_timeouts_ ABSL_GUARDED_BY(mu_) = 0;
+  struct WhenGone {
+    absl::Time deadline;
+    std::function<void()> run;
+  };
+  std::vector<WhenGone> when_gone_ ABSL_GUARDED_BY(mu_);  // WorkerRegistry::WhenGone's
 };
 
 // Holds a worker's in-flight count up for its lifetime.
@@ -197,6 +202,12 @@ class WorkerRegistry {
   // failure elsewhere (e.g. a KV transfer to a dead peer) stays up. Asynchronous: `done` gets
   // the probe's end, on a gRPC callback thread; the registry must outlive the call.
   void ConfirmDown(Worker* worker, std::string reason, std::function<void(Probe)> done);
+  // Runs `gone` once (on the thread of the poll or probe that finds it) if a call to `worker`'s
+  // GetStats is refused (UNAVAILABLE: no process serves its port) before `deadline`; forgotten
+  // when the worker answers, or at the first poll after the deadline. For what a worker that
+  // stopped answering might still do were it only stalled: a prefill worker's KV writes into a
+  // reservation, which the router may release once the worker is known gone.
+  void WhenGone(Worker* worker, absl::Time deadline, std::function<void()> gone);
 
  private:
   struct Target {
@@ -223,6 +234,9 @@ class WorkerRegistry {
   bool ApplyDiscovered(WorkerRole role, const std::vector<std::string>& addresses)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(members_mu_);
   void SetUp(Worker* worker, bool up, std::string_view reason);
+  // A GetStats call's end for the WhenGone callbacks: refused runs them, answered forgets them,
+  // anything else forgets those past their deadline.
+  void SettleWhenGone(Worker* worker, const grpc::Status& status);
   void PollLoop();
   void DiscoveryLoop();
 

@@ -1,7 +1,9 @@
 #include "router/worker_registry.h"
 
+#include <atomic>
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <thread>
 
 #include "gtest/gtest.h"
@@ -93,6 +95,47 @@ TEST(WorkerRegistryTest, MarkDownUntilItAnswersAgain) {
   registry.MarkDown(worker, "test");
   EXPECT_FALSE(worker->up());
   EXPECT_TRUE(WaitFor([&] { return worker->up(); }, 3000));  // it still answers GetStats
+}
+
+// WhenGone: run once by a poll that is refused, not by polls that time out (a stalled worker).
+TEST(WorkerRegistryTest, WhenGoneRunsOnceAPollIsRefused) {
+  FakePrefillWorker prefill;
+  FakeServer server(&prefill);
+  WorkerRegistry registry({server.address()}, {}, FastOptions());
+  registry.Start();
+  Worker* worker = registry.prefill_workers()[0];
+  prefill.stats_delay_ms = 1000;  // past poll_timeout: stalled
+  std::atomic<int> runs{0};
+  registry.WhenGone(worker, absl::Now() + absl::Seconds(30), [&] { ++runs; });
+  EXPECT_TRUE(WaitFor([&] { return !worker->up(); }, 3000));
+  EXPECT_EQ(runs.load(), 0);
+  prefill.gone = true;  // every call refused, GetStats too
+  EXPECT_TRUE(WaitFor([&] { return runs.load() == 1; }, 3000));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // several polls more
+  EXPECT_EQ(runs.load(), 1);
+}
+
+// WhenGone is forgotten once the worker answers (it was not gone), or past its deadline, and when
+// the registry stops; what it holds goes with it.
+TEST(WorkerRegistryTest, WhenGoneIsForgottenOnAnAnswerPastItsDeadlineAndOnStop) {
+  FakePrefillWorker prefill;
+  FakeServer server(&prefill);
+  WorkerRegistry registry({server.address()}, {}, FastOptions());
+  registry.Start();
+  Worker* worker = registry.prefill_workers()[0];
+  std::atomic<int> runs{0};
+  auto held = std::make_shared<int>(0);
+  registry.WhenGone(worker, absl::Now() + absl::Seconds(30), [&, held] { ++runs; });
+  EXPECT_TRUE(WaitFor([&] { return held.use_count() == 1; }, 3000));  // answered: forgotten
+  prefill.stats_delay_ms = 1000;
+  registry.WhenGone(worker, absl::Now() + absl::Milliseconds(100), [&, held] { ++runs; });
+  EXPECT_TRUE(WaitFor([&] { return held.use_count() == 1; }, 3000));  // timed out past its deadline
+  registry.WhenGone(worker, absl::Now() + absl::Seconds(30), [&, held] { ++runs; });
+  registry.Stop();
+  EXPECT_EQ(held.use_count(), 1);
+  prefill.gone = true;
+  registry.PollOnce();
+  EXPECT_EQ(runs.load(), 0);
 }
 
 TEST(WorkerRegistryTest, InFlightGuard) {
