@@ -12,7 +12,9 @@
 //   (wait in the router while max_prefill_tokens_per_worker × prefill workers up are prefilling)
 //   decode.ReserveKv (next decode worker on RESOURCE_EXHAUSTED / UNAVAILABLE)
 //   prefill.Prefill  (on UNAVAILABLE: the worker is marked down, the reservation released, and
-//                     the request placed once more on another prefill worker with a fresh one)
+//                     the request placed once more on another prefill worker with a fresh one;
+//                     the release waits for the lease while the worker, not answering, may only
+//                     be stalled with writes still to make, or until a poll finds it gone)
 //   decode.Decode    (streamed to the client; when the stream breaks, UNAVAILABLE or with its
 //                     worker confirmed down, the worker is marked down and the request migrates)
 // Conditional disaggregation (RouterServiceOptions::local_prefill_max_tokens): a prompt with little
