@@ -50,9 +50,8 @@ printf '%-6s %-5s %10s %10s\n' round build decode mixed
 for round in $(seq 1 "$rounds"); do
   for build in new old; do
     log=$OUT/step_${build}_$round.log
-    decode=$(awk -v b="$batch" '$1 == b && NF == 8 {print $2; exit}' "$log")
-    mixed_ms=$(awk '/^mixed steps/ {m = 1; next} m && $1 ~ /^[0-9]+$/ {print $3; exit}' "$log")
-    printf '%-6s %-5s %10s %10s\n' "$round" "$build" "${decode:-?}" "${mixed_ms:-?}"
+    read -r decode mixed_ms <<< "$(bench_step_ms "$log" "$batch")"
+    printf '%-6s %-5s %10s %10s\n' "$round" "$build" "$decode" "$mixed_ms"
   done
 done
 finish_out
