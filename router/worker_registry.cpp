@@ -329,19 +329,23 @@ void WorkerRegistry::WhenGone(Worker* worker, absl::Time deadline, std::function
 }
 
 void WorkerRegistry::SettleWhenGone(Worker* worker, const grpc::Status& status) {
-  std::vector<Worker::WhenGone> run;
+  // Run and dropped outside the lock: they may call into the registry, and what they hold (the
+  // router's aborts) may go with them.
+  std::vector<Worker::WhenGone> settled, run, kept;
   {
     absl::MutexLock lock(&worker->mu_);
-    std::vector<Worker::WhenGone>& pending = worker->when_gone_;
-    if (status.ok()) {
-      pending.clear();
-    } else {
-      const absl::Time now = absl::Now();
-      std::erase_if(pending, [now](const Worker::WhenGone& w) { return w.deadline <= now; });
-      if (status.error_code() == grpc::StatusCode::UNAVAILABLE) run.swap(pending);
+    const absl::Time now = absl::Now();
+    const bool refused = status.error_code() == grpc::StatusCode::UNAVAILABLE;
+    for (Worker::WhenGone& w : worker->when_gone_) {
+      if (status.ok() || w.deadline <= now) {
+        settled.push_back(std::move(w));
+      } else {
+        (refused ? run : kept).push_back(std::move(w));
+      }
     }
+    worker->when_gone_.swap(kept);
   }
-  for (Worker::WhenGone& w : run) w.run();  // outside the lock: they may call into the registry
+  for (Worker::WhenGone& w : run) w.run();
 }
 
 void WorkerRegistry::SetUp(Worker* worker, bool up, std::string_view reason) {
