@@ -4,6 +4,7 @@
 #include <chrono>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "common/check.h"
 #include "router/worker_registry.h"
 #include "rpc/rpc_util.h"
@@ -100,6 +101,7 @@ grpc::Status FakePrefillWorker::GetStats(grpc::ServerContext*, const v1::GetStat
   if (gone) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "fake prefill is gone");
   std::this_thread::sleep_for(std::chrono::milliseconds(stats_delay_ms.load()));
   response->set_role("prefill");
+  response->set_instance_id(absl::StrCat("fake prefill ", instance.load()));
   response->set_late_kv_target(late_kv_target);
   response->set_num_kv_blocks(100);
   response->set_num_free_kv_blocks(100);
@@ -255,6 +257,7 @@ grpc::Status FakeDecodeWorker::Abort(grpc::ServerContext* context, const v1::Wor
 grpc::Status FakeDecodeWorker::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
                                         v1::WorkerStats* response) {
   response->set_role("decode");
+  response->set_instance_id(absl::StrCat("fake decode ", instance.load()));
   response->set_num_kv_blocks(100);
   response->set_num_free_kv_blocks(free_blocks);
   response->set_block_size(16);

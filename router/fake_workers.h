@@ -43,6 +43,7 @@ class FakePrefillWorker final : public v1::PrefillWorker::Service {
   std::atomic<bool> fail_unavailable{false};  // Prefill returns UNAVAILABLE
   std::atomic<bool> fail_resumed{false};      // Prefill of a migrated request returns UNAVAILABLE
   std::atomic<int> stats_delay_ms{0};         // GetStats answers this late (a stalled worker)
+  std::atomic<int> instance{1};               // WorkerStats.instance_id: another value is a restarted process
   std::atomic<int> num_prefills{0};
   std::atomic<int> num_cancelled{0};          // Prefill calls that saw their cancellation
   std::atomic<int> num_aborts_with_kv_target{0};
@@ -101,6 +102,7 @@ class FakeDecodeWorker final : public v1::DecodeWorker::Service {
   std::atomic<bool> kv_full{false};           // ReserveKv returns RESOURCE_EXHAUSTED
   std::atomic<int> fail_after_tokens{-1};     // Decode returns UNAVAILABLE after this many tokens
   std::atomic<int> free_blocks{100};
+  std::atomic<int> instance{1};  // WorkerStats.instance_id: another value is a restarted process
   std::atomic<int> num_reserved{0};
   std::atomic<int> last_reserved_tokens{0};   // the last ReserveKv's num_prompt_tokens
   std::atomic<int> num_decodes{0};

@@ -770,6 +770,25 @@ TEST_F(RouterServiceTest, AStalledPrefillWorkerFoundGoneLaterReleasesItsTargetsR
   EXPECT_EQ(transfers[0], transfers[1]);
 }
 
+// The same, but the stalled worker's process is replaced by a new one at its address (a restarted
+// container): the poll that the new process answers releases the reservation.
+TEST_F(RouterServiceTest, AStalledPrefillWorkerReplacedByANewProcessReleasesItsTargetsReservation) {
+  Start(2, 1);
+  prefill_[0]->fail_unavailable = true;
+  prefill_[0]->stats_delay_ms = 1500;  // past the registry's poll_timeout (1 s)
+  Result result = Generate(TokenRequest({1, 2}, 3));
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false));
+  prefill_[0]->stats_delay_ms = 0;
+  prefill_[0]->fail_unavailable = false;
+  prefill_[0]->instance = 2;
+  registry_->PollOnce();
+  EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted_release_now().size() == 2; }));
+  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false, true));
+  EXPECT_TRUE(registry_->prefill_workers()[0]->up());
+}
+
 TEST_F(RouterServiceTest, DecodeStreamErrorIsUnavailable) {
   Start(1, 1);
   decode_[0]->fail_after_tokens = 2;  // the worker fails the stream but stays alive

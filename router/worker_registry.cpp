@@ -258,7 +258,7 @@ void WorkerRegistry::PollOnce() {
     DUET_CHECK(cq.Next(&tag, &ok));
     PendingPoll* poll = static_cast<PendingPoll*>(tag);
     Worker* worker = poll->worker;
-    SettleWhenGone(worker, poll->status);
+    SettleWhenGone(worker, poll->status, poll->stats);
     if (poll->status.ok()) {
       {
         absl::MutexLock lock(&worker->mu_);
@@ -300,9 +300,14 @@ void WorkerRegistry::ConfirmDown(Worker* worker, std::string reason, std::functi
   };
   auto probe = std::make_shared<StatsCall>();
   probe->context.set_deadline(absl::ToChronoTime(absl::Now() + options_.poll_timeout));
-  auto on_answer = [this, worker, probe, reason = std::move(reason),
+  std::string instance_before;
+  {
+    absl::MutexLock lock(&worker->mu_);
+    instance_before = worker->instance_id_;
+  }
+  auto on_answer = [this, worker, probe, reason = std::move(reason), instance_before = std::move(instance_before),
                     done = std::move(done)](grpc::Status status) mutable {
-    SettleWhenGone(worker, status);
+    SettleWhenGone(worker, status, probe->stats);
     if (status.ok()) {
       absl::MutexLock lock(&worker->mu_);
       worker->stats_ = probe->stats;
@@ -310,7 +315,10 @@ void WorkerRegistry::ConfirmDown(Worker* worker, std::string reason, std::functi
       SetUp(worker, false, absl::StrCat(reason, "; GetStats: ", status.error_message()));
     }
     if (done) {
-      done(status.ok()                                            ? Probe::kAnswered
+      const bool replaced = status.ok() && !instance_before.empty() && !probe->stats.instance_id().empty() &&
+                            probe->stats.instance_id() != instance_before;
+      done(replaced                                               ? Probe::kGone
+           : status.ok()                                          ? Probe::kAnswered
            : status.error_code() == grpc::StatusCode::UNAVAILABLE ? Probe::kGone
                                                                   : Probe::kUnresponsive);
     }
@@ -325,10 +333,10 @@ void WorkerRegistry::ConfirmDown(Worker* worker, std::string reason, std::functi
 
 void WorkerRegistry::WhenGone(Worker* worker, absl::Time deadline, std::function<void()> gone) {
   absl::MutexLock lock(&worker->mu_);
-  worker->when_gone_.push_back({deadline, std::move(gone)});
+  worker->when_gone_.push_back({deadline, worker->instance_id_, std::move(gone)});
 }
 
-void WorkerRegistry::SettleWhenGone(Worker* worker, const grpc::Status& status) {
+void WorkerRegistry::SettleWhenGone(Worker* worker, const grpc::Status& status, const v1::WorkerStats& stats) {
   // Run and dropped outside the lock: they may call into the registry, and what they hold (the
   // router's aborts) may go with them.
   std::vector<Worker::WhenGone> settled, run, kept;
@@ -336,11 +344,14 @@ void WorkerRegistry::SettleWhenGone(Worker* worker, const grpc::Status& status) 
     absl::MutexLock lock(&worker->mu_);
     const absl::Time now = absl::Now();
     const bool refused = status.error_code() == grpc::StatusCode::UNAVAILABLE;
+    if (status.ok()) worker->instance_id_ = stats.instance_id();
     for (Worker::WhenGone& w : worker->when_gone_) {
-      if (status.ok() || w.deadline <= now) {
+      const bool replaced = status.ok() && !w.instance_id.empty() && !stats.instance_id().empty() &&
+                            stats.instance_id() != w.instance_id;
+      if (w.deadline <= now || (status.ok() && !replaced)) {
         settled.push_back(std::move(w));
       } else {
-        (refused ? run : kept).push_back(std::move(w));
+        (refused || replaced ? run : kept).push_back(std::move(w));
       }
     }
     worker->when_gone_.swap(kept);

@@ -92,8 +92,10 @@ class Worker {
   mutable absl::Mutex mu_;
   std::optional<v1::WorkerStats> stats_ ABSL_GUARDED_BY(mu_);
   int consecutive_timeouts_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string instance_id_ ABSL_GUARDED_BY(mu_);  // the last answer's WorkerStats.instance_id
   struct WhenGone {
     absl::Time deadline;
+    std::string instance_id;  // the worker's when it was registered ("": not known)
     std::function<void()> run;
   };
   std::vector<WhenGone> when_gone_ ABSL_GUARDED_BY(mu_);  // WorkerRegistry::WhenGone's
@@ -195,7 +197,9 @@ class WorkerRegistry {
     kAnswered,      // up
     kUnresponsive,  // down: no answer within poll_timeout, but the process may only be stalled
                     // (SIGSTOPped, swapping) and go on with what it was doing once it runs again
-    kGone,          // down: the call was refused (UNAVAILABLE), so no process serves its port
+    kGone,          // down: the call was refused (UNAVAILABLE), so no process serves its port;
+                    // or a new process answers there (another WorkerStats.instance_id than the
+                    // one before the probe): the one that failed the call is gone
   };
   // A call to `worker` failed as if the worker were gone (UNAVAILABLE, broken stream). Asks it for
   // its stats (poll_timeout) and marks it down unless it answers: a live worker that reported a
@@ -203,10 +207,11 @@ class WorkerRegistry {
   // the probe's end, on a gRPC callback thread; the registry must outlive the call.
   void ConfirmDown(Worker* worker, std::string reason, std::function<void(Probe)> done);
   // Runs `gone` once (on the thread of the poll or probe that finds it) if a call to `worker`'s
-  // GetStats is refused (UNAVAILABLE: no process serves its port) before `deadline`; forgotten
-  // when the worker answers, or at the first poll after the deadline. For what a worker that
-  // stopped answering might still do were it only stalled: a prefill worker's KV writes into a
-  // reservation, which the router may release once the worker is known gone.
+  // GetStats is refused (UNAVAILABLE: no process serves its port) or answered by another process
+  // than the one known now (its instance_id) before `deadline`; forgotten when the same process
+  // answers, or at the first poll after the deadline. For what a worker that stopped answering
+  // might still do were it only stalled: a prefill worker's KV writes into a reservation, which
+  // the router may release once the worker is known gone.
   void WhenGone(Worker* worker, absl::Time deadline, std::function<void()> gone);
 
  private:
@@ -234,9 +239,10 @@ class WorkerRegistry {
   bool ApplyDiscovered(WorkerRole role, const std::vector<std::string>& addresses)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(members_mu_);
   void SetUp(Worker* worker, bool up, std::string_view reason);
-  // A GetStats call's end for the WhenGone callbacks: refused runs them, answered forgets them,
-  // anything else forgets those past their deadline.
-  void SettleWhenGone(Worker* worker, const grpc::Status& status);
+  // A GetStats call's end (`stats`: its answer when `status` is OK) for the WhenGone callbacks:
+  // refused or another process's answer runs them, the same process's forgets them, anything else
+  // forgets those past their deadline. Keeps the answer's instance id.
+  void SettleWhenGone(Worker* worker, const grpc::Status& status, const v1::WorkerStats& stats);
   void PollLoop();
   void DiscoveryLoop();
 

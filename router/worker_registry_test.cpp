@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <future>
 #include <memory>
 #include <thread>
 
@@ -113,6 +114,37 @@ TEST(WorkerRegistryTest, WhenGoneRunsOnceAPollIsRefused) {
   EXPECT_TRUE(WaitFor([&] { return runs.load() == 1; }, 3000));
   std::this_thread::sleep_for(std::chrono::milliseconds(200));  // several polls more
   EXPECT_EQ(runs.load(), 1);
+}
+
+// A process restarted at the worker's address (another instance id) answers: the one the WhenGone
+// was registered for is gone. A ConfirmDown probe answered by it says so too.
+TEST(WorkerRegistryTest, WhenGoneRunsWhenAnotherProcessAnswers) {
+  FakePrefillWorker prefill;
+  FakeServer server(&prefill);
+  RegistryOptions options = FastOptions();
+  options.poll_interval = absl::Seconds(30);  // polls only where the test makes them
+  WorkerRegistry registry({server.address()}, {}, options);
+  registry.Start();
+  Worker* worker = registry.prefill_workers()[0];
+  std::atomic<int> runs{0};
+  registry.WhenGone(worker, absl::Now() + absl::Seconds(30), [&] { ++runs; });
+  registry.PollOnce();  // answered by the same process: forgotten
+  EXPECT_EQ(runs.load(), 0);
+  registry.WhenGone(worker, absl::Now() + absl::Seconds(30), [&] { ++runs; });
+  prefill.instance = 2;
+  registry.PollOnce();
+  EXPECT_EQ(runs.load(), 1);
+  EXPECT_TRUE(worker->up());
+  // The probe: answered by the same process, then by another one.
+  auto probe = [&] {
+    std::promise<WorkerRegistry::Probe> result;
+    registry.ConfirmDown(worker, "test", [&](WorkerRegistry::Probe p) { result.set_value(p); });
+    return result.get_future().get();
+  };
+  EXPECT_EQ(probe(), WorkerRegistry::Probe::kAnswered);
+  prefill.instance = 3;
+  EXPECT_EQ(probe(), WorkerRegistry::Probe::kGone);
+  EXPECT_EQ(probe(), WorkerRegistry::Probe::kAnswered);
 }
 
 // WhenGone is forgotten once the worker answers (it was not gone), or past its deadline, and when

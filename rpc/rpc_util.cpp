@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -133,6 +134,16 @@ void FillWorkerStats(const EngineStats& stats, const std::string& role, int32_t 
   out->set_block_size(block_size);
   out->set_prefix_cache_queries(stats.prefix_cache_queries);
   out->set_prefix_cache_hits(stats.prefix_cache_hits);
+  out->set_instance_id(ProcessInstanceId());
+}
+
+const std::string& ProcessInstanceId() {
+  static const std::string id = [] {
+    absl::BitGen gen;
+    return absl::StrCat(absl::Hex(absl::Uniform<uint64_t>(gen), absl::kZeroPad16),
+                        absl::Hex(absl::Uniform<uint64_t>(gen), absl::kZeroPad16));
+  }();
+  return id;
 }
 
 metrics::CacheConfig CacheConfigOf(LlmEngine& engine) {

@@ -39,6 +39,8 @@ SampledToken FromProto(int32_t token_id, const v1::TokenLogprobs& logprobs);
 // A worker's GetStats answer from its engine counters (leases are the caller's to add).
 void FillWorkerStats(const EngineStats& stats, const std::string& role, int32_t block_size,
                      v1::WorkerStats* out);
+// This process's WorkerStats.instance_id: 128 random bits in hex, drawn on first use.
+const std::string& ProcessInstanceId();
 // Brings a worker's scheduler gauges and engine counters (preemptions, prefix cache) up to
 // `stats`; `recorded` holds the totals already counted and is advanced (the caller serializes
 // calls).

@@ -17,5 +17,16 @@ TEST(StartServerTest, ATakenPortIsAnError) {
   (*first)->Shutdown();
 }
 
+// A worker's stats carry its process's instance id: 32 hex digits, the same on every call.
+TEST(FillWorkerStatsTest, TheInstanceIdIsThisProcesssOwn) {
+  v1::WorkerStats a, b;
+  FillWorkerStats(EngineStats{}, "decode", 16, &a);
+  FillWorkerStats(EngineStats{}, "decode", 16, &b);
+  EXPECT_EQ(a.instance_id().size(), 32u);
+  EXPECT_EQ(a.instance_id().find_first_not_of("0123456789abcdef"), std::string::npos) << a.instance_id();
+  EXPECT_EQ(a.instance_id(), b.instance_id());
+  EXPECT_EQ(a.instance_id(), ProcessInstanceId());
+}
+
 }  // namespace
 }  // namespace duet::rpc
