@@ -141,6 +141,9 @@ class RouterServiceTest : public ::testing::Test {
     decode_servers_.clear();
   }
 
+  // See the tests that call it (a stalled prefill worker's reservation).
+  void ExpectAStalledPrefillWorkersReservationGoesWhen(const std::function<void()>& happens);
+
   // Runs Generate to the end. `on_message(i)` runs after the i-th message (for cancel/abort).
   Result Generate(const v1::GenerateRequest& request, int deadline_ms = 10000,
                   const std::function<void(int, grpc::ClientContext*)>& on_message = nullptr) {
@@ -747,11 +750,12 @@ TEST_F(RouterServiceTest, StalledPrefillWorkerIsMarkedDownWithoutReleasingItsTar
   EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false));
 }
 
-// The stalled prefill worker of the test above then dies: the first poll that finds its port
-// refusing releases the reservation it was writing into at once (release_now, that placement's
-// transfer only), not at the end of the lease.
-TEST_F(RouterServiceTest, AStalledPrefillWorkerFoundGoneLaterReleasesItsTargetsReservation) {
-  Start(2, 1);
+// Prefill worker 0 fails a request's Prefill and then does not answer its probe (stalled past the
+// registry's poll_timeout, 1 s): the retry on prefill worker 1 succeeds and the reservation worker
+// 0 was sent waits. Then `happens` to worker 0, and the poller's next round (its interval is long
+// in these tests) releases that reservation at once (release_now, that placement's transfer only),
+// not at the end of the lease.
+void RouterServiceTest::ExpectAStalledPrefillWorkersReservationGoesWhen(const std::function<void()>& happens) {
   prefill_[0]->fail_unavailable = true;
   prefill_[0]->stats_delay_ms = 1500;  // past the registry's poll_timeout (1 s)
   Result result = Generate(TokenRequest({1, 2}, 3));
@@ -760,8 +764,8 @@ TEST_F(RouterServiceTest, AStalledPrefillWorkerFoundGoneLaterReleasesItsTargetsR
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false));
   prefill_[0]->stats_delay_ms = 0;
-  prefill_[0]->gone = true;
-  registry_->PollOnce();  // the poller's next round (its interval is long in these tests)
+  happens();
+  registry_->PollOnce();
   EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted_release_now().size() == 2; }));
   EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false, true));
   const std::vector<uint64_t> transfers = decode_[0]->aborted_transfer_ids();
@@ -770,22 +774,19 @@ TEST_F(RouterServiceTest, AStalledPrefillWorkerFoundGoneLaterReleasesItsTargetsR
   EXPECT_EQ(transfers[0], transfers[1]);
 }
 
-// The same, but the stalled worker's process is replaced by a new one at its address (a restarted
-// container): the poll that the new process answers releases the reservation.
+// It dies: its port refuses.
+TEST_F(RouterServiceTest, AStalledPrefillWorkerFoundGoneLaterReleasesItsTargetsReservation) {
+  Start(2, 1);
+  ExpectAStalledPrefillWorkersReservationGoesWhen([&] { prefill_[0]->gone = true; });
+}
+
+// A new process answers at its address (a restarted container): another instance id.
 TEST_F(RouterServiceTest, AStalledPrefillWorkerReplacedByANewProcessReleasesItsTargetsReservation) {
   Start(2, 1);
-  prefill_[0]->fail_unavailable = true;
-  prefill_[0]->stats_delay_ms = 1500;  // past the registry's poll_timeout (1 s)
-  Result result = Generate(TokenRequest({1, 2}, 3));
-  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false));
-  prefill_[0]->stats_delay_ms = 0;
-  prefill_[0]->fail_unavailable = false;
-  prefill_[0]->instance = 2;
-  registry_->PollOnce();
-  EXPECT_TRUE(WaitFor([&] { return decode_[0]->aborted_release_now().size() == 2; }));
-  EXPECT_THAT(decode_[0]->aborted_release_now(), ::testing::ElementsAre(false, true));
+  ExpectAStalledPrefillWorkersReservationGoesWhen([&] {
+    prefill_[0]->fail_unavailable = false;
+    prefill_[0]->instance = 2;
+  });
   EXPECT_TRUE(registry_->prefill_workers()[0]->up());
 }
 
