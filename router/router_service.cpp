@@ -304,6 +304,8 @@ class RouterService::GenerateCall final : public grpc::ServerWriteReactor<v1::Ge
   // sender has stopped writing into it, unless `sender_gone` (worker.proto, release_now). A
   // nonzero `transfer_id` limits a decode worker's abort to that transfer's reservation.
   void AbortOnWorker(Worker* worker, bool sender_gone = false, uint64_t transfer_id = 0);
+  // The request AbortOnWorker sends.
+  v1::WorkerAbortRequest AbortRequest(const Worker& worker, bool sender_gone, uint64_t transfer_id) const;
   // AbortOnWorker for this placement's reservation on decode_ (transfer_id_) only: the request
   // may be placed on that worker again before the Abort arrives, and the new reservation stays.
   void ReleaseReservation(bool sender_gone = false) { AbortOnWorker(decode_, sender_gone, transfer_id_); }
@@ -1114,10 +1116,8 @@ void RouterService::GenerateCall::HandlePrefilled(const grpc::Status& status, co
 void RouterService::GenerateCall::ReleaseReservationWhenGone() {
   // What ReleaseReservation(true) sends now, kept by the registry: the call may have moved on to
   // another placement (or ended) by then.
-  v1::WorkerAbortRequest release;
-  release.set_request_id(prepared_.request_id);
-  release.set_release_now(true);
-  release.set_transfer_id(transfer_id_);
+  if (decode_ == nullptr) return;
+  v1::WorkerAbortRequest release = AbortRequest(*decode_, /*sender_gone=*/true, transfer_id_);
   service_->registry_->WhenGone(prefill_, absl::Now() + absl::Milliseconds(service_->options_.kv_lease_ms),
                                 [aborts = service_->aborts_, decode = decode_, release] { aborts->Send(decode, release); });
 }
@@ -1514,19 +1514,24 @@ void RouterService::GenerateCall::EndInterrupted() {
   End(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
 }
 
-void RouterService::GenerateCall::AbortOnWorker(Worker* worker, bool sender_gone, uint64_t transfer_id) {
-  // Also to a worker marked down: a stalled one that comes back still holds the request's blocks.
-  if (worker == nullptr) return;
+v1::WorkerAbortRequest RouterService::GenerateCall::AbortRequest(const Worker& worker, bool sender_gone,
+                                                                uint64_t transfer_id) const {
   v1::WorkerAbortRequest request;
   request.set_request_id(prepared_.request_id);
-  if (worker->decode() != nullptr) {
+  if (worker.decode() != nullptr) {
     request.set_release_now(sender_gone || !target_shipped_);
     request.set_transfer_id(transfer_id);
   } else if (target_shipped_) {
     // Should the Prefill call not have reached it, the prefill worker tells the decode worker.
     *request.mutable_kv_target() = target_;
   }
-  service_->aborts_->Send(worker, std::move(request));
+  return request;
+}
+
+void RouterService::GenerateCall::AbortOnWorker(Worker* worker, bool sender_gone, uint64_t transfer_id) {
+  // Also to a worker marked down: a stalled one that comes back still holds the request's blocks.
+  if (worker == nullptr) return;
+  service_->aborts_->Send(worker, AbortRequest(*worker, sender_gone, transfer_id));
 }
 
 void RouterService::GenerateCall::EndWithAbortMessage() {

@@ -223,6 +223,12 @@ void WorkerRegistry::DiscoveryLoop() {
 
 namespace {
 
+// Whether `answered` comes from another process than `known` (both said: a worker that does not
+// report its instance is taken for the same process).
+bool AnotherProcess(const std::string& known, const std::string& answered) {
+  return !known.empty() && !answered.empty() && answered != known;
+}
+
 struct PendingPoll {
   Worker* worker = nullptr;
   grpc::ClientContext context;
@@ -303,7 +309,7 @@ void WorkerRegistry::ConfirmDown(Worker* worker, std::string reason, std::functi
   std::string instance_before;
   {
     absl::MutexLock lock(&worker->mu_);
-    instance_before = worker->instance_id_;
+    instance_before = worker->InstanceId();
   }
   auto on_answer = [this, worker, probe, reason = std::move(reason), instance_before = std::move(instance_before),
                     done = std::move(done)](grpc::Status status) mutable {
@@ -315,8 +321,7 @@ void WorkerRegistry::ConfirmDown(Worker* worker, std::string reason, std::functi
       SetUp(worker, false, absl::StrCat(reason, "; GetStats: ", status.error_message()));
     }
     if (done) {
-      const bool replaced = status.ok() && !instance_before.empty() && !probe->stats.instance_id().empty() &&
-                            probe->stats.instance_id() != instance_before;
+      const bool replaced = status.ok() && AnotherProcess(instance_before, probe->stats.instance_id());
       done(replaced                                               ? Probe::kGone
            : status.ok()                                          ? Probe::kAnswered
            : status.error_code() == grpc::StatusCode::UNAVAILABLE ? Probe::kGone
@@ -333,7 +338,7 @@ void WorkerRegistry::ConfirmDown(Worker* worker, std::string reason, std::functi
 
 void WorkerRegistry::WhenGone(Worker* worker, absl::Time deadline, std::function<void()> gone) {
   absl::MutexLock lock(&worker->mu_);
-  worker->when_gone_.push_back({deadline, worker->instance_id_, std::move(gone)});
+  worker->when_gone_.push_back({deadline, worker->InstanceId(), std::move(gone)});
 }
 
 void WorkerRegistry::SettleWhenGone(Worker* worker, const grpc::Status& status, const v1::WorkerStats& stats) {
@@ -344,10 +349,8 @@ void WorkerRegistry::SettleWhenGone(Worker* worker, const grpc::Status& status, 
     absl::MutexLock lock(&worker->mu_);
     const absl::Time now = absl::Now();
     const bool refused = status.error_code() == grpc::StatusCode::UNAVAILABLE;
-    if (status.ok()) worker->instance_id_ = stats.instance_id();
     for (Worker::WhenGone& w : worker->when_gone_) {
-      const bool replaced = status.ok() && !w.instance_id.empty() && !stats.instance_id().empty() &&
-                            stats.instance_id() != w.instance_id;
+      const bool replaced = status.ok() && AnotherProcess(w.instance_id, stats.instance_id());
       if (w.deadline <= now || (status.ok() && !replaced)) {
         settled.push_back(std::move(w));
       } else {

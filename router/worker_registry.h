@@ -92,7 +92,9 @@ class Worker {
   mutable absl::Mutex mu_;
   std::optional<v1::WorkerStats> stats_ ABSL_GUARDED_BY(mu_);
   int consecutive_timeouts_ ABSL_GUARDED_BY(mu_) = 0;
-  std::string instance_id_ ABSL_GUARDED_BY(mu_);  // the last answer's WorkerStats.instance_id
+  // The process that gave the last answer (stats_'s instance_id; "" before one, or from a worker
+  // that does not say).
+  std::string InstanceId() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stats_ ? stats_->instance_id() : ""; }
   struct WhenGone {
     absl::Time deadline;
     std::string instance_id;  // the worker's when it was registered ("": not known)
@@ -241,7 +243,7 @@ class WorkerRegistry {
   void SetUp(Worker* worker, bool up, std::string_view reason);
   // A GetStats call's end (`stats`: its answer when `status` is OK) for the WhenGone callbacks:
   // refused or another process's answer runs them, the same process's forgets them, anything else
-  // forgets those past their deadline. Keeps the answer's instance id.
+  // forgets those past their deadline.
   void SettleWhenGone(Worker* worker, const grpc::Status& status, const v1::WorkerStats& stats);
   void PollLoop();
   void DiscoveryLoop();
