@@ -79,6 +79,31 @@ double PeakOutputTokensPerSecond(const std::vector<RequestResult>& results, doub
   return peak;
 }
 
+struct SteadyWindow {
+  double seconds = 0, output_tokens_per_s = 0;
+};
+// Output tokens (a chunk's at its arrival) from the first successful request's end to the last
+// send of any request, over that window's length.
+SteadyWindow SteadyOutputThroughput(const std::vector<RequestResult>& results) {
+  double first_end = std::numeric_limits<double>::infinity();
+  double last_send = -std::numeric_limits<double>::infinity();
+  for (const RequestResult& r : results) {
+    last_send = std::max(last_send, r.start_time);
+    if (r.success) first_end = std::min(first_end, r.start_time + r.latency);
+  }
+  if (!(last_send > first_end)) return {};
+  double tokens = 0;
+  for (const RequestResult& r : results) {
+    if (!r.success) continue;
+    for (size_t i = 0; i < r.chunk_times.size(); ++i) {
+      const double at = r.start_time + r.chunk_times[i];
+      if (at >= first_end && at <= last_send) tokens += i < r.chunk_tokens.size() ? r.chunk_tokens[i] : 1;
+    }
+  }
+  const double seconds = last_send - first_end;
+  return {seconds, tokens / seconds};
+}
+
 // The most requests in flight at once, over the half-open intervals [start, start + latency).
 int PeakConcurrency(const std::vector<RequestResult>& results) {
   std::vector<std::pair<double, int>> events;
@@ -151,6 +176,9 @@ BenchmarkMetrics ComputeMetrics(const std::vector<RequestResult>& results, doubl
   if (m.completed > 0) {
     m.max_output_tokens_per_s = PeakOutputTokensPerSecond(results, first_start);
     m.max_concurrent_requests = PeakConcurrency(results);
+    const SteadyWindow steady = SteadyOutputThroughput(results);
+    m.steady_window_s = steady.seconds;
+    m.steady_output_throughput = steady.output_tokens_per_s;
   }
   return m;
 }

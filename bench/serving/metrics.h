@@ -5,6 +5,10 @@
 // completed requests only. Goodput: completed requests per second that meet every given SLO.
 // Peaks (vLLM's): the most output tokens in one whole second since the first send (a chunk's
 // tokens counted at its arrival) and the most requests in flight at once (successful ones).
+// Steady output throughput (Duet's): output tokens per second from the first request's end to
+// the last request's send. In a closed loop every stream is busy over that window: the ramp
+// while the first requests' prompts fill the server and the drain after the last send are left
+// out, as a decode benchmark that times only its steady batch leaves them out.
 #pragma once
 
 #include <optional>
@@ -65,6 +69,10 @@ struct BenchmarkMetrics {
   double total_token_throughput = 0;   // (input + output) tokens / s
   double max_output_tokens_per_s = 0;  // the peaks, above
   int max_concurrent_requests = 0;
+  // The steady window (above) and its output tokens per second; both 0 when the window is empty
+  // (the last request was sent before the first one ended).
+  double steady_window_s = 0;
+  double steady_output_throughput = 0;
   LatencyStats ttft, tpot, itl, e2el;  // ms
   // multi-turn: TTFT of the sessions' first turns and of the later ones (whose prompts begin with
   // an earlier turn's prompt and answer).

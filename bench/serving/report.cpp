@@ -77,6 +77,8 @@ std::string FormatReport(const RunInfo& info, const BenchmarkMetrics& m) {
   absl::StrAppend(&out, Row("Output token throughput (tok/s):", m.output_throughput),
                   Row("Peak output token throughput (tok/s):", m.max_output_tokens_per_s),
                   Row("Peak concurrent requests:", absl::StrCat(m.max_concurrent_requests)),
+                  Row("Steady output token throughput (tok/s):", m.steady_output_throughput),
+                  Row("Steady window (s):", m.steady_window_s),
                   Row("Total token throughput (tok/s):", m.total_token_throughput));
   for (const Section* s : Reported(info)) {
     const LatencyStats& stats = m.*s->stats;
@@ -152,6 +154,8 @@ OrderedJson ReportJson(const RunInfo& info, const BenchmarkMetrics& m, const std
   }
   j["max_output_tokens_per_s"] = m.max_output_tokens_per_s;
   j["max_concurrent_requests"] = m.max_concurrent_requests;
+  j["steady_output_throughput"] = m.steady_output_throughput;
+  j["steady_window_s"] = m.steady_window_s;
   for (const Section* s : Reported(info)) {
     const LatencyStats& stats = m.*s->stats;
     j[absl::StrCat("mean_", s->key, "_ms")] = stats.mean;

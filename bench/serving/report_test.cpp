@@ -68,7 +68,8 @@ TEST(Report, VllmResultKeysPercentilesAndFileName) {
   for (const char* key : {"date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
                           "request_rate", "burstiness", "max_concurrency", "duration", "completed", "failed",
                           "total_input_tokens", "total_output_tokens", "request_throughput", "output_throughput",
-                          "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests"}) {
+                          "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests",
+                          "steady_output_throughput", "steady_window_s"}) {
     EXPECT_TRUE(j.contains(key)) << key;
   }
   EXPECT_EQ(j["date"], "20261201-120000");
@@ -77,6 +78,7 @@ TEST(Report, VllmResultKeysPercentilesAndFileName) {
   EXPECT_TRUE(j["label"].is_null());
   EXPECT_EQ(j["max_output_tokens_per_s"], 3.0);
   EXPECT_EQ(j["max_concurrent_requests"], 1);
+  EXPECT_EQ(j["steady_window_s"], 0.0);  // one request: sent before it ended
   EXPECT_EQ(j["generated_texts"][0], "abc");
   ASSERT_EQ(j["itls"][0].size(), 2u);
   EXPECT_NEAR(j["itls"][0][0].get<double>(), 0.15, 1e-12);
@@ -87,6 +89,7 @@ TEST(Report, VllmResultKeysPercentilesAndFileName) {
   const std::string text = FormatReport(info, m);
   EXPECT_NE(text.find("P99.9 ITL (ms):"), std::string::npos) << text;
   EXPECT_NE(text.find("Peak output token throughput (tok/s):"), std::string::npos) << text;
+  EXPECT_NE(text.find("Steady output token throughput (tok/s):"), std::string::npos) << text;
   EXPECT_EQ(text.find("TPOT"), std::string::npos) << text;
   // Not detailed: no per-request arrays (vLLM without --save-detailed).
   j = ReportJson(info, m, {r}, /*detailed=*/false);

@@ -35,6 +35,22 @@ def engine_batch(rows):
     return tokens, wall, tokens / wall if wall > 0 else 0.0
 
 
+def engine_steady(rows):
+    """Output tok/s of the batch's steady window, as duet-bench's: from the first request's end to
+    the last request's admission (its first scheduling), with each request's tokens spaced evenly
+    from its first token to its end (duet generate records no per-token times)."""
+    begin = min(r["e2e_latency_s"] for r in rows)
+    end = max(r["queue_time_s"] for r in rows)
+    if end <= begin:
+        return None
+    tokens = 0
+    for r in rows:
+        n, first, last = len(r["token_ids"]), r["time_to_first_token_s"], r["e2e_latency_s"]
+        times = [first + (last - first) * k / (n - 1) for k in range(n)] if n > 1 else [first]
+        tokens += sum(begin <= t <= end for t in times)
+    return tokens / (end - begin)
+
+
 def engine_prefill_ms(rows):
     """Median time from a request's scheduling to its first token; with --max-num-seqs 1 each
     request's prefill step runs alone (its queueing behind the previous request left out)."""
@@ -64,11 +80,13 @@ def main(out, engine_seqs):
     if missing:
         print("no result:", " ".join(missing))
 
-    engine_tps = prefill_ms = None
+    engine_tps = engine_steady_tps = prefill_ms = None
     if batch:
         tokens, wall, engine_tps = engine_batch(batch)
+        engine_steady_tps = engine_steady(batch)
         print(f"engine alone, {len(batch)} requests at once, {engine_seqs} at a time: {tokens} tokens in "
-              f"{wall:.2f} s = {engine_tps:.0f} out tok/s")
+              f"{wall:.2f} s = {engine_tps:.0f} out tok/s; steady window "
+              f"{'n/a' if engine_steady_tps is None else f'{engine_steady_tps:.0f}'} out tok/s")
         c64 = runs["conc64"]
         if c64 is not None:
             # The same requests: the lengths the cluster reported for its first requests.
@@ -86,11 +104,19 @@ def main(out, engine_seqs):
         print("engine prefill: no result (engine_prefill.jsonl)")
 
     c64_tps = runs["conc64"]["output_throughput"] if runs["conc64"] else None
+    c64_steady = runs["conc64"].get("steady_output_throughput") or None if runs["conc64"] else None
+    if c64_steady:
+        print(f"cluster at 64 streams, steady window (first end to last send, "
+              f"{runs['conc64']['steady_window_s']:.1f} s): {c64_steady:.0f} out tok/s")
     c1_ttft = runs["conc1"]["median_ttft_ms"] if runs["conc1"] else None
     print(ratio_row("cluster out tok/s at 64 streams / engine alone",
                     c64_tps / engine_tps if c64_tps is not None and engine_tps else None, ">= 0.9"))
     print(ratio_row(f"cluster out tok/s at 64 streams / {LLAMA_CPP_64} (llama.cpp)",
                     c64_tps / LLAMA_CPP_64 if c64_tps is not None else None, ">= 1.0"))
+    print(ratio_row("  the same, steady windows (ramp and drain left out)",
+                    c64_steady / engine_steady_tps if c64_steady and engine_steady_tps else None, ">= 0.9"))
+    print(ratio_row(f"  steady window / {LLAMA_CPP_64} (llama.cpp's steady decode)",
+                    c64_steady / LLAMA_CPP_64 if c64_steady else None, ">= 1.0"))
     print(ratio_row("cluster TTFT median at 1 stream - engine prefill",
                     c1_ttft - prefill_ms if c1_ttft is not None and prefill_ms is not None else None,
                     "<= 3 ms", "{:.1f} ms"))

@@ -16,8 +16,11 @@
 #            default mps-local1024-decodebudget1024-mixed384, the one-GPU configuration that serves
 #            this workload fastest (docs/BENCHMARKS.md), with the engine alone on the same budgets
 #            (ENGINE_BUDGET=1024 ENGINE_MIXED=384).
-#   CONC64_PROMPTS=N: conc64's requests, and the engine alone's (default 256; 1024 measures a
-#            sustained load, where the first and last 64 requests' ramp weighs less).
+#   CONC64_PROMPTS=N: conc64's requests, and the engine alone's (default 1024, 16 a stream: a
+#            sustained load, where the ramp of the first 64 prompts and the drain of the last 64
+#            requests weigh a quarter of what they do at 256). The table also gives both runs' steady
+#            window, from the first request's end to the last one's send (duet-bench's
+#            steady_output_throughput), where every stream is busy.
 #   DUET_WIDE_GEMM_MIN_ROWS=64: every process (engine alone and cluster) sends bf16 products of 64+
 #            rows to WideGemm (kernels/gemm/wide_gemm.h; default off).
 #   TESTS="gemm_tuning_tests llama_cuda_tests": those GPU test programs (bundled with
@@ -69,7 +72,7 @@ BENCH_WORKLOAD=("${BENCH_COMMON[@]}" --input-len 512)
 ENGINE_FLAGS=(--model "$MODEL" --backend cuda --gpu-memory-utilization 0.9 --max-model-len 4096
               --max-num-batched-tokens "${ENGINE_BUDGET:-1024}" --max-num-mixed-tokens "${ENGINE_MIXED:-384}")
 ENGINE_SEQS=64
-ENGINE_REQUESTS=${CONC64_PROMPTS:-256}; PREFILL_REQUESTS=8
+ENGINE_REQUESTS=${CONC64_PROMPTS:-1024}; PREFILL_REQUESTS=8
 [[ $QUICK == 1 ]] && PREFILL_REQUESTS=4
 echo "== engine alone (duet generate --backend cuda) on duet-bench's requests"
 duet-bench "${BENCH_WORKLOAD[@]}" --seed 1 --num-prompts $ENGINE_REQUESTS --save-requests "$OUT/requests.jsonl" \
