@@ -1,0 +1,107 @@
+"""A step-cost model of the one-GPU closed loop (h200_cluster.sh's conc64 and the engine alone):
+C streams each send a P-token prompt for G tokens, a new one as soon as theirs ends, N in all;
+the engine's scheduler (engine/scheduler) runs each step: every decoding request's token, then
+prompt chunks first come first served within the step's budget (the whole --max-num-batched-tokens
+while nothing decodes, --max-num-mixed-tokens beside decoding requests). A step costs what
+cuda_llama_bench measured for 64 decode rows beside a chunk of that many prompt tokens
+(--mixed-prompt; the thirteenth session's H100 table in docs/BENCHMARKS.md), interpolated.
+
+Prints output tok/s over the whole run and over its steady window (duet-bench's: from the first
+request's end to the last request's send), the steps, and the TTFT median and p99 in steps' ms.
+Policies to compare (one line each):
+
+  python3 scripts/closed_loop_model.py                       # the default configuration, 256 to 4096 requests
+  python3 scripts/closed_loop_model.py --mixed 320,384,448   # other mixed budgets
+  python3 scripts/closed_loop_model.py --ramp                # a larger budget while prompts outnumber decoders
+"""
+import argparse
+
+# (prompt tokens beside 64 decode rows at context 576, ms a step); H100, cuda_llama_bench.
+MIXED_STEP_MS = [(0, 7.79), (64, 8.48), (128, 9.31), (192, 10.04), (256, 11.11), (320, 12.37), (448, 14.73)]
+DECODE_ROW_MS = 0.0233  # a decode row's share of a step (the weights' stream is the rest)
+
+
+def step_ms(decode_rows, prompt_tokens):
+    base = MIXED_STEP_MS[0][1] - DECODE_ROW_MS * (64 - decode_rows)
+    for (a, ca), (b, cb) in zip(MIXED_STEP_MS, MIXED_STEP_MS[1:]):
+        if prompt_tokens <= b:
+            return base + (ca - MIXED_STEP_MS[0][1]) + (cb - ca) * (prompt_tokens - a) / (b - a)
+    last_a, last_c = MIXED_STEP_MS[-1]
+    slope = (last_c - MIXED_STEP_MS[-2][1]) / (last_a - MIXED_STEP_MS[-2][0])
+    return base + (last_c - MIXED_STEP_MS[0][1]) + slope * (prompt_tokens - last_a)
+
+
+class Request:
+    def __init__(self, prompt, gen, sent_ms):
+        self.prompt_left, self.gen_left, self.sent_ms = prompt, gen, sent_ms
+        self.first_token_ms = None
+
+
+def run(requests, streams=64, prompt=512, gen=128, budget=1024, mixed=384, ramp=False):
+    """Returns (out tok/s, steady out tok/s, steps, TTFT median ms, TTFT p99 ms)."""
+    now = 0.0
+    waiting = [Request(prompt, gen, 0.0) for _ in range(streams)]
+    sent, running, finished, steps = streams, [], 0, 0
+    token_times, ttfts, first_end, last_send = [], [], None, 0.0
+    while finished < requests:
+        decoding = [r for r in running if r.prompt_left == 0]
+        prefilling = [r for r in running if r.prompt_left > 0]
+        waiting_prompts = len(waiting) + len(prefilling)
+        step_budget = budget if not decoding else max(len(decoding), mixed)
+        if ramp and decoding and waiting_prompts > len(decoding):
+            step_budget = budget
+        left = step_budget - len(decoding)
+        chunk = 0
+        for r in prefilling:
+            take = min(left, r.prompt_left)
+            r.prompt_left -= take
+            left -= take
+            chunk += take
+        while left > 0 and waiting and len(running) < streams:
+            r = waiting.pop(0)
+            take = min(left, r.prompt_left)
+            r.prompt_left -= take
+            left -= take
+            chunk += take
+            running.append(r)
+        now += step_ms(len(decoding), chunk)
+        steps += 1
+        for r in running:
+            if r.prompt_left == 0 and (r in decoding or r.first_token_ms is None):
+                if r.first_token_ms is None:
+                    r.first_token_ms = now
+                r.gen_left -= 1
+                token_times.append(now)
+        for r in [r for r in running if r.gen_left == 0]:
+            running.remove(r)
+            finished += 1
+            first_end = now if first_end is None else first_end
+            ttfts.append(r.first_token_ms - r.sent_ms)
+            if sent < requests:  # the stream's next request
+                waiting.append(Request(prompt, gen, now))
+                sent += 1
+                last_send = now
+    ttft = sorted(ttfts)
+    steady = sum(first_end <= t <= last_send for t in token_times) / (last_send - first_end) * 1e3 \
+        if last_send > first_end else 0.0
+    return len(token_times) / now * 1e3, steady, steps, ttft[len(ttft) // 2], ttft[int(len(ttft) * 0.99)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", default="256,1024,4096")
+    parser.add_argument("--mixed", default="384", help="--max-num-mixed-tokens values")
+    parser.add_argument("--ramp", action="store_true", help="also: the whole budget while prompts outnumber decoders")
+    args = parser.parse_args()
+    print(f"{'requests':>8} {'mixed':>5} {'policy':>6} {'out tok/s':>9} {'steady':>7} {'steps':>6} "
+          f"{'TTFT med':>8} {'TTFT p99':>8}")
+    for requests in map(int, args.requests.split(",")):
+        for mixed in map(int, args.mixed.split(",")):
+            for ramp in ([False, True] if args.ramp else [False]):
+                tps, steady, steps, t50, t99 = run(requests, mixed=mixed, ramp=ramp)
+                print(f"{requests:>8} {mixed:>5} {'ramp' if ramp else 'fixed':>6} {tps:>9.0f} {steady:>7.0f} "
+                      f"{steps:>6} {t50:>8.1f} {t99:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
