@@ -124,6 +124,11 @@ TEST_F(DuetBenchClusterTest, OpenAiCompletionsClosedLoop) {
             0)
       << stderr_;
   ExpectSane(kNumPrompts, kOutputLen);
+  // A closed loop of more requests than streams has a steady window: the first end comes before
+  // the last send, and the window lies inside the run.
+  EXPECT_GT(json_["steady_window_s"].get<double>(), 0);
+  EXPECT_LT(json_["steady_window_s"].get<double>(), json_["duration"].get<double>());
+  EXPECT_GT(json_["steady_output_throughput"].get<double>(), 0);
 }
 
 TEST_F(DuetBenchClusterTest, OpenAiChatCodeWorkload) {
