@@ -13,8 +13,10 @@ Policies to compare (one line each):
   python3 scripts/closed_loop_model.py                       # the default configuration, 256 to 4096 requests
   python3 scripts/closed_loop_model.py --mixed 320,384,448   # other mixed budgets
   python3 scripts/closed_loop_model.py --ramp                # a larger budget while prompts outnumber decoders
+  python3 scripts/closed_loop_model.py --follow-arrivals     # prompt tokens a step after their arrival rate
 """
 import argparse
+import math
 
 # (prompt tokens beside 64 decode rows at context 576, ms a step); H100, cuda_llama_bench.
 MIXED_STEP_MS = [(0, 7.79), (64, 8.48), (128, 9.31), (192, 10.04), (256, 11.11), (320, 12.37), (448, 14.73)]
@@ -37,19 +39,28 @@ class Request:
         self.first_token_ms = None
 
 
-def run(requests, streams=64, prompt=512, gen=128, budget=1024, mixed=384, ramp=False):
-    """Returns (out tok/s, steady out tok/s, steps, TTFT median ms, TTFT p99 ms)."""
+def run(requests, streams=64, prompt=512, gen=128, budget=1024, mixed=384, policy="fixed"):
+    """policy: "fixed" (the engine's), "ramp" (the whole budget while waiting prompts outnumber
+    decoding requests) or "follow" (beside decoding requests, 1.1x the prompt tokens arriving a step,
+    an average over ~20 steps, or the backlog spread over 16 steps if more; at most the mixed
+    budget). Returns (out tok/s, steady out tok/s, steps, TTFT median ms, TTFT p99 ms)."""
     now = 0.0
     waiting = [Request(prompt, gen, 0.0) for _ in range(streams)]
     sent, running, finished, steps = streams, [], 0, 0
     token_times, ttfts, first_end, last_send = [], [], None, 0.0
+    arriving, arrived = 0.0, prompt * streams  # prompt tokens a step (average), and this step's
     while finished < requests:
+        arriving, arrived = 0.95 * arriving + 0.05 * arrived, 0
         decoding = [r for r in running if r.prompt_left == 0]
         prefilling = [r for r in running if r.prompt_left > 0]
         waiting_prompts = len(waiting) + len(prefilling)
         step_budget = budget if not decoding else max(len(decoding), mixed)
-        if ramp and decoding and waiting_prompts > len(decoding):
+        if policy == "ramp" and decoding and waiting_prompts > len(decoding):
             step_budget = budget
+        if policy == "follow" and decoding:
+            backlog = sum(r.prompt_left for r in waiting + prefilling)
+            step_budget = max(len(decoding), min(mixed, len(decoding) + max(64, int(1.1 * arriving),
+                                                                              math.ceil(backlog / 16))))
         left = step_budget - len(decoding)
         chunk = 0
         for r in prefilling:
@@ -79,6 +90,7 @@ def run(requests, streams=64, prompt=512, gen=128, budget=1024, mixed=384, ramp=
             ttfts.append(r.first_token_ms - r.sent_ms)
             if sent < requests:  # the stream's next request
                 waiting.append(Request(prompt, gen, now))
+                arrived += prompt
                 sent += 1
                 last_send = now
     ttft = sorted(ttfts)
@@ -92,14 +104,16 @@ def main():
     parser.add_argument("--requests", default="256,1024,4096")
     parser.add_argument("--mixed", default="384", help="--max-num-mixed-tokens values")
     parser.add_argument("--ramp", action="store_true", help="also: the whole budget while prompts outnumber decoders")
+    parser.add_argument("--follow-arrivals", action="store_true", help="also: prompt tokens after their arrival rate")
     args = parser.parse_args()
     print(f"{'requests':>8} {'mixed':>5} {'policy':>6} {'out tok/s':>9} {'steady':>7} {'steps':>6} "
           f"{'TTFT med':>8} {'TTFT p99':>8}")
     for requests in map(int, args.requests.split(",")):
         for mixed in map(int, args.mixed.split(",")):
-            for ramp in ([False, True] if args.ramp else [False]):
-                tps, steady, steps, t50, t99 = run(requests, mixed=mixed, ramp=ramp)
-                print(f"{requests:>8} {mixed:>5} {'ramp' if ramp else 'fixed':>6} {tps:>9.0f} {steady:>7.0f} "
+            policies = ["fixed"] + ["ramp"] * args.ramp + ["follow"] * args.follow_arrivals
+            for policy in policies:
+                tps, steady, steps, t50, t99 = run(requests, mixed=mixed, policy=policy)
+                print(f"{requests:>8} {mixed:>5} {policy:>6} {tps:>9.0f} {steady:>7.0f} "
                       f"{steps:>6} {t50:>8.1f} {t99:>8.1f}")
 
 
