@@ -77,12 +77,12 @@ def run(requests, streams=64, prompt=512, gen=128, budget=1024, mixed=384, polic
             running.append(r)
         now += step_ms(len(decoding), chunk)
         steps += 1
-        for r in running:
-            if r.prompt_left == 0 and (r in decoding or r.first_token_ms is None):
-                if r.first_token_ms is None:
-                    r.first_token_ms = now
-                r.gen_left -= 1
-                token_times.append(now)
+        prompts_done = [r for r in running if r.prompt_left == 0 and r.first_token_ms is None]
+        for r in prompts_done:
+            r.first_token_ms = now
+        for r in decoding + prompts_done:  # a token each
+            r.gen_left -= 1
+            token_times.append(now)
         for r in [r for r in running if r.gen_left == 0]:
             running.remove(r)
             finished += 1

@@ -103,11 +103,12 @@ def main(out, engine_seqs):
     else:
         print("engine prefill: no result (engine_prefill.jsonl)")
 
-    c64_tps = runs["conc64"]["output_throughput"] if runs["conc64"] else None
-    c64_steady = runs["conc64"].get("steady_output_throughput") or None if runs["conc64"] else None
+    c64 = runs["conc64"] or {}
+    c64_tps = c64.get("output_throughput")
+    c64_steady = c64.get("steady_output_throughput") or None  # 0: no window
     if c64_steady:
         print(f"cluster at 64 streams, steady window (first end to last send, "
-              f"{runs['conc64']['steady_window_s']:.1f} s): {c64_steady:.0f} out tok/s")
+              f"{c64['steady_window_s']:.1f} s): {c64_steady:.0f} out tok/s")
     c1_ttft = runs["conc1"]["median_ttft_ms"] if runs["conc1"] else None
     print(ratio_row("cluster out tok/s at 64 streams / engine alone",
                     c64_tps / engine_tps if c64_tps is not None and engine_tps else None, ">= 0.9"))

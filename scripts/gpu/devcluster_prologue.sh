@@ -58,6 +58,20 @@ bench_step_ms() {  # LOG B
   echo "${decode:-?} ${mixed:-?}"
 }
 
+# The table of the cuda_llama_bench logs $OUT/step_<variant>_<round>.log: each round's and variant's
+# decode and mixed step (ms), the variants' column named NAME.
+step_table() {  # ROUNDS BATCH NAME VARIANT...
+  local rounds=$1 batch=$2 name=$3 round variant decode mixed_ms
+  shift 3
+  printf '%-6s %-6s %10s %10s\n' round "$name" decode mixed
+  for round in $(seq 1 "$rounds"); do
+    for variant in "$@"; do
+      read -r decode mixed_ms <<< "$(bench_step_ms "$OUT/step_${variant}_$round.log" "$batch")"
+      printf '%-6s %-6s %10s %10s\n' "$round" "$variant" "$decode" "$mixed_ms"
+    done
+  done
+}
+
 # The bundled tests' results again (the last lines a caller reads), and $OUT packed into one
 # archive where it holds more files than the device tool brings back (8).
 bundled_test_results=()

@@ -23,12 +23,5 @@ for round in $(seq 1 "$rounds"); do
   done
 done
 echo "== decode ms/step (batch $batch, context $context) and the mixed step (+ $mixed prompt tokens, eager)"
-printf '%-6s %-6s %10s %10s\n' round mode decode mixed
-for round in $(seq 1 "$rounds"); do
-  for mode in graph eager; do
-    log=$OUT/step_${mode}_$round.log
-    read -r decode mixed_ms <<< "$(bench_step_ms "$log" "$batch")"
-    printf '%-6s %-6s %10s %10s\n' "$round" "$mode" "$decode" "$mixed_ms"
-  done
-done
+step_table "$rounds" "$batch" mode graph eager
 finish_out

@@ -46,12 +46,5 @@ for round in $(seq 1 "$rounds"); do
   done
 done
 echo "== cuda_llama_bench ms/step: decode (batch $batch, context $context, graph) and mixed (+ $mixed prompt tokens, eager)"
-printf '%-6s %-5s %10s %10s\n' round build decode mixed
-for round in $(seq 1 "$rounds"); do
-  for build in new old; do
-    log=$OUT/step_${build}_$round.log
-    read -r decode mixed_ms <<< "$(bench_step_ms "$log" "$batch")"
-    printf '%-6s %-5s %10s %10s\n' "$round" "$build" "$decode" "$mixed_ms"
-  done
-done
+step_table "$rounds" "$batch" build new old
 finish_out
