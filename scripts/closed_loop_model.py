@@ -4,7 +4,7 @@ the engine's scheduler (engine/scheduler) runs each step: every decoding request
 prompt chunks first come first served within the step's budget (the whole --max-num-batched-tokens
 while nothing decodes, --max-num-mixed-tokens beside decoding requests). A step costs what
 cuda_llama_bench measured for 64 decode rows beside a chunk of that many prompt tokens
-(--mixed-prompt; the thirteenth session's H100 table in docs/BENCHMARKS.md), interpolated.
+(--mixed-prompt; the H100 table "A chunk's cost" in docs/BENCHMARKS.md), interpolated.
 
 Prints output tok/s over the whole run and over its steady window (duet-bench's: from the first
 request's end to the last request's send), the steps, and the TTFT median and p99 in steps' ms.

@@ -35,7 +35,7 @@ inline int64_t CublasRowCapacity(int64_t rows) {
 
 // From how many rows WideGemm takes the bf16 products by default: none (0). It is correct (its
 // tests pass on an H100) but slower than cuBLAS from 128 rows up (0.74-0.97x of the projections,
-// BENCHMARKS.md, "A tiled GEMM for mixed steps"); cuda_llama_bench --wide-gemm-min-rows N, or
+// BENCHMARKS.md, "Changes measured, kept or not"); cuda_llama_bench --wide-gemm-min-rows N, or
 // $DUET_WIDE_GEMM_MIN_ROWS for every command (backends/executor_factory.cpp), turns it on.
 inline constexpr int kWideGemmDefaultMinRows = 0;
 

@@ -25,7 +25,7 @@ struct Params {
 // (kernels/launch.cuh): a layer's copy gets resident while the kernel that wrote the layer
 // finishes, and the next layer's first kernel while the copy does, instead of each launch waiting
 // for the one before to drain (a layer of a few MiB moves in about the time a launch takes to
-// ramp up and drain: docs/BENCHMARKS.md, "KV copies as dependent launches").
+// ramp up and drain: docs/BENCHMARKS.md, "KV transfer").
 template <typename Word, int kBuffers, int kRanges>
 __global__ void CopyRangesKernel(const __grid_constant__ Params<kBuffers, kRanges> p) {
   launch_detail::EnterDependentKernel();

@@ -1,6 +1,6 @@
 """A copy of a safetensors checkpoint whose every weight holds one value (1e-3), for measuring how
 much of a step's time the card's power cap takes: the same work on operands that barely switch draws
-far less power (docs/BENCHMARKS.md, "What the power cap costs").
+far less power (docs/BENCHMARKS.md, "What limits the step: the power cap").
 
     python3 scripts/gpu/constant_checkpoint.py SRC_DIR DST_DIR
 """
