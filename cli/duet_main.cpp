@@ -72,6 +72,11 @@ int main(int argc, char** argv) {
                         "With workers sharing a GPU under MPS: the percentage of its SMs each decode worker "
                         "may use, so prefill kernels run beside decode steps on the rest; 0: no limit")
       ->check(CLI::Range(0, 100));
+  serve_cmd->add_option("--decode-devices", serve.decode_devices,
+                        "cuda: the decode workers' GPUs, e.g. 4,5,6,7 (worker i on the i-th, cycling; each sees only "
+                        "its own); default: the first GPU, shared with the prefill workers")
+      ->delimiter(',')
+      ->check(CLI::Range(0, 1023));
   serve_cmd->add_flag("--kv-checksums", serve.kv_checksums,
                       "Checksum every KV layer moved between workers and verify it at the decode worker");
   serve_cmd->add_option("--grpc-port", serve.grpc_port, "Router gRPC port (0: any free port)")->check(CLI::Range(0, 65535));

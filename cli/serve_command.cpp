@@ -30,6 +30,7 @@
 #include "absl/strings/str_join.h"
 #include "cli/api_key.h"
 #include "cli/commands.h"
+#include "cli/worker_placement.h"
 #include "common/logging.h"
 #include "common/subprocess.h"
 #include "frontend/chat_template/chat_template.h"
@@ -57,8 +58,9 @@ std::string SelfPath() {
   return n > 0 ? std::string(buf, size_t(n)) : "duet";
 }
 
-// `decode`: a decode worker's (its own token budget, when given).
-std::vector<std::string> WorkerEngineFlags(const ServeOptions& o, bool decode) {
+// `decode`: a decode worker's (its own token budget, when given); `gpu_memory_utilization`: its share
+// (cli/worker_placement.h).
+std::vector<std::string> WorkerEngineFlags(const ServeOptions& o, bool decode, double gpu_memory_utilization) {
   const int64_t budget = decode && o.decode_max_num_batched_tokens > 0 ? o.decode_max_num_batched_tokens
                                                                       : o.engine.scheduler.max_num_batched_tokens;
   std::vector<std::string> flags = {"--model", o.engine.model_dir, "--block-size", std::to_string(o.engine.block_size),
@@ -66,9 +68,8 @@ std::vector<std::string> WorkerEngineFlags(const ServeOptions& o, bool decode) {
                                     "--max-num-batched-tokens", std::to_string(budget),
                                     "--kv-cache-gib", std::to_string(double(o.engine.kv_cache_bytes) / double(1ull << 30))};
   if (o.engine.backend != "cpu") {
-    // One GPU shared by every worker process: each gets an equal part of the fraction.
-    const double share = o.engine.gpu_memory_utilization / double(std::max(1, o.num_prefill_workers + o.num_decode_workers));
-    flags.insert(flags.end(), {"--backend", o.engine.backend, "--gpu-memory-utilization", std::to_string(share)});
+    flags.insert(flags.end(),
+                 {"--backend", o.engine.backend, "--gpu-memory-utilization", std::to_string(gpu_memory_utilization)});
   }
   if (o.engine.num_kv_blocks > 0) {
     flags.insert(flags.end(), {"--num-kv-blocks", std::to_string(o.engine.num_kv_blocks)});
@@ -238,6 +239,20 @@ int RunServe(const ServeOptions& options) {
                     << " sequence-parallel prefill ranks (--prefill-sp-ranks): give one per rank";
     return 2;
   }
+  if (!options.decode_devices.empty() && options.engine.backend != "cuda") {
+    DUET_LOG(ERROR) << "--decode-devices is for the cuda backend";
+    return 2;
+  }
+  const char* serve_visible = getenv("CUDA_VISIBLE_DEVICES");
+  absl::StatusOr<Placement> placement =
+      PlaceWorkers({options.num_prefill_workers, options.num_decode_workers,
+                    sp_ranks > 1 ? options.engine.sequence_parallel.devices : std::vector<int>{},
+                    options.decode_devices, options.engine.gpu_memory_utilization,
+                    serve_visible ? std::optional<std::string>(serve_visible) : std::nullopt});
+  if (!placement.ok()) {
+    DUET_LOG(ERROR) << placement.status().message();
+    return 2;
+  }
   // Block the stop signals before starting children; they are awaited with sigtimedwait below.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
@@ -289,6 +304,13 @@ int RunServe(const ServeOptions& options) {
   if (options.prefill_gpu_percent > 0) {
     prefill_env.emplace_back(kMpsActiveThreadPercentageEnv, std::to_string(options.prefill_gpu_percent));
   }
+  std::vector<Subprocess::Environment> decode_envs(size_t(options.num_decode_workers), decode_env);
+  for (size_t i = 0; i < decode_envs.size(); ++i) {
+    if (const auto& visible = placement->decode[i].cuda_visible_devices) {
+      decode_envs[i].emplace_back("CUDA_VISIBLE_DEVICES", *visible);
+      DUET_LOG(INFO) << "decode worker " << i << ": CUDA_VISIBLE_DEVICES=" << *visible;
+    }
+  }
   const Subprocess::Environment router_env = {{rpc::kInternalTokenEnv, *token}, {kApiKeyEnv, *api_key}};
   const std::string grace = std::to_string(options.shutdown_grace_seconds);
   const std::string log_stats_interval = absl::StrCat(options.log_stats_interval_s);
@@ -311,7 +333,9 @@ int RunServe(const ServeOptions& options) {
       if (!options.served_model_names.empty()) argv.insert(argv.end(), {"--served-model-name", options.served_model_names[0]});
       if (options.api_key_on_health_and_metrics) argv.push_back("--api-key-on-health-and-metrics");
       for (std::string& f : InternalTlsFlags(options.internal_tls)) argv.push_back(std::move(f));
-      for (std::string& f : WorkerEngineFlags(options, std::string_view(role) == "decode")) argv.push_back(std::move(f));
+      const bool decode = std::string_view(role) == "decode";
+      const WorkerPlacement& place = decode ? placement->decode[size_t(i)] : placement->prefill[size_t(i)];
+      for (std::string& f : WorkerEngineFlags(options, decode, place.gpu_memory_utilization)) argv.push_back(std::move(f));
       // Only prefill workers prefill: --sp-ranks (or --prefill-sp-ranks) is theirs.
       if (std::string_view(role) == "prefill" && sp_ranks > 1) {
         argv.insert(argv.end(), {"--sp-ranks", std::to_string(sp_ranks), "--sp-min-tokens",
@@ -327,8 +351,8 @@ int RunServe(const ServeOptions& options) {
       const int metrics_port = options.metrics_port <= 0 ? options.metrics_port
                                                          : options.metrics_port + int(workers.size());
       const bool prefill = std::string_view(role) == "prefill";
-      workers.push_back(
-          std::make_unique<WorkerSlot>(role, i, std::move(argv), prefill ? &prefill_env : &decode_env, metrics_port));
+      workers.push_back(std::make_unique<WorkerSlot>(role, i, std::move(argv),
+                                                     prefill ? &prefill_env : &decode_envs[size_t(i)], metrics_port));
       if (absl::Status started = workers.back()->StartFirst(); !started.ok()) {
         DUET_LOG(ERROR) << started.message();
         stop_workers();

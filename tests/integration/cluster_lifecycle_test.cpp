@@ -142,6 +142,19 @@ std::optional<Clock::duration> FirstSuccessWithin(v1::Duet::Stub& stub, Clock::d
 
 int PortOf(const std::string& address) { return std::atoi(address.substr(address.rfind(':') + 1).c_str()); }
 
+// --decode-devices places decode workers on GPUs: refused on the cpu backend, and a device past
+// serve's own CUDA_VISIBLE_DEVICES is refused before any worker starts (cli/worker_placement.h).
+TEST(ServeTest, DecodeDevicesAreCheckedBeforeAnyWorkerStarts) {
+  for (const auto& [backend, visible] : {std::pair{"cpu", "0,1"}, std::pair{"cuda", "0"}}) {
+    absl::StatusOr<std::unique_ptr<Subprocess>> p =
+        Subprocess::Start({testing::DuetBinary(), "serve", "--model", kModel, "--backend", backend, "--grpc-port", "0",
+                           "--http-port", "-1", "--decode-devices", "1"},
+                          {{"CUDA_VISIBLE_DEVICES", visible}});
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ((*p)->Wait(std::chrono::seconds(30)), 2) << backend;
+  }
+}
+
 // --http-port 0: serve announces the port the router's HTTP API really took (issue 18).
 TEST(ServeTest, HttpPortZeroIsAnnouncedWithTheRealPort) {
   absl::StatusOr<std::unique_ptr<Subprocess>> p =
