@@ -17,6 +17,18 @@ from hf_reference import make_checkpoint
 make_checkpoint('$MODEL', 32)" 2>&1 | grep -v Warning | tail -2
   cp /tmp/devbundle/tokenizer.json /tmp/devbundle/tokenizer_config.json "$MODEL/"
 }
+# The router's gRPC port once `duet serve` (pid PID, stdout in SERVE_OUT) is ready; nothing if it
+# exited or took more than SECONDS (default 240).
+serve_port() {  # SERVE_OUT PID [SECONDS]
+  local port=""
+  for _ in $(seq 1 "${3:-240}"); do
+    port=$(sed -n 's/^DUET_READY grpc_port=//p' "$1")
+    [[ -n $port ]] && break
+    kill -0 "$2" 2>/dev/null || break
+    sleep 1
+  done
+  echo "$port"
+}
 # The bundled test programs named in $TESTS, twice each (gtest filter $TEST_FILTER, default: all
 # but the tests that need several GPUs or the draft model; PROGRAM=FILTER gives one program its
 # own, e.g. "llama_cuda_tests kernels_tests=WideGemm*:FillRandom*"), with the checkpoint made on the CPUs

@@ -150,13 +150,7 @@ local budget=8192
   --decode-workers 1 --max-model-len 4096 --max-num-seqs 128 --max-num-batched-tokens $budget --grpc-port 0 \
   --http-port 0 --metrics-port 0 --max-concurrent-requests 1024 > "$dir/serve.out" 2> "$dir/serve.log" &
 serve_pid=$!
-port=""
-for _ in $(seq 1 240); do
-  port=$(sed -n 's/^DUET_READY grpc_port=//p' "$dir/serve.out")
-  [[ -n $port ]] && break
-  kill -0 $serve_pid 2>/dev/null || break
-  sleep 1
-done
+port=$(serve_port "$dir/serve.out" $serve_pid)
 if [[ -z $port ]]; then echo "serve did not start"; tail -20 "$dir/serve.log"; kill $serve_pid; stop_mps; return 1; fi
 echo "router on port $port"
 http_port=$(sed -n 's/^DUET_HTTP_READY port=//p' "$dir/serve.out")

@@ -29,13 +29,8 @@ sp_cluster_e2e() {
   duet serve --model "$MODEL" --backend cuda --prefill-sp-ranks $p --devices "$devices" --sp-transport $transport \
     "${decode_dev[@]}" --max-model-len $limit --max-num-batched-tokens $limit --decode-max-num-batched-tokens 2048 \
     --max-num-seqs 8 --no-enable-prefix-caching --grpc-port 0 --http-port -1 > "$dir/serve.out" 2> "$dir/serve.log" &
-  local serve_pid=$! port=""
-  for _ in $(seq 1 300); do
-    port=$(sed -n 's/^DUET_READY grpc_port=//p' "$dir/serve.out")
-    [[ -n $port ]] && break
-    kill -0 $serve_pid 2>/dev/null || break
-    sleep 1
-  done
+  local serve_pid=$! port
+  port=$(serve_port "$dir/serve.out" $serve_pid 300)
   if [[ -z $port ]]; then
     echo "serve did not start"; grep -E "ERROR|error" "$dir/serve.log" | head -5; kill $serve_pid 2>/dev/null; return 1
   fi
