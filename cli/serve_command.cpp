@@ -239,7 +239,7 @@ int RunServe(const ServeOptions& options) {
                     << " sequence-parallel prefill ranks (--prefill-sp-ranks): give one per rank";
     return 2;
   }
-  if (!options.decode_devices.empty() && options.engine.backend != "cuda") {
+  if (!options.decode_devices.empty() && options.engine.backend == "cpu") {
     DUET_LOG(ERROR) << "--decode-devices is for the cuda backend";
     return 2;
   }
@@ -337,7 +337,7 @@ int RunServe(const ServeOptions& options) {
       const WorkerPlacement& place = decode ? placement->decode[size_t(i)] : placement->prefill[size_t(i)];
       for (std::string& f : WorkerEngineFlags(options, decode, place.gpu_memory_utilization)) argv.push_back(std::move(f));
       // Only prefill workers prefill: --sp-ranks (or --prefill-sp-ranks) is theirs.
-      if (std::string_view(role) == "prefill" && sp_ranks > 1) {
+      if (!decode && sp_ranks > 1) {
         argv.insert(argv.end(), {"--sp-ranks", std::to_string(sp_ranks), "--sp-min-tokens",
                                  std::to_string(options.engine.sequence_parallel.min_tokens)});
         // --devices: each prefill worker's group spans them (one executor per rank).
@@ -350,9 +350,8 @@ int RunServe(const ServeOptions& options) {
       // Decode workers first, then prefill workers, on consecutive metrics ports.
       const int metrics_port = options.metrics_port <= 0 ? options.metrics_port
                                                          : options.metrics_port + int(workers.size());
-      const bool prefill = std::string_view(role) == "prefill";
       workers.push_back(std::make_unique<WorkerSlot>(role, i, std::move(argv),
-                                                     prefill ? &prefill_env : &decode_envs[size_t(i)], metrics_port));
+                                                     decode ? &decode_envs[size_t(i)] : &prefill_env, metrics_port));
       if (absl::Status started = workers.back()->StartFirst(); !started.ok()) {
         DUET_LOG(ERROR) << started.message();
         stop_workers();
