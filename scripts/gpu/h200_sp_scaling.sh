@@ -13,6 +13,8 @@
 #             models/tiny-code-llama-draft /tmp/hold/      (the tests remake the tiny model from its config)
 #   device: bash scripts/gpu/h200_sp_scaling.sh     (carry .devcluster)
 #   here:   mv the tiny model's files back
+#   After h200_cluster.sh in the same call (one bundle with both scripts' EXTRA_TARGETS), its
+#   checkpoint's weights are reused: `bash scripts/gpu/h200_cluster.sh; OUT=$OUT/sp bash scripts/gpu/h200_sp_scaling.sh`.
 #
 # Printed: the group tests on every GPU (the NCCL and peer transports, N ranks against one rank),
 # then per transport the table of sp_prefill_bench --devices: TTFT (prefill to the last token's
@@ -34,6 +36,14 @@ RANKS=""
 for n in 2 4 8; do ((n <= GPUS)) && RANKS+="${RANKS:+,}$n"; done
 
 echo "== checkpoint (transformers, random weights, ${LAYERS:-32} layers, Llama-3.1 RoPE scaling)"
+# h200_cluster.sh's checkpoint, made earlier in the same call, has the same (seeded) weights: link
+# them under the long-context config.
+if [[ ! -f $MODEL/config.json && -f /tmp/llama8b/config.json && ${LAYERS:-32} == 32 ]]; then
+  mkdir -p "$MODEL" && ln -sf /tmp/llama8b/*.safetensors /tmp/llama8b/*.json "$MODEL/" && rm "$MODEL/config.json" &&
+    cp /tmp/llama8b/config.json "$MODEL/" &&
+    python3 -c "import sys; sys.path.insert(0, 'scripts/gpu'); from hf_reference import make_long_context
+make_long_context('$MODEL/config.json')" && echo "linked /tmp/llama8b's weights"
+fi
 [[ -f $MODEL/config.json ]] || python3 -c "
 import sys; sys.path.insert(0, 'scripts/gpu')
 from hf_reference import make_checkpoint

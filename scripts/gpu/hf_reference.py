@@ -31,19 +31,25 @@ def make_checkpoint(out_dir, layers, long_context=False):
     model.eval()
     model.save_pretrained(out_dir, safe_serialization=True, max_shard_size="5GB")
     if long_context:
-        path = os.path.join(out_dir, "config.json")
-        with open(path) as f:
-            saved = json.load(f)
-        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192}
-        saved["max_position_embeddings"] = 131072
-        if isinstance(saved.get("rope_parameters"), dict):
-            saved["rope_parameters"].update(scaling)
-        else:
-            saved["rope_scaling"] = scaling
-        with open(path, "w") as f:
-            json.dump(saved, f, indent=2)
+        make_long_context(os.path.join(out_dir, "config.json"))
     return model
+
+
+def make_long_context(config_path):
+    """Rewrites a saved Llama config for Llama-3.1's RoPE scaling and 131,072 positions, in whichever
+    RoPE key this transformers used. The weights do not change (make_checkpoint's are seeded), so a
+    long-context copy of a checkpoint can link the short one's weights."""
+    with open(config_path) as f:
+        saved = json.load(f)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    saved["max_position_embeddings"] = 131072
+    if isinstance(saved.get("rope_parameters"), dict):
+        saved["rope_parameters"].update(scaling)
+    else:
+        saved["rope_scaling"] = scaling
+    with open(config_path, "w") as f:
+        json.dump(saved, f, indent=2)
 
 
 def set_attention(model, impl):
