@@ -57,8 +57,10 @@ struct ServeOptions {
   int prefill_gpu_percent = 0;
   int decode_gpu_percent = 0;  // the same for each decode worker
   // cuda: the decode workers' GPUs (worker i on the (i mod n)-th, by its CUDA_VISIBLE_DEVICES);
-  // empty: the first GPU serve sees (cli/worker_placement.h).
+  // empty: the first GPU serve sees (cli/worker_placement.h). The same for prefill workers that are
+  // not sequence-parallel groups.
   std::vector<int> decode_devices;
+  std::vector<int> prefill_devices;
   int shutdown_grace_seconds = 30;  // on SIGTERM/SIGINT: how long running requests may take to finish
   std::string routing_policy = "prefix-aware";  // the router's --routing-policy
   double prefix_affinity = 4.0;                 // the router's --prefix-affinity

@@ -73,8 +73,13 @@ int main(int argc, char** argv) {
                         "may use, so prefill kernels run beside decode steps on the rest; 0: no limit")
       ->check(CLI::Range(0, 100));
   serve_cmd->add_option("--decode-devices", serve.decode_devices,
-                        "cuda: the decode workers' GPUs, e.g. 4,5,6,7 (worker i on the i-th, cycling; each sees only "
-                        "its own); default: the first GPU, shared with the prefill workers")
+                        "cuda: the decode workers' GPUs, e.g. 4,5,6,7 (worker i on the i-th, cycling, named first in "
+                        "its CUDA_VISIBLE_DEVICES); default: the first GPU, shared with the prefill workers")
+      ->delimiter(',')
+      ->check(CLI::Range(0, 1023));
+  serve_cmd->add_option("--prefill-devices", serve.prefill_devices,
+                        "cuda: the prefill workers' GPUs, e.g. 0,1 (worker i on the i-th, cycling, named first in its "
+                        "CUDA_VISIBLE_DEVICES); a sequence-parallel group's GPUs are --devices instead")
       ->delimiter(',')
       ->check(CLI::Range(0, 1023));
   serve_cmd->add_flag("--kv-checksums", serve.kv_checksums,

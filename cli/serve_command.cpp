@@ -239,16 +239,19 @@ int RunServe(const ServeOptions& options) {
                     << " sequence-parallel prefill ranks (--prefill-sp-ranks): give one per rank";
     return 2;
   }
-  if (!options.decode_devices.empty() && options.engine.backend == "cpu") {
-    DUET_LOG(ERROR) << "--decode-devices is for the cuda backend";
+  if ((!options.decode_devices.empty() || !options.prefill_devices.empty()) && options.engine.backend == "cpu") {
+    DUET_LOG(ERROR) << "--decode-devices and --prefill-devices are for the cuda backend";
     return 2;
   }
   const char* serve_visible = getenv("CUDA_VISIBLE_DEVICES");
-  absl::StatusOr<Placement> placement =
-      PlaceWorkers({options.num_prefill_workers, options.num_decode_workers,
-                    sp_ranks > 1 ? options.engine.sequence_parallel.devices : std::vector<int>{},
-                    options.decode_devices, options.engine.gpu_memory_utilization,
-                    serve_visible ? std::optional<std::string>(serve_visible) : std::nullopt});
+  absl::StatusOr<Placement> placement = PlaceWorkers(
+      {.num_prefill_workers = options.num_prefill_workers,
+       .num_decode_workers = options.num_decode_workers,
+       .prefill_group_devices = sp_ranks > 1 ? options.engine.sequence_parallel.devices : std::vector<int>{},
+       .prefill_devices = options.prefill_devices,
+       .decode_devices = options.decode_devices,
+       .gpu_memory_utilization = options.engine.gpu_memory_utilization,
+       .visible_devices = serve_visible ? std::optional<std::string>(serve_visible) : std::nullopt});
   if (!placement.ok()) {
     DUET_LOG(ERROR) << placement.status().message();
     return 2;
@@ -304,13 +307,20 @@ int RunServe(const ServeOptions& options) {
   if (options.prefill_gpu_percent > 0) {
     prefill_env.emplace_back(kMpsActiveThreadPercentageEnv, std::to_string(options.prefill_gpu_percent));
   }
-  std::vector<Subprocess::Environment> decode_envs(size_t(options.num_decode_workers), decode_env);
-  for (size_t i = 0; i < decode_envs.size(); ++i) {
-    if (const auto& visible = placement->decode[i].cuda_visible_devices) {
-      decode_envs[i].emplace_back("CUDA_VISIBLE_DEVICES", *visible);
-      DUET_LOG(INFO) << "decode worker " << i << ": CUDA_VISIBLE_DEVICES=" << *visible;
+  // Each worker's own environment: its role's, and its GPU where placed on one.
+  auto worker_envs = [](const Subprocess::Environment& role_env, const std::vector<WorkerPlacement>& placed,
+                        const char* role) {
+    std::vector<Subprocess::Environment> envs(placed.size(), role_env);
+    for (size_t i = 0; i < envs.size(); ++i) {
+      if (const auto& visible = placed[i].cuda_visible_devices) {
+        envs[i].emplace_back("CUDA_VISIBLE_DEVICES", *visible);
+        DUET_LOG(INFO) << role << " worker " << i << ": CUDA_VISIBLE_DEVICES=" << *visible;
+      }
     }
-  }
+    return envs;
+  };
+  const std::vector<Subprocess::Environment> decode_envs = worker_envs(decode_env, placement->decode, "decode");
+  const std::vector<Subprocess::Environment> prefill_envs = worker_envs(prefill_env, placement->prefill, "prefill");
   const Subprocess::Environment router_env = {{rpc::kInternalTokenEnv, *token}, {kApiKeyEnv, *api_key}};
   const std::string grace = std::to_string(options.shutdown_grace_seconds);
   const std::string log_stats_interval = absl::StrCat(options.log_stats_interval_s);
@@ -351,7 +361,8 @@ int RunServe(const ServeOptions& options) {
       const int metrics_port = options.metrics_port <= 0 ? options.metrics_port
                                                          : options.metrics_port + int(workers.size());
       workers.push_back(std::make_unique<WorkerSlot>(role, i, std::move(argv),
-                                                     decode ? &decode_envs[size_t(i)] : &prefill_env, metrics_port));
+                                                     decode ? &decode_envs[size_t(i)] : &prefill_envs[size_t(i)],
+                                                     metrics_port));
       if (absl::Status started = workers.back()->StartFirst(); !started.ok()) {
         DUET_LOG(ERROR) << started.message();
         stop_workers();

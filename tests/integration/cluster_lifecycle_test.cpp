@@ -142,17 +142,19 @@ std::optional<Clock::duration> FirstSuccessWithin(v1::Duet::Stub& stub, Clock::d
 
 int PortOf(const std::string& address) { return std::atoi(address.substr(address.rfind(':') + 1).c_str()); }
 
-// --decode-devices places decode workers on GPUs: refused on the cpu backend, and a device past
-// serve's own CUDA_VISIBLE_DEVICES is refused (cuda, or auto) before any worker starts
-// (cli/worker_placement.h).
-TEST(ServeTest, DecodeDevicesAreCheckedBeforeAnyWorkerStarts) {
-  for (const auto& [backend, visible] : {std::pair{"cpu", "0,1"}, std::pair{"cuda", "0"}, std::pair{"auto", "0"}}) {
-    absl::StatusOr<std::unique_ptr<Subprocess>> p =
-        Subprocess::Start({testing::DuetBinary(), "serve", "--model", kModel, "--backend", backend, "--grpc-port", "0",
-                           "--http-port", "-1", "--decode-devices", "1"},
-                          {{"CUDA_VISIBLE_DEVICES", visible}});
-    ASSERT_TRUE(p.ok()) << p.status();
-    EXPECT_EQ((*p)->Wait(std::chrono::seconds(30)), 2) << backend;
+// --decode-devices / --prefill-devices place workers on GPUs: refused on the cpu backend, and a
+// device past serve's own CUDA_VISIBLE_DEVICES is refused (cuda, or auto) before any worker
+// starts (cli/worker_placement.h).
+TEST(ServeTest, WorkerDevicesAreCheckedBeforeAnyWorkerStarts) {
+  for (const char* flag : {"--decode-devices", "--prefill-devices"}) {
+    for (const auto& [backend, visible] : {std::pair{"cpu", "0,1"}, std::pair{"cuda", "0"}, std::pair{"auto", "0"}}) {
+      absl::StatusOr<std::unique_ptr<Subprocess>> p =
+          Subprocess::Start({testing::DuetBinary(), "serve", "--model", kModel, "--backend", backend, "--grpc-port",
+                             "0", "--http-port", "-1", flag, "1"},
+                            {{"CUDA_VISIBLE_DEVICES", visible}});
+      ASSERT_TRUE(p.ok()) << p.status();
+      EXPECT_EQ((*p)->Wait(std::chrono::seconds(30)), 2) << flag << " " << backend;
+    }
   }
 }
 
