@@ -95,8 +95,8 @@ struct Serve {
   std::unique_ptr<v1::Duet::Stub> stub;
   std::string error;
 
-  explicit Serve(std::vector<std::string> extra = {}) {
-    std::vector<std::string> argv = {testing::DuetBinary(), "serve", "--model", kModel, "--backend", "cpu",
+  explicit Serve(std::vector<std::string> extra = {}, const std::string& backend = "cpu") {
+    std::vector<std::string> argv = {testing::DuetBinary(), "serve", "--model", kModel, "--backend", backend,
                                      "--grpc-port", "0", "--http-port", "-1"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     absl::StatusOr<std::unique_ptr<Subprocess>> p = Subprocess::Start(argv);
@@ -319,6 +319,30 @@ TEST(ServeSupervisionTest, WorkersGetTheirMpsPriorityAndShare) {
               : c.role() == "decode-worker" ? std::optional<std::string>("45")
                                             : std::nullopt)
         << c.role();
+  }
+}
+
+// --prefill-devices / --decode-devices reach each worker as its CUDA_VISIBLE_DEVICES, its GPU
+// first (backend auto: the cpu one here, where no GPU is visible; the GPU where one is).
+TEST(ServeSupervisionTest, PlacedWorkersGetTheirGpuFirstInTheirEnvironment) {
+  Serve serve({"--prefill-devices", "0", "--decode-devices", "0"}, "auto");
+  ASSERT_TRUE(serve.ok()) << serve.error;
+  const std::vector<Child> children = ChildrenOf(serve.process->pid());
+  ASSERT_EQ(children.size(), 3u);
+  for (const Child& c : children) {
+    std::optional<std::string> visible;
+    for (const std::string& entry : std::vector<std::string>(absl::StrSplit(c.environ, '\0', absl::SkipEmpty()))) {
+      if (entry.rfind("CUDA_VISIBLE_DEVICES=", 0) == 0) visible = entry.substr(std::string("CUDA_VISIBLE_DEVICES=").size());
+    }
+    // Device 0 is the first of the test's own CUDA_VISIBLE_DEVICES when that is set.
+    const char* ours = getenv("CUDA_VISIBLE_DEVICES");
+    if (c.role() == "router") {  // inherits serve's
+      EXPECT_EQ(visible, ours == nullptr ? std::nullopt : std::optional<std::string>(ours));
+    } else {
+      ASSERT_TRUE(visible.has_value()) << c.role();
+      const std::string first = ours == nullptr ? "0" : std::string(ours).substr(0, std::string(ours).find(','));
+      EXPECT_EQ(visible->substr(0, visible->find(',')), first) << c.role() << ": " << *visible;
+    }
   }
 }
 
