@@ -3,19 +3,27 @@
 # it), the bundle's programs and libraries on the path, $MODEL, the GPU's name in $OUT/gpu.txt, and
 # llama8b_checkpoint: the random-weight Llama-3-8B-shaped checkpoint in $MODEL (kept from an earlier
 # run on the machine) with the bundle's Llama-3 tokenizer; the clock sampler of clocks.sh;
-# run_bundled_tests, and finish_out, which the scripts call last.
+# remake_tiny_model; run_bundled_tests, and finish_out, which the scripts call last.
 mkdir -p "$OUT"
 tar -xJf .devcluster/bundle.tar.xz -C /tmp || exit 1
 source /tmp/devbundle/env.sh
 MODEL=/tmp/llama8b
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 source scripts/gpu/clocks.sh
-llama8b_checkpoint() {
+llama8b_checkpoint() {  # [LAYERS (32)] [LONG_CONTEXT (False): Llama-3.1's RoPE scaling, 131,072 positions]
   [[ -f $MODEL/config.json ]] || python3 -c "
 import sys; sys.path.insert(0, 'scripts/gpu')
 from hf_reference import make_checkpoint
-make_checkpoint('$MODEL', 32)" 2>&1 | grep -v Warning | tail -2
+make_checkpoint('$MODEL', ${1:-32}, long_context=${2:-False})" 2>&1 | grep -v Warning | tail -2
   cp /tmp/devbundle/tokenizer.json /tmp/devbundle/tokenizer_config.json "$MODEL/"
+}
+# Where the tiny model's weights did not travel (the carry limit), remade at random from its config;
+# returns 0 if it remade them (the tests against the stored Hugging Face reference then do not apply).
+remake_tiny_model() {
+  ls models/tiny-code-llama/*.safetensors > /dev/null 2>&1 && return 1
+  echo "== tiny model: random weights from its config"
+  python3 scripts/gpu/random_tiny_model.py models/tiny-code-llama/config.json models/tiny-code-llama 2>&1 |
+    grep -v Warning | tail -2
 }
 # The router's gRPC port once `duet serve` (pid PID, stdout in SERVE_OUT) is ready; nothing if it
 # exited or took more than SECONDS (default 240).
@@ -42,12 +50,7 @@ run_bundled_tests() {
     checkpoint_pid=$!
   fi
   export DUET_MODELS_DIR=$PWD/models NCCL_NVLS_ENABLE=0
-  if ! ls models/tiny-code-llama/*.safetensors > /dev/null 2>&1; then
-    echo "== tiny model: random weights from its config"
-    python3 scripts/gpu/random_tiny_model.py models/tiny-code-llama/config.json models/tiny-code-llama 2>&1 |
-      grep -v Warning | tail -2
-    exclude="*HuggingFace*:$exclude"
-  fi
+  remake_tiny_model && exclude="*HuggingFace*:$exclude"
   filter=${TEST_FILTER:--$exclude}
   for run in 1 2; do
     for t in $TESTS; do

@@ -44,19 +44,12 @@ if [[ ! -f $MODEL/config.json && -f /tmp/llama8b/config.json && ${LAYERS:-32} ==
     python3 -c "import sys; sys.path.insert(0, 'scripts/gpu'); from hf_reference import make_long_context
 make_long_context('$MODEL/config.json')" && echo "linked /tmp/llama8b's weights"
 fi
-[[ -f $MODEL/config.json ]] || python3 -c "
-import sys; sys.path.insert(0, 'scripts/gpu')
-from hf_reference import make_checkpoint
-make_checkpoint('$MODEL', ${LAYERS:-32}, long_context=True)" 2>&1 | grep -v Warning | tail -2
-cp /tmp/devbundle/tokenizer.json /tmp/devbundle/tokenizer_config.json "$MODEL/"
+llama8b_checkpoint "${LAYERS:-32}" True
 
 if [[ -z $RANKS ]]; then
   echo "one GPU: nothing to scale (h200_sp.sh measures virtual ranks); the cluster's dry run only"
 else
-  if ! ls models/tiny-code-llama/*.safetensors > /dev/null 2>&1; then
-    python3 scripts/gpu/random_tiny_model.py models/tiny-code-llama/config.json models/tiny-code-llama 2>&1 |
-      grep -v Warning | tail -2
-  fi
+  remake_tiny_model
   export DUET_MODELS_DIR=$PWD/models
   echo "== group tests on $GPUS GPUs"
   for bin in ring_transport_tests llama_cuda_tests; do

@@ -54,6 +54,12 @@ struct Child {
     }
     return "";
   }
+  std::optional<std::string> Env(const std::string& name) const {
+    for (const std::string& entry : std::vector<std::string>(absl::StrSplit(environ, '\0', absl::SkipEmpty()))) {
+      if (entry.rfind(name + "=", 0) == 0) return entry.substr(name.size() + 1);
+    }
+    return std::nullopt;
+  }
 };
 
 std::vector<Child> ChildrenOf(pid_t parent) {
@@ -302,19 +308,13 @@ TEST(ServeSupervisionTest, InternalTokenFileIsTheClustersToken) {
 TEST(ServeSupervisionTest, WorkersGetTheirMpsPriorityAndShare) {
   Serve serve({"--prefill-gpu-percent", "70", "--decode-gpu-percent", "45"});
   ASSERT_TRUE(serve.ok()) << serve.error;
-  auto env_of = [](const Child& c, const std::string& name) -> std::optional<std::string> {
-    for (const std::string& entry : std::vector<std::string>(absl::StrSplit(c.environ, '\0', absl::SkipEmpty()))) {
-      if (entry.rfind(name + "=", 0) == 0) return entry.substr(name.size() + 1);
-    }
-    return std::nullopt;
-  };
   const std::vector<Child> children = ChildrenOf(serve.process->pid());
   ASSERT_EQ(children.size(), 3u);
   for (const Child& c : children) {
     const bool prefill = c.role() == "prefill-worker";
-    EXPECT_EQ(env_of(c, "CUDA_MPS_CLIENT_PRIORITY"), prefill ? std::optional<std::string>("1") : std::nullopt)
+    EXPECT_EQ(c.Env("CUDA_MPS_CLIENT_PRIORITY"), prefill ? std::optional<std::string>("1") : std::nullopt)
         << c.role();
-    EXPECT_EQ(env_of(c, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+    EXPECT_EQ(c.Env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
               prefill                        ? std::optional<std::string>("70")
               : c.role() == "decode-worker" ? std::optional<std::string>("45")
                                             : std::nullopt)
@@ -330,10 +330,7 @@ TEST(ServeSupervisionTest, PlacedWorkersGetTheirGpuFirstInTheirEnvironment) {
   const std::vector<Child> children = ChildrenOf(serve.process->pid());
   ASSERT_EQ(children.size(), 3u);
   for (const Child& c : children) {
-    std::optional<std::string> visible;
-    for (const std::string& entry : std::vector<std::string>(absl::StrSplit(c.environ, '\0', absl::SkipEmpty()))) {
-      if (entry.rfind("CUDA_VISIBLE_DEVICES=", 0) == 0) visible = entry.substr(std::string("CUDA_VISIBLE_DEVICES=").size());
-    }
+    const std::optional<std::string> visible = c.Env("CUDA_VISIBLE_DEVICES");
     // Device 0 is the first of the test's own CUDA_VISIBLE_DEVICES when that is set.
     const char* ours = getenv("CUDA_VISIBLE_DEVICES");
     if (c.role() == "router") {  // inherits serve's
