@@ -4,9 +4,7 @@
 // whose values equal what the test's requests generated.
 #include <netinet/in.h>
 #include <signal.h>
-#include <stdio.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cctype>
@@ -27,6 +25,7 @@
 #include "common/subprocess.h"
 #include "gtest/gtest.h"
 #include "metrics/test_prometheus_server.h"
+#include "metrics/test_promtool.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/local_cluster.h"
 
@@ -37,11 +36,8 @@ using testing::ClusterOptions;
 using testing::LocalCluster;
 using testing::RunGenerate;
 using testing::StreamResult;
+using metrics::testing::ExpectPromtoolAccepts;
 using metrics::testing::PrometheusServer;
-
-constexpr const char* kPromtool = "/usr/bin/promtool";
-constexpr const char* kIterationTokensLint =
-    "duet:iteration_tokens_total non-counter metrics should not have \"_total\" suffix";
 
 std::string Scrape(int port) {
   metrics::testing::HttpResponse r = metrics::testing::HttpGet(uint16_t(port), "/metrics", std::chrono::seconds(5));
@@ -61,62 +57,6 @@ double SampleValue(const std::string& text, const std::string& series) {
 // `extra` labels (",finished_reason=\"length\"") come after model_name and role, as registered.
 std::string Series(const std::string& name, const std::string& role, const std::string& extra = "") {
   return absl::StrCat(name, "{model_name=\"tiny-code-llama\",role=\"", role, "\"", extra, "}");
-}
-
-struct CommandResult {
-  int exit_code = -1;
-  std::string output;
-};
-
-CommandResult RunShell(const std::string& command) {
-  CommandResult result;
-  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return result;
-  char buffer[4096];
-  size_t n;
-  while ((n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) result.output.append(buffer, n);
-  const int status = ::pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
-}
-
-// promtool check metrics on one exposition: it exits 3 (lint problems) and every line it prints
-// is the one lint every vLLM-style name draws ("metric names should not contain ':'", see
-// metrics/README.md), or the one vLLM's histogram iteration_tokens_total draws for its "_total":
-// no parse error (exit 1) and no other lint. With "duet:" spelled "duet_" the router's text must
-// pass clean (exit 0, no output) and a worker's draw only the iteration_tokens_total lint.
-void ExpectPromtoolAccepts(const std::string& what, const std::string& text, const std::filesystem::path& dir) {
-  ASSERT_FALSE(text.empty()) << what << ": empty /metrics";
-  const std::filesystem::path real = dir / (what + ".prom");
-  std::ofstream(real) << text;
-  CommandResult r = RunShell(absl::StrCat(kPromtool, " check metrics < ", real.string()));
-  std::printf("promtool check metrics (%s, %zu bytes): exit %d\n", what.c_str(), text.size(), r.exit_code);
-  EXPECT_EQ(r.exit_code, 3) << what << ": " << r.output;
-  std::istringstream lines(r.output);
-  int complaints = 0;
-  for (std::string line; std::getline(lines, line);) {
-    ++complaints;
-    if (line == kIterationTokensLint) continue;
-    const std::string expected = "metric names should not contain ':'";
-    EXPECT_TRUE(line.size() >= expected.size() && line.compare(line.size() - expected.size(), expected.size(),
-                                                               expected) == 0)
-        << what << ": " << line;
-  }
-  EXPECT_GT(complaints, 0) << what;  // promtool really read the families
-
-  std::string underscored = text;
-  for (size_t pos = 0; (pos = underscored.find("duet:", pos)) != std::string::npos;) underscored.replace(pos, 5, "duet_");
-  const std::filesystem::path clean_path = dir / (what + "_underscored.prom");
-  std::ofstream(clean_path) << underscored;
-  CommandResult clean = RunShell(absl::StrCat(kPromtool, " check metrics < ", clean_path.string()));
-  std::printf("promtool check metrics (%s, duet_ names): exit %d '%s'\n", what.c_str(), clean.exit_code,
-              clean.output.c_str());
-  // A worker's text draws one more lint: vLLM's iteration_tokens_total is a histogram with a
-  // counter's suffix.
-  const bool worker = text.find("duet:iteration_tokens_total") != std::string::npos;
-  EXPECT_EQ(clean.exit_code, worker ? 3 : 0) << what << ": " << clean.output;
-  EXPECT_EQ(clean.output, worker ? "duet_iteration_tokens_total non-counter metrics should not have \"_total\" suffix\n" : "")
-      << what;
 }
 
 // The PromQL instant query's single value ("" when there is none, or several), evaluated now or
@@ -254,7 +194,7 @@ TEST(MetricsClusterTest, PromtoolAndARealPrometheusAgreeWithTheTokensGenerated) 
   ASSERT_NE(::mkdtemp(dir_template), nullptr);
   const std::filesystem::path dir = dir_template;
 
-  if (::access(kPromtool, X_OK) == 0) {
+  if (metrics::testing::PromtoolInstalled()) {
     ExpectPromtoolAccepts("router", router_text, dir);
     ExpectPromtoolAccepts("prefill", prefill_text, dir);
     ExpectPromtoolAccepts("decode", decode_text, dir);
