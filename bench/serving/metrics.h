@@ -69,8 +69,9 @@ struct BenchmarkMetrics {
   double total_token_throughput = 0;   // (input + output) tokens / s
   double max_output_tokens_per_s = 0;  // the peaks, above
   int max_concurrent_requests = 0;
-  // The steady window (above) and its output tokens per second; both 0 when the window is empty
-  // (the last request was sent before the first one ended).
+  // The steady window (above) and its output tokens per second; both 0 when there is none: the
+  // last request was sent before the first one ended, or the window is shorter than the median
+  // request (a fragment of the loop, as one stream's gap between a request's end and the next send).
   double steady_window_s = 0;
   double steady_output_throughput = 0;
   LatencyStats ttft, tpot, itl, e2el;  // ms

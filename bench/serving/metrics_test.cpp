@@ -74,12 +74,29 @@ TEST(ComputeMetrics, SteadyThroughputFromTheFirstEndToTheLastSend) {
   // A chunk's tokens count as one chunk's (gRPC streams carry several).
   RequestResult chunky = request(0);
   chunky.chunk_tokens = {1, 1, 1, 5};  // 5 at 1.0
-  EXPECT_DOUBLE_EQ(ComputeMetrics({chunky, request(0.5), request(1.5)}, 2.5, {}).steady_output_throughput,
-                   (5 + 3) / 0.5);  // [1.0, 1.5]: the 5 at 1.0, and the 0.5 request's at 1.0, 1.25, 1.5
+  EXPECT_DOUBLE_EQ(ComputeMetrics({chunky, request(0.5), request(2.0)}, 3.0, {}).steady_output_throughput,
+                   5 + 3);  // [1.0, 2.0]: the 5 at 1.0, and the 0.5 request's at 1.0, 1.25, 1.5
   // Every request sent before the first one ended: no window.
   const BenchmarkMetrics burst = ComputeMetrics({request(0), request(0.5)}, 1.5, {});
   EXPECT_EQ(burst.steady_window_s, 0);
   EXPECT_EQ(burst.steady_output_throughput, 0);
+}
+
+// One stream, two requests: the window from the first's end to the second's send is the gap
+// between them, shorter than a request, and its tokens (the first's last chunk) over that gap
+// are no rate. As short a window in a longer loop is none either; one as long as the median
+// request is kept.
+TEST(ComputeMetrics, SteadyWindowShorterThanTheMedianRequestIsNone) {
+  auto request = [](double start) {
+    RequestResult r = Ok({0.25, 0.5, 0.75, 1.0}, 4, 1.0);
+    r.start_time = start;
+    return r;
+  };
+  const BenchmarkMetrics one_stream = ComputeMetrics({request(0), request(1.001)}, 2.001, {});
+  EXPECT_EQ(one_stream.steady_window_s, 0);
+  EXPECT_EQ(one_stream.steady_output_throughput, 0);
+  EXPECT_EQ(ComputeMetrics({request(0), request(0.2), request(1.9)}, 2.9, {}).steady_window_s, 0);  // 0.9 < 1.0
+  EXPECT_DOUBLE_EQ(ComputeMetrics({request(0), request(0.2), request(2.0)}, 3.0, {}).steady_window_s, 1.0);
 }
 
 TEST(ParsePercentiles, MetricsAndPercentiles) {
