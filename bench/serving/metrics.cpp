@@ -83,22 +83,17 @@ struct SteadyWindow {
   double seconds = 0, output_tokens_per_s = 0;
 };
 // Output tokens (a chunk's at its arrival) from the first successful request's end to the last
-// send of any request, over that window's length. A window shorter than the median request holds
-// a fragment of the loop, not a steady state (one stream: the gap between a request's end and the
-// next send), so it counts as none.
-SteadyWindow SteadyOutputThroughput(const std::vector<RequestResult>& results) {
+// send of any request, over that window's length. A window shorter than the median request
+// (`median_latency_s`) holds a fragment of the loop, not a steady state (one stream: the gap
+// between a request's end and the next send), so it counts as none.
+SteadyWindow SteadyOutputThroughput(const std::vector<RequestResult>& results, double median_latency_s) {
   double first_end = std::numeric_limits<double>::infinity();
   double last_send = -std::numeric_limits<double>::infinity();
-  std::vector<double> latencies;
   for (const RequestResult& r : results) {
     last_send = std::max(last_send, r.start_time);
-    if (!r.success) continue;
-    first_end = std::min(first_end, r.start_time + r.latency);
-    latencies.push_back(r.latency);
+    if (r.success) first_end = std::min(first_end, r.start_time + r.latency);
   }
-  if (!(last_send > first_end)) return {};
-  std::nth_element(latencies.begin(), latencies.begin() + latencies.size() / 2, latencies.end());
-  if (last_send - first_end < latencies[latencies.size() / 2]) return {};
+  if (!(last_send > first_end) || last_send - first_end < median_latency_s) return {};
   double tokens = 0;
   for (const RequestResult& r : results) {
     if (!r.success) continue;
@@ -183,7 +178,7 @@ BenchmarkMetrics ComputeMetrics(const std::vector<RequestResult>& results, doubl
   if (m.completed > 0) {
     m.max_output_tokens_per_s = PeakOutputTokensPerSecond(results, first_start);
     m.max_concurrent_requests = PeakConcurrency(results);
-    const SteadyWindow steady = SteadyOutputThroughput(results);
+    const SteadyWindow steady = SteadyOutputThroughput(results, m.e2el.median / 1e3);
     m.steady_window_s = steady.seconds;
     m.steady_output_throughput = steady.output_tokens_per_s;
   }

@@ -57,27 +57,29 @@ TEST(ComputeMetrics, PeakTokensPerSecondAndConcurrency) {
   EXPECT_EQ(ComputeMetrics({failed}, 1.0, {}).max_concurrent_requests, 0);
 }
 
+// A request sent at `start` that takes 1 s, a token at every 0.25 s.
+RequestResult SentAt(double start) {
+  RequestResult r = Ok({0.25, 0.5, 0.75, 1.0}, 4, 1.0);
+  r.start_time = start;
+  return r;
+}
+
 // The steady window runs from the first request's end to the last send: a closed loop of two
 // streams, each request 1 s long with a token at every 0.25 s, the last one sent at 2.0.
 TEST(ComputeMetrics, SteadyThroughputFromTheFirstEndToTheLastSend) {
-  auto request = [](double start) {
-    RequestResult r = Ok({0.25, 0.5, 0.75, 1.0}, 4, 1.0);
-    r.start_time = start;
-    return r;
-  };
   // Stream 1 sends at 0, 1, 2; stream 2 (its prompt later: the ramp) at 0.5, 1.5.
-  const BenchmarkMetrics m = ComputeMetrics({request(0), request(1), request(2), request(0.5), request(1.5)}, 3.0, {});
+  const BenchmarkMetrics m = ComputeMetrics({SentAt(0), SentAt(1), SentAt(2), SentAt(0.5), SentAt(1.5)}, 3.0, {});
   EXPECT_DOUBLE_EQ(m.steady_window_s, 1.0);  // [1.0, 2.0]
   // Tokens in [1.0, 2.0]: stream 1's at 1.0 (its first request) and 1.25 to 2.0 (its second: 4);
   // stream 2's at 1.0, 1.25, 1.5 (its first) and 1.75, 2.0 (its second).
   EXPECT_DOUBLE_EQ(m.steady_output_throughput, 10);
   // A chunk's tokens count as one chunk's (gRPC streams carry several).
-  RequestResult chunky = request(0);
+  RequestResult chunky = SentAt(0);
   chunky.chunk_tokens = {1, 1, 1, 5};  // 5 at 1.0
-  EXPECT_DOUBLE_EQ(ComputeMetrics({chunky, request(0.5), request(2.0)}, 3.0, {}).steady_output_throughput,
+  EXPECT_DOUBLE_EQ(ComputeMetrics({chunky, SentAt(0.5), SentAt(2.0)}, 3.0, {}).steady_output_throughput,
                    5 + 3);  // [1.0, 2.0]: the 5 at 1.0, and the 0.5 request's at 1.0, 1.25, 1.5
   // Every request sent before the first one ended: no window.
-  const BenchmarkMetrics burst = ComputeMetrics({request(0), request(0.5)}, 1.5, {});
+  const BenchmarkMetrics burst = ComputeMetrics({SentAt(0), SentAt(0.5)}, 1.5, {});
   EXPECT_EQ(burst.steady_window_s, 0);
   EXPECT_EQ(burst.steady_output_throughput, 0);
 }
@@ -87,16 +89,11 @@ TEST(ComputeMetrics, SteadyThroughputFromTheFirstEndToTheLastSend) {
 // are no rate. As short a window in a longer loop is none either; one as long as the median
 // request is kept.
 TEST(ComputeMetrics, SteadyWindowShorterThanTheMedianRequestIsNone) {
-  auto request = [](double start) {
-    RequestResult r = Ok({0.25, 0.5, 0.75, 1.0}, 4, 1.0);
-    r.start_time = start;
-    return r;
-  };
-  const BenchmarkMetrics one_stream = ComputeMetrics({request(0), request(1.001)}, 2.001, {});
+  const BenchmarkMetrics one_stream = ComputeMetrics({SentAt(0), SentAt(1.001)}, 2.001, {});
   EXPECT_EQ(one_stream.steady_window_s, 0);
   EXPECT_EQ(one_stream.steady_output_throughput, 0);
-  EXPECT_EQ(ComputeMetrics({request(0), request(0.2), request(1.9)}, 2.9, {}).steady_window_s, 0);  // 0.9 < 1.0
-  EXPECT_DOUBLE_EQ(ComputeMetrics({request(0), request(0.2), request(2.0)}, 3.0, {}).steady_window_s, 1.0);
+  EXPECT_EQ(ComputeMetrics({SentAt(0), SentAt(0.2), SentAt(1.9)}, 2.9, {}).steady_window_s, 0);  // 0.9 < 1.0
+  EXPECT_DOUBLE_EQ(ComputeMetrics({SentAt(0), SentAt(0.2), SentAt(2.0)}, 3.0, {}).steady_window_s, 1.0);
 }
 
 TEST(ParsePercentiles, MetricsAndPercentiles) {
