@@ -104,38 +104,38 @@ absl::Status GetTokenIds(const Json& v, const char* field, std::vector<int32_t>*
   return absl::OkStatus();
 }
 
+// The sampling fields read as numbers (their ranges are the engine's rules: ValidateSampling).
+struct FloatSamplingField {
+  const char* name;
+  void (*set)(v1::SamplingOptions&, float);
+};
+constexpr FloatSamplingField kFloatSamplingFields[] = {
+    {"temperature", [](v1::SamplingOptions& s, float v) { s.set_temperature(v); }},
+    {"top_p", [](v1::SamplingOptions& s, float v) { s.set_top_p(v); }},
+    {"min_p", [](v1::SamplingOptions& s, float v) { s.set_min_p(v); }},
+    {"presence_penalty", [](v1::SamplingOptions& s, float v) { s.set_presence_penalty(v); }},
+    {"frequency_penalty", [](v1::SamplingOptions& s, float v) { s.set_frequency_penalty(v); }},
+    {"repetition_penalty", [](v1::SamplingOptions& s, float v) { s.set_repetition_penalty(v); }},
+};
+
 // The sampling fields, n and seed, onto out->sampling, out->n and out->seed.
 absl::Status ParseSampling(const Json& j, const ProtocolContext& context, ParsedRequest* out) {
   v1::SamplingOptions& s = out->sampling;
   std::optional<int64_t> i;
-  std::optional<double> d;
   const int64_t max_int32 = std::numeric_limits<int32_t>::max();
   for (const char* field : {"max_tokens", "max_completion_tokens"}) {
     i.reset();
     DUET_RETURN_IF_ERROR(GetInt(j, field, 1, max_int32, &i));
     if (i) s.set_max_tokens(static_cast<int32_t>(*i));
   }
-  d.reset();
-  DUET_RETURN_IF_ERROR(GetNumber(j, "temperature", &d));
-  if (d) s.set_temperature(static_cast<float>(*d));
-  d.reset();
-  DUET_RETURN_IF_ERROR(GetNumber(j, "top_p", &d));
-  if (d) s.set_top_p(static_cast<float>(*d));
   i.reset();
   DUET_RETURN_IF_ERROR(GetInt(j, "top_k", -1, max_int32, &i));
   if (i) s.set_top_k(static_cast<int32_t>(*i));
-  d.reset();
-  DUET_RETURN_IF_ERROR(GetNumber(j, "min_p", &d));
-  if (d) s.set_min_p(static_cast<float>(*d));
-  d.reset();
-  DUET_RETURN_IF_ERROR(GetNumber(j, "presence_penalty", &d));
-  if (d) s.set_presence_penalty(static_cast<float>(*d));
-  d.reset();
-  DUET_RETURN_IF_ERROR(GetNumber(j, "frequency_penalty", &d));
-  if (d) s.set_frequency_penalty(static_cast<float>(*d));
-  d.reset();
-  DUET_RETURN_IF_ERROR(GetNumber(j, "repetition_penalty", &d));
-  if (d) s.set_repetition_penalty(static_cast<float>(*d));
+  for (const FloatSamplingField& field : kFloatSamplingFields) {
+    std::optional<double> d;
+    DUET_RETURN_IF_ERROR(GetNumber(j, field.name, &d));
+    if (d) field.set(s, static_cast<float>(*d));
+  }
   i.reset();
   DUET_RETURN_IF_ERROR(
       GetInt(j, "seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(), &i));
