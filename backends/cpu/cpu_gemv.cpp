@@ -1,8 +1,10 @@
 #include "backends/cpu/cpu_gemv.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <new>
+#include <type_traits>
 
 #include "backends/cpu/cpu_simd.h"
 #include "common/check.h"
@@ -20,15 +22,21 @@ constexpr int64_t kBlockK = 256;     // a panel's 256 × 16 slice (16 KiB) stays
 constexpr int64_t kBlockRows = 192;  // those 256 columns of the block's x rows (192 KiB) stay in L2
 
 // y[r, 0..16) for the tile's kRows rows (y's rows ldy apart), each chain taken over the next kc
-// columns: x's rows ldx apart from the first of them, `panel` the packed rows from there on.
-// `from_zero`: the chains start here (else they continue from y).
-using TileFn = void (*)(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy,
+// columns: x's rows ldx apart from the first of them, `panel` the packed rows from there on (W:
+// float, or uint16_t for bfloat16 bits). `from_zero`: the chains start here (else they continue
+// from y).
+template <typename W>
+using TileFn = void (*)(const float* x, int64_t ldx, const W* panel, int64_t kc, float* y, int64_t ldy,
                         bool from_zero);
+
+// The float32 a packed weight stands for (a bfloat16 is the upper half of its float32).
+inline float Widen(float w) { return w; }
+inline float Widen(uint16_t w) { return std::bit_cast<float>(uint32_t{w} << 16); }
 
 // std::fma is one instruction where the CPU has FMA (aarch64, x86 with FMA); on an x86 CPU
 // without it, it is emulated: slow, but the same bits as the AVX2 kernel.
-template <int kRows>
-void PortableTile(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy,
+template <typename W, int kRows>
+void PortableTile(const float* x, int64_t ldx, const W* panel, int64_t kc, float* y, int64_t ldy,
                   bool from_zero) {
   float acc[kRows][kPanel];
   for (int r = 0; r < kRows; ++r) {
@@ -36,19 +44,36 @@ void PortableTile(const float* x, int64_t ldx, const float* panel, int64_t kc, f
   }
   for (int64_t c = 0; c < kc; ++c) {
     for (int r = 0; r < kRows; ++r) {
-      for (int64_t l = 0; l < kPanel; ++l) acc[r][l] = std::fma(x[r * ldx + c], panel[c * kPanel + l], acc[r][l]);
+      for (int64_t l = 0; l < kPanel; ++l) {
+        acc[r][l] = std::fma(x[r * ldx + c], Widen(panel[c * kPanel + l]), acc[r][l]);
+      }
     }
   }
   for (int r = 0; r < kRows; ++r) std::copy_n(acc[r], kPanel, y + r * ldy);
 }
 
-constexpr TileFn kPortableTiles[kTileRows + 1] = {nullptr,         PortableTile<1>, PortableTile<2>, PortableTile<3>,
-                                                  PortableTile<4>, PortableTile<5>, PortableTile<6>};
+template <typename W>
+constexpr TileFn<W> kPortableTiles[kTileRows + 1] = {nullptr,           PortableTile<W, 1>, PortableTile<W, 2>,
+                                                     PortableTile<W, 3>, PortableTile<W, 4>, PortableTile<W, 5>,
+                                                     PortableTile<W, 6>};
 
 #if defined(__x86_64__)
 
-template <int kRows>
-__attribute__((target("avx2,fma"))) void Avx2Tile(const float* x, int64_t ldx, const float* panel, int64_t kc,
+// Column c's 16 weights as two vectors of 8 floats.
+__attribute__((target("avx2,fma"))) inline void LoadColumn(const float* column, __m256& w0, __m256& w1) {
+  w0 = _mm256_load_ps(column);
+  w1 = _mm256_load_ps(column + 8);
+}
+__attribute__((target("avx2,fma"))) inline void LoadColumn(const uint16_t* column, __m256& w0, __m256& w1) {
+  // Zero-extended to 32 bits and shifted into the upper half: the float32 each bfloat16 is.
+  const __m256i lo = _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(column)));
+  const __m256i hi = _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(column + 8)));
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+  w1 = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+}
+
+template <typename W, int kRows>
+__attribute__((target("avx2,fma"))) void Avx2Tile(const float* x, int64_t ldx, const W* panel, int64_t kc,
                                                   float* y, int64_t ldy, bool from_zero) {
   // The fixed-trip loops must unroll (at -O2 too) so the accumulators live in registers.
   __m256 acc[kRows][2];
@@ -58,7 +83,8 @@ __attribute__((target("avx2,fma"))) void Avx2Tile(const float* x, int64_t ldx, c
     acc[r][1] = from_zero ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * ldy + 8);
   }
   for (int64_t c = 0; c < kc; ++c) {
-    const __m256 w0 = _mm256_load_ps(panel + c * kPanel), w1 = _mm256_load_ps(panel + c * kPanel + 8);
+    __m256 w0, w1;
+    LoadColumn(panel + c * kPanel, w0, w1);
 #pragma GCC unroll 6
     for (int r = 0; r < kRows; ++r) {
       const __m256 xr = _mm256_broadcast_ss(x + r * ldx + c);
@@ -73,14 +99,54 @@ __attribute__((target("avx2,fma"))) void Avx2Tile(const float* x, int64_t ldx, c
   }
 }
 
-constexpr TileFn kAvx2Tiles[kTileRows + 1] = {nullptr,     Avx2Tile<1>, Avx2Tile<2>, Avx2Tile<3>,
-                                              Avx2Tile<4>, Avx2Tile<5>, Avx2Tile<6>};
+// A step of one or two rows: a tile's 2 or 4 chains cannot hide the FMA latency (4 cycles, 2
+// units: 8 chains in flight), so this tile takes kPanels whole panels at once, each chain still
+// running through every column in order from zero. `panel` is the first panel, the others
+// `panel_stride` values apart; y's 16 · kPanels columns are contiguous.
+template <typename W, int kRows, int kPanels>
+__attribute__((target("avx2,fma"))) void Avx2WideTile(const float* x, int64_t ldx, const W* panel,
+                                                      int64_t panel_stride, int64_t k, float* y, int64_t ldy) {
+  __m256 acc[kRows][kPanels][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 8
+    for (int q = 0; q < kPanels; ++q) acc[r][q][0] = acc[r][q][1] = _mm256_setzero_ps();
+  }
+  for (int64_t c = 0; c < k; ++c) {
+    __m256 xr[kRows];
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) xr[r] = _mm256_broadcast_ss(x + r * ldx + c);
+#pragma GCC unroll 8
+    for (int q = 0; q < kPanels; ++q) {
+      __m256 w0, w1;
+      LoadColumn(panel + q * panel_stride + c * kPanel, w0, w1);
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) {
+        acc[r][q][0] = _mm256_fmadd_ps(xr[r], w0, acc[r][q][0]);
+        acc[r][q][1] = _mm256_fmadd_ps(xr[r], w1, acc[r][q][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 8
+    for (int q = 0; q < kPanels; ++q) {
+      _mm256_storeu_ps(y + r * ldy + q * kPanel, acc[r][q][0]);
+      _mm256_storeu_ps(y + r * ldy + q * kPanel + 8, acc[r][q][1]);
+    }
+  }
+}
+
+template <typename W>
+constexpr TileFn<W> kAvx2Tiles[kTileRows + 1] = {nullptr,        Avx2Tile<W, 1>, Avx2Tile<W, 2>, Avx2Tile<W, 3>,
+                                                 Avx2Tile<W, 4>, Avx2Tile<W, 5>, Avx2Tile<W, 6>};
 
 #endif  // __x86_64__
 
 // A tile of `rows` (≤ kTileRows) rows whose panel has `cols` of its 16 features in y: the last
 // panel's tile goes through a 16-wide copy.
-void RunTile(const TileFn* tiles, const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy,
+template <typename W>
+void RunTile(const TileFn<W>* tiles, const float* x, int64_t ldx, const W* panel, int64_t kc, float* y, int64_t ldy,
              int64_t rows, int64_t cols, bool from_zero) {
   if (cols == kPanel) {
     tiles[rows](x, ldx, panel, kc, y, ldy, from_zero);
@@ -92,11 +158,53 @@ void RunTile(const TileFn* tiles, const float* x, int64_t ldx, const float* pane
   for (int64_t r = 0; r < rows; ++r) std::copy_n(tile[r], cols, y + r * ldy);
 }
 
+bool UseAvx2() {
+#if defined(__x86_64__)
+  return CpuHasAvx2Fma();
+#else
+  return false;
+#endif
+}
+
+template <typename W>
+const TileFn<W>* Tiles(bool avx2) {
+#if defined(__x86_64__)
+  if (avx2) return kAvx2Tiles<W>;
+#endif
+  return kPortableTiles<W>;
+}
+
+#if defined(__x86_64__)
+// A product of one or two rows over whole panels from `begin`, several panels a tile
+// (Avx2WideTile): 4 at one row, 3 at two (8 and 12 chains; three rows by two panels measured
+// slower than one panel: its 17 live vectors spill). Returns the first panel not done.
+template <typename W>
+int64_t WidePanels(const float* x, const PackedWeights& w, float* y, int64_t rows, int64_t begin, int64_t end) {
+  const int64_t n = w.n(), k = w.k(), stride = k * kPanel;
+  const int64_t whole_end = std::min(end, n / kPanel);  // panels with all 16 features
+  const int64_t width = rows == 1 ? 4 : 3;
+  int64_t p = begin;
+  for (; p + width <= whole_end; p += width) {
+    if (rows == 1) {
+      Avx2WideTile<W, 1, 4>(x, k, w.panel<W>(p), stride, k, y + p * kPanel, n);
+    } else {
+      Avx2WideTile<W, 2, 3>(x, k, w.panel<W>(p), stride, k, y + p * kPanel, n);
+    }
+  }
+  return p;
+}
+#endif
+
 // Panels [begin, end) of y[rows, n]: the rows in blocks of kBlockRows, each block's columns in
-// slices of kBlockK, each slice swept over the panels tile by tile.
-void Panels(const TileFn* tiles, const float* x, const PackedWeights& w, float* y, int64_t rows, int64_t begin,
-            int64_t end) {
+// slices of kBlockK, each slice swept over the panels tile by tile (at one or two rows, on AVX2,
+// several panels a tile).
+template <typename W>
+void Panels(bool avx2, const float* x, const PackedWeights& w, float* y, int64_t rows, int64_t begin, int64_t end) {
+  const TileFn<W>* tiles = Tiles<W>(avx2);
   const int64_t n = w.n(), k = w.k();
+#if defined(__x86_64__)
+  if (avx2 && rows >= 1 && rows <= 2) begin = WidePanels<W>(x, w, y, rows, begin, end);
+#endif
   // One tile of rows reuses no slice of a panel: its chains run through k in one go.
   const int64_t block_k = rows <= kTileRows ? k : kBlockK;
   for (int64_t r0 = 0; r0 < rows; r0 += kBlockRows) {
@@ -106,7 +214,7 @@ void Panels(const TileFn* tiles, const float* x, const PackedWeights& w, float* 
       for (int64_t p = begin; p < end; ++p) {
         const int64_t cols = std::min(kPanel, n - p * kPanel);
         for (int64_t r = r0; r < r1; r += kTileRows) {
-          RunTile(tiles, x + r * k + c0, k, w.panel(p) + c0 * kPanel, kc, y + r * n + p * kPanel, n,
+          RunTile(tiles, x + r * k + c0, k, w.panel<W>(p) + c0 * kPanel, kc, y + r * n + p * kPanel, n,
                   std::min(kTileRows, r1 - r), cols, c0 == 0);
         }
       }
@@ -114,58 +222,91 @@ void Panels(const TileFn* tiles, const float* x, const PackedWeights& w, float* 
   }
 }
 
-const TileFn* Tiles() {
-#if defined(__x86_64__)
-  if (CpuHasAvx2Fma()) return kAvx2Tiles;
-#endif
-  return kPortableTiles;
+// Panels [begin, end) of w's product, by the kernel for its storage.
+void PanelsOf(bool avx2, const float* x, const PackedWeights& w, float* y, int64_t rows, int64_t begin, int64_t end) {
+  if (w.storage() == PackedWeights::Storage::kBFloat16) {
+    Panels<uint16_t>(avx2, x, w, y, rows, begin, end);
+  } else {
+    Panels<float>(avx2, x, w, y, rows, begin, end);
+  }
 }
 
-}  // namespace
+// Whether every value is a bfloat16 (its float32's lower 16 bits are zero).
+bool AllBFloat16(const float* w, int64_t size) {
+  for (int64_t i = 0; i < size; ++i) {
+    if ((std::bit_cast<uint32_t>(w[i]) & 0xffffu) != 0) return false;
+  }
+  return true;
+}
 
-PackedWeights::PackedWeights(const float* w, int64_t n, int64_t k) : n_(n), k_(k) {
-  DUET_CHECK(n >= 1 && k >= 1);
-  const int64_t size = num_panels() * k * kPanel;  // a multiple of 16 floats: whole cache lines
-  data_.reset(static_cast<float*>(::operator new[](size_t(size) * sizeof(float), kAlignment)));
-  float* out = data_.get();
-  for (int64_t p = 0; p < num_panels(); ++p) {
+// w[n, k] into panels of T (the value's float32 or its upper 16 bits), zeros past n.
+template <typename T>
+void Pack(const float* w, int64_t n, int64_t k, int64_t num_panels, T* out) {
+  for (int64_t p = 0; p < num_panels; ++p) {
     for (int64_t c = 0; c < k; ++c) {
       for (int64_t l = 0; l < kPanel; ++l) {
         const int64_t j = p * kPanel + l;
-        *out++ = j < n ? w[j * k + c] : 0.0f;
+        const float v = j < n ? w[j * k + c] : 0.0f;
+        if constexpr (std::is_same_v<T, float>) {
+          *out++ = v;
+        } else {
+          *out++ = uint16_t(std::bit_cast<uint32_t>(v) >> 16);
+        }
       }
     }
   }
 }
 
-void PackedWeights::Free::operator()(float* p) const { ::operator delete[](p, kAlignment); }
+}  // namespace
+
+PackedWeights::PackedWeights(const float* w, int64_t n, int64_t k)
+    : n_(n), k_(k), storage_(AllBFloat16(w, n * k) ? Storage::kBFloat16 : Storage::kFloat32) {
+  DUET_CHECK(n >= 1 && k >= 1);
+  const int64_t values = num_panels() * k * kPanel;  // a multiple of 16: whole 32- or 64-byte columns
+  const size_t value_bytes = storage_ == Storage::kBFloat16 ? sizeof(uint16_t) : sizeof(float);
+  data_.reset(static_cast<std::byte*>(::operator new[](size_t(values) * value_bytes, kAlignment)));
+  if (storage_ == Storage::kBFloat16) {
+    Pack(w, n, k, num_panels(), reinterpret_cast<uint16_t*>(data_.get()));
+  } else {
+    Pack(w, n, k, num_panels(), reinterpret_cast<float*>(data_.get()));
+  }
+}
+
+void PackedWeights::Free::operator()(std::byte* p) const { ::operator delete[](p, kAlignment); }
 
 void PackedWeights::CopyRow(int64_t j, float* out) const {
   DUET_CHECK(j >= 0 && j < n_);
-  const float* from = panel(j / kPanel) + j % kPanel;
-  for (int64_t c = 0; c < k_; ++c) out[c] = from[c * kPanel];
+  auto copy = [&](const auto* panel_start) {
+    const auto* from = panel_start + j % kPanel;
+    for (int64_t c = 0; c < k_; ++c) out[c] = Widen(from[c * kPanel]);
+  };
+  if (storage_ == Storage::kBFloat16) {
+    copy(panel<uint16_t>(j / kPanel));
+  } else {
+    copy(panel<float>(j / kPanel));
+  }
 }
 
 void BatchedGemvPortable(const float* x, const PackedWeights& w, float* y, int64_t rows) {
   DUET_CHECK(rows >= 0 && w.n() >= 1);
-  Panels(kPortableTiles, x, w, y, rows, 0, w.num_panels());
+  PanelsOf(/*avx2=*/false, x, w, y, rows, 0, w.num_panels());
 }
 
-bool BatchedGemvUsesAvx2() { return Tiles() != kPortableTiles; }
+bool BatchedGemvUsesAvx2() { return UseAvx2(); }
 
 void BatchedGemv(const float* x, const PackedWeights& w, float* y, int64_t rows, ParallelFor* pool) {
   DUET_CHECK(rows >= 0 && w.n() >= 1);
-  const TileFn* tiles = Tiles();
+  const bool avx2 = UseAvx2();
   const int64_t panels = w.num_panels();
   // Below this many multiply-adds a call is over before workers could help.
   constexpr int64_t kMinParallelWork = int64_t(1) << 18;
   if (pool == nullptr || pool->num_threads() == 1 || rows * w.n() * w.k() < kMinParallelWork) {
-    Panels(tiles, x, w, y, rows, 0, panels);
+    PanelsOf(avx2, x, w, y, rows, 0, panels);
     return;
   }
   // Each thread streams its own panels; every y[r, j] is still one thread's chain.
   const int64_t parts = pool->num_threads();
-  pool->Run([&](int part) { Panels(tiles, x, w, y, rows, panels * part / parts, panels * (part + 1) / parts); });
+  pool->Run([&](int part) { PanelsOf(avx2, x, w, y, rows, panels * part / parts, panels * (part + 1) / parts); });
 }
 
 }  // namespace duet

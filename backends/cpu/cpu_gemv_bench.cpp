@@ -6,14 +6,16 @@
 // row count: the median of --repeat timed runs after --warmup untimed ones, with the p10-p90
 // spread; for the batched GEMV on one thread also its thread CPU time, the figure a loaded machine
 // moves least, and on the shared pool (ParallelFor::Shared(), one thread per core), as LlamaCpu
-// runs it.
+// runs it. The weights are random values rounded to bfloat16, as a bf16 checkpoint's (BatchedGemv
+// stores them as bfloat16), or with --weights f32 random float32s (stored as float32).
 //
 //   build/bin/cpu_gemv_bench [--hidden 512] [--intermediate 1408] [--q-rows 512] [--kv-rows 256]
 //                            [--vocab 8192] [--layers 6] [--rows 1,2,4,8,9,12,16,24,32] [--repeat 20]
-//                            [--warmup 3]
+//                            [--warmup 3] [--weights bf16|f32]
 #include <cblas.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <ctime>
 #include <cstdio>
@@ -67,6 +69,7 @@ int main(int argc, char** argv) {
   int64_t hidden = 512, inter = 1408, q_rows = 512, kv_rows = 256, vocab = 8192, layers = 6;
   std::vector<int64_t> row_counts = {1, 2, 4, 8, 9, 12, 16, 24, 32};
   int repeat = 20, warmup = 3;
+  std::string weight_values = "bf16";
   app.add_option("--hidden", hidden);
   app.add_option("--intermediate", inter);
   app.add_option("--q-rows", q_rows);
@@ -76,6 +79,8 @@ int main(int argc, char** argv) {
   app.add_option("--rows", row_counts)->delimiter(',');
   app.add_option("--repeat", repeat, "timed runs per product")->check(CLI::Range(1, 10000));
   app.add_option("--warmup", warmup, "untimed runs per product before them")->check(CLI::Range(0, 10000));
+  app.add_option("--weights", weight_values, "bf16: random values rounded to bfloat16; f32: random float32s")
+      ->check(CLI::IsMember({"bf16", "f32"}));
   CLI11_PARSE(app, argc, argv);
 
   const std::vector<Shape> shapes = {{"qkv", q_rows + 2 * kv_rows, hidden},
@@ -92,7 +97,10 @@ int main(int argc, char** argv) {
     const int64_t copies = s + 1 == shapes.size() ? 1 : layers;
     for (int64_t c = 0; c < copies; ++c) {
       std::vector<float>& w = weights[s].emplace_back(size_t(shapes[s].n * shapes[s].k));
-      for (float& v : w) v = dist(rng);
+      for (float& v : w) {
+        v = dist(rng);
+        if (weight_values == "bf16") v = std::bit_cast<float>(std::bit_cast<uint32_t>(v) & 0xffff0000u);
+      }
       packed[s].emplace_back(w.data(), shapes[s].n, shapes[s].k);
     }
   }
@@ -101,9 +109,12 @@ int main(int argc, char** argv) {
   for (float& v : x) v = dist(rng);
   std::vector<float> y(size_t(max_rows * std::max({vocab, 2 * inter, q_rows + 2 * kv_rows})));
 
-  std::printf("BatchedGemv kernel: %s; pool of %d threads; ms, median (p10-p90) of %d runs after %d warm-up; "
+  std::printf("BatchedGemv kernel: %s, %s panels; pool of %d threads; ms, median (p10-p90) of %d runs after %d "
+              "warm-up; "
               "'step' = every layer's 4 products + LM head, each run's sum; ratio = openblas / pooled medians\n",
-              duet::BatchedGemvUsesAvx2() ? "AVX2/FMA" : "portable", duet::ParallelFor::Shared().num_threads(), repeat,
+              duet::BatchedGemvUsesAvx2() ? "AVX2/FMA" : "portable",
+              packed[0][0].storage() == duet::PackedWeights::Storage::kBFloat16 ? "bfloat16" : "float32",
+              duet::ParallelFor::Shared().num_threads(), repeat,
               warmup);
   std::printf("%5s %-8s %22s %22s %22s %22s %9s\n", "rows", "product", "openblas", "batched", "batched cpu", "pooled",
               "ratio");

@@ -1,5 +1,6 @@
 #include "backends/cpu/cpu_gemv.h"
 
+#include <bit>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -13,6 +14,15 @@ std::vector<float> Random(int64_t size, std::mt19937& rng) {
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   std::vector<float> v(static_cast<size_t>(size));
   for (float& f : v) f = dist(rng);
+  return v;
+}
+
+// The same values rounded to bfloat16 (to nearest even), as a bf16 checkpoint's weights are.
+std::vector<float> RoundedToBFloat16(std::vector<float> v) {
+  for (float& f : v) {
+    const uint32_t bits = std::bit_cast<uint32_t>(f);
+    f = std::bit_cast<float>((bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u);
+  }
   return v;
 }
 
@@ -64,6 +74,26 @@ TEST(BatchedGemvTest, PackedWeightsKeepEveryRow) {
   }
 }
 
+TEST(BatchedGemvTest, WeightsThatAreAllBFloat16AreStoredSoAndKeepEveryRow) {
+  std::mt19937 rng(11);
+  for (const int64_t n : {1, 15, 16, 17, 37}) {
+    const int64_t k = 19;
+    const std::vector<float> w = RoundedToBFloat16(Random(n * k, rng));
+    const PackedWeights packed(w.data(), n, k);
+    ASSERT_EQ(packed.storage(), PackedWeights::Storage::kBFloat16);
+    std::vector<float> row(static_cast<size_t>(k));
+    for (int64_t j = 0; j < n; ++j) {
+      packed.CopyRow(j, row.data());
+      for (int64_t c = 0; c < k; ++c) ASSERT_EQ(row[size_t(c)], w[size_t(j * k + c)]) << "n " << n << " j " << j;
+    }
+  }
+  // One value that is not a bfloat16 keeps the whole matrix float32.
+  std::vector<float> w = RoundedToBFloat16(Random(37 * 19, rng));
+  EXPECT_EQ(PackedWeights(w.data(), 37, 19).storage(), PackedWeights::Storage::kBFloat16);
+  w[500] = std::nextafter(w[500], 2.0f);
+  EXPECT_EQ(PackedWeights(w.data(), 37, 19).storage(), PackedWeights::Storage::kFloat32);
+}
+
 TEST(BatchedGemvTest, BothKernelsAreTheFmaChainsAtSeveralRowCountsAndOddShapes) {
   std::mt19937 rng(3);
   // Row counts that end in every tile height (1-6 rows of the 6-row tile) and a prefill-sized
@@ -75,17 +105,22 @@ TEST(BatchedGemvTest, BothKernelsAreTheFmaChainsAtSeveralRowCountsAndOddShapes) 
       {10, 48, 300},  {11, 31, 17},  {15, 31, 17},   {16, 257, 264}, {17, 9, 40},    {32, 12, 100},
       {197, 20, 513}, {301, 67, 515}};
   for (const Shape& s : shapes) {
-    SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n " << s.n << " k " << s.k);
-    const std::vector<float> x = Random(s.rows * s.k, rng), w = Random(s.n * s.k, rng);
-    const PackedWeights packed(w.data(), s.n, s.k);
-    const std::vector<float> want = FmaChains<float>(x, w, s.rows, s.n, s.k);
-    ExpectNear(want, FmaChains<double>(x, w, s.rows, s.n, s.k), s.k);
-    std::vector<float> y(size_t(s.rows * s.n), NAN);
-    BatchedGemv(x.data(), packed, y.data(), s.rows);
-    ExpectSameBits(y, want);
-    std::fill(y.begin(), y.end(), NAN);
-    BatchedGemvPortable(x.data(), packed, y.data(), s.rows);
-    ExpectSameBits(y, want);
+    for (const bool bf16 : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n " << s.n << " k " << s.k
+                                      << (bf16 ? " bf16" : " f32"));
+      const std::vector<float> x = Random(s.rows * s.k, rng);
+      const std::vector<float> w = bf16 ? RoundedToBFloat16(Random(s.n * s.k, rng)) : Random(s.n * s.k, rng);
+      const PackedWeights packed(w.data(), s.n, s.k);
+      ASSERT_EQ(packed.storage(), bf16 ? PackedWeights::Storage::kBFloat16 : PackedWeights::Storage::kFloat32);
+      const std::vector<float> want = FmaChains<float>(x, w, s.rows, s.n, s.k);
+      ExpectNear(want, FmaChains<double>(x, w, s.rows, s.n, s.k), s.k);
+      std::vector<float> y(size_t(s.rows * s.n), NAN);
+      BatchedGemv(x.data(), packed, y.data(), s.rows);
+      ExpectSameBits(y, want);
+      std::fill(y.begin(), y.end(), NAN);
+      BatchedGemvPortable(x.data(), packed, y.data(), s.rows);
+      ExpectSameBits(y, want);
+    }
   }
 }
 
@@ -114,8 +149,8 @@ TEST(BatchedGemvTest, EachRowIsTheSameWhateverTheRowCount) {
 
 TEST(BatchedGemvTest, ThreadsGiveTheSameBitsAsOne) {
   // Split across pools (every shape, some below the size that splits; panels that do not
-  // divide evenly, a last panel short of 16 features), bitwise the single thread's result: each
-  // y[r, j] is one thread's chain.
+  // divide evenly, a last panel short of 16 features; float32 and bfloat16 panels), bitwise the
+  // single thread's result: each y[r, j] is one thread's chain.
   std::mt19937 rng(7);
   ParallelFor pool2(2), pool3(3);
   for (const Shape& s : std::vector<Shape>{{1, 8192, 512},
@@ -127,13 +162,15 @@ TEST(BatchedGemvTest, ThreadsGiveTheSameBitsAsOne) {
                                            {200, 1000, 300}}) {
     SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n " << s.n << " k " << s.k);
     const std::vector<float> x = Random(s.rows * s.k, rng), w = Random(s.n * s.k, rng);
-    const PackedWeights packed(w.data(), s.n, s.k);
-    std::vector<float> one(size_t(s.rows * s.n));
-    BatchedGemv(x.data(), packed, one.data(), s.rows);
-    for (ParallelFor* pool : {&pool2, &pool3}) {
-      std::vector<float> split(size_t(s.rows * s.n), NAN);
-      BatchedGemv(x.data(), packed, split.data(), s.rows, pool);
-      ExpectSameBits(split, one);
+    for (const PackedWeights& packed :
+         {PackedWeights(w.data(), s.n, s.k), PackedWeights(RoundedToBFloat16(w).data(), s.n, s.k)}) {
+      std::vector<float> one(size_t(s.rows * s.n));
+      BatchedGemv(x.data(), packed, one.data(), s.rows);
+      for (ParallelFor* pool : {&pool2, &pool3}) {
+        std::vector<float> split(size_t(s.rows * s.n), NAN);
+        BatchedGemv(x.data(), packed, split.data(), s.rows, pool);
+        ExpectSameBits(split, one);
+      }
     }
   }
 }
