@@ -23,8 +23,8 @@ constexpr int64_t kBlockRows = 192;  // those 256 columns of the block's x rows 
 
 // y[r, 0..16) for the tile's kRows rows (y's rows ldy apart), each chain taken over the next kc
 // columns: x's rows ldx apart from the first of them, `panel` the packed rows from there on (W:
-// float, or uint16_t for bfloat16 bits). `from_zero`: the chains start here (else they continue
-// from y).
+// float; uint16_t, bfloat16 bits; or _Float16). `from_zero`: the chains start here (else they
+// continue from y).
 template <typename W>
 using TileFn = void (*)(const float* x, int64_t ldx, const W* panel, int64_t kc, float* y, int64_t ldy,
                         bool from_zero);
@@ -32,6 +32,7 @@ using TileFn = void (*)(const float* x, int64_t ldx, const W* panel, int64_t kc,
 // The float32 a packed weight stands for (a bfloat16 is the upper half of its float32).
 inline float Widen(float w) { return w; }
 inline float Widen(uint16_t w) { return std::bit_cast<float>(uint32_t{w} << 16); }
+inline float Widen(_Float16 w) { return float(w); }
 
 // std::fma is one instruction where the CPU has FMA (aarch64, x86 with FMA); on an x86 CPU
 // without it, it is emulated: slow, but the same bits as the AVX2 kernel.
@@ -72,8 +73,13 @@ __attribute__((target("avx2,fma"))) inline void LoadColumn(const uint16_t* colum
   w1 = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
 }
 
+__attribute__((target("avx2,fma,f16c"))) inline void LoadColumn(const _Float16* column, __m256& w0, __m256& w1) {
+  w0 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(column)));
+  w1 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(column + 8)));
+}
+
 template <typename W, int kRows>
-__attribute__((target("avx2,fma"))) void Avx2Tile(const float* x, int64_t ldx, const W* panel, int64_t kc,
+__attribute__((target("avx2,fma,f16c"))) void Avx2Tile(const float* x, int64_t ldx, const W* panel, int64_t kc,
                                                   float* y, int64_t ldy, bool from_zero) {
   // The fixed-trip loops must unroll (at -O2 too) so the accumulators live in registers.
   __m256 acc[kRows][2];
@@ -104,7 +110,7 @@ __attribute__((target("avx2,fma"))) void Avx2Tile(const float* x, int64_t ldx, c
 // running through every column in order from zero. `panel` is the first panel, the others
 // `panel_stride` values apart; y's 16 · kPanels columns are contiguous.
 template <typename W, int kRows, int kPanels>
-__attribute__((target("avx2,fma"))) void Avx2WideTile(const float* x, int64_t ldx, const W* panel,
+__attribute__((target("avx2,fma,f16c"))) void Avx2WideTile(const float* x, int64_t ldx, const W* panel,
                                                       int64_t panel_stride, int64_t k, float* y, int64_t ldy) {
   __m256 acc[kRows][kPanels][2];
 #pragma GCC unroll 8
@@ -160,7 +166,8 @@ void RunTile(const TileFn<W>* tiles, const float* x, int64_t ldx, const W* panel
 
 bool UseAvx2() {
 #if defined(__x86_64__)
-  return CpuHasAvx2Fma();
+  static const bool f16c = __builtin_cpu_supports("f16c");  // every AVX2 CPU made has it
+  return CpuHasAvx2Fma() && f16c;
 #else
   return false;
 #endif
@@ -177,7 +184,7 @@ const TileFn<W>* Tiles(bool avx2) {
 #if defined(__x86_64__)
 // A product of one or two rows over whole panels from `begin`, several panels a tile
 // (Avx2WideTile): 4 at one row, 3 at two (8 and 12 chains; three rows by two panels measured
-// slower than one panel: its 17 live vectors spill). Returns the first panel not done.
+// slower than the one-panel tile). Returns the first panel not done.
 template <typename W>
 int64_t WidePanels(const float* x, const PackedWeights& w, float* y, int64_t rows, int64_t begin, int64_t end) {
   const int64_t n = w.n(), k = w.k(), stride = k * kPanel;
@@ -224,34 +231,75 @@ void Panels(bool avx2, const float* x, const PackedWeights& w, float* y, int64_t
 
 // Panels [begin, end) of w's product, by the kernel for its storage.
 void PanelsOf(bool avx2, const float* x, const PackedWeights& w, float* y, int64_t rows, int64_t begin, int64_t end) {
-  if (w.storage() == PackedWeights::Storage::kBFloat16) {
-    Panels<uint16_t>(avx2, x, w, y, rows, begin, end);
+  switch (w.storage()) {
+    case PackedWeights::Storage::kFloat32:
+      return Panels<float>(avx2, x, w, y, rows, begin, end);
+    case PackedWeights::Storage::kBFloat16:
+      return Panels<uint16_t>(avx2, x, w, y, rows, begin, end);
+    case PackedWeights::Storage::kFloat16:
+      return Panels<_Float16>(avx2, x, w, y, rows, begin, end);
+  }
+}
+
+// Whether v is a float16 value (by its bits: a checkpoint's billions of weights are checked at load,
+// and without F16C a conversion is a library call).
+bool IsFloat16(float v) {
+  const uint32_t magnitude = std::bit_cast<uint32_t>(v) & 0x7fffffffu;
+  if (magnitude == 0 || magnitude == 0x7f800000u) return true;  // ±0, ±inf
+  const int exponent = int(magnitude >> 23) - 127;
+  if (exponent > 15 || exponent < -24) return false;  // NaN too
+  // float16 keeps 10 fraction bits down to 2^-14, then one fewer per halving (subnormals).
+  const int dropped = exponent >= -14 ? 13 : 13 + (-14 - exponent);
+  return (magnitude & ((1u << dropped) - 1)) == 0;
+}
+
+// v's float16 bits, v a float16 value (IsFloat16).
+uint16_t Float16Bits(float v) {
+  const uint32_t bits = std::bit_cast<uint32_t>(v), magnitude = bits & 0x7fffffffu;
+  const uint16_t sign = uint16_t((bits >> 16) & 0x8000u);
+  if (magnitude == 0) return sign;
+  if (magnitude == 0x7f800000u) return sign | 0x7c00u;
+  const int exponent = int(magnitude >> 23) - 127;
+  const uint32_t fraction = magnitude & 0x7fffffu;
+  if (exponent >= -14) return uint16_t(sign | uint32_t(exponent + 15) << 10 | fraction >> 13);
+  return uint16_t(sign | (fraction | 0x800000u) >> (13 + (-14 - exponent)));  // subnormal
+}
+
+// The narrowest storage that holds every value exactly: bfloat16 when each float32's lower 16 bits
+// are zero, else float16 when each is a float16 value.
+PackedWeights::Storage StorageFor(const float* w, int64_t size) {
+  const auto all = [&](auto&& is) {
+    for (int64_t i = 0; i < size; ++i) {
+      if (!is(w[i])) return false;
+    }
+    return true;
+  };
+  if (all([](float v) { return (std::bit_cast<uint32_t>(v) & 0xffffu) == 0; })) {
+    return PackedWeights::Storage::kBFloat16;
+  }
+  return all(IsFloat16) ? PackedWeights::Storage::kFloat16 : PackedWeights::Storage::kFloat32;
+}
+
+// A value as stored in T: its float32, its upper 16 bits (bfloat16) or its float16.
+template <typename T>
+T Narrow(float v) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    return uint16_t(std::bit_cast<uint32_t>(v) >> 16);
+  } else if constexpr (std::is_same_v<T, _Float16>) {
+    return std::bit_cast<_Float16>(Float16Bits(v));
   } else {
-    Panels<float>(avx2, x, w, y, rows, begin, end);
+    return v;
   }
 }
 
-// Whether every value is a bfloat16 (its float32's lower 16 bits are zero).
-bool AllBFloat16(const float* w, int64_t size) {
-  for (int64_t i = 0; i < size; ++i) {
-    if ((std::bit_cast<uint32_t>(w[i]) & 0xffffu) != 0) return false;
-  }
-  return true;
-}
-
-// w[n, k] into panels of T (the value's float32 or its upper 16 bits), zeros past n.
+// w[n, k] into panels of T, zeros past n.
 template <typename T>
 void Pack(const float* w, int64_t n, int64_t k, int64_t num_panels, T* out) {
   for (int64_t p = 0; p < num_panels; ++p) {
     for (int64_t c = 0; c < k; ++c) {
       for (int64_t l = 0; l < kPanel; ++l) {
         const int64_t j = p * kPanel + l;
-        const float v = j < n ? w[j * k + c] : 0.0f;
-        if constexpr (std::is_same_v<T, float>) {
-          *out++ = v;
-        } else {
-          *out++ = uint16_t(std::bit_cast<uint32_t>(v) >> 16);
-        }
+        *out++ = Narrow<T>(j < n ? w[j * k + c] : 0.0f);
       }
     }
   }
@@ -259,16 +307,21 @@ void Pack(const float* w, int64_t n, int64_t k, int64_t num_panels, T* out) {
 
 }  // namespace
 
-PackedWeights::PackedWeights(const float* w, int64_t n, int64_t k)
-    : n_(n), k_(k), storage_(AllBFloat16(w, n * k) ? Storage::kBFloat16 : Storage::kFloat32) {
+PackedWeights::PackedWeights(const float* w, int64_t n, int64_t k) : n_(n), k_(k), storage_(StorageFor(w, n * k)) {
   DUET_CHECK(n >= 1 && k >= 1);
   const int64_t values = num_panels() * k * kPanel;  // a multiple of 16: whole 32- or 64-byte columns
-  const size_t value_bytes = storage_ == Storage::kBFloat16 ? sizeof(uint16_t) : sizeof(float);
+  const size_t value_bytes = storage_ == Storage::kFloat32 ? sizeof(float) : sizeof(uint16_t);
   data_.reset(static_cast<std::byte*>(::operator new[](size_t(values) * value_bytes, kAlignment)));
-  if (storage_ == Storage::kBFloat16) {
-    Pack(w, n, k, num_panels(), reinterpret_cast<uint16_t*>(data_.get()));
-  } else {
-    Pack(w, n, k, num_panels(), reinterpret_cast<float*>(data_.get()));
+  switch (storage_) {
+    case Storage::kFloat32:
+      Pack(w, n, k, num_panels(), reinterpret_cast<float*>(data_.get()));
+      break;
+    case Storage::kBFloat16:
+      Pack(w, n, k, num_panels(), reinterpret_cast<uint16_t*>(data_.get()));
+      break;
+    case Storage::kFloat16:
+      Pack(w, n, k, num_panels(), reinterpret_cast<_Float16*>(data_.get()));
+      break;
   }
 }
 
@@ -280,10 +333,13 @@ void PackedWeights::CopyRow(int64_t j, float* out) const {
     const auto* from = panel_start + j % kPanel;
     for (int64_t c = 0; c < k_; ++c) out[c] = Widen(from[c * kPanel]);
   };
-  if (storage_ == Storage::kBFloat16) {
-    copy(panel<uint16_t>(j / kPanel));
-  } else {
-    copy(panel<float>(j / kPanel));
+  switch (storage_) {
+    case Storage::kFloat32:
+      return copy(panel<float>(j / kPanel));
+    case Storage::kBFloat16:
+      return copy(panel<uint16_t>(j / kPanel));
+    case Storage::kFloat16:
+      return copy(panel<_Float16>(j / kPanel));
   }
 }
 

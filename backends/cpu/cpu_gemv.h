@@ -16,7 +16,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <type_traits>
 
 #include "common/check.h"
 #include "common/parallel_for.h"
@@ -27,27 +26,29 @@ namespace duet {
 // [ceil(n / 16), k, 16]; w[j, c] is at ((j / 16) · k + c) · 16 + j % 16, and the last panel's
 // features past n are zeros. 64-byte aligned.
 //
-// Stored as bfloat16 when every value is one (a bf16 checkpoint's are): the kernel widens each to
-// the float32 it stands for (exactly), so the products are the same bits as from float32 panels,
-// with half the bytes to stream, which is what a step of a few rows waits for.
+// Stored as bfloat16 or as float16 when every value is one (a bf16 or fp16 checkpoint's are): the
+// kernel widens each to the float32 it stands for (exactly), so the products are the same bits as
+// from float32 panels, with half the bytes to stream (and to hold), which is what a step of a few
+// rows waits for.
 class PackedWeights {
  public:
   static constexpr int64_t kPanel = 16;
-  enum class Storage : uint8_t { kFloat32, kBFloat16 };
+  enum class Storage : uint8_t { kFloat32, kBFloat16, kFloat16 };
 
   PackedWeights() = default;
-  // Packs w[n, k] (row-major): as bfloat16 when every value of w is one, else as float32.
+  // Packs w[n, k] (row-major): as bfloat16 when every value of w is one, else as float16 when
+  // every value is one, else as float32.
   PackedWeights(const float* w, int64_t n, int64_t k);
 
   int64_t n() const { return n_; }
   int64_t k() const { return k_; }
   Storage storage() const { return storage_; }
   int64_t num_panels() const { return (n_ + kPanel - 1) / kPanel; }
-  // Panel p: [k, kPanel], of float (kFloat32) or of bfloat16 bit patterns, uint16_t (kBFloat16).
+  // Panel p: [k, kPanel] values of the storage's type (T of its size: float, or the 16-bit
+  // patterns of bfloat16 or float16).
   template <typename T>
   const T* panel(int64_t p) const {
-    static_assert(std::is_same_v<T, float> || std::is_same_v<T, uint16_t>);
-    DUET_CHECK((std::is_same_v<T, float>) == (storage_ == Storage::kFloat32));
+    DUET_CHECK(sizeof(T) == (storage_ == Storage::kFloat32 ? 4 : 2));
     return reinterpret_cast<const T*>(data_.get()) + p * k_ * kPanel;
   }
   // w[j, 0..k) into out (k floats): the embedding lookup of an LM head tied to the embeddings.

@@ -7,11 +7,12 @@
 // spread; for the batched GEMV on one thread also its thread CPU time, the figure a loaded machine
 // moves least, and on the shared pool (ParallelFor::Shared(), one thread per core), as LlamaCpu
 // runs it. The weights are random values rounded to bfloat16, as a bf16 checkpoint's (BatchedGemv
-// stores them as bfloat16), or with --weights f32 random float32s (stored as float32).
+// stores them as bfloat16); with --weights fp16 rounded to float16 (stored as float16), with f32
+// random float32s (stored as float32).
 //
 //   build/bin/cpu_gemv_bench [--hidden 512] [--intermediate 1408] [--q-rows 512] [--kv-rows 256]
 //                            [--vocab 8192] [--layers 6] [--rows 1,2,4,8,9,12,16,24,32] [--repeat 20]
-//                            [--warmup 3] [--weights bf16|f32]
+//                            [--warmup 3] [--weights bf16|fp16|f32]
 #include <cblas.h>
 
 #include <algorithm>
@@ -79,8 +80,9 @@ int main(int argc, char** argv) {
   app.add_option("--rows", row_counts)->delimiter(',');
   app.add_option("--repeat", repeat, "timed runs per product")->check(CLI::Range(1, 10000));
   app.add_option("--warmup", warmup, "untimed runs per product before them")->check(CLI::Range(0, 10000));
-  app.add_option("--weights", weight_values, "bf16: random values rounded to bfloat16; f32: random float32s")
-      ->check(CLI::IsMember({"bf16", "f32"}));
+  app.add_option("--weights", weight_values,
+                 "bf16 / fp16: random values rounded to bfloat16 / float16; f32: random float32s")
+      ->check(CLI::IsMember({"bf16", "fp16", "f32"}));
   CLI11_PARSE(app, argc, argv);
 
   const std::vector<Shape> shapes = {{"qkv", q_rows + 2 * kv_rows, hidden},
@@ -100,6 +102,7 @@ int main(int argc, char** argv) {
       for (float& v : w) {
         v = dist(rng);
         if (weight_values == "bf16") v = std::bit_cast<float>(std::bit_cast<uint32_t>(v) & 0xffff0000u);
+        if (weight_values == "fp16") v = float(_Float16(v));
       }
       packed[s].emplace_back(w.data(), shapes[s].n, shapes[s].k);
     }
@@ -113,7 +116,7 @@ int main(int argc, char** argv) {
               "warm-up; "
               "'step' = every layer's 4 products + LM head, each run's sum; ratio = openblas / pooled medians\n",
               duet::BatchedGemvUsesAvx2() ? "AVX2/FMA" : "portable",
-              packed[0][0].storage() == duet::PackedWeights::Storage::kBFloat16 ? "bfloat16" : "float32",
+              weight_values.c_str(),
               duet::ParallelFor::Shared().num_threads(), repeat,
               warmup);
   std::printf("%5s %-8s %22s %22s %22s %22s %9s\n", "rows", "product", "openblas", "batched", "batched cpu", "pooled",

@@ -2,6 +2,7 @@
 
 #include <bit>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -25,6 +26,38 @@ std::vector<float> RoundedToBFloat16(std::vector<float> v) {
   }
   return v;
 }
+
+// The same values rounded to float16, as an fp16 checkpoint's weights are.
+std::vector<float> RoundedToFloat16(std::vector<float> v) {
+  for (float& f : v) f = float(_Float16(f));
+  return v;
+}
+
+enum class Values { kFloat32, kBFloat16, kFloat16 };
+
+std::vector<float> RandomWeights(int64_t size, Values values, std::mt19937& rng) {
+  std::vector<float> w = Random(size, rng);
+  if (values == Values::kBFloat16) return RoundedToBFloat16(std::move(w));
+  if (values == Values::kFloat16) return RoundedToFloat16(std::move(w));
+  return w;
+}
+
+PackedWeights::Storage StorageOf(Values values) {
+  switch (values) {
+    case Values::kBFloat16:
+      return PackedWeights::Storage::kBFloat16;
+    case Values::kFloat16:
+      return PackedWeights::Storage::kFloat16;
+    default:
+      return PackedWeights::Storage::kFloat32;
+  }
+}
+
+const char* Name(Values values) {
+  return values == Values::kFloat32 ? " f32" : values == Values::kBFloat16 ? " bf16" : " fp16";
+}
+
+constexpr Values kAllValues[] = {Values::kFloat32, Values::kBFloat16, Values::kFloat16};
 
 // float32 sums of k products of values in [-1, 1]: error grows about like sqrt(k)·eps·|terms|.
 void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, int64_t k) {
@@ -74,24 +107,53 @@ TEST(BatchedGemvTest, PackedWeightsKeepEveryRow) {
   }
 }
 
-TEST(BatchedGemvTest, WeightsThatAreAllBFloat16AreStoredSoAndKeepEveryRow) {
+TEST(BatchedGemvTest, SixteenBitWeightsAreStoredSoAndKeepEveryRow) {
   std::mt19937 rng(11);
-  for (const int64_t n : {1, 15, 16, 17, 37}) {
-    const int64_t k = 19;
-    const std::vector<float> w = RoundedToBFloat16(Random(n * k, rng));
-    const PackedWeights packed(w.data(), n, k);
-    ASSERT_EQ(packed.storage(), PackedWeights::Storage::kBFloat16);
-    std::vector<float> row(static_cast<size_t>(k));
-    for (int64_t j = 0; j < n; ++j) {
-      packed.CopyRow(j, row.data());
-      for (int64_t c = 0; c < k; ++c) ASSERT_EQ(row[size_t(c)], w[size_t(j * k + c)]) << "n " << n << " j " << j;
+  for (const Values values : {Values::kBFloat16, Values::kFloat16}) {
+    for (const int64_t n : {1, 15, 16, 17, 37}) {
+      const int64_t k = 19;
+      SCOPED_TRACE(testing::Message() << "n " << n << Name(values));
+      const std::vector<float> w = RandomWeights(n * k, values, rng);
+      const PackedWeights packed(w.data(), n, k);
+      ASSERT_EQ(packed.storage(), StorageOf(values));
+      std::vector<float> row(static_cast<size_t>(k));
+      for (int64_t j = 0; j < n; ++j) {
+        packed.CopyRow(j, row.data());
+        for (int64_t c = 0; c < k; ++c) ASSERT_EQ(row[size_t(c)], w[size_t(j * k + c)]) << "j " << j;
+      }
     }
   }
-  // One value that is not a bfloat16 keeps the whole matrix float32.
-  std::vector<float> w = RoundedToBFloat16(Random(37 * 19, rng));
-  EXPECT_EQ(PackedWeights(w.data(), 37, 19).storage(), PackedWeights::Storage::kBFloat16);
-  w[500] = std::nextafter(w[500], 2.0f);
-  EXPECT_EQ(PackedWeights(w.data(), 37, 19).storage(), PackedWeights::Storage::kFloat32);
+}
+
+TEST(BatchedGemvTest, StorageIsTheNarrowestThatHoldsEveryValueExactly) {
+  auto storage = [](std::vector<float> w) { return PackedWeights(w.data(), 1, int64_t(w.size())).storage(); };
+  using S = PackedWeights::Storage;
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(storage({1.0f, -0.0f, 0.5f, 3.0f, -inf}), S::kBFloat16);
+  // float16 values that are no bfloat16: 11 significant bits, the largest finite, subnormals
+  // (the smallest, 2^-24, and 2^-24 · 1023).
+  EXPECT_EQ(storage({1.0f + 1.0f / 1024, 65504.0f, std::ldexp(1.0f, -24), 1023 * std::ldexp(1.0f, -24), inf}),
+            S::kFloat16);
+  // Not float16: 12 significant bits, past the largest finite, below the smallest subnormal,
+  // a subnormal's bit below its last, NaN.
+  EXPECT_EQ(storage({1.0f + 1.0f / 2048}), S::kFloat32);
+  EXPECT_EQ(storage({1.0f + 1.0f / 1024, 65520.0f}), S::kFloat32);
+  EXPECT_EQ(storage({1.0f + 1.0f / 1024, std::ldexp(1.0f, -25)}), S::kFloat32);
+  EXPECT_EQ(storage({1.0f + 1.0f / 1024, std::ldexp(3.0f, -25)}), S::kFloat32);
+  EXPECT_EQ(storage({1.0f + 1.0f / 1024, std::numeric_limits<float>::quiet_NaN()}), S::kFloat32);
+  // Every float16 bit pattern but NaN's is a float16 value, stored as itself.
+  std::vector<float> every;
+  for (uint32_t bits = 0; bits < 0x10000u; ++bits) {
+    const _Float16 h = std::bit_cast<_Float16>(uint16_t(bits));
+    if (h == h) every.push_back(float(h));
+  }
+  const PackedWeights packed(every.data(), 1, int64_t(every.size()));
+  ASSERT_EQ(packed.storage(), S::kFloat16);
+  std::vector<float> row(every.size());
+  packed.CopyRow(0, row.data());
+  for (size_t i = 0; i < every.size(); ++i) {
+    ASSERT_EQ(std::bit_cast<uint32_t>(row[i]), std::bit_cast<uint32_t>(every[i])) << i;
+  }
 }
 
 TEST(BatchedGemvTest, BothKernelsAreTheFmaChainsAtSeveralRowCountsAndOddShapes) {
@@ -105,13 +167,11 @@ TEST(BatchedGemvTest, BothKernelsAreTheFmaChainsAtSeveralRowCountsAndOddShapes) 
       {10, 48, 300},  {11, 31, 17},  {15, 31, 17},   {16, 257, 264}, {17, 9, 40},    {32, 12, 100},
       {197, 20, 513}, {301, 67, 515}};
   for (const Shape& s : shapes) {
-    for (const bool bf16 : {false, true}) {
-      SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n " << s.n << " k " << s.k
-                                      << (bf16 ? " bf16" : " f32"));
-      const std::vector<float> x = Random(s.rows * s.k, rng);
-      const std::vector<float> w = bf16 ? RoundedToBFloat16(Random(s.n * s.k, rng)) : Random(s.n * s.k, rng);
+    for (const Values values : kAllValues) {
+      SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n " << s.n << " k " << s.k << Name(values));
+      const std::vector<float> x = Random(s.rows * s.k, rng), w = RandomWeights(s.n * s.k, values, rng);
       const PackedWeights packed(w.data(), s.n, s.k);
-      ASSERT_EQ(packed.storage(), bf16 ? PackedWeights::Storage::kBFloat16 : PackedWeights::Storage::kFloat32);
+      ASSERT_EQ(packed.storage(), StorageOf(values));
       const std::vector<float> want = FmaChains<float>(x, w, s.rows, s.n, s.k);
       ExpectNear(want, FmaChains<double>(x, w, s.rows, s.n, s.k), s.k);
       std::vector<float> y(size_t(s.rows * s.n), NAN);
@@ -149,8 +209,8 @@ TEST(BatchedGemvTest, EachRowIsTheSameWhateverTheRowCount) {
 
 TEST(BatchedGemvTest, ThreadsGiveTheSameBitsAsOne) {
   // Split across pools (every shape, some below the size that splits; panels that do not
-  // divide evenly, a last panel short of 16 features; float32 and bfloat16 panels), bitwise the
-  // single thread's result: each y[r, j] is one thread's chain.
+  // divide evenly, a last panel short of 16 features; float32, bfloat16 and float16 panels),
+  // bitwise the single thread's result: each y[r, j] is one thread's chain.
   std::mt19937 rng(7);
   ParallelFor pool2(2), pool3(3);
   for (const Shape& s : std::vector<Shape>{{1, 8192, 512},
@@ -162,8 +222,9 @@ TEST(BatchedGemvTest, ThreadsGiveTheSameBitsAsOne) {
                                            {200, 1000, 300}}) {
     SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n " << s.n << " k " << s.k);
     const std::vector<float> x = Random(s.rows * s.k, rng), w = Random(s.n * s.k, rng);
-    for (const PackedWeights& packed :
-         {PackedWeights(w.data(), s.n, s.k), PackedWeights(RoundedToBFloat16(w).data(), s.n, s.k)}) {
+    for (const PackedWeights& packed : {PackedWeights(w.data(), s.n, s.k),
+                                        PackedWeights(RoundedToBFloat16(w).data(), s.n, s.k),
+                                        PackedWeights(RoundedToFloat16(w).data(), s.n, s.k)}) {
       std::vector<float> one(size_t(s.rows * s.n));
       BatchedGemv(x.data(), packed, one.data(), s.rows);
       for (ParallelFor* pool : {&pool2, &pool3}) {
