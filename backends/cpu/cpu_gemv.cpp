@@ -60,22 +60,15 @@ constexpr TileFn<W> kPortableTiles[kTileRows + 1] = {nullptr,           Portable
 
 #if defined(__x86_64__)
 
-// Column c's 16 weights as two vectors of 8 floats.
-__attribute__((target("avx2,fma"))) inline void LoadColumn(const float* column, __m256& w0, __m256& w1) {
-  w0 = _mm256_load_ps(column);
-  w1 = _mm256_load_ps(column + 8);
+// Eight weights as floats (a bfloat16 zero-extended to 32 bits and shifted into the upper half is
+// the float32 it stands for; a float16 is converted by F16C).
+__attribute__((target("avx2,fma"))) inline __m256 LoadEight(const float* p) { return _mm256_load_ps(p); }
+__attribute__((target("avx2,fma"))) inline __m256 LoadEight(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
-__attribute__((target("avx2,fma"))) inline void LoadColumn(const uint16_t* column, __m256& w0, __m256& w1) {
-  // Zero-extended to 32 bits and shifted into the upper half: the float32 each bfloat16 is.
-  const __m256i lo = _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(column)));
-  const __m256i hi = _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(column + 8)));
-  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
-  w1 = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
-}
-
-__attribute__((target("avx2,fma,f16c"))) inline void LoadColumn(const _Float16* column, __m256& w0, __m256& w1) {
-  w0 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(column)));
-  w1 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(column + 8)));
+__attribute__((target("avx2,fma,f16c"))) inline __m256 LoadEight(const _Float16* p) {
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 template <typename W, int kRows>
@@ -89,8 +82,7 @@ __attribute__((target("avx2,fma,f16c"))) void Avx2Tile(const float* x, int64_t l
     acc[r][1] = from_zero ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * ldy + 8);
   }
   for (int64_t c = 0; c < kc; ++c) {
-    __m256 w0, w1;
-    LoadColumn(panel + c * kPanel, w0, w1);
+    const __m256 w0 = LoadEight(panel + c * kPanel), w1 = LoadEight(panel + c * kPanel + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < kRows; ++r) {
       const __m256 xr = _mm256_broadcast_ss(x + r * ldx + c);
@@ -105,9 +97,10 @@ __attribute__((target("avx2,fma,f16c"))) void Avx2Tile(const float* x, int64_t l
   }
 }
 
-// A step of one or two rows: a tile's 2 or 4 chains cannot hide the FMA latency (4 cycles, 2
+// A step of one to three rows: a tile's 2 to 6 chains cannot hide the FMA latency (4 cycles, 2
 // units: 8 chains in flight), so this tile takes kPanels whole panels at once, each chain still
-// running through every column in order from zero. `panel` is the first panel, the others
+// running through every column in order from zero. Eight weights at a time keep the live vectors
+// at 16 for 3 rows × 2 panels (12 accumulators, 3 rows of x, 1 of w). `panel` is the first panel, the others
 // `panel_stride` values apart; y's 16 · kPanels columns are contiguous.
 template <typename W, int kRows, int kPanels>
 __attribute__((target("avx2,fma,f16c"))) void Avx2WideTile(const float* x, int64_t ldx, const W* panel,
@@ -124,12 +117,11 @@ __attribute__((target("avx2,fma,f16c"))) void Avx2WideTile(const float* x, int64
     for (int r = 0; r < kRows; ++r) xr[r] = _mm256_broadcast_ss(x + r * ldx + c);
 #pragma GCC unroll 8
     for (int q = 0; q < kPanels; ++q) {
-      __m256 w0, w1;
-      LoadColumn(panel + q * panel_stride + c * kPanel, w0, w1);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256 wh = LoadEight(panel + q * panel_stride + c * kPanel + 8 * h);
 #pragma GCC unroll 8
-      for (int r = 0; r < kRows; ++r) {
-        acc[r][q][0] = _mm256_fmadd_ps(xr[r], w0, acc[r][q][0]);
-        acc[r][q][1] = _mm256_fmadd_ps(xr[r], w1, acc[r][q][1]);
+        for (int r = 0; r < kRows; ++r) acc[r][q][h] = _mm256_fmadd_ps(xr[r], wh, acc[r][q][h]);
       }
     }
   }
@@ -182,20 +174,22 @@ const TileFn<W>* Tiles(bool avx2) {
 }
 
 #if defined(__x86_64__)
-// A product of one or two rows over whole panels from `begin`, several panels a tile
-// (Avx2WideTile): 4 at one row, 3 at two (8 and 12 chains; three rows by two panels measured
-// slower than the one-panel tile). Returns the first panel not done.
+// A product of one to three rows over whole panels from `begin`, several panels a tile
+// (Avx2WideTile): 4 at one row, 3 at two, 2 at three (8, 12 and 12 chains). Returns the first
+// panel not done.
 template <typename W>
 int64_t WidePanels(const float* x, const PackedWeights& w, float* y, int64_t rows, int64_t begin, int64_t end) {
   const int64_t n = w.n(), k = w.k(), stride = k * kPanel;
   const int64_t whole_end = std::min(end, n / kPanel);  // panels with all 16 features
-  const int64_t width = rows == 1 ? 4 : 3;
+  const int64_t width = 5 - rows;
   int64_t p = begin;
   for (; p + width <= whole_end; p += width) {
     if (rows == 1) {
       Avx2WideTile<W, 1, 4>(x, k, w.panel<W>(p), stride, k, y + p * kPanel, n);
-    } else {
+    } else if (rows == 2) {
       Avx2WideTile<W, 2, 3>(x, k, w.panel<W>(p), stride, k, y + p * kPanel, n);
+    } else {
+      Avx2WideTile<W, 3, 2>(x, k, w.panel<W>(p), stride, k, y + p * kPanel, n);
     }
   }
   return p;
@@ -203,17 +197,17 @@ int64_t WidePanels(const float* x, const PackedWeights& w, float* y, int64_t row
 #endif
 
 // Panels [begin, end) of y[rows, n]: the rows in blocks of kBlockRows, each block's columns in
-// slices of kBlockK, each slice swept over the panels tile by tile (at one or two rows, on AVX2,
-// several panels a tile).
+// slices of kBlockK, each slice swept over the panels tile by tile (at one to three rows, on
+// AVX2, several panels a tile).
 template <typename W>
 void Panels(bool avx2, const float* x, const PackedWeights& w, float* y, int64_t rows, int64_t begin, int64_t end) {
   const TileFn<W>* tiles = Tiles<W>(avx2);
   const int64_t n = w.n(), k = w.k();
 #if defined(__x86_64__)
-  if (avx2 && rows >= 1 && rows <= 2) begin = WidePanels<W>(x, w, y, rows, begin, end);
-  // The last one or two rows past whole tiles as a product of their own, through the wide tiles:
-  // streaming the weights once more costs less than their latency-bound tile (7 and 8 rows: ~20%).
-  if (const int64_t rest = rows % kTileRows; avx2 && rows > kTileRows && rest <= 2 && rest > 0) {
+  if (avx2 && rows >= 1 && rows <= 3) begin = WidePanels<W>(x, w, y, rows, begin, end);
+  // The last one to three rows past whole tiles as a product of their own, through the wide tiles:
+  // streaming the weights once more costs less than their latency-bound tile (7 and 8 rows: -33%).
+  if (const int64_t rest = rows % kTileRows; avx2 && rows > kTileRows && rest <= 3 && rest > 0) {
     rows -= rest;
     Panels<W>(avx2, x + rows * k, w, y + rows * n, rest, begin, end);
   }
