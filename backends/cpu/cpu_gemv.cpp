@@ -100,8 +100,8 @@ __attribute__((target("avx2,fma,f16c"))) void Avx2Tile(const float* x, int64_t l
 // A step of one to three rows: a tile's 2 to 6 chains cannot hide the FMA latency (4 cycles, 2
 // units: 8 chains in flight), so this tile takes kPanels whole panels at once, each chain still
 // running through every column in order from zero. Eight weights at a time keep the live vectors
-// at 16 for 3 rows × 2 panels (12 accumulators, 3 rows of x, 1 of w). `panel` is the first panel, the others
-// `panel_stride` values apart; y's 16 · kPanels columns are contiguous.
+// at 16 for 3 rows × 2 panels (12 accumulators, 3 rows of x, 1 of w). `panel` is the first panel,
+// the others `panel_stride` values apart; y's 16 · kPanels columns are contiguous.
 template <typename W, int kRows, int kPanels>
 __attribute__((target("avx2,fma,f16c"))) void Avx2WideTile(const float* x, int64_t ldx, const W* panel,
                                                       int64_t panel_stride, int64_t k, float* y, int64_t ldy) {
