@@ -113,12 +113,10 @@ int main(int argc, char** argv) {
   std::vector<float> y(size_t(max_rows * std::max({vocab, 2 * inter, q_rows + 2 * kv_rows})));
 
   std::printf("BatchedGemv kernel: %s, %s panels; pool of %d threads; ms, median (p10-p90) of %d runs after %d "
-              "warm-up; "
-              "'step' = every layer's 4 products + LM head, each run's sum; ratio = openblas / pooled medians\n",
-              duet::BatchedGemvUsesAvx2() ? "AVX2/FMA" : "portable",
-              weight_values.c_str(),
-              duet::ParallelFor::Shared().num_threads(), repeat,
-              warmup);
+              "warm-up; 'step' = every layer's 4 products + LM head, each run's sum; ratio = openblas / pooled "
+              "medians\n",
+              duet::BatchedGemvUsesAvx2() ? "AVX2/FMA" : "portable", weight_values.c_str(),
+              duet::ParallelFor::Shared().num_threads(), repeat, warmup);
   std::printf("%5s %-8s %22s %22s %22s %22s %9s\n", "rows", "product", "openblas", "batched", "batched cpu", "pooled",
               "ratio");
   for (int64_t rows : row_counts) {

@@ -33,31 +33,21 @@ std::vector<float> RoundedToFloat16(std::vector<float> v) {
   return v;
 }
 
-enum class Values { kFloat32, kBFloat16, kFloat16 };
+using Storage = PackedWeights::Storage;
 
-std::vector<float> RandomWeights(int64_t size, Values values, std::mt19937& rng) {
+// Random weights whose values `storage` holds exactly (so PackedWeights picks it).
+std::vector<float> RandomWeights(int64_t size, Storage storage, std::mt19937& rng) {
   std::vector<float> w = Random(size, rng);
-  if (values == Values::kBFloat16) return RoundedToBFloat16(std::move(w));
-  if (values == Values::kFloat16) return RoundedToFloat16(std::move(w));
+  if (storage == Storage::kBFloat16) return RoundedToBFloat16(std::move(w));
+  if (storage == Storage::kFloat16) return RoundedToFloat16(std::move(w));
   return w;
 }
 
-PackedWeights::Storage StorageOf(Values values) {
-  switch (values) {
-    case Values::kBFloat16:
-      return PackedWeights::Storage::kBFloat16;
-    case Values::kFloat16:
-      return PackedWeights::Storage::kFloat16;
-    default:
-      return PackedWeights::Storage::kFloat32;
-  }
+const char* Name(Storage storage) {
+  return storage == Storage::kFloat32 ? " f32" : storage == Storage::kBFloat16 ? " bf16" : " fp16";
 }
 
-const char* Name(Values values) {
-  return values == Values::kFloat32 ? " f32" : values == Values::kBFloat16 ? " bf16" : " fp16";
-}
-
-constexpr Values kAllValues[] = {Values::kFloat32, Values::kBFloat16, Values::kFloat16};
+constexpr Storage kAllStorages[] = {Storage::kFloat32, Storage::kBFloat16, Storage::kFloat16};
 
 // float32 sums of k products of values in [-1, 1]: error grows about like sqrt(k)·eps·|terms|.
 void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, int64_t k) {
@@ -109,13 +99,13 @@ TEST(BatchedGemvTest, PackedWeightsKeepEveryRow) {
 
 TEST(BatchedGemvTest, SixteenBitWeightsAreStoredSoAndKeepEveryRow) {
   std::mt19937 rng(11);
-  for (const Values values : {Values::kBFloat16, Values::kFloat16}) {
+  for (const Storage storage : {Storage::kBFloat16, Storage::kFloat16}) {
     for (const int64_t n : {1, 15, 16, 17, 37}) {
       const int64_t k = 19;
-      SCOPED_TRACE(testing::Message() << "n " << n << Name(values));
-      const std::vector<float> w = RandomWeights(n * k, values, rng);
+      SCOPED_TRACE(testing::Message() << "n " << n << Name(storage));
+      const std::vector<float> w = RandomWeights(n * k, storage, rng);
       const PackedWeights packed(w.data(), n, k);
-      ASSERT_EQ(packed.storage(), StorageOf(values));
+      ASSERT_EQ(packed.storage(), storage);
       std::vector<float> row(static_cast<size_t>(k));
       for (int64_t j = 0; j < n; ++j) {
         packed.CopyRow(j, row.data());
@@ -127,20 +117,19 @@ TEST(BatchedGemvTest, SixteenBitWeightsAreStoredSoAndKeepEveryRow) {
 
 TEST(BatchedGemvTest, StorageIsTheNarrowestThatHoldsEveryValueExactly) {
   auto storage = [](std::vector<float> w) { return PackedWeights(w.data(), 1, int64_t(w.size())).storage(); };
-  using S = PackedWeights::Storage;
   const float inf = std::numeric_limits<float>::infinity();
-  EXPECT_EQ(storage({1.0f, -0.0f, 0.5f, 3.0f, -inf}), S::kBFloat16);
+  EXPECT_EQ(storage({1.0f, -0.0f, 0.5f, 3.0f, -inf}), Storage::kBFloat16);
   // float16 values that are no bfloat16: 11 significant bits, the largest finite, subnormals
   // (the smallest, 2^-24, and 2^-24 · 1023).
   EXPECT_EQ(storage({1.0f + 1.0f / 1024, 65504.0f, std::ldexp(1.0f, -24), 1023 * std::ldexp(1.0f, -24), inf}),
-            S::kFloat16);
+            Storage::kFloat16);
   // Not float16: 12 significant bits, past the largest finite, below the smallest subnormal,
   // a subnormal's bit below its last, NaN.
-  EXPECT_EQ(storage({1.0f + 1.0f / 2048}), S::kFloat32);
-  EXPECT_EQ(storage({1.0f + 1.0f / 1024, 65520.0f}), S::kFloat32);
-  EXPECT_EQ(storage({1.0f + 1.0f / 1024, std::ldexp(1.0f, -25)}), S::kFloat32);
-  EXPECT_EQ(storage({1.0f + 1.0f / 1024, std::ldexp(3.0f, -25)}), S::kFloat32);
-  EXPECT_EQ(storage({1.0f + 1.0f / 1024, std::numeric_limits<float>::quiet_NaN()}), S::kFloat32);
+  EXPECT_EQ(storage({1.0f + 1.0f / 2048}), Storage::kFloat32);
+  EXPECT_EQ(storage({1.0f + 1.0f / 1024, 65520.0f}), Storage::kFloat32);
+  EXPECT_EQ(storage({1.0f + 1.0f / 1024, std::ldexp(1.0f, -25)}), Storage::kFloat32);
+  EXPECT_EQ(storage({1.0f + 1.0f / 1024, std::ldexp(3.0f, -25)}), Storage::kFloat32);
+  EXPECT_EQ(storage({1.0f + 1.0f / 1024, std::numeric_limits<float>::quiet_NaN()}), Storage::kFloat32);
   // Every float16 bit pattern but NaN's is a float16 value, stored as itself.
   std::vector<float> every;
   for (uint32_t bits = 0; bits < 0x10000u; ++bits) {
@@ -148,7 +137,7 @@ TEST(BatchedGemvTest, StorageIsTheNarrowestThatHoldsEveryValueExactly) {
     if (h == h) every.push_back(float(h));
   }
   const PackedWeights packed(every.data(), 1, int64_t(every.size()));
-  ASSERT_EQ(packed.storage(), S::kFloat16);
+  ASSERT_EQ(packed.storage(), Storage::kFloat16);
   std::vector<float> row(every.size());
   packed.CopyRow(0, row.data());
   for (size_t i = 0; i < every.size(); ++i) {
@@ -167,11 +156,11 @@ TEST(BatchedGemvTest, BothKernelsAreTheFmaChainsAtSeveralRowCountsAndOddShapes) 
       {10, 48, 300},  {11, 31, 17},  {15, 31, 17},   {16, 257, 264}, {17, 9, 40},    {32, 12, 100},
       {197, 20, 513}, {301, 67, 515}};
   for (const Shape& s : shapes) {
-    for (const Values values : kAllValues) {
-      SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n " << s.n << " k " << s.k << Name(values));
-      const std::vector<float> x = Random(s.rows * s.k, rng), w = RandomWeights(s.n * s.k, values, rng);
+    for (const Storage storage : kAllStorages) {
+      SCOPED_TRACE(testing::Message() << "rows " << s.rows << " n " << s.n << " k " << s.k << Name(storage));
+      const std::vector<float> x = Random(s.rows * s.k, rng), w = RandomWeights(s.n * s.k, storage, rng);
       const PackedWeights packed(w.data(), s.n, s.k);
-      ASSERT_EQ(packed.storage(), StorageOf(values));
+      ASSERT_EQ(packed.storage(), storage);
       const std::vector<float> want = FmaChains<float>(x, w, s.rows, s.n, s.k);
       ExpectNear(want, FmaChains<double>(x, w, s.rows, s.n, s.k), s.k);
       std::vector<float> y(size_t(s.rows * s.n), NAN);
