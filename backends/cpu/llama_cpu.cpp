@@ -121,7 +121,7 @@ absl::Status LlamaCpu::LoadWeights(const WeightStore& weights) {
       return absl::InvalidArgumentError(
           "checkpoint has no lm_head.weight and config.json does not tie word embeddings");
     }
-    read("model.embed_tokens.weight", {c.vocab_size, hidden}, embed_);
+    read_packed({{"model.embed_tokens.weight", c.vocab_size}}, hidden, embed_);
     read_packed({{"lm_head.weight", c.vocab_size}}, hidden, lm_head_);
   }
   layers_.resize(c.num_layers);
@@ -409,11 +409,7 @@ LlamaCpu::StepBuffers LlamaCpu::Embed(absl::Span<const SequenceChunk> chunks, in
     depths.assign(chunk.tokens.size(), 0);
     for (size_t j = 0; j < chunk.tokens.size(); ++j, ++row) {
       float* x = b.x.data() + row * hidden;
-      if (embed_.empty()) {
-        lm_head_.CopyRow(chunk.tokens[j], x);
-      } else {
-        std::copy_n(embed_.data() + int64_t(chunk.tokens[j]) * hidden, hidden, x);
-      }
+      (c.tie_word_embeddings ? lm_head_ : embed_).CopyRow(chunk.tokens[j], x);
       if (!chunk.tree_parents.empty() && j > 0) depths[j] = depths[size_t(chunk.tree_parents[j])] + 1;
       b.positions.push_back(chunk.start_position + (chunk.tree_parents.empty() ? int64_t(j) : depths[j]));
     }

@@ -100,9 +100,10 @@ class LlamaCpu : public ModelExecutor {
   void ApplyRope(float* vec, int64_t num_heads, int64_t position) const;
 
   ModelConfig config_;
-  // Tied word embeddings are kept once, packed as the LM head: the lookup gathers a token's row
-  // from it (PackedWeights::CopyRow), and embed_ is empty.
-  std::vector<float> embed_;       // [vocab, hidden] or empty
+  // The embeddings are packed like a product's weights (bf16 stays bf16); the lookup gathers a
+  // token's row (PackedWeights::CopyRow). Tied ones are kept once, as the LM head, and embed_ is
+  // empty.
+  PackedWeights embed_;            // [vocab, hidden] or empty
   std::vector<float> final_norm_;  // [hidden]
   PackedWeights lm_head_;          // [vocab, hidden]
   std::vector<Layer> layers_;
