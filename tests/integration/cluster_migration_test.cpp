@@ -1,6 +1,7 @@
 // Request migration on a real cluster: a decode worker SIGKILLed while it streams, its requests
 // continue on the other decode worker (re-prefilled with their output so far) with no token lost
-// or repeated: greedy streams equal the reference, seeded ones the uninterrupted run. When no pair
+// or repeated: every stream equals an uninterrupted run of it (greedy ones begin with the
+// reference's tokens). When no pair
 // can take them, the clients get UNAVAILABLE saying so. Nothing stays reserved on the survivors.
 #include <signal.h>
 
@@ -112,14 +113,16 @@ struct Victim {
 // and returns it (killed at once, they move), or index -1. With `total`, also until all `total`
 // streams are on the decode workers (none still prefilling). With `progress`, also until no stream
 // still open has received more than `max_received` tokens, so that none of the victim's decoding
-// streams can finish between this look and the kill: each of them migrates. (A stream only
+// streams can finish between this look and the kill: each of them migrates; and until one has
+// received `min_received` or more (a re-prefill then carries that much output). (A stream only
 // reserved there, its KV not yet sent, is placed again rather than migrated.)
 Victim WaitForTwoStreamsOnADecodeWorker(LocalCluster& cluster, int total = 0, const Progress* progress = nullptr,
-                                        int max_received = 0) {
+                                        int max_received = 0, int min_received = 0) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   const auto young = [&] {
     return progress == nullptr ||
-           std::all_of(progress->begin(), progress->end(), [&](const std::atomic<int>& n) { return n <= max_received; });
+           (std::all_of(progress->begin(), progress->end(), [&](const std::atomic<int>& n) { return n <= max_received; }) &&
+            std::any_of(progress->begin(), progress->end(), [&](const std::atomic<int>& n) { return n >= min_received; }));
   };
   while (std::chrono::steady_clock::now() < deadline) {
     const std::vector<v1::WorkerStats> stats = cluster.DecodeStats();
@@ -173,17 +176,23 @@ bool SurvivorsIdle(LocalCluster& cluster, size_t decode_workers, size_t prefill_
 }
 
 // Four reference cases whose greedy continuations have top-2 logit margins of at least 0.09 over
-// all 128 reference tokens (float32 rounding, which differs between prefilled and decoded KV, is
-// far below that).
+// all 128 reference tokens.
 std::vector<size_t> WideMarginCases() { return {0, 4, 6, 7}; }
-constexpr int kTokens = 128;
-// A decode worker is killed while every open stream has at most this many tokens: 64 steps from
-// its end, however far the worker runs ahead of what the client has received (32 were too few once
-// a CPU decode step of two rows took ~1.5 ms: a victim's stream could end between the look and the
-// kill). The streams are as long as the reference allows so that two of them overlap on one decode
-// worker while young even when each prefill step takes as long as tens of decode steps (a slow or
-// busy machine: the prefill worker delivers the four prompts in two steps).
+constexpr int kReferenceTokens = 128;
+// Streams run past the reference: the CPU backend's logits are the same bits whatever the steps
+// that computed a sequence's KV (LlamaCpuTest), so a stream re-prefilled with its output on a
+// survivor continues exactly as an uninterrupted run of it, which is what a migrated stream is
+// compared with.
+constexpr int kTokens = 512;
+// A decode worker is killed while every open stream has at most this many tokens, so that the
+// victim's streams cannot end between that look and the kill, however far the worker runs ahead of
+// what the client has received. The streams are long so that two of them overlap on one decode
+// worker while young even when a prefill step takes as long as a hundred decode steps (a slow or
+// busy machine: the prefill worker delivers the four prompts in two steps, the first two streams
+// decoding meanwhile).
 constexpr int kYoungTokens = kTokens / 2;
+// ... and once one has this many: a re-prefill carries some output, not just the prompt.
+constexpr int kMinReceivedTokens = 32;
 // The victim's streams that moved: at least one. Every one it was decoding when chosen is the
 // intent, but one can still end there between that look and the kill on a machine that stalls the
 // test; the streams' tokens are what must hold whatever moved.
@@ -202,35 +211,68 @@ std::vector<v1::GenerateRequest> GreedyRequests(const json& ref, int max_tokens 
   return requests;
 }
 
-TEST(ClusterMigrationTest, GreedyStreamsOfAKilledDecodeWorkerEqualTheReference) {
-  LocalCluster cluster(MigrationCluster());
-  ASSERT_TRUE(cluster.ok()) << cluster.error();
-  const json ref = Reference();
-  const std::vector<v1::GenerateRequest> requests = GreedyRequests(ref);
+// The streams of `requests` when a decode worker holding two or more of them is SIGKILLed while
+// they are young. The cluster has run them once before (the prefill worker is warm).
+std::vector<Stream> RunKillingADecodeWorker(LocalCluster& cluster, const std::vector<v1::GenerateRequest>& requests,
+                                            Victim* victim) {
   Progress progress(requests.size());
   std::vector<std::future<Stream>> streams = StartStreams(cluster, requests, &progress);
-  const Victim victim = WaitForTwoStreamsOnADecodeWorker(cluster, 0, &progress, kYoungTokens);
-  ASSERT_GE(victim.index, 0);
-  cluster.decode_process(victim.index).Signal(SIGKILL);
-  const std::vector<Stream> done = Collect(streams);
-  for (size_t k = 0; k < done.size(); ++k) {
-    const json& c = ref["cases"][WideMarginCases()[k]];
-    const Stream& s = done[k];
-    ASSERT_TRUE(s.status.ok()) << "case " << WideMarginCases()[k] << ": " << s.status.error_message();
-    const std::vector<int32_t> greedy = c["greedy_ids"].get<std::vector<int32_t>>();
-    EXPECT_EQ(s.token_ids, std::vector<int32_t>(greedy.begin(), greedy.begin() + kTokens))
-        << "case " << WideMarginCases()[k];
-    EXPECT_EQ(c["greedy_text"].get<std::string>().rfind(s.text, 0), 0u) << "case " << WideMarginCases()[k];
-    EXPECT_EQ(s.finish_reason, "length");
-    EXPECT_EQ(s.messages_with_prompt, 1);
-    EXPECT_EQ(s.prompt_token_ids, c["prompt_ids"].get<std::vector<int32_t>>());
-    EXPECT_EQ(s.prompt_tokens, int32_t(c["prompt_ids"].size()));
-    EXPECT_EQ(s.completion_tokens, kTokens);
+  *victim = WaitForTwoStreamsOnADecodeWorker(cluster, 0, &progress, kYoungTokens, kMinReceivedTokens);
+  if (victim->index >= 0) cluster.decode_process(victim->index).Signal(SIGKILL);
+  return Collect(streams);
+}
+
+// Each migrated stream is what the client saw of the uninterrupted run, and the router counted
+// the migrations.
+void ExpectSameStreams(LocalCluster& cluster, const std::vector<Stream>& uninterrupted,
+                       const std::vector<Stream>& migrated, const Victim& victim) {
+  ASSERT_EQ(migrated.size(), uninterrupted.size());
+  for (size_t i = 0; i < migrated.size(); ++i) {
+    const Stream& want = uninterrupted[i];
+    const Stream& got = migrated[i];
+    ASSERT_TRUE(want.status.ok()) << i << ": " << want.status.error_message();
+    ASSERT_TRUE(got.status.ok()) << i << ": " << got.status.error_message();
+    EXPECT_EQ(got.token_ids, want.token_ids) << i;
+    EXPECT_EQ(got.text, want.text) << i;
+    EXPECT_EQ(got.finish_reason, want.finish_reason) << i;
+    EXPECT_EQ(got.logprobs, want.logprobs) << i;
+    EXPECT_EQ(got.messages_with_prompt, 1) << i;
+    EXPECT_EQ(got.prompt_token_ids, want.prompt_token_ids) << i;
+    EXPECT_EQ(got.prompt_tokens, want.prompt_tokens) << i;
+    EXPECT_EQ(got.completion_tokens, int32_t(want.token_ids.size())) << i;
   }
   EXPECT_GE(Migrations(cluster, "success"), kMinMigrated) << "the victim was decoding " << victim.running;
   EXPECT_EQ(Migrations(cluster, "failure"), 0);
   std::string detail;
   EXPECT_TRUE(SurvivorsIdle(cluster, 1, 1, &detail)) << detail;
+}
+
+TEST(ClusterMigrationTest, GreedyStreamsOfAKilledDecodeWorkerEqualTheReference) {
+  LocalCluster cluster(MigrationCluster());
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const json ref = Reference();
+  const std::vector<v1::GenerateRequest> requests = GreedyRequests(ref);
+  std::vector<std::future<Stream>> first = StartStreams(cluster, requests);
+  const std::vector<Stream> uninterrupted = Collect(first);
+  ASSERT_EQ(Migrations(cluster, "success"), 0);
+  for (size_t k = 0; k < uninterrupted.size(); ++k) {
+    const json& c = ref["cases"][WideMarginCases()[k]];
+    const Stream& s = uninterrupted[k];
+    ASSERT_TRUE(s.status.ok()) << "case " << WideMarginCases()[k] << ": " << s.status.error_message();
+    const std::vector<int32_t> greedy = c["greedy_ids"].get<std::vector<int32_t>>();
+    ASSERT_GE(greedy.size(), size_t(kReferenceTokens));
+    ASSERT_EQ(s.token_ids.size(), size_t(kTokens));
+    EXPECT_EQ(std::vector<int32_t>(s.token_ids.begin(), s.token_ids.begin() + kReferenceTokens),
+              std::vector<int32_t>(greedy.begin(), greedy.begin() + kReferenceTokens))
+        << "case " << WideMarginCases()[k];
+    EXPECT_EQ(s.finish_reason, "length");
+    EXPECT_EQ(s.prompt_token_ids, c["prompt_ids"].get<std::vector<int32_t>>());
+    EXPECT_EQ(s.prompt_tokens, int32_t(c["prompt_ids"].size()));
+  }
+  Victim victim;
+  const std::vector<Stream> migrated = RunKillingADecodeWorker(cluster, requests, &victim);
+  ASSERT_GE(victim.index, 0);
+  ExpectSameStreams(cluster, uninterrupted, migrated, victim);
 }
 
 std::vector<v1::GenerateRequest> SampledRequests() {
@@ -262,29 +304,10 @@ TEST(ClusterMigrationTest, SeededStreamsOfAKilledDecodeWorkerEqualTheUninterrupt
   std::vector<std::future<Stream>> first = StartStreams(cluster, requests);
   const std::vector<Stream> uninterrupted = Collect(first);
   ASSERT_EQ(Migrations(cluster, "success"), 0);
-  Progress progress(requests.size());
-  std::vector<std::future<Stream>> second = StartStreams(cluster, requests, &progress);
-  const Victim victim = WaitForTwoStreamsOnADecodeWorker(cluster, 0, &progress, kYoungTokens);
+  Victim victim;
+  const std::vector<Stream> migrated = RunKillingADecodeWorker(cluster, requests, &victim);
   ASSERT_GE(victim.index, 0);
-  cluster.decode_process(victim.index).Signal(SIGKILL);
-  const std::vector<Stream> migrated = Collect(second);
-  for (size_t i = 0; i < requests.size(); ++i) {
-    const Stream& want = uninterrupted[i];
-    const Stream& got = migrated[i];
-    ASSERT_TRUE(want.status.ok()) << i << ": " << want.status.error_message();
-    ASSERT_TRUE(got.status.ok()) << i << ": " << got.status.error_message();
-    EXPECT_EQ(got.token_ids, want.token_ids) << i;
-    EXPECT_EQ(got.text, want.text) << i;
-    EXPECT_EQ(got.finish_reason, want.finish_reason) << i;
-    EXPECT_EQ(got.logprobs, want.logprobs) << i;
-    EXPECT_EQ(got.messages_with_prompt, 1) << i;
-    EXPECT_EQ(got.prompt_tokens, want.prompt_tokens) << i;
-    EXPECT_EQ(got.completion_tokens, int32_t(want.token_ids.size())) << i;
-  }
-  EXPECT_GE(Migrations(cluster, "success"), kMinMigrated) << "the victim was decoding " << victim.running;
-  EXPECT_EQ(Migrations(cluster, "failure"), 0);
-  std::string detail;
-  EXPECT_TRUE(SurvivorsIdle(cluster, 1, 1, &detail)) << detail;
+  ExpectSameStreams(cluster, uninterrupted, migrated, victim);
 }
 
 // The prefill worker dies first: the streams of the decode worker killed next find no pair to
