@@ -1,8 +1,8 @@
 // Request migration on a real cluster: a decode worker SIGKILLed while it streams, its requests
 // continue on the other decode worker (re-prefilled with their output so far) with no token lost
 // or repeated: every stream equals an uninterrupted run of it (greedy ones begin with the
-// reference's tokens). When no pair
-// can take them, the clients get UNAVAILABLE saying so. Nothing stays reserved on the survivors.
+// reference's tokens). When no pair can take them, the clients get UNAVAILABLE saying so. Nothing
+// stays reserved on the survivors.
 #include <signal.h>
 
 #include <algorithm>
@@ -119,7 +119,7 @@ struct Victim {
 Victim WaitForTwoStreamsOnADecodeWorker(LocalCluster& cluster, int total = 0, const Progress* progress = nullptr,
                                         int max_received = 0, int min_received = 0) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  const auto young = [&] {
+  const auto ages_fit = [&] {
     return progress == nullptr ||
            (std::all_of(progress->begin(), progress->end(), [&](const std::atomic<int>& n) { return n <= max_received; }) &&
             std::any_of(progress->begin(), progress->end(), [&](const std::atomic<int>& n) { return n >= min_received; }));
@@ -131,7 +131,7 @@ Victim WaitForTwoStreamsOnADecodeWorker(LocalCluster& cluster, int total = 0, co
       const int on_one = stats[1].num_requests_running() + stats[1].num_requests_waiting();
       const int index = on_zero >= on_one ? 0 : 1;
       const int running = stats[size_t(index)].num_requests_running();
-      if ((total == 0 || on_zero + on_one == total) && std::max(on_zero, on_one) >= 2 && running >= 1 && young()) {
+      if ((total == 0 || on_zero + on_one == total) && std::max(on_zero, on_one) >= 2 && running >= 1 && ages_fit()) {
         return Victim{index, running};
       }
     }
